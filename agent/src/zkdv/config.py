@@ -1,0 +1,167 @@
+"""Shared ZKDV configuration: sampling policy, float tolerance, run configuration."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["FloatTolerance", "SamplingPolicy", "ZKDVConfig"]
+
+STATE_CHECK_SENTINEL = -1.0
+DEFAULT_CHUNK_BYTES = 64 * 1024
+
+STATE_CHECK_DEPRECATED = (
+    "SamplingPolicy(state_check_probability=...) is deprecated and has no separate "
+    "effect: every sampled check covers one update coordinate and one optimizer-state "
+    "coordinate. Configure update_check_probability instead."
+)
+
+
+def _probability(name: str, value: float) -> float:
+    value = float(value)
+    if not math.isfinite(value) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name}={value!r} must be a probability in [0, 1]")
+    return value
+
+
+@dataclass(frozen=True)
+class SamplingPolicy:
+    """Configure transcript-derived update sampling.
+
+    The decision for step ``t`` and the challenged coordinates derive from the hash of
+    step ``t``'s record (Fiat-Shamir), so a verifier recomputes every decision.
+
+    Args:
+        update_check_probability: probability that a step is re-executed and checked.
+        state_check_probability: kept for backwards compatibility and should not be
+            configured; its only meaningful value is the sentinel ``-1.0``. Any other
+            value is accepted with a ``DeprecationWarning`` (the README quick start
+            passes one) and is used as the update probability only when
+            ``update_check_probability`` is not given.
+    """
+
+    update_check_probability: float | None = None
+    state_check_probability: float = STATE_CHECK_SENTINEL
+    check_every: int | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        update = self.update_check_probability
+        if self.state_check_probability != STATE_CHECK_SENTINEL:
+            state = _probability("state_check_probability", self.state_check_probability)
+            warnings.warn(STATE_CHECK_DEPRECATED, DeprecationWarning, stacklevel=3)
+            if update is None:
+                update = state
+        object.__setattr__(
+            self,
+            "update_check_probability",
+            _probability("update_check_probability", 0.01 if update is None else update),
+        )
+        if self.check_every is not None and (
+            isinstance(self.check_every, bool) or int(self.check_every) < 1
+        ):
+            raise ValueError(f"DEBUGCheckEvery(n) needs n >= 1, got {self.check_every!r}")
+
+    @classmethod
+    def DEBUGCheckEvery(cls, n: int) -> SamplingPolicy:  # noqa: N802 - documented public name
+        """Check every ``n``-th step (steps 0, n, 2n, ...): deterministic, for tests."""
+        return cls(update_check_probability=0.0, check_every=int(n))
+
+    @property
+    def probability(self) -> float:
+        assert self.update_check_probability is not None
+        return self.update_check_probability
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.check_every is not None:
+            return {"kind": "every", "n": int(self.check_every)}
+        return {"kind": "bernoulli", "p": self.probability}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingPolicy:
+        if data.get("kind") == "every":
+            return cls.DEBUGCheckEvery(int(data["n"]))
+        if data.get("kind") == "bernoulli":
+            return cls(update_check_probability=float(data["p"]))
+        raise ValueError(f"unknown sampling policy {data!r}")
+
+
+@dataclass(frozen=True)
+class FloatTolerance:
+    """How far a replayed float may be from the committed one: ``|a - b| <= abs + rel*|b|``.
+
+    Compiled code is never bitwise equal to eager code, and results change with the
+    number of CPU threads, so replays compare within this tolerance. Exact-bit claims
+    hold only for the same artifact on the same thread count.
+    """
+
+    absolute: float = 1e-6
+    relative: float = 1e-3
+
+    def __post_init__(self) -> None:
+        for name in ("absolute", "relative"):
+            value = float(getattr(self, name))
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"FloatTolerance {name}={value!r} must be finite and >= 0")
+            object.__setattr__(self, name, value)
+
+    def close(self, replayed: float, committed: float) -> bool:
+        if math.isnan(replayed) or math.isnan(committed):
+            return math.isnan(replayed) and math.isnan(committed)
+        if math.isinf(replayed) or math.isinf(committed):
+            return replayed == committed
+        return abs(replayed - committed) <= self.absolute + self.relative * abs(committed)
+
+    def to_dict(self) -> dict[str, float]:
+        return {"abs": self.absolute, "rel": self.relative}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FloatTolerance:
+        return cls(absolute=float(data["abs"]), relative=float(data["rel"]))
+
+
+@dataclass(frozen=True)
+class ZKDVConfig:
+    """Run configuration shared by both frontends.
+
+    Args:
+        name: a label for the run, recorded in the root record.
+        sampling_policy: which steps are re-executed and checked.
+        tolerance: how replayed floats are compared with committed ones.
+        chunk_bytes: size of a Merkle leaf chunk; one coordinate is opened by
+            disclosing one chunk and a logarithmic path.
+    """
+
+    name: str = "default"
+    sampling_policy: SamplingPolicy = field(default_factory=SamplingPolicy)
+    tolerance: FloatTolerance = field(default_factory=FloatTolerance)
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"ZKDVConfig name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.sampling_policy, SamplingPolicy):
+            raise TypeError("ZKDVConfig sampling_policy must be a zkdv.SamplingPolicy")
+        if not isinstance(self.tolerance, FloatTolerance):
+            raise TypeError("ZKDVConfig tolerance must be a zkdv.FloatTolerance")
+        chunk = self.chunk_bytes
+        if chunk < 64 or chunk & (chunk - 1):
+            raise ValueError(f"ZKDVConfig chunk_bytes={chunk} must be a power of two >= 64")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "sampling": self.sampling_policy.to_dict(),
+            "tolerance": self.tolerance.to_dict(),
+            "chunk_bytes": self.chunk_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ZKDVConfig:
+        return cls(
+            name=str(data["name"]),
+            sampling_policy=SamplingPolicy.from_dict(data["sampling"]),
+            tolerance=FloatTolerance.from_dict(data["tolerance"]),
+            chunk_bytes=int(data["chunk_bytes"]),
+        )

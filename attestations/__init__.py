@@ -1,0 +1,1 @@
+"""The DVBench Django app: experiments, uploads, transcripts, jobs, certificates, the log."""

@@ -1,0 +1,239 @@
+"""DVBench platform settings, read from the environment.
+
+With nothing set, the platform runs on embedded defaults: SQLite and local files under
+``DVBENCH_DATA_DIR`` and Celery tasks executed in-process. With ``DATABASE_URL`` and
+``REDIS_URL`` set it runs on PostgreSQL with a Redis broker and real Celery workers.
+Every variable is documented in the README's configuration reference; a value that
+cannot be understood raises ``ImproperlyConfigured`` naming the variable.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+from django.core.exceptions import ImproperlyConfigured
+
+from config.env import (
+    check_redis_url,
+    envbool,
+    envfloat,
+    envint,
+    envlist,
+    envstr,
+    parse_database_url,
+)
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+DATA_DIR = Path(envstr("DVBENCH_DATA_DIR", str(BASE_DIR / ".data"))).resolve()
+DATA_DIR.mkdir(parents=True, exist_ok=True)
+
+
+def _secret_key() -> str:
+    configured = envstr("DJANGO_SECRET_KEY")
+    if configured:
+        if len(configured) < 32:
+            raise ImproperlyConfigured("DJANGO_SECRET_KEY must be at least 32 characters")
+        return configured
+    # Embedded default: a key generated once and kept, user-readable only, beside the
+    # data it protects. It never lives in the repository.
+    path = DATA_DIR / "secret_key"
+    if not path.exists():
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(secrets.token_urlsafe(50))
+    return path.read_text().strip()
+
+
+SECRET_KEY = _secret_key()
+DEBUG = envbool("DJANGO_DEBUG", False)
+ALLOWED_HOSTS = envlist("DJANGO_ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
+CSRF_TRUSTED_ORIGINS = envlist("DJANGO_CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "attestations",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "config.urls"
+WSGI_APPLICATION = "config.wsgi.application"
+ASGI_APPLICATION = "config.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# --- Database -------------------------------------------------------------------------
+_database_url = envstr("DATABASE_URL")
+if _database_url:
+    DATABASES = {"default": parse_database_url("DATABASE_URL", _database_url).as_django()}
+else:
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": DATA_DIR / "db.sqlite3",
+            # The in-process task runner and the web server share the file.
+            "OPTIONS": {"timeout": 20, "transaction_mode": "IMMEDIATE"},
+        }
+    }
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- Celery ---------------------------------------------------------------------------
+_redis_url = envstr("REDIS_URL")
+if _redis_url:
+    check_redis_url("REDIS_URL", _redis_url)
+CELERY_BROKER_URL = _redis_url or "memory://"
+CELERY_RESULT_BACKEND = _redis_url or "cache+memory://"
+# Without a broker every task runs in the calling process, so the embedded demo needs
+# no worker. DVBENCH_EAGER_TASKS=0 forces a worker even then (for tests of the worker).
+CELERY_TASK_ALWAYS_EAGER = envbool("DVBENCH_EAGER_TASKS", not _redis_url)
+CELERY_TASK_EAGER_PROPAGATES = True
+# The longest job is a replay; the broker must not redeliver a message to a second
+# worker while the first still holds it, so the visibility timeout exceeds the hard limit.
+CELERY_TASK_TIME_LIMIT = envint("DVBENCH_TASK_TIME_LIMIT", 3600, minimum=10)
+CELERY_TASK_SOFT_TIME_LIMIT = max(5, CELERY_TASK_TIME_LIMIT - 60)
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": CELERY_TASK_TIME_LIMIT * 2}
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_ACKS_LATE = False  # opted into per task, only where the task is idempotent
+CELERY_TASK_REJECT_ON_WORKER_LOST = False
+CELERY_TASK_DEFAULT_QUEUE = "ingest"
+CELERY_TASK_ROUTES = {"attestations.tasks.replay_*": {"queue": "replay"}}
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_RESULT_EXPIRES = 24 * 3600
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+
+# --- Storage --------------------------------------------------------------------------
+MEDIA_ROOT = DATA_DIR / "media"
+MEDIA_URL = "/media/"
+STATIC_ROOT = DATA_DIR / "static"
+STATIC_URL = "/static/"
+STATICFILES_DIRS = [BASE_DIR / "attestations" / "static"] if (BASE_DIR / "attestations" / "static").exists() else []
+
+_s3_bucket = envstr("DVBENCH_S3_BUCKET")
+if _s3_bucket:
+    _default_storage: dict[str, object] = {
+        "BACKEND": "storages.backends.s3.S3Storage",
+        "OPTIONS": {
+            "bucket_name": _s3_bucket,
+            "endpoint_url": envstr("DVBENCH_S3_ENDPOINT_URL") or None,
+            "region_name": envstr("DVBENCH_S3_REGION") or None,
+            "default_acl": None,
+            "file_overwrite": False,
+        },
+    }
+else:
+    _default_storage = {
+        "BACKEND": "django.core.files.storage.FileSystemStorage",
+        "OPTIONS": {"location": str(MEDIA_ROOT), "file_permissions_mode": 0o600},
+    }
+STORAGES = {
+    "default": _default_storage,
+    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
+}
+WHITENOISE_USE_FINDERS = True
+
+# --- DVBench --------------------------------------------------------------------------
+DVBENCH = {
+    "DATA_DIR": DATA_DIR,
+    "MAX_BLOB_BYTES": envint("DVBENCH_MAX_BLOB_BYTES", 8 * 1024**3, minimum=1024),
+    "MAX_PART_BYTES": envint("DVBENCH_MAX_PART_BYTES", 64 * 1024**2, minimum=1024),
+    "UPLOAD_TTL_SECONDS": envint("DVBENCH_UPLOAD_TTL_SECONDS", 7 * 24 * 3600, minimum=60),
+    "API_KEY_TTL_DAYS": envint("DVBENCH_API_KEY_TTL_DAYS", 90, minimum=1),
+    "SIGNING_KEY_FILE": envstr("DVBENCH_SIGNING_KEY_FILE"),
+    "SIGNING_KEY": envstr("DVBENCH_SIGNING_KEY"),
+    "DETECTION_TARGET": envfloat("DVBENCH_DETECTION_TARGET", 0.95, minimum=0.0),
+    "FORGED_FRACTION": envfloat("DVBENCH_FORGED_FRACTION", 0.01, minimum=0.0),
+    "CHALLENGE_TTL_SECONDS": envint("DVBENCH_CHALLENGE_TTL_SECONDS", 24 * 3600, minimum=60),
+}
+# Request bodies (upload parts) are streamed, but Django still caps what it will read
+# into memory for ordinary forms.
+DATA_UPLOAD_MAX_MEMORY_SIZE = DVBENCH["MAX_PART_BYTES"] + 1024 * 1024  # type: ignore[operator]
+FILE_UPLOAD_MAX_MEMORY_SIZE = 2 * 1024 * 1024
+
+# --- Auth, API ------------------------------------------------------------------------
+LOGIN_URL = "/login/"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/login/"
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.CursorPagination",
+    "PAGE_SIZE": 50,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "DVBench API",
+    "DESCRIPTION": "Verifiable-training transcripts, replay challenges and signed attestations.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+}
+
+# --- Security -------------------------------------------------------------------------
+_secure = envbool("DVBENCH_SECURE_COOKIES", False)
+SESSION_COOKIE_SECURE = _secure
+CSRF_COOKIE_SECURE = _secure
+SESSION_COOKIE_HTTPONLY = True
+SESSION_COOKIE_SAMESITE = "Lax"
+CSRF_COOKIE_SAMESITE = "Lax"
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+SECURE_CROSS_ORIGIN_OPENER_POLICY = "same-origin"
+X_FRAME_OPTIONS = "DENY"
+SECURE_SSL_REDIRECT = envbool("DVBENCH_SSL_REDIRECT", False)
+SECURE_HSTS_SECONDS = envint("DVBENCH_HSTS_SECONDS", 0, minimum=0)
+if envbool("DVBENCH_BEHIND_PROXY", False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": envstr("DVBENCH_LOG_LEVEL", "INFO")},
+    "loggers": {"django.db.backends": {"level": "WARNING"}},
+}
