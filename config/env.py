@@ -30,7 +30,9 @@ def envbool(name: str, default: bool) -> bool:
         return True
     if value in _FALSE:
         return False
-    raise ImproperlyConfigured(f"{name}={raw!r} is not a boolean; use one of 1/0, true/false, yes/no")
+    raise ImproperlyConfigured(
+        f"{name}={raw!r} is not a boolean; use one of 1/0, true/false, yes/no"
+    )
 
 
 def envint(name: str, default: int, *, minimum: int | None = None) -> int:
@@ -129,5 +131,7 @@ def parse_database_url(name: str, raw: str) -> DatabaseURL:
 def check_redis_url(name: str, raw: str) -> str:
     parts = urlsplit(raw)
     if parts.scheme not in {"redis", "rediss", "unix"}:
-        raise ImproperlyConfigured(f"{name} must be a redis:// or rediss:// URL (got {parts.scheme!r})")
+        raise ImproperlyConfigured(
+            f"{name} must be a redis:// or rediss:// URL (got {parts.scheme!r})"
+        )
     return raw

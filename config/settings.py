@@ -140,7 +140,11 @@ MEDIA_ROOT = DATA_DIR / "media"
 MEDIA_URL = "/media/"
 STATIC_ROOT = DATA_DIR / "static"
 STATIC_URL = "/static/"
-STATICFILES_DIRS = [BASE_DIR / "attestations" / "static"] if (BASE_DIR / "attestations" / "static").exists() else []
+STATICFILES_DIRS = (
+    [BASE_DIR / "attestations" / "static"]
+    if (BASE_DIR / "attestations" / "static").exists()
+    else []
+)
 
 _s3_bucket = envstr("DVBENCH_S3_BUCKET")
 if _s3_bucket:
