@@ -1,0 +1,321 @@
+"""The tape owner: one transcript's commitments, written in order, framework-free.
+
+Frontends hand :class:`ZKDVCore` host (numpy) views of states and batches; it computes
+the commitments, writes the records and decides sampled checks. It is used from the
+pipeline's single commit thread for steps, and from the check thread for check
+records, so appends are serialised by a lock.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from zkdv.batch import as_batch, commit_batch, validate_window
+from zkdv.config import ZKDVConfig
+from zkdv.hashing import Domain, hash_bytes
+from zkdv.merkle import LeafSpec, StateCommitment, commit_state
+from zkdv.probes import ProbeSet
+from zkdv.records import PROTOCOL_VERSION, TranscriptWriter
+from zkdv.sampling import Challenge, decide
+
+__all__ = ["ProgramInfo", "StateRoots", "StepResult", "ZKDVCore", "file_digest"]
+
+Leaves = Sequence[tuple[str, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class StateRoots:
+    params: bytes
+    opt_state: bytes
+    buffers: bytes
+
+    def to_record(self) -> dict[str, bytes]:
+        return {"p": self.params, "o": self.opt_state, "b": self.buffers}
+
+
+@dataclass(frozen=True)
+class ProgramInfo:
+    """The attested program artifact: its kind, exact bytes' digest and size."""
+
+    kind: str
+    digest: bytes
+    size: int
+
+    @classmethod
+    def of(cls, kind: str, material: bytes | bytearray | memoryview) -> ProgramInfo:
+        return cls(kind, hash_bytes(Domain.FILE, material), len(material))
+
+    def to_record(self) -> dict[str, Any]:
+        return {"kind": self.kind, "digest": self.digest, "bytes": self.size}
+
+
+@dataclass(frozen=True)
+class StepResult:
+    record_hash: bytes
+    roots: StateRoots
+    challenge: Challenge | None
+    params: StateCommitment
+    opt_state: StateCommitment
+
+
+def file_digest(data: bytes | bytearray | memoryview) -> bytes:
+    return hash_bytes(Domain.FILE, data)
+
+
+def environment(backend: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "numpy": np.__version__,
+        "platform": sys.platform,
+        "cpu_count": os.cpu_count() or 1,
+        "backend": backend,
+    }
+    if extra:
+        env.update(extra)
+    return env
+
+
+class ZKDVCore:
+    """Own one transcript and its commitments.
+
+    Args:
+        path: proof directory.
+        config: run configuration.
+        prover: ``"whitebox-jax"`` or ``"whitebox-torch"``.
+        rolling_window: words per rolling-hash window of a batch row.
+        probe_ratio: fraction of each parameter leaf's last dimension kept by probes.
+        snapshot_interval: steps between replay snapshots.
+        max_in_flight: pipeline admission bound (recorded for the verifier's context).
+        experiment: ``{"name": "owner/name", "spec_digest": hex}`` when bound to DVBench.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        config: ZKDVConfig,
+        *,
+        prover: str,
+        rolling_window: int,
+        probe_ratio: float,
+        snapshot_interval: int,
+        max_in_flight: int,
+        experiment: dict[str, str] | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.config = config
+        self.prover = prover
+        self.rolling_window = rolling_window
+        self.probe_ratio = probe_ratio
+        self.snapshot_interval = snapshot_interval
+        self.max_in_flight = max_in_flight
+        self.experiment = experiment
+        self._writer: TranscriptWriter | None = None
+        self._lock = threading.Lock()
+        self.probes: ProbeSet | None = None
+        self.param_specs: tuple[LeafSpec, ...] = ()
+        self.state_specs: tuple[LeafSpec, ...] = ()
+        self.param_count = 0
+        self.state_count = 0
+        self.steps = 0
+        self.checks = 0
+        self.last_roots: StateRoots | None = None
+        self.batch_cols = 0
+        self.digest: bytes | None = None
+
+    @property
+    def opened(self) -> bool:
+        return self._writer is not None
+
+    def commit(self, leaves: Leaves, *, parallel: bool = True) -> StateCommitment:
+        return commit_state(leaves, self.config.chunk_bytes, parallel=parallel)
+
+    def open(
+        self,
+        *,
+        params: Leaves,
+        opt_state: Leaves,
+        buffers: Leaves,
+        batch_cols: int,
+        program: ProgramInfo | None,
+        env: dict[str, Any] | None = None,
+        shardings: dict[str, Any] | None = None,
+    ) -> StateRoots:
+        """Write the root record, committing to the initial state."""
+        if self._writer is not None:
+            raise RuntimeError("the transcript root is already written")
+        validate_window(self.rolling_window, batch_cols)
+        self.batch_cols = batch_cols
+        committed = [self.commit(leaves) for leaves in (params, opt_state, buffers)]
+        roots = StateRoots(*(c.root for c in committed))
+        self.param_specs, self.state_specs = committed[0].specs, committed[1].specs
+        self.param_count, self.state_count = committed[0].size, committed[1].size
+        probe_seed = secrets.token_bytes(16)
+        self.probes = ProbeSet.create(self.param_specs, self.probe_ratio, probe_seed)
+        schema: dict[str, Any] = {
+            "params": [s.to_dict() for s in committed[0].specs],
+            "opt_state": [s.to_dict() for s in committed[1].specs],
+            "buffers": [s.to_dict() for s in committed[2].specs],
+            "batch": {"cols": batch_cols, "dtype": "uint32"},
+        }
+        if shardings:
+            schema["sharding"] = shardings
+        root = {
+            "t": "root",
+            "v": PROTOCOL_VERSION,
+            "prover": self.prover,
+            "config": {
+                **self.config.to_dict(),
+                "rolling_window": self.rolling_window,
+                "probe_ratio": self.probe_ratio,
+                "snapshot_interval": self.snapshot_interval,
+                "max_in_flight": self.max_in_flight,
+            },
+            "program": program.to_record() if program else None,
+            "schema": schema,
+            "initial": roots.to_record(),
+            "env": environment(self.prover, env),
+            "experiment": self.experiment,
+            "probe_seed": probe_seed,
+            "created": time.time(),
+        }
+        self._writer = TranscriptWriter(self.path)
+        with self._lock:
+            self._writer.append(root, sync=True)
+        self.last_roots = roots
+        return roots
+
+    def commit_step(
+        self,
+        step: int,
+        *,
+        batch: Any,
+        params: Leaves,
+        opt_state: Leaves,
+        buffers: Leaves,
+        probes: tuple[Sequence[np.ndarray], Sequence[np.ndarray], Sequence[np.ndarray]] | None,
+        tokens: int | None = None,
+        flops: float | None = None,
+        started: float | None = None,
+    ) -> StepResult:
+        """Commit one step's batch and post-update state; decide its sampled check.
+
+        Args:
+            probes: ``(pre, post, delta)`` probe arrays per parameter leaf, or None.
+        """
+        writer = self._require_open()
+        if step != self.steps:
+            raise RuntimeError(f"steps must be committed in order: expected {self.steps}, got {step}")
+        array = as_batch(batch)
+        if array.shape[1] != self.batch_cols:
+            raise ValueError(
+                f"step {step} batch has {array.shape[1]} uint32 columns; the first step fixed "
+                f"{self.batch_cols} (the batch representation must stay compatible)"
+            )
+        batch_commitment = commit_batch(array, self.rolling_window)
+        committed = [self.commit(leaves) for leaves in (params, opt_state, buffers)]
+        roots = StateRoots(*(c.root for c in committed))
+        record: dict[str, Any] = {
+            "t": "step",
+            "i": step,
+            "batch": batch_commitment.to_record(),
+            "post": roots.to_record(),
+            "probe": None,
+            "tokens": int(array.size if tokens is None else tokens),
+            "flops": None if flops is None else float(flops),
+            "time": [float(started or time.time()), time.time()],
+        }
+        with self._lock:
+            if probes is not None:
+                packed = np.concatenate(
+                    [np.concatenate([np.asarray(p, dtype="<f4").reshape(-1) for p in part]) for part in probes]
+                )
+                record["probe"] = writer.append_probes(memoryview(packed.view(np.uint8)))
+            record_hash = writer.append(record)
+        self.steps += 1
+        self.last_roots = roots
+        challenge = decide(
+            self.config.sampling_policy,
+            step,
+            record_hash,
+            param_count=self.param_count,
+            state_count=self.state_count,
+        )
+        return StepResult(record_hash, roots, challenge, committed[0], committed[1])
+
+    def record_check(
+        self,
+        challenge: Challenge,
+        *,
+        committed_delta: float,
+        replayed_delta: float,
+        committed_state: float,
+        replayed_state: float,
+        replay_from: int,
+        replayed_steps: int,
+    ) -> bool:
+        """Write a check record; returns whether both coordinates are within tolerance."""
+        writer = self._require_open()
+        tol = self.config.tolerance
+        ok = tol.close(float(replayed_delta), float(committed_delta)) and tol.close(
+            float(replayed_state), float(committed_state)
+        )
+        record = {
+            "t": "check",
+            "i": challenge.step,
+            "param": {
+                "index": challenge.param_index,
+                "committed": float(committed_delta),
+                "replayed": float(replayed_delta),
+            },
+            "state": {
+                "index": challenge.state_index,
+                "committed": float(committed_state),
+                "replayed": float(replayed_state),
+            },
+            "from": int(replay_from),
+            "replayed": int(replayed_steps),
+            "ok": bool(ok),
+        }
+        with self._lock:
+            writer.append(record, sync=True)
+            self.checks += 1
+        return ok
+
+    def record_snapshot(self, step: int, roots: StateRoots, files: dict[str, bytes | bytearray]) -> None:
+        """Commit the pre-state of ``step`` and the files kept for the platform."""
+        writer = self._require_open()
+        entries = {name: {"digest": file_digest(data), "bytes": len(data)} for name, data in files.items()}
+        with self._lock:
+            writer.append({"t": "snap", "i": step, "roots": roots.to_record(), "files": entries}, sync=True)
+
+    def close(self) -> bytes:
+        """Write the close record; returns the transcript digest."""
+        writer = self._require_open()
+        assert self.last_roots is not None
+        with self._lock:
+            self.digest = writer.append(
+                {"t": "close", "steps": self.steps, "checks": self.checks, "final": self.last_roots.to_record()},
+                sync=True,
+            )
+            writer.close()
+        return self.digest
+
+    def abort(self) -> None:
+        """Release the file without a close record (the transcript stays incomplete)."""
+        if self._writer is not None:
+            self._writer.close()
+
+    def _require_open(self) -> TranscriptWriter:
+        if self._writer is None:
+            raise RuntimeError("the transcript root has not been written yet")
+        return self._writer

@@ -1,0 +1,81 @@
+"""Seeded orthonormal probes: small linear projections of every parameter leaf.
+
+Per parameter leaf of last dimension ``d``, the probe matrix ``Q`` is a ``(d, k)``
+matrix with orthonormal columns, ``k = max(1, ceil(probe_ratio * d))``, drawn from a
+Gaussian seeded by the run's probe seed and the leaf's path and orthonormalised by QR.
+The probe of a leaf ``W`` (viewed as ``(rows, d)``) is ``W @ Q``.
+
+Probes are linear, so ``probe(pre) + probe(delta) == probe(post)`` and
+``probe(post_t) == probe(pre_{t+1})`` hold up to float error. They let a replay on
+different hardware be compared within a tolerance where exact hashes cannot match.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from zkdv.hashing import Domain, hash_bytes
+from zkdv.merkle import LeafSpec
+
+__all__ = ["ProbeSet", "probe_columns"]
+
+
+def probe_columns(last_dim: int, probe_ratio: float) -> int:
+    if not 0.0 < probe_ratio <= 1.0:
+        raise ValueError(f"probe_ratio={probe_ratio!r} must be in (0, 1]")
+    return max(1, math.ceil(probe_ratio * last_dim))
+
+
+def _leaf_dims(spec: LeafSpec) -> tuple[int, int]:
+    if len(spec.shape) == 0:
+        return 1, 1
+    last = spec.shape[-1]
+    return (spec.size // last if last else 0), last
+
+
+@dataclass
+class ProbeSet:
+    """The probe matrices of one run, one per parameter leaf (computed once, reused)."""
+
+    specs: tuple[LeafSpec, ...]
+    probe_ratio: float
+    seed: bytes
+    matrices: tuple[np.ndarray, ...]
+
+    @classmethod
+    def create(cls, specs: Sequence[LeafSpec], probe_ratio: float, seed: bytes) -> ProbeSet:
+        matrices = []
+        for spec in specs:
+            _, d = _leaf_dims(spec)
+            k = probe_columns(max(d, 1), probe_ratio)
+            digest = hash_bytes(Domain.PROBE, seed, spec.header(), length=32)
+            rng = np.random.Generator(np.random.PCG64(int.from_bytes(digest, "little")))
+            if d == 0:
+                matrices.append(np.zeros((0, k), dtype=np.float32))
+                continue
+            gaussian = rng.standard_normal((d, min(k, d)))
+            q, r = np.linalg.qr(gaussian)
+            # Fix QR's sign ambiguity so the matrix is a function of the seed alone.
+            q *= np.sign(np.diag(r))
+            matrices.append(np.ascontiguousarray(q.astype(np.float32)))
+        return cls(tuple(specs), float(probe_ratio), bytes(seed), tuple(matrices))
+
+    def project(self, leaf: int, array: np.ndarray) -> np.ndarray:
+        """The probe of one leaf as float32 ``(rows, k)``; reduced precision is upcast first."""
+        rows, d = _leaf_dims(self.specs[leaf])
+        values = np.asarray(array).reshape(rows, d)
+        # Half-precision leaves are upcast so the projection itself adds no rounding
+        # beyond float32's.
+        return np.asarray(values.astype(np.float32, copy=False) @ self.matrices[leaf], dtype=np.float32)
+
+    def project_all(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        return [self.project(i, array) for i, array in enumerate(arrays)]
+
+    @property
+    def floats(self) -> int:
+        """Number of float32 values in one probe of the whole state."""
+        return sum(_leaf_dims(s)[0] * m.shape[1] for s, m in zip(self.specs, self.matrices, strict=True))

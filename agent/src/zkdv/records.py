@@ -1,0 +1,313 @@
+"""The ZKDV transcript, protocol version 1: ``<proof dir>/records.cborl``.
+
+File format
+-----------
+A CBOR sequence (RFC 8742): canonical CBOR maps (RFC 8949 section 4.2.1 deterministic
+encoding) written back to back, with no framing. Every record carries ``prev``, the
+BLAKE3 ``record``-domain hash of the previous record's encoded bytes (32 zero bytes for
+the root), so the file is a hash chain; the hash of the last record (the close record)
+is the *transcript digest*.
+
+Records (keys are short because a step record must stay under 1 KiB)::
+
+    root   {t: "root", v: 1, prev, prover: "whitebox-jax" | "whitebox-torch",
+            config: {name, sampling, tolerance, chunk_bytes, rolling_window, probe_ratio,
+                     snapshot_interval, max_in_flight},
+            program: {kind, digest, bytes} | null,    # digest of the attested artifact
+            schema: {params: [leaf], opt_state: [leaf], buffers: [leaf],
+                     batch: {cols, dtype: "uint32"}},  # leaf = {path, dtype, shape}
+            initial: {p, o, b},                      # state roots before step 0
+            env: {...}, experiment: {name, spec_digest} | null,
+            probe_seed: bytes(16), created: float}
+    step   {t: "step", i, prev, batch: {root, rows, cols, win}, post: {p, o, b},
+            probe: {off, len, digest} | null, tokens, flops | null, time: [start, end]}
+    check  {t: "check", i, prev, param: {index, committed, replayed},
+            state: {index, committed, replayed}, from, replayed, ok}
+    snap   {t: "snap", i, prev, roots: {p, o, b}, files: {name: {digest, bytes}}}
+    close  {t: "close", prev, steps, checks, final: {p, o, b}}
+
+``p``, ``o`` and ``b`` are the state roots (see :mod:`zkdv.merkle`) of parameters,
+optimizer state (step counters included) and buffers. ``i`` is the step index. A
+``check`` for step ``t`` follows step ``t``'s record (possibly after later steps: checks
+complete asynchronously) and precedes the close record. A ``snap`` record commits the
+pre-state of step ``i`` (its roots equal the post roots of step ``i - 1``) and the digests
+of the snapshot and batch files kept for the platform. Probes live in the sidecar
+``probes.bin`` (float32, little endian: pre, post and delta probes of every parameter
+leaf, in schema order); the step record binds them by offset, length and digest.
+
+Durability
+----------
+:class:`TranscriptWriter` opens the file with ``O_APPEND`` and writes each record with a
+single ``write`` of its complete encoding, so a crash can only leave a truncated *last*
+record, never damage an earlier one; the reader reports such a tail precisely. The
+writer ``fsync``\\ s after the root, after every check and snapshot record, every
+``fsync_every`` step records, and at close.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, BinaryIO
+
+import cbor2
+
+from zkdv.errors import TranscriptError, TruncatedTranscriptError
+from zkdv.hashing import ZERO_DIGEST, Domain, hash_bytes
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "PROBES_FILE",
+    "RECORDS_FILE",
+    "Record",
+    "TranscriptWriter",
+    "encode",
+    "iter_records",
+    "record_hash",
+]
+
+PROTOCOL_VERSION = 1
+RECORDS_FILE = "records.cborl"
+PROBES_FILE = "probes.bin"
+# A record larger than this is malformed: the largest legitimate one is a root record
+# whose schema lists every leaf of a very large model.
+MAX_RECORD_BYTES = 64 * 1024 * 1024
+
+
+def encode(record: dict[str, Any]) -> bytes:
+    return cbor2.dumps(record, canonical=True)
+
+
+def record_hash(encoded: bytes | memoryview) -> bytes:
+    return hash_bytes(Domain.RECORD, encoded)
+
+
+class TranscriptWriter:
+    """Append-only, hash-chaining writer of ``records.cborl`` (and ``probes.bin``).
+
+    Args:
+        directory: the proof directory; created if missing. It must not already hold a
+            transcript: a run never appends to another run's records.
+        fsync_every: fsync after this many step records (roots, checks, snapshots and
+            the close record are always synced).
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], *, fsync_every: int = 64) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.path = self.directory / RECORDS_FILE
+        if self.path.exists() and self.path.stat().st_size:
+            raise FileExistsError(
+                f"{self.path} already holds a transcript; use a new proof directory per run"
+            )
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        self._fd: int | None = os.open(self.path, flags, 0o644)
+        self._probes: BinaryIO | None = None
+        self._probe_offset = 0
+        self._prev = ZERO_DIGEST
+        self._unsynced = 0
+        self._fsync_every = max(1, fsync_every)
+        self.records = 0
+
+    @property
+    def digest(self) -> bytes:
+        """Hash of the last record written (the transcript digest once closed)."""
+        return self._prev
+
+    def append(self, record: dict[str, Any], *, sync: bool = False) -> bytes:
+        """Chain, encode and append one record; returns its hash."""
+        if self._fd is None:
+            raise ValueError("transcript writer is closed")
+        record = {**record, "prev": self._prev}
+        encoded = encode(record)
+        view = memoryview(encoded)
+        while view:
+            written = os.write(self._fd, view)
+            view = view[written:]
+        self._prev = record_hash(encoded)
+        self.records += 1
+        self._unsynced += 1
+        if sync or self._unsynced >= self._fsync_every:
+            self.sync()
+        return self._prev
+
+    def append_probes(self, data: bytes | memoryview) -> dict[str, Any]:
+        """Append probe floats to the sidecar; returns the step record's ``probe`` field."""
+        if self._probes is None:
+            self._probes = open(self.directory / PROBES_FILE, "wb")  # noqa: SIM115 - owned
+        offset = self._probe_offset
+        self._probes.write(data)
+        self._probe_offset += len(data)
+        return {"off": offset, "len": len(data), "digest": hash_bytes(Domain.PROBE, data)}
+
+    def sync(self) -> None:
+        if self._probes is not None:
+            self._probes.flush()
+            os.fsync(self._probes.fileno())
+        if self._fd is not None:
+            os.fsync(self._fd)
+        self._unsynced = 0
+
+    def close(self) -> None:
+        if self._fd is None:
+            return
+        self.sync()
+        os.close(self._fd)
+        self._fd = None
+        if self._probes is not None:
+            self._probes.close()
+            self._probes = None
+
+
+@dataclass(frozen=True)
+class Record:
+    """One decoded record with its position and the hash of its encoded bytes."""
+
+    index: int
+    offset: int
+    size: int
+    hash: bytes
+    data: dict[str, Any]
+
+
+def _decode_error(index: int, offset: int, error: BaseException) -> TranscriptError:
+    return TranscriptError(
+        "malformed_record",
+        f"not a valid CBOR record at byte offset {offset}: {type(error).__name__}: {error}",
+        record=index,
+    )
+
+
+def iter_records(source: str | os.PathLike[str] | bytes | bytearray | memoryview | IO[bytes]) -> Iterator[Record]:
+    """Stream the records of a transcript, hashing each one's exact bytes.
+
+    Args:
+        source: a proof directory, a ``records.cborl`` path, the file's bytes, or a
+            binary file object.
+
+    Raises:
+        TruncatedTranscriptError: the data ends inside a record.
+        TranscriptError: a record is not valid CBOR, not a map, or too large.
+    """
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        yield from _iter_buffer(memoryview(source))
+        return
+    if hasattr(source, "read"):
+        yield from _iter_buffer(memoryview(source.read()))  # type: ignore[union-attr]
+        return
+    path = Path(source)  # type: ignore[arg-type]
+    if path.is_dir():
+        path = path / RECORDS_FILE
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size == 0:
+            return
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                yield from _iter_buffer(view)
+            finally:
+                view.release()
+
+
+def _iter_buffer(view: memoryview) -> Iterator[Record]:
+    total = len(view)
+    offset = 0
+    index = 0
+    loads = cbor2.loads
+    while offset < total:
+        size = _item_length(view, offset, index)
+        raw = view[offset : offset + size]
+        try:
+            data = loads(raw)
+        except Exception as error:  # noqa: BLE001 - any decoder failure is malformed input
+            raise _decode_error(index, offset, error) from None
+        if not isinstance(data, dict):
+            raise TranscriptError(
+                "malformed_record", f"expected a CBOR map, got {type(data).__name__}", record=index
+            )
+        yield Record(index, offset, size, record_hash(raw), data)
+        offset += size
+        index += 1
+
+
+# --- A bounded CBOR item-length scanner --------------------------------------------------
+# Finding record boundaries by scanning headers (instead of decoding into a growing stream)
+# lets the reader hash each record's exact bytes, report a truncated tail precisely, and
+# refuse absurd declared lengths and nesting before allocating anything.
+
+_MAX_DEPTH = 64
+
+
+def _truncated(index: int, start: int, total: int) -> TruncatedTranscriptError:
+    return TruncatedTranscriptError(
+        "truncated",
+        f"the transcript ends inside record {index}, which starts at byte offset {start} "
+        f"({total - start} bytes of it present); the run was interrupted or the file was cut",
+        record=index,
+    )
+
+
+def _malformed(index: int, message: str) -> TranscriptError:
+    return TranscriptError("malformed_record", message, record=index)
+
+
+def _item_length(view: memoryview, start: int, index: int) -> int:
+    """Length in bytes of the CBOR data item starting at ``start`` (headers only)."""
+    total = len(view)
+    pos = start
+    # Items still expected in each open container; -1 marks an indefinite-length one.
+    stack: list[int] = [1]
+    while stack:
+        if stack[-1] == 0:
+            stack.pop()
+            continue
+        if pos >= total:
+            raise _truncated(index, start, total)
+        initial = view[pos]
+        pos += 1
+        if initial == 0xFF:
+            if stack[-1] != -1:
+                raise _malformed(index, f"unexpected CBOR break code at byte {pos - 1}")
+            stack.pop()
+            continue
+        if stack[-1] > 0:
+            stack[-1] -= 1
+        major, info = initial >> 5, initial & 0x1F
+        if info == 31:
+            if major not in (2, 3, 4, 5):
+                raise _malformed(index, f"invalid indefinite length for CBOR major type {major}")
+            stack.append(-1)
+        else:
+            if info < 24:
+                argument = info
+            elif info <= 27:
+                width = 1 << (info - 24)
+                if pos + width > total:
+                    raise _truncated(index, start, total)
+                argument = int.from_bytes(view[pos : pos + width], "big")
+                pos += width
+            else:
+                raise _malformed(index, f"invalid CBOR additional information {info}")
+            if major in (2, 3):
+                if argument > MAX_RECORD_BYTES:
+                    raise _malformed(index, f"a string declares {argument} bytes, over the record limit")
+                pos += argument
+                if pos > total:
+                    raise _truncated(index, start, total)
+            elif major in (4, 5):
+                if argument > MAX_RECORD_BYTES:
+                    raise _malformed(index, f"a container declares {argument} items, over the record limit")
+                if argument:
+                    stack.append(argument * (2 if major == 5 else 1))
+            elif major == 6:
+                stack.append(1)  # a tag wraps exactly one item
+            # majors 0, 1 and 7 carry their value in the header
+        if len(stack) > _MAX_DEPTH:
+            raise _malformed(index, f"CBOR nesting deeper than {_MAX_DEPTH} levels")
+        if pos - start > MAX_RECORD_BYTES:
+            raise _malformed(index, f"record exceeds {MAX_RECORD_BYTES} bytes")
+    return pos - start

@@ -1,0 +1,153 @@
+"""Framework-free helpers for tests and demos: real transcripts without JAX or torch.
+
+:func:`write_synthetic_transcript` trains a small linear model with SGD and momentum in
+numpy through the real :class:`~zkdv.core.ZKDVCore` (commitments, probes, sampled
+checks with an honest replay, snapshots, close), so every byte it writes is produced by
+the same code path as a framework run.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from zkdv.config import SamplingPolicy, ZKDVConfig
+from zkdv.core import ZKDVCore
+
+__all__ = ["LinearSGD", "write_synthetic_transcript"]
+
+
+class LinearSGD:
+    """``y = x @ w + b`` under squared loss, SGD with momentum: a pure init/update pair."""
+
+    def __init__(self, features: int, *, lr: float = 0.05, momentum: float = 0.9) -> None:
+        self.features = features
+        self.lr = np.float32(lr)
+        self.momentum = np.float32(momentum)
+
+    def init(self, seed: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        rng = np.random.default_rng(seed)
+        params = {
+            "w": rng.standard_normal((self.features, 1)).astype(np.float32) * np.float32(0.1),
+            "b": np.zeros((1,), np.float32),
+        }
+        state = {
+            "count": np.zeros((), np.int32),
+            "mu_b": np.zeros((1,), np.float32),
+            "mu_w": np.zeros((self.features, 1), np.float32),
+        }
+        return params, state
+
+    def update(
+        self, params: dict[str, np.ndarray], state: dict[str, np.ndarray], batch: np.ndarray
+    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Return ``(deltas, new_params, new_state)`` without changing the inputs."""
+        x = batch[:, : self.features].astype(np.float32) / np.float32(1000)
+        y = batch[:, self.features :].astype(np.float32) / np.float32(1000)
+        error = x @ params["w"] + params["b"] - y
+        grads = {
+            "w": (x.T @ error) * np.float32(2 / len(x)),
+            "b": error.sum(axis=0) * np.float32(2 / len(x)),
+        }
+        new_state = {
+            "count": state["count"] + np.int32(1),
+            "mu_b": self.momentum * state["mu_b"] + grads["b"],
+            "mu_w": self.momentum * state["mu_w"] + grads["w"],
+        }
+        deltas = {"b": -self.lr * new_state["mu_b"], "w": -self.lr * new_state["mu_w"]}
+        new_params = {k: (params[k] + deltas[k]).astype(np.float32) for k in params}
+        return deltas, new_params, new_state
+
+
+def _leaves(tree: dict[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:
+    return [(key, tree[key]) for key in sorted(tree)]
+
+
+def _flat(tree: dict[str, np.ndarray]) -> np.ndarray:
+    return np.concatenate([tree[key].reshape(-1).astype(np.float64) for key in sorted(tree)])
+
+
+def write_synthetic_transcript(
+    proof_dir: str | os.PathLike[str],
+    *,
+    steps: int = 4,
+    experiment: str | None = None,
+    spec_digest: str | None = None,
+    seed: int = 0,
+    features: int = 6,
+    rows: int = 8,
+    sampling: SamplingPolicy | None = None,
+    rolling_window: int = 4,
+    probe_ratio: float = 0.5,
+    snapshot_interval: int = 2,
+    prover: str = "whitebox-jax",
+) -> Path:
+    """Train :class:`LinearSGD` for ``steps`` steps and write a valid transcript.
+
+    Returns:
+        ``proof_dir``, which then holds ``records.cborl`` and ``probes.bin``.
+    """
+    config = ZKDVConfig(
+        name="synthetic",
+        sampling_policy=sampling or SamplingPolicy.DEBUGCheckEvery(2),
+        chunk_bytes=256,
+    )
+    bound = None
+    if experiment is not None:
+        bound = {"name": experiment, "spec_digest": spec_digest or ""}
+    core = ZKDVCore(
+        proof_dir,
+        config,
+        prover=prover,
+        rolling_window=rolling_window,
+        probe_ratio=probe_ratio,
+        snapshot_interval=snapshot_interval,
+        max_in_flight=2,
+        experiment=bound,
+    )
+    model = LinearSGD(features)
+    params, state = model.init(seed)
+    rng = np.random.default_rng(seed + 1)
+    batch_rng = [rng.integers(0, 1000, size=(rows, features + 1), dtype=np.uint32) for _ in range(steps)]
+    core.open(
+        params=_leaves(params),
+        opt_state=_leaves(state),
+        buffers=[],
+        batch_cols=features + 1,
+        program=None,
+    )
+    assert core.probes is not None
+    for step, batch in enumerate(batch_rng):
+        if step % snapshot_interval == 0 and core.last_roots is not None:
+            core.record_snapshot(step, core.last_roots, {})
+        before_params, before_state = params, state
+        deltas, params, state = model.update(params, state, batch)
+        probes = core.probes
+        pre = probes.project_all([a for _, a in _leaves(before_params)])
+        post = probes.project_all([a for _, a in _leaves(params)])
+        delta = probes.project_all([a for _, a in _leaves(deltas)])
+        result = core.commit_step(
+            step,
+            batch=batch,
+            params=_leaves(params),
+            opt_state=_leaves(state),
+            buffers=[],
+            probes=(pre, post, delta),
+            flops=6.0 * features * rows,
+        )
+        if result.challenge is not None:
+            replay_deltas, _, replay_state = model.update(before_params, before_state, batch)
+            c = result.challenge
+            core.record_check(
+                c,
+                committed_delta=float(_flat(deltas)[c.param_index]),
+                replayed_delta=float(_flat(replay_deltas)[c.param_index]),
+                committed_state=float(_flat(state)[c.state_index]),
+                replayed_state=float(_flat(replay_state)[c.state_index]),
+                replay_from=step,
+                replayed_steps=1,
+            )
+    core.close()
+    return Path(proof_dir)
