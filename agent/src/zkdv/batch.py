@@ -33,7 +33,11 @@ _MIX = np.uint64(int.from_bytes(_SEED[8:], "little") | 1)
 
 
 def validate_window(rolling_window: int, cols: int) -> None:
-    if not isinstance(rolling_window, int) or isinstance(rolling_window, bool) or rolling_window < 1:
+    if (
+        not isinstance(rolling_window, int)
+        or isinstance(rolling_window, bool)
+        or rolling_window < 1
+    ):
         raise ValueError(f"rolling_window={rolling_window!r} must be a positive integer")
     if rolling_window > cols:
         raise ValueError(
@@ -50,7 +54,9 @@ def as_batch(batch: Any) -> np.ndarray:
     if array.ndim == 1:
         array = array.reshape(1, -1)
     if array.ndim != 2:
-        raise ValueError(f"the committed batch must be a 2-D (rows, cols) array, got shape {array.shape}")
+        raise ValueError(
+            f"the committed batch must be a 2-D (rows, cols) array, got shape {array.shape}"
+        )
     if array.shape[1] == 0:
         raise ValueError("the committed batch rows are empty")
     return np.ascontiguousarray(array)
@@ -96,7 +102,10 @@ def commit_batch(batch: Any, rolling_window: int) -> BatchCommitment:
     array = as_batch(batch)
     rows, cols = array.shape
     validate_window(rolling_window, cols)
-    row_hashes = [hash_bytes(Domain.BATCH, struct.pack("<QQ", r, cols), array[r].tobytes()) for r in range(rows)]
+    row_hashes = [
+        hash_bytes(Domain.BATCH, struct.pack("<QQ", r, cols), array[r].tobytes())
+        for r in range(rows)
+    ]
     fingerprints = np.sort(window_fingerprints(array, rolling_window), axis=None)
     windows = hash_bytes(Domain.WINDOW, struct.pack("<Q", rolling_window), fingerprints.tobytes())
     return BatchCommitment(merkle_root(row_hashes), int(rows), int(cols), windows)

@@ -214,7 +214,9 @@ class ZKDVCore:
         """
         writer = self._require_open()
         if step != self.steps:
-            raise RuntimeError(f"steps must be committed in order: expected {self.steps}, got {step}")
+            raise RuntimeError(
+                f"steps must be committed in order: expected {self.steps}, got {step}"
+            )
         array = as_batch(batch)
         if array.shape[1] != self.batch_cols:
             raise ValueError(
@@ -237,7 +239,10 @@ class ZKDVCore:
         with self._lock:
             if probes is not None:
                 packed = np.concatenate(
-                    [np.concatenate([np.asarray(p, dtype="<f4").reshape(-1) for p in part]) for part in probes]
+                    [
+                        np.concatenate([np.asarray(p, dtype="<f4").reshape(-1) for p in part])
+                        for part in probes
+                    ]
                 )
                 record["probe"] = writer.append_probes(memoryview(packed.view(np.uint8)))
             record_hash = writer.append(record)
@@ -291,12 +296,18 @@ class ZKDVCore:
             self.checks += 1
         return ok
 
-    def record_snapshot(self, step: int, roots: StateRoots, files: dict[str, bytes | bytearray]) -> None:
+    def record_snapshot(
+        self, step: int, roots: StateRoots, files: dict[str, bytes | bytearray]
+    ) -> None:
         """Commit the pre-state of ``step`` and the files kept for the platform."""
         writer = self._require_open()
-        entries = {name: {"digest": file_digest(data), "bytes": len(data)} for name, data in files.items()}
+        entries = {
+            name: {"digest": file_digest(data), "bytes": len(data)} for name, data in files.items()
+        }
         with self._lock:
-            writer.append({"t": "snap", "i": step, "roots": roots.to_record(), "files": entries}, sync=True)
+            writer.append(
+                {"t": "snap", "i": step, "roots": roots.to_record(), "files": entries}, sync=True
+            )
 
     def close(self) -> bytes:
         """Write the close record; returns the transcript digest."""
@@ -304,7 +315,12 @@ class ZKDVCore:
         assert self.last_roots is not None
         with self._lock:
             self.digest = writer.append(
-                {"t": "close", "steps": self.steps, "checks": self.checks, "final": self.last_roots.to_record()},
+                {
+                    "t": "close",
+                    "steps": self.steps,
+                    "checks": self.checks,
+                    "final": self.last_roots.to_record(),
+                },
                 sync=True,
             )
             writer.close()

@@ -74,7 +74,9 @@ class TruncatedTranscriptError(TranscriptError):
     """The transcript ends inside a record (a crash or an interrupted copy)."""
 
 
-NOT_STARTED = "ZKDV driver is not started; call proof.start(rolling_window=..., probe_ratio=...) first"
+NOT_STARTED = (
+    "ZKDV driver is not started; call proof.start(rolling_window=..., probe_ratio=...) first"
+)
 ALREADY_STARTED = "ZKDV driver is already started"
 CLOSED = "ZKDV driver is closed; create a new proof for another run"
 POISONED = "ZKDV driver is poisoned by an earlier failure: {cause}"

@@ -13,7 +13,7 @@ from typing import Final
 
 import blake3
 
-__all__ = ["DIGEST_BYTES", "Domain", "hasher", "hash_bytes", "ZERO_DIGEST"]
+__all__ = ["DIGEST_BYTES", "ZERO_DIGEST", "Domain", "hash_bytes", "hasher"]
 
 DIGEST_BYTES: Final = 32
 ZERO_DIGEST: Final = bytes(DIGEST_BYTES)

@@ -91,7 +91,9 @@ def inclusion_path(hashes: Sequence[bytes], index: int) -> list[bytes]:
     return [*inclusion_path(hashes[k:], index - k), merkle_root(hashes[:k])]
 
 
-def verify_inclusion(leaf: bytes, index: int, size: int, path: Sequence[bytes], root: bytes) -> bool:
+def verify_inclusion(
+    leaf: bytes, index: int, size: int, path: Sequence[bytes], root: bytes
+) -> bool:
     """Check an RFC 6962 audit path for ``leaf`` at ``index`` in a tree of ``size``."""
     return _root_from_path(leaf, index, size, path) == root
 
@@ -226,12 +228,16 @@ def commit_state(
         ]
         results = [future.result() for future in futures]
     else:
-        results = [_hash_chunks(views[leaf], chunk_bytes, start, stop) for leaf, start, stop in tasks]
+        results = [
+            _hash_chunks(views[leaf], chunk_bytes, start, stop) for leaf, start, stop in tasks
+        ]
     per_leaf: list[list[bytes]] = [[] for _ in leaves]
     for (leaf, _, _), hashes in zip(tasks, results, strict=True):
         per_leaf[leaf].extend(hashes)
     chunk_roots = tuple(merkle_root(hashes) for hashes in per_leaf)
-    digests = tuple(tensor_digest(spec, root) for spec, root in zip(specs, chunk_roots, strict=True))
+    digests = tuple(
+        tensor_digest(spec, root) for spec, root in zip(specs, chunk_roots, strict=True)
+    )
     return StateCommitment(state_root(specs, digests), specs, digests, chunk_roots)
 
 
@@ -305,7 +311,9 @@ def locate(specs: Sequence[LeafSpec], flat_index: int) -> tuple[int, int]:
         if remaining < spec.size:
             return leaf, remaining
         remaining -= spec.size
-    raise IndexError(f"coordinate {flat_index} is beyond the state's {flat_index - remaining} elements")
+    raise IndexError(
+        f"coordinate {flat_index} is beyond the state's {flat_index - remaining} elements"
+    )
 
 
 def open_coordinate(
@@ -328,7 +336,9 @@ def open_coordinate(
         leaf_index=leaf,
         element=element,
         spec=specs[leaf],
-        chunk=ChunkOpening(chunk_index, len(hashes), chunk, tuple(inclusion_path(hashes, chunk_index))),
+        chunk=ChunkOpening(
+            chunk_index, len(hashes), chunk, tuple(inclusion_path(hashes, chunk_index))
+        ),
         leaf_count=len(specs),
         tensor_path=tuple(inclusion_path(digests, leaf)),
         chunk_bytes=chunk_bytes,
@@ -352,12 +362,17 @@ def verify_opening(root: bytes, opening: CoordinateOpening) -> bool:
         return False
     # Rebuild the chunk root from the audit path, then the tensor digest, then the root.
     chunk_root = _root_from_path(
-        leaf_hash(opening.chunk.chunk), opening.chunk.chunk_index, opening.chunk.chunk_count, opening.chunk.chunk_path
+        leaf_hash(opening.chunk.chunk),
+        opening.chunk.chunk_index,
+        opening.chunk.chunk_count,
+        opening.chunk.chunk_path,
     )
     if chunk_root is None:
         return False
     digest = tensor_digest(spec, chunk_root)
-    tensors_root = _root_from_path(digest, opening.leaf_index, opening.leaf_count, opening.tensor_path)
+    tensors_root = _root_from_path(
+        digest, opening.leaf_index, opening.leaf_count, opening.tensor_path
+    )
     if tensors_root is None:
         return False
     return hash_bytes(Domain.STATE, struct.pack("<Q", opening.leaf_count), tensors_root) == root

@@ -5,6 +5,12 @@ matrix with orthonormal columns, ``k = max(1, ceil(probe_ratio * d))``, drawn fr
 Gaussian seeded by the run's probe seed and the leaf's path and orthonormalised by QR.
 The probe of a leaf ``W`` (viewed as ``(rows, d)``) is ``W @ Q``.
 
+Leaves with more than ``MAX_PROBE_ROWS`` rows are probed on a seeded subset of that
+many rows, so a probe costs microseconds and a few KiB per step however large the model
+(each probed row still keeps ``probe_ratio`` of the last dimension). Probes are a
+tolerance device for cross-hardware replay, not the binding commitment: every byte is
+bound by the Merkle roots.
+
 Probes are linear, so ``probe(pre) + probe(delta) == probe(post)`` and
 ``probe(post_t) == probe(pre_{t+1})`` hold up to float error. They let a replay on
 different hardware be compared within a tolerance where exact hashes cannot match.
@@ -21,7 +27,9 @@ import numpy as np
 from zkdv.hashing import Domain, hash_bytes
 from zkdv.merkle import LeafSpec
 
-__all__ = ["ProbeSet", "probe_columns"]
+__all__ = ["MAX_PROBE_ROWS", "ProbeSet", "probe_columns"]
+
+MAX_PROBE_ROWS = 64
 
 
 def probe_columns(last_dim: int, probe_ratio: float) -> int:
@@ -45,15 +53,21 @@ class ProbeSet:
     probe_ratio: float
     seed: bytes
     matrices: tuple[np.ndarray, ...]
+    rows: tuple[np.ndarray | None, ...]
 
     @classmethod
     def create(cls, specs: Sequence[LeafSpec], probe_ratio: float, seed: bytes) -> ProbeSet:
         matrices = []
+        selections: list[np.ndarray | None] = []
         for spec in specs:
-            _, d = _leaf_dims(spec)
+            n_rows, d = _leaf_dims(spec)
             k = probe_columns(max(d, 1), probe_ratio)
             digest = hash_bytes(Domain.PROBE, seed, spec.header(), length=32)
             rng = np.random.Generator(np.random.PCG64(int.from_bytes(digest, "little")))
+            if n_rows > MAX_PROBE_ROWS:
+                selections.append(np.sort(rng.choice(n_rows, MAX_PROBE_ROWS, replace=False)))
+            else:
+                selections.append(None)
             if d == 0:
                 matrices.append(np.zeros((0, k), dtype=np.float32))
                 continue
@@ -62,15 +76,22 @@ class ProbeSet:
             # Fix QR's sign ambiguity so the matrix is a function of the seed alone.
             q *= np.sign(np.diag(r))
             matrices.append(np.ascontiguousarray(q.astype(np.float32)))
-        return cls(tuple(specs), float(probe_ratio), bytes(seed), tuple(matrices))
+        return cls(
+            tuple(specs), float(probe_ratio), bytes(seed), tuple(matrices), tuple(selections)
+        )
 
     def project(self, leaf: int, array: np.ndarray) -> np.ndarray:
         """The probe of one leaf as float32 ``(rows, k)``; reduced precision is upcast first."""
         rows, d = _leaf_dims(self.specs[leaf])
         values = np.asarray(array).reshape(rows, d)
+        selected = self.rows[leaf]
+        if selected is not None:
+            values = values[selected]
         # Half-precision leaves are upcast so the projection itself adds no rounding
         # beyond float32's.
-        return np.asarray(values.astype(np.float32, copy=False) @ self.matrices[leaf], dtype=np.float32)
+        return np.asarray(
+            values.astype(np.float32, copy=False) @ self.matrices[leaf], dtype=np.float32
+        )
 
     def project_all(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         return [self.project(i, array) for i, array in enumerate(arrays)]
@@ -78,4 +99,7 @@ class ProbeSet:
     @property
     def floats(self) -> int:
         """Number of float32 values in one probe of the whole state."""
-        return sum(_leaf_dims(s)[0] * m.shape[1] for s, m in zip(self.specs, self.matrices, strict=True))
+        return sum(
+            min(_leaf_dims(s)[0], MAX_PROBE_ROWS) * m.shape[1]
+            for s, m in zip(self.specs, self.matrices, strict=True)
+        )

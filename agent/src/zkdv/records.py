@@ -59,8 +59,8 @@ from zkdv.errors import TranscriptError, TruncatedTranscriptError
 from zkdv.hashing import ZERO_DIGEST, Domain, hash_bytes
 
 __all__ = [
-    "PROTOCOL_VERSION",
     "PROBES_FILE",
+    "PROTOCOL_VERSION",
     "RECORDS_FILE",
     "Record",
     "TranscriptWriter",
@@ -181,7 +181,9 @@ def _decode_error(index: int, offset: int, error: BaseException) -> TranscriptEr
     )
 
 
-def iter_records(source: str | os.PathLike[str] | bytes | bytearray | memoryview | IO[bytes]) -> Iterator[Record]:
+def iter_records(
+    source: str | os.PathLike[str] | bytes | bytearray | memoryview | IO[bytes],
+) -> Iterator[Record]:
     """Stream the records of a transcript, hashing each one's exact bytes.
 
     Args:
@@ -294,13 +296,17 @@ def _item_length(view: memoryview, start: int, index: int) -> int:
                 raise _malformed(index, f"invalid CBOR additional information {info}")
             if major in (2, 3):
                 if argument > MAX_RECORD_BYTES:
-                    raise _malformed(index, f"a string declares {argument} bytes, over the record limit")
+                    raise _malformed(
+                        index, f"a string declares {argument} bytes, over the record limit"
+                    )
                 pos += argument
                 if pos > total:
                     raise _truncated(index, start, total)
             elif major in (4, 5):
                 if argument > MAX_RECORD_BYTES:
-                    raise _malformed(index, f"a container declares {argument} items, over the record limit")
+                    raise _malformed(
+                        index, f"a container declares {argument} items, over the record limit"
+                    )
                 if argument:
                     stack.append(argument * (2 if major == 5 else 1))
             elif major == 6:

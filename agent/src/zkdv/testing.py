@@ -110,7 +110,9 @@ def write_synthetic_transcript(
     model = LinearSGD(features)
     params, state = model.init(seed)
     rng = np.random.default_rng(seed + 1)
-    batch_rng = [rng.integers(0, 1000, size=(rows, features + 1), dtype=np.uint32) for _ in range(steps)]
+    batch_rng = [
+        rng.integers(0, 1000, size=(rows, features + 1), dtype=np.uint32) for _ in range(steps)
+    ]
     core.open(
         params=_leaves(params),
         opt_state=_leaves(state),

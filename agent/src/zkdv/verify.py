@@ -28,13 +28,23 @@ from zkdv.errors import TranscriptError
 from zkdv.hashing import ZERO_DIGEST, Domain, hash_bytes
 from zkdv.merkle import LeafSpec
 from zkdv.probes import ProbeSet
-from zkdv.records import PROBES_FILE, PROTOCOL_VERSION, RECORDS_FILE, Record, iter_records
+from zkdv.records import PROBES_FILE, PROTOCOL_VERSION, Record, iter_records
 from zkdv.sampling import decide
 
 __all__ = ["VerificationReport", "verify_transcript"]
 
 PROVERS = ("whitebox-jax", "whitebox-torch")
-ROOT_KEYS = ("v", "prover", "config", "program", "schema", "initial", "env", "experiment", "probe_seed")
+ROOT_KEYS = (
+    "v",
+    "prover",
+    "config",
+    "program",
+    "schema",
+    "initial",
+    "env",
+    "experiment",
+    "probe_seed",
+)
 ROOTS = ("p", "o", "b")
 
 
@@ -97,7 +107,9 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _fail(reason: str, message: str, record: int | None, field: str | None = None) -> TranscriptError:
+def _fail(
+    reason: str, message: str, record: int | None, field: str | None = None
+) -> TranscriptError:
     return TranscriptError(reason, message, record=record, field=field)
 
 
@@ -106,15 +118,21 @@ def _require(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...], r
         raise _fail("schema", f"missing field {key!r}", record, key)
     value = data[key]
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        expected = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise _fail("schema", f"field {key!r} must be {expected}, got {type(value).__name__}", record, key)
+        expected = (
+            kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        )
+        raise _fail(
+            "schema", f"field {key!r} must be {expected}, got {type(value).__name__}", record, key
+        )
     return value
 
 
 def _digest(data: Mapping[str, Any], key: str, record: int) -> bytes:
     value = _require(data, key, bytes, record)
     if len(value) != 32:
-        raise _fail("schema", f"field {key!r} must be a 32-byte digest, got {len(value)} bytes", record, key)
+        raise _fail(
+            "schema", f"field {key!r} must be a 32-byte digest, got {len(value)} bytes", record, key
+        )
     return bytes(value)
 
 
@@ -128,7 +146,9 @@ def _specs(schema: Mapping[str, Any], key: str, record: int) -> tuple[LeafSpec, 
     try:
         return tuple(LeafSpec.from_dict(leaf) for leaf in leaves)
     except (KeyError, TypeError, ValueError) as error:
-        raise _fail("schema", f"schema.{key} has a malformed leaf: {error}", record, f"schema.{key}") from None
+        raise _fail(
+            "schema", f"schema.{key} has a malformed leaf: {error}", record, f"schema.{key}"
+        ) from None
 
 
 class _Verifier:
@@ -141,16 +161,33 @@ class _Verifier:
     def root(self, record: Record) -> None:
         data = record.data
         if data.get("t") != "root":
-            raise _fail("missing_root", f"the first record must be the root, got {data.get('t')!r}", record.index, "t")
+            raise _fail(
+                "missing_root",
+                f"the first record must be the root, got {data.get('t')!r}",
+                record.index,
+                "t",
+            )
         if data.get("v") != PROTOCOL_VERSION:
-            raise _fail("version", f"protocol version {data.get('v')!r} is not supported (expected {PROTOCOL_VERSION})", record.index, "v")
+            raise _fail(
+                "version",
+                f"protocol version {data.get('v')!r} is not supported (expected {PROTOCOL_VERSION})",
+                record.index,
+                "v",
+            )
         for key in ROOT_KEYS:
             if key not in data:
                 raise _fail("schema", f"root record is missing {key!r}", record.index, key)
         if _digest(data, "prev", record.index) != ZERO_DIGEST:
-            raise _fail("broken_chain", "the root record's prev must be 32 zero bytes", record.index, "prev")
+            raise _fail(
+                "broken_chain", "the root record's prev must be 32 zero bytes", record.index, "prev"
+            )
         if data["prover"] not in PROVERS:
-            raise _fail("schema", f"unknown prover {data['prover']!r}; expected one of {', '.join(PROVERS)}", record.index, "prover")
+            raise _fail(
+                "schema",
+                f"unknown prover {data['prover']!r}; expected one of {', '.join(PROVERS)}",
+                record.index,
+                "prover",
+            )
         config = _require(data, "config", dict, record.index)
         try:
             self.config = ZKDVConfig.from_dict(config)
@@ -158,7 +195,9 @@ class _Verifier:
             self.probe_ratio = float(config["probe_ratio"])
             self.snapshot_interval = int(config["snapshot_interval"])
         except (KeyError, TypeError, ValueError) as error:
-            raise _fail("schema", f"root config is malformed: {error}", record.index, "config") from None
+            raise _fail(
+                "schema", f"root config is malformed: {error}", record.index, "config"
+            ) from None
         schema = _require(data, "schema", dict, record.index)
         self.param_specs = _specs(schema, "params", record.index)
         self.state_specs = _specs(schema, "opt_state", record.index)
@@ -166,7 +205,12 @@ class _Verifier:
         batch = _require(schema, "batch", dict, record.index)
         self.batch_cols = _require(batch, "cols", int, record.index)
         if self.rolling_window < 1 or self.rolling_window > self.batch_cols:
-            raise _fail("schema", f"rolling_window {self.rolling_window} must be between 1 and the batch row width {self.batch_cols}", record.index, "config.rolling_window")
+            raise _fail(
+                "schema",
+                f"rolling_window {self.rolling_window} must be between 1 and the batch row width {self.batch_cols}",
+                record.index,
+                "config.rolling_window",
+            )
         self.param_count = sum(spec.size for spec in self.param_specs)
         self.state_count = sum(spec.size for spec in self.state_specs)
         self.post = _roots(data, "initial", record.index)
@@ -178,7 +222,12 @@ class _Verifier:
             or not isinstance(experiment.get("name"), str)
             or not isinstance(experiment.get("spec_digest"), str)
         ):
-            raise _fail("schema", "experiment must be {name, spec_digest} or null", record.index, "experiment")
+            raise _fail(
+                "schema",
+                "experiment must be {name, spec_digest} or null",
+                record.index,
+                "experiment",
+            )
         self.report.root = data
         self.pending: dict[int, Any] = {}
         self.next_step = 0
@@ -191,15 +240,30 @@ class _Verifier:
         step = _require(data, "i", int, index)
         if step != self.next_step:
             kind = "duplicated" if step < self.next_step else "missing or reordered"
-            raise _fail("step_order", f"expected step {self.next_step}, found step {step} ({kind} step record)", index, "i")
+            raise _fail(
+                "step_order",
+                f"expected step {self.next_step}, found step {step} ({kind} step record)",
+                index,
+                "i",
+            )
         for key in ("program", "config"):
             if key in data:
-                raise _fail("program_changed", f"step {step} changes the {key} fixed by the root record", index, key)
+                raise _fail(
+                    "program_changed",
+                    f"step {step} changes the {key} fixed by the root record",
+                    index,
+                    key,
+                )
         batch = _require(data, "batch", dict, index)
         _digest(batch, "root", index)
         _digest(batch, "win", index)
         if _require(batch, "cols", int, index) != self.batch_cols:
-            raise _fail("batch_shape", f"step {step} commits a batch of {batch['cols']} columns; the schema fixes {self.batch_cols}", index, "batch.cols")
+            raise _fail(
+                "batch_shape",
+                f"step {step} commits a batch of {batch['cols']} columns; the schema fixes {self.batch_cols}",
+                index,
+                "batch.cols",
+            )
         if _require(batch, "rows", int, index) < 1:
             raise _fail("batch_shape", f"step {step} commits an empty batch", index, "batch.rows")
         post = _roots(data, "post", index)
@@ -209,7 +273,9 @@ class _Verifier:
         flops = data.get("flops")
         if flops is not None:
             if not isinstance(flops, (int, float)) or not math.isfinite(flops) or flops < 0:
-                raise _fail("schema", "flops must be a finite non-negative number or null", index, "flops")
+                raise _fail(
+                    "schema", "flops must be a finite non-negative number or null", index, "flops"
+                )
             self.report.flops += float(flops)
         self.report.tokens += tokens
         probe = data.get("probe")
@@ -234,7 +300,12 @@ class _Verifier:
             path = self.probes_path
             assert path is not None
             if not path.exists():
-                raise _fail("probe_missing", f"step {step} references probes but {PROBES_FILE} is absent", index, "probe")
+                raise _fail(
+                    "probe_missing",
+                    f"step {step} references probes but {PROBES_FILE} is absent",
+                    index,
+                    "probe",
+                )
             self._probe_raw = path.read_bytes()
             self._probe_data = np.frombuffer(self._probe_raw, dtype="<f4")
             self.probe_set = ProbeSet.create(self.param_specs, self.probe_ratio, self.probe_seed)
@@ -244,26 +315,50 @@ class _Verifier:
         assert self.probe_set is not None
         expected = 3 * 4 * self.probe_set.floats
         if length != expected or offset < 0 or offset + length > len(self._probe_raw):
-            raise _fail("probe_missing", f"step {step} probe range {offset}+{length} is outside {PROBES_FILE} or not {expected} bytes", index, "probe")
+            raise _fail(
+                "probe_missing",
+                f"step {step} probe range {offset}+{length} is outside {PROBES_FILE} or not {expected} bytes",
+                index,
+                "probe",
+            )
         raw = self._probe_raw[offset : offset + length]
         if hash_bytes(Domain.PROBE, raw) != digest:
-            raise _fail("probe_digest", f"step {step} probe bytes do not match their committed digest", index, "probe.digest")
+            raise _fail(
+                "probe_digest",
+                f"step {step} probe bytes do not match their committed digest",
+                index,
+                "probe.digest",
+            )
         values = np.frombuffer(raw, dtype="<f4").reshape(3, -1)
         pre, post, delta = values
         tol = self.config.tolerance
         self._compare(step, "probe: post != pre + delta", post, pre + delta, tol, index)
         if self.last_probe is not None:
-            self._compare(step, f"probe: pre-update parameters of step {step} do not continue the post-update parameters of step {step - 1}", pre, self.last_probe, tol, index)
+            self._compare(
+                step,
+                f"probe: pre-update parameters of step {step} do not continue the post-update parameters of step {step - 1}",
+                pre,
+                self.last_probe,
+                tol,
+                index,
+            )
         self.last_probe = post
 
     @staticmethod
-    def _compare(step: int, what: str, got: np.ndarray, want: np.ndarray, tol: Any, index: int) -> None:
+    def _compare(
+        step: int, what: str, got: np.ndarray, want: np.ndarray, tol: Any, index: int
+    ) -> None:
         bound = tol.absolute + tol.relative * np.abs(want)
         diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
         bad = ~(diff <= bound)
         if bad.any():
             worst = int(np.argmax(np.where(bad, diff - bound, -np.inf)))
-            raise _fail("probe_discontinuity", f"{what}: coordinate {worst} differs by {diff[worst]:.3g} (tolerance {bound[worst]:.3g})", index, "probe")
+            raise _fail(
+                "probe_discontinuity",
+                f"{what}: coordinate {worst} differs by {diff[worst]:.3g} (tolerance {bound[worst]:.3g})",
+                index,
+                "probe",
+            )
 
     # --- checks, snapshots, close -------------------------------------------------------
     def check(self, record: Record) -> None:
@@ -272,38 +367,77 @@ class _Verifier:
         challenge = self.pending.pop(step, None)
         if challenge is None:
             if step >= self.next_step:
-                raise _fail("check_order", f"check for step {step} precedes that step's record", index, "i")
-            raise _fail("unexpected_check", f"step {step} was not sampled (or was already checked); its check record is forged or duplicated", index, "i")
+                raise _fail(
+                    "check_order", f"check for step {step} precedes that step's record", index, "i"
+                )
+            raise _fail(
+                "unexpected_check",
+                f"step {step} was not sampled (or was already checked); its check record is forged or duplicated",
+                index,
+                "i",
+            )
         param = _require(data, "param", dict, index)
         state = _require(data, "state", dict, index)
         if _require(param, "index", int, index) != challenge.param_index:
-            raise _fail("altered_check", f"check of step {step} opened parameter {param['index']}, the transcript sampled {challenge.param_index}", index, "param.index")
+            raise _fail(
+                "altered_check",
+                f"check of step {step} opened parameter {param['index']}, the transcript sampled {challenge.param_index}",
+                index,
+                "param.index",
+            )
         if _require(state, "index", int, index) != challenge.state_index:
-            raise _fail("altered_check", f"check of step {step} opened optimizer-state coordinate {state['index']}, the transcript sampled {challenge.state_index}", index, "state.index")
+            raise _fail(
+                "altered_check",
+                f"check of step {step} opened optimizer-state coordinate {state['index']}, the transcript sampled {challenge.state_index}",
+                index,
+                "state.index",
+            )
         tol = self.config.tolerance
         verdicts = []
         for name, values in (("param", param), ("state", state)):
             committed = _require(values, "committed", (int, float), index)
             replayed = _require(values, "replayed", (int, float), index)
-            verdicts.append((name, committed, replayed, tol.close(float(replayed), float(committed))))
+            verdicts.append(
+                (name, committed, replayed, tol.close(float(replayed), float(committed)))
+            )
         ok = _require(data, "ok", bool, index)
         recomputed = all(v[3] for v in verdicts)
         if ok != recomputed:
-            raise _fail("altered_check", f"check of step {step} claims ok={ok} but its values give ok={recomputed}", index, "ok")
+            raise _fail(
+                "altered_check",
+                f"check of step {step} claims ok={ok} but its values give ok={recomputed}",
+                index,
+                "ok",
+            )
         if not ok:
             name, committed, replayed, _ = next(v for v in verdicts if not v[3])
-            raise _fail("failed_check", f"sampled check of step {step} failed: {name} committed {committed!r}, replayed {replayed!r} (tolerance abs {tol.absolute:g}, rel {tol.relative:g})", index, name)
+            raise _fail(
+                "failed_check",
+                f"sampled check of step {step} failed: {name} committed {committed!r}, replayed {replayed!r} (tolerance abs {tol.absolute:g}, rel {tol.relative:g})",
+                index,
+                name,
+            )
         self.report.checks += 1
 
     def snapshot(self, record: Record) -> None:
         data, index = record.data, record.index
         step = _require(data, "i", int, index)
         if step != self.next_step:
-            raise _fail("snapshot_order", f"snapshot of the pre-state of step {step} recorded before step {self.next_step}", index, "i")
+            raise _fail(
+                "snapshot_order",
+                f"snapshot of the pre-state of step {step} recorded before step {self.next_step}",
+                index,
+                "i",
+            )
         roots = _roots(data, "roots", index)
         if roots != self.post:
             which = next(n for n, a, b in zip(ROOTS, roots, self.post, strict=True) if a != b)
-            raise _fail("state_discontinuity", f"snapshot roots of step {step} do not continue the committed state (root {which!r} differs)", index, f"roots.{which}")
+            raise _fail(
+                "state_discontinuity",
+                f"snapshot roots of step {step} do not continue the committed state (root {which!r} differs)",
+                index,
+                f"roots.{which}",
+            )
         files = _require(data, "files", dict, index)
         for name, entry in files.items():
             if not isinstance(entry, dict):
@@ -315,17 +449,36 @@ class _Verifier:
         data, index = record.data, record.index
         if self.pending:
             step = min(self.pending)
-            raise _fail("missing_check", f"step {step} was sampled but has no check record (a skipped check)", index)
+            raise _fail(
+                "missing_check",
+                f"step {step} was sampled but has no check record (a skipped check)",
+                index,
+            )
         steps = _require(data, "steps", int, index)
         if steps != self.report.steps:
-            raise _fail("count_mismatch", f"close record counts {steps} steps, the transcript has {self.report.steps}", index, "steps")
+            raise _fail(
+                "count_mismatch",
+                f"close record counts {steps} steps, the transcript has {self.report.steps}",
+                index,
+                "steps",
+            )
         checks = _require(data, "checks", int, index)
         if checks != self.report.checks:
-            raise _fail("count_mismatch", f"close record counts {checks} checks, the transcript has {self.report.checks}", index, "checks")
+            raise _fail(
+                "count_mismatch",
+                f"close record counts {checks} checks, the transcript has {self.report.checks}",
+                index,
+                "checks",
+            )
         final = _roots(data, "final", index)
         if final != self.post:
             which = next(n for n, a, b in zip(ROOTS, final, self.post, strict=True) if a != b)
-            raise _fail("state_discontinuity", f"final root {which!r} does not equal the last committed post-update root", index, f"final.{which}")
+            raise _fail(
+                "state_discontinuity",
+                f"final root {which!r} does not equal the last committed post-update root",
+                index,
+                f"final.{which}",
+            )
         self.report.final = {name: root.hex() for name, root in zip(ROOTS, final, strict=True)}
 
 
@@ -365,7 +518,12 @@ def verify_transcript(
             if record.index:
                 got = record.data.get("prev")
                 if got != prev:
-                    raise _fail("broken_chain", "prev does not match the hash of the previous record (an edited, dropped or reordered record)", record.index, "prev")
+                    raise _fail(
+                        "broken_chain",
+                        "prev does not match the hash of the previous record (an edited, dropped or reordered record)",
+                        record.index,
+                        "prev",
+                    )
             prev = record.hash
             if record.index == 0:
                 verifier.root(record)
@@ -382,7 +540,11 @@ def verify_transcript(
         if last_index < 0:
             raise _fail("empty", "the transcript holds no records", None)
         if not closed:
-            raise _fail("missing_close", f"the transcript ends after record {last_index} without a close record (the run was not closed)", last_index + 1)
+            raise _fail(
+                "missing_close",
+                f"the transcript ends after record {last_index} without a close record (the run was not closed)",
+                last_index + 1,
+            )
         report.ok = True
         report.digest = prev.hex()
     except TranscriptError as error:

@@ -1,0 +1,392 @@
+"""Shared lifecycle for backend-specific ZKDV drivers.
+
+A frontend (``zkdv.jax`` or ``zkdv.torch``) turns one training invocation into a
+:class:`Submission` and hands it to :meth:`Driver._submit`. The driver owns the
+transcript (:class:`~zkdv.core.ZKDVCore`) and the pipeline
+(:class:`~zkdv.flowcontrol.PipelineQueue`):
+
+1. the training thread is admitted under the transaction's overlap policy
+   (:meth:`Driver._admit`), dispatches the step, and submits it;
+2. the commit stage (one thread, so records stay in step order) reads the post-update
+   state, commits batch, state and probes, and decides the sampled check; the moment it
+   no longer reads live state it sets the submission's ``released`` event, the
+   *mutation barrier* a frontend waits on before donating or mutating that state;
+3. a sampled step captures its committed coordinates while the state is still live,
+   fences admission as its policy says, and is replayed on the check stage; a failed
+   check writes its record and poisons the driver, so the next call, ``join()`` or
+   ``close()`` raises :class:`~zkdv.errors.ZKDVPoisonedError`.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from zkdv.config import ZKDVConfig
+from zkdv.core import ProgramInfo, StepResult, ZKDVCore
+from zkdv.errors import (
+    ALREADY_STARTED,
+    CLOSED,
+    NOT_STARTED,
+    ZKDVError,
+    ZKDVVerificationError,
+)
+from zkdv.flowcontrol import Admission, PipelineQueue, unannotated
+from zkdv.overlap import Policy
+from zkdv.probes import ProbeSet
+from zkdv.sampling import Challenge
+
+__all__ = ["Driver", "Leaves", "ReplayOutcome", "Submission"]
+
+Leaves = Sequence[tuple[str, np.ndarray]]
+PROGRAM_FILES = {"jax.export": "program.jaxexport", "aot-inductor": "program.pt2"}
+
+
+@dataclass(frozen=True)
+class ReplayOutcome:
+    """What a sampled replay recomputed for one challenge."""
+
+    replayed_delta: float
+    replayed_state: float
+    replay_from: int
+    replayed_steps: int
+
+
+class Submission(abc.ABC):
+    """One dispatched training invocation, as the driver's pipeline sees it.
+
+    Methods run on the pipeline's threads in this order: ``initial_state`` (first
+    submission only), ``batch``, ``post_state``, ``probes``, then ``capture`` for a
+    sampled step, then ``release_views``; later ``replay`` (sampled steps only, on the
+    check thread) and ``retire``.
+    """
+
+    policy: Policy = Policy.UNCHECKED
+    tokens: int | None = None
+    flops: float | None = None
+    started: float = 0.0
+
+    def initial_state(self) -> tuple[Leaves, Leaves, Leaves]:
+        """Host views of the pre-update (params, opt_state, buffers) of the first step."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def batch(self) -> np.ndarray:
+        """The committed batch as a 2-D uint32 host array."""
+
+    @abc.abstractmethod
+    def post_state(self) -> tuple[Leaves, Leaves, Leaves]:
+        """Host views of the post-update (params, opt_state, buffers); may block."""
+
+    def probes(
+        self, probes: ProbeSet
+    ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]] | None:
+        """``(pre, post, delta)`` probe arrays per parameter leaf, or None."""
+        return None
+
+    @abc.abstractmethod
+    def capture(self, challenge: Challenge) -> tuple[float, float]:
+        """Committed (delta, post-optimizer-state) values at the challenged indices."""
+
+    def release_views(self) -> None:  # noqa: B027 - optional hook
+        """Drop host views of live state (they may alias buffers about to be donated)."""
+
+    @abc.abstractmethod
+    def replay(self, challenge: Challenge) -> ReplayOutcome:
+        """Recompute the challenged coordinates from the latest snapshot."""
+
+    def retire(self) -> None:  # noqa: B027 - optional hook
+        """Drop every reference the submission still holds."""
+
+
+class Pending:
+    """The driver's handle on one submitted step."""
+
+    def __init__(self, index: int, submission: Submission) -> None:
+        self.index = index
+        self.submission = submission
+        self.released = threading.Event()
+        self.retired = threading.Event()
+        self.result: StepResult | None = None
+        self.challenge: Challenge | None = None
+
+
+class Driver:
+    """Own one backend transcript and its asynchronous pipeline lifecycle.
+
+    Args:
+        path: proof directory (``records.cborl`` and its sidecars are written there).
+        config: run configuration; defaults to :class:`~zkdv.ZKDVConfig()`.
+        backend: ``"jax"`` or ``"torch"``.
+        annotation: profiler-range factory for pipeline stages.
+        max_in_flight: hard ceiling for unresolved transactions.
+        replay_snapshot_interval: a replay snapshot every N steps; a checked replay runs
+            at most N - 1 transitions before the challenged one.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        config: ZKDVConfig | None,
+        *,
+        backend: str,
+        annotation: Callable[[str], AbstractContextManager[Any]] = unannotated,
+        max_in_flight: int,
+        replay_snapshot_interval: int,
+    ) -> None:
+        if replay_snapshot_interval < 1:
+            raise ValueError("ZKDV replay_snapshot_interval must be positive")
+        if max_in_flight < 1:
+            raise ValueError("ZKDV max_in_flight must be positive")
+        self.path = Path(path)
+        self.config = config if config is not None else ZKDVConfig()
+        if not isinstance(self.config, ZKDVConfig):
+            raise TypeError("ZKDV config must be a zkdv.ZKDVConfig")
+        self._backend = backend
+        self._annotation = annotation
+        self._max_in_flight = max_in_flight
+        self._replay_snapshot_interval = replay_snapshot_interval
+        self._queue = PipelineQueue(max_in_flight, annotation)
+        self._core: ZKDVCore | None = None
+        self._program: ProgramInfo | None = None
+        self._experiment: dict[str, str] | None = None
+        self._env: dict[str, Any] = {}
+        self._next_index = 0
+        self._last: Pending | None = None
+        self._closed = False
+        self._started = False
+        self.rolling_window = 0
+        self.probe_ratio = 0.0
+        self.digest: bytes | None = None
+
+    # --- public lifecycle ---------------------------------------------------------------
+    @property
+    def prover(self) -> str:
+        return f"whitebox-{self._backend}"
+
+    @property
+    def replay_snapshot_interval(self) -> int:
+        return self._replay_snapshot_interval
+
+    @property
+    def steps(self) -> int:
+        return self._next_index
+
+    def start(self, rolling_window: int, probe_ratio: float = 0.01) -> None:
+        """Fix the run's rolling-hash window and probe ratio; call once before training.
+
+        Args:
+            rolling_window: words per rolling-hash window within each committed batch
+                row; it must not exceed the packed row width (checked at the first step).
+            probe_ratio: fraction of each parameter leaf's last dimension kept by its
+                orthonormal probe, fixed for the run.
+        """
+        if self._closed:
+            raise ZKDVError(CLOSED)
+        if self._started:
+            raise ZKDVError(ALREADY_STARTED)
+        if (
+            isinstance(rolling_window, bool)
+            or not isinstance(rolling_window, int)
+            or rolling_window < 1
+        ):
+            raise ValueError(f"rolling_window={rolling_window!r} must be a positive integer")
+        if not 0.0 < float(probe_ratio) <= 1.0:
+            raise ValueError(f"probe_ratio={probe_ratio!r} must be in (0, 1]")
+        self.rolling_window = rolling_window
+        self.probe_ratio = float(probe_ratio)
+        self._core = ZKDVCore(
+            self.path,
+            self.config,
+            prover=self.prover,
+            rolling_window=rolling_window,
+            probe_ratio=self.probe_ratio,
+            snapshot_interval=self._replay_snapshot_interval,
+            max_in_flight=self._max_in_flight,
+        )
+        self._started = True
+
+    def bind_experiment(self, name: str, spec_digest: str) -> None:
+        """Bind the transcript to a DVBench experiment (before the first step)."""
+        if self._core is not None and self._core.opened:
+            raise ZKDVError("bind the experiment before the first training step")
+        self._experiment = {"name": name, "spec_digest": spec_digest}
+
+    def join(self) -> None:
+        """Wait for every queued commitment and sampled check without closing."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Wait for all commitments and checks, flush the tape, release resources.
+
+        Raises:
+            ZKDVPoisonedError: an asynchronous commitment or sampled check failed
+                (again on every later call).
+        """
+        if not self._closed:
+            self._closed = True
+            try:
+                self._queue.join(raise_poison=False)
+            finally:
+                self._queue.close()
+                core = self._core
+                if core is not None and core.opened:
+                    self.digest = core.close()
+        self._queue.check()
+
+    def __enter__(self) -> Driver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- frontend API -------------------------------------------------------------------
+    def _require_running(self) -> ZKDVCore:
+        if self._closed:
+            raise ZKDVError(CLOSED)
+        self._queue.check()
+        if self._core is None:
+            raise ZKDVError(NOT_STARTED)
+        return self._core
+
+    def _set_program(self, kind: str, material: bytes | bytearray | memoryview) -> ProgramInfo:
+        """Record the attested artifact's exact bytes beside the transcript."""
+        core = self._require_running()
+        if core.opened:
+            raise ZKDVError("the attested program is fixed by the first step and cannot change")
+        info = ProgramInfo.of(kind, material)
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / PROGRAM_FILES.get(kind, "program.bin")).write_bytes(bytes(material))
+        self._program = info
+        return info
+
+    def _snapshot_due(self, index: int) -> bool:
+        return index % self._replay_snapshot_interval == 0
+
+    def _admit(self, policy: Policy) -> Admission:
+        """Block until a transaction of ``policy`` may start; raises once poisoned."""
+        self._require_running()
+        return self._queue.acquire(Policy(policy))
+
+    def _barrier(self) -> None:
+        """Wait until the previous step's commitment stopped reading live state."""
+        last = self._last
+        if last is not None:
+            while not last.released.wait(0.05):
+                self._queue.check()
+        self._queue.check()
+
+    def _submit(self, admission: Admission, submission: Submission) -> Pending:
+        """Queue one dispatched step's commitment (and, if sampled, its check)."""
+        core = self._require_running()
+        pending = Pending(self._next_index, submission)
+        self._next_index += 1
+        if not submission.started:
+            submission.started = time.time()
+        admission.register(pending.retired)
+        self._last = pending
+        try:
+            self._queue.submit_commit(self._commit, core, pending)
+        except BaseException:
+            pending.released.set()
+            pending.retired.set()
+            raise
+        return pending
+
+    # --- pipeline stages ----------------------------------------------------------------
+    def _commit(self, core: ZKDVCore, pending: Pending) -> None:
+        sub = pending.submission
+        try:
+            if not core.opened:
+                params, opt_state, buffers = sub.initial_state()
+                core.experiment = self._experiment
+                batch = sub.batch()
+                core.open(
+                    params=params,
+                    opt_state=opt_state,
+                    buffers=buffers,
+                    batch_cols=int(np.asarray(batch).reshape(len(batch), -1).shape[1]),
+                    program=self._program,
+                    env=self._env,
+                )
+            params, opt_state, buffers = sub.post_state()
+            assert core.probes is not None
+            probes = sub.probes(core.probes)
+            result = core.commit_step(
+                pending.index,
+                batch=sub.batch(),
+                params=params,
+                opt_state=opt_state,
+                buffers=buffers,
+                probes=probes,
+                tokens=sub.tokens,
+                flops=sub.flops,
+                started=sub.started,
+            )
+            pending.result = result
+            challenge = result.challenge
+            if challenge is None:
+                sub.release_views()
+                pending.released.set()
+                sub.retire()
+                pending.retired.set()
+                return
+            committed = sub.capture(challenge)
+            sub.release_views()
+            pending.released.set()
+            done, acquired = threading.Event(), threading.Event()
+            # The fence is registered before retirement so no admission slips between.
+            self._queue.fence(done, sub.policy, acquired=acquired)
+            pending.retired.set()
+            self._queue.submit_check(
+                self._check, core, pending, challenge, committed, done, acquired
+            )
+        except BaseException:
+            pending.released.set()
+            pending.retired.set()
+            sub.retire()
+            raise
+
+    def _check(
+        self,
+        core: ZKDVCore,
+        pending: Pending,
+        challenge: Challenge,
+        committed: tuple[float, float],
+        done: threading.Event,
+        acquired: threading.Event,
+    ) -> None:
+        sub = pending.submission
+        try:
+            acquired.set()
+            outcome = sub.replay(challenge)
+            ok = core.record_check(
+                challenge,
+                committed_delta=committed[0],
+                replayed_delta=outcome.replayed_delta,
+                committed_state=committed[1],
+                replayed_state=outcome.replayed_state,
+                replay_from=outcome.replay_from,
+                replayed_steps=outcome.replayed_steps,
+            )
+        finally:
+            sub.retire()
+            done.set()
+        if not ok:
+            tol = self.config.tolerance
+            raise ZKDVVerificationError(
+                f"sampled check of step {challenge.step} failed: parameter "
+                f"{challenge.param_index} update committed {committed[0]!r}, replayed "
+                f"{outcome.replayed_delta!r}; optimizer state {challenge.state_index} "
+                f"committed {committed[1]!r}, replayed {outcome.replayed_state!r} "
+                f"(tolerance abs {tol.absolute:g}, rel {tol.relative:g})"
+            )
