@@ -40,6 +40,7 @@ from zkdv.errors import (
     ZKDVError,
     ZKDVVerificationError,
 )
+from zkdv.files import TREES, batch_path, snapshot_path, write_batch, write_state
 from zkdv.flowcontrol import Admission, PipelineQueue, unannotated
 from zkdv.overlap import Policy
 from zkdv.probes import ProbeSet
@@ -74,6 +75,10 @@ class Submission(abc.ABC):
     tokens: int | None = None
     flops: float | None = None
     started: float = 0.0
+    #: Host copies of the pre-update (params, opt_state, buffers) when this step is a
+    #: replay snapshot step (``Driver._snapshot_due``); the driver writes them to
+    #: ``files/`` for the platform and records the snapshot in the transcript.
+    snapshot: tuple[Leaves, Leaves, Leaves] | None = None
 
     def initial_state(self) -> tuple[Leaves, Leaves, Leaves]:
         """Host views of the pre-update (params, opt_state, buffers) of the first step."""
@@ -167,6 +172,9 @@ class Driver:
         self.rolling_window = 0
         self.probe_ratio = 0.0
         self.digest: bytes | None = None
+        # Snapshot and batch files for the platform's replay (zkdv.files); a run
+        # without a platform may turn them off with ZKDV_KEEP_FILES=0.
+        self._keep_files = os.environ.get("ZKDV_KEEP_FILES", "1") != "0"
 
     # --- public lifecycle ---------------------------------------------------------------
     @property
@@ -303,6 +311,10 @@ class Driver:
         return pending
 
     # --- pipeline stages ----------------------------------------------------------------
+    def _write_snapshot(self, step: int, snapshot: tuple[Leaves, Leaves, Leaves]) -> None:
+        for tree, leaves in zip(TREES, snapshot, strict=True):
+            write_state(snapshot_path(self.path, step, tree), leaves)
+
     def _commit(self, core: ZKDVCore, pending: Pending) -> None:
         sub = pending.submission
         try:
@@ -318,12 +330,24 @@ class Driver:
                     program=self._program,
                     env=self._env,
                 )
+            batch = sub.batch()
+            if self._keep_files:
+                write_batch(batch_path(self.path, pending.index), np.asarray(batch))
+            snapshot = sub.snapshot
+            if snapshot is not None:
+                sub.snapshot = None
+                assert core.last_roots is not None
+                # Its roots are the post roots of the previous step, already computed:
+                # the file needs no second hash; the platform recomputes them.
+                core.record_snapshot(pending.index, core.last_roots, {})
+                if self._keep_files:
+                    self._queue.submit_snapshot(self._write_snapshot, pending.index, snapshot)
             params, opt_state, buffers = sub.post_state()
             assert core.probes is not None
             probes = sub.probes(core.probes)
             result = core.commit_step(
                 pending.index,
-                batch=sub.batch(),
+                batch=batch,
                 params=params,
                 opt_state=opt_state,
                 buffers=buffers,
