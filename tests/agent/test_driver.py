@@ -27,8 +27,13 @@ class NumpyProof(Driver):
     """A toy frontend: one LinearSGD step per call, replayed exactly from snapshots."""
 
     def __init__(self, path: Path, config: zkdv.ZKDVConfig, **options: int) -> None:
-        super().__init__(path, config, backend="jax", max_in_flight=options.get("max_in_flight", 2),
-                         replay_snapshot_interval=options.get("interval", 3))
+        super().__init__(
+            path,
+            config,
+            backend="jax",
+            max_in_flight=options.get("max_in_flight", 2),
+            replay_snapshot_interval=options.get("interval", 3),
+        )
         self.model = LinearSGD(4)
         # Snapshots by step: a check completes asynchronously, possibly after a newer
         # snapshot was taken, so it must replay from the one that precedes its step.
@@ -80,8 +85,15 @@ class _Step(Submission):
         for step in range(start, c.step):
             _, params, state = self.proof.model.update(params, state, self.proof.inputs[step])
         deltas, _, post_state = self.proof.model.update(params, state, self.proof.inputs[c.step])
-        return ReplayOutcome(float(_flat(deltas)[c.param_index]), float(_flat(post_state)[c.state_index]),
-                             start, c.step - start)
+        return ReplayOutcome(
+            float(_flat(deltas)[c.param_index]),
+            float(_flat(post_state)[c.state_index]),
+            start,
+            c.step - start,
+        )
+
+
+EVERY_STEP = zkdv.SamplingPolicy.DEBUGCheckEvery(1)
 
 
 def _batches(n: int) -> list[np.ndarray]:
@@ -89,8 +101,12 @@ def _batches(n: int) -> list[np.ndarray]:
     return [rng.integers(0, 1000, (8, 5), dtype=np.uint32) for _ in range(n)]
 
 
-def _run(tmp_path: Path, policy=zkdv.SamplingPolicy.DEBUGCheckEvery(1), *, tamper=None, steps=7, **opts):
-    proof = NumpyProof(tmp_path / "proof", zkdv.ZKDVConfig(sampling_policy=policy, chunk_bytes=64), **opts)
+def _run(
+    tmp_path: Path, policy=EVERY_STEP, *, tamper=None, steps=7, **opts
+):
+    proof = NumpyProof(
+        tmp_path / "proof", zkdv.ZKDVConfig(sampling_policy=policy, chunk_bytes=64), **opts
+    )
     proof.tamper_step = tamper
     proof.start(rolling_window=3, probe_ratio=0.5)
     params, state = proof.model.init(0)
@@ -105,7 +121,7 @@ def _run(tmp_path: Path, policy=zkdv.SamplingPolicy.DEBUGCheckEvery(1), *, tampe
 
 
 def test_honest_run_verifies_and_keeps_replay_files(tmp_path: Path) -> None:
-    proof, params, state = _run(tmp_path)
+    proof, _, _ = _run(tmp_path)
     proof.close()
     report = verify_transcript(tmp_path / "proof")
     assert report.ok, report.summary()
@@ -146,7 +162,10 @@ def test_poison_surfaces_at_the_next_step(tmp_path: Path) -> None:
     [(zkdv.overlap.NEVER, 1), (zkdv.overlap.UNCHECKED, 2), (zkdv.overlap.ALWAYS, 2)],
 )
 def test_overlap_policies_bound_live_generations(tmp_path: Path, policy, bound) -> None:
-    proof = NumpyProof(tmp_path / "p", zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy.DEBUGCheckEvery(2), chunk_bytes=64))
+    proof = NumpyProof(
+        tmp_path / "p",
+        zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy.DEBUGCheckEvery(2), chunk_bytes=64),
+    )
     proof.start(rolling_window=2)
     params, state = proof.model.init(1)
     for batch in _batches(12):

@@ -345,8 +345,28 @@ def open_coordinate(
     )
 
 
-def verify_opening(root: bytes, opening: CoordinateOpening) -> bool:
-    """True when ``opening`` proves its chunk (and so its coordinate) under ``root``."""
+def verify_opening(
+    root: bytes, opening: CoordinateOpening, *, specs: Sequence[LeafSpec] | None = None
+) -> bool:
+    """True when ``opening`` proves its chunk (and so its coordinate) under ``root``.
+
+    Args:
+        specs: the state's schema (from the transcript's root record). With it, the
+            opening must also sit exactly at ``opening.flat_index``; without it only
+            the chunk's membership under ``root`` is checked.
+    """
+    if specs is not None:
+        try:
+            located = locate(specs, opening.flat_index)
+        except IndexError:
+            return False
+        if (
+            located != (opening.leaf_index, opening.element)
+            or specs[opening.leaf_index] != opening.spec
+        ):
+            return False
+        if opening.leaf_count != len(specs):
+            return False
     spec = opening.spec
     if not 0 <= opening.element < spec.size:
         return False

@@ -46,7 +46,6 @@ writer ``fsync``\\ s after the root, after every check and snapshot record, ever
 
 from __future__ import annotations
 
-import mmap
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -203,16 +202,10 @@ def iter_records(
     path = Path(source)  # type: ignore[arg-type]
     if path.is_dir():
         path = path / RECORDS_FILE
-    with open(path, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        if size == 0:
-            return
-        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            view = memoryview(mapped)
-            try:
-                yield from _iter_buffer(view)
-            finally:
-                view.release()
+    # The whole file is read at once: step records are a few hundred bytes, so even a
+    # million-step run is a few hundred MB, and an mmap's exported slices would outlive
+    # an exception's traceback and make the mapping impossible to close.
+    yield from _iter_buffer(memoryview(path.read_bytes()))
 
 
 def _iter_buffer(view: memoryview) -> Iterator[Record]:

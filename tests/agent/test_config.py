@@ -1,0 +1,79 @@
+"""Public configuration: validation and the state_check_probability resolution."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+import zkdv
+
+
+def test_readme_quick_start_config_is_accepted_with_a_deprecation_warning() -> None:
+    with pytest.warns(DeprecationWarning, match="update_check_probability") as caught:
+        policy = zkdv.SamplingPolicy(state_check_probability=0.01, update_check_probability=0.01)
+    assert caught[0].filename == __file__  # points at the caller, not at zkdv
+    assert policy.probability == 0.01
+
+
+def test_state_probability_alone_sets_the_update_probability() -> None:
+    with pytest.warns(DeprecationWarning):
+        policy = zkdv.SamplingPolicy(state_check_probability=0.2)
+    assert policy.probability == 0.2
+
+
+def test_the_sentinel_is_silent() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert zkdv.SamplingPolicy(update_check_probability=0.03).probability == 0.03
+        assert zkdv.SamplingPolicy().probability == 0.01
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, float("nan"), float("inf")])
+def test_probabilities_are_validated(value: float) -> None:
+    with pytest.raises(ValueError, match="update_check_probability"):
+        zkdv.SamplingPolicy(update_check_probability=value)
+
+
+def test_debug_check_every_validates_n() -> None:
+    with pytest.raises(ValueError, match="n >= 1"):
+        zkdv.SamplingPolicy.DEBUGCheckEvery(0)
+
+
+def test_tolerance() -> None:
+    tol = zkdv.FloatTolerance(absolute=1e-6, relative=1e-3)
+    assert tol.close(1.0005, 1.0)
+    assert not tol.close(1.01, 1.0)
+    assert tol.close(float("nan"), float("nan"))
+    assert not tol.close(float("inf"), 1.0)
+    with pytest.raises(ValueError, match="relative"):
+        zkdv.FloatTolerance(relative=-1)
+
+
+def test_config_round_trips_through_its_record_form() -> None:
+    config = zkdv.ZKDVConfig(
+        name="pretraining",
+        sampling_policy=zkdv.SamplingPolicy.DEBUGCheckEvery(4),
+        tolerance=zkdv.FloatTolerance(absolute=0.0, relative=1e-5),
+    )
+    assert zkdv.ZKDVConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ValueError, match="power of two"):
+        zkdv.ZKDVConfig(chunk_bytes=1000)
+
+
+def test_public_api_is_a_deliberate_list() -> None:
+    assert set(zkdv.__all__) == {
+        "PROTOCOL_VERSION",
+        "FloatTolerance",
+        "SamplingPolicy",
+        "ZKDVConfig",
+        "ZKDVError",
+        "ZKDVPoisonedError",
+        "ZKDVVerificationError",
+        "jax",
+        "overlap",
+        "torch",
+    }
+    assert issubclass(zkdv.ZKDVPoisonedError, zkdv.ZKDVError)
+    assert issubclass(zkdv.ZKDVError, RuntimeError)
+    assert [p.name for p in zkdv.overlap.Policy] == ["ALWAYS", "UNCHECKED", "NEVER"]
