@@ -1,8 +1,883 @@
-"""Models of the attestations app."""
+"""Models of the attestations app.
+
+Behaviour lives here (fat models, thin views): access rules on :class:`Membership`,
+key issuing and checking on :class:`ApiKey`, spec canonicalisation and versioning on
+:class:`Experiment` / :class:`ExperimentSpec`, and the verdict of a transcript on
+:class:`Proof`. Logic that moves bytes through storage across several models lives in
+``attestations/uploads.py``.
+"""
 
 from __future__ import annotations
 
-from django.db import models
+import hashlib
+import hmac
+import json
+import re
+import secrets
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from decimal import Decimal
+from typing import Any, ClassVar
+
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
+from django.core.validators import RegexValidator
+from django.db import models, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+sha256_validator = RegexValidator(
+    SHA256_HEX, "Enter a lowercase hex SHA-256 digest (64 characters)."
+)
+SLUG = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,48}[a-z0-9])?$")
+slug_validator = RegexValidator(
+    SLUG, "Use 1-50 lowercase letters, digits or hyphens, not starting or ending with a hyphen."
+)
+EXPERIMENT_NAME = re.compile(r"^[a-z0-9](?:[a-z0-9._-]{0,98}[a-z0-9])?$")
+experiment_name_validator = RegexValidator(
+    EXPERIMENT_NAME,
+    "Use 1-100 lowercase letters, digits, '.', '_' or '-', starting and ending with a letter "
+    "or digit.",
+)
+
+#: The schema tag inside every canonical spec document; bump it if the document changes.
+SPEC_SCHEMA = "dvbench.spec/v1"
+
+
+# --- Organisations and roles ------------------------------------------------------------
+
+
+class Organization(models.Model):
+    """A lab or agency. Its slug is the ``owner`` half of ``owner/name`` experiment ids."""
+
+    slug = models.CharField(max_length=50, unique=True, validators=[slug_validator])
+    name = models.CharField(max_length=200)
+    created = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["slug"]
+
+    def __str__(self) -> str:
+        return self.slug
+
+
+class Role(models.TextChoices):
+    TRAINER = "trainer", "Trainer"
+    AUDITOR = "auditor", "Auditor"
+    REGULATOR = "regulator", "Regulator"
+    ADMIN = "admin", "Admin"
+
+
+class Capability(models.TextChoices):
+    """What a role may do inside its organisation.
+
+    ``read`` covers claims: experiments, specs, proof verdicts, jobs, certificates.
+    ``audit`` covers the organisation's audit trail. ``artifacts`` covers the bytes a lab
+    uploaded (transcripts, snapshots, batches) and the upload sessions that carry them.
+    ``write`` registers experiments and uploads; ``manage`` changes memberships.
+    """
+
+    READ = "read"
+    AUDIT = "audit"
+    ARTIFACTS = "artifacts"
+    WRITE = "write"
+    MANAGE = "manage"
+
+
+ROLE_CAPABILITIES: Mapping[str, frozenset[str]] = {
+    Role.TRAINER: frozenset({"read", "audit", "artifacts", "write"}),
+    Role.ADMIN: frozenset({"read", "audit", "artifacts", "write", "manage"}),
+    Role.AUDITOR: frozenset({"read", "audit"}),
+    # A regulator reads claims in every organisation (see Access.read_all) but never
+    # artifacts: weights and data are the lab's secrets (DESIGN.md section 7).
+    Role.REGULATOR: frozenset({"read"}),
+}
+
+
+class Membership(models.Model):
+    """A user's role in one organisation."""
+
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships"
+    )
+    organization = models.ForeignKey(
+        Organization, on_delete=models.CASCADE, related_name="memberships"
+    )
+    role = models.CharField(max_length=16, choices=Role.choices)
+    created = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["user", "organization"], name="one_role_per_org")
+        ]
+        ordering = ["organization__slug", "user__username"]
+
+    def __str__(self) -> str:
+        return f"{self.user} {self.role} in {self.organization}"
+
+
+@dataclass(frozen=True)
+class Access:
+    """What one user may do, computed once per request from their memberships.
+
+    Views never look at roles directly; they ask ``access.can(capability, org_id)`` or
+    scope a queryset with ``access.orgs(capability)``.
+    """
+
+    roles: Mapping[int, str]
+    read_all: bool
+    superuser: bool = False
+
+    @classmethod
+    def for_user(cls, user: AbstractBaseUser | AnonymousUser) -> Access:
+        if not user.is_authenticated:
+            return cls(roles={}, read_all=False)
+        roles = dict(Membership.objects.filter(user=user).values_list("organization_id", "role"))
+        superuser = bool(getattr(user, "is_superuser", False))
+        return cls(
+            roles=roles,
+            read_all=superuser or Role.REGULATOR in roles.values(),
+            superuser=superuser,
+        )
+
+    def can(self, capability: str, organization_id: int) -> bool:
+        if self.superuser:
+            return True
+        if capability == Capability.READ and self.read_all:
+            return True
+        role = self.roles.get(organization_id)
+        return role is not None and capability in ROLE_CAPABILITIES[role]
+
+    def can_see(self, organization_id: int) -> bool:
+        """Whether the organisation's objects exist for this user at all (else 404)."""
+        return self.can(Capability.READ, organization_id)
+
+    def orgs(self, capability: str, field: str = "organization_id") -> Q:
+        """A filter on ``field`` for the organisations where ``capability`` holds."""
+        if self.superuser or (capability == Capability.READ and self.read_all):
+            return Q()
+        ids = [org for org, role in self.roles.items() if capability in ROLE_CAPABILITIES[role]]
+        return Q(**{f"{field}__in": ids})
+
+    def any(self, capability: str) -> bool:
+        return (
+            self.superuser
+            or any(capability in ROLE_CAPABILITIES[role] for role in self.roles.values())
+            or (capability == Capability.READ and self.read_all)
+        )
+
+    @property
+    def is_regulator(self) -> bool:
+        return Role.REGULATOR in self.roles.values()
+
+
+# --- API keys ---------------------------------------------------------------------------
+
+API_KEY_PREFIX = "dvb"
+
+
+class ApiKeyQuerySet(models.QuerySet["ApiKey"]):
+    def active(self) -> ApiKeyQuerySet:
+        return self.filter(revoked__isnull=True, expires__gt=timezone.now())
+
+
+class ApiKey(models.Model):
+    """A personal API key: ``dvb_<lookup>_<secret>``.
+
+    Only the SHA-256 of the whole key is stored. The secret has 256 bits of entropy, so a
+    fast hash is the right tool (a slow password hash would only slow every API request);
+    ``lookup`` is a random public prefix that finds the row without a scan, and the
+    digest comparison is constant-time.
+    """
+
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_keys"
+    )
+    name = models.CharField(max_length=100)
+    lookup = models.CharField(max_length=16, unique=True)
+    digest = models.CharField(max_length=64)
+    created = models.DateTimeField(default=timezone.now)
+    expires = models.DateTimeField()
+    revoked = models.DateTimeField(null=True, blank=True)
+    last_used = models.DateTimeField(null=True, blank=True)
+
+    objects: ClassVar[ApiKeyQuerySet] = ApiKeyQuerySet.as_manager()  # type: ignore[assignment]
+
+    class Meta:
+        ordering = ["-created"]
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… ({self.name})"
+
+    @property
+    def prefix(self) -> str:
+        """The part of the key that is safe to show again: it identifies, never authenticates."""
+        return f"{API_KEY_PREFIX}_{self.lookup}"
+
+    @property
+    def is_active(self) -> bool:
+        return self.revoked is None and self.expires > timezone.now()
+
+    @staticmethod
+    def hash(raw: str) -> str:
+        return hashlib.sha256(raw.encode("utf-8")).hexdigest()
+
+    @classmethod
+    def issue(
+        cls, user: AbstractBaseUser, name: str, *, days: int | None = None
+    ) -> tuple[ApiKey, str]:
+        """Create a key and return it with its raw value, which is never retrievable again."""
+        ttl = days if days is not None else int(settings.DVBENCH["API_KEY_TTL_DAYS"])
+        lookup = secrets.token_hex(6)
+        raw = f"{API_KEY_PREFIX}_{lookup}_{secrets.token_urlsafe(32)}"
+        key = cls.objects.create(
+            user=user,
+            name=name,
+            lookup=lookup,
+            digest=cls.hash(raw),
+            expires=timezone.now() + timedelta(days=ttl),
+        )
+        return key, raw
+
+    @classmethod
+    def authenticate(cls, raw: str) -> ApiKey | None:
+        """Return the active key matching ``raw``, or None. Records ``last_used``."""
+        parts = raw.split("_", 2)
+        if len(parts) != 3 or parts[0] != API_KEY_PREFIX:
+            return None
+        key = cls.objects.select_related("user").filter(lookup=parts[1]).first()
+        if key is None or not hmac.compare_digest(key.digest, cls.hash(raw)):
+            return None
+        if not key.is_active:
+            return None
+        now = timezone.now()
+        # One write a minute at most: an API client polling a job must not turn every
+        # read into a row update.
+        if key.last_used is None or now - key.last_used > timedelta(minutes=1):
+            cls.objects.filter(pk=key.pk).update(last_used=now)
+            key.last_used = now
+        return key
+
+    def revoke(self) -> bool:
+        """Revoke the key; returns False if it was already revoked."""
+        updated = ApiKey.objects.filter(pk=self.pk, revoked__isnull=True).update(
+            revoked=timezone.now()
+        )
+        self.refresh_from_db(fields=["revoked"])
+        return bool(updated)
+
+
+# --- Experiments and specs --------------------------------------------------------------
+
+
+class Framework(models.TextChoices):
+    JAX = "jax", "JAX"
+    TORCH = "torch", "PyTorch"
+
+
+class Regime(models.TextChoices):
+    PRETRAINING = "pretraining", "Pre-training"
+    CONTINUED_PRETRAINING = "continued-pretraining", "Continued pre-training"
+    FINE_TUNING = "fine-tuning", "Supervised fine-tuning"
+    RL = "rl", "Reinforcement learning"
+    DISTILLATION = "distillation", "Distillation"
+
+
+def canonical_json(document: Any) -> bytes:
+    """The canonical encoding hashed into spec digests.
+
+    UTF-8 JSON with keys sorted, no insignificant whitespace (``separators=(",", ":")``)
+    and non-ASCII characters kept as they are. Integers are written exactly; the only
+    non-integer number (GPU-hours) is written as a decimal string so no float formatting
+    enters the digest.
+    """
+    return json.dumps(
+        document, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+class ExperimentQuerySet(models.QuerySet["Experiment"]):
+    def visible_to(self, access: Access) -> ExperimentQuerySet:
+        return self.filter(access.orgs(Capability.READ, "owner_id"))
+
+    def by_full_name(self, full_name: str) -> ExperimentQuerySet:
+        owner, _, name = full_name.partition("/")
+        return self.filter(owner__slug=owner, name=name)
+
+
+class Experiment(models.Model):
+    """A training run registered in advance, identified as ``owner/name``."""
+
+    owner = models.ForeignKey(Organization, on_delete=models.PROTECT, related_name="experiments")
+    name = models.CharField(max_length=100, validators=[experiment_name_validator])
+    current_spec = models.ForeignKey(
+        "ExperimentSpec", on_delete=models.PROTECT, null=True, related_name="+"
+    )
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+"
+    )
+    created = models.DateTimeField(default=timezone.now)
+
+    objects: ClassVar[ExperimentQuerySet] = ExperimentQuerySet.as_manager()  # type: ignore[assignment]
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["owner", "name"], name="experiment_name_per_owner")
+        ]
+        ordering = ["-created"]
+
+    def __str__(self) -> str:
+        return self.full_name
+
+    @property
+    def full_name(self) -> str:
+        return f"{self.owner.slug}/{self.name}"
+
+    @property
+    def organization_id(self) -> int:
+        return self.owner_id
+
+    @classmethod
+    @transaction.atomic
+    def register(
+        cls,
+        owner: Organization,
+        name: str,
+        spec: Mapping[str, Any],
+        *,
+        user: AbstractBaseUser | None,
+    ) -> Experiment:
+        """Create the experiment and its first spec version."""
+        experiment = cls.objects.create(owner=owner, name=name, created_by=user)
+        experiment.current_spec = ExperimentSpec.create_version(experiment, 1, spec)
+        experiment.save(update_fields=["current_spec"])
+        return experiment
+
+    @transaction.atomic
+    def revise_spec(self, spec: Mapping[str, Any]) -> tuple[ExperimentSpec, bool]:
+        """Apply a changed spec.
+
+        A spec with no proof attached is edited in place; a frozen one (a proof names it)
+        is kept as it is and the change becomes a new version. An identical spec changes
+        nothing.
+
+        Returns:
+            The current spec and whether anything changed.
+        """
+        current = ExperimentSpec.objects.select_for_update().get(pk=self.current_spec_id)
+        fields = ExperimentSpec.fields_from(spec)
+        if all(getattr(current, key) == value for key, value in fields.items()):
+            return current, False
+        if current.is_frozen:
+            latest = self.specs.aggregate(models.Max("version"))["version__max"] or 0
+            new = ExperimentSpec.create_version(self, latest + 1, spec)
+            self.current_spec = new
+            self.save(update_fields=["current_spec"])
+            return new, True
+        for key, value in fields.items():
+            setattr(current, key, value)
+        current.digest = current.compute_digest()
+        current.save()
+        return current, True
+
+
+class ExperimentSpec(models.Model):
+    """One version of an experiment's declared spec; frozen once a proof names it."""
+
+    experiment = models.ForeignKey(Experiment, on_delete=models.CASCADE, related_name="specs")
+    version = models.PositiveIntegerField()
+    framework = models.CharField(max_length=8, choices=Framework.choices)
+    model_description = models.TextField(max_length=2000)
+    optimizer = models.CharField(max_length=500)
+    dataset_commitment = models.CharField(max_length=64, validators=[sha256_validator])
+    max_flops = models.DecimalField(max_digits=40, decimal_places=0, null=True, blank=True)
+    max_tokens = models.DecimalField(max_digits=30, decimal_places=0, null=True, blank=True)
+    max_gpu_hours = models.DecimalField(max_digits=14, decimal_places=3, null=True, blank=True)
+    allowed_regimes = models.JSONField(default=list)
+    digest = models.CharField(max_length=64, db_index=True)
+    created = models.DateTimeField(default=timezone.now)
+
+    SPEC_FIELDS: ClassVar[tuple[str, ...]] = (
+        "framework",
+        "model_description",
+        "optimizer",
+        "dataset_commitment",
+        "max_flops",
+        "max_tokens",
+        "max_gpu_hours",
+        "allowed_regimes",
+    )
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["experiment", "version"], name="spec_version_unique")
+        ]
+        ordering = ["-version"]
+
+    def __str__(self) -> str:
+        return f"{self.experiment_id} v{self.version}"
+
+    @classmethod
+    def fields_from(cls, spec: Mapping[str, Any]) -> dict[str, Any]:
+        fields = {key: spec.get(key) for key in cls.SPEC_FIELDS}
+        fields["allowed_regimes"] = sorted(set(fields["allowed_regimes"] or []))
+        for key in ("max_flops", "max_tokens", "max_gpu_hours"):
+            if fields[key] is not None:
+                fields[key] = Decimal(fields[key])
+        return fields
+
+    @classmethod
+    def create_version(
+        cls, experiment: Experiment, version: int, spec: Mapping[str, Any]
+    ) -> ExperimentSpec:
+        row = cls(experiment=experiment, version=version, **cls.fields_from(spec))
+        row.digest = row.compute_digest()
+        row.save()
+        return row
+
+    def canonical_document(self) -> dict[str, Any]:
+        """The document whose canonical JSON (:func:`canonical_json`) is hashed.
+
+        It binds the experiment id, so the same limits declared for two experiments have
+        two digests, and a transcript naming one cannot be filed under the other.
+        """
+
+        def integer(value: Decimal | None) -> int | None:
+            return None if value is None else int(value)
+
+        return {
+            "schema": SPEC_SCHEMA,
+            "experiment": self.experiment.full_name,
+            "framework": self.framework,
+            "model": self.model_description,
+            "optimizer": self.optimizer,
+            "dataset_commitment": self.dataset_commitment,
+            "limits": {
+                "max_flops": integer(self.max_flops),
+                "max_tokens": integer(self.max_tokens),
+                "max_gpu_hours": None
+                if self.max_gpu_hours is None
+                else format(Decimal(self.max_gpu_hours).normalize(), "f"),
+                "allowed_regimes": sorted(self.allowed_regimes),
+            },
+        }
+
+    def compute_digest(self) -> str:
+        """SHA-256 (hex) of the canonical JSON of :meth:`canonical_document`."""
+        return hashlib.sha256(canonical_json(self.canonical_document())).hexdigest()
+
+    @property
+    def is_frozen(self) -> bool:
+        return self.proofs.exists()
+
+
+# --- Blobs and uploads ------------------------------------------------------------------
+
+
+class Blob(models.Model):
+    """Bytes stored once under their content address, whoever uploaded them."""
+
+    sha256 = models.CharField(max_length=64, unique=True, validators=[sha256_validator])
+    size = models.PositiveBigIntegerField()
+    storage_name = models.CharField(max_length=255)
+    created = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return f"sha256:{self.sha256}"
+
+    @staticmethod
+    def address(sha256: str) -> str:
+        """The storage name of a blob: fanned out so no directory holds millions of files."""
+        return f"blobs/sha256/{sha256[:2]}/{sha256[2:4]}/{sha256}"
+
+
+class ArtifactKind(models.TextChoices):
+    TRANSCRIPT = "transcript", "Transcript"
+    ARTIFACT = "artifact", "Program artifact"
+    SNAPSHOT = "snapshot", "State snapshot"
+    BATCH = "batch", "Batch"
+
+
+class UploadStatus(models.TextChoices):
+    OPEN = "open", "Open"
+    COMPLETING = "completing", "Completing"
+    COMPLETE = "complete", "Complete"
+    ABORTED = "aborted", "Aborted"
+    FAILED = "failed", "Failed"
+
+
+class Upload(models.Model):
+    """A resumable multipart upload session; see ``attestations/uploads.py``."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="+")
+    experiment = models.ForeignKey(Experiment, on_delete=models.CASCADE, related_name="uploads")
+    kind = models.CharField(max_length=16, choices=ArtifactKind.choices)
+    size = models.PositiveBigIntegerField()
+    sha256 = models.CharField(max_length=64, validators=[sha256_validator])
+    status = models.CharField(
+        max_length=16, choices=UploadStatus.choices, default=UploadStatus.OPEN
+    )
+    reason = models.CharField(max_length=64, blank=True)
+    blob = models.ForeignKey(Blob, on_delete=models.PROTECT, null=True, related_name="uploads")
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+"
+    )
+    created = models.DateTimeField(default=timezone.now)
+    expires = models.DateTimeField()
+    completed = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created"]
+
+    def __str__(self) -> str:
+        return f"upload {self.id} ({self.kind}, {self.status})"
+
+    @property
+    def staging_prefix(self) -> str:
+        return f"staging/uploads/{self.id}"
+
+    def part_name(self, number: int) -> str:
+        return f"{self.staging_prefix}/{number:05d}"
+
+    @property
+    def received_bytes(self) -> int:
+        return int(self.parts.aggregate(total=models.Sum("size"))["total"] or 0)
+
+
+class UploadPart(models.Model):
+    upload = models.ForeignKey(Upload, on_delete=models.CASCADE, related_name="parts")
+    number = models.PositiveIntegerField()
+    size = models.PositiveBigIntegerField()
+    sha256 = models.CharField(max_length=64)
+    storage_name = models.CharField(max_length=255)
+    created = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["upload", "number"], name="part_number_unique")
+        ]
+        ordering = ["number"]
+
+    def __str__(self) -> str:
+        return f"part {self.number} of {self.upload_id}"
+
+
+# --- Proofs and jobs --------------------------------------------------------------------
+
+
+class ProofStatus(models.TextChoices):
+    PENDING = "pending", "Pending"
+    VERIFYING = "verifying", "Verifying"
+    VALID = "valid", "Valid"
+    REJECTED = "rejected", "Rejected"
+    ERROR = "error", "Verifier error"
+
+
+class Proof(models.Model):
+    """A transcript filed against an experiment, and the verifier's verdict on it."""
+
+    experiment = models.ForeignKey(Experiment, on_delete=models.CASCADE, related_name="proofs")
+    spec = models.ForeignKey(ExperimentSpec, on_delete=models.PROTECT, related_name="proofs")
+    transcript = models.ForeignKey(Blob, on_delete=models.PROTECT, related_name="proofs")
+    upload = models.OneToOneField(
+        Upload, on_delete=models.SET_NULL, null=True, blank=True, related_name="proof"
+    )
+    status = models.CharField(
+        max_length=16, choices=ProofStatus.choices, default=ProofStatus.PENDING, db_index=True
+    )
+    reason = models.CharField(max_length=64, blank=True)
+    message = models.TextField(blank=True)
+    record_index = models.IntegerField(null=True, blank=True)
+    field = models.CharField(max_length=200, blank=True)
+    steps = models.PositiveIntegerField(default=0)
+    checks = models.PositiveIntegerField(default=0)
+    prover = models.CharField(max_length=32, blank=True)
+    transcript_digest = models.CharField(max_length=128, blank=True)
+    report = models.JSONField(null=True, blank=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+"
+    )
+    created = models.DateTimeField(default=timezone.now)
+    claimed = models.DateTimeField(null=True, blank=True)
+    verified = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created"]
+
+    def __str__(self) -> str:
+        return f"proof {self.pk} of {self.experiment_id} ({self.status})"
+
+    @property
+    def organization_id(self) -> int:
+        return self.experiment.owner_id
+
+    @property
+    def is_final(self) -> bool:
+        return self.status in {ProofStatus.VALID, ProofStatus.REJECTED, ProofStatus.ERROR}
+
+    @classmethod
+    def claim(cls, proof_id: int) -> bool:
+        """Move a pending proof to ``verifying``; False if another worker owns it.
+
+        A proof stuck in ``verifying`` longer than the task hard limit belonged to a
+        worker that died, and may be claimed again.
+        """
+        now = timezone.now()
+        stale = now - timedelta(seconds=int(settings.CELERY_TASK_TIME_LIMIT))
+        return bool(
+            cls.objects.filter(pk=proof_id)
+            .filter(
+                Q(status=ProofStatus.PENDING) | Q(status=ProofStatus.VERIFYING, claimed__lt=stale)
+            )
+            .update(status=ProofStatus.VERIFYING, claimed=now)
+        )
+
+    def check_identity(self, root: Mapping[str, Any] | None) -> tuple[str, str, str] | None:
+        """Check the transcript's root names this experiment and one of its spec versions.
+
+        Returns:
+            None when it does, else ``(reason, message, field)``.
+        """
+        named = root.get("experiment") if isinstance(root, Mapping) else None
+        if not isinstance(named, Mapping):
+            return (
+                "experiment_missing",
+                f"the transcript names no experiment; expected {self.experiment.full_name}",
+                "root.experiment",
+            )
+        name, digest = named.get("name"), named.get("spec_digest")
+        if name != self.experiment.full_name:
+            return (
+                "experiment_mismatch",
+                f"the transcript names experiment {name!r}; expected {self.experiment.full_name!r}",
+                "root.experiment.name",
+            )
+        if not self.experiment.specs.filter(digest=digest).exists():
+            return (
+                "spec_mismatch",
+                f"the transcript names spec digest {digest!r}, which is no version of "
+                f"{self.experiment.full_name} (current: {self.experiment.current_spec.digest})",  # type: ignore[union-attr]
+                "root.experiment.spec_digest",
+            )
+        return None
+
+    def verify(self) -> None:
+        """Run the offline verifier on the stored transcript and record the verdict.
+
+        Called by the ingest task after :meth:`claim`. Bad transcript data is a verdict
+        (``rejected`` with the verifier's reason), never an exception; an unusable
+        verifier is recorded as ``error``.
+        """
+        job = self.jobs.order_by("-created").first()
+        if job is not None:
+            job.start()
+        try:
+            from zkdv.verify import verify_transcript
+        except ImportError as error:
+            self._record(ProofStatus.ERROR, "verifier_unavailable", f"{error}")
+            if job is not None:
+                job.finish(JobStatus.FAILED, "verifier_unavailable")
+            return
+        from django.core.files.storage import default_storage
+
+        with default_storage.open(self.transcript.storage_name, "rb") as handle:
+            report = verify_transcript(handle)
+        self.report = report.to_dict()
+        self.steps = report.steps
+        self.checks = report.checks
+        self.transcript_digest = report.digest or ""
+        root = report.root if isinstance(report.root, Mapping) else None
+        self.prover = str(root.get("prover", "")) if root else ""
+        if not report.ok:
+            self._record(
+                ProofStatus.REJECTED,
+                report.reason or "rejected",
+                report.message or "",
+                record=report.record,
+                field=report.field or "",
+            )
+        elif (mismatch := self.check_identity(root)) is not None:
+            self._record(
+                ProofStatus.REJECTED, mismatch[0], mismatch[1], record=0, field=mismatch[2]
+            )
+        else:
+            named = root["experiment"]  # type: ignore[index]
+            self.spec = self.experiment.specs.get(digest=named["spec_digest"])
+            self._record(ProofStatus.VALID, "", "")
+        if job is not None:
+            job.finish(JobStatus.SUCCEEDED, self.reason)
+
+    def _record(
+        self, status: str, reason: str, message: str, *, record: int | None = None, field: str = ""
+    ) -> None:
+        self.status = status
+        self.reason = reason[:64]
+        self.message = message
+        self.record_index = record
+        self.field = field[:200]
+        self.verified = timezone.now()
+        self.save()
+        AuditEvent.record(
+            f"proof.{status}",
+            organization=self.experiment.owner,
+            target=self,
+            detail={
+                "experiment": self.experiment.full_name,
+                "reason": reason or None,
+                "record": record,
+                "steps": self.steps,
+                "checks": self.checks,
+            },
+        )
+
+
+class JobStatus(models.TextChoices):
+    QUEUED = "queued", "Queued"
+    RUNNING = "running", "Running"
+    SUCCEEDED = "succeeded", "Succeeded"
+    FAILED = "failed", "Failed"
+
+
+class Job(models.Model):
+    """A background task as users see it: what it is for, how far it got, how it ended."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    kind = models.CharField(max_length=32)
+    organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="+")
+    proof = models.ForeignKey(Proof, on_delete=models.CASCADE, null=True, related_name="jobs")
+    status = models.CharField(
+        max_length=16, choices=JobStatus.choices, default=JobStatus.QUEUED, db_index=True
+    )
+    progress = models.FloatField(default=0.0)
+    reason = models.CharField(max_length=64, blank=True)
+    task_id = models.CharField(max_length=64, blank=True)
+    created = models.DateTimeField(default=timezone.now)
+    started = models.DateTimeField(null=True, blank=True)
+    finished = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created"]
+
+    def __str__(self) -> str:
+        return f"{self.kind} job {self.id} ({self.status})"
+
+    def start(self) -> None:
+        Job.objects.filter(pk=self.pk).update(
+            status=JobStatus.RUNNING, started=timezone.now(), progress=0.0
+        )
+
+    def finish(self, status: str, reason: str = "") -> None:
+        self.status, self.reason, self.progress = status, reason[:64], 1.0
+        self.finished = timezone.now()
+        self.save(update_fields=["status", "reason", "progress", "finished"])
+
+
+# --- Audit trail ------------------------------------------------------------------------
+
+
+class AppendOnlyError(Exception):
+    """Raised on an attempt to change or delete an audit event."""
+
+
+class AuditEventQuerySet(models.QuerySet["AuditEvent"]):
+    def update(self, **kwargs: Any) -> int:
+        raise AppendOnlyError("audit events are append-only; they cannot be updated")
+
+    def delete(self) -> tuple[int, dict[str, int]]:
+        raise AppendOnlyError("audit events are append-only; they cannot be deleted")
+
+
+class AuditEvent(models.Model):
+    """Who did what, when, from where. Rows are only ever inserted."""
+
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    actor_name = models.CharField(max_length=150, blank=True)
+    organization = models.ForeignKey(
+        Organization, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    action = models.CharField(max_length=64, db_index=True)
+    target_type = models.CharField(max_length=64, blank=True)
+    target_id = models.CharField(max_length=64, blank=True)
+    detail = models.JSONField(default=dict)
+    ip = models.GenericIPAddressField(null=True, blank=True)
+    created = models.DateTimeField(default=timezone.now, db_index=True)
+
+    objects: ClassVar[AuditEventQuerySet] = AuditEventQuerySet.as_manager()  # type: ignore[assignment]
+
+    class Meta:
+        ordering = ["-created"]
+
+    def __str__(self) -> str:
+        return f"{self.created:%Y-%m-%d %H:%M:%S} {self.actor_name or 'system'} {self.action}"
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        if not self._state.adding:
+            raise AppendOnlyError("audit events are append-only; they cannot be updated")
+        super().save(*args, **kwargs)
+
+    def delete(self, *args: Any, **kwargs: Any) -> tuple[int, dict[str, int]]:
+        raise AppendOnlyError("audit events are append-only; they cannot be deleted")
+
+    @classmethod
+    def record(
+        cls,
+        action: str,
+        *,
+        actor: AbstractBaseUser | AnonymousUser | None = None,
+        organization: Organization | None = None,
+        target: models.Model | None = None,
+        detail: Mapping[str, Any] | None = None,
+        ip: str | None = None,
+    ) -> AuditEvent:
+        user = actor if actor is not None and actor.is_authenticated else None
+        return cls.objects.create(
+            actor=user,
+            actor_name=user.get_username() if user is not None else "",
+            organization=organization,
+            action=action,
+            target_type=target._meta.model_name or "" if target is not None else "",
+            target_id=str(target.pk) if target is not None else "",
+            detail=dict(detail or {}),
+            ip=ip,
+        )
+
+
+def client_ip(meta: Mapping[str, Any]) -> str | None:
+    """The peer address of a request (``REMOTE_ADDR``; proxies are configured upstream)."""
+    value = meta.get("REMOTE_ADDR")
+    return str(value) if value else None
+
+
+__all__: Iterable[str] = [
+    "Access",
+    "ApiKey",
+    "AppendOnlyError",
+    "ArtifactKind",
+    "AuditEvent",
+    "Blob",
+    "Capability",
+    "Experiment",
+    "ExperimentSpec",
+    "Framework",
+    "Job",
+    "JobStatus",
+    "Membership",
+    "Organization",
+    "Proof",
+    "ProofStatus",
+    "Regime",
+    "Role",
+    "Upload",
+    "UploadPart",
+    "UploadStatus",
+    "WorkerHeartbeat",
+]
 
 
 class WorkerHeartbeat(models.Model):

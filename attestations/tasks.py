@@ -6,7 +6,7 @@ import socket
 
 from celery import shared_task
 
-from attestations.models import WorkerHeartbeat
+from attestations.models import Proof, WorkerHeartbeat
 
 
 @shared_task(name="attestations.tasks.heartbeat", acks_late=True, reject_on_worker_lost=True)
@@ -16,3 +16,20 @@ def heartbeat(token: str) -> str:
         token=token, defaults={"hostname": socket.gethostname()}
     )
     return row.hostname
+
+
+@shared_task(name="attestations.tasks.ingest_proof", acks_late=True, reject_on_worker_lost=True)
+def ingest_proof(proof_id: int) -> str | None:
+    """Verify a filed transcript and record the verdict.
+
+    Idempotent: the proof is claimed with a conditional update (pending -> verifying), so
+    a redelivered message, or a second worker, finds nothing to do and returns None.
+
+    Returns:
+        The proof's final status, or None when another worker owns it.
+    """
+    if not Proof.claim(proof_id):
+        return None
+    proof = Proof.objects.select_related("experiment__owner", "transcript").get(pk=proof_id)
+    proof.verify()
+    return proof.status

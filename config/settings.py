@@ -18,6 +18,7 @@ from django.core.exceptions import ImproperlyConfigured
 from config.env import (
     check_redis_url,
     envbool,
+    envchoice,
     envfloat,
     envint,
     envlist,
@@ -60,10 +61,12 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "attestations",
 ]
 
 MIDDLEWARE = [
+    "attestations.middleware.RequestIDMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -139,6 +142,8 @@ CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 MEDIA_ROOT = DATA_DIR / "media"
 MEDIA_URL = "/media/"
 STATIC_ROOT = DATA_DIR / "static"
+# WhiteNoise warns on every start when the folder is missing; collectstatic fills it.
+STATIC_ROOT.mkdir(exist_ok=True)
 STATIC_URL = "/static/"
 STATICFILES_DIRS = (
     [BASE_DIR / "attestations" / "static"]
@@ -198,18 +203,41 @@ AUTH_PASSWORD_VALIDATORS = [
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
+        # Personal API keys for the SDK and scripts; the browser session for the web UI
+        # (which also enforces CSRF on unsafe methods).
+        "attestations.authentication.ApiKeyAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.CursorPagination",
+    "DEFAULT_PAGINATION_CLASS": "attestations.pagination.CursorPage",
+    "DEFAULT_RENDERER_CLASSES": [
+        "rest_framework.renderers.JSONRenderer",
+        "rest_framework.renderers.BrowsableAPIRenderer",
+    ],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "EXCEPTION_HANDLER": "attestations.exceptions.exception_handler",
     "PAGE_SIZE": 50,
+    "DEFAULT_THROTTLE_CLASSES": [],
+    "TEST_REQUEST_DEFAULT_FORMAT": "json",
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "DVBench API",
-    "DESCRIPTION": "Verifiable-training transcripts, replay challenges and signed attestations.",
+    "DESCRIPTION": (
+        "Verifiable-training transcripts, replay challenges and signed attestations. "
+        "Authenticate with `Authorization: Bearer <api key>`. Every error has the body "
+        '`{"error": {"code", "message", "field", "detail"}, "request_id"}` and every '
+        "response carries `X-Request-ID`."
+    ),
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
+    "SCHEMA_PATH_PREFIX": "/api/v1",
+    "COMPONENT_SPLIT_REQUEST": True,
+    # Swagger UI and ReDoc assets come from drf-spectacular-sidecar, served by us: the
+    # docs work on a machine with no route to a CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
 }
 
 # --- Security -------------------------------------------------------------------------
@@ -233,11 +261,15 @@ TIME_ZONE = "UTC"
 USE_I18N = False
 USE_TZ = True
 
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "root": {"handlers": ["console"], "level": envstr("DVBENCH_LOG_LEVEL", "INFO")},
+    "root": {
+        "handlers": ["console"],
+        "level": envchoice("DVBENCH_LOG_LEVEL", "INFO", _LOG_LEVELS),
+    },
     "loggers": {"django.db.backends": {"level": "WARNING"}},
 }

@@ -1,0 +1,93 @@
+"""Django admin: operators manage organisations and memberships; records are read-only."""
+# django-stubs types ModelAdmin generically, but at runtime (without django_stubs_ext) the
+# classes are not subscriptable; annotations below stay unparametrised.
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import admin
+from django.http import HttpRequest
+
+from attestations.models import (
+    ApiKey,
+    AuditEvent,
+    Blob,
+    Experiment,
+    ExperimentSpec,
+    Job,
+    Membership,
+    Organization,
+    Proof,
+    Upload,
+)
+
+
+class MembershipInline(admin.TabularInline):
+    model = Membership
+    extra = 1
+    autocomplete_fields = ["user"]
+
+
+@admin.register(Organization)
+class OrganizationAdmin(admin.ModelAdmin):
+    list_display = ["slug", "name", "created"]
+    search_fields = ["slug", "name"]
+    inlines = [MembershipInline]
+
+
+@admin.register(ApiKey)
+class ApiKeyAdmin(admin.ModelAdmin):
+    list_display = ["prefix", "name", "user", "created", "expires", "revoked", "last_used"]
+    readonly_fields = ["lookup", "digest", "created", "last_used"]
+    search_fields = ["lookup", "name", "user__username"]
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Records written by the platform itself: an operator may look, never edit."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(Experiment)
+class ExperimentAdmin(ReadOnlyAdmin):
+    list_display = ["__str__", "created", "created_by"]
+
+
+@admin.register(ExperimentSpec)
+class ExperimentSpecAdmin(ReadOnlyAdmin):
+    list_display = ["experiment", "version", "digest", "framework"]
+
+
+@admin.register(Proof)
+class ProofAdmin(ReadOnlyAdmin):
+    list_display = ["pk", "experiment", "status", "reason", "created"]
+    list_filter = ["status"]
+
+
+@admin.register(Job)
+class JobAdmin(ReadOnlyAdmin):
+    list_display = ["id", "kind", "status", "progress", "created"]
+
+
+@admin.register(Upload)
+class UploadAdmin(ReadOnlyAdmin):
+    list_display = ["id", "experiment", "kind", "size", "status", "created"]
+
+
+@admin.register(Blob)
+class BlobAdmin(ReadOnlyAdmin):
+    list_display = ["sha256", "size", "created"]
+
+
+@admin.register(AuditEvent)
+class AuditEventAdmin(ReadOnlyAdmin):
+    list_display = ["created", "actor_name", "organization", "action", "target_type", "target_id"]
+    list_filter = ["action"]

@@ -1,0 +1,628 @@
+"""The REST API under ``/api/v1/``: views authorise, call one model or service, return.
+
+Scope: every queryset is filtered by :class:`~attestations.models.Access`, so an object
+in an organisation the user cannot read answers 404; a visible object the user's role may
+not act on answers 403 (:func:`~attestations.permissions.require`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib.auth import get_user_model
+from django.core.files.storage import default_storage
+from django.db.models import QuerySet
+from django.http import FileResponse
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
+from rest_framework import generics, serializers, status
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from attestations import uploads
+from attestations.exceptions import InvalidRequestError, NotFoundError
+from attestations.models import (
+    ApiKey,
+    ArtifactKind,
+    AuditEvent,
+    Capability,
+    Experiment,
+    ExperimentSpec,
+    Framework,
+    Job,
+    JobStatus,
+    Membership,
+    Organization,
+    Proof,
+    ProofStatus,
+    Upload,
+    UploadStatus,
+    client_ip,
+)
+from attestations.pagination import CursorPage
+from attestations.permissions import HasCapability, get_access, require
+from attestations.serializers import (
+    ApiKeySerializer,
+    AuditEventSerializer,
+    ExperimentSerializer,
+    JobSerializer,
+    MembershipSerializer,
+    MeSerializer,
+    NewApiKeySerializer,
+    OrganizationSerializer,
+    ProofSerializer,
+    SpecSerializer,
+    UploadSerializer,
+)
+
+
+class FilterMixin:
+    """Exact-match filters from query parameters, validated against their choices.
+
+    ``query_filters`` maps a parameter to ``(lookup, choices or None)``; an unknown value
+    is a 400 naming the parameter, not an empty page that hides a typo.
+    """
+
+    query_filters: dict[str, tuple[str, Any]] = {}
+    request: Request
+
+    def apply_filters(self, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        for param, (lookup, choices) in self.query_filters.items():
+            value = self.request.query_params.get(param)
+            if value is None or value == "":
+                continue
+            if choices is not None and value not in choices:
+                raise InvalidRequestError(
+                    f"{param}: {value!r} is not one of {', '.join(sorted(choices))}",
+                    code="invalid_filter",
+                    field=param,
+                    detail={"allowed": sorted(choices), "got": value},
+                )
+            if lookup.endswith("__full_name"):
+                owner, _, name = value.partition("/")
+                prefix = lookup.removesuffix("full_name")
+                queryset = queryset.filter(**{f"{prefix}owner__slug": owner, f"{prefix}name": name})
+            else:
+                queryset = queryset.filter(**{lookup: value})
+        return queryset
+
+
+def filter_parameters(view: type[FilterMixin]) -> list[OpenApiParameter]:
+    return [
+        OpenApiParameter(name, str, enum=sorted(choices) if choices else None)
+        for name, (_, choices) in view.query_filters.items()
+    ]
+
+
+# --- Identity, organisations, keys ------------------------------------------------------
+
+
+class MeView(APIView):
+    permission_classes = [HasCapability]
+    required_capability = None
+
+    @extend_schema(responses=MeSerializer)
+    def get(self, request: Request) -> Response:
+        """Who the caller is and their role in each organisation."""
+        access = get_access(request)
+        orgs = Organization.objects.filter(pk__in=access.roles)
+        data = MeSerializer(
+            {
+                "username": request.user.get_username(),
+                "is_regulator": access.is_regulator,
+                "organizations": orgs,
+            },
+            context={"access": access},
+        ).data
+        return Response(data)
+
+    def get_permissions(self) -> list[Any]:
+        from rest_framework.permissions import IsAuthenticated
+
+        return [IsAuthenticated()]
+
+
+class OrganizationList(generics.ListAPIView[Organization]):
+    """Organisations the caller can see (every one, for a regulator)."""
+
+    serializer_class = OrganizationSerializer
+    permission_classes = [HasCapability]
+    pagination_class = CursorPage
+
+    def get_queryset(self) -> QuerySet[Organization]:
+        return Organization.objects.filter(get_access(self.request).orgs(Capability.READ, "pk"))
+
+    def get_serializer_context(self) -> dict[str, Any]:
+        return {**super().get_serializer_context(), "access": get_access(self.request)}
+
+
+def _organization(request: Request, slug: str, capability: str) -> Organization:
+    org = Organization.objects.filter(slug=slug).first()
+    if org is None:
+        raise NotFoundError(f"No organisation {slug!r}.")
+    require(request, capability, org.pk)
+    return org
+
+
+class MemberList(generics.GenericAPIView[Membership]):
+    """Members of an organisation; admins add members or change roles with POST."""
+
+    serializer_class = MembershipSerializer
+    permission_classes = [HasCapability]
+    required_capability = None
+
+    def get_permissions(self) -> list[Any]:
+        from rest_framework.permissions import IsAuthenticated
+
+        return [IsAuthenticated()]
+
+    def get(self, request: Request, slug: str) -> Response:
+        org = _organization(request, slug, Capability.AUDIT)
+        rows = Membership.objects.filter(organization=org).select_related("user")
+        return Response(MembershipSerializer(rows, many=True).data)
+
+    def post(self, request: Request, slug: str) -> Response:
+        org = _organization(request, slug, Capability.MANAGE)
+        serializer = MembershipSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        user = get_user_model().objects.get(username=serializer.validated_data["user"]["username"])
+        role = serializer.validated_data["role"]
+        membership, created = Membership.objects.update_or_create(
+            user=user, organization=org, defaults={"role": role}
+        )
+        AuditEvent.record(
+            "membership.added" if created else "membership.changed",
+            actor=request.user,
+            organization=org,
+            target=membership,
+            detail={"username": user.get_username(), "role": role},
+            ip=client_ip(request.META),
+        )
+        return Response(
+            MembershipSerializer(membership).data,
+            status=status.HTTP_201_CREATED if created else status.HTTP_200_OK,
+        )
+
+
+class MemberDetail(APIView):
+    def get_permissions(self) -> list[Any]:
+        from rest_framework.permissions import IsAuthenticated
+
+        return [IsAuthenticated()]
+
+    @extend_schema(responses={204: None})
+    def delete(self, request: Request, slug: str, username: str) -> Response:
+        """Remove a member (admins only)."""
+        org = _organization(request, slug, Capability.MANAGE)
+        membership = Membership.objects.filter(organization=org, user__username=username).first()
+        if membership is None:
+            raise NotFoundError(f"{username!r} is not a member of {slug}.")
+        AuditEvent.record(
+            "membership.removed",
+            actor=request.user,
+            organization=org,
+            target=membership,
+            detail={"username": username, "role": membership.role},
+            ip=client_ip(request.META),
+        )
+        membership.delete()
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class ApiKeyList(generics.ListCreateAPIView[ApiKey]):
+    """The caller's own API keys. A new key's secret is in the creation response only."""
+
+    serializer_class = ApiKeySerializer
+    pagination_class = CursorPage
+
+    def get_permissions(self) -> list[Any]:
+        from rest_framework.permissions import IsAuthenticated
+
+        return [IsAuthenticated()]
+
+    def get_queryset(self) -> QuerySet[ApiKey]:
+        return ApiKey.objects.filter(user=self.request.user)  # type: ignore[misc]
+
+    @extend_schema(request=ApiKeySerializer, responses={201: NewApiKeySerializer})
+    def post(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        serializer = ApiKeySerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        key, raw = ApiKey.issue(
+            request.user,  # type: ignore[arg-type]
+            serializer.validated_data["name"],
+            days=serializer.validated_data.get("days"),
+        )
+        AuditEvent.record(
+            "api_key.created",
+            actor=request.user,
+            target=key,
+            detail={"name": key.name, "prefix": key.prefix, "expires": key.expires.isoformat()},
+            ip=client_ip(request.META),
+        )
+        data = NewApiKeySerializer(key).data
+        data["key"] = raw
+        return Response(data, status=status.HTTP_201_CREATED)
+
+
+class ApiKeyDetail(generics.RetrieveDestroyAPIView[ApiKey]):
+    """One of the caller's keys; DELETE revokes it (the row is kept for the audit trail)."""
+
+    serializer_class = ApiKeySerializer
+
+    def get_permissions(self) -> list[Any]:
+        from rest_framework.permissions import IsAuthenticated
+
+        return [IsAuthenticated()]
+
+    def get_queryset(self) -> QuerySet[ApiKey]:
+        return ApiKey.objects.filter(user=self.request.user)  # type: ignore[misc]
+
+    def perform_destroy(self, instance: ApiKey) -> None:
+        if instance.revoke():
+            AuditEvent.record(
+                "api_key.revoked",
+                actor=self.request.user,
+                target=instance,
+                detail={"name": instance.name, "prefix": instance.prefix},
+                ip=client_ip(self.request.META),
+            )
+
+
+# --- Experiments ------------------------------------------------------------------------
+
+
+class ExperimentList(FilterMixin, generics.ListCreateAPIView[Experiment]):
+    """Experiments the caller can read; trainers and admins register new ones."""
+
+    serializer_class = ExperimentSerializer
+    permission_classes = [HasCapability]
+    pagination_class = CursorPage
+    query_filters = {
+        "owner": ("owner__slug", None),
+        "framework": ("current_spec__framework", set(Framework.values)),
+    }
+
+    def get_queryset(self) -> QuerySet[Experiment]:
+        queryset = Experiment.objects.visible_to(get_access(self.request)).select_related(
+            "owner", "current_spec", "created_by"
+        )
+        return self.apply_filters(queryset)
+
+    def perform_create(self, serializer: serializers.BaseSerializer[Experiment]) -> None:
+        data = serializer.validated_data
+        experiment = Experiment.register(
+            data["owner"],
+            data["name"],
+            data["current_spec"],
+            user=self.request.user,  # type: ignore[arg-type]
+        )
+        AuditEvent.record(
+            "experiment.registered",
+            actor=self.request.user,
+            organization=experiment.owner,
+            target=experiment,
+            detail={
+                "experiment": experiment.full_name,
+                "spec_version": 1,
+                "spec_digest": experiment.current_spec.digest,  # type: ignore[union-attr]
+            },
+            ip=client_ip(self.request.META),
+        )
+        serializer.instance = experiment
+
+
+def _experiment(request: Request, owner: str, name: str) -> Experiment:
+    experiment = (
+        Experiment.objects.visible_to(get_access(request))
+        .select_related("owner", "current_spec", "created_by")
+        .filter(owner__slug=owner, name=name)
+        .first()
+    )
+    if experiment is None:
+        raise NotFoundError(f"No experiment {owner}/{name}.")
+    return experiment
+
+
+class ExperimentDetail(APIView):
+    permission_classes = [HasCapability]
+
+    @extend_schema(responses=ExperimentSerializer)
+    def get(self, request: Request, owner: str, name: str) -> Response:
+        """An experiment and its current spec (``spec_digest`` goes into the transcript)."""
+        return Response(ExperimentSerializer(_experiment(request, owner, name)).data)
+
+
+class SpecList(APIView):
+    permission_classes = [HasCapability]
+
+    @extend_schema(responses=SpecSerializer(many=True))
+    def get(self, request: Request, owner: str, name: str) -> Response:
+        """Every version of the experiment's spec, newest first."""
+        experiment = _experiment(request, owner, name)
+        return Response(SpecSerializer(experiment.specs.all(), many=True).data)
+
+    @extend_schema(request=SpecSerializer, responses={200: SpecSerializer, 201: SpecSerializer})
+    def post(self, request: Request, owner: str, name: str) -> Response:
+        """Change the spec: in place while no proof names it, else as a new version (201)."""
+        experiment = _experiment(request, owner, name)
+        require(request, Capability.WRITE, experiment.owner_id)
+        serializer = SpecSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        before = experiment.current_spec
+        spec, changed = experiment.revise_spec(serializer.validated_data)
+        created = before is not None and spec.pk != before.pk
+        if changed:
+            AuditEvent.record(
+                "experiment.spec_versioned" if created else "experiment.spec_edited",
+                actor=request.user,
+                organization=experiment.owner,
+                target=experiment,
+                detail={
+                    "experiment": experiment.full_name,
+                    "spec_version": spec.version,
+                    "spec_digest": spec.digest,
+                },
+                ip=client_ip(request.META),
+            )
+        return Response(
+            SpecSerializer(spec).data,
+            status=status.HTTP_201_CREATED if created else status.HTTP_200_OK,
+        )
+
+
+class SpecDetail(APIView):
+    permission_classes = [HasCapability]
+
+    @extend_schema(responses=SpecSerializer)
+    def get(self, request: Request, owner: str, name: str, version: int) -> Response:
+        """One spec version, with the canonical document its digest is computed over."""
+        experiment = _experiment(request, owner, name)
+        spec = ExperimentSpec.objects.filter(experiment=experiment, version=version).first()
+        if spec is None:
+            raise NotFoundError(f"{experiment.full_name} has no spec version {version}.")
+        data = dict(SpecSerializer(spec).data)
+        data["canonical"] = spec.canonical_document()
+        return Response(data)
+
+
+# --- Proofs and jobs --------------------------------------------------------------------
+
+
+class ProofList(FilterMixin, generics.ListAPIView[Proof]):
+    """Proofs (filed transcripts) and their verdicts."""
+
+    serializer_class = ProofSerializer
+    permission_classes = [HasCapability]
+    pagination_class = CursorPage
+    query_filters = {
+        "experiment": ("experiment__full_name", None),
+        "owner": ("experiment__owner__slug", None),
+        "status": ("status", set(ProofStatus.values)),
+    }
+
+    def get_queryset(self) -> QuerySet[Proof]:
+        access = get_access(self.request)
+        queryset = Proof.objects.filter(access.orgs(Capability.READ, "experiment__owner_id"))
+        return self.apply_filters(
+            queryset.select_related("experiment__owner", "spec", "transcript")
+        )
+
+
+class ProofDetail(generics.RetrieveAPIView[Proof]):
+    serializer_class = ProofSerializer
+    permission_classes = [HasCapability]
+
+    def get_queryset(self) -> QuerySet[Proof]:
+        access = get_access(self.request)
+        return Proof.objects.filter(
+            access.orgs(Capability.READ, "experiment__owner_id")
+        ).select_related("experiment__owner", "spec", "transcript")
+
+
+class ProofTranscript(APIView):
+    """The transcript bytes: an artifact, so for the lab's trainers and admins only."""
+
+    permission_classes = [HasCapability]
+
+    @extend_schema(responses={(200, "application/cbor-seq"): OpenApiTypes.BINARY})
+    def get(self, request: Request, pk: int) -> FileResponse:
+        access = get_access(request)
+        proof = (
+            Proof.objects.filter(access.orgs(Capability.READ, "experiment__owner_id"))
+            .select_related("experiment", "transcript")
+            .filter(pk=pk)
+            .first()
+        )
+        if proof is None:
+            raise NotFoundError(f"No proof {pk}.")
+        require(request, Capability.ARTIFACTS, proof.experiment.owner_id)
+        handle = default_storage.open(proof.transcript.storage_name, "rb")
+        return FileResponse(
+            handle,
+            as_attachment=True,
+            filename=f"{proof.experiment.name}-{proof.pk}.cborl",
+            content_type="application/cbor-seq",
+        )
+
+
+class JobList(FilterMixin, generics.ListAPIView[Job]):
+    serializer_class = JobSerializer
+    permission_classes = [HasCapability]
+    pagination_class = CursorPage
+    query_filters = {
+        "status": ("status", set(JobStatus.values)),
+        "proof": ("proof_id", None),
+        "kind": ("kind", None),
+    }
+
+    def get_queryset(self) -> QuerySet[Job]:
+        queryset = Job.objects.filter(get_access(self.request).orgs(Capability.READ))
+        return self.apply_filters(queryset.select_related("organization"))
+
+
+class JobDetail(generics.RetrieveAPIView[Job]):
+    serializer_class = JobSerializer
+    permission_classes = [HasCapability]
+
+    def get_queryset(self) -> QuerySet[Job]:
+        return Job.objects.filter(get_access(self.request).orgs(Capability.READ)).select_related(
+            "organization"
+        )
+
+
+class AuditEventList(FilterMixin, generics.ListAPIView[AuditEvent]):
+    """The append-only audit trail of the organisations the caller audits."""
+
+    serializer_class = AuditEventSerializer
+    permission_classes = [HasCapability]
+    required_capability = Capability.AUDIT
+    pagination_class = CursorPage
+    query_filters = {
+        "action": ("action", None),
+        "organization": ("organization__slug", None),
+        "target_type": ("target_type", None),
+        "target_id": ("target_id", None),
+    }
+
+    def get_queryset(self) -> QuerySet[AuditEvent]:
+        queryset = AuditEvent.objects.filter(get_access(self.request).orgs(Capability.AUDIT))
+        return self.apply_filters(queryset.select_related("organization"))
+
+
+# --- Uploads ----------------------------------------------------------------------------
+
+
+class UploadList(FilterMixin, generics.ListCreateAPIView[Upload]):
+    """Upload sessions: artifacts, so visible to the lab's trainers and admins only."""
+
+    serializer_class = UploadSerializer
+    permission_classes = [HasCapability]
+    pagination_class = CursorPage
+    query_filters = {
+        "status": ("status", set(UploadStatus.values)),
+        "kind": ("kind", set(ArtifactKind.values)),
+        "experiment": ("experiment__full_name", None),
+    }
+
+    @property
+    def required_capability(self) -> str:  # type: ignore[override]
+        return Capability.ARTIFACTS if self.request.method == "GET" else Capability.WRITE
+
+    def get_queryset(self) -> QuerySet[Upload]:
+        queryset = Upload.objects.filter(get_access(self.request).orgs(Capability.ARTIFACTS))
+        return self.apply_filters(queryset.select_related("experiment__owner", "blob"))
+
+    def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        """Open an upload: declare experiment, kind, total size and whole-blob SHA-256."""
+        serializer = self.get_serializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        experiment: Experiment = data["experiment"]["full_name"]
+        access = get_access(request)
+        if not access.can_see(experiment.owner_id):
+            raise InvalidRequestError(
+                f"experiment: No experiment {experiment.full_name!r}.",
+                code="does_not_exist",
+                field="experiment",
+            )
+        require(request, Capability.WRITE, experiment.owner_id)
+        upload = uploads.create(
+            experiment=experiment,
+            kind=data["kind"],
+            size=data["size"],
+            sha256=data["sha256"],
+            user=request.user,  # type: ignore[arg-type]
+            ip=client_ip(request.META),
+        )
+        return Response(UploadSerializer(upload).data, status=status.HTTP_201_CREATED)
+
+
+def _upload(request: Request, pk: Any, capability: str) -> Upload:
+    access = get_access(request)
+    upload = (
+        Upload.objects.filter(access.orgs(Capability.READ))
+        .select_related("experiment__owner", "blob")
+        .filter(pk=pk)
+        .first()
+    )
+    if upload is None:
+        raise NotFoundError(f"No upload {pk}.")
+    require(request, capability, upload.organization_id)
+    return upload
+
+
+class UploadDetail(APIView):
+    permission_classes = [HasCapability]
+
+    @extend_schema(responses=UploadSerializer)
+    def get(self, request: Request, pk: Any) -> Response:
+        """The upload's state and the parts received so far (to resume after a failure)."""
+        return Response(UploadSerializer(_upload(request, pk, Capability.ARTIFACTS)).data)
+
+    @extend_schema(responses=UploadSerializer)
+    def delete(self, request: Request, pk: Any) -> Response:
+        """Abort: remove every staged part. Aborting an aborted upload is harmless."""
+        upload = _upload(request, pk, Capability.WRITE)
+        uploads.abort(upload, user=request.user, ip=client_ip(request.META))  # type: ignore[arg-type]
+        return Response(UploadSerializer(upload).data)
+
+
+class UploadPartView(APIView):
+    permission_classes = [HasCapability]
+    # The body is streamed from request.stream; DRF's parsers never read it.
+    parser_classes: list[Any] = []
+
+    @extend_schema(
+        request={"application/octet-stream": OpenApiTypes.BINARY},
+        parameters=[
+            OpenApiParameter(
+                uploads.PART_DIGEST_HEADER,
+                str,
+                OpenApiParameter.HEADER,
+                required=True,
+                description="SHA-256 (hex) of this part's bytes.",
+            )
+        ],
+        responses=inline_serializer(
+            "UploadPartResult",
+            {
+                "number": serializers.IntegerField(),
+                "size": serializers.IntegerField(),
+                "sha256": serializers.CharField(),
+            },
+        ),
+    )
+    def put(self, request: Request, pk: Any, number: int) -> Response:
+        """Send part ``number`` (1-based). Sending a part again replaces it."""
+        upload = _upload(request, pk, Capability.WRITE)
+        length = request.META.get("CONTENT_LENGTH")
+        try:
+            content_length = int(length) if length else None
+        except ValueError:
+            content_length = None
+        part = uploads.put_part(
+            upload,
+            int(number),
+            stream=request.stream if request.stream is not None else _empty(),  # type: ignore[arg-type]
+            declared_sha256=request.headers.get(uploads.PART_DIGEST_HEADER),
+            content_length=content_length,
+        )
+        return Response({"number": part.number, "size": part.size, "sha256": part.sha256})
+
+
+def _empty() -> Any:
+    import io
+
+    return io.BytesIO(b"")
+
+
+class UploadComplete(APIView):
+    permission_classes = [HasCapability]
+
+    @extend_schema(request=None, responses=UploadSerializer)
+    def post(self, request: Request, pk: Any) -> Response:
+        """Assemble and verify the blob; a transcript is filed as a proof and verified."""
+        upload = _upload(request, pk, Capability.WRITE)
+        upload = uploads.complete(upload, user=request.user, ip=client_ip(request.META))  # type: ignore[arg-type]
+        return Response(UploadSerializer(upload).data)

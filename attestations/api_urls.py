@@ -1,0 +1,51 @@
+"""Routes of the REST API, mounted at ``/api/v1/``. A trailing slash is optional."""
+
+from __future__ import annotations
+
+from django.urls import path, re_path
+from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
+
+from attestations import api
+
+app_name = "api"
+
+NAME = r"(?P<owner>[a-z0-9-]+)/(?P<name>[a-z0-9._-]+)"
+UUID = r"(?P<pk>[0-9a-f-]{36})"
+
+urlpatterns = [
+    re_path(r"^me/?$", api.MeView.as_view(), name="me"),
+    re_path(r"^organizations/?$", api.OrganizationList.as_view(), name="organizations"),
+    re_path(
+        r"^organizations/(?P<slug>[a-z0-9-]+)/members/?$", api.MemberList.as_view(), name="members"
+    ),
+    re_path(
+        r"^organizations/(?P<slug>[a-z0-9-]+)/members/(?P<username>[\w.@+-]+)/?$",
+        api.MemberDetail.as_view(),
+        name="member",
+    ),
+    re_path(r"^keys/?$", api.ApiKeyList.as_view(), name="keys"),
+    re_path(r"^keys/(?P<pk>[0-9]+)/?$", api.ApiKeyDetail.as_view(), name="key"),
+    re_path(r"^experiments/?$", api.ExperimentList.as_view(), name="experiments"),
+    re_path(rf"^experiments/{NAME}/?$", api.ExperimentDetail.as_view(), name="experiment"),
+    re_path(rf"^experiments/{NAME}/specs/?$", api.SpecList.as_view(), name="specs"),
+    re_path(
+        rf"^experiments/{NAME}/specs/(?P<version>[0-9]+)/?$", api.SpecDetail.as_view(), name="spec"
+    ),
+    re_path(r"^proofs/?$", api.ProofList.as_view(), name="proofs"),
+    re_path(r"^proofs/(?P<pk>[0-9]+)/?$", api.ProofDetail.as_view(), name="proof"),
+    re_path(
+        r"^proofs/(?P<pk>[0-9]+)/transcript/?$", api.ProofTranscript.as_view(), name="transcript"
+    ),
+    re_path(r"^jobs/?$", api.JobList.as_view(), name="jobs"),
+    re_path(rf"^jobs/{UUID}/?$", api.JobDetail.as_view(), name="job"),
+    re_path(r"^audit-events/?$", api.AuditEventList.as_view(), name="audit-events"),
+    re_path(r"^uploads/?$", api.UploadList.as_view(), name="uploads"),
+    re_path(rf"^uploads/{UUID}/?$", api.UploadDetail.as_view(), name="upload"),
+    re_path(
+        rf"^uploads/{UUID}/parts/(?P<number>[0-9]+)/?$", api.UploadPartView.as_view(), name="part"
+    ),
+    re_path(rf"^uploads/{UUID}/complete/?$", api.UploadComplete.as_view(), name="complete"),
+    path("schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("docs/", SpectacularSwaggerView.as_view(url_name="api:schema"), name="docs"),
+    path("redoc/", SpectacularRedocView.as_view(url_name="api:schema"), name="redoc"),
+]

@@ -1,0 +1,68 @@
+"""API key authentication for DRF: ``Authorization: Bearer dvb_…`` (or ``Api-Key dvb_…``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib.auth.models import AbstractBaseUser
+from rest_framework import authentication, exceptions
+from rest_framework.request import Request
+
+from attestations.models import ApiKey
+
+SCHEMES = ("bearer", "api-key")
+
+
+class ApiKeyAuthentication(authentication.BaseAuthentication):
+    """Authenticate a personal API key.
+
+    A request without an ``Authorization`` header (or with another scheme) is left to the
+    next authenticator (the browser session); a header that names our scheme but carries
+    an unknown, expired or revoked key fails with 401, never falls through.
+    """
+
+    keyword = "Bearer"
+
+    def authenticate(self, request: Request) -> tuple[AbstractBaseUser, ApiKey] | None:
+        header = authentication.get_authorization_header(request).decode("latin-1")
+        scheme, _, raw = header.partition(" ")
+        if scheme.lower() not in SCHEMES:
+            return None
+        raw = raw.strip()
+        if not raw or " " in raw:
+            raise exceptions.AuthenticationFailed(
+                "Malformed Authorization header; expected 'Bearer <api key>'.",
+                code="invalid_api_key",
+            )
+        key = ApiKey.authenticate(raw)
+        if key is None:
+            raise exceptions.AuthenticationFailed(
+                "Unknown, expired or revoked API key.", code="invalid_api_key"
+            )
+        if not key.user.is_active:
+            raise exceptions.AuthenticationFailed("User inactive.", code="user_inactive")
+        return key.user, key
+
+    def authenticate_header(self, request: Request) -> str:
+        return self.keyword
+
+
+def _register_schema_extension() -> Any:
+    from drf_spectacular.extensions import OpenApiAuthenticationExtension
+
+    class _Extension(OpenApiAuthenticationExtension):  # type: ignore[misc]
+        target_class = "attestations.authentication.ApiKeyAuthentication"
+        name = "apiKey"
+
+        def get_security_definition(self, auto_schema: Any) -> dict[str, str]:
+            return {
+                "type": "http",
+                "scheme": "bearer",
+                "description": "A personal API key, `dvb_<lookup>_<secret>`, created under "
+                "API keys. `Authorization: Api-Key <key>` is accepted too.",
+            }
+
+    return _Extension
+
+
+ApiKeyAuthenticationSchemeExtension = _register_schema_extension()

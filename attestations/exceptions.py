@@ -1,0 +1,184 @@
+"""The API's errors, and the one format every error response has.
+
+Every error is an :class:`~rest_framework.exceptions.APIException` subclass carrying its
+HTTP status and a stable machine ``code``; views raise, and :func:`exception_handler`
+renders::
+
+    {"error": {"code": "part_digest_mismatch",
+               "message": "part 2: expected sha256 ab12…, got 9f3c…",
+               "field": "X-Part-SHA256",
+               "detail": {"expected": "ab12…", "got": "9f3c…"}},
+     "request_id": "5b0e…"}
+
+``field`` names the request field, header or transcript field at fault (or is null);
+``detail`` carries machine-readable particulars (or is null).
+
+Tree::
+
+    APIException (DRF)
+    └── DVBenchError
+        ├── InvalidRequestError (400)
+        │   ├── DigestMismatchError            part_digest_mismatch / blob_digest_mismatch
+        │   ├── SizeMismatchError              size_mismatch
+        │   └── MissingPartsError              missing_parts
+        ├── NotFoundError (404)
+        ├── ConflictError (409)
+        │   └── UploadNotOpenError             upload_not_open
+        ├── PayloadTooLargeError (413)         part_too_large / blob_too_large
+        └── TranscriptRejectedError (422)      transcript_rejected / experiment_mismatch / …
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
+from django.http import Http404
+from rest_framework import exceptions, status
+from rest_framework.response import Response
+from rest_framework.views import exception_handler as drf_exception_handler
+
+
+class DVBenchError(exceptions.APIException):
+    """Base of the platform's own errors.
+
+    Args:
+        message: Human-readable sentence; defaults to ``default_detail``.
+        code: Machine code; defaults to ``default_code``.
+        field: The request field or header at fault.
+        detail: Machine-readable particulars (expected and got values, limits).
+    """
+
+    status_code = status.HTTP_400_BAD_REQUEST
+    default_detail = "The request could not be processed."
+    default_code = "invalid"
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        code: str | None = None,
+        field: str | None = None,
+        detail: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message or self.default_detail, code or self.default_code)
+        self.error_code = code or self.default_code
+        self.field = field
+        self.extra = detail
+
+
+class InvalidRequestError(DVBenchError):
+    default_detail = "The request is invalid."
+    default_code = "invalid"
+
+
+class DigestMismatchError(InvalidRequestError):
+    default_code = "digest_mismatch"
+
+    def __init__(self, what: str, expected: str, got: str, *, code: str, field: str) -> None:
+        super().__init__(
+            f"{what}: expected sha256 {expected}, got {got}",
+            code=code,
+            field=field,
+            detail={"expected": expected, "got": got},
+        )
+
+
+class SizeMismatchError(InvalidRequestError):
+    default_code = "size_mismatch"
+
+
+class MissingPartsError(InvalidRequestError):
+    default_code = "missing_parts"
+
+
+class NotFoundError(DVBenchError):
+    status_code = status.HTTP_404_NOT_FOUND
+    default_detail = "Not found."
+    default_code = "not_found"
+
+
+class ConflictError(DVBenchError):
+    status_code = status.HTTP_409_CONFLICT
+    default_detail = "The request conflicts with the current state."
+    default_code = "conflict"
+
+
+class UploadNotOpenError(ConflictError):
+    default_code = "upload_not_open"
+
+
+class PayloadTooLargeError(DVBenchError):
+    status_code = status.HTTP_413_REQUEST_ENTITY_TOO_LARGE
+    default_detail = "The request body is too large."
+    default_code = "too_large"
+
+
+class TranscriptRejectedError(DVBenchError):
+    status_code = status.HTTP_422_UNPROCESSABLE_ENTITY
+    default_detail = "The transcript was rejected."
+    default_code = "transcript_rejected"
+
+
+def _first_error(detail: Any, path: str = "") -> tuple[str | None, str, str]:
+    """Walk DRF's nested ValidationError detail to its first leaf: (field, message, code)."""
+    if isinstance(detail, dict):
+        for key, value in detail.items():
+            name = key if key != "non_field_errors" else ""
+            field, message, code = _first_error(
+                value, f"{path}.{name}" if path and name else name or path
+            )
+            return field, message, code
+        return path or None, "Invalid input.", "invalid"
+    if isinstance(detail, list) and detail:
+        first = detail[0]
+        if isinstance(first, (dict, list)):
+            return _first_error(first, path)
+        return path or None, str(first), getattr(first, "code", "invalid") or "invalid"
+    return path or None, str(detail), getattr(detail, "code", "invalid") or "invalid"
+
+
+def error_body(
+    code: str, message: str, *, field: str | None, detail: Any, request_id: str | None
+) -> dict[str, Any]:
+    return {
+        "error": {"code": code, "message": message, "field": field, "detail": detail},
+        "request_id": request_id,
+    }
+
+
+def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
+    """DRF's handler (for status and headers), then the body rewritten into our format."""
+    if isinstance(exc, Http404):
+        exc = NotFoundError()
+    elif isinstance(exc, DjangoPermissionDenied):
+        exc = exceptions.PermissionDenied()
+    response = drf_exception_handler(exc, context)
+    if response is None:
+        return None
+    request = context.get("request")
+    request_id = getattr(request, "request_id", None) if request is not None else None
+    if isinstance(exc, DVBenchError):
+        body = error_body(
+            exc.error_code,
+            str(exc.detail),
+            field=exc.field,
+            detail=exc.extra,
+            request_id=request_id,
+        )
+    elif isinstance(exc, exceptions.ValidationError):
+        field, message, code = _first_error(exc.detail)
+        message = f"{field}: {message}" if field else message
+        body = error_body(
+            code, message, field=field, detail=exc.get_full_details(), request_id=request_id
+        )
+    elif isinstance(exc, exceptions.APIException):
+        codes = exc.get_codes()
+        code = codes if isinstance(codes, str) else exc.default_code
+        body = error_body(
+            str(code), str(exc.detail), field=None, detail=None, request_id=request_id
+        )
+    else:  # pragma: no cover - DRF only handles APIException subclasses
+        return response
+    response.data = body
+    return response

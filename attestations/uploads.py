@@ -1,0 +1,521 @@
+"""Resumable, content-addressed multipart uploads through Django's storage API.
+
+The life of an upload:
+
+1. ``create``: the client declares kind, total size and the SHA-256 of the whole blob.
+2. ``put_part``: each part is streamed to a local temporary file while it is hashed and
+   counted, checked against the ``X-Part-SHA256`` header, then saved under the staging
+   prefix ``staging/uploads/<id>/``. Putting the same part again replaces it, so a
+   retried request is harmless (PUT is idempotent).
+3. ``complete``: the parts (which must be 1..N with sizes summing to the declared size)
+   are concatenated into a temporary file while the whole digest is computed. Only if it
+   matches is the file saved under its content address ``blobs/sha256/ab/cd/<hex>``; a
+   blob already stored under that address is reused. The staged parts are then removed.
+4. ``abort``: the staged parts are removed.
+
+A failed check removes everything staged for the upload, so a partial or mismatching
+upload is never visible as a stored artifact and leaves no garbage behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import secrets
+import tempfile
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import IO, Any
+
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.core.files import File
+from django.core.files.storage import default_storage
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from attestations.exceptions import (
+    DigestMismatchError,
+    InvalidRequestError,
+    MissingPartsError,
+    PayloadTooLargeError,
+    SizeMismatchError,
+    TranscriptRejectedError,
+    UploadNotOpenError,
+)
+from attestations.models import (
+    ArtifactKind,
+    AuditEvent,
+    Blob,
+    Experiment,
+    Job,
+    Proof,
+    Upload,
+    UploadPart,
+    UploadStatus,
+)
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 1024 * 1024
+MAX_PARTS = 10_000
+PART_DIGEST_HEADER = "X-Part-SHA256"
+
+
+def max_blob_bytes() -> int:
+    return int(settings.DVBENCH["MAX_BLOB_BYTES"])
+
+
+def max_part_bytes() -> int:
+    return int(settings.DVBENCH["MAX_PART_BYTES"])
+
+
+def _tmp_dir() -> Path:
+    # Beside the media root, so a FileSystemStorage save is a rename, not a copy.
+    path = Path(settings.DVBENCH["DATA_DIR"]) / "tmp"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class _LocalFile(File):  # type: ignore[type-arg]
+    """A ``File`` that tells FileSystemStorage it may move the file instead of copying it.
+
+    ``FileSystemStorage._save`` moves anything with ``temporary_file_path()`` into place
+    with ``file_move_safe``: one rename, so no reader ever sees a half-written blob.
+    """
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(open(path, "rb"), name=path.name)  # noqa: SIM115 - closed by File
+        self._path = path
+
+    def temporary_file_path(self) -> str:
+        return str(self._path)
+
+
+@contextlib.contextmanager
+def _temporary_path(suffix: str) -> Iterator[Path]:
+    descriptor, name = tempfile.mkstemp(dir=_tmp_dir(), suffix=suffix)
+    os.close(descriptor)
+    path = Path(name)
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _delete_quietly(name: str) -> None:
+    try:
+        default_storage.delete(name)
+    except OSError:  # pragma: no cover - storage already gone; nothing left to clean
+        log.warning("could not delete staged file %s", name, exc_info=True)
+
+
+# --- create -----------------------------------------------------------------------------
+
+
+def create(
+    *,
+    experiment: Experiment,
+    kind: str,
+    size: int,
+    sha256: str,
+    user: AbstractBaseUser,
+    ip: str | None = None,
+) -> Upload:
+    """Open an upload session for ``experiment`` (validated by the serializer)."""
+    limit = max_blob_bytes()
+    if size > limit:
+        raise PayloadTooLargeError(
+            f"size: declared {size} bytes exceeds the limit of {limit} bytes",
+            code="blob_too_large",
+            field="size",
+            detail={"limit": limit, "got": size},
+        )
+    ttl = int(settings.DVBENCH["UPLOAD_TTL_SECONDS"])
+    upload = Upload.objects.create(
+        organization=experiment.owner,
+        experiment=experiment,
+        kind=kind,
+        size=size,
+        sha256=sha256,
+        created_by=user,
+        expires=timezone.now() + timedelta(seconds=ttl),
+    )
+    AuditEvent.record(
+        "upload.created",
+        actor=user,
+        organization=experiment.owner,
+        target=upload,
+        detail={"experiment": experiment.full_name, "kind": kind, "size": size, "sha256": sha256},
+        ip=ip,
+    )
+    return upload
+
+
+# --- parts ------------------------------------------------------------------------------
+
+
+def _require_open(upload: Upload) -> None:
+    if upload.status != UploadStatus.OPEN:
+        raise UploadNotOpenError(
+            f"upload {upload.id} is {upload.status}; parts can only be sent to an open upload",
+            field="status",
+            detail={"status": upload.status},
+        )
+
+
+def _stream_to_file(stream: IO[bytes], path: Path, limit: int, number: int) -> tuple[int, str]:
+    """Copy ``stream`` to ``path`` in chunks, hashing as it goes; never more than ``limit``."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "wb") as out:
+        while True:
+            chunk = stream.read(CHUNK_BYTES)
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLargeError(
+                    f"part {number}: body exceeds the part limit of {limit} bytes",
+                    code="part_too_large",
+                    field="body",
+                    detail={"limit": limit},
+                )
+            digest.update(chunk)
+            out.write(chunk)
+    return size, digest.hexdigest()
+
+
+def put_part(
+    upload: Upload,
+    number: int,
+    *,
+    stream: IO[bytes],
+    declared_sha256: str | None,
+    content_length: int | None,
+) -> UploadPart:
+    """Store part ``number`` of ``upload`` from ``stream``; replaces an earlier copy.
+
+    Raises:
+        UploadNotOpenError: the upload was completed, aborted or failed.
+        InvalidRequestError: bad part number or missing/malformed digest header.
+        PayloadTooLargeError: the body exceeds ``MAX_PART_BYTES``.
+        DigestMismatchError: the body does not hash to the declared digest.
+        SizeMismatchError: the parts would exceed the upload's declared size.
+    """
+    _require_open(upload)
+    if not 1 <= number <= MAX_PARTS:
+        raise InvalidRequestError(
+            f"part number must be between 1 and {MAX_PARTS}, got {number}",
+            code="invalid_part_number",
+            field="number",
+            detail={"minimum": 1, "maximum": MAX_PARTS, "got": number},
+        )
+    declared = (declared_sha256 or "").strip().lower()
+    if len(declared) != 64 or any(c not in "0123456789abcdef" for c in declared):
+        raise InvalidRequestError(
+            f"header {PART_DIGEST_HEADER} must be the part's lowercase hex SHA-256 "
+            f"(64 characters), got {declared_sha256!r}",
+            code="missing_part_digest" if not declared else "invalid_part_digest",
+            field=PART_DIGEST_HEADER,
+        )
+    limit = max_part_bytes()
+    if content_length is not None and content_length > limit:
+        raise PayloadTooLargeError(
+            f"part {number}: Content-Length {content_length} exceeds the part limit of "
+            f"{limit} bytes",
+            code="part_too_large",
+            field="Content-Length",
+            detail={"limit": limit, "got": content_length},
+        )
+    with _temporary_path(".part") as path:
+        size, got = _stream_to_file(stream, path, limit, number)
+        if got != declared:
+            raise DigestMismatchError(
+                f"part {number}",
+                declared,
+                got,
+                code="part_digest_mismatch",
+                field=PART_DIGEST_HEADER,
+            )
+        others = int(sum(upload.parts.exclude(number=number).values_list("size", flat=True)) or 0)
+        if others + size > upload.size:
+            raise SizeMismatchError(
+                f"part {number}: the parts would hold {others + size} bytes, more than the "
+                f"declared size of {upload.size}",
+                code="size_exceeded",
+                field="body",
+                detail={"expected": upload.size, "got": others + size},
+            )
+        # A fresh staging name per attempt: a concurrent retry of the same part never
+        # overwrites a file another request is about to register.
+        name = default_storage.save(
+            f"{upload.part_name(number)}.{secrets.token_hex(4)}", _LocalFile(path)
+        )
+    replaced: str | None = None
+    try:
+        with transaction.atomic():
+            locked = Upload.objects.select_for_update().get(pk=upload.pk)
+            _require_open(locked)
+            part = UploadPart.objects.filter(upload=locked, number=number).first()
+            if part is None:
+                part = UploadPart(upload=locked, number=number)
+            else:
+                replaced = part.storage_name
+            part.size, part.sha256, part.storage_name = size, got, name
+            part.created = timezone.now()
+            part.save()
+    except BaseException:
+        _delete_quietly(name)
+        raise
+    if replaced and replaced != name:
+        _delete_quietly(replaced)
+    return part
+
+
+# --- complete ---------------------------------------------------------------------------
+
+
+def _check_parts(upload: Upload) -> list[UploadPart]:
+    parts = list(upload.parts.order_by("number"))
+    numbers = [part.number for part in parts]
+    expected = list(range(1, len(parts) + 1))
+    if not parts or numbers != expected:
+        highest = numbers[-1] if numbers else 0
+        missing = sorted(set(range(1, highest + 1)) - set(numbers)) or [highest + 1]
+        raise MissingPartsError(
+            f"parts must be numbered 1..N without gaps; missing part(s) {missing[:20]}",
+            field="parts",
+            detail={"missing": missing[:100], "received": numbers[:100]},
+        )
+    received = sum(part.size for part in parts)
+    if received != upload.size:
+        raise SizeMismatchError(
+            f"size: expected {upload.size} bytes, got {received} bytes in {len(parts)} part(s)",
+            field="size",
+            detail={"expected": upload.size, "got": received},
+        )
+    return parts
+
+
+def _discard(upload: Upload, status: str, reason: str) -> None:
+    """Remove every staged part and close the upload as ``status``."""
+    for part in list(upload.parts.all()):
+        _delete_quietly(part.storage_name)
+    upload.parts.all().delete()
+    Upload.objects.filter(pk=upload.pk).update(status=status, reason=reason[:64])
+    upload.status, upload.reason = status, reason[:64]
+
+
+def _assemble(parts: list[UploadPart], path: Path) -> str:
+    whole = hashlib.sha256()
+    with open(path, "wb") as out:
+        for part in parts:
+            piece = hashlib.sha256()
+            with default_storage.open(part.storage_name, "rb") as handle:
+                while chunk := handle.read(CHUNK_BYTES):
+                    piece.update(chunk)
+                    whole.update(chunk)
+                    out.write(chunk)
+            if piece.hexdigest() != part.sha256:
+                # The stored part changed after it was accepted: storage is not to be
+                # trusted for this upload, so it fails as a whole.
+                raise DigestMismatchError(
+                    f"stored part {part.number}",
+                    part.sha256,
+                    piece.hexdigest(),
+                    code="part_digest_mismatch",
+                    field="parts",
+                )
+    return whole.hexdigest()
+
+
+def _store_blob(path: Path, sha256: str, size: int) -> Blob:
+    """Save the verified file under its content address, or reuse the blob already there."""
+    existing = Blob.objects.filter(sha256=sha256).first()
+    if existing is not None and default_storage.exists(existing.storage_name):
+        return existing
+    address = Blob.address(sha256)
+    if default_storage.exists(address):
+        # No row claims it: a leftover of a crash between save and insert. Our bytes
+        # hash to the same address, so replacing it is safe.
+        default_storage.delete(address)
+    name = default_storage.save(address, _LocalFile(path))
+    try:
+        blob, created = Blob.objects.get_or_create(
+            sha256=sha256, defaults={"size": size, "storage_name": name}
+        )
+    except IntegrityError:  # pragma: no cover - lost a race with the same digest
+        blob, created = Blob.objects.get(sha256=sha256), False
+    if not created:
+        if blob.storage_name != name:
+            _delete_quietly(name)
+        if existing is not None and blob.storage_name != name:
+            Blob.objects.filter(pk=blob.pk).update(storage_name=name)
+    return blob
+
+
+def _check_transcript_identity(upload: Upload, path: Path) -> None:
+    """Reject, before anything is stored, a transcript whose root names another experiment.
+
+    The full verification runs later in the ingest task; this reads only the root record,
+    so a transcript filed under the wrong experiment is a 422 at completion.
+    """
+    root = read_transcript_root(path)
+    if root is None:
+        return  # unreadable here; the verifier will say precisely why
+    proof = Proof(experiment=upload.experiment)
+    mismatch = proof.check_identity(root)
+    if mismatch is not None:
+        reason, message, field = mismatch
+        raise TranscriptRejectedError(message, code=reason, field=field, detail={"record": 0})
+
+
+def read_transcript_root(path: Path) -> dict[str, Any] | None:
+    """The decoded root record of a transcript file, or None if it cannot be read cheaply."""
+    try:
+        from zkdv.verify import read_root  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    try:
+        root = read_root(path)
+    except Exception:  # noqa: BLE001 - bad data is the verifier's to report, with a reason
+        return None
+    return root if isinstance(root, dict) else None
+
+
+def complete(upload: Upload, *, user: AbstractBaseUser, ip: str | None = None) -> Upload:
+    """Verify and store the blob; for a transcript, file a proof and queue its ingest.
+
+    Completing an already completed upload returns it unchanged (a retried request).
+
+    Raises:
+        MissingPartsError, SizeMismatchError: parts missing or of the wrong total size;
+            the upload stays open so the client can send what is missing.
+        DigestMismatchError: the assembled bytes do not hash to the declared digest; the
+            upload fails and its parts are removed.
+        TranscriptRejectedError: the transcript names another experiment or spec.
+        UploadNotOpenError: the upload was aborted or failed.
+    """
+    if upload.status == UploadStatus.COMPLETE:
+        return upload
+    _require_open(upload)
+    parts = _check_parts(upload)
+    claimed = Upload.objects.filter(pk=upload.pk, status=UploadStatus.OPEN).update(
+        status=UploadStatus.COMPLETING
+    )
+    if not claimed:
+        upload.refresh_from_db()
+        if upload.status == UploadStatus.COMPLETE:
+            return upload
+        _require_open(upload)
+    try:
+        with _temporary_path(".blob") as path:
+            got = _assemble(parts, path)
+            if got != upload.sha256:
+                raise DigestMismatchError(
+                    "sha256 of the assembled upload",
+                    upload.sha256,
+                    got,
+                    code="blob_digest_mismatch",
+                    field="sha256",
+                )
+            if upload.kind == ArtifactKind.TRANSCRIPT:
+                _check_transcript_identity(upload, path)
+            blob = _store_blob(path, got, upload.size)
+    except (DigestMismatchError, TranscriptRejectedError) as error:
+        _discard(upload, UploadStatus.FAILED, error.error_code)
+        AuditEvent.record(
+            "upload.failed",
+            actor=user,
+            organization=upload.experiment.owner,
+            target=upload,
+            detail={"reason": error.error_code, "message": str(error.detail)},
+            ip=ip,
+        )
+        raise
+    except BaseException:
+        # Anything unexpected (storage down): the session may be completed again.
+        Upload.objects.filter(pk=upload.pk).update(status=UploadStatus.OPEN)
+        raise
+    with transaction.atomic():
+        upload.status, upload.blob, upload.completed = UploadStatus.COMPLETE, blob, timezone.now()
+        upload.save(update_fields=["status", "blob", "completed"])
+        AuditEvent.record(
+            "upload.completed",
+            actor=user,
+            organization=upload.experiment.owner,
+            target=upload,
+            detail={
+                "experiment": upload.experiment.full_name,
+                "kind": upload.kind,
+                "sha256": blob.sha256,
+                "size": blob.size,
+            },
+            ip=ip,
+        )
+        if upload.kind == ArtifactKind.TRANSCRIPT:
+            file_proof(upload, user=user, ip=ip)
+    for part in parts:
+        _delete_quietly(part.storage_name)
+    upload.parts.all().delete()
+    return upload
+
+
+def file_proof(upload: Upload, *, user: AbstractBaseUser | None, ip: str | None = None) -> Proof:
+    """Create the proof for a completed transcript upload and queue its ingest."""
+    from attestations.tasks import ingest_proof
+
+    experiment = upload.experiment
+    assert upload.blob is not None and experiment.current_spec is not None
+    proof = Proof.objects.create(
+        experiment=experiment,
+        spec=experiment.current_spec,
+        transcript=upload.blob,
+        upload=upload,
+        created_by=user,
+    )
+    job = Job.objects.create(kind="ingest", organization=experiment.owner, proof=proof)
+    AuditEvent.record(
+        "proof.filed",
+        actor=user,
+        organization=experiment.owner,
+        target=proof,
+        detail={"experiment": experiment.full_name, "transcript": upload.blob.sha256},
+        ip=ip,
+    )
+
+    def enqueue() -> None:
+        result = ingest_proof.delay(proof.pk)
+        Job.objects.filter(pk=job.pk).update(task_id=str(result.id))
+
+    transaction.on_commit(enqueue)
+    return proof
+
+
+# --- abort ------------------------------------------------------------------------------
+
+
+def abort(upload: Upload, *, user: AbstractBaseUser, ip: str | None = None) -> Upload:
+    """Remove the staged parts of an open upload; aborting twice is harmless."""
+    if upload.status == UploadStatus.ABORTED:
+        return upload
+    _require_open(upload)
+    _discard(upload, UploadStatus.ABORTED, "aborted")
+    AuditEvent.record(
+        "upload.aborted", actor=user, organization=upload.experiment.owner, target=upload, ip=ip
+    )
+    return upload
+
+
+def expire_stale(now: Any = None) -> int:
+    """Abort open uploads past their expiry; returns how many were removed."""
+    stale = Upload.objects.filter(status=UploadStatus.OPEN, expires__lt=now or timezone.now())
+    count = 0
+    for upload in stale:
+        _discard(upload, UploadStatus.ABORTED, "expired")
+        count += 1
+    return count

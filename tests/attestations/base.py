@@ -1,0 +1,172 @@
+"""Named actors and a small world for the attestations tests (after healthchecks' BaseTestCase).
+
+* ``alice``: trainer in ``acme``          * ``bob``: auditor in ``acme``
+* ``admin``: admin in ``acme``            * ``carol``: regulator (member of ``eu-office``)
+* ``mallory``: trainer in ``evil``, an outsider to ``acme``
+
+``world`` holds acme's experiment ``acme/run-1`` with a filed proof, a job, an open
+upload, and mallory's ``evil/heist``. ``api(actor)`` returns a client authenticated with
+that actor's personal API key, through the real ``Authorization: Bearer`` path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from django.core.files.base import ContentFile
+from django.core.files.storage import default_storage
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from attestations.models import (
+    ApiKey,
+    ArtifactKind,
+    Blob,
+    Experiment,
+    Job,
+    Membership,
+    Organization,
+    Proof,
+    ProofStatus,
+    Role,
+    Upload,
+)
+
+ROLES = ("alice", "bob", "carol", "mallory", "admin")
+PASSWORD = "correct horse battery staple"
+SPEC: dict[str, Any] = {
+    "framework": "jax",
+    "model_description": "TinyClassifier: one Dense(2) layer",
+    "optimizer": "optax.adam(1e-2)",
+    "dataset_commitment": "ab" * 32,
+    "max_flops": 10**25,
+    "max_tokens": 2 * 10**12,
+    "max_gpu_hours": "1200.5",
+    "allowed_regimes": ["pretraining"],
+}
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class World:
+    acme: Organization
+    evil: Organization
+    users: dict[str, User]
+    experiment: Experiment
+    other: Experiment
+    proof: Proof
+    job: Job
+    upload: Upload
+
+    def __getattr__(self, name: str) -> User:
+        users = self.__dict__.get("users", {})
+        if name in users:
+            return users[name]  # type: ignore[no-any-return]
+        raise AttributeError(name)
+
+
+@pytest.fixture
+def storage(settings: Any, tmp_path: Path) -> Path:
+    """Point default storage and the upload temp dir at a fresh directory."""
+    media = tmp_path / "media"
+    settings.STORAGES = {
+        **settings.STORAGES,
+        "default": {
+            "BACKEND": "django.core.files.storage.FileSystemStorage",
+            "OPTIONS": {"location": str(media)},
+        },
+    }
+    settings.DVBENCH = {
+        **settings.DVBENCH,
+        "DATA_DIR": tmp_path,
+        "MAX_PART_BYTES": 64 * 1024,
+        "MAX_BLOB_BYTES": 1024 * 1024,
+    }
+    media.mkdir()
+    return media
+
+
+def stored_files(root: Path) -> list[str]:
+    """Every file under a storage root, relative, sorted."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def make_user(username: str, *, superuser: bool = False) -> User:
+    if superuser:
+        return User.objects.create_superuser(username, f"{username}@example.org", PASSWORD)
+    return User.objects.create_user(username, f"{username}@example.org", PASSWORD)
+
+
+@pytest.fixture
+def world(db: None, storage: Path, settings: Any) -> World:
+    # PBKDF2 at its production cost would dominate the suite's run time.
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+    acme = Organization.objects.create(slug="acme", name="Acme Labs")
+    evil = Organization.objects.create(slug="evil", name="Evil Corp")
+    office = Organization.objects.create(slug="eu-office", name="EU AI Office")
+    users = {name: make_user(name) for name in ROLES}
+    Membership.objects.create(user=users["alice"], organization=acme, role=Role.TRAINER)
+    Membership.objects.create(user=users["bob"], organization=acme, role=Role.AUDITOR)
+    Membership.objects.create(user=users["admin"], organization=acme, role=Role.ADMIN)
+    Membership.objects.create(user=users["carol"], organization=office, role=Role.REGULATOR)
+    Membership.objects.create(user=users["mallory"], organization=evil, role=Role.TRAINER)
+    experiment = Experiment.register(acme, "run-1", SPEC, user=users["alice"])
+    other = Experiment.register(evil, "heist", SPEC, user=users["mallory"])
+    data = b"not really a transcript"
+    digest = sha256(data)
+    name = default_storage.save(Blob.address(digest), ContentFile(data))
+    blob = Blob.objects.create(sha256=digest, size=len(data), storage_name=name)
+    assert experiment.current_spec is not None
+    proof = Proof.objects.create(
+        experiment=experiment,
+        spec=experiment.current_spec,
+        transcript=blob,
+        status=ProofStatus.VALID,
+        steps=4,
+        checks=1,
+    )
+    job = Job.objects.create(kind="ingest", organization=acme, proof=proof, status="succeeded")
+    upload = Upload.objects.create(
+        organization=acme,
+        experiment=experiment,
+        kind=ArtifactKind.ARTIFACT,
+        size=5,
+        sha256=sha256(b"hello"),
+        created_by=users["alice"],
+        expires=timezone.now() + timezone.timedelta(days=1),
+    )
+    return World(acme, evil, users, experiment, other, proof, job, upload)
+
+
+@pytest.fixture
+def api(world: World) -> Iterator[Callable[[str | None], APIClient]]:
+    """``api("alice")``: a client sending alice's API key; ``api(None)``: anonymous."""
+    keys: dict[str, str] = {}
+
+    def client(actor: str | None) -> APIClient:
+        c = APIClient()
+        if actor is not None:
+            if actor not in keys:
+                _, keys[actor] = ApiKey.issue(world.users[actor], "tests")
+            c.credentials(HTTP_AUTHORIZATION=f"Bearer {keys[actor]}")
+        return c
+
+    yield client
+
+
+def error_of(response: Any) -> dict[str, Any]:
+    """The ``error`` object of an error response, checking the envelope on the way."""
+    body = response.json()
+    assert set(body) == {"error", "request_id"}, body
+    assert body["request_id"] == response["X-Request-ID"]
+    assert set(body["error"]) == {"code", "message", "field", "detail"}
+    return body["error"]  # type: ignore[no-any-return]
