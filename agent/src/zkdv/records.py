@@ -46,11 +46,11 @@ writer ``fsync``\\ s after the root, after every check and snapshot record, ever
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, BinaryIO
+from typing import IO, Any, BinaryIO, NamedTuple
 
 import cbor2
 
@@ -161,9 +161,12 @@ class TranscriptWriter:
             self._probes = None
 
 
-@dataclass(frozen=True)
-class Record:
-    """One decoded record with its position and the hash of its encoded bytes."""
+class Record(NamedTuple):
+    """One decoded record with its position and the hash of its encoded bytes.
+
+    A named tuple rather than a frozen dataclass: the verifier builds one per record
+    and construction cost matters at 100,000 records a second.
+    """
 
     index: int
     offset: int
@@ -209,23 +212,37 @@ def iter_records(
 
 
 def _iter_buffer(view: memoryview) -> Iterator[Record]:
+    """Decode records back to back with cbor2's C decoder, tracking their byte spans.
+
+    The decoder reads from a stream, so a record's exact bytes are the span between two
+    ``tell()`` positions. When the decoder fails, the bounded header scanner below
+    names the failure precisely (truncation, absurd lengths, nesting) without having
+    allocated anything for it.
+    """
     total = len(view)
+    stream = io.BytesIO(view)
+    decoder = cbor2.CBORDecoder(stream)
+    decode = decoder.decode
     offset = 0
     index = 0
-    loads = cbor2.loads
     while offset < total:
-        size = _item_length(view, offset, index)
-        raw = view[offset : offset + size]
         try:
-            data = loads(raw)
+            data = decode()
         except Exception as error:  # noqa: BLE001 - any decoder failure is malformed input
+            _item_length(view, offset, index)  # raises the precise structural error, if any
             raise _decode_error(index, offset, error) from None
-        if not isinstance(data, dict):
+        end = stream.tell()
+        size = end - offset
+        if size > MAX_RECORD_BYTES:
+            raise TranscriptError(
+                "malformed_record", f"record exceeds {MAX_RECORD_BYTES} bytes", record=index
+            )
+        if type(data) is not dict:
             raise TranscriptError(
                 "malformed_record", f"expected a CBOR map, got {type(data).__name__}", record=index
             )
-        yield Record(index, offset, size, record_hash(raw), data)
-        offset += size
+        yield Record(index, offset, size, record_hash(view[offset:end]), data)
+        offset = end
         index += 1
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zkdv.config import SamplingPolicy
-from zkdv.hashing import Domain, hash_bytes
+from zkdv.hashing import Domain, hasher
 
 __all__ = ["Challenge", "decide"]
 
@@ -48,7 +48,10 @@ def decide(
     Indices are uint64 values covering the full committed coordinate range of the
     parameters and of the optimizer state (0 when a state is empty).
     """
-    material = hash_bytes(Domain.SAMPLE, record_hash, step.to_bytes(8, "little"), length=40)
+    h = hasher(Domain.SAMPLE)
+    h.update(record_hash)
+    h.update(step.to_bytes(8, "little"))
+    material = h.digest(length=40)
     if policy.check_every is not None:
         sampled = step % policy.check_every == 0
     else:

@@ -236,6 +236,63 @@ class _Verifier:
 
     # --- steps --------------------------------------------------------------------------
     def step(self, record: Record) -> None:
+        # Fast path for the common, well-formed record: plain lookups and identity type
+        # checks. Anything unusual falls through to the precise validation below, which
+        # names the offending field.
+        data = record.data
+        try:
+            batch, post, probe, flops, tokens = (
+                data["batch"],
+                data["post"],
+                data.get("probe"),
+                data.get("flops"),
+                data["tokens"],
+            )
+            roots = (post["p"], post["o"], post["b"])
+            fast = (
+                data["i"] == self.next_step
+                and "program" not in data
+                and "config" not in data
+                and type(tokens) is int
+                and tokens >= 0
+                and (probe is None or self.probes_path is None)
+                and type(batch["root"]) is bytes
+                and len(batch["root"]) == 32
+                and type(batch["win"]) is bytes
+                and len(batch["win"]) == 32
+                and batch["cols"] == self.batch_cols
+                and type(batch["rows"]) is int
+                and batch["rows"] >= 1
+                and all(type(r) is bytes and len(r) == 32 for r in roots)
+                and (flops is None or (type(flops) is float and 0.0 <= flops < math.inf))
+            )
+        except (KeyError, TypeError):
+            fast = False
+        if not fast:
+            self._step_checked(record)
+            return
+        self.report.tokens += tokens
+        if flops is not None:
+            self.report.flops += flops
+        self._sample(record)
+        self.post = roots  # type: ignore[assignment]
+        self.next_step += 1
+        self.report.steps += 1
+
+    def _sample(self, record: Record) -> None:
+        step = self.next_step
+        challenge = decide(
+            self.config.sampling_policy,
+            step,
+            record.hash,
+            param_count=self.param_count,
+            state_count=self.state_count,
+        )
+        if challenge is not None:
+            self.pending[step] = challenge
+            self.report.sampled.append(step)
+
+    def _step_checked(self, record: Record) -> None:
         data, index = record.data, record.index
         step = _require(data, "i", int, index)
         if step != self.next_step:
@@ -281,16 +338,7 @@ class _Verifier:
         probe = data.get("probe")
         if probe is not None and self.probes_path is not None:
             self._check_probes(step, probe, index)
-        challenge = decide(
-            self.config.sampling_policy,
-            step,
-            record.hash,
-            param_count=self.param_count,
-            state_count=self.state_count,
-        )
-        if challenge is not None:
-            self.pending[step] = challenge
-            self.report.sampled.append(step)
+        self._sample(record)
         self.post = post
         self.next_step += 1
         self.report.steps += 1
