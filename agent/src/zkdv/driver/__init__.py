@@ -19,20 +19,18 @@ transcript (:class:`~zkdv.core.ZKDVCore`) and the pipeline
 
 from __future__ import annotations
 
-import abc
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from zkdv.config import ZKDVConfig
-from zkdv.core import ProgramInfo, StepResult, ZKDVCore
+from zkdv.core import ProgramInfo, ZKDVCore
 from zkdv.errors import (
     ALREADY_STARTED,
     CLOSED,
@@ -43,86 +41,12 @@ from zkdv.errors import (
 from zkdv.files import TREES, batch_path, snapshot_path, write_batch, write_state
 from zkdv.flowcontrol import Admission, PipelineQueue, unannotated
 from zkdv.overlap import Policy
-from zkdv.probes import ProbeSet
+from zkdv.pipeline import Leaves, PendingUpdate, ReplayOutcome, Submission
 from zkdv.sampling import Challenge
 
-__all__ = ["Driver", "Leaves", "ReplayOutcome", "Submission"]
+__all__ = ["Driver", "Leaves", "PendingUpdate", "ReplayOutcome", "Submission"]
 
-Leaves = Sequence[tuple[str, np.ndarray]]
 PROGRAM_FILES = {"jax.export": "program.jaxexport", "aot-inductor": "program.pt2"}
-
-
-@dataclass(frozen=True)
-class ReplayOutcome:
-    """What a sampled replay recomputed for one challenge."""
-
-    replayed_delta: float
-    replayed_state: float
-    replay_from: int
-    replayed_steps: int
-
-
-class Submission(abc.ABC):
-    """One dispatched training invocation, as the driver's pipeline sees it.
-
-    Methods run on the pipeline's threads in this order: ``initial_state`` (first
-    submission only), ``batch``, ``post_state``, ``probes``, then ``capture`` for a
-    sampled step, then ``release_views``; later ``replay`` (sampled steps only, on the
-    check thread) and ``retire``.
-    """
-
-    policy: Policy = Policy.UNCHECKED
-    tokens: int | None = None
-    flops: float | None = None
-    started: float = 0.0
-    #: Host copies of the pre-update (params, opt_state, buffers) when this step is a
-    #: replay snapshot step (``Driver._snapshot_due``); the driver writes them to
-    #: ``files/`` for the platform and records the snapshot in the transcript.
-    snapshot: tuple[Leaves, Leaves, Leaves] | None = None
-
-    def initial_state(self) -> tuple[Leaves, Leaves, Leaves]:
-        """Host views of the pre-update (params, opt_state, buffers) of the first step."""
-        raise NotImplementedError
-
-    @abc.abstractmethod
-    def batch(self) -> np.ndarray:
-        """The committed batch as a 2-D uint32 host array."""
-
-    @abc.abstractmethod
-    def post_state(self) -> tuple[Leaves, Leaves, Leaves]:
-        """Host views of the post-update (params, opt_state, buffers); may block."""
-
-    def probes(
-        self, probes: ProbeSet
-    ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]] | None:
-        """``(pre, post, delta)`` probe arrays per parameter leaf, or None."""
-        return None
-
-    @abc.abstractmethod
-    def capture(self, challenge: Challenge) -> tuple[float, float]:
-        """Committed (delta, post-optimizer-state) values at the challenged indices."""
-
-    def release_views(self) -> None:  # noqa: B027 - optional hook
-        """Drop host views of live state (they may alias buffers about to be donated)."""
-
-    @abc.abstractmethod
-    def replay(self, challenge: Challenge) -> ReplayOutcome:
-        """Recompute the challenged coordinates from the latest snapshot."""
-
-    def retire(self) -> None:  # noqa: B027 - optional hook
-        """Drop every reference the submission still holds."""
-
-
-class Pending:
-    """The driver's handle on one submitted step."""
-
-    def __init__(self, index: int, submission: Submission) -> None:
-        self.index = index
-        self.submission = submission
-        self.released = threading.Event()
-        self.retired = threading.Event()
-        self.result: StepResult | None = None
-        self.challenge: Challenge | None = None
 
 
 class Driver:
@@ -166,7 +90,7 @@ class Driver:
         self._experiment: dict[str, str] | None = None
         self._env: dict[str, Any] = {}
         self._next_index = 0
-        self._last: Pending | None = None
+        self._last: PendingUpdate | None = None
         self._closed = False
         self._started = False
         self.rolling_window = 0
@@ -293,10 +217,10 @@ class Driver:
                 self._queue.check()
         self._queue.check()
 
-    def _submit(self, admission: Admission, submission: Submission) -> Pending:
+    def _submit(self, admission: Admission, submission: Submission) -> PendingUpdate:
         """Queue one dispatched step's commitment (and, if sampled, its check)."""
         core = self._require_running()
-        pending = Pending(self._next_index, submission)
+        pending = PendingUpdate(self._next_index, submission)
         self._next_index += 1
         if not submission.started:
             submission.started = time.time()
@@ -315,7 +239,7 @@ class Driver:
         for tree, leaves in zip(TREES, snapshot, strict=True):
             write_state(snapshot_path(self.path, step, tree), leaves)
 
-    def _commit(self, core: ZKDVCore, pending: Pending) -> None:
+    def _commit(self, core: ZKDVCore, pending: PendingUpdate) -> None:
         sub = pending.submission
         try:
             if not core.opened:
@@ -383,7 +307,7 @@ class Driver:
     def _check(
         self,
         core: ZKDVCore,
-        pending: Pending,
+        pending: PendingUpdate,
         challenge: Challenge,
         committed: tuple[float, float],
         done: threading.Event,
