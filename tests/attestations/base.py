@@ -170,3 +170,56 @@ def error_of(response: Any) -> dict[str, Any]:
     assert body["request_id"] == response["X-Request-ID"]
     assert set(body["error"]) == {"code", "message", "field", "detail"}
     return body["error"]  # type: ignore[no-any-return]
+
+
+def put_parts(client: APIClient, upload_id: str, data: bytes, part_size: int) -> list[Any]:
+    """PUT ``data`` as consecutive parts of ``part_size`` bytes; returns the responses."""
+    responses = []
+    for number, start in enumerate(range(0, len(data), part_size), start=1):
+        chunk = data[start : start + part_size]
+        responses.append(
+            client.put(
+                f"/api/v1/uploads/{upload_id}/parts/{number}/",
+                data=chunk,
+                content_type="application/octet-stream",
+                HTTP_X_PART_SHA256=sha256(chunk),
+            )
+        )
+    return responses
+
+
+def open_upload(
+    client: APIClient,
+    data: bytes,
+    *,
+    kind: str = "artifact",
+    experiment: str = "acme/run-1",
+    digest: str | None = None,
+) -> Any:
+    response = client.post(
+        "/api/v1/uploads/",
+        {
+            "experiment": experiment,
+            "kind": kind,
+            "size": len(data),
+            "sha256": digest or sha256(data),
+        },
+        format="json",
+    )
+    assert response.status_code == 201, response.content
+    return response.json()
+
+
+def upload_blob(
+    client: APIClient,
+    data: bytes,
+    *,
+    kind: str = "artifact",
+    experiment: str = "acme/run-1",
+    part_size: int = 1000,
+) -> Any:
+    """Create, send and complete an upload; returns the completion response."""
+    created = open_upload(client, data, kind=kind, experiment=experiment)
+    for response in put_parts(client, created["id"], data, part_size):
+        assert response.status_code == 200, response.content
+    return client.post(f"/api/v1/uploads/{created['id']}/complete/")

@@ -1,0 +1,185 @@
+"""Ingest: completing a transcript upload files a proof that the offline verifier judges."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rest_framework.test import APIClient
+
+from attestations.models import AuditEvent, Blob, Job, Proof, ProofStatus, Upload, UploadPart
+from attestations.tasks import ingest_proof
+from tests.attestations.base import SPEC, World, error_of, stored_files, upload_blob
+from zkdv.testing import write_synthetic_transcript
+
+Api = Callable[[str | None], APIClient]
+
+
+def transcript(tmp_path: Path, experiment: str, spec_digest: str, *, steps: int = 4) -> bytes:
+    proof_dir = write_synthetic_transcript(
+        tmp_path / f"proof-{experiment.replace('/', '-')}-{spec_digest[:6]}-{steps}",
+        steps=steps,
+        experiment=experiment,
+        spec_digest=spec_digest,
+        seed=0,
+    )
+    return (Path(proof_dir) / "records.cborl").read_bytes()
+
+
+def digest_of(world: World) -> str:
+    assert world.experiment.current_spec is not None
+    return world.experiment.current_spec.digest
+
+
+def test_a_valid_transcript_is_verified(
+    world: World, api: Api, tmp_path: Path, django_capture_on_commit_callbacks: Any
+) -> None:
+    data = transcript(tmp_path, "acme/run-1", digest_of(world))
+    with django_capture_on_commit_callbacks(execute=True):
+        response = upload_blob(api("alice"), data, kind="transcript", part_size=4096)
+    assert response.status_code == 200, response.content
+    proof = Proof.objects.get(pk=response.json()["proof"])
+    assert proof.status == ProofStatus.VALID, (proof.reason, proof.message)
+    assert (proof.steps, proof.prover) == (4, "whitebox-jax")
+    assert proof.transcript_digest
+    job = Job.objects.get(proof=proof)
+    assert (job.status, job.progress) == ("succeeded", 1.0)
+    assert AuditEvent.objects.filter(action="proof.valid", target_id=str(proof.pk)).exists()
+    body = api("bob").get(f"/api/v1/proofs/{proof.pk}/").json()
+    assert body["status"] == "valid"
+    assert body["job"]["status"] == "succeeded"
+
+
+def test_a_tampered_transcript_is_rejected_with_its_reason(
+    world: World, api: Api, tmp_path: Path, django_capture_on_commit_callbacks: Any
+) -> None:
+    data = bytearray(transcript(tmp_path, "acme/run-1", digest_of(world)))
+    # Flip one byte well after the root record: the chain breaks at a later record.
+    data[len(data) // 2] ^= 0x01
+    with django_capture_on_commit_callbacks(execute=True):
+        response = upload_blob(api("alice"), bytes(data), kind="transcript", part_size=4096)
+    assert response.status_code == 200
+    proof = Proof.objects.get(pk=response.json()["proof"])
+    assert proof.status == ProofStatus.REJECTED
+    assert proof.reason and proof.message
+    assert proof.record_index is not None and proof.record_index > 0
+    assert AuditEvent.objects.filter(action="proof.rejected").exists()
+
+
+def test_a_transcript_of_another_experiment_is_refused(
+    world: World, api: Api, tmp_path: Path, storage: Path
+) -> None:
+    data = transcript(tmp_path, "evil/heist", digest_of(world))
+    before = (stored_files(storage), Blob.objects.count(), Proof.objects.count())
+    response = upload_blob(api("alice"), data, kind="transcript", part_size=4096)
+    assert response.status_code == 422
+    error = error_of(response)
+    assert error["code"] == "experiment_mismatch"
+    assert error["field"] == "root.experiment.name"
+    assert "'evil/heist'" in error["message"] and "'acme/run-1'" in error["message"]
+    assert (stored_files(storage), Blob.objects.count(), Proof.objects.count()) == before
+    assert UploadPart.objects.count() == 0
+    assert Upload.objects.filter(reason="experiment_mismatch", status="failed").count() == 1
+
+
+def test_a_transcript_of_another_spec_is_refused(
+    world: World, api: Api, tmp_path: Path, storage: Path
+) -> None:
+    data = transcript(tmp_path, "acme/run-1", "cd" * 32)
+    before = (stored_files(storage), Blob.objects.count(), Proof.objects.count())
+    response = upload_blob(api("alice"), data, kind="transcript", part_size=4096)
+    assert response.status_code == 422
+    error = error_of(response)
+    assert (error["code"], error["field"]) == ("spec_mismatch", "root.experiment.spec_digest")
+    assert (stored_files(storage), Blob.objects.count(), Proof.objects.count()) == before
+
+
+def test_the_spec_freezes_once_a_proof_names_it(
+    world: World, api: Api, tmp_path: Path, django_capture_on_commit_callbacks: Any
+) -> None:
+    first = digest_of(world)
+    with django_capture_on_commit_callbacks(execute=True):
+        upload_blob(
+            api("alice"),
+            transcript(tmp_path, "acme/run-1", first),
+            kind="transcript",
+            part_size=4096,
+        )
+    response = api("alice").post(
+        "/api/v1/experiments/acme/run-1/specs/", {**SPEC, "max_tokens": 5}, format="json"
+    )
+    assert response.status_code == 201
+    assert response.json()["version"] == 2
+    assert response.json()["digest"] != first
+    # A transcript made against version 1 is still filed under version 1.
+    with django_capture_on_commit_callbacks(execute=True):
+        late = upload_blob(
+            api("alice"),
+            transcript(tmp_path, "acme/run-1", first, steps=3),
+            kind="transcript",
+            part_size=4096,
+        )
+    proof = Proof.objects.get(pk=late.json()["proof"])
+    assert proof.status == ProofStatus.VALID
+    assert proof.spec.version == 1
+
+
+def test_ingest_is_idempotent(world: World, api: Api, tmp_path: Path) -> None:
+    data = transcript(tmp_path, "acme/run-1", digest_of(world))
+    response = upload_blob(api("alice"), data, kind="transcript", part_size=4096)  # not yet run
+    proof_id = response.json()["proof"]
+    assert Proof.objects.get(pk=proof_id).status == ProofStatus.PENDING
+    assert ingest_proof(proof_id) == ProofStatus.VALID
+    assert ingest_proof(proof_id) is None  # a redelivered message finds nothing to do
+    assert AuditEvent.objects.filter(action="proof.valid", target_id=str(proof_id)).count() == 1
+
+
+@pytest.mark.services
+def test_ingest_through_a_real_worker(
+    transactional_db: None, celery_worker_process: Any, tmp_path: Path, settings: Any
+) -> None:
+    """The whole path over Redis to a separate worker process, against PostgreSQL."""
+    import time
+
+    from django.contrib.auth.models import User
+
+    from attestations import uploads
+    from attestations.models import Experiment, Membership, Organization
+
+    org = Organization.objects.create(slug="acme", name="Acme")
+    alice = User.objects.create_user("alice", password="x" * 20)
+    Membership.objects.create(user=alice, organization=org, role="trainer")
+    experiment = Experiment.register(org, "worker-run", SPEC, user=alice)
+    assert experiment.current_spec is not None
+    data = transcript(tmp_path, "acme/worker-run", experiment.current_spec.digest)
+    upload = uploads.create(
+        experiment=experiment,
+        kind="transcript",
+        size=len(data),
+        sha256=__import__("hashlib").sha256(data).hexdigest(),
+        user=alice,
+    )
+    from io import BytesIO
+
+    uploads.put_part(
+        upload, 1, stream=BytesIO(data), declared_sha256=upload.sha256, content_length=len(data)
+    )
+    uploads.complete(upload, user=alice)
+    proof = Proof.objects.get(upload=upload)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        proof.refresh_from_db()
+        if proof.is_final:
+            break
+        time.sleep(0.2)
+    assert proof.status == ProofStatus.VALID, (
+        proof.status,
+        proof.reason,
+        celery_worker_process.log()[-2000:],
+    )
+    job = Job.objects.get(proof=proof)
+    assert job.task_id and job.status == "succeeded"
+    _ = os

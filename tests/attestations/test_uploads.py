@@ -1,0 +1,277 @@
+"""Resumable, content-addressed uploads: every failure is a precise 4xx that stores nothing."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from rest_framework.test import APIClient
+
+from attestations.models import Blob, Upload, UploadPart, UploadStatus
+from tests.attestations.base import (
+    World,
+    error_of,
+    open_upload,
+    put_parts,
+    sha256,
+    stored_files,
+    upload_blob,
+)
+
+Api = Callable[[str | None], APIClient]
+# The world fixture stores one blob (the proof's transcript); nothing else may appear.
+BASELINE = 1
+
+
+def test_it_works(world: World, api: Api, storage: Path) -> None:
+    data = os.urandom(2500)
+    response = upload_blob(api("alice"), data)
+    assert response.status_code == 200, response.content
+    body = response.json()
+    assert body["status"] == "complete"
+    assert body["blob_sha256"] == sha256(data)
+    blob = Blob.objects.get(sha256=sha256(data))
+    assert (storage / blob.storage_name).read_bytes() == data
+    assert blob.storage_name == Blob.address(sha256(data))
+    assert not any(name.startswith("staging/") for name in stored_files(storage))
+    assert UploadPart.objects.count() == 0
+
+
+def test_it_resumes_after_an_interruption(world: World, api: Api, storage: Path) -> None:
+    client = api("alice")
+    data = os.urandom(3000)
+    created = open_upload(client, data)
+    # The connection drops after the first two parts.
+    put_parts(client, created["id"], data[:2000], 1000)
+    state = client.get(f"/api/v1/uploads/{created['id']}/").json()
+    assert [p["number"] for p in state["parts"]] == [1, 2]
+    assert state["received_bytes"] == 2000
+    # Completing now names what is missing, and the upload stays open.
+    early = client.post(f"/api/v1/uploads/{created['id']}/complete/")
+    assert early.status_code == 400
+    assert error_of(early)["code"] == "size_mismatch"
+    # Resume: resend part 2 (a retried request is harmless), then send part 3.
+    chunk2, chunk3 = data[1000:2000], data[2000:]
+    again = client.put(
+        f"/api/v1/uploads/{created['id']}/parts/2/",
+        data=chunk2,
+        content_type="application/octet-stream",
+        HTTP_X_PART_SHA256=sha256(chunk2),
+    )
+    assert again.status_code == 200
+    last = client.put(
+        f"/api/v1/uploads/{created['id']}/parts/3",
+        data=chunk3,
+        content_type="application/octet-stream",
+        HTTP_X_PART_SHA256=sha256(chunk3),
+    )
+    assert last.status_code == 200
+    done = client.post(f"/api/v1/uploads/{created['id']}/complete/")
+    assert done.status_code == 200, done.content
+    blob = Blob.objects.get(sha256=sha256(data))
+    assert (storage / blob.storage_name).read_bytes() == data
+    # A retried completion returns the same result.
+    assert client.post(f"/api/v1/uploads/{created['id']}/complete/").json()["status"] == "complete"
+    assert not any(name.startswith("staging/") for name in stored_files(storage))
+
+
+def test_it_names_missing_parts(world: World, api: Api) -> None:
+    client = api("alice")
+    data = os.urandom(3000)
+    created = open_upload(client, data)
+    responses = put_parts(client, created["id"], data, 1000)
+    assert all(r.status_code == 200 for r in responses)
+    UploadPart.objects.filter(upload_id=created["id"], number=2).delete()
+    response = client.post(f"/api/v1/uploads/{created['id']}/complete/")
+    assert response.status_code == 400
+    error = error_of(response)
+    assert error["code"] == "missing_parts"
+    assert error["detail"]["missing"] == [2]
+    assert Upload.objects.get(pk=created["id"]).status == UploadStatus.OPEN
+
+
+def test_it_rejects_a_wrong_part_digest(world: World, api: Api, storage: Path) -> None:
+    client = api("alice")
+    data = os.urandom(1500)
+    created = open_upload(client, data)
+    before = stored_files(storage)
+    wrong = "0" * 64
+    response = client.put(
+        f"/api/v1/uploads/{created['id']}/parts/1/",
+        data=data[:1000],
+        content_type="application/octet-stream",
+        HTTP_X_PART_SHA256=wrong,
+    )
+    assert response.status_code == 400
+    error = error_of(response)
+    assert error["code"] == "part_digest_mismatch"
+    assert error["field"] == "X-Part-SHA256"
+    assert error["detail"] == {"expected": wrong, "got": sha256(data[:1000])}
+    assert wrong in error["message"] and sha256(data[:1000]) in error["message"]
+    assert stored_files(storage) == before
+    assert UploadPart.objects.count() == 0
+    assert not list((storage.parent / "tmp").iterdir())
+
+
+def test_it_requires_the_part_digest_header(world: World, api: Api, storage: Path) -> None:
+    client = api("alice")
+    created = open_upload(client, b"hello world")
+    response = client.put(
+        f"/api/v1/uploads/{created['id']}/parts/1/",
+        data=b"hello world",
+        content_type="application/octet-stream",
+    )
+    assert response.status_code == 400
+    assert error_of(response)["code"] == "missing_part_digest"
+    assert error_of(response)["field"] == "X-Part-SHA256"
+    assert UploadPart.objects.count() == 0
+
+
+def test_it_rejects_a_wrong_total_digest(world: World, api: Api, storage: Path) -> None:
+    client = api("alice")
+    data = os.urandom(2000)
+    declared = sha256(b"something else")
+    created = open_upload(client, data, digest=declared)
+    put_parts(client, created["id"], data, 1000)
+    blobs_before = Blob.objects.count()
+    response = client.post(f"/api/v1/uploads/{created['id']}/complete/")
+    assert response.status_code == 400
+    error = error_of(response)
+    assert error["code"] == "blob_digest_mismatch"
+    assert error["field"] == "sha256"
+    assert error["detail"] == {"expected": declared, "got": sha256(data)}
+    # Nothing stored: no blob row, no file under blobs/ or staging/, no parts, no temp.
+    assert Blob.objects.count() == blobs_before
+    assert len(stored_files(storage)) == BASELINE
+    assert UploadPart.objects.count() == 0
+    assert not list((storage.parent / "tmp").iterdir())
+    upload = Upload.objects.get(pk=created["id"])
+    assert (upload.status, upload.reason) == (UploadStatus.FAILED, "blob_digest_mismatch")
+    # A failed upload takes no more parts.
+    late = put_parts(client, created["id"], data[:10], 10)[0]
+    assert late.status_code == 409
+    assert error_of(late)["code"] == "upload_not_open"
+
+
+def test_it_deduplicates_identical_blobs(world: World, api: Api, storage: Path) -> None:
+    data = os.urandom(1800)
+    first = upload_blob(api("alice"), data)
+    second = upload_blob(api("admin"), data, part_size=600)
+    assert first.status_code == second.status_code == 200
+    assert first.json()["blob_sha256"] == second.json()["blob_sha256"]
+    assert Blob.objects.filter(sha256=sha256(data)).count() == 1
+    assert Upload.objects.filter(blob__sha256=sha256(data)).count() == 2
+    assert len(stored_files(storage)) == BASELINE + 1
+    assert UploadPart.objects.count() == 0
+
+
+def test_it_rejects_an_oversized_part(
+    world: World, api: Api, storage: Path, settings: object
+) -> None:
+    client = api("alice")
+    limit = 64 * 1024  # MAX_PART_BYTES in the storage fixture
+    data = os.urandom(limit + 1)
+    created = open_upload(client, data)
+    before = stored_files(storage)
+    response = client.put(
+        f"/api/v1/uploads/{created['id']}/parts/1/",
+        data=data,
+        content_type="application/octet-stream",
+        HTTP_X_PART_SHA256=sha256(data),
+    )
+    assert response.status_code == 413
+    error = error_of(response)
+    assert error["code"] == "part_too_large"
+    assert error["detail"]["limit"] == limit
+    assert stored_files(storage) == before
+    assert UploadPart.objects.count() == 0
+
+
+def test_it_rejects_an_oversized_body_without_content_length(
+    world: World, api: Api, storage: Path
+) -> None:
+    """The limit holds while streaming, not only by trusting Content-Length."""
+    from io import BytesIO
+
+    from attestations import uploads
+    from attestations.exceptions import PayloadTooLargeError
+
+    upload = Upload.objects.get(pk=open_upload(api("alice"), os.urandom(70 * 1024))["id"])
+    body = os.urandom(64 * 1024 + 1)
+    try:
+        uploads.put_part(
+            upload, 1, stream=BytesIO(body), declared_sha256=sha256(body), content_length=None
+        )
+    except PayloadTooLargeError as error:
+        assert error.error_code == "part_too_large"
+    else:
+        raise AssertionError("no PayloadTooLargeError")
+    assert UploadPart.objects.count() == 0
+    assert len(stored_files(storage)) == BASELINE
+
+
+def test_it_rejects_an_oversized_blob(world: World, api: Api) -> None:
+    response = api("alice").post(
+        "/api/v1/uploads/",
+        {
+            "experiment": "acme/run-1",
+            "kind": "artifact",
+            "size": 2 * 1024 * 1024,
+            "sha256": "a" * 64,
+        },
+        format="json",
+    )
+    assert response.status_code == 413
+    error = error_of(response)
+    assert (error["code"], error["field"]) == ("blob_too_large", "size")
+    assert Upload.objects.count() == 1  # only the world's
+
+
+def test_parts_cannot_exceed_the_declared_size(world: World, api: Api, storage: Path) -> None:
+    client = api("alice")
+    created = open_upload(client, b"x" * 100)
+    response = put_parts(client, created["id"], b"y" * 101, 1000)[0]
+    assert response.status_code == 400
+    assert error_of(response)["code"] == "size_exceeded"
+    assert UploadPart.objects.count() == 0
+
+
+def test_it_validates_the_declaration(world: World, api: Api) -> None:
+    response = api("alice").post(
+        "/api/v1/uploads/",
+        {"experiment": "acme/run-1", "kind": "weights", "size": 3, "sha256": "xyz"},
+        format="json",
+    )
+    assert response.status_code == 400
+    error = error_of(response)
+    assert error["field"] == "kind"
+    assert set(error["detail"]) == {"kind", "sha256"}
+
+
+def test_abort_removes_staged_parts(world: World, api: Api, storage: Path) -> None:
+    client = api("alice")
+    data = os.urandom(1500)
+    created = open_upload(client, data)
+    put_parts(client, created["id"], data[:1000], 1000)
+    assert any(name.startswith("staging/") for name in stored_files(storage))
+    response = client.delete(f"/api/v1/uploads/{created['id']}/")
+    assert response.status_code == 200
+    assert response.json()["status"] == "aborted"
+    assert not any(name.startswith("staging/") for name in stored_files(storage))
+    assert UploadPart.objects.count() == 0
+    assert client.delete(f"/api/v1/uploads/{created['id']}/").status_code == 200
+
+
+def test_expired_uploads_are_cleaned(world: World, api: Api, storage: Path) -> None:
+    from django.utils import timezone
+
+    from attestations import uploads
+
+    client = api("alice")
+    data = os.urandom(1500)
+    created = open_upload(client, data)
+    put_parts(client, created["id"], data[:1000], 1000)
+    assert uploads.expire_stale(timezone.now() + timezone.timedelta(days=30)) == 2
+    assert not any(name.startswith("staging/") for name in stored_files(storage))
+    assert Upload.objects.get(pk=created["id"]).reason == "expired"
