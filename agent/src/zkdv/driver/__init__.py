@@ -89,6 +89,8 @@ class Driver:
         self._program: ProgramInfo | None = None
         self._experiment: dict[str, str] | None = None
         self._env: dict[str, Any] = {}
+        # Per-leaf layout description for the root schema (multi-device frontends).
+        self._shardings: dict[str, Any] | None = None
         self._next_index = 0
         self._last: PendingUpdate | None = None
         self._closed = False
@@ -253,6 +255,7 @@ class Driver:
                     batch_cols=int(np.asarray(batch).reshape(len(batch), -1).shape[1]),
                     program=self._program,
                     env=self._env,
+                    shardings=self._shardings,
                 )
             batch = sub.batch()
             if self._keep_files:

@@ -1,0 +1,172 @@
+"""The symbolic side of a ``proof.jit`` trace: which transaction a traced function declares.
+
+While ``proof.jit`` traces a training function it installs a :class:`TraceContext` on
+the tracing thread. :class:`Transaction` and the contrib ``TrainState.apply_gradients``
+register their values with it; outside such a trace they are inert markers, so the
+same code runs unchanged under ``jax.jit`` or eagerly. Nothing here opens a transcript
+transaction: the ``proof.jit`` wrapper opens exactly one per actual invocation.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from zkdv.errors import ZKDVError
+from zkdv.overlap import Policy
+
+__all__ = ["Boundary", "Registration", "TraceContext", "Transaction", "collector", "current"]
+
+_local = threading.local()
+
+ONE_TRANSACTION = (
+    "a proof.jit function declares exactly one transaction per invocation; it already "
+    "declared one (call state.apply_gradients() or zkdv.jax.Transaction once per step)"
+)
+UPDATE_MISSING = (
+    "zkdv.jax.Transaction(...) was opened but transaction.update(deltas=..., params=..., "
+    "opt_state=...) was never called in the proof.jit function"
+)
+UPDATE_TWICE = "transaction.update(...) may be called only once per transaction"
+
+
+@dataclass
+class Registration:
+    """The values one traced invocation declared for its transaction."""
+
+    source: str
+    params_before: Any
+    opt_before: Any
+    batch: Any
+    overlap: Policy | None
+    deltas: Any = None
+    params_after: Any = None
+    opt_after: Any = None
+    state: Any = None
+    completed: bool = False
+
+
+class Boundary(BaseException):
+    """Raised at the symbolic update boundary while replaying a staged function.
+
+    A BaseException, so that a user's ``except Exception`` cannot swallow it.
+    """
+
+    def __init__(self, values: tuple[Any, Any, Any]) -> None:
+        super().__init__("zkdv update boundary")
+        self.values = values
+
+
+@dataclass
+class TraceContext:
+    """One trace of a ``proof.jit`` function (or of its generated replay program).
+
+    Attributes:
+        proof: the owning driver.
+        mode: ``"production"`` (the training step) or ``"replay"`` (the generated
+            sampled program: stop at the update boundary).
+        inputs: the traced function's dynamic input leaves, for binding by identity.
+    """
+
+    proof: Any
+    mode: str
+    inputs: list[Any]
+    registration: Registration | None = None
+    params_identity: tuple[int, ...] = field(default_factory=tuple)
+
+    def open(self, registration: Registration) -> None:
+        if self.registration is not None:
+            raise ZKDVError(ONE_TRANSACTION)
+        self.registration = registration
+
+
+def current() -> TraceContext | None:
+    """The trace context active on this thread, or None."""
+    return getattr(_local, "context", None)
+
+
+def collector() -> list[Any] | None:
+    """The list :func:`zkdv.jax.index` records into while deriving a transition."""
+    return getattr(_local, "collector", None)
+
+
+@contextmanager
+def active(context: TraceContext) -> Iterator[TraceContext]:
+    previous = current()
+    _local.context = context
+    try:
+        yield context
+    finally:
+        _local.context = previous
+
+
+@contextmanager
+def collecting() -> Iterator[list[Any]]:
+    previous = collector()
+    trees: list[Any] = []
+    _local.collector = trees
+    try:
+        yield trees
+    finally:
+        _local.collector = previous
+
+
+class Transaction:
+    """Declare the one training transaction of a ``proof.jit`` function (explicit API).
+
+    Construct it with the pre-update values, compute the real update normally, then
+    call :meth:`update` with the results. Both calls are symbolic markers while JAX
+    traces the function: they add no operations to the program and open no transcript
+    transaction; the ``proof.jit`` wrapper opens exactly one per actual invocation.
+    Outside ``proof.jit`` (plain ``jax.jit`` or eager code) they do nothing.
+
+    Args:
+        batch: the committed batch: an application-packed ``(rows, cols)`` uint32
+            array, or any PyTree of arrays, packed losslessly (see ``docs/jax.md``).
+        params: the pre-update parameters, a subtree of the function's inputs.
+        opt_state: the pre-update optimizer state, a subtree of the function's inputs;
+            it must not be donated.
+        overlap: this transaction's overlap policy (``zkdv.overlap``); None means
+            ``UNCHECKED`` unless the invocation passes a policy argument.
+    """
+
+    def __init__(
+        self,
+        *,
+        batch: Any,
+        params: Any,
+        opt_state: Any,
+        overlap: Policy | None = None,
+    ) -> None:
+        self.batch = batch
+        self.params = params
+        self.opt_state = opt_state
+        self.overlap = None if overlap is None else Policy(overlap)
+        self._registration: Registration | None = None
+        context = current()
+        if context is not None and context.mode == "production":
+            self._registration = Registration("transaction", params, opt_state, batch, self.overlap)
+            context.open(self._registration)
+
+    def update(self, *, deltas: Any, params: Any, opt_state: Any) -> None:
+        """Declare the additive parameter update and the post-update state.
+
+        Args:
+            deltas: the additive update, with the structure of ``params``
+                (``params_after ~= params_before + deltas``).
+            params: the post-update parameters.
+            opt_state: the post-update optimizer state, with the structure of the
+                pre-update one.
+        """
+        registration = self._registration
+        if registration is None:
+            return
+        if registration.completed:
+            raise ZKDVError(UPDATE_TWICE)
+        registration.deltas = deltas
+        registration.params_after = params
+        registration.opt_after = opt_state
+        registration.completed = True

@@ -1,0 +1,82 @@
+"""Messages of the JAX frontend's semantic errors: each says what to do."""
+
+from __future__ import annotations
+
+NO_TRANSCRIPT_UPDATE = (
+    "No transcript update: a zkdv.jax.contrib.TrainState was created with this proof, but "
+    "no proof.jit step ran, so the transcript is empty. The training step still uses "
+    "jax.jit: decorate the function containing apply_gradients() with proof.jit."
+)
+PROOF_IDENTITY = (
+    "Proof identity error: the TrainState passed to this proof.jit step was created with "
+    "{owner}, not with the proof that compiles the step. Use the exact instance returned "
+    "for this experiment: TrainState.create(proof=proof, ...)."
+)
+ATTEST_REGISTERED = (
+    "Attested program already registered: this proof has a manual proof.attest function, "
+    "but the step uses zkdv.jax.contrib.TrainState, whose attested program is generated "
+    "automatically. Remove the manual proof.attest function when using the TrainState "
+    "integration."
+)
+ATTEST_TWICE = (
+    "Attested program already registered: proof.attest was already called for this proof; "
+    "register exactly one attested function before the first step."
+)
+STATIC_ARGUMENT = (
+    "Static argument error: automatic attestation fixed the static arguments {names} on the "
+    "first training invocation ({old}); this call passes {new}. Keep their values unchanged "
+    "for this compiled step, or make the value a supported dynamic input."
+)
+INCOMPATIBLE = (
+    "the inputs of this proof.jit call are not compatible with the first compiled "
+    "invocation ({detail}); the parameter and optimizer PyTrees, the input representation "
+    "and the device layout are fixed by the first step (drop or pad a short last batch)"
+)
+EXPORT_FAILURE = (
+    "Export or replay failure: the attested program could not be exported with jax.export "
+    "({error}). Pass randomness explicitly as a dynamic argument (for example a PRNG key), "
+    "and if apply_fn uses a custom or non-exportable kernel, supply attest_apply_fn, a "
+    "deterministic, equivalent implementation used only in sampled replay."
+)
+NO_ATTEST = (
+    "the explicit zkdv.jax.Transaction API needs the attested program: register it with "
+    "@proof.attest (params, opt_state, batch, parameter_index, optimizer_state_index) "
+    "before the first proof.jit step"
+)
+NO_TRANSITION = (
+    "replay_snapshot_interval={interval} replays up to {steps} full transitions from a "
+    "snapshot, but the attested function does not select its outputs with zkdv.jax.index "
+    "from the full update and optimizer-state trees, so ZKDV cannot derive the full "
+    "transition. Return zkdv.jax.index(updates, parameter_index) and "
+    "zkdv.jax.index(new_opt_state, optimizer_state_index), or use "
+    "replay_snapshot_interval=1."
+)
+DONATED_OPT_STATE = (
+    "Pre-update optimizer state cannot be donated: a sampled check may still need it. "
+    "Remove the optimizer-state argument from donate_argnums/donate_argnames (parameters "
+    "may be donated; a donated contrib TrainState donates only its parameters)."
+)
+NO_TRANSACTION = (
+    "the proof.jit function declared no transaction: call apply_gradients() on the "
+    "zkdv.jax.contrib.TrainState passed to it, or declare zkdv.jax.Transaction(...) and "
+    "transaction.update(...) in it"
+)
+NOT_AN_INPUT = (
+    "ZKDV transaction {name} must be a subtree of the proof.jit function's inputs: call "
+    "apply_gradients() on (or build the Transaction from) the state passed to the step, "
+    "unmodified before the update"
+)
+STRUCTURE = "ZKDV transaction {name} must have the structure of {like} ({got} != {want})"
+MODIFIED_OUTSIDE = (
+    "the {tree} passed to step {step} are not the state committed after step {previous}: "
+    "they were modified outside a proof.jit step. Every update of the training state must "
+    "go through the proof.jit step."
+)
+ATTEST_OUTPUTS = (
+    "the ZKDV.attest function must return two scalar floating-point values "
+    "(selected_delta, selected_post_optimizer_state), got {got}"
+)
+UNTRACKED_UPDATE = (
+    "a zkdv.jax.contrib.TrainState created with a proof is being updated under jax.jit, "
+    "so this update is not in the transcript; decorate the step with proof.jit"
+)
