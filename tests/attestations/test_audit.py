@@ -1,0 +1,60 @@
+"""The audit trail is append-only and records who did what."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from rest_framework.test import APIClient
+
+from attestations.models import AppendOnlyError, AuditEvent
+from tests.attestations.base import SPEC, World
+
+Api = Callable[[str | None], APIClient]
+
+
+def test_events_cannot_be_changed_or_deleted(world: World) -> None:
+    event = AuditEvent.record("test.thing", actor=world.alice, organization=world.acme)
+    event.action = "test.other"
+    with pytest.raises(AppendOnlyError):
+        event.save()
+    with pytest.raises(AppendOnlyError):
+        event.delete()
+    with pytest.raises(AppendOnlyError):
+        AuditEvent.objects.filter(pk=event.pk).update(action="x")
+    with pytest.raises(AppendOnlyError):
+        AuditEvent.objects.all().delete()
+    assert AuditEvent.objects.get(pk=event.pk).action == "test.thing"
+
+
+def test_actions_are_recorded_with_actor_and_ip(world: World, api: Api) -> None:
+    api("alice").post("/api/v1/experiments/", {"name": "acme/run-2", "spec": SPEC}, format="json")
+    api("admin").post(
+        "/api/v1/organizations/acme/members/",
+        {"username": "carol", "role": "auditor"},
+        format="json",
+    )
+    api("admin").delete("/api/v1/organizations/acme/members/bob/")
+    events = {e.action: e for e in AuditEvent.objects.filter(organization=world.acme)}
+    assert {"experiment.registered", "membership.added", "membership.removed"} <= set(events)
+    registered = events["experiment.registered"]
+    assert registered.actor_name == "alice"
+    assert registered.ip == "127.0.0.1"
+    assert registered.detail["experiment"] == "acme/run-2"
+
+
+def test_the_api_lists_and_filters_events(world: World, api: Api) -> None:
+    api("alice").post("/api/v1/experiments/", {"name": "acme/run-2", "spec": SPEC}, format="json")
+    body = api("bob").get("/api/v1/audit-events/?action=experiment.registered").json()
+    assert [e["action"] for e in body["results"]] == ["experiment.registered"]
+    assert body["results"][0]["actor"] == "alice"
+
+
+def test_cursor_pagination(world: World, api: Api) -> None:
+    for index in range(5):
+        AuditEvent.record(f"test.{index}", organization=world.acme)
+    client = api("alice")
+    first = client.get("/api/v1/audit-events/?page_size=2").json()
+    assert len(first["results"]) == 2 and first["next"]
+    second = client.get(first["next"]).json()
+    assert {e["id"] for e in first["results"]}.isdisjoint({e["id"] for e in second["results"]})

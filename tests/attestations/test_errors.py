@@ -1,0 +1,57 @@
+"""One error format and a request id on every response."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rest_framework.test import APIClient
+
+from tests.attestations.base import World, error_of
+
+Api = Callable[[str | None], APIClient]
+
+
+def test_every_response_has_a_request_id(world: World, api: Api) -> None:
+    response = api("alice").get("/api/v1/me/")
+    assert len(response["X-Request-ID"]) == 32
+    assert APIClient().get("/health")["X-Request-ID"]
+
+
+def test_a_caller_request_id_is_echoed(world: World, api: Api) -> None:
+    response = api("alice").get(
+        "/api/v1/experiments/acme/nope/", HTTP_X_REQUEST_ID="client-1234567"
+    )
+    assert response.status_code == 404
+    assert response["X-Request-ID"] == "client-1234567"
+    assert error_of(response)["code"] == "not_found"
+
+
+def test_an_unsafe_request_id_is_replaced(world: World, api: Api) -> None:
+    response = api("alice").get("/api/v1/me/", HTTP_X_REQUEST_ID="<script>")
+    assert response["X-Request-ID"] != "<script>"
+
+
+def test_anonymous_is_401_in_the_same_format(world: World) -> None:
+    response = APIClient().get("/api/v1/experiments/")
+    assert response.status_code == 401
+    assert error_of(response)["code"] == "not_authenticated"
+
+
+def test_a_wrong_method_is_405_in_the_same_format(world: World, api: Api) -> None:
+    response = api("alice").patch("/api/v1/proofs/")
+    assert response.status_code == 405
+    assert error_of(response)["code"] == "method_not_allowed"
+
+
+def test_an_unknown_filter_value_names_the_parameter(world: World, api: Api) -> None:
+    response = api("alice").get("/api/v1/proofs/?status=great")
+    assert response.status_code == 400
+    error = error_of(response)
+    assert (error["code"], error["field"]) == ("invalid_filter", "status")
+    assert "valid" in error["detail"]["allowed"]
+
+
+def test_malformed_json_is_a_parse_error(world: World, api: Api) -> None:
+    response = api("alice").post("/api/v1/experiments/", data=b"{", content_type="application/json")
+    assert response.status_code == 400
+    assert error_of(response)["code"] == "parse_error"
