@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import threading
 import warnings
 import weakref
@@ -974,7 +975,7 @@ class ZKDV(Driver):
         # and none of them awaits a check: a check completes asynchronously and must
         # replay from the snapshot that precedes its step, even if newer ones exist.
         steps = sorted(self._snapshots)
-        for start, following in zip(steps, steps[1:], strict=False):
+        for start, following in itertools.pairwise(steps):
             if self._committed_through < following - 1:
                 break
             if any(start <= step < following for step in self._checks_pending):
