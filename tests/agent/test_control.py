@@ -131,6 +131,13 @@ class Blocked:
         return self.value
 
 
+def wait_for_connections(owner: HostControl, count: int) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while len(owner._connections) < count:
+        assert time.monotonic() < deadline, "followers did not connect"
+        time.sleep(0.001)
+
+
 def raw_request(address: tuple[str, int], line: bytes) -> dict[str, Any]:
     """Send one raw line and return the owner's JSON answer; the owner then hangs up."""
     with socket.create_connection(address, timeout=TIMEOUT) as connection:
@@ -179,6 +186,8 @@ def test_a_missing_follower_times_out_the_owner_and_a_waiting_one_times_out_itse
         processes(
             follower_once, owner.address, owner.token, 1, 3, ["decision", "never"], 0.5, results
         )
+        # Spawning is slow under load: publish only once rank 1 is asking.
+        wait_for_connections(owner, 1)
         started = time.monotonic()
         with pytest.raises(TimeoutError, match=r"followers \[2\] did not receive 'decision'"):
             owner.exchange("decision", 7)
@@ -316,10 +325,7 @@ def test_close_wakes_a_blocked_owner(owner: HostControl) -> None:
 def test_close_wakes_a_blocked_follower(owner: HostControl) -> None:
     control = follower(owner)
     blocked = Blocked(control, "never")
-    deadline = time.monotonic() + TIMEOUT
-    while not owner._connections:
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+    wait_for_connections(owner, 1)
     control.close()
     with pytest.raises(ZKDVError, match="closed"):
         blocked.result()
@@ -330,10 +336,7 @@ def test_close_wakes_a_blocked_follower(owner: HostControl) -> None:
 def test_an_owner_closing_disconnects_its_followers(owner: HostControl) -> None:
     with follower(owner) as control:
         blocked = Blocked(control, "never")
-        deadline = time.monotonic() + TIMEOUT
-        while not owner._connections:
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
+        wait_for_connections(owner, 1)
         owner.close()
         with pytest.raises(ConnectionError):
             blocked.result()
