@@ -79,7 +79,7 @@ def window_fingerprints(rows: np.ndarray, rolling_window: int) -> np.ndarray:
         for k in range(rolling_window - 2, -1, -1):
             powers[k] = powers[k + 1] * _BASE
         windows = np.lib.stride_tricks.sliding_window_view(words, rolling_window, axis=1)
-        acc = (windows * powers).sum(axis=2, dtype=np.uint64)
+        acc: np.ndarray = np.asarray((windows * powers).sum(axis=2, dtype=np.uint64))
         acc ^= acc >> np.uint64(31)
         acc *= _MIX
         acc ^= acc >> np.uint64(29)

@@ -244,7 +244,7 @@ class ZKDVCore:
                         for part in probes
                     ]
                 )
-                record["probe"] = writer.append_probes(memoryview(packed.view(np.uint8)))
+                record["probe"] = writer.append_probes(packed.view(np.uint8).data)
             record_hash = writer.append(record)
         self.steps += 1
         self.last_roots = roots

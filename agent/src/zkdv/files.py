@@ -58,7 +58,7 @@ def _atomic_write(path: Path, chunks: Sequence[bytes | memoryview]) -> None:
 
 def write_state(path: Path, leaves: Sequence[tuple[str, np.ndarray]]) -> int:
     """Write one state tree; returns its size in bytes. Written atomically."""
-    views = [memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for _, a in leaves]
+    views = [np.ascontiguousarray(a).reshape(-1).view(np.uint8).data for _, a in leaves]
     _atomic_write(path, views)
     return sum(len(v) for v in views)
 
@@ -91,7 +91,7 @@ def write_batch(path: Path, batch: np.ndarray) -> None:
         path,
         [
             struct.pack("<QQ", rows, cols),
-            memoryview(np.ascontiguousarray(batch, dtype="<u4").reshape(-1).view(np.uint8)),
+            np.ascontiguousarray(batch, dtype="<u4").reshape(-1).view(np.uint8).data,
         ],
     )
 

@@ -49,7 +49,9 @@ def hasher(use: str) -> blake3.blake3:
     return _PROTOTYPES[use].copy()
 
 
-def hash_bytes(use: str, *parts: bytes | memoryview, length: int = DIGEST_BYTES) -> bytes:
+def hash_bytes(
+    use: str, *parts: bytes | bytearray | memoryview, length: int = DIGEST_BYTES
+) -> bytes:
     """Hash the concatenation of ``parts`` under ``use``'s key."""
     h = _PROTOTYPES[use].copy()
     for part in parts:

@@ -142,7 +142,7 @@ def _as_bytes(array: np.ndarray) -> memoryview:
     contiguous = np.ascontiguousarray(array)
     if contiguous.dtype.byteorder == ">":
         contiguous = contiguous.byteswap().view(contiguous.dtype.newbyteorder("<"))
-    return memoryview(contiguous.reshape(-1).view(np.uint8))
+    return contiguous.reshape(-1).view(np.uint8).data
 
 
 _POOL: ThreadPoolExecutor | None = None
@@ -159,7 +159,7 @@ def _pool() -> ThreadPoolExecutor:
 
 
 def _hash_chunks(view: memoryview, chunk_bytes: int, start: int, stop: int) -> list[bytes]:
-    out = []
+    out: list[bytes] = []
     append = out.append
     for index in range(start, stop):
         h = hasher(Domain.LEAF)

@@ -275,7 +275,7 @@ class _Verifier:
         if flops is not None:
             self.report.flops += flops
         self._sample(record)
-        self.post = roots  # type: ignore[assignment]
+        self.post = roots
         self.next_step += 1
         self.report.steps += 1
 
