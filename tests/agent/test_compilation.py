@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -135,7 +136,7 @@ def test_it_lays_out_a_traced_jax_result() -> None:
     trees = jax_trees()
     seen: dict[str, ResultSchema] = {}
 
-    def step(params: jax.Array, batch: jax.Array) -> list[jax.Array]:
+    def step(params: Any, batch: Any) -> list[Any]:
         delta = -0.5 * batch
         after = params + delta
         result = {"params": after, "loss": jnp.sum(after**2)}

@@ -236,12 +236,17 @@ def test_a_pipeline_run_never_exceeds_its_policy_bound(
         assert queue.max_live == 1
 
 
+def record(order: list[int], index: int) -> int:
+    order.append(index)
+    return index
+
+
 def test_single_worker_stages_run_in_submission_order(queue: PipelineQueue) -> None:
     for submit in (queue.submit_start, queue.submit_commit, queue.submit_check):
         order: list[int] = []
         gate = threading.Event()
         submit(gate.wait, TIMEOUT)
-        results = [submit(lambda i=i, order=order: order.append(i) or i) for i in range(50)]
+        results = [submit(record, order, i) for i in range(50)]
         gate.set()
         assert [future.result(TIMEOUT) for future in results] == list(range(50))
         assert order == list(range(50))
