@@ -48,7 +48,9 @@ def envint(name: str, default: int, *, minimum: int | None = None) -> int:
     return value
 
 
-def envfloat(name: str, default: float, *, minimum: float | None = None) -> float:
+def envfloat(
+    name: str, default: float, *, minimum: float | None = None, maximum: float | None = None
+) -> float:
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -56,8 +58,12 @@ def envfloat(name: str, default: float, *, minimum: float | None = None) -> floa
         value = float(raw)
     except ValueError:
         raise ImproperlyConfigured(f"{name}={raw!r} is not a number") from None
+    if value != value:  # NaN compares false with every bound, so it would slip past them
+        raise ImproperlyConfigured(f"{name}={raw!r} is not a number")
     if minimum is not None and value < minimum:
         raise ImproperlyConfigured(f"{name}={value} must be at least {minimum}")
+    if maximum is not None and value > maximum:
+        raise ImproperlyConfigured(f"{name}={value} must be at most {maximum}")
     return value
 
 

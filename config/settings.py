@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
+from typing import TypedDict
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -174,8 +175,24 @@ STORAGES = {
 }
 WHITENOISE_USE_FINDERS = True
 
+
 # --- DVBench --------------------------------------------------------------------------
-DVBENCH = {
+class DVBenchSettings(TypedDict):
+    """The platform's own knobs, read as ``settings.DVBENCH["NAME"]`` with these types."""
+
+    DATA_DIR: Path
+    MAX_BLOB_BYTES: int
+    MAX_PART_BYTES: int
+    UPLOAD_TTL_SECONDS: int
+    API_KEY_TTL_DAYS: int
+    SIGNING_KEY_FILE: str
+    SIGNING_KEY: str
+    DETECTION_TARGET: float
+    FORGED_FRACTION: float
+    CHALLENGE_TTL_SECONDS: int
+
+
+DVBENCH: DVBenchSettings = {
     "DATA_DIR": DATA_DIR,
     "MAX_BLOB_BYTES": envint("DVBENCH_MAX_BLOB_BYTES", 8 * 1024**3, minimum=1024),
     "MAX_PART_BYTES": envint("DVBENCH_MAX_PART_BYTES", 64 * 1024**2, minimum=1024),
@@ -183,13 +200,13 @@ DVBENCH = {
     "API_KEY_TTL_DAYS": envint("DVBENCH_API_KEY_TTL_DAYS", 90, minimum=1),
     "SIGNING_KEY_FILE": envstr("DVBENCH_SIGNING_KEY_FILE"),
     "SIGNING_KEY": envstr("DVBENCH_SIGNING_KEY"),
-    "DETECTION_TARGET": envfloat("DVBENCH_DETECTION_TARGET", 0.95, minimum=0.0),
-    "FORGED_FRACTION": envfloat("DVBENCH_FORGED_FRACTION", 0.01, minimum=0.0),
+    "DETECTION_TARGET": envfloat("DVBENCH_DETECTION_TARGET", 0.95, minimum=0.0, maximum=1.0),
+    "FORGED_FRACTION": envfloat("DVBENCH_FORGED_FRACTION", 0.01, minimum=0.0, maximum=1.0),
     "CHALLENGE_TTL_SECONDS": envint("DVBENCH_CHALLENGE_TTL_SECONDS", 24 * 3600, minimum=60),
 }
 # Request bodies (upload parts) are streamed, but Django still caps what it will read
 # into memory for ordinary forms.
-DATA_UPLOAD_MAX_MEMORY_SIZE = DVBENCH["MAX_PART_BYTES"] + 1024 * 1024  # type: ignore[operator]
+DATA_UPLOAD_MAX_MEMORY_SIZE = DVBENCH["MAX_PART_BYTES"] + 1024 * 1024
 FILE_UPLOAD_MAX_MEMORY_SIZE = 2 * 1024 * 1024
 
 # --- Auth, API ------------------------------------------------------------------------

@@ -1,0 +1,28 @@
+"""Gunicorn settings for the DVBench web process (compose service ``web``, ``./scripts/demo``).
+
+Command-line flags override these; ``WEB_CONCURRENCY`` sets the number of workers and
+``GUNICORN_CMD_ARGS`` can pass any other gunicorn flag.
+"""
+
+import os
+
+wsgi_app = "config.wsgi:application"
+bind = ["0.0.0.0:8000"]
+workers = int(os.environ.get("WEB_CONCURRENCY", "2"))
+# Upload parts are up to DVBENCH_MAX_PART_BYTES (64 MiB by default); a slow client needs
+# more than gunicorn's default 30 s to send one.
+timeout = 120
+graceful_timeout = 30
+keepalive = 5
+# Recycle workers now and then so a slow leak cannot grow without bound.
+max_requests = 2000
+max_requests_jitter = 200
+accesslog = "-"
+errorlog = "-"
+# Heartbeat files on tmpfs: a container's overlay disk can stall them and get workers killed.
+_SHARED_MEMORY = "/dev/shm"  # noqa: S108 - gunicorn's advice for containers, not a temp file
+if os.path.isdir(_SHARED_MEMORY):
+    worker_tmp_dir = _SHARED_MEMORY
+# The runtime control socket defaults to one path per user ($HOME/.gunicorn/gunicorn.ctl):
+# two servers on one machine would fight over it, and a container's user cannot write there.
+control_socket_disable = True

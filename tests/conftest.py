@@ -1,0 +1,169 @@
+"""Fixtures shared by the whole suite.
+
+Two modes, chosen by the environment exactly as the platform chooses them:
+
+* Embedded defaults (nothing set): SQLite, tasks run in the calling process.
+* Services (``DATABASE_URL`` and ``REDIS_URL`` set, as ``.ci/run`` does): PostgreSQL and
+  a Redis broker. Tests marked ``services`` need this mode and skip, saying so, without it.
+
+In both modes an ordinary test runs Celery tasks in-process (``.delay()`` returns once the
+task has run), so the same assertions hold on a laptop and in CI. A test that wants a
+real worker asks for the ``celery_worker_process`` fixture: the task then travels over
+Redis to a separate worker process, which writes to the same PostgreSQL test database.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+from django.conf import settings
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+#: The queues a test worker consumes: every queue the settings route tasks to.
+WORKER_QUEUES = ("ingest", "replay")
+WORKER_START_TIMEOUT_SECONDS = 60.0
+SERVICES_SKIP_REASON = (
+    "needs real PostgreSQL and Redis: set DATABASE_URL and REDIS_URL "
+    "(.ci/run starts throwaway servers and sets both)"
+)
+
+
+def services_configured() -> bool:
+    """Whether the suite runs against real PostgreSQL and Redis servers."""
+    return bool(os.environ.get("DATABASE_URL") and os.environ.get("REDIS_URL"))
+
+
+@dataclass(frozen=True)
+class WorkerProcess:
+    """A running ``celery worker`` subprocess and where its output goes."""
+
+    process: subprocess.Popen[bytes]
+    nodename: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def _test_database_url() -> str:
+    """``DATABASE_URL`` pointed at the test database pytest-django created."""
+    parts = urlsplit(os.environ["DATABASE_URL"])
+    name = str(settings.DATABASES["default"]["NAME"])
+    return urlunsplit(parts._replace(path=f"/{name}"))
+
+
+def _purge_queues() -> None:
+    # Messages left by an interrupted earlier run must not reach this run's worker.
+    from config.celery_app import app
+
+    with app.connection_for_write() as connection:
+        channel = connection.default_channel
+        for queue in WORKER_QUEUES:
+            channel.queue_purge(queue)
+
+
+def _wait_until_ready(worker: WorkerProcess) -> None:
+    from config.celery_app import app
+
+    deadline = time.monotonic() + WORKER_START_TIMEOUT_SECONDS
+    while time.monotonic() < deadline:
+        if worker.process.poll() is not None:
+            pytest.fail(
+                f"celery worker exited with status {worker.process.returncode}:\n{worker.log()}"
+            )
+        if app.control.ping(destination=[worker.nodename], timeout=1.0):
+            return
+    pytest.fail(
+        f"celery worker not ready after {WORKER_START_TIMEOUT_SECONDS:.0f} s:\n{worker.log()}"
+    )
+
+
+@pytest.fixture(scope="session")
+def celery_worker_process(
+    django_db_setup: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[WorkerProcess]:
+    """A real Celery worker process consuming every queue, for the whole session.
+
+    It reads the same PostgreSQL test database and data directory as the tests, so a task
+    sent with ``.delay()`` runs there and its rows are visible to the test. Use it with
+    ``transactional_db`` (rows written by another process are not rolled back by a test
+    transaction). Skips when ``DATABASE_URL``/``REDIS_URL`` are unset; terminates the
+    worker when the session ends.
+    """
+    if not services_configured():
+        pytest.skip(SERVICES_SKIP_REASON)
+    if settings.CELERY_TASK_ALWAYS_EAGER:
+        pytest.skip("DVBENCH_EAGER_TASKS is on, so tasks never leave the process; unset it")
+
+    nodename = f"pytest-{uuid.uuid4().hex[:8]}@%h"
+    log_path = tmp_path_factory.mktemp("celery") / "worker.log"
+    environment = dict(os.environ)
+    environment.pop("DVBENCH_EAGER_TASKS", None)
+    environment.update(
+        DATABASE_URL=_test_database_url(),
+        DVBENCH_DATA_DIR=str(settings.DVBENCH["DATA_DIR"]),
+        DJANGO_SETTINGS_MODULE="config.settings",
+        PYTHONUNBUFFERED="1",
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "celery",
+        "--app=config",
+        "worker",
+        f"--queues={','.join(WORKER_QUEUES)}",
+        "--pool=solo",
+        "--concurrency=1",
+        f"--hostname={nodename}",
+        "--loglevel=INFO",
+        "--without-gossip",
+        "--without-mingle",
+    ]
+    _purge_queues()
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            command, cwd=REPO_ROOT, env=environment, stdout=log, stderr=subprocess.STDOUT
+        )
+    # Celery expands %h to the host name; ping needs the expanded name.
+    worker = WorkerProcess(process, nodename.replace("%h", socket.gethostname()), log_path)
+    try:
+        _wait_until_ready(worker)
+        yield worker
+    finally:
+        process.terminate()  # warm shutdown: finish the current task, then exit
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(autouse=True)
+def _tasks_run_in_process(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Run Celery tasks in the calling process unless the test uses the real worker.
+
+    With ``REDIS_URL`` set the platform sends tasks to the broker; without a worker they
+    would sit there and a test expecting their effects would hang or fail. Tests that
+    want the real round trip ask for ``celery_worker_process``.
+    """
+    if "celery_worker_process" in request.fixturenames:
+        yield
+        return
+    from config.celery_app import app
+
+    previous = app.conf.task_always_eager
+    app.conf.task_always_eager = True
+    try:
+        yield
+    finally:
+        app.conf.task_always_eager = previous

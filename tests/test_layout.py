@@ -1,0 +1,110 @@
+"""The repository layout of the design card, with nothing shadowing the standard library."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+#: Where top-level import names live: the repository root (the server) and the SDK.
+IMPORT_ROOTS = (REPO_ROOT, REPO_ROOT / "agent" / "src")
+DESIGN_CARD = (
+    "manage.py",
+    "pyproject.toml",
+    "platform",
+    "attestations",
+    "provers",
+    "agent",
+    "templates",
+    "tests",
+    "compose.yaml",
+    "README.md",
+)
+NOT_IMPORTABLE = {".venv", ".git", ".data", "node_modules"}
+
+
+def top_level_import_names(root: Path) -> set[str]:
+    """Packages (folders with ``__init__.py``) and modules (``*.py``) directly under ``root``."""
+    names = set()
+    for entry in root.iterdir():
+        if entry.name in NOT_IMPORTABLE:
+            continue
+        if entry.is_dir() and (entry / "__init__.py").exists():
+            names.add(entry.name)
+        elif entry.is_file() and entry.suffix == ".py":
+            names.add(entry.stem)
+    return names
+
+
+def test_import_platform_from_the_repo_root_is_the_standard_library() -> None:
+    probe = (
+        "import json, platform; "
+        "print(json.dumps({'file': platform.__file__, 'system': platform.system()}))"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    )
+    found = json.loads(completed.stdout)
+    stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    assert Path(found["file"]).resolve().parent == stdlib
+    assert Path(found["file"]).resolve().is_relative_to(Path(sys.base_prefix).resolve())
+    assert found["system"]  # e.g. "Linux"
+
+
+def test_manage_py_sees_the_standard_library_platform() -> None:
+    # manage.py puts the repo root first on sys.path; the stdlib module must still win.
+    completed = subprocess.run(
+        [sys.executable, "manage.py", "shell", "-c", "import platform; print(platform.system())"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    # (`shell` may print a line about auto-imports before the command's own output.)
+    assert (
+        completed.stdout.strip().splitlines()[-1]
+        == subprocess.run(
+            [sys.executable, "-c", "import platform; print(platform.system())"],
+            cwd="/",
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
+
+
+@pytest.mark.parametrize("root", IMPORT_ROOTS, ids=lambda root: str(root.relative_to(REPO_ROOT)))
+def test_no_top_level_name_shadows_the_standard_library(root: Path) -> None:
+    clashes = top_level_import_names(root) & sys.stdlib_module_names
+    assert not clashes, f"{root} has top-level import names of stdlib modules: {sorted(clashes)}"
+
+
+def test_the_checker_would_catch_a_package_named_platform(tmp_path: Path) -> None:
+    (tmp_path / "platform").mkdir()
+    (tmp_path / "platform" / "__init__.py").write_text("")
+    (tmp_path / "site.py").write_text("")
+    assert top_level_import_names(tmp_path) & sys.stdlib_module_names == {"platform", "site"}
+
+
+@pytest.mark.parametrize("name", DESIGN_CARD)
+def test_the_design_card_layout_exists(name: str) -> None:
+    assert (REPO_ROOT / name).exists(), f"{name} is missing from the repository root"
+
+
+def test_platform_is_a_plain_folder_of_build_and_process_files() -> None:
+    platform_dir = REPO_ROOT / "platform"
+    assert not list(platform_dir.rglob("__init__.py")), "platform/ must never become a package"
+    assert (platform_dir / "Dockerfile").is_file()
+    assert (platform_dir / "gunicorn.conf.py").is_file()
+
+
+def test_the_django_configuration_package_is_config() -> None:
+    from django.conf import settings
+
+    assert settings.ROOT_URLCONF == "config.urls"
+    assert settings.WSGI_APPLICATION == "config.wsgi.application"
