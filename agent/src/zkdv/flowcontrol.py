@@ -272,35 +272,39 @@ class PipelineQueue:
         deadline = None if timeout is None else time.monotonic() + timeout
         self.check()
         waiting = False
-        try:
-            while True:
-                with self._lock:
-                    if self._closed:
-                        raise ZKDVError(QUEUE_CLOSED)
-                    decision = self._admit(policy)
-                    if decision is True:
-                        return Admission(self, policy)
-                    if not waiting:
-                        waiting = True
-                        self._waiting += 1
-                wait = _POLL_SECONDS
-                if deadline is not None:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise TimeoutError(
-                            f"ZKDV admission of a {policy.name} transaction timed out"
-                        )
-                    wait = min(wait, remaining)
-                with self.annotate("zkdv.flow_control.wait"):
+        # One profiler range for the whole wait, not one per poll.
+        with contextlib.ExitStack() as range_:
+            try:
+                while True:
+                    with self._lock:
+                        if self._closed:
+                            raise ZKDVError(QUEUE_CLOSED)
+                        decision = self._admit(policy)
+                        if decision is True:
+                            return Admission(self, policy)
+                        first_wait = not waiting
+                        if first_wait:
+                            waiting = True
+                            self._waiting += 1
+                    if first_wait:
+                        range_.enter_context(self.annotate("zkdv.flow_control.wait"))
+                    wait = _POLL_SECONDS
+                    if deadline is not None:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            raise TimeoutError(
+                                f"ZKDV admission of a {policy.name} transaction timed out"
+                            )
+                        wait = min(wait, remaining)
                     if isinstance(decision, threading.Event):
                         decision.wait(wait)
                     else:
                         time.sleep(wait)
-                self.check()
-        finally:
-            if waiting:
-                with self._lock:
-                    self._waiting -= 1
+                    self.check()
+            finally:
+                if waiting:
+                    with self._lock:
+                        self._waiting -= 1
 
     def register(self, retirement: threading.Event, policy: Policy = Policy.UNCHECKED) -> None:
         """Keep one admitted transaction live until ``retirement`` is set.
