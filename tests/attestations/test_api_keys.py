@@ -64,7 +64,7 @@ def test_it_validates_ownership(world: World, api: Api) -> None:
 
 
 def test_a_forged_key_with_a_real_lookup_fails(world: World) -> None:
-    key, raw = ApiKey.issue(world.alice, "ci")
+    _key, raw = ApiKey.issue(world.alice, "ci")
     forged = raw[:-4] + ("AAAA" if not raw.endswith("AAAA") else "BBBB")
     assert bearer(forged).get("/api/v1/me/").status_code == 401
 

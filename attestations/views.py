@@ -1,0 +1,286 @@
+"""Server-rendered pages: sign in, dashboard, experiments, proofs, API keys, audit trail.
+
+Same scope rules as the API: an object outside the user's sight is a 404, a visible
+object their role may not act on is a 403 (see :mod:`attestations.permissions`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.db.models import Count, Q
+from django.http import Http404, HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.cache import never_cache
+from django.views.decorators.http import require_http_methods, require_POST
+
+from attestations.forms import ApiKeyForm, ExperimentForm, SpecForm
+from attestations.models import (
+    Access,
+    ApiKey,
+    AuditEvent,
+    Capability,
+    Experiment,
+    Job,
+    Organization,
+    Proof,
+    ProofStatus,
+    client_ip,
+)
+from attestations.permissions import get_access
+
+
+def _require(access: Access, capability: str, organization_id: int) -> None:
+    if not access.can_see(organization_id):
+        raise Http404
+    if not access.can(capability, organization_id):
+        raise PermissionDenied(f"Your role does not allow '{capability}' here.")
+
+
+def _experiment(request: HttpRequest, owner: str, name: str) -> Experiment:
+    access = get_access(request)
+    return get_object_or_404(
+        Experiment.objects.visible_to(access).select_related("owner", "current_spec", "created_by"),
+        owner__slug=owner,
+        name=name,
+    )
+
+
+@login_required
+def dashboard(request: HttpRequest) -> HttpResponse:
+    access = get_access(request)
+    orgs = Organization.objects.filter(pk__in=access.roles).order_by("slug")
+    experiments = Experiment.objects.visible_to(access).select_related("owner", "current_spec")
+    proofs = Proof.objects.filter(access.orgs(Capability.READ, "experiment__owner_id"))
+    counts = dict(proofs.values_list("status").annotate(n=Count("pk")).values_list("status", "n"))
+    events = AuditEvent.objects.filter(access.orgs(Capability.AUDIT)).select_related("organization")
+    return render(
+        request,
+        "attestations/dashboard.html",
+        {
+            "memberships": [(org, access.roles[org.pk]) for org in orgs],
+            "is_regulator": access.is_regulator,
+            "experiments": experiments[:8],
+            "experiment_count": experiments.count(),
+            "proofs": proofs.select_related("experiment__owner", "spec")[:8],
+            "counts": {status: counts.get(status, 0) for status in ProofStatus.values},
+            "events": events[:10] if access.any(Capability.AUDIT) else None,
+            "can_write": access.any(Capability.WRITE),
+        },
+    )
+
+
+@login_required
+def experiment_list(request: HttpRequest) -> HttpResponse:
+    access = get_access(request)
+    experiments = (
+        Experiment.objects.visible_to(access)
+        .select_related("owner", "current_spec")
+        .annotate(
+            valid=Count("proofs", filter=Q(proofs__status=ProofStatus.VALID)),
+            rejected=Count("proofs", filter=Q(proofs__status=ProofStatus.REJECTED)),
+            pending=Count(
+                "proofs",
+                filter=Q(proofs__status__in=[ProofStatus.PENDING, ProofStatus.VERIFYING]),
+            ),
+        )
+    )
+    owner = request.GET.get("owner", "")
+    if owner:
+        experiments = experiments.filter(owner__slug=owner)
+    query = request.GET.get("q", "").strip()
+    if query:
+        experiments = experiments.filter(name__icontains=query)
+    owners = Organization.objects.filter(access.orgs(Capability.READ, "pk")).order_by("slug")
+    return render(
+        request,
+        "attestations/experiment_list.html",
+        {
+            "experiments": experiments[:200],
+            "owners": owners,
+            "owner": owner,
+            "query": query,
+            "can_write": access.any(Capability.WRITE),
+        },
+    )
+
+
+@login_required
+@require_http_methods(["GET", "POST"])
+def experiment_new(request: HttpRequest) -> HttpResponse:
+    access = get_access(request)
+    if not access.any(Capability.WRITE):
+        raise PermissionDenied("Only trainers and admins register experiments.")
+    owners = Organization.objects.filter(access.orgs(Capability.WRITE, "pk")).order_by("slug")
+    form = ExperimentForm(request.POST or None, owners=owners)
+    if request.method == "POST" and form.is_valid():
+        owner = form.cleaned_data["owner"]
+        experiment = Experiment.register(
+            owner, form.cleaned_data["name"], form.spec(), user=request.user
+        )  # type: ignore[arg-type]
+        AuditEvent.record(
+            "experiment.registered",
+            actor=request.user,
+            organization=owner,
+            target=experiment,
+            detail={
+                "experiment": experiment.full_name,
+                "spec_version": 1,
+                "spec_digest": experiment.current_spec.digest,  # type: ignore[union-attr]
+            },
+            ip=client_ip(request.META),
+        )
+        messages.success(request, f"Registered {experiment.full_name}.")
+        return redirect("experiment", owner=owner.slug, name=experiment.name)
+    return render(request, "attestations/experiment_form.html", {"form": form, "mode": "new"})
+
+
+@login_required
+def experiment_detail(request: HttpRequest, owner: str, name: str) -> HttpResponse:
+    experiment = _experiment(request, owner, name)
+    access = get_access(request)
+    proofs = list(
+        experiment.proofs.select_related("spec").prefetch_related("jobs").order_by("-created")[:50]
+    )
+    for proof in proofs:
+        jobs = sorted(proof.jobs.all(), key=lambda job: job.created, reverse=True)
+        proof.latest_job = jobs[0] if jobs else None  # type: ignore[attr-defined]
+    events = None
+    if access.can(Capability.AUDIT, experiment.owner_id):
+        events = AuditEvent.objects.filter(
+            Q(target_type="experiment", target_id=str(experiment.pk))
+            | Q(detail__experiment=experiment.full_name)
+        ).order_by("-created")[:50]
+    return render(
+        request,
+        "attestations/experiment_detail.html",
+        {
+            "experiment": experiment,
+            "spec": experiment.current_spec,
+            "specs": experiment.specs.all(),
+            "proofs": proofs,
+            "events": events,
+            "can_write": access.can(Capability.WRITE, experiment.owner_id),
+            "can_artifacts": access.can(Capability.ARTIFACTS, experiment.owner_id),
+            "in_progress": any(not p.is_final for p in proofs),
+        },
+    )
+
+
+@login_required
+@require_http_methods(["GET", "POST"])
+def experiment_spec(request: HttpRequest, owner: str, name: str) -> HttpResponse:
+    experiment = _experiment(request, owner, name)
+    _require(get_access(request), Capability.WRITE, experiment.owner_id)
+    spec = experiment.current_spec
+    assert spec is not None
+    initial = {key: getattr(spec, key) for key in SpecForm.base_fields}
+    form = SpecForm(request.POST or None, initial=initial)
+    if request.method == "POST" and form.is_valid():
+        new, changed = experiment.revise_spec(form.spec())
+        if changed:
+            versioned = new.pk != spec.pk
+            AuditEvent.record(
+                "experiment.spec_versioned" if versioned else "experiment.spec_edited",
+                actor=request.user,
+                organization=experiment.owner,
+                target=experiment,
+                detail={
+                    "experiment": experiment.full_name,
+                    "spec_version": new.version,
+                    "spec_digest": new.digest,
+                },
+                ip=client_ip(request.META),
+            )
+            messages.success(
+                request,
+                f"Spec version {new.version} created (version {spec.version} is frozen)."
+                if versioned
+                else f"Spec version {new.version} updated.",
+            )
+        else:
+            messages.info(request, "Nothing changed.")
+        return redirect("experiment", owner=owner, name=name)
+    return render(
+        request,
+        "attestations/experiment_form.html",
+        {"form": form, "mode": "spec", "experiment": experiment, "spec": spec},
+    )
+
+
+@login_required
+def proof_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    access = get_access(request)
+    proof = get_object_or_404(
+        Proof.objects.filter(access.orgs(Capability.READ, "experiment__owner_id")).select_related(
+            "experiment__owner", "spec", "transcript"
+        ),
+        pk=pk,
+    )
+    job = Job.objects.filter(proof=proof).order_by("-created").first()
+    return render(
+        request,
+        "attestations/proof_detail.html",
+        {
+            "proof": proof,
+            "experiment": proof.experiment,
+            "job": job,
+            "can_artifacts": access.can(Capability.ARTIFACTS, proof.experiment.owner_id),
+        },
+    )
+
+
+@never_cache
+@login_required
+@require_http_methods(["GET", "POST"])
+def api_keys(request: HttpRequest) -> HttpResponse:
+    form = ApiKeyForm(request.POST or None)
+    created: tuple[ApiKey, str] | None = None
+    if request.method == "POST" and form.is_valid():
+        created = ApiKey.issue(
+            request.user, form.cleaned_data["name"], days=form.cleaned_data["days"]
+        )  # type: ignore[arg-type]
+        key = created[0]
+        AuditEvent.record(
+            "api_key.created",
+            actor=request.user,
+            target=key,
+            detail={"name": key.name, "prefix": key.prefix, "expires": key.expires.isoformat()},
+            ip=client_ip(request.META),
+        )
+        # Rendered, not redirected: the raw key exists only in this response.
+        form = ApiKeyForm()
+    keys = ApiKey.objects.filter(user=request.user)  # type: ignore[misc]
+    context: dict[str, Any] = {"form": form, "keys": keys, "created": created}
+    return render(request, "attestations/api_keys.html", context)
+
+
+@login_required
+@require_POST
+def api_key_revoke(request: HttpRequest, pk: int) -> HttpResponse:
+    key = get_object_or_404(ApiKey, pk=pk, user=request.user)
+    if key.revoke():
+        AuditEvent.record(
+            "api_key.revoked",
+            actor=request.user,
+            target=key,
+            detail={"name": key.name, "prefix": key.prefix},
+            ip=client_ip(request.META),
+        )
+        messages.success(request, f"Revoked {key.prefix}….")
+    return redirect("api-keys")
+
+
+@login_required
+def audit_log(request: HttpRequest) -> HttpResponse:
+    access = get_access(request)
+    if not access.any(Capability.AUDIT):
+        raise PermissionDenied("Your role has no audit trail to read.")
+    events = AuditEvent.objects.filter(access.orgs(Capability.AUDIT)).select_related("organization")
+    action = request.GET.get("action", "").strip()
+    if action:
+        events = events.filter(action__startswith=action)
+    return render(request, "attestations/audit.html", {"events": events[:200], "action": action})

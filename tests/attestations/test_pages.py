@@ -1,0 +1,156 @@
+"""Web pages: the same permission matrix as the API, then what each page does."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from attestations.models import ApiKey, AuditEvent, Experiment
+from tests.attestations.base import PASSWORD, SPEC, World
+
+ACTORS = ("alice", "bob", "carol", "mallory", "admin", None)
+
+
+def browser(world: World, actor: str | None) -> Client:
+    client = Client()
+    if actor is not None:
+        assert client.login(username=actor, password=PASSWORD)
+    return client
+
+
+def codes(
+    alice: int, bob: int, carol: int, mallory: int, admin: int, anon: int = 302
+) -> dict[str | None, int]:
+    return {
+        "alice": alice,
+        "bob": bob,
+        "carol": carol,
+        "mallory": mallory,
+        "admin": admin,
+        None: anon,
+    }
+
+
+PAGES: list[
+    tuple[str, str, str, dict[str | None, int], Callable[[World], dict[str, Any]] | None]
+] = [
+    ("dashboard", "get", "/", codes(200, 200, 200, 200, 200), None),
+    ("experiments", "get", "/experiments/", codes(200, 200, 200, 200, 200), None),
+    ("register form", "get", "/experiments/new/", codes(200, 403, 403, 200, 200), None),
+    (
+        "register",
+        "post",
+        "/experiments/new/",
+        codes(302, 403, 403, 200, 302),  # mallory may not pick acme: the form says so (200)
+        lambda w: {**SPEC, "owner": "acme", "name": "run-7", "max_flops": "1000"},
+    ),
+    ("experiment", "get", "/experiments/acme/run-1/", codes(200, 200, 200, 404, 200), None),
+    ("spec form", "get", "/experiments/acme/run-1/spec/", codes(200, 403, 403, 404, 200), None),
+    (
+        "change spec",
+        "post",
+        "/experiments/acme/run-1/spec/",
+        codes(302, 403, 403, 404, 302),
+        lambda w: {
+            **SPEC,
+            "optimizer": "sgd",
+            "max_flops": "1000",
+            "max_tokens": "",
+            "max_gpu_hours": "",
+        },
+    ),
+    ("proof", "get", "/proofs/{proof}/", codes(200, 200, 200, 404, 200), None),
+    ("keys", "get", "/keys/", codes(200, 200, 200, 200, 200), None),
+    (
+        "create key",
+        "post",
+        "/keys/",
+        codes(200, 200, 200, 200, 200),
+        lambda w: {"name": "x", "days": 30},
+    ),
+    ("audit", "get", "/audit/", codes(200, 200, 403, 200, 200), None),
+]
+
+
+@pytest.mark.parametrize("actor", ACTORS, ids=[a or "anonymous" for a in ACTORS])
+@pytest.mark.parametrize("page", PAGES, ids=[p[0] for p in PAGES])
+def test_page_permission_matrix(page: Any, actor: str | None, world: World, settings: Any) -> None:
+    name, method, url, expected, body = page
+    client = browser(world, actor)
+    url = url.format(proof=world.proof.pk)
+    response = (
+        client.post(url, body(world) if body else {}) if method == "post" else client.get(url)
+    )
+    assert response.status_code == expected[actor], (name, actor, response.content[:500])
+    if actor is None:
+        assert response["Location"].startswith("/login/")
+
+
+def test_regulator_sees_claims_but_no_artifact_link(world: World) -> None:
+    page = browser(world, "carol").get(f"/proofs/{world.proof.pk}/").content.decode()
+    assert "Download transcript" not in page
+    assert (
+        "Download transcript"
+        in browser(world, "alice").get(f"/proofs/{world.proof.pk}/").content.decode()
+    )
+
+
+def test_auditor_views_are_read_only(world: World) -> None:
+    page = browser(world, "bob").get("/experiments/acme/run-1/").content.decode()
+    assert "Change spec" not in page
+    assert "Audit trail" in page
+    assert "Register experiment" not in browser(world, "bob").get("/experiments/").content.decode()
+
+
+def test_registration_shows_errors_inline(world: World) -> None:
+    response = browser(world, "alice").post(
+        "/experiments/new/",
+        {
+            **SPEC,
+            "owner": "acme",
+            "name": "Bad Name",
+            "dataset_commitment": "zz",
+            "max_flops": "1e25",
+        },
+    )
+    assert response.status_code == 200
+    form = response.context["form"]
+    assert set(form.errors) == {"name", "dataset_commitment", "max_flops"}
+    assert "has-error" in response.content.decode()
+
+
+def test_registration_works(world: World) -> None:
+    response = browser(world, "alice").post(
+        "/experiments/new/",
+        {**SPEC, "owner": "acme", "name": "run-7", "max_flops": "100000000000000000000000000"},
+    )
+    assert response.status_code == 302
+    experiment = Experiment.objects.get(owner__slug="acme", name="run-7")
+    assert experiment.current_spec is not None
+    assert int(experiment.current_spec.max_flops or 0) == 10**26
+    assert AuditEvent.objects.filter(
+        action="experiment.registered", target_id=str(experiment.pk)
+    ).exists()
+
+
+def test_a_new_key_is_shown_once(world: World) -> None:
+    client = browser(world, "alice")
+    response = client.post("/keys/", {"name": "laptop", "days": 30})
+    raw = response.context["created"][1]
+    assert raw in response.content.decode()
+    assert raw not in client.get("/keys/").content.decode()
+    assert response["Cache-Control"].startswith("max-age=0")
+    key = ApiKey.objects.get(name="laptop")
+    client.post(f"/keys/{key.pk}/revoke/")
+    key.refresh_from_db()
+    assert key.revoked is not None
+
+
+def test_keys_of_others_cannot_be_revoked(world: World) -> None:
+    key, _ = ApiKey.issue(world.alice, "x")
+    assert browser(world, "mallory").post(f"/keys/{key.pk}/revoke/").status_code == 404
+    key.refresh_from_db()
+    assert key.revoked is None
