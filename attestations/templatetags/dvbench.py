@@ -12,7 +12,7 @@ register = template.Library()
 
 @register.filter
 def sci(value: Any) -> str:
-    """A large whole number as ``1.2 × 10^25`` for reading (the exact value goes in a title)."""
+    """A large whole number as ``1.2 x 10^25`` (with a multiplication sign) for reading (the exact value goes in a title)."""
     if value is None or value == "":
         return "—"
     number = Decimal(value)
@@ -20,7 +20,7 @@ def sci(value: Any) -> str:
         return f"{int(number):,}" if number == number.to_integral_value() else f"{number:,}"
     exponent = len(str(abs(int(number)))) - 1
     mantissa = number / (Decimal(10) ** exponent)
-    return f"{mantissa:.2f} × 10^{exponent}".replace(".00 ", " ")
+    return f"{mantissa:.2f} \N{MULTIPLICATION SIGN} 10^{exponent}".replace(".00 ", " ")
 
 
 @register.filter
