@@ -15,6 +15,7 @@ import numpy as np
 
 from zkdv.config import SamplingPolicy, ZKDVConfig
 from zkdv.core import ZKDVCore
+from zkdv.files import TREES, batch_path, snapshot_path, write_batch, write_state
 
 __all__ = ["LinearSGD", "write_synthetic_transcript"]
 
@@ -83,12 +84,27 @@ def write_synthetic_transcript(
     probe_ratio: float = 0.5,
     snapshot_interval: int = 2,
     prover: str = "whitebox-jax",
+    forge: str | None = None,
+    forge_step: int = 1,
 ) -> Path:
     """Train :class:`LinearSGD` for ``steps`` steps and write a valid transcript.
 
+    Besides the records it writes what the platform's replay needs (``zkdv.files``):
+    snapshot files at every snapshot step and every step's batch file.
+
+    Args:
+        forge: write a *forged* run that still passes the offline verifier, so only a
+            replay can catch it (for tests of the provers and the platform):
+            ``"outside_step"`` changes the parameters between ``forge_step`` and the
+            next step; ``"batches"`` commits other batches than it trains on from
+            ``forge_step``; ``"lr"`` doubles the learning rate from ``forge_step``.
+            Forged runs answer their own sampled checks with the committed values.
+
     Returns:
-        ``proof_dir``, which then holds ``records.cborl`` and ``probes.bin``.
+        ``proof_dir``, which then holds ``records.cborl``, ``probes.bin`` and ``files/``.
     """
+    if forge not in (None, "outside_step", "batches", "lr"):
+        raise ValueError(f"unknown forgery {forge!r}")
     config = ZKDVConfig(
         name="synthetic",
         sampling_policy=sampling or SamplingPolicy.DEBUGCheckEvery(2),
@@ -108,6 +124,7 @@ def write_synthetic_transcript(
         experiment=bound,
     )
     model = LinearSGD(features)
+    forged_model = LinearSGD(features, lr=0.1) if forge == "lr" else model
     params, state = model.init(seed)
     rng = np.random.default_rng(seed + 1)
     batch_rng = [
@@ -121,15 +138,28 @@ def write_synthetic_transcript(
         program=None,
     )
     assert core.probes is not None
+    forged = forge is not None
     for step, batch in enumerate(batch_rng):
         if step % snapshot_interval == 0 and core.last_roots is not None:
+            for tree, leaves in zip(TREES, (_leaves(params), _leaves(state), []), strict=True):
+                write_state(snapshot_path(proof_dir, step, tree), leaves)
             core.record_snapshot(step, core.last_roots, {})
+        write_batch(batch_path(proof_dir, step), batch)
+        claimed_pre = params  # what the probes claim the step started from
+        if forged and step == forge_step + 1 and forge == "outside_step":
+            params = {k: v + np.float32(0.01) for k, v in params.items()}
+        trained_on = batch
+        if forged and step >= forge_step and forge == "batches":
+            trained_on = rng.integers(0, 1000, size=batch.shape, dtype=np.uint32)
+        stepper = forged_model if step >= forge_step else model
         before_params, before_state = params, state
-        deltas, params, state = model.update(params, state, batch)
+        deltas, params, state = stepper.update(params, state, trained_on)
         probes = core.probes
-        pre = probes.project_all([a for _, a in _leaves(before_params)])
+        pre = probes.project_all([a for _, a in _leaves(claimed_pre if forged else before_params)])
         post = probes.project_all([a for _, a in _leaves(params)])
         delta = probes.project_all([a for _, a in _leaves(deltas)])
+        if forged:  # a forger keeps its probes self-consistent
+            delta = [po - pr for po, pr in zip(post, pre, strict=True)]
         result = core.commit_step(
             step,
             batch=batch,
@@ -140,7 +170,11 @@ def write_synthetic_transcript(
             flops=6.0 * features * rows,
         )
         if result.challenge is not None:
-            replay_deltas, _, replay_state = model.update(before_params, before_state, batch)
+            replay_deltas, _, replay_state = (
+                (deltas, None, state)
+                if forged
+                else model.update(before_params, before_state, batch)
+            )
             c = result.challenge
             core.record_check(
                 c,
