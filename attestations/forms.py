@@ -88,7 +88,7 @@ class ExperimentForm(SpecForm):
         validators=[experiment_name_validator],
         help_text="Lowercase letters, digits, '.', '_' or '-'. The id becomes owner/name.",
         widget=forms.TextInput(
-            attrs={"pattern": "[a-z0-9]([a-z0-9._-]{0,98}[a-z0-9])?", "autocomplete": "off"}
+            attrs={"pattern": r"[a-z0-9]([a-z0-9._\-]{0,98}[a-z0-9])?", "autocomplete": "off"}
         ),
     )
 
