@@ -1,0 +1,164 @@
+"""dvbench.attest: signed training certificates that anyone can verify offline.
+
+The framework-free cryptographic core of DVBench's attestations; the platform issues
+with it and ``dvbench verify-report`` checks with it, on a laptop with no network:
+
+* DSSE v1 envelopes (:func:`pae`, :func:`sign_envelope`, :func:`verify_envelope`);
+* in-toto Statement v1 and the training certificate predicate
+  (:class:`Statement`, :class:`TrainingCertificate`; schema in ``docs/certificates.md``);
+* Ed25519 keys with SPKI key ids and a versioned :class:`TrustRoot` whose keys rotate
+  with validity windows, judged at the signed time;
+* the RFC 9162 transparency log's Merkle math and C2SP-style signed checkpoints;
+* the offline report bundle (:func:`make_bundle`, :func:`verify_bundle`).
+
+A round trip::
+
+    key = load_signing_key(data_dir=".data")
+    root = TrustRoot.initial(key.public_key, not_before=start)
+    envelope = sign_certificate(certificate, key)
+    tree.append(envelope_leaf_hash(envelope))
+    note = sign_checkpoint(Checkpoint(origin, tree.size, tree.root(), now), key)
+    bundle = make_bundle(envelope, log_index=i, inclusion_proof=tree.inclusion_proof(i),
+                         checkpoint=note, tree_size=tree.size, trust_root=root)
+    assert verify_bundle(bundle, root).ok
+
+Errors form one tree under :class:`AttestationError` (see ``dvbench.attest._errors``).
+"""
+
+from __future__ import annotations
+
+from dvbench.attest._bundle import (
+    BUNDLE_FORMAT,
+    MAX_CLOCK_SKEW,
+    BundleVerification,
+    envelope_leaf,
+    envelope_leaf_hash,
+    make_bundle,
+    sign_certificate,
+    verify_bundle,
+    verify_certificate,
+)
+from dvbench.attest._dsse import (
+    PAYLOAD_TYPE_INTOTO,
+    Envelope,
+    EnvelopeSignature,
+    pae,
+    sign_envelope,
+    verify_envelope,
+)
+from dvbench.attest._errors import (
+    AttestationError,
+    BundleMismatchError,
+    InvalidProofError,
+    InvalidSignatureError,
+    KeyConfigurationError,
+    KeyNotValidError,
+    MalformedInputError,
+    SubjectMismatchError,
+    UnknownKeyError,
+)
+from dvbench.attest._intoto import (
+    DIGEST_STATE_ROOT,
+    DIGEST_TRANSCRIPT,
+    PREDICATE_TYPE_TRAINING,
+    STATEMENT_TYPE,
+    SUBJECT_PARAMETERS,
+    SUBJECT_TRANSCRIPT,
+    Claim,
+    Evidence,
+    LogEntryRef,
+    ReplayEvidence,
+    Result,
+    Statement,
+    Subject,
+    TrainingCertificate,
+)
+from dvbench.attest._keys import (
+    ALGORITHM_ED25519,
+    DEFAULT_KEY_FILENAME,
+    ENV_SIGNING_KEY,
+    TRUST_ROOT_SCHEMA,
+    Signer,
+    SigningKey,
+    TrustedKey,
+    TrustRoot,
+    key_id,
+    load_signing_key,
+)
+from dvbench.attest._translog import (
+    EMPTY_ROOT,
+    Checkpoint,
+    MerkleTree,
+    consistency_proof,
+    inclusion_proof,
+    leaf_hash,
+    node_hash,
+    root_hash,
+    sign_checkpoint,
+    verify_checkpoint,
+    verify_consistency,
+    verify_inclusion,
+)
+
+__all__ = [
+    "ALGORITHM_ED25519",
+    "BUNDLE_FORMAT",
+    "DEFAULT_KEY_FILENAME",
+    "DIGEST_STATE_ROOT",
+    "DIGEST_TRANSCRIPT",
+    "EMPTY_ROOT",
+    "ENV_SIGNING_KEY",
+    "MAX_CLOCK_SKEW",
+    "PAYLOAD_TYPE_INTOTO",
+    "PREDICATE_TYPE_TRAINING",
+    "STATEMENT_TYPE",
+    "SUBJECT_PARAMETERS",
+    "SUBJECT_TRANSCRIPT",
+    "TRUST_ROOT_SCHEMA",
+    "AttestationError",
+    "BundleMismatchError",
+    "BundleVerification",
+    "Checkpoint",
+    "Claim",
+    "Envelope",
+    "EnvelopeSignature",
+    "Evidence",
+    "InvalidProofError",
+    "InvalidSignatureError",
+    "KeyConfigurationError",
+    "KeyNotValidError",
+    "LogEntryRef",
+    "MalformedInputError",
+    "MerkleTree",
+    "ReplayEvidence",
+    "Result",
+    "Signer",
+    "SigningKey",
+    "Statement",
+    "Subject",
+    "SubjectMismatchError",
+    "TrainingCertificate",
+    "TrustRoot",
+    "TrustedKey",
+    "UnknownKeyError",
+    "consistency_proof",
+    "envelope_leaf",
+    "envelope_leaf_hash",
+    "inclusion_proof",
+    "key_id",
+    "leaf_hash",
+    "load_signing_key",
+    "make_bundle",
+    "node_hash",
+    "pae",
+    "root_hash",
+    "sign_certificate",
+    "sign_checkpoint",
+    "sign_envelope",
+    "verify_bundle",
+    "verify_certificate",
+    "verify_checkpoint",
+    "verify_consistency",
+    "verify_envelope",
+    "verify_inclusion",
+]

@@ -1,0 +1,373 @@
+"""Certificates, their log entries, and the offline report bundle.
+
+Issuing (the platform, in this order): reserve the next log index; build a
+:class:`~dvbench.attest.TrainingCertificate` naming it; :func:`sign_certificate`;
+append :func:`envelope_leaf_hash` of the envelope to the log; sign a checkpoint; hand
+out :func:`make_bundle`.
+
+The log leaf of a certificate is the canonical JSON of its envelope (UTF-8, keys
+sorted, no whitespace; for the envelope's all-string fields this is RFC 8785 JCS), and
+the leaf hash is ``SHA-256(0x00 || leaf)`` (RFC 9162 section 2.1.1). Hashing the
+envelope exactly as distributed, rather than its decoded payload, makes any change to
+any of its bytes, signature included, a change of leaf.
+
+The bundle (``format`` :data:`BUNDLE_FORMAT`)::
+
+    {"format": "https://dvbench.dev/report-bundle/v1",
+     "envelope": {DSSE envelope over the in-toto statement},
+     "inclusion_proof": {"log_index": 41, "tree_size": 42, "hashes": ["<hex>", ...]},
+     "checkpoint": "<signed checkpoint note>",
+     "trust_root": {the trust root in force at signing}}
+
+:func:`verify_bundle` needs nothing but the bundle, the auditor's own copy of the trust
+root and optionally the transcript file; it never touches the network.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, Final
+
+from dvbench.attest._dsse import PAYLOAD_TYPE_INTOTO, Envelope, _verify_envelope, sign_envelope
+from dvbench.attest._encoding import (
+    array,
+    canonical_json,
+    format_time,
+    hex_decode,
+    integer,
+    obj,
+    parse_json,
+    to_seconds,
+)
+from dvbench.attest._errors import (
+    AttestationError,
+    BundleMismatchError,
+    MalformedInputError,
+    SubjectMismatchError,
+    UnknownKeyError,
+)
+from dvbench.attest._intoto import Statement, TrainingCertificate, certificate_time
+from dvbench.attest._keys import Signer, TrustedKey, TrustRoot
+from dvbench.attest._translog import Checkpoint, leaf_hash, verify_checkpoint, verify_inclusion
+
+__all__ = [
+    "BUNDLE_FORMAT",
+    "MAX_CLOCK_SKEW",
+    "BundleVerification",
+    "envelope_leaf",
+    "envelope_leaf_hash",
+    "make_bundle",
+    "sign_certificate",
+    "verify_bundle",
+    "verify_certificate",
+]
+
+BUNDLE_FORMAT: Final = "https://dvbench.dev/report-bundle/v1"
+# Signed times may run this far ahead of the verifier's clock before they are refused.
+MAX_CLOCK_SKEW: Final = timedelta(minutes=5)
+
+
+def sign_certificate(certificate: TrainingCertificate, signer: Signer) -> Envelope:
+    """Sign a certificate's statement into a DSSE envelope (in-toto payload type).
+
+    The signer does not know the trust root: a key used outside its validity window
+    signs happily here, and every verifier then refuses the certificate.
+    """
+    return sign_envelope(PAYLOAD_TYPE_INTOTO, certificate.to_statement().to_json(), signer)
+
+
+def envelope_leaf(envelope: Mapping[str, Any] | Envelope) -> bytes:
+    """The log leaf for an envelope: its canonical JSON bytes."""
+    return canonical_json(envelope)
+
+
+def envelope_leaf_hash(envelope: Mapping[str, Any] | Envelope) -> bytes:
+    """``SHA-256(0x00 || canonical envelope JSON)``, what the log stores (RFC 9162 2.1.1)."""
+    return leaf_hash(envelope_leaf(envelope))
+
+
+def _verify_certificate(
+    envelope: object, trust_root: TrustRoot
+) -> tuple[TrainingCertificate, TrustedKey]:
+    # The key's validity is judged at the certificate's own signed issuedOn time, read
+    # from the payload only after its signature has verified.
+    payload, key = _verify_envelope(
+        envelope, trust_root, at=certificate_time, payload_type=PAYLOAD_TYPE_INTOTO
+    )
+    return TrainingCertificate.from_statement(Statement.from_json(payload)), key
+
+
+def verify_certificate(
+    envelope: Mapping[str, Any] | Envelope, trust_root: TrustRoot
+) -> TrainingCertificate:
+    """Verify a certificate envelope: signature, payload type, schema, key validity.
+
+    The key must be valid at the certificate's own signed ``issuedOn`` time.
+
+    Returns:
+        The certificate.
+
+    Raises:
+        MalformedInputError: the envelope or its statement is malformed.
+        UnknownKeyError: no signature is by a key of the trust root.
+        InvalidSignatureError: no trusted signature verifies.
+        KeyNotValidError: the key was outside its validity window at ``issuedOn``.
+    """
+    return _verify_certificate(envelope, trust_root)[0]
+
+
+def make_bundle(
+    envelope: Envelope | Mapping[str, Any],
+    *,
+    log_index: int,
+    inclusion_proof: Sequence[bytes],
+    checkpoint: str,
+    tree_size: int,
+    trust_root: TrustRoot,
+) -> dict[str, Any]:
+    """Assemble the offline report bundle.
+
+    Args:
+        envelope: the signed certificate.
+        log_index: its leaf index.
+        inclusion_proof: the audit path from that leaf to the checkpoint's root.
+        checkpoint: the signed checkpoint note.
+        tree_size: the checkpoint's tree size.
+        trust_root: the trust root named in the certificate.
+
+    Returns:
+        The bundle, ready for ``json.dumps``.
+    """
+    return {
+        "format": BUNDLE_FORMAT,
+        "envelope": dict(envelope),
+        "inclusion_proof": {
+            "log_index": log_index,
+            "tree_size": tree_size,
+            "hashes": [value.hex() for value in inclusion_proof],
+        },
+        "checkpoint": checkpoint,
+        "trust_root": trust_root.to_dict(),
+    }
+
+
+@dataclass(frozen=True)
+class BundleVerification:
+    """The outcome of :func:`verify_bundle`; ``ok`` is False exactly when ``reason`` is set.
+
+    Attributes:
+        ok: every check passed.
+        reason: the failing check's code (an :class:`AttestationError` ``reason``).
+        message: what failed, precisely.
+        certificate: the verified certificate, when the signature checks got that far.
+        checkpoint: the verified checkpoint, likewise.
+        keyid: the key that signed the certificate.
+        transcript_checked: a local transcript was verified against the subject.
+    """
+
+    ok: bool
+    reason: str | None = None
+    message: str | None = None
+    certificate: TrainingCertificate | None = None
+    checkpoint: Checkpoint | None = None
+    keyid: str | None = None
+    transcript_checked: bool = False
+
+    def summary(self) -> str:
+        """One line for people."""
+        if not self.ok:
+            return f"rejected ({self.reason}): {self.message}"
+        assert self.certificate is not None and self.checkpoint is not None
+        certificate = self.certificate
+        text = (
+            f"verified: certificate {certificate.result.value} issued {format_time(certificate.issued_at)} "
+            f"by key {self.keyid}, log entry {certificate.log.index} of {certificate.log.origin} "
+            f"(tree size {self.checkpoint.tree_size}), transcript {certificate.transcript_digest}"
+        )
+        if self.transcript_checked:
+            text += " (matches the local transcript)"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready view."""
+        certificate = self.certificate
+        return {
+            "ok": self.ok,
+            "reason": self.reason,
+            "message": self.message,
+            "keyid": self.keyid,
+            "transcript_checked": self.transcript_checked,
+            "statement": None if certificate is None else certificate.to_statement().to_dict(),
+            "checkpoint": None
+            if self.checkpoint is None
+            else {
+                "origin": self.checkpoint.origin,
+                "tree_size": self.checkpoint.tree_size,
+                "root_hash": self.checkpoint.root_hash.hex(),
+                "timestamp": format_time(self.checkpoint.timestamp),
+            },
+        }
+
+
+def _check_trust_root_copy(
+    embedded: object, certificate: TrainingCertificate, trust_root: TrustRoot
+) -> None:
+    # The bundle's copy must be the trust root the certificate names (its digest is
+    # signed), and it may not contradict the auditor's own copy on any key.
+    copy = TrustRoot.from_dict(embedded, "bundle.trust_root")
+    if (
+        copy.version != certificate.trust_root_version
+        or copy.digest() != certificate.trust_root_digest
+    ):
+        raise BundleMismatchError(
+            f"bundle.trust_root (version {copy.version}, sha256 {copy.digest()}) is not the trust root "
+            f"the certificate was issued under (version {certificate.trust_root_version}, "
+            f"sha256 {certificate.trust_root_digest})"
+        )
+    for key in copy.keys:
+        try:
+            mine = trust_root.key(key.keyid)
+        except UnknownKeyError:
+            continue
+        if mine.not_before != key.not_before:
+            raise BundleMismatchError(
+                f"bundle.trust_root gives key {key.keyid} a start of {format_time(key.not_before)}, "
+                f"the given trust root {format_time(mine.not_before)}"
+            )
+
+
+def _transcript_digest(path: str | os.PathLike[str]) -> str:
+    # Imported here: zkdv pulls in numpy, which bundle-only verification does not need.
+    from zkdv.records import RECORDS_FILE
+    from zkdv.verify import verify_transcript
+
+    location = Path(path)
+    if not location.exists():
+        raise SubjectMismatchError(f"transcript {location} does not exist")
+    folder = location if location.is_dir() else location.parent
+    records = location / RECORDS_FILE if location.is_dir() else location
+    # Probe continuity needs probes.bin; an auditor may hold only the records.
+    report = verify_transcript(records, probes=(folder / "probes.bin").exists())
+    if not report.ok or report.digest is None:
+        raise SubjectMismatchError(f"transcript {location} does not verify: {report.summary()}")
+    return report.digest
+
+
+def verify_bundle(
+    bundle: Mapping[str, Any] | bytes | str,
+    trust_root: TrustRoot,
+    *,
+    transcript_path: str | os.PathLike[str] | None = None,
+    now: datetime | None = None,
+) -> BundleVerification:
+    """Verify an offline report bundle; never raises for bad bundle data.
+
+    Checks, in order: the bundle's shape; the certificate's DSSE signature by a key of
+    ``trust_root``, valid at the certificate's signed ``issuedOn``; the certificate's
+    schema; that the bundle's trust root is the one the certificate names and agrees
+    with ``trust_root``; the checkpoint's signature, by a key valid at its timestamp;
+    that checkpoint and certificate name the same log and the proof the same entry; the
+    inclusion of the envelope's leaf under the checkpoint's root; that the certificate
+    precedes the checkpoint and neither lies in the future; and, with
+    ``transcript_path``, that the transcript verifies and its digest is the subject's.
+
+    Args:
+        bundle: the bundle as parsed JSON, or its JSON bytes or text.
+        trust_root: the auditor's trust root (never the bundle's own copy).
+        transcript_path: a proof directory or ``records.cborl`` to compare.
+        now: the verifier's clock (default: the system clock).
+
+    Returns:
+        The outcome, with the reason for a failure.
+    """
+    moment = to_seconds(now if now is not None else datetime.now(UTC))
+    certificate: TrainingCertificate | None = None
+    checkpoint: Checkpoint | None = None
+    keyid: str | None = None
+    try:
+        data = parse_json(bundle, "bundle") if isinstance(bundle, bytes | str) else bundle
+        document = obj(
+            data,
+            "bundle",
+            required=("format", "envelope", "inclusion_proof", "checkpoint", "trust_root"),
+        )
+        if document["format"] != BUNDLE_FORMAT:
+            raise MalformedInputError(
+                f"bundle.format must be {BUNDLE_FORMAT!r}, got {document['format']!r:.80}"
+            )
+        proof = obj(
+            document["inclusion_proof"],
+            "bundle.inclusion_proof",
+            required=("log_index", "tree_size", "hashes"),
+        )
+        log_index = integer(proof["log_index"], "bundle.inclusion_proof.log_index")
+        tree_size = integer(proof["tree_size"], "bundle.inclusion_proof.tree_size")
+        hashes = [
+            hex_decode(value, f"bundle.inclusion_proof.hashes[{index}]", size=32)
+            for index, value in enumerate(array(proof["hashes"], "bundle.inclusion_proof.hashes"))
+        ]
+
+        certificate, key = _verify_certificate(document["envelope"], trust_root)
+        keyid = key.keyid
+        _check_trust_root_copy(document["trust_root"], certificate, trust_root)
+        checkpoint = verify_checkpoint(document["checkpoint"], trust_root)
+
+        if checkpoint.origin != certificate.log.origin:
+            raise BundleMismatchError(
+                f"checkpoint is from log {checkpoint.origin!r}, the certificate from {certificate.log.origin!r}"
+            )
+        if log_index != certificate.log.index:
+            raise BundleMismatchError(
+                f"inclusion proof is for log index {log_index}, the certificate is entry {certificate.log.index}"
+            )
+        if tree_size != checkpoint.tree_size:
+            raise BundleMismatchError(
+                f"inclusion proof is for tree size {tree_size}, the checkpoint for {checkpoint.tree_size}"
+            )
+        verify_inclusion(
+            envelope_leaf_hash(document["envelope"]),
+            log_index,
+            tree_size,
+            hashes,
+            checkpoint.root_hash,
+        )
+        if certificate.issued_at > checkpoint.timestamp:
+            raise BundleMismatchError(
+                f"certificate issued {format_time(certificate.issued_at)} after the checkpoint that "
+                f"includes it ({format_time(checkpoint.timestamp)})"
+            )
+        if checkpoint.timestamp > moment + MAX_CLOCK_SKEW:
+            raise BundleMismatchError(
+                f"checkpoint time {format_time(checkpoint.timestamp)} is in the future "
+                f"(now {format_time(moment)})"
+            )
+
+        checked = False
+        if transcript_path is not None:
+            digest = _transcript_digest(transcript_path)
+            if digest != certificate.transcript_digest:
+                raise SubjectMismatchError(
+                    f"transcript {transcript_path} has digest {digest}, the certificate's subject is "
+                    f"{certificate.transcript_digest}"
+                )
+            checked = True
+    except AttestationError as error:
+        return BundleVerification(
+            ok=False,
+            reason=error.reason,
+            message=error.message,
+            certificate=certificate,
+            checkpoint=checkpoint,
+            keyid=keyid,
+        )
+    return BundleVerification(
+        ok=True,
+        certificate=certificate,
+        checkpoint=checkpoint,
+        keyid=keyid,
+        transcript_checked=checked,
+    )
