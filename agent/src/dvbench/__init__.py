@@ -1,0 +1,61 @@
+"""dvbench: the DVBench platform's Python client and CLI.
+
+Three lines in a training script::
+
+    from dvbench import Client
+
+    client = Client()                      # DVBENCH_BASE_URL, DVBENCH_API_KEY
+    experiment = client.experiment("acme/run-7")
+    proof = experiment.proof(backend="jax")  # a zkdv.jax.ZKDV driver
+    proof.start(rolling_window=4, probe_ratio=0.01)
+    ...                                      # train with proof.jit
+    proof.finish()                           # close, upload, clean up
+
+Errors are documented in ``dvbench._exceptions`` and exported here. This package never
+imports Django, and imports JAX or torch only when a proof of that backend is made.
+"""
+
+from __future__ import annotations
+
+from dvbench._client import DEFAULT_TIMEOUT, Client
+from dvbench._exceptions import (
+    APIError,
+    AuthenticationError,
+    BadRequestError,
+    ConfigurationError,
+    ConflictError,
+    DVBenchError,
+    NetworkError,
+    NotFoundError,
+    PermissionDeniedError,
+    RateLimitError,
+    ServerError,
+    UploadError,
+)
+from dvbench._experiment import Experiment, default_spec
+from dvbench._proof import DVBenchProof
+from dvbench._sync import SyncResult
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "APIError",
+    "AuthenticationError",
+    "BadRequestError",
+    "Client",
+    "ConfigurationError",
+    "ConflictError",
+    "DVBenchError",
+    "DVBenchProof",
+    "Experiment",
+    "NetworkError",
+    "NotFoundError",
+    "PermissionDeniedError",
+    "RateLimitError",
+    "ServerError",
+    "SyncResult",
+    "UploadError",
+    "__version__",
+    "default_spec",
+]
