@@ -1,10 +1,8 @@
 """Django admin: operators manage organisations and memberships; records are read-only."""
-# django-stubs types ModelAdmin generically, but at runtime (without django_stubs_ext) the
-# classes are not subscriptable; annotations below stay unparametrised.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin
 from django.http import HttpRequest
@@ -22,28 +20,37 @@ from attestations.models import (
     Upload,
 )
 
+# django-stubs makes ModelAdmin generic; at runtime (without django_stubs_ext) it is not
+# subscriptable, so only the type checker sees the parameters.
+if TYPE_CHECKING:
+    _ModelAdmin = admin.ModelAdmin[Any]
+    _TabularInline = admin.TabularInline[Any, Any]
+else:
+    _ModelAdmin = admin.ModelAdmin
+    _TabularInline = admin.TabularInline
 
-class MembershipInline(admin.TabularInline):
+
+class MembershipInline(_TabularInline):
     model = Membership
     extra = 1
     autocomplete_fields = ["user"]
 
 
 @admin.register(Organization)
-class OrganizationAdmin(admin.ModelAdmin):
+class OrganizationAdmin(_ModelAdmin):
     list_display = ["slug", "name", "created"]
     search_fields = ["slug", "name"]
     inlines = [MembershipInline]
 
 
 @admin.register(ApiKey)
-class ApiKeyAdmin(admin.ModelAdmin):
+class ApiKeyAdmin(_ModelAdmin):
     list_display = ["prefix", "name", "user", "created", "expires", "revoked", "last_used"]
     readonly_fields = ["lookup", "digest", "created", "last_used"]
     search_fields = ["lookup", "name", "user__username"]
 
 
-class ReadOnlyAdmin(admin.ModelAdmin):
+class ReadOnlyAdmin(_ModelAdmin):
     """Records written by the platform itself: an operator may look, never edit."""
 
     def has_add_permission(self, request: HttpRequest) -> bool:

@@ -65,11 +65,10 @@ class FilterMixin:
     """
 
     query_filters: dict[str, tuple[str, Any]] = {}
-    request: Request
 
-    def apply_filters(self, queryset: QuerySet[Any]) -> QuerySet[Any]:
+    def apply_filters(self, queryset: QuerySet[Any], request: Request) -> QuerySet[Any]:
         for param, (lookup, choices) in self.query_filters.items():
-            value = self.request.query_params.get(param)
+            value = request.query_params.get(param)
             if value is None or value == "":
                 continue
             if choices is not None and value not in choices:
@@ -287,7 +286,7 @@ class ExperimentList(FilterMixin, generics.ListCreateAPIView[Experiment]):
         queryset = Experiment.objects.visible_to(get_access(self.request)).select_related(
             "owner", "current_spec", "created_by"
         )
-        return self.apply_filters(queryset)
+        return self.apply_filters(queryset, self.request)
 
     def perform_create(self, serializer: serializers.BaseSerializer[Experiment]) -> None:
         data = serializer.validated_data
@@ -405,7 +404,7 @@ class ProofList(FilterMixin, generics.ListAPIView[Proof]):
         access = get_access(self.request)
         queryset = Proof.objects.filter(access.orgs(Capability.READ, "experiment__owner_id"))
         return self.apply_filters(
-            queryset.select_related("experiment__owner", "spec", "transcript")
+            queryset.select_related("experiment__owner", "spec", "transcript"), self.request
         )
 
 
@@ -458,7 +457,7 @@ class JobList(FilterMixin, generics.ListAPIView[Job]):
 
     def get_queryset(self) -> QuerySet[Job]:
         queryset = Job.objects.filter(get_access(self.request).orgs(Capability.READ))
-        return self.apply_filters(queryset.select_related("organization"))
+        return self.apply_filters(queryset.select_related("organization"), self.request)
 
 
 class JobDetail(generics.RetrieveAPIView[Job]):
@@ -487,7 +486,7 @@ class AuditEventList(FilterMixin, generics.ListAPIView[AuditEvent]):
 
     def get_queryset(self) -> QuerySet[AuditEvent]:
         queryset = AuditEvent.objects.filter(get_access(self.request).orgs(Capability.AUDIT))
-        return self.apply_filters(queryset.select_related("organization"))
+        return self.apply_filters(queryset.select_related("organization"), self.request)
 
 
 # --- Uploads ----------------------------------------------------------------------------
@@ -506,12 +505,14 @@ class UploadList(FilterMixin, generics.ListCreateAPIView[Upload]):
     }
 
     @property
-    def required_capability(self) -> str:  # type: ignore[override]
+    def required_capability(self) -> str:
         return Capability.ARTIFACTS if self.request.method == "GET" else Capability.WRITE
 
     def get_queryset(self) -> QuerySet[Upload]:
         queryset = Upload.objects.filter(get_access(self.request).orgs(Capability.ARTIFACTS))
-        return self.apply_filters(queryset.select_related("experiment__owner", "blob"))
+        return self.apply_filters(
+            queryset.select_related("experiment__owner", "blob"), self.request
+        )
 
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         """Open an upload: declare experiment, kind, total size and whole-blob SHA-256."""
@@ -604,7 +605,7 @@ class UploadPartView(APIView):
         part = uploads.put_part(
             upload,
             int(number),
-            stream=request.stream if request.stream is not None else _empty(),  # type: ignore[arg-type]
+            stream=request.stream if request.stream is not None else _empty(),
             declared_sha256=request.headers.get(uploads.PART_DIGEST_HEADER),
             content_length=content_length,
         )

@@ -50,7 +50,7 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
 def _register_schema_extension() -> Any:
     from drf_spectacular.extensions import OpenApiAuthenticationExtension
 
-    class _Extension(OpenApiAuthenticationExtension):  # type: ignore[misc]
+    class _Extension(OpenApiAuthenticationExtension):  # type: ignore[no-untyped-call]
         target_class = "attestations.authentication.ApiKeyAuthentication"
         name = "apiKey"
 

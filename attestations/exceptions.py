@@ -49,7 +49,7 @@ class DVBenchError(exceptions.APIException):
         detail: Machine-readable particulars (expected and got values, limits).
     """
 
-    status_code = status.HTTP_400_BAD_REQUEST
+    status_code: int = status.HTTP_400_BAD_REQUEST
     default_detail = "The request could not be processed."
     default_code = "invalid"
 

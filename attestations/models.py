@@ -15,14 +15,14 @@ import json
 import re
 import secrets
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from decimal import Decimal
 from typing import Any, ClassVar
 
 from django.conf import settings
-from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
+from django.contrib.auth.models import AbstractBaseUser, AnonymousUser, User
 from django.core.validators import RegexValidator
 from django.db import models, transaction
 from django.db.models import Q
@@ -42,6 +42,15 @@ experiment_name_validator = RegexValidator(
     "Use 1-100 lowercase letters, digits, '.', '_' or '-', starting and ending with a letter "
     "or digit.",
 )
+
+
+def dvbench_int(name: str) -> int:
+    """An integer knob from ``settings.DVBENCH`` (validated when settings load)."""
+    knobs: Mapping[str, object] = settings.DVBENCH
+    value = knobs[name]
+    assert isinstance(value, int), f"DVBENCH[{name!r}] must be an integer"
+    return value
+
 
 #: The schema tag inside every canonical spec document; bump it if the document changes.
 SPEC_SCHEMA = "dvbench.spec/v1"
@@ -133,7 +142,7 @@ class Access:
 
     @classmethod
     def for_user(cls, user: AbstractBaseUser | AnonymousUser) -> Access:
-        if not user.is_authenticated:
+        if not isinstance(user, User) or not user.is_authenticated:
             return cls(roles={}, read_all=False)
         roles = dict(Membership.objects.filter(user=user).values_list("organization_id", "role"))
         superuser = bool(getattr(user, "is_superuser", False))
@@ -226,11 +235,9 @@ class ApiKey(models.Model):
         return hashlib.sha256(raw.encode("utf-8")).hexdigest()
 
     @classmethod
-    def issue(
-        cls, user: AbstractBaseUser, name: str, *, days: int | None = None
-    ) -> tuple[ApiKey, str]:
+    def issue(cls, user: User, name: str, *, days: int | None = None) -> tuple[ApiKey, str]:
         """Create a key and return it with its raw value, which is never retrievable again."""
-        ttl = days if days is not None else int(settings.DVBENCH["API_KEY_TTL_DAYS"])
+        ttl = days if days is not None else dvbench_int("API_KEY_TTL_DAYS")
         lookup = secrets.token_hex(6)
         raw = f"{API_KEY_PREFIX}_{lookup}_{secrets.token_urlsafe(32)}"
         key = cls.objects.create(
@@ -348,7 +355,7 @@ class Experiment(models.Model):
         name: str,
         spec: Mapping[str, Any],
         *,
-        user: AbstractBaseUser | None,
+        user: User | None,
     ) -> Experiment:
         """Create the experiment and its first spec version."""
         experiment = cls.objects.create(owner=owner, name=name, created_by=user)
@@ -367,6 +374,7 @@ class Experiment(models.Model):
         Returns:
             The current spec and whether anything changed.
         """
+        assert self.current_spec_id is not None, "an experiment always has a spec"
         current = ExperimentSpec.objects.select_for_update().get(pk=self.current_spec_id)
         fields = ExperimentSpec.fields_from(spec)
         if all(getattr(current, key) == value for key, value in fields.items()):
@@ -426,7 +434,7 @@ class ExperimentSpec(models.Model):
         fields["allowed_regimes"] = sorted(set(fields["allowed_regimes"] or []))
         for key in ("max_flops", "max_tokens", "max_gpu_hours"):
             if fields[key] is not None:
-                fields[key] = Decimal(fields[key])
+                fields[key] = Decimal(str(fields[key]))
         return fields
 
     @classmethod
@@ -627,7 +635,7 @@ class Proof(models.Model):
         worker that died, and may be claimed again.
         """
         now = timezone.now()
-        stale = now - timedelta(seconds=int(settings.CELERY_TASK_TIME_LIMIT))
+        stale = now - timedelta(seconds=int(getattr(settings, "CELERY_TASK_TIME_LIMIT", 3600)))
         return bool(
             cls.objects.filter(pk=proof_id)
             .filter(
@@ -829,13 +837,13 @@ class AuditEvent(models.Model):
         cls,
         action: str,
         *,
-        actor: AbstractBaseUser | AnonymousUser | None = None,
+        actor: User | AnonymousUser | None = None,
         organization: Organization | None = None,
         target: models.Model | None = None,
         detail: Mapping[str, Any] | None = None,
         ip: str | None = None,
     ) -> AuditEvent:
-        user = actor if actor is not None and actor.is_authenticated else None
+        user = actor if isinstance(actor, User) else None
         return cls.objects.create(
             actor=user,
             actor_name=user.get_username() if user is not None else "",
@@ -854,7 +862,7 @@ def client_ip(meta: Mapping[str, Any]) -> str | None:
     return str(value) if value else None
 
 
-__all__: Iterable[str] = [
+__all__ = [
     "Access",
     "ApiKey",
     "AppendOnlyError",

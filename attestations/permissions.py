@@ -17,11 +17,11 @@ from attestations.models import Access, Capability
 
 def get_access(request: HttpRequest | Request) -> Access:
     """The requesting user's :class:`Access`, computed once per request."""
-    cached = getattr(request, "_dvbench_access", None)
+    cached: Access | None = getattr(request, "_dvbench_access", None)
     if cached is None:
         cached = Access.for_user(request.user)
         request._dvbench_access = cached  # type: ignore[union-attr]
-    return cached  # type: ignore[no-any-return]
+    return cached
 
 
 def require(request: HttpRequest | Request, capability: str, organization_id: int) -> None:

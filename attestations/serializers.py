@@ -208,7 +208,9 @@ class ExperimentSerializer(serializers.ModelSerializer[Experiment]):
     name = serializers.CharField(max_length=151)
     spec = SpecSerializer(source="current_spec")
     spec_digest = serializers.CharField(source="current_spec.digest", read_only=True)
-    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+    created_by: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
+        slug_field="username", read_only=True
+    )
     proofs = serializers.SerializerMethodField()
 
     class Meta:
@@ -265,7 +267,9 @@ class ExperimentSerializer(serializers.ModelSerializer[Experiment]):
 
 
 class JobSerializer(serializers.ModelSerializer[Job]):
-    organization = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    organization: serializers.SlugRelatedField[Organization] = serializers.SlugRelatedField(
+        slug_field="slug", read_only=True
+    )
 
     class Meta:
         model = Job
@@ -377,7 +381,9 @@ class UploadSerializer(serializers.ModelSerializer[Upload]):
 
 class AuditEventSerializer(serializers.ModelSerializer[AuditEvent]):
     actor = serializers.CharField(source="actor_name", read_only=True)
-    organization = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    organization: serializers.SlugRelatedField[Organization] = serializers.SlugRelatedField(
+        slug_field="slug", read_only=True
+    )
 
     class Meta:
         model = AuditEvent

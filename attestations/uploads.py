@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from django.conf import settings
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.core.files import File
 from django.core.files.storage import default_storage
 from django.db import IntegrityError, transaction
@@ -56,6 +56,7 @@ from attestations.models import (
     Upload,
     UploadPart,
     UploadStatus,
+    dvbench_int,
 )
 
 log = logging.getLogger(__name__)
@@ -66,16 +67,16 @@ PART_DIGEST_HEADER = "X-Part-SHA256"
 
 
 def max_blob_bytes() -> int:
-    return int(settings.DVBENCH["MAX_BLOB_BYTES"])
+    return dvbench_int("MAX_BLOB_BYTES")
 
 
 def max_part_bytes() -> int:
-    return int(settings.DVBENCH["MAX_PART_BYTES"])
+    return dvbench_int("MAX_PART_BYTES")
 
 
 def _tmp_dir() -> Path:
     # Beside the media root, so a FileSystemStorage save is a rename, not a copy.
-    path = Path(settings.DVBENCH["DATA_DIR"]) / "tmp"
+    path = Path(str(settings.DVBENCH["DATA_DIR"])) / "tmp"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -122,7 +123,7 @@ def create(
     kind: str,
     size: int,
     sha256: str,
-    user: AbstractBaseUser,
+    user: User,
     ip: str | None = None,
 ) -> Upload:
     """Open an upload session for ``experiment`` (validated by the serializer)."""
@@ -134,7 +135,7 @@ def create(
             field="size",
             detail={"limit": limit, "got": size},
         )
-    ttl = int(settings.DVBENCH["UPLOAD_TTL_SECONDS"])
+    ttl = dvbench_int("UPLOAD_TTL_SECONDS")
     upload = Upload.objects.create(
         organization=experiment.owner,
         experiment=experiment,
@@ -396,7 +397,7 @@ def read_transcript_root(path: Path) -> dict[str, Any] | None:
     return first.data if first is not None and isinstance(first.data, dict) else None
 
 
-def complete(upload: Upload, *, user: AbstractBaseUser, ip: str | None = None) -> Upload:
+def complete(upload: Upload, *, user: User, ip: str | None = None) -> Upload:
     """Verify and store the blob; for a transcript, file a proof and queue its ingest.
 
     Completing an already completed upload returns it unchanged (a retried request).
@@ -474,7 +475,7 @@ def complete(upload: Upload, *, user: AbstractBaseUser, ip: str | None = None) -
     return upload
 
 
-def file_proof(upload: Upload, *, user: AbstractBaseUser | None, ip: str | None = None) -> Proof:
+def file_proof(upload: Upload, *, user: User | None, ip: str | None = None) -> Proof:
     """Create the proof for a completed transcript upload and queue its ingest."""
     from attestations.tasks import ingest_proof
 
@@ -508,7 +509,7 @@ def file_proof(upload: Upload, *, user: AbstractBaseUser | None, ip: str | None 
 # --- abort ------------------------------------------------------------------------------
 
 
-def abort(upload: Upload, *, user: AbstractBaseUser, ip: str | None = None) -> Upload:
+def abort(upload: Upload, *, user: User, ip: str | None = None) -> Upload:
     """Remove the staged parts of an open upload; aborting twice is harmless."""
     if upload.status == UploadStatus.ABORTED:
         return upload

@@ -10,6 +10,7 @@ from typing import Any
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
+from django.contrib.auth.models import User
 from django.core.exceptions import PermissionDenied
 from django.db.models import Count, Q
 from django.http import Http404, HttpRequest, HttpResponse
@@ -31,6 +32,12 @@ from attestations.models import (
     client_ip,
 )
 from attestations.permissions import get_access
+
+
+def _user(request: HttpRequest) -> User:
+    """The signed-in user (every caller is behind ``login_required``)."""
+    assert isinstance(request.user, User)
+    return request.user
 
 
 def _require(access: Access, capability: str, organization_id: int) -> None:
@@ -119,8 +126,8 @@ def experiment_new(request: HttpRequest) -> HttpResponse:
     if request.method == "POST" and form.is_valid():
         owner = form.cleaned_data["owner"]
         experiment = Experiment.register(
-            owner, form.cleaned_data["name"], form.spec(), user=request.user
-        )  # type: ignore[arg-type]
+            owner, form.cleaned_data["name"], form.spec(), user=_user(request)
+        )
         AuditEvent.record(
             "experiment.registered",
             actor=request.user,
@@ -241,8 +248,8 @@ def api_keys(request: HttpRequest) -> HttpResponse:
     created: tuple[ApiKey, str] | None = None
     if request.method == "POST" and form.is_valid():
         created = ApiKey.issue(
-            request.user, form.cleaned_data["name"], days=form.cleaned_data["days"]
-        )  # type: ignore[arg-type]
+            _user(request), form.cleaned_data["name"], days=form.cleaned_data["days"]
+        )
         key = created[0]
         AuditEvent.record(
             "api_key.created",
