@@ -1,0 +1,292 @@
+"""The ``dvbench`` command: login, status, experiments, sync, and the report commands.
+
+Exit status: 0 success, 1 an error the message explains, 2 a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import importlib
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from dvbench._client import Client
+from dvbench._config import credentials_path, read_credentials, write_credentials
+from dvbench._exceptions import APIError, DVBenchError
+
+__all__ = ["main"]
+
+
+def _out(text: str = "") -> None:
+    print(text)
+
+
+def _err(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
+def _key_prefix(key: str | None) -> str:
+    """The public part of a key (``dvb_<lookup>``): it identifies, never authenticates."""
+    if not key:
+        return "none"
+    parts = key.split("_")
+    return f"{parts[0]}_{parts[1]}…" if len(parts) >= 3 else f"{key[:4]}…"
+
+
+def _key_source() -> tuple[str | None, str]:
+    if os.environ.get("DVBENCH_API_KEY"):
+        return os.environ["DVBENCH_API_KEY"], "DVBENCH_API_KEY"
+    stored = read_credentials().get("api_key")
+    if stored:
+        return stored, str(credentials_path())
+    return None, "none"
+
+
+# --- commands ---------------------------------------------------------------------------
+
+
+def cmd_login(args: argparse.Namespace) -> int:
+    key = args.key
+    if key is None:
+        if sys.stdin.isatty():
+            key = getpass.getpass("DVBench API key (dvb_…, from the web UI's API keys page): ")
+        else:
+            key = sys.stdin.readline()
+    key = (key or "").strip()
+    if not key:
+        _err("dvbench login: no key given")
+        return 2
+    base_url = args.base_url
+    if not args.no_verify:
+        with Client(base_url, api_key=key) as client:
+            me = client.me()
+            base_url = client.base_url
+        roles = ", ".join(f"{o['slug']}: {o.get('role')}" for o in me.get("organizations", []))
+        who = f"{me.get('username')} ({roles or 'no organisation'})"
+    else:
+        who = "(not verified)"
+    path = write_credentials(key, base_url)
+    # Never echo the key: only its public prefix.
+    _out(f"Logged in as {who} with key {_key_prefix(key)}; stored in {path} (mode 0600)")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    key, source = _key_source()
+    with Client() as client:
+        _out(f"platform:  {client.base_url}")
+        _out(f"mode:      {client.settings.mode}")
+        _out(f"api key:   {_key_prefix(key)} (from {source})")
+        if client.offline:
+            _out("offline:   nothing is sent; `dvbench sync` uploads once online")
+            return 0
+        try:
+            health = client.health()
+        except Exception as error:  # noqa: BLE001 - reported, not raised: this is a diagnosis
+            _out(f"reachable: no ({type(error).__name__}: {error})")
+            return 1
+        _out(f"reachable: yes (/health: {health.get('status', health.get('status_code'))})")
+        if not key:
+            _out("identity:  no API key; run `dvbench login` or set DVBENCH_API_KEY")
+            return 1
+        me = client.me()
+        _out(
+            f"identity:  {me.get('username')}" + (" (regulator)" if me.get("is_regulator") else "")
+        )
+        for org in me.get("organizations", []):
+            _out(f"           {org['slug']}: {org.get('role')}")
+    return 0
+
+
+def cmd_experiments_list(args: argparse.Namespace) -> int:
+    with Client() as client:
+        experiments = client.experiments(owner=args.owner)
+    if args.json:
+        _out(json.dumps([e.data for e in experiments], indent=1, default=str))
+        return 0
+    for experiment in experiments:
+        proofs = experiment.data.get("proofs") or {}
+        counts = ", ".join(f"{n} {s}" for s, n in sorted(proofs.items())) or "no proofs"
+        _out(
+            f"{experiment.name:40s} {experiment.framework or '-':6s} "
+            f"spec {str(experiment.spec_digest)[:12]}  {counts}"
+        )
+    if not experiments:
+        _err("no experiments visible to this key")
+    return 0
+
+
+def cmd_experiments_create(args: argparse.Namespace) -> int:
+    spec = None
+    if args.spec:
+        spec = json.loads(Path(args.spec).read_text())
+        if not isinstance(spec, dict):
+            _err(f"{args.spec}: the spec must be a JSON object")
+            return 2
+    with Client() as client:
+        experiment = client.create_experiment(args.name, spec, framework=args.framework)
+    _out(f"registered {experiment.name} (spec digest {experiment.spec_digest})")
+    return 0
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    from dvbench._proof import runs_dir
+    from dvbench._sync import pending_directories, sync_directory
+
+    directories = [Path(d) for d in args.directories]
+    if not directories:
+        directories = pending_directories(runs_dir())
+        if not directories:
+            _out(f"nothing to sync under {runs_dir()}")
+            return 0
+    if args.experiment and len(directories) != 1:
+        _err("--experiment names the experiment of exactly one directory")
+        return 2
+    status = 0
+    with Client() as client:
+        if client.offline:
+            _err("DVBENCH_MODE=offline: unset it to sync")
+            return 1
+        progress = False if args.no_progress else None
+        for directory in directories:
+            try:
+                result = sync_directory(
+                    client,
+                    directory,
+                    progress=progress,
+                    partial=args.partial,
+                    experiment=args.experiment,
+                )
+            except DVBenchError as error:
+                _err(f"dvbench sync {directory}: {_explain(error)}")
+                status = 1
+                continue
+            _out(result.summary())
+            if result.released:
+                _out(f"  released {directory}")
+            elif result.complete:
+                _out(f"  {directory} is synced (marked in its dvbench-sync.json)")
+    return status
+
+
+def _attest_command(name: str) -> Callable[[list[str]], int] | None:
+    """The signing library's ``<name>_main(argv)``, if that library is installed."""
+    try:
+        module = importlib.import_module("dvbench.attest.cli")
+    except ImportError:
+        return None
+    function = getattr(module, f"{name.replace('-', '_')}_main", None)
+    return function if callable(function) else None
+
+
+def _report_slot(name: str, argv: list[str]) -> int:
+    function = _attest_command(name)
+    if function is None:
+        _err(
+            f"dvbench {name}: not available in this installation (it comes with DVBench's "
+            "signed reports: dvbench.attest)"
+        )
+        return 2
+    return int(function(argv))
+
+
+def _explain(error: BaseException) -> str:
+    text = str(error)
+    notes = getattr(error, "__notes__", None)
+    if notes:
+        text += "\n" + "\n".join(notes)
+    return text
+
+
+# --- parser -----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dvbench",
+        description="DVBench client: experiments, proof uploads, signed reports.",
+        epilog="Environment: DVBENCH_BASE_URL, DVBENCH_API_KEY, DVBENCH_MODE, "
+        "DVBENCH_TIMEOUT, DVBENCH_MAX_RETRIES (see docs/sdk.md).",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    login = commands.add_parser("login", help="store an API key (mode 0600)")
+    login.add_argument("--key", help="the key (default: prompt, or read from stdin)")
+    login.add_argument("--base-url", help="the platform's URL (default: DVBENCH_BASE_URL)")
+    login.add_argument("--no-verify", action="store_true", help="store without asking /me")
+    login.set_defaults(handler=cmd_login)
+
+    status = commands.add_parser("status", help="who am I, and can I reach the platform")
+    status.set_defaults(handler=cmd_status)
+
+    experiments = commands.add_parser("experiments", help="list or register experiments")
+    actions = experiments.add_subparsers(dest="action", metavar="ACTION")
+    listing = actions.add_parser("list", help="experiments visible to this key")
+    listing.add_argument("--owner", help="only this organisation's")
+    listing.add_argument("--json", action="store_true", help="print JSON")
+    listing.set_defaults(handler=cmd_experiments_list)
+    create = actions.add_parser("create", help="register owner/name")
+    create.add_argument("name", help="owner/name")
+    create.add_argument("--spec", help="JSON file with the declared spec")
+    create.add_argument(
+        "--framework", choices=("jax", "torch"), default="jax", help="for the default spec"
+    )
+    create.set_defaults(handler=cmd_experiments_create)
+
+    sync = commands.add_parser("sync", help="upload proof directories left on disk")
+    sync.add_argument(
+        "directories", nargs="*", metavar="DIR", help="default: every unsynced run in the cache"
+    )
+    sync.add_argument("--partial", action="store_true", help="files only, for an unfinished run")
+    sync.add_argument("--experiment", help="owner/name, for a proof written by zkdv alone")
+    sync.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sync.set_defaults(handler=cmd_sync)
+
+    for name, text in (
+        ("download-report", "download a proof's signed report"),
+        ("verify-report", "verify a signed report offline"),
+    ):
+        slot = commands.add_parser(name, help=text, add_help=False)
+        slot.add_argument("rest", nargs=argparse.REMAINDER)
+        slot.set_defaults(handler=None, slot=name)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``dvbench`` command line; returns the exit status."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    # The report commands own their arguments: hand them over untouched.
+    if arguments and arguments[0] in ("download-report", "verify-report"):
+        return _report_slot(arguments[0], arguments[1:])
+    args = parser.parse_args(arguments)
+    handler: Callable[[argparse.Namespace], int] | None = getattr(args, "handler", None)
+    if handler is None:
+        if args.command == "experiments":
+            parser.parse_args(["experiments", "--help"])
+        parser.print_help()
+        return 2
+    try:
+        return handler(args)
+    except APIError as error:
+        _err(f"dvbench {args.command}: {_explain(error)}")
+        return 1
+    except DVBenchError as error:
+        _err(f"dvbench {args.command}: {_explain(error)}")
+        return 1
+    except KeyboardInterrupt:
+        _err("interrupted; `dvbench sync` resumes an interrupted upload")
+        return 130
+
+
+def _entry() -> Any:  # pragma: no cover - python -m dvbench._cli
+    sys.exit(main())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _entry()

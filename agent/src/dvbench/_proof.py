@@ -1,0 +1,309 @@
+"""``experiment.proof()``: the backend's ZKDV driver with DVBench upload behaviour mixed in.
+
+The returned object's class is created once per backend driver class as
+``type(name, (DVBenchProof, zkdv.jax.ZKDV), {})``: it *is* a ``zkdv.jax.ZKDV`` (every
+method, ``isinstance`` check and TrainState identity check behaves as documented), and
+:class:`DVBenchProof` only adds :meth:`~DVBenchProof.finish`, a background uploader
+started by ``start()``, and the binding of the transcript to the experiment.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import secrets
+import sys
+import threading
+from datetime import UTC, datetime
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from dvbench._config import cache_dir
+from dvbench._exceptions import APIError, DVBenchError, NetworkError, UploadError
+from dvbench._progress import Progress
+from dvbench._sync import TRANSCRIPT, Manifest, SyncResult, Uploader, release
+
+if TYPE_CHECKING:
+    from dvbench._experiment import Experiment
+    from zkdv.config import ZKDVConfig
+
+__all__ = ["DVBenchProof", "create_proof", "runs_dir"]
+
+log = logging.getLogger("dvbench")
+
+
+def runs_dir() -> Path:
+    """Where temporary proof directories live: ``<cache>/runs``."""
+    return cache_dir() / "runs"
+
+
+def _new_run_dir(name: str) -> Path:
+    owner, _, short = name.partition("/")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    return runs_dir() / owner / short / f"{stamp}-{secrets.token_hex(3)}"
+
+
+class _Background:
+    """Uploads new snapshot and batch files every few seconds while training runs.
+
+    Runs on its own daemon thread, so a slow or failing network never stalls a training
+    step: a failure is logged and retried with a growing pause, and whatever is left is
+    sent by ``finish()``.
+    """
+
+    def __init__(self, uploader: Uploader, interval: float) -> None:
+        self.uploader = uploader
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="dvbench-uploader", daemon=True)
+        self._warned = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _loop(self) -> None:
+        pause = self.interval
+        while not self._stop.wait(pause):
+            try:
+                self.uploader.run(final=False)
+                pause = self.interval
+            except Exception as error:  # noqa: BLE001 - never let the uploader kill training
+                if not self._warned:
+                    log.warning(
+                        "dvbench: background upload failed (%s); training continues and "
+                        "finish() sends what is left",
+                        error,
+                    )
+                    self._warned = True
+                pause = min(pause * 2, 120.0)
+
+    def stop(self) -> None:
+        """Ask the thread to stop and wait for the file it is sending to finish."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
+class _State:
+    def __init__(
+        self,
+        experiment: Experiment,
+        manifest: Manifest,
+        progress: bool | None,
+    ) -> None:
+        self.experiment = experiment
+        self.client = experiment._client
+        self.manifest = manifest
+        self.progress = progress
+        self.lock = threading.Lock()
+        self.uploader = None if self.client.offline else Uploader(self.client, manifest)
+        self.background: _Background | None = None
+        self.closed = False
+        self.result: SyncResult | None = None
+
+    def start_background(self) -> None:
+        if self.uploader is not None and self.background is None:
+            self.background = _Background(self.uploader, self.client.settings.scan_interval)
+            self.background.start()
+
+    def stop_background(self) -> None:
+        if self.background is not None:
+            self.background.stop()
+
+
+class DVBenchProof:
+    """DVBench behaviour added to a ZKDV driver; see :meth:`Experiment.proof`.
+
+    Attributes:
+        experiment: the :class:`~dvbench.Experiment` the transcript is bound to.
+        directory: the proof directory (``records.cborl``, ``files/``, the manifest).
+    """
+
+    _dvbench: _State
+    # Provided by the driver class this is mixed into (zkdv.driver.Driver).
+    path: Path
+    digest: bytes | None
+
+    if TYPE_CHECKING:
+
+        def close(self) -> None: ...
+        def bind_experiment(self, name: str, spec_digest: str) -> None: ...
+        @property
+        def steps(self) -> int: ...
+
+    def _dvbench_init(
+        self, experiment: Experiment, manifest: Manifest, progress: bool | None
+    ) -> None:
+        self._dvbench = _State(experiment, manifest, progress)
+        assert experiment.spec_digest is not None
+        self.bind_experiment(experiment.name, experiment.spec_digest)
+
+    @property
+    def experiment(self) -> Experiment:
+        return self._dvbench.experiment
+
+    @property
+    def directory(self) -> Path:
+        return self._dvbench.manifest.directory
+
+    def start(self, *args: Any, **kwargs: Any) -> None:
+        """The driver's ``start()``; then snapshot and batch files upload in the background."""
+        super().start(*args, **kwargs)  # type: ignore[misc]
+        self._dvbench.start_background()
+
+    def finish(self) -> SyncResult:
+        """Close the driver, upload the proof, release temporary storage.
+
+        Waits for every commitment and sampled check (``close()``), then for the
+        background uploader, then sends what is left: the program artifact, probes,
+        snapshot and batch files, and the transcript last, which files the proof. A
+        temporary proof directory is removed once everything is on the platform.
+
+        Safe to call more than once: a finished proof returns the same result, and a
+        call after a failed upload resumes it where it stopped. In offline mode nothing
+        is sent; the directory is kept and the command that uploads it is printed.
+
+        Returns:
+            What was uploaded, deduplicated and resumed, and the proof's id.
+
+        Raises:
+            ZKDVPoisonedError: a sampled check failed (from ``close()``).
+            APIError, NetworkError: the upload failed after retries; the proof stays on
+                disk, and ``finish()`` or ``dvbench sync DIR`` resumes it.
+        """
+        state = self._dvbench
+        with state.lock:
+            if state.result is not None and (state.result.complete or state.result.offline):
+                return state.result
+            if not state.closed:
+                self.close()
+                state.closed = True
+                state.manifest.update(
+                    finished=True,
+                    steps=self.steps,
+                    digest=self.digest.hex() if self.digest else None,
+                )
+            state.stop_background()
+            directory = self.directory
+            if not (directory / TRANSCRIPT).exists():
+                result = SyncResult(directory, self.experiment.name)
+                result.notes.append("no training step ran: there is no transcript to upload")
+                log.warning("dvbench: %s: no training step ran; nothing uploaded", directory)
+                if state.manifest.data.get("ephemeral"):
+                    release(directory)
+                    result.released = True
+                state.result = result
+                return result
+            if state.uploader is None:
+                result = SyncResult(directory, self.experiment.name, offline=True)
+                print(result.summary(), file=sys.stderr)
+                state.result = result
+                return result
+            bar = Progress(enabled=state.progress)
+            state.uploader.progress = bar
+            try:
+                result = state.uploader.run(final=True)
+            except (APIError, NetworkError, UploadError) as error:
+                bar.close()
+                error.add_note(
+                    f"The proof is kept in {directory}; call finish() again, or run "
+                    f"`dvbench sync {directory}`, to resume the upload."
+                )
+                raise
+            bar.close()
+            if result.complete and state.manifest.data.get("ephemeral"):
+                release(directory)
+                result.released = True
+            state.result = result
+            print(result.summary(), file=sys.stderr)
+            return result
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """``with experiment.proof(...) as proof:`` finishes on success; on an exception
+        it only closes the driver and keeps the proof directory."""
+        if exc_type is None:
+            self.finish()
+            return
+        self._dvbench.stop_background()
+        try:
+            self.close()
+        except Exception:
+            log.warning("dvbench: closing the proof after an error failed too", exc_info=True)
+
+
+_CLASSES: dict[type[Any], type[Any]] = {}
+_CLASSES_LOCK = threading.Lock()
+
+
+def proof_class(base: type[Any]) -> type[Any]:
+    """``DVBenchProof`` mixed into the backend driver class ``base`` (created once)."""
+    with _CLASSES_LOCK:
+        cls = _CLASSES.get(base)
+        if cls is None:
+            cls = type(
+                base.__name__,
+                (DVBenchProof, base),
+                {
+                    "__module__": __name__,
+                    "__qualname__": f"DVBenchProof[{base.__module__}.{base.__qualname__}]",
+                    "__doc__": f"{base.__module__}.{base.__qualname__} with DVBench uploads "
+                    "(see dvbench.DVBenchProof).",
+                },
+            )
+            _CLASSES[base] = cls
+        return cls
+
+
+def backend_class(backend: str) -> type[Any]:
+    """``zkdv.jax.ZKDV`` or ``zkdv.torch.ZKDV``, with install advice if it cannot load."""
+    try:
+        module = importlib.import_module(f"zkdv.{backend}")
+    except ImportError as error:
+        raise ImportError(
+            f"backend={backend!r} needs ZKDV's {backend} frontend and its framework: "
+            f'pip install "dvbench[{backend}]" ({error})'
+        ) from error
+    driver = getattr(module, "ZKDV", None)
+    if not isinstance(driver, type):
+        raise ImportError(f"zkdv.{backend} has no ZKDV driver in this version of zkdv")
+    return driver
+
+
+def create_proof(
+    experiment: Experiment,
+    backend: str,
+    config: ZKDVConfig | None,
+    *,
+    path: str | os.PathLike[str] | None,
+    progress: bool | None,
+    options: dict[str, Any],
+) -> DVBenchProof:
+    base = backend_class(backend)
+    if path is None:
+        directory, ephemeral = _new_run_dir(experiment.name), not experiment._client.offline
+    else:
+        directory, ephemeral = Path(path), False
+    if (directory / TRANSCRIPT).exists():
+        raise DVBenchError(
+            f"{directory} already holds a transcript; give each run its own proof directory"
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest = Manifest.create(
+        directory,
+        experiment=experiment.name,
+        spec_digest=str(experiment.spec_digest),
+        backend=backend,
+        base_url=experiment._client.base_url,
+        ephemeral=ephemeral,
+        spec=experiment.pending_spec,
+    )
+    proof: DVBenchProof = proof_class(base)(directory, config, **options)
+    proof._dvbench_init(experiment, manifest, progress)
+    return proof

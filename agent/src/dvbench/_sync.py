@@ -1,0 +1,688 @@
+"""Resumable, content-addressed upload of a proof directory, and its sync manifest.
+
+A proof directory holds what ZKDV wrote (``records.cborl``, ``probes.bin``, the program
+artifact, ``files/`` with snapshot and batch files) and ``dvbench-sync.json``, the
+manifest of what has reached the platform. The manifest is rewritten atomically after
+every step of an upload (upload created, part sent, upload completed), so a dropped
+connection or a killed process loses at most one part:
+
+1. each file is hashed (SHA-256) and its kind named (transcript, artifact, snapshot,
+   batch);
+2. a file the platform already holds for this experiment (same digest and kind) is
+   *deduplicated*: recorded, never sent;
+3. otherwise an upload is opened with the file's size and digest, and its parts are
+   sent with ``X-Part-SHA256``; an interrupted upload asks the platform which parts it
+   has and sends only the missing or different ones;
+4. the transcript goes last, so the program and files are there when its proof is
+   filed; then the proof's artifact list is attached
+   (``POST /api/v1/proofs/<id>/artifacts/``).
+
+``dvbench sync DIR`` runs the same steps on a directory left by offline mode or by an
+interrupted process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from dvbench._exceptions import (
+    APIError,
+    BadRequestError,
+    ConflictError,
+    DVBenchError,
+    NotFoundError,
+    UploadError,
+)
+from dvbench._progress import Progress, format_bytes
+
+if TYPE_CHECKING:
+    from dvbench._client import Client
+
+__all__ = [
+    "MANIFEST",
+    "Manifest",
+    "SyncResult",
+    "Uploader",
+    "kind_of",
+    "pending_directories",
+    "sync_directory",
+]
+
+log = logging.getLogger("dvbench")
+
+MANIFEST = "dvbench-sync.json"
+LOCK = ".dvbench-sync.lock"
+FORMAT = "dvbench.sync/v1"
+TRANSCRIPT = "records.cborl"
+HASH_CHUNK = 1024 * 1024
+#: How long a completion may take to answer: the platform checks the transcript's
+#: identity (and, with tasks run in-process, verifies it) before it answers.
+COMPLETE_TIMEOUT = httpx.Timeout(300.0, connect=10.0)
+
+
+def kind_of(relative: str) -> str | None:
+    """The platform's artifact kind for a file of a proof directory (None: not uploaded)."""
+    name = relative.rsplit("/", 1)[-1]
+    if name.endswith((".partial", ".tmp")) or name in (MANIFEST, LOCK):
+        return None
+    if relative == TRANSCRIPT:
+        return "transcript"
+    if relative.startswith("files/"):
+        if name.startswith("snapshot-") and name.endswith(".bin"):
+            return "snapshot"
+        if name.startswith("batch-") and name.endswith(".u32"):
+            return "batch"
+        return None
+    if relative == "probes.bin" or name.startswith("program."):
+        return "artifact"
+    return None
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class Manifest:
+    """``dvbench-sync.json``: the experiment a proof belongs to, and each file's upload state.
+
+    Attributes:
+        data: the JSON document; ``files`` maps a relative path to
+            ``{kind, size, sha256, mtime_ns, status, upload_id, part_size, parts}``
+            where ``status`` is ``pending``, ``uploading``, ``complete``,
+            ``deduplicated`` or ``empty`` and ``parts`` maps part numbers to digests sent.
+    """
+
+    def __init__(self, directory: Path, data: dict[str, Any]) -> None:
+        self.directory = directory
+        self.path = directory / MANIFEST
+        self.data = data
+        self._lock = threading.RLock()
+
+    @classmethod
+    def create(
+        cls,
+        directory: Path,
+        *,
+        experiment: str,
+        spec_digest: str,
+        backend: str | None,
+        base_url: str | None,
+        ephemeral: bool,
+        spec: dict[str, Any] | None = None,
+    ) -> Manifest:
+        manifest = cls(
+            directory,
+            {
+                "format": FORMAT,
+                "experiment": experiment,
+                "spec_digest": spec_digest,
+                "spec": spec,
+                "backend": backend,
+                "base_url": base_url,
+                "ephemeral": ephemeral,
+                "finished": False,
+                "created": _now(),
+                "files": {},
+                "proof": None,
+                "attached": None,
+                "synced": None,
+            },
+        )
+        manifest.save()
+        return manifest
+
+    @classmethod
+    def load(cls, directory: Path) -> Manifest:
+        path = directory / MANIFEST
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise UploadError(
+                f"{directory} has no {MANIFEST}: it is not a proof directory written by "
+                "dvbench (a proof made with zkdv alone: `dvbench sync DIR --experiment "
+                "owner/name`)",
+                directory=str(directory),
+            ) from None
+        except ValueError as error:
+            raise UploadError(
+                f"{path} is not valid JSON: {error}", directory=str(directory)
+            ) from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise UploadError(f"{path} is not a {FORMAT} manifest", directory=str(directory))
+        return cls(directory, data)
+
+    @property
+    def files(self) -> dict[str, dict[str, Any]]:
+        files: dict[str, dict[str, Any]] = self.data.setdefault("files", {})
+        return files
+
+    @property
+    def experiment(self) -> str:
+        return str(self.data["experiment"])
+
+    def save(self) -> None:
+        """Write atomically: a crash leaves the previous or the new manifest, never half."""
+        with self._lock:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            temporary = self.path.with_name(f".{MANIFEST}.{os.getpid()}.{threading.get_ident()}")
+            temporary.write_text(json.dumps(self.data, indent=1, sort_keys=True))
+            os.replace(temporary, self.path)
+
+    def update(self, **values: Any) -> None:
+        with self._lock:
+            self.data.update(values)
+            self.save()
+
+
+@dataclass
+class SyncResult:
+    """What a sync (or :meth:`DVBenchProof.finish`) did.
+
+    Attributes:
+        directory: the proof directory (removed afterwards if ``released``).
+        experiment: ``owner/name``.
+        proof_id: the platform's id of the filed proof, once the transcript is uploaded.
+        complete: every file, the transcript included, is on the platform.
+        offline: nothing was sent (offline mode); ``directory`` waits for ``dvbench sync``.
+    """
+
+    directory: Path
+    experiment: str
+    proof_id: int | None = None
+    proof_url: str | None = None
+    complete: bool = False
+    offline: bool = False
+    released: bool = False
+    attached: bool | None = None
+    files_uploaded: int = 0
+    files_deduplicated: int = 0
+    bytes_sent: int = 0
+    bytes_deduplicated: int = 0
+    bytes_resumed: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        if self.offline:
+            return (
+                f"dvbench: offline; proof of {self.experiment} kept in {self.directory}\n"
+                f"  upload it later with: dvbench sync {self.directory}"
+            )
+        text = (
+            f"dvbench: {self.experiment}: sent {self.files_uploaded} file(s), "
+            f"{format_bytes(self.bytes_sent)}"
+        )
+        if self.files_deduplicated:
+            text += (
+                f"; {self.files_deduplicated} already on the platform "
+                f"({format_bytes(self.bytes_deduplicated)} deduplicated)"
+            )
+        if self.bytes_resumed:
+            text += f"; resumed {format_bytes(self.bytes_resumed)}"
+        if self.proof_id is not None:
+            text += f"; proof {self.proof_id}"
+        return text
+
+
+def _flock(handle: Any, exclusive: bool) -> None:
+    if sys.platform == "win32":  # pragma: no cover - the in-process lock still holds
+        return
+    import fcntl
+
+    fcntl.flock(handle.fileno(), fcntl.LOCK_EX if exclusive else fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _directory_lock(directory: Path, local: threading.Lock) -> Iterator[None]:
+    """One uploader per directory: this process's threads, and other processes (POSIX)."""
+    with local:
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(directory / LOCK, "a+b") as handle:
+            _flock(handle, True)
+            try:
+                yield
+            finally:
+                _flock(handle, False)
+
+
+class Uploader:
+    """Uploads the files of one proof directory; safe to run again at any point.
+
+    Args:
+        client: an online :class:`~dvbench.Client`.
+        manifest: the directory's manifest (created or loaded).
+        progress: where to count bytes (a quiet one if None).
+    """
+
+    def __init__(
+        self, client: Client, manifest: Manifest, progress: Progress | None = None
+    ) -> None:
+        self.client = client
+        self.manifest = manifest
+        self.directory = manifest.directory
+        self.progress = progress or Progress(enabled=False)
+        self._known: dict[tuple[str, str], int | None] | None = None
+        self._local_lock = threading.Lock()
+        self._result = SyncResult(self.directory, manifest.experiment)
+
+    # --- discovery ----------------------------------------------------------------------
+    def scan(self, *, final: bool) -> list[str]:
+        """Files to consider, in upload order: ``files/`` first, the transcript last.
+
+        While training (``final=False``) only ``files/`` is scanned: those files are
+        written atomically and never change, while the transcript, probes and program
+        are still being written.
+        """
+        found: list[str] = []
+        files_dir = self.directory / "files"
+        if files_dir.is_dir():
+            found += sorted(f"files/{p.name}" for p in files_dir.iterdir() if p.is_file())
+        if final:
+            found += sorted(
+                p.name for p in self.directory.iterdir() if p.is_file() and p.name != TRANSCRIPT
+            )
+            if (self.directory / TRANSCRIPT).is_file():
+                found.append(TRANSCRIPT)
+        return [name for name in found if kind_of(name) is not None]
+
+    def _entry(self, relative: str) -> dict[str, Any]:
+        path = self.directory / relative
+        stat = path.stat()
+        entry = self.manifest.files.get(relative)
+        if entry is not None and entry.get("status") in ("complete", "deduplicated", "empty"):
+            return entry
+        if (
+            entry is None
+            or entry.get("size") != stat.st_size
+            or entry.get("mtime_ns") != stat.st_mtime_ns
+        ):
+            digest = sha256_file(path) if stat.st_size else hashlib.sha256().hexdigest()
+            if entry is not None and entry.get("sha256") != digest:
+                entry = None  # the file changed: an earlier upload of it is of no use
+            entry = {
+                **(entry or {}),
+                "kind": kind_of(relative),
+                "size": stat.st_size,
+                "sha256": digest,
+                "mtime_ns": stat.st_mtime_ns,
+            }
+            entry.setdefault("status", "pending")
+            entry.setdefault("parts", {})
+            if stat.st_size == 0:
+                # The platform stores no empty blobs; an empty state tree's file is
+                # implied by its schema, so there is nothing to send.
+                entry["status"] = "empty"
+            self.manifest.files[relative] = entry
+            self.manifest.save()
+        return entry
+
+    def known(self) -> dict[tuple[str, str], int | None]:
+        """``(sha256, kind) -> proof id`` of completed uploads of this experiment."""
+        if self._known is None:
+            known: dict[tuple[str, str], int | None] = {}
+            for upload in self.client.paginate(
+                "uploads/", {"experiment": self.manifest.experiment, "status": "complete"}
+            ):
+                digest = upload.get("blob_sha256") or upload.get("sha256")
+                if digest:
+                    known[(str(digest), str(upload.get("kind")))] = upload.get("proof")
+            self._known = known
+        return self._known
+
+    # --- one file -----------------------------------------------------------------------
+    def upload(self, relative: str) -> None:
+        """Send one file, resuming or deduplicating; records each step in the manifest."""
+        entry = self._entry(relative)
+        status = entry.get("status")
+        if status in ("complete", "deduplicated", "empty"):
+            return
+        key = (str(entry["sha256"]), str(entry["kind"]))
+        if not entry.get("upload_id") and key in self.known():
+            entry["status"] = "deduplicated"
+            entry["proof"] = self.known()[key]
+            self.manifest.save()
+            self.progress.dedup(int(entry["size"]))
+            self._result.files_deduplicated += 1
+            self._result.bytes_deduplicated += int(entry["size"])
+            return
+        self.progress.label(relative)
+        for _ in range(3):
+            if self._send(relative, entry):
+                break
+        else:
+            raise UploadError(
+                f"{relative}: the platform refused to complete its upload three times",
+                directory=str(self.directory),
+            )
+        self.known()[key] = entry.get("proof")
+        self._result.files_uploaded += 1
+
+    def _open(self, relative: str, entry: dict[str, Any]) -> tuple[bool, dict[int, str], Any]:
+        """``(complete, parts the platform holds, proof)``, opening an upload if needed."""
+        upload_id = entry.get("upload_id")
+        if upload_id:
+            try:
+                state = self.client.get(f"uploads/{upload_id}/")
+            except NotFoundError:
+                state = None
+            if state is not None and state.get("status") == "complete":
+                return True, {}, state.get("proof")
+            if state is not None and state.get("status") in ("open", "completing"):
+                entry["part_size"] = entry.get("part_size") or state.get("max_part_bytes")
+                parts = {int(p["number"]): str(p["sha256"]) for p in state.get("parts", [])}
+                return False, parts, None
+            # Aborted, failed or expired: start again with a new upload.
+            entry.pop("upload_id", None)
+            entry["parts"] = {}
+        created = self.client.post(
+            "uploads/",
+            {
+                "experiment": self.manifest.experiment,
+                "kind": entry["kind"],
+                "size": entry["size"],
+                "sha256": entry["sha256"],
+                # Not read by the platform yet; names the file for the artifact list.
+                "name": relative,
+            },
+        )
+        limit = int(created.get("max_part_bytes") or self.client.settings.part_size)
+        entry.update(
+            upload_id=created["id"],
+            part_size=min(self.client.settings.part_size, limit),
+            parts={},
+            status="uploading",
+        )
+        self.manifest.save()
+        return False, {}, None
+
+    def _send(self, relative: str, entry: dict[str, Any]) -> bool:
+        """One attempt at sending and completing; False if it must start over."""
+        complete, server, proof = self._open(relative, entry)
+        if complete:
+            self._completed(entry, {"proof": proof})
+            return True
+        path = self.directory / relative
+        size, part_size = int(entry["size"]), int(entry["part_size"])
+        count = max(1, -(-size // part_size))
+        with open(path, "rb") as handle:
+            for number in range(1, count + 1):
+                handle.seek((number - 1) * part_size)
+                chunk = handle.read(part_size)
+                digest = hashlib.sha256(chunk).hexdigest()
+                if server.get(number) == digest:
+                    self.progress.skip(len(chunk))
+                    self._result.bytes_resumed += len(chunk)
+                    continue
+                self.client.request(
+                    "PUT",
+                    f"uploads/{entry['upload_id']}/parts/{number}/",
+                    content=chunk,
+                    headers={
+                        "X-Part-SHA256": digest,
+                        "Content-Type": "application/octet-stream",
+                    },
+                )
+                entry["parts"][str(number)] = digest
+                self.manifest.save()
+                self.progress.add(len(chunk))
+                self._result.bytes_sent += len(chunk)
+        return self._complete(relative, entry)
+
+    def _complete(self, relative: str, entry: dict[str, Any]) -> bool:
+        upload_id = entry["upload_id"]
+        deadline = time.monotonic() + COMPLETE_TIMEOUT.read  # type: ignore[operator]
+        while True:
+            try:
+                done = self.client.post(f"uploads/{upload_id}/complete/", timeout=COMPLETE_TIMEOUT)
+            except BadRequestError as error:
+                if error.code in ("missing_parts", "size_mismatch"):
+                    log.warning(
+                        "dvbench: %s: %s; sending the missing parts", relative, error.message
+                    )
+                    return False
+                if error.code == "blob_digest_mismatch":
+                    # The platform discarded the parts; if the file changed meanwhile its
+                    # new digest starts a new upload, else the bytes were corrupted in
+                    # transit and a fresh attempt resends them.
+                    entry.pop("upload_id", None)
+                    entry.update(parts={}, status="pending", mtime_ns=None)
+                    self.manifest.save()
+                    return False
+                raise
+            except ConflictError as error:
+                state = (
+                    (error.detail or {}).get("status") if isinstance(error.detail, dict) else None
+                )
+                if state == "completing" and time.monotonic() < deadline:
+                    # Another request (a retry of ours) is assembling it: wait for it.
+                    time.sleep(0.5)
+                    current = self.client.get(f"uploads/{upload_id}/")
+                    if current.get("status") == "complete":
+                        done = current
+                        break
+                    continue
+                entry.pop("upload_id", None)
+                entry.update(parts={}, status="pending")
+                self.manifest.save()
+                return False
+            break
+        self._completed(entry, done or {})
+        return True
+
+    def _completed(self, entry: dict[str, Any], state: dict[str, Any]) -> None:
+        entry["status"] = "complete"
+        entry["proof"] = state.get("proof")
+        entry["completed"] = _now()
+        self.manifest.save()
+
+    # --- the whole directory ------------------------------------------------------------
+    def run(self, *, final: bool) -> SyncResult:
+        """Upload what is there; with ``final``, the transcript too, then attach the files.
+
+        Raises:
+            UploadError: the run has not finished (``final`` on an unfinished run), or a
+                file could not be uploaded.
+            APIError, NetworkError: as the platform answered, after retries.
+        """
+        with _directory_lock(self.directory, self._local_lock):
+            if final and not self.manifest.data.get("finished"):
+                raise UploadError(
+                    f"the run in {self.directory} has not finished (its transcript was never "
+                    "closed), so the platform would reject it; finish() it, or sync files "
+                    "only with `dvbench sync --partial`",
+                    directory=str(self.directory),
+                )
+            names = self.scan(final=final)
+            if final:
+                self._prepare_experiment()
+                self.progress.total = (
+                    sum((self.directory / n).stat().st_size for n in names) or self.progress.total
+                )
+            for name in names:
+                if name == TRANSCRIPT:
+                    continue
+                self.upload(name)
+            if final and TRANSCRIPT in names:
+                self.upload(TRANSCRIPT)
+                entry = self.manifest.files[TRANSCRIPT]
+                proof = entry.get("proof")
+                self.manifest.update(proof=proof)
+                self._result.proof_id = int(proof) if proof is not None else None
+                self._attach()
+                self._result.complete = True
+                self.manifest.update(synced=_now())
+            self._result.attached = (
+                self.manifest.data.get("attached") is True
+                if self.manifest.data.get("attached") is not None
+                else None
+            )
+            if self._result.proof_id is not None:
+                self._result.proof_url = (
+                    f"{self.client.base_url}/api/v1/proofs/{self._result.proof_id}/"
+                )
+            return self._result
+
+    def _prepare_experiment(self) -> None:
+        """Register an experiment declared offline, and check the spec digest it was bound to."""
+        data = self.manifest.data
+        if data.get("experiment_checked"):
+            return
+        name, digest = self.manifest.experiment, str(data.get("spec_digest") or "")
+        try:
+            specs = self.client.get(f"experiments/{name}/specs/")
+        except NotFoundError:
+            spec = data.get("spec")
+            if not spec:
+                raise
+            self.client.create_experiment(name, spec)
+            specs = self.client.get(f"experiments/{name}/specs/")
+        digests = {s.get("digest") for s in specs} if isinstance(specs, list) else set()
+        if digest and digest not in digests:
+            raise UploadError(
+                f"the transcript is bound to spec digest {digest}, which is no version of "
+                f"{name}'s declared spec; the platform would reject it. Register that spec "
+                "version (e.g. with `dvbench experiments create`), or re-run the training",
+                directory=str(self.directory),
+            )
+        self.manifest.update(experiment_checked=True)
+
+    def _attach(self) -> None:
+        """List the proof's files on the platform, so its replays can find them."""
+        data = self.manifest.data
+        proof = data.get("proof")
+        if proof is None or data.get("attached") is True:
+            return
+        files = [
+            {"name": name, "kind": e["kind"], "sha256": e["sha256"], "size": e["size"]}
+            for name, e in sorted(self.manifest.files.items())
+            if e.get("status") in ("complete", "deduplicated") and e.get("kind") != "transcript"
+        ]
+        try:
+            self.client.post(f"proofs/{int(proof)}/artifacts/", {"files": files})
+        except APIError as error:
+            # A platform without the route answers Django's own 404 (no error envelope)
+            # or 405: the files are uploaded and content-addressed all the same.
+            if error.status_code in (404, 405) and error.code is None:
+                if data.get("attached") != "unsupported":
+                    log.info("dvbench: this platform has no proof artifact list; skipped")
+                self.manifest.update(attached="unsupported")
+                return
+            raise
+        self.manifest.update(attached=True)
+
+
+def release(directory: Path) -> None:
+    """Remove a synced temporary proof directory."""
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def sync_directory(
+    client: Client,
+    directory: Path,
+    *,
+    progress: bool | None = None,
+    partial: bool = False,
+    experiment: str | None = None,
+) -> SyncResult:
+    """Upload a proof directory incrementally; see the module docstring.
+
+    Args:
+        client: an online client.
+        directory: a proof directory with ``dvbench-sync.json`` (or, with ``experiment``,
+            a proof directory written by zkdv alone).
+        progress: draw the progress bar (default: when stderr is a terminal).
+        partial: upload the files of an unfinished run, not its transcript.
+        experiment: ``owner/name`` for a directory without a manifest; its spec digest is
+            read from the transcript's root record.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise UploadError(f"{directory} is not a directory", directory=str(directory))
+    if not (directory / MANIFEST).exists() and experiment is not None:
+        _adopt(directory, experiment, client.base_url)
+    manifest = Manifest.load(directory)
+    if client.offline:
+        return SyncResult(directory, manifest.experiment, offline=True)
+    bar = Progress(enabled=progress)
+    uploader = Uploader(client, manifest, bar)
+    try:
+        result = uploader.run(final=not partial)
+    except DVBenchError as error:
+        bar.close()
+        if not isinstance(error, UploadError):
+            error.add_note(
+                f"The proof is kept in {directory}; run `dvbench sync {directory}` again to "
+                "resume the upload."
+            )
+        raise
+    bar.close()
+    if result.complete and manifest.data.get("ephemeral"):
+        release(directory)
+        result.released = True
+    return result
+
+
+def _adopt(directory: Path, experiment: str, base_url: str) -> None:
+    """Write a manifest for a proof directory written by zkdv without dvbench."""
+    from zkdv.records import iter_records
+
+    transcript = directory / TRANSCRIPT
+    if not transcript.is_file():
+        raise UploadError(f"{directory} holds no {TRANSCRIPT}", directory=str(directory))
+    with open(transcript, "rb") as handle:
+        first = next(iter_records(handle.read(16 * 1024 * 1024)), None)
+    root = first.data if first is not None and isinstance(first.data, dict) else {}
+    bound = root.get("experiment") if isinstance(root.get("experiment"), dict) else None
+    if not bound or bound.get("name") != experiment:
+        raise UploadError(
+            f"{transcript} is bound to experiment "
+            f"{(bound or {}).get('name')!r}, not {experiment!r}: a transcript can only be "
+            "filed under the experiment it was bound to before its first step",
+            directory=str(directory),
+        )
+    manifest = Manifest.create(
+        directory,
+        experiment=experiment,
+        spec_digest=str(bound.get("spec_digest") or ""),
+        backend=str(root.get("prover", "")).removeprefix("whitebox-") or None,
+        base_url=base_url,
+        ephemeral=False,
+    )
+    manifest.update(finished=True)
+
+
+def pending_directories(root: Path) -> list[Path]:
+    """Proof directories under ``root`` (the cache's ``runs/``) not yet fully synced."""
+    if not root.is_dir():
+        return []
+    found = []
+    for manifest in sorted(root.rglob(MANIFEST)):
+        try:
+            data = json.loads(manifest.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and not data.get("synced"):
+            found.append(manifest.parent)
+    return found
