@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,7 +18,8 @@ pytest.importorskip("flax")
 # imported by name from the test files.
 sys.path.insert(0, str(Path(__file__).parent))
 
-import zkdv  # noqa: E402
+import zkdv
+
 
 @pytest.fixture
 def make_proof(tmp_path: Path) -> Iterator[Callable[..., zkdv.jax.ZKDV]]:
@@ -48,7 +50,5 @@ def make_proof(tmp_path: Path) -> Iterator[Callable[..., zkdv.jax.ZKDV]]:
     yield make
     for proof in made:
         # Tests that expect a failure close explicitly; this only releases threads.
-        try:
+        with contextlib.suppress(zkdv.ZKDVError):
             proof.close()
-        except zkdv.ZKDVError:
-            pass

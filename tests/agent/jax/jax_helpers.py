@@ -14,7 +14,6 @@ pytest.importorskip("flax")
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import zkdv  # noqa: E402
 from zkdv.verify import verify_transcript  # noqa: E402
 
 FEATURES = 6
@@ -36,7 +35,9 @@ def init_params(seed: int = 0) -> dict[str, jax.Array]:
 
 def batches(steps: int, rows: int = 4, seed: int = 1) -> list[jax.Array]:
     rng = np.random.default_rng(seed)
-    return [jnp.asarray(rng.standard_normal((rows, FEATURES + 1)), jnp.float32) for _ in range(steps)]
+    return [
+        jnp.asarray(rng.standard_normal((rows, FEATURES + 1)), jnp.float32) for _ in range(steps)
+    ]
 
 
 def loss(state: Any, params: Any, batch: jax.Array) -> jax.Array:

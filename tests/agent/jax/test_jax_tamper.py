@@ -19,7 +19,9 @@ from zkdv.verify import verify_transcript
 
 def _explicit(proof: zkdv.jax.ZKDV, *, production_lr: float, attested_lr: float) -> Any:
     def update(params, opt_state, batch, lr):
-        grads = jax.grad(lambda p: jnp.mean((jnp.tanh(batch[:, :6] @ p["w"]) @ p["v"] - batch[:, 6]) ** 2))(params)
+        grads = jax.grad(
+            lambda p: jnp.mean((jnp.tanh(batch[:, :6] @ p["w"]) @ p["v"] - batch[:, 6]) ** 2)
+        )(params)
         updates, new_opt = optax.sgd(lr, momentum=0.9).update(grads, opt_state, params)
         return updates, new_opt
 
@@ -80,7 +82,9 @@ def test_batch_changed_after_commitment(make_proof, monkeypatch) -> None:
         keep(index, batch)
 
     monkeypatch.setattr(proof, "_keep_batch", tampered)
-    state = TrainState.create(proof=proof, apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.05))
+    state = TrainState.create(
+        proof=proof, apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.05)
+    )
 
     @proof.jit
     def step(state, batch):
@@ -110,7 +114,9 @@ def test_parameters_modified_outside_the_step(make_proof, tmp_path: Path) -> Non
 
 def test_train_state_params_replaced_between_steps(make_proof) -> None:
     proof = make_proof(interval=3)
-    state = TrainState.create(proof=proof, apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.05))
+    state = TrainState.create(
+        proof=proof, apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.05)
+    )
 
     @proof.jit(donate_argnums=(0,))
     def step(state, batch):
@@ -132,7 +138,9 @@ def test_train_state_params_replaced_between_steps(make_proof) -> None:
 def test_unchanged_state_rebuilt_between_steps_still_continues(make_proof, tmp_path: Path) -> None:
     """New array objects with the committed values prove continuity by hashing."""
     proof = make_proof(interval=3)
-    state = TrainState.create(proof=proof, apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.05))
+    state = TrainState.create(
+        proof=proof, apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.05)
+    )
 
     @proof.jit
     def step(state, batch):
@@ -152,13 +160,18 @@ def test_replays_respect_float_tolerance(make_proof, tmp_path: Path) -> None:
         proof = make_proof(interval=1, name=name, tolerance=zkdv.FloatTolerance(1e-6, 1e-3))
         scaled = lambda v, x, s=scale: apply_fn(v, x) * s  # noqa: E731
         state = TrainState.create(
-            proof=proof, apply_fn=apply_fn, attest_apply_fn=scaled,
-            params=init_params(), tx=optax.sgd(0.1),
+            proof=proof,
+            apply_fn=apply_fn,
+            attest_apply_fn=scaled,
+            params=init_params(),
+            tx=optax.sgd(0.1),
         )
 
         @proof.jit
         def step(state, batch):
-            return state.apply_gradients(grads=jax.grad(lambda p: loss(state, p, batch))(state.params))
+            return state.apply_gradients(
+                grads=jax.grad(lambda p: loss(state, p, batch))(state.params)
+            )
 
         if ok:
             for batch in batches(3):

@@ -9,16 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 from flax import linen as nn
 from flax import struct
 from flax.training import train_state
+from jax_helpers import apply_fn, assert_verifies, batches, init_params, loss
 
 import zkdv
 from zkdv.jax.artifact import Artifact
 from zkdv.jax.contrib import TrainState
 from zkdv.records import iter_records
-from jax_helpers import apply_fn, assert_verifies, batches, init_params, loss
 
 
 def _step(state: Any, batch: jax.Array) -> Any:
@@ -28,7 +27,9 @@ def _step(state: Any, batch: jax.Array) -> Any:
 
 def test_every_step_checked_from_snapshots_verifies(make_proof, tmp_path: Path) -> None:
     proof = make_proof(interval=3)
-    state = TrainState.create(proof=proof, apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.05))
+    state = TrainState.create(
+        proof=proof, apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.05)
+    )
     step = proof.jit(_step, donate_argnums=(0,))
     for batch in batches(7):
         state = step(state, batch)
@@ -38,10 +39,18 @@ def test_every_step_checked_from_snapshots_verifies(make_proof, tmp_path: Path) 
     root = report.root
     assert root["prover"] == "whitebox-jax"
     assert root["program"]["kind"] == "jax.export"
-    checks = [r.data for r in iter_records(tmp_path / "proof" / "records.cborl") if r.data["t"] == "check"]
+    checks = [
+        r.data for r in iter_records(tmp_path / "proof" / "records.cborl") if r.data["t"] == "check"
+    ]
     # A checked replay starts at the latest snapshot and replays at most N - 1 steps.
     assert [(c["from"], c["replayed"]) for c in checks] == [
-        (0, 0), (0, 1), (0, 2), (3, 0), (3, 1), (3, 2), (6, 0)
+        (0, 0),
+        (0, 1),
+        (0, 2),
+        (3, 0),
+        (3, 1),
+        (3, 2),
+        (6, 0),
     ]
     # Every dynamic state leaf other than params is in optimizer-state continuity.
     paths = [leaf["path"] for leaf in root["schema"]["opt_state"]]
@@ -50,8 +59,12 @@ def test_every_step_checked_from_snapshots_verifies(make_proof, tmp_path: Path) 
 
 def test_same_updates_as_plain_flax_under_jax_jit(make_proof) -> None:
     proof = make_proof(zkdv.SamplingPolicy(update_check_probability=0.0))
-    ours = TrainState.create(proof=proof, apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.05))
-    flax_state = train_state.TrainState.create(apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.05))
+    ours = TrainState.create(
+        proof=proof, apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.05)
+    )
+    flax_state = train_state.TrainState.create(
+        apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.05)
+    )
     plain = TrainState.create(apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.05))
     proved = proof.jit(_step)
     jitted = jax.jit(_step)
@@ -59,7 +72,12 @@ def test_same_updates_as_plain_flax_under_jax_jit(make_proof) -> None:
         ours = proved(ours, batch)
         flax_state = jitted(flax_state, batch)
         plain = jitted(plain, batch)
-    for a, b, c in zip(jax.tree.leaves(ours.params), jax.tree.leaves(flax_state.params), jax.tree.leaves(plain.params), strict=True):
+    for a, b, c in zip(
+        jax.tree.leaves(ours.params),
+        jax.tree.leaves(flax_state.params),
+        jax.tree.leaves(plain.params),
+        strict=True,
+    ):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
         np.testing.assert_array_equal(b, c)
     assert int(ours.step) == 4
@@ -83,8 +101,11 @@ def test_subclass_with_batch_stats_is_in_continuity(make_proof, tmp_path: Path) 
     model = BatchNormModel()
     variables = model.init(jax.random.key(0), jnp.ones((4, 6)), train=False)
     state = ModelTrainState.create(
-        proof=proof, apply_fn=model.apply, params=variables["params"],
-        tx=optax.sgd(0.1, momentum=0.9), batch_stats=variables["batch_stats"],
+        proof=proof,
+        apply_fn=model.apply,
+        params=variables["params"],
+        tx=optax.sgd(0.1, momentum=0.9),
+        batch_stats=variables["batch_stats"],
     )
 
     @proof.jit(donate_argnums=(0,), static_argnames=("train",))
@@ -92,7 +113,9 @@ def test_subclass_with_batch_stats_is_in_continuity(make_proof, tmp_path: Path) 
         def objective(params):
             out, updates = state.apply_fn(
                 {"params": params, "batch_stats": state.batch_stats},
-                batch[:, :6], train=train, mutable=["batch_stats"],
+                batch[:, :6],
+                train=train,
+                mutable=["batch_stats"],
             )
             return jnp.mean((out - batch[:, 6]) ** 2), updates
 
@@ -139,7 +162,9 @@ def test_artifact_replays_a_check_from_the_files_alone(make_proof, tmp_path: Pat
     from zkdv.merkle import LeafSpec
 
     proof = make_proof(interval=3)
-    state = TrainState.create(proof=proof, apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.05))
+    state = TrainState.create(
+        proof=proof, apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.05)
+    )
     step = proof.jit(_step, donate_argnums=(0,))
     for batch in batches(5):
         state = step(state, batch)
@@ -158,15 +183,20 @@ def test_artifact_replays_a_check_from_the_files_alone(make_proof, tmp_path: Pat
     snap = next(r for r in records if r["t"] == "snap" and r["i"] == 3)
     assert commitment.root == snap["roots"]["o"]
     replayed = artifact.replay(
-        trees[0], trees[1], [read_batch(batch_path(root, i)) for i in (3, 4)],
-        check["param"]["index"], check["state"]["index"],
+        trees[0],
+        trees[1],
+        [read_batch(batch_path(root, i)) for i in (3, 4)],
+        check["param"]["index"],
+        check["state"]["index"],
     )
     assert replayed == (check["param"]["replayed"], check["state"]["replayed"])
 
 
 def test_prng_key_and_mixed_dtype_inputs_are_packed_losslessly(make_proof, tmp_path: Path) -> None:
     proof = make_proof(interval=2, window=3)
-    state = TrainState.create(proof=proof, apply_fn=apply_fn, params=init_params(), tx=optax.sgd(0.1))
+    state = TrainState.create(
+        proof=proof, apply_fn=apply_fn, params=init_params(), tx=optax.sgd(0.1)
+    )
 
     @proof.jit
     def step(state, batch, key, tokens, scale):
@@ -176,7 +206,9 @@ def test_prng_key_and_mixed_dtype_inputs_are_packed_losslessly(make_proof, tmp_p
         return state.apply_gradients(grads=grads)
 
     for i, batch in enumerate(batches(4)):
-        state = step(state, batch, jax.random.key(i), jnp.arange(4, dtype=jnp.int8), jnp.bfloat16(i))
+        state = step(
+            state, batch, jax.random.key(i), jnp.arange(4, dtype=jnp.int8), jnp.bfloat16(i)
+        )
     proof.close()
     report = assert_verifies(tmp_path / "proof")
     layout = proof.artifact.layout

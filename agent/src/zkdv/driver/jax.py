@@ -420,11 +420,14 @@ class JitFunction:
         entries = list(in_shardings)
         if len(entries) == len(values):
             entries = [entries[i] for i in dynamic_positions]
-        if len(entries) != len(dynamic_positions):
+        if len(entries) > len(dynamic_positions):
             raise ValueError(
                 f"ZKDV.jit in_shardings has {len(entries)} entries for "
                 f"{len(dynamic_positions)} dynamic arguments"
             )
+        # Like jax.jit, entries name the leading dynamic parameters; arguments after
+        # them (typically passed by keyword) are left to the compiler.
+        entries += [None] * (len(dynamic_positions) - len(entries))
         out: list[Any] = []
         for entry, position in zip(entries, dynamic_positions, strict=True):
             value = values[position]
