@@ -2,13 +2,16 @@
 
 Sign in, register an experiment (meeting inline validation on the way), create an API
 key, ingest a real transcript through the API with that key, and read the verdict.
-Screenshots of the main pages are written to docs/screenshots/.
+Screenshots of the main pages are taken on every run; with DVBENCH_UPDATE_SCREENSHOTS=1
+they replace the ones kept in docs/screenshots/ (otherwise they go to a temporary
+directory, so a test run leaves the working tree clean).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,11 @@ from zkdv.testing import write_synthetic_transcript
 from tests.attestations.base import PASSWORD, World
 
 CHROMIUM = Path("/usr/bin/chromium")
-SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
+SCREENSHOTS = (
+    Path(__file__).resolve().parents[2] / "docs" / "screenshots"
+    if os.environ.get("DVBENCH_UPDATE_SCREENSHOTS") == "1"
+    else Path(tempfile.gettempdir()) / "dvbench-screenshots"
+)
 CHROMIUM_ARGS = [
     "--headless",
     "--no-sandbox",
@@ -33,7 +40,10 @@ CHROMIUM_ARGS = [
 
 pytestmark = [
     pytest.mark.browser,
-    pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's Chromium at /usr/bin/chromium (apt-get install chromium)"),
+    pytest.mark.skipif(
+        not CHROMIUM.exists(),
+        reason="needs Debian's Chromium at /usr/bin/chromium (apt-get install chromium)",
+    ),
 ]
 
 
@@ -54,7 +64,9 @@ def chromium() -> Iterator[Any]:
 
 @pytest.fixture
 def page(chromium: Any, live_server: Any, world: World) -> Iterator[Any]:
-    context = chromium.new_context(viewport={"width": 1440, "height": 900}, base_url=live_server.url)
+    context = chromium.new_context(
+        viewport={"width": 1440, "height": 900}, base_url=live_server.url
+    )
     page = context.new_page()
     page.set_default_timeout(15_000)
     try:
@@ -82,13 +94,21 @@ def upload_transcript(base_url: str, key: str, experiment: str, tmp_path: Path) 
         described = client.get(f"/api/v1/experiments/{experiment}/")
         described.raise_for_status()
         proof_dir = write_synthetic_transcript(
-            tmp_path / "proof", steps=6, experiment=experiment, spec_digest=described.json()["spec_digest"]
+            tmp_path / "proof",
+            steps=6,
+            experiment=experiment,
+            spec_digest=described.json()["spec_digest"],
         )
         data = (Path(proof_dir) / "records.cborl").read_bytes()
         digest = hashlib.sha256(data).hexdigest()
         created = client.post(
             "/api/v1/uploads/",
-            json={"experiment": experiment, "kind": "transcript", "size": len(data), "sha256": digest},
+            json={
+                "experiment": experiment,
+                "kind": "transcript",
+                "size": len(data),
+                "sha256": digest,
+            },
         )
         created.raise_for_status()
         upload_id = created.json()["id"]
