@@ -18,9 +18,9 @@ from typing import Any
 
 import httpx
 import pytest
-from zkdv.testing import write_synthetic_transcript
 
 from tests.attestations.base import PASSWORD, World
+from zkdv.testing import write_synthetic_transcript
 
 CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOTS = (
