@@ -243,6 +243,8 @@ class SyncResult:
             text += f"; resumed {format_bytes(self.bytes_resumed)}"
         if self.proof_id is not None:
             text += f"; proof {self.proof_id}"
+            if self.proof_url:
+                text += f" at {self.proof_url}"
         return text
 
 
@@ -539,9 +541,8 @@ class Uploader:
                 else None
             )
             if self._result.proof_id is not None:
-                self._result.proof_url = (
-                    f"{self.client.base_url}/api/v1/proofs/{self._result.proof_id}/"
-                )
+                # The proof's page in the web UI: its verdict, steps and checks.
+                self._result.proof_url = f"{self.client.base_url}/proofs/{self._result.proof_id}/"
             return self._result
 
     def _prepare_experiment(self) -> None:
