@@ -192,7 +192,7 @@ def test_an_unexpected_payload_type_is_refused_after_verification(
     key: SigningKey, root: TrustRoot
 ) -> None:
     envelope = sign_envelope("application/json", b"{}", key)
-    with pytest.raises(MalformedInputError, match="expected 'application/vnd.in-toto\\+json'"):
+    with pytest.raises(MalformedInputError, match=r"expected 'application/vnd.in-toto\+json'"):
         verify_envelope(envelope, root, at=AT)
 
 

@@ -155,7 +155,7 @@ def test_validity_windows_are_half_open(
 
 
 def test_unknown_keys_are_named(trust_root_v1: TrustRoot) -> None:
-    with pytest.raises(UnknownKeyError, match="key 00+ is not in the trust root \\(version 1\\)"):
+    with pytest.raises(UnknownKeyError, match=r"key 0+ is not in the trust root \(version 1\)"):
         trust_root_v1.key("0" * 64)
 
 
@@ -205,7 +205,7 @@ def test_trust_root_documents_are_checked(trust_root_v1: TrustRoot) -> None:
         TrustRoot.from_dict(dict(document, version=0))
     with pytest.raises(MalformedInputError, match="keys is empty"):
         TrustRoot.from_dict(dict(document, keys=[]))
-    with pytest.raises(MalformedInputError, match="lists key .* twice"):
+    with pytest.raises(MalformedInputError, match=r"lists key .* twice"):
         TrustRoot.from_dict(dict(document, keys=document["keys"] * 2))
     with pytest.raises(MalformedInputError, match="repeats the key 'version'"):
         TrustRoot.from_json('{"version": 1, "version": 2}')

@@ -96,7 +96,11 @@ def _verify_certificate(
     # The key's validity is judged at the certificate's own signed issuedOn time, read
     # from the payload only after its signature has verified.
     payload, key = _verify_envelope(
-        envelope, trust_root, at=certificate_time, payload_type=PAYLOAD_TYPE_INTOTO
+        envelope,
+        trust_root,
+        at=certificate_time,
+        payload_type=PAYLOAD_TYPE_INTOTO,
+        what="certificate signature",
     )
     return TrainingCertificate.from_statement(Statement.from_json(payload)), key
 

@@ -154,6 +154,7 @@ def _verify_envelope(
     *,
     at: datetime | Callable[[bytes], datetime],
     payload_type: str,
+    what: str = "envelope signature",
 ) -> tuple[bytes, TrustedKey]:
     """:func:`verify_envelope`, also returning the key that verified."""
     kind, payload, signatures = decode_envelope(envelope)
@@ -162,7 +163,7 @@ def _verify_envelope(
     for keyid, signature in signatures:
         try:
             key = trust_root.key(keyid)
-            key.verify(signature, signed, "envelope signature")
+            key.verify(signature, signed, what)
         except (UnknownKeyError, InvalidSignatureError) as error:
             # Prefer the more telling error: a listed key that failed beats an unknown one.
             if failure is None or isinstance(error, InvalidSignatureError):
@@ -176,7 +177,7 @@ def _verify_envelope(
             )
         moment = at(payload) if callable(at) else at
         try:
-            key.check_valid_at(to_seconds(moment), "envelope signature")
+            key.check_valid_at(to_seconds(moment), what)
         except KeyNotValidError as error:
             failure = error
             continue

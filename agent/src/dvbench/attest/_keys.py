@@ -38,7 +38,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Final, Protocol, runtime_checkable
 
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PrivateKey,
@@ -171,7 +171,7 @@ class SigningKey:
         data = pem.encode("utf-8") if isinstance(pem, str) else pem
         try:
             key = serialization.load_pem_private_key(data, password=password)
-        except (ValueError, TypeError) as error:
+        except (ValueError, TypeError, UnsupportedAlgorithm) as error:
             raise KeyConfigurationError(f"not a PEM private key: {error}") from None
         if not isinstance(key, Ed25519PrivateKey):
             raise KeyConfigurationError(
@@ -365,7 +365,7 @@ class TrustedKey:
         pem = string(entry["public_key"], f"{what}.public_key")
         try:
             public_key = serialization.load_pem_public_key(pem.encode("utf-8"))
-        except (ValueError, TypeError, UnicodeEncodeError):
+        except (ValueError, TypeError, UnicodeEncodeError, UnsupportedAlgorithm):
             raise MalformedInputError(f"{what}.public_key is not a PEM public key") from None
         if not isinstance(public_key, Ed25519PublicKey):
             raise MalformedInputError(f"{what}.public_key is not an Ed25519 key")
