@@ -151,7 +151,14 @@ class DVBenchProof:
     def start(self, *args: Any, **kwargs: Any) -> None:
         """The driver's ``start()``; then snapshot and batch files upload in the background."""
         super().start(*args, **kwargs)  # type: ignore[misc]
-        self._dvbench.start_background()
+        if not self._dvbench_follower:
+            self._dvbench.start_background()
+
+    @property
+    def _dvbench_follower(self) -> bool:
+        # A torch.distributed rank other than 0 trains but writes no transcript: rank 0
+        # owns the tape and uploads it.
+        return bool(getattr(self, "follower", False))
 
     def finish(self) -> SyncResult:
         """Close the driver, upload the proof, release temporary storage.
@@ -189,8 +196,11 @@ class DVBenchProof:
             directory = self.directory
             if not (directory / TRANSCRIPT).exists():
                 result = SyncResult(directory, self.experiment.name)
-                result.notes.append("no training step ran: there is no transcript to upload")
-                log.warning("dvbench: %s: no training step ran; nothing uploaded", directory)
+                if self._dvbench_follower:
+                    result.notes.append("a follower rank: rank 0 uploads the transcript")
+                else:
+                    result.notes.append("no training step ran: there is no transcript to upload")
+                    log.warning("dvbench: %s: no training step ran; nothing uploaded", directory)
                 if state.manifest.data.get("ephemeral"):
                     release(directory)
                     result.released = True

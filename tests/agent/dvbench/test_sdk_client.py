@@ -48,9 +48,9 @@ def test_it_registers_a_missing_experiment_with_the_default_spec(platform):
 
 
 def test_a_wrong_key_is_an_authentication_error(platform):
-    with Client(platform.url, api_key="dvb_000000000000_wrong") as client:
-        with pytest.raises(dvbench.AuthenticationError) as caught:
-            client.experiment("acme/anything")
+    client = Client(platform.url, api_key="dvb_000000000000_wrong")
+    with client, pytest.raises(dvbench.AuthenticationError) as caught:
+        client.experiment("acme/anything")
     error = caught.value
     assert error.status_code == 401
     assert error.code == "invalid_api_key"
@@ -60,9 +60,9 @@ def test_a_wrong_key_is_an_authentication_error(platform):
 
 
 def test_no_key_says_how_to_log_in(platform):
-    with Client(platform.url) as client:
-        with pytest.raises(dvbench.AuthenticationError, match="dvbench login"):
-            client.me()
+    client = Client(platform.url)
+    with client, pytest.raises(dvbench.AuthenticationError, match="dvbench login"):
+        client.me()
 
 
 def test_an_experiment_of_another_organisation_is_not_found(platform):
@@ -79,9 +79,9 @@ def test_an_experiment_of_another_organisation_is_not_found(platform):
 
 
 def test_an_auditor_may_not_register(platform):
-    with Client(platform.url, api_key=platform.key("bob")) as bob:
-        with pytest.raises(dvbench.PermissionDeniedError) as caught:
-            bob.create_experiment("acme/by-bob")
+    bob = Client(platform.url, api_key=platform.key("bob"))
+    with bob, pytest.raises(dvbench.PermissionDeniedError) as caught:
+        bob.create_experiment("acme/by-bob")
     assert caught.value.status_code == 403
     assert "trainer" in str(caught.value)
 

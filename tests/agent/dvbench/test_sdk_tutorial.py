@@ -78,3 +78,24 @@ def test_the_jax_tutorial_offline_then_sync(platform, tmp_path):
         result = client.sync(directory)
         assert result.complete and not result.released  # offline runs are kept, marked
         assert client.get_proof(result.proof_id)["status"] == "valid"
+
+
+def test_the_torch_counterpart_files_a_valid_proof(platform, tmp_path):
+    pytest.importorskip("torch")
+    done = run_example(
+        "examples/torch/proof_training.py",
+        platform,
+        tmp_path,
+        "acme/torch-linear",
+        # The quick artifact kind of the Torch tests; the AOT Inductor path is the same
+        # upload (a different program file) and takes ~40 s to compile on 2 cores.
+        ZKDV_TORCH_PROGRAM="torch.export",
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    with Client(platform.url, api_key=platform.key("alice")) as client:
+        experiment = client.experiment("acme/torch-linear", create=False)
+        assert experiment.framework == "torch"
+        (listed,) = experiment.proofs()
+        proof = client.get_proof(listed["id"])
+    assert proof["status"] == "valid", proof
+    assert proof["steps"] == 8 and proof["prover"] == "whitebox-torch"
