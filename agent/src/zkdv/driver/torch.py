@@ -1,0 +1,500 @@
+"""Torch frontend driver: :class:`ZKDV`.
+
+The public API is documented in ``docs/torch.md`` and in the Torch quick start. This
+module wires the eager objects (:mod:`zkdv.torch.prepared`,
+:mod:`zkdv.torch.eager`) to the shared :class:`~zkdv.driver.Driver` pipeline, seals
+the attested program on the first transaction (:mod:`zkdv.torch.lowering`) and answers
+sampled checks by replaying from snapshots (:mod:`zkdv.torch.pipeline`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from zkdv.config import ZKDVConfig
+from zkdv.control import HostControl
+from zkdv.driver import Driver, ReplayOutcome
+from zkdv.errors import CLOSED, NOT_STARTED, ZKDVError, ZKDVPoisonedError
+from zkdv.sampling import Challenge
+from zkdv.torch import artifact
+from zkdv.torch.capture import current_capture
+from zkdv.torch.checkpoint import ParameterCopies, ReplayCheckpoint
+from zkdv.torch.eager import EagerTransaction, Layout, TorchStep
+from zkdv.torch.lowering import LoweredProgram, gradient_function, lower
+from zkdv.torch.model import UNPREPARED_MODEL, PreparedModel
+from zkdv.torch.optimizers.base import OptimizerContract
+from zkdv.torch.optimizers.bridge import OptimizerBridge
+from zkdv.torch.optimizers.registry import OptimizerRegistry
+from zkdv.torch.packing import BatchLayout
+from zkdv.torch.pipeline import Pipeline
+from zkdv.torch.prepared import PreparedOptimizer
+
+__all__ = ["PROGRAM_KIND_ENV", "ZKDV"]
+
+#: Environment override of the sealed program kind: ``aot-inductor`` (default) or
+#: ``torch.export`` (no native compilation; for tests and quick iteration).
+PROGRAM_KIND_ENV = "ZKDV_TORCH_PROGRAM"
+
+NOT_ATTESTED = (
+    "proof.transaction() replays sampled steps with the attested step function; "
+    "decorate it with @proof.attest before the first transaction"
+)
+NO_MODEL = "ZKDV has no prepared model; pass the root module through proof.prepare() first"
+NO_OPTIMIZER = "ZKDV has no prepared optimizer; pass it through proof.prepare() first"
+NO_STEP = "a ZKDV transaction must call optimizer.step() on the prepared optimizer exactly once"
+TWO_STEPS = "a ZKDV transaction may call optimizer.step() only once"
+STEP_ABORTED = (
+    "a ZKDV transaction raised after optimizer.step(); its update changed the state "
+    "without a commitment, so the transcript cannot continue"
+)
+
+
+class ZKDV(Driver):
+    """Generate a verification tape around ordinary Torch training steps.
+
+    Args:
+        path: the proof directory (``records.cborl``, the program artifact, snapshot
+            and batch files).
+        config: run configuration; defaults to ``zkdv.ZKDVConfig()``.
+        max_in_flight: the most unresolved transactions (commitments and checks).
+        replay_snapshot_interval: a full pre-state snapshot every N steps; a sampled
+            check replays at most N - 1 transitions before the challenged one.
+    """
+
+    def __init__(
+        self,
+        path: Any,
+        config: ZKDVConfig | None = None,
+        *,
+        max_in_flight: int = 2,
+        replay_snapshot_interval: int = 12,
+    ) -> None:
+        super().__init__(
+            path,
+            config,
+            backend="torch",
+            annotation=torch.profiler.record_function,
+            max_in_flight=max_in_flight,
+            replay_snapshot_interval=replay_snapshot_interval,
+        )
+        self._attested_function: Callable[..., Any] | None = None
+        self._lowered_program: LoweredProgram | None = None
+        self._prepared_model: PreparedModel | None = None
+        self._prepared_optimizer: PreparedOptimizer | None = None
+        self._optimizer_registry = OptimizerRegistry()
+        self._prepared_compiled: Pipeline | None = None
+        self._prepared_requires_deltas = False
+        #: Sealed program kind; set before the first transaction to override.
+        self.program_kind = os.environ.get(PROGRAM_KIND_ENV, artifact.AOT_INDUCTOR)
+        #: Seconds the first transaction spent sealing the program (one-time cost).
+        self.sealing_seconds = 0.0
+        self._control: HostControl | None = None
+        self._rank = 0
+        self._world_size = 1
+        self._batch_layout: BatchLayout | None = None
+        self._layout: Layout
+        self._checkpoint: ReplayCheckpoint | None = None
+        self._copies: ParameterCopies | None = None
+        self._unresolved: set[int] = set()
+        self._resolution = threading.Lock()
+        self._control_done = False
+
+    # --- lifecycle ----------------------------------------------------------------------
+    @property
+    def follower(self) -> bool:
+        """True on a DDP rank other than 0: it trains but rank 0 owns the tape."""
+        return self._rank != 0
+
+    def start(self, rolling_window: int, probe_ratio: float = 0.01) -> None:
+        """Fix the rolling-hash window and probe ratio; call once before training.
+
+        Under ``torch.distributed`` every rank must call it (it bootstraps rank 0's
+        :class:`~zkdv.control.HostControl` channel through the process group); only
+        rank 0 opens the transcript.
+        """
+        control = HostControl.for_backend("torch")
+        if control is not None:
+            self._control = control
+            self._rank, self._world_size = control.rank, control.size
+        if self.follower:
+            if self._closed:
+                raise ZKDVError(CLOSED)
+            self.rolling_window = rolling_window
+            self.probe_ratio = float(probe_ratio)
+            self._started = True
+            return
+        super().start(rolling_window, probe_ratio)
+
+    def close(self) -> None:
+        """Wait for all commitments and checks, flush the tape, release resources.
+
+        Under DDP rank 0 tells every follower the transcript digest and whether the
+        run was poisoned, so ``close()`` raises on every rank alike.
+
+        Raises:
+            ZKDVPoisonedError: an asynchronous commitment or sampled check failed.
+        """
+        if self.follower:
+            self._closed = True
+            if not self._control_done and self._control is not None:
+                self._control_done = True
+                outcome = self._control.exchange("zkdv.close")
+                self._control.close()
+                self.digest = bytes.fromhex(outcome["digest"]) if outcome["digest"] else None
+                self._follower_error = outcome["error"]
+            error = getattr(self, "_follower_error", None)
+            if error:
+                raise ZKDVPoisonedError(f"rank 0's ZKDV transcript is poisoned: {error}")
+            return
+        failure: BaseException | None = None
+        try:
+            super().close()
+        except ZKDVPoisonedError as error:
+            failure = error
+        finally:
+            if self._control is not None and not self._control_done:
+                self._control_done = True
+                outcome = {
+                    "digest": self.digest.hex() if self.digest else None,
+                    "error": None if failure is None else str(failure),
+                }
+                try:
+                    self._control.exchange("zkdv.close", outcome)
+                finally:
+                    self._control.close()
+        if failure is not None:
+            raise failure
+
+    # --- public frontend API ------------------------------------------------------------
+    def prepare(self, *values: Any) -> Any:
+        """Prepare recognized stateful objects and leave all others unchanged.
+
+        A module becomes the prepared root model (returned unchanged: its layout is
+        bound inside the proof); an optimizer is returned as a
+        :class:`~zkdv.torch.prepared.PreparedOptimizer`. Anything else is returned
+        as is.
+
+        Returns:
+            The sole value for one argument, a tuple for several.
+
+        Raises:
+            ValueError: an optimizer without a functional contract (LBFGS, unknown
+                subclasses), a differentiable step or tensor-valued options.
+        """
+        prepared = tuple(self._prepare(value) for value in values)
+        return prepared[0] if len(prepared) == 1 else prepared
+
+    def attest(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """Register ``function(model, optimizer, batch)`` as the attested step.
+
+        It is the hermetic transition a sampled check replays: it must call
+        ``proof.forward(model, ...)``, ``proof.backward(loss)`` and
+        ``optimizer.step()``. The first transaction traces it once and seals an AOT
+        Inductor artifact. The function is returned unchanged, so it also runs as
+        ordinary eager code.
+        """
+        if self._pipeline_ready():
+            raise ZKDVError("the attested program is fixed by the first transaction")
+        self._attested_function = function
+        return function
+
+    def register_functional_optimizer(
+        self,
+        optimizer_type: type[torch.optim.Optimizer],
+        contract: OptimizerContract,
+    ) -> None:
+        """Register a proof-local custom functional optimizer contract."""
+        self._optimizer_registry.register(contract, optimizer_type)
+
+    def forward(self, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """Lower a prepared model call during attestation capture."""
+        capture = current_capture()
+        if capture is None:
+            return model(*args, **kwargs)
+        prepared = self._require_prepared_model()
+        if model is not prepared.public:
+            raise RuntimeError(UNPREPARED_MODEL)
+        return prepared.forward(capture.model_state, args, kwargs)
+
+    def backward(self, loss: torch.Tensor, gradient: Any = None) -> None:
+        """Lower backward in attestation and use eager autograd in training."""
+        capture = current_capture()
+        if capture is not None:
+            capture.backward(loss, gradient)
+        else:
+            torch.autograd.backward(loss, gradient)
+
+    def transaction(self, *, batch: Any, overlap: Any = None) -> EagerTransaction:
+        """Begin an eager transaction before the model forward mutates state.
+
+        Args:
+            batch: every dynamic input of the step (a pytree of tensors); it is
+                copied into the committed batch on entry.
+            overlap: the :mod:`zkdv.overlap` policy; ``UNCHECKED`` by default.
+        """
+        if overlap is None:
+            from zkdv import overlap as overlap_policy
+
+            overlap = overlap_policy.UNCHECKED
+        return EagerTransaction(self, batch, overlap)
+
+    # --- preparation --------------------------------------------------------------------
+    def _prepare(self, value: Any) -> Any:
+        if isinstance(value, PreparedOptimizer):
+            if value.proof is not self:
+                raise ValueError("this optimizer was prepared by another ZKDV proof")
+            return value
+        if isinstance(value, nn.Module):
+            current = self._prepared_model
+            if current is not None:
+                if current.public is value:
+                    return value
+                raise ValueError(
+                    "ZKDV prepares one root model per proof; compose additional stateful "
+                    "modules under that root"
+                )
+            self._prepared_model = PreparedModel.bind(value)
+            self._bind()
+            return value
+        if isinstance(value, torch.optim.Optimizer):
+            if self._prepared_optimizer is not None:
+                if self._prepared_optimizer.optimizer is value:
+                    return self._prepared_optimizer
+                raise ValueError("ZKDV prepares one optimizer per proof")
+            contract = self._optimizer_registry.resolve(value)
+            bridge = OptimizerBridge(value, contract)
+            self._prepared_optimizer = PreparedOptimizer(self, value, bridge)
+            self._bind()
+            return self._prepared_optimizer
+        return value
+
+    def _bind(self) -> None:
+        if self._prepared_model is not None and self._prepared_optimizer is not None:
+            self._prepared_optimizer.bridge.bind(self._prepared_model.state_parameters)
+
+    def _require_prepared_model(self) -> PreparedModel:
+        if self._prepared_model is None:
+            raise RuntimeError(NO_MODEL)
+        return self._prepared_model
+
+    def _bridge(self) -> OptimizerBridge:
+        if self._prepared_optimizer is None:
+            raise RuntimeError(NO_OPTIMIZER)
+        return self._prepared_optimizer.bridge
+
+    def _pipeline_ready(self) -> bool:
+        return self._prepared_compiled is not None
+
+    def _parameter_copies(self) -> ParameterCopies:
+        assert self._copies is not None
+        return self._copies
+
+    # --- transactions -------------------------------------------------------------------
+    def _open_prepared_transaction(self, transaction: EagerTransaction) -> Any:
+        if self._closed:
+            raise ZKDVError(CLOSED)
+        if not self._started:
+            raise ZKDVError(NOT_STARTED)
+        self._require_prepared_model()
+        self._bridge()
+        if self._attested_function is None:
+            raise RuntimeError(NOT_ATTESTED)
+        if self._batch_layout is None:
+            self._batch_layout = BatchLayout.of(transaction.batch)
+        if self.follower:
+            self._gather(self._batch_layout.pack(transaction.batch))
+            return None
+        admission = self._admit(transaction.overlap)
+        try:
+            transaction.index = self.steps
+            # Copied now: the committed batch is what the step was given, even if the
+            # caller mutates its tensors afterwards.
+            words = self._gather(self._batch_layout.pack(transaction.batch))
+            transaction.words = words
+            if self._prepared_compiled is None:
+                self._seal(transaction)
+            assert self._checkpoint is not None
+            self._checkpoint.keep_batch(transaction.index, words)
+        except BaseException:
+            admission.cancel()
+            raise
+        transaction.admission = admission
+        return admission
+
+    def _gather(self, words: np.ndarray) -> np.ndarray:
+        """Every rank's committed rows, concatenated in rank order (DDP)."""
+        if self._world_size == 1:
+            return words
+        import torch.distributed as distributed
+
+        local = torch.from_numpy(words.view(np.int32))
+        if distributed.get_backend() == "nccl":
+            local = local.cuda()
+        gathered = [torch.empty_like(local) for _ in range(self._world_size)]
+        distributed.all_gather(gathered, local)
+        return np.concatenate([part.cpu().numpy().view(np.uint32) for part in gathered])
+
+    def _step_prepared_transaction(
+        self,
+        transaction: EagerTransaction,
+        optimizer: PreparedOptimizer,
+        closure: Callable[[], float] | None,
+    ) -> Any:
+        if optimizer is not self._prepared_optimizer:
+            raise RuntimeError("the transaction stepped an optimizer this proof did not prepare")
+        if transaction.stepped:
+            raise RuntimeError(TWO_STEPS)
+        optimizer.bridge.validate_configuration()
+        if self.follower:
+            result = optimizer.optimizer.step(closure)
+            transaction.stepped = True
+            return result
+        # The previous step's commitment may still be hashing the live state.
+        self._barrier()
+        model = self._require_prepared_model()
+        parameters = model.parameters
+        copies = self._parameter_copies()
+        transaction.pre_parameters = copies.take(parameters, self._queue.check)
+        if self._snapshot_due(transaction.index):
+            assert self._checkpoint is not None
+            transaction.snapshot = self._checkpoint.take(
+                transaction.index,
+                transaction.pre_parameters,
+                optimizer.bridge.live_states(),
+                transaction.buffers_before,
+                self._queue.check,
+            )
+        result = optimizer.optimizer.step(closure)
+        transaction.stepped = True
+        return result
+
+    def _close_prepared_transaction(self, transaction: EagerTransaction) -> None:
+        if not transaction.stepped:
+            if transaction.admission is not None:
+                transaction.admission.cancel()
+            raise RuntimeError(NO_STEP)
+        if self.follower:
+            return
+        model = self._require_prepared_model()
+        layout = self._batch_layout
+        assert layout is not None
+        tokens = layout.tokens * self._world_size
+        step = TorchStep(
+            self,
+            transaction,
+            parameters=model.parameters,
+            post_buffers=[buffer.clone() for buffer in model.buffers],
+            tokens=tokens,
+            # The usual dense estimate: 6 FLOPs per parameter per token (forward and
+            # backward), per rank.
+            flops=6.0 * self._parameter_count * tokens,
+        )
+        with self._resolution:
+            self._unresolved.add(transaction.index)
+        self._submit(transaction.admission, step)
+
+    def _abort_prepared_transaction(self, transaction: EagerTransaction) -> None:
+        if transaction.admission is not None:
+            transaction.admission.cancel()
+        if self._copies is not None:
+            self._copies.give(transaction.pre_parameters)
+        if transaction.stepped and not self.follower:
+            self._queue.poison(ZKDVError(STEP_ABORTED))
+
+    def _retired(self, index: int) -> None:
+        with self._resolution:
+            self._unresolved.discard(index)
+            oldest = min(self._unresolved, default=self.steps)
+        if self._checkpoint is not None:
+            self._checkpoint.prune(oldest)
+
+    # --- sealing and replay -------------------------------------------------------------
+    def _seal(self, transaction: EagerTransaction) -> None:
+        started = time.perf_counter()
+        model = self._require_prepared_model()
+        optimizer = self._prepared_optimizer
+        assert optimizer is not None and self._attested_function is not None
+        layout = self._batch_layout
+        assert layout is not None
+        bridge = optimizer.bridge
+        parameters = model.parameters
+        self._parameter_count = sum(parameter.numel() for parameter in parameters)
+        function, unused = gradient_function(
+            self._attested_function,
+            model,
+            optimizer,
+            layout.rebuild,
+            len(parameters),
+            len(model.buffer_names),
+        )
+        arguments = (
+            *parameters,
+            *(buffer.clone() for buffer in transaction.buffers_before),
+            *(tensor.detach() for tensor in layout.tensor_leaves(transaction.batch)),
+        )
+        lowered = lower(function, arguments, kind=self.program_kind, unused=unused)
+        self._lowered_program = lowered
+        states = bridge.live_states()
+        state_leaves = bridge.leaves(states, parameters)
+        self._layout = Layout(
+            model.parameter_names,
+            bridge.leaf_paths(model.parameter_names),
+            model.buffer_names,
+            [parameter.numel() for parameter in parameters],
+            [leaf.numel() for leaf in state_leaves],
+        )
+        device = parameters[0].device
+        self._checkpoint = ReplayCheckpoint(
+            self.replay_snapshot_interval,
+            capacity=self._max_in_flight + 2,
+            pinned=device.type == "cuda",
+        )
+        self._copies = ParameterCopies(parameters, self._max_in_flight + 1)
+        self._prepared_compiled = Pipeline(
+            lowered.program,
+            lowered.unused,
+            bridge,
+            layout,
+            self._checkpoint,
+            parameter_sizes=[parameter.numel() for parameter in parameters],
+            state_sizes=[leaf.numel() for leaf in state_leaves],
+            buffer_count=len(model.buffer_names),
+            device=device,
+            world_size=self._world_size,
+        )
+        self._set_program(lowered.kind, lowered.material)
+        self._env = {
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "device": str(device),
+            "device_kind": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "world_size": self._world_size,
+            "fsdp": model.fsdp,
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "optimizer": {"contract": bridge.contract.name, "groups": bridge.options()},
+            "batch": layout.to_dict(),
+            "program": {
+                "kind": lowered.kind,
+                "inputs": ["parameters", "buffers", "batch tensors"],
+                "outputs": ["gradients", "buffers after"],
+                "unused_gradients": [
+                    name
+                    for name, skip in zip(model.parameter_names, lowered.unused, strict=True)
+                    if skip
+                ],
+            },
+        }
+        self.sealing_seconds = time.perf_counter() - started
+
+    def _replay(self, challenge: Challenge) -> ReplayOutcome:
+        pipeline = self._prepared_compiled
+        assert pipeline is not None
+        return pipeline.replay(challenge)

@@ -1,0 +1,194 @@
+"""Bounded host snapshots and pre-update copies for Torch checked replay.
+
+Eager optimizers update parameters and state in place, so ZKDV keeps two kinds of
+copies:
+
+* a **pre-update parameter copy** per in-flight step, on the parameters' device (a
+  device-to-device copy), from which the committed update ``post - pre`` of a
+  sampled coordinate and the pre-update probes are read. A bounded pool of
+  ``max_in_flight + 1`` copies is reused; a step returns its copy as soon as its
+  commitment stops reading it.
+* a **replay snapshot** of the full pre-state (parameters, optimizer state, buffers)
+  every ``replay_snapshot_interval`` steps, in host memory: plain host memory on CPU,
+  page-locked (pinned) memory on CUDA so the copy is asynchronous. At most
+  ``capacity`` snapshots are alive; slots are reused, never reallocated per step. A
+  snapshot is kept, with the committed batches of its window, until every step it
+  may have to replay has retired, then dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["ParameterCopies", "ReplayCheckpoint", "Snapshot"]
+
+State = dict[str, Any]
+_POLL_SECONDS = 0.05
+
+
+class ParameterCopies:
+    """A bounded pool of pre-update parameter copies on the parameters' device."""
+
+    def __init__(self, parameters: Sequence[torch.Tensor], capacity: int) -> None:
+        self._templates = tuple(parameters)
+        self._free: list[list[torch.Tensor]] = []
+        self._allocated = 0
+        self._capacity = capacity
+        self._ready = threading.Condition()
+
+    def take(
+        self, parameters: Sequence[torch.Tensor], check: Callable[[], None]
+    ) -> list[torch.Tensor]:
+        """Copy ``parameters`` into a free slot; waits while every slot is in use."""
+        with self._ready:
+            while not self._free and self._allocated >= self._capacity:
+                self._ready.wait(_POLL_SECONDS)
+                check()
+            if self._free:
+                slot = self._free.pop()
+            else:
+                slot = [torch.empty_like(template) for template in self._templates]
+                self._allocated += 1
+        with torch.no_grad():
+            torch._foreach_copy_(slot, list(parameters))
+        return slot
+
+    def give(self, slot: list[torch.Tensor] | None) -> None:
+        if slot is None:
+            return
+        with self._ready:
+            self._free.append(slot)
+            self._ready.notify()
+
+
+@dataclass
+class Snapshot:
+    """The full pre-state of one step, in host memory."""
+
+    step: int
+    parameters: list[torch.Tensor]
+    states: list[State]
+    buffers: list[torch.Tensor]
+
+
+def _host_like(tensor: torch.Tensor, pinned: bool) -> torch.Tensor:
+    return torch.empty(
+        tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned and tensor.is_cuda
+    )
+
+
+def _copy_state(state: State, slot: State | None, pinned: bool) -> State:
+    out: State = {}
+    for name, value in state.items():
+        if isinstance(value, torch.Tensor):
+            target = slot.get(name) if slot is not None else None
+            if (
+                not isinstance(target, torch.Tensor)
+                or target.shape != value.shape
+                or target.dtype != value.dtype
+            ):
+                target = _host_like(value, pinned)
+            target.copy_(value.detach(), non_blocking=pinned)
+            out[name] = target
+        else:
+            out[name] = value
+    return out
+
+
+@dataclass
+class ReplayCheckpoint:
+    """Snapshots and committed batches kept for sampled replays.
+
+    Args:
+        interval: ``replay_snapshot_interval``.
+        capacity: the most snapshots alive at once.
+        pinned: allocate page-locked host memory (CUDA state).
+    """
+
+    interval: int
+    capacity: int
+    pinned: bool = False
+    snapshots: dict[int, Snapshot] = field(default_factory=dict)
+    batches: dict[int, np.ndarray] = field(default_factory=dict)
+    _free: list[Snapshot] = field(default_factory=list)
+    _lock: threading.Condition = field(default_factory=threading.Condition)
+
+    def start_of(self, step: int) -> int:
+        """The snapshot step a replay of ``step`` starts from."""
+        return step - step % self.interval
+
+    def take(
+        self,
+        step: int,
+        parameters: Sequence[torch.Tensor],
+        states: Sequence[State],
+        buffers: Sequence[torch.Tensor],
+        check: Callable[[], None],
+    ) -> Snapshot:
+        """Copy the pre-state of ``step`` into a snapshot slot (waits for a free one)."""
+        with self._lock:
+            while len(self.snapshots) >= self.capacity:
+                self._lock.wait(_POLL_SECONDS)
+                check()
+            slot = self._free.pop() if self._free else None
+        with torch.no_grad():
+            if slot is not None and len(slot.parameters) == len(parameters):
+                host_parameters = slot.parameters
+            else:
+                host_parameters = [_host_like(p, self.pinned) for p in parameters]
+            for target, source in zip(host_parameters, parameters, strict=True):
+                target.copy_(source.detach(), non_blocking=self.pinned)
+            old_states = slot.states if slot is not None else [None] * len(states)
+            host_states = [
+                _copy_state(state, old, self.pinned)
+                for state, old in zip(states, old_states, strict=True)
+            ]
+            if slot is not None and len(slot.buffers) == len(buffers):
+                host_buffers = slot.buffers
+            else:
+                host_buffers = [_host_like(b, self.pinned) for b in buffers]
+            for target, source in zip(host_buffers, buffers, strict=True):
+                target.copy_(source.detach(), non_blocking=self.pinned)
+        if self.pinned:
+            # The copies were queued on the current stream; the snapshot is read on other
+            # threads, so wait here for them (a D2H copy of the state, once per window).
+            torch.cuda.current_stream().synchronize()
+        snapshot = Snapshot(step, host_parameters, host_states, host_buffers)
+        with self._lock:
+            self.snapshots[step] = snapshot
+        return snapshot
+
+    def keep_batch(self, step: int, batch: np.ndarray) -> None:
+        with self._lock:
+            self.batches[step] = batch
+
+    def get(self, step: int) -> tuple[Snapshot, list[np.ndarray]]:
+        """The snapshot preceding ``step`` and the batches from it through ``step``.
+
+        Raises:
+            RuntimeError: they were already dropped (a bug in retirement tracking).
+        """
+        start = self.start_of(step)
+        with self._lock:
+            snapshot = self.snapshots.get(start)
+            batches = [self.batches.get(index) for index in range(start, step + 1)]
+        if snapshot is None or any(batch is None for batch in batches):
+            raise RuntimeError(f"ZKDV dropped the replay window of step {step} too early")
+        return snapshot, batches  # type: ignore[return-value]
+
+    def prune(self, oldest_needed: int) -> None:
+        """Drop what no step at or after ``oldest_needed`` can need for its replay."""
+        keep = self.start_of(oldest_needed)
+        with self._lock:
+            for step in [step for step in self.snapshots if step < keep]:
+                self._free.append(self.snapshots.pop(step))
+            for step in [step for step in self.batches if step < keep]:
+                del self.batches[step]
+            del self._free[max(0, self.capacity - len(self.snapshots)) :]
+            self._lock.notify_all()

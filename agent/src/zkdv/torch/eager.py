@@ -1,0 +1,235 @@
+"""One eager Torch training transaction submitted through the ZKDV pipeline.
+
+``with proof.transaction(batch=...)`` brackets one ordinary eager step. On entry it
+is admitted by flow control, packs (copies) the batch into the committed uint32 rows
+and clones the module's mutable buffers (BatchNorm running statistics included)
+before the forward can change them; the first transaction also seals the attested
+program. The prepared optimizer's ``step()`` waits at the mutation barrier (the
+previous step's commitment may still be hashing the live state), copies the
+pre-update parameters (and, every ``replay_snapshot_interval`` steps, the full
+pre-state into a replay snapshot), then runs the native ``torch.optim`` step. On exit
+the post-update buffers are cloned and the step is submitted; its commitment reads the
+live parameters and optimizer state on the commit thread while the next step's
+forward and backward run.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar, Token
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from zkdv import overlap as overlap_policy
+from zkdv.driver import ReplayOutcome, Submission
+from zkdv.probes import ProbeSet
+from zkdv.sampling import Challenge
+from zkdv.torch.pipeline import FlatIndex, element
+
+if TYPE_CHECKING:
+    from zkdv.driver.torch import ZKDV
+
+__all__ = ["NESTED", "EagerTransaction", "current_transaction", "host_array"]
+
+NESTED = "nested ZKDV Torch transactions are unsupported"
+
+_CURRENT: ContextVar[EagerTransaction | None] = ContextVar("zkdv_torch_transaction", default=None)
+
+
+def current_transaction() -> EagerTransaction | None:
+    """The open eager transaction of this context, or None."""
+    return _CURRENT.get()
+
+
+try:  # bfloat16 has no numpy dtype; ml_dtypes (installed with JAX) provides one.
+    import ml_dtypes
+
+    _BFLOAT16: Any = ml_dtypes.bfloat16
+except ImportError:  # pragma: no cover - depends on the environment
+    _BFLOAT16 = None
+
+
+def host_array(tensor: torch.Tensor) -> np.ndarray:
+    """A host numpy view (CPU) or copy (accelerator) of ``tensor``, bit for bit."""
+    value = tensor.detach()
+    if value.device.type != "cpu":
+        value = value.cpu()
+    if value.dtype == torch.bfloat16:
+        raw = value.view(torch.int16).numpy()
+        return raw.view(_BFLOAT16) if _BFLOAT16 is not None else raw.view(np.uint16)
+    return value.numpy()
+
+
+class EagerTransaction:
+    """Keep a proof transaction open from eager forward through optimizer step.
+
+    Created by :meth:`zkdv.torch.ZKDV.transaction`; use it as a context manager.
+
+    Raises:
+        RuntimeError: another transaction is already open in this context.
+    """
+
+    def __init__(
+        self, proof: ZKDV, batch: Any, overlap: overlap_policy.Policy = overlap_policy.UNCHECKED
+    ) -> None:
+        if _CURRENT.get() is not None:
+            raise RuntimeError(NESTED)
+        self.proof = proof
+        self.batch = batch
+        self.overlap = overlap_policy.Policy(overlap)
+        self.buffers_before = tuple(
+            buffer.clone() for buffer in proof._require_prepared_model().buffers
+        )
+        self.stepped = False
+        self.admission: Any = None
+        self.words: np.ndarray | None = None
+        self.index = -1
+        self.pre_parameters: list[torch.Tensor] | None = None
+        self.snapshot: Any = None
+        self.pending = proof._open_prepared_transaction(self)
+        self._token: Token[EagerTransaction | None] | None = _CURRENT.set(self)
+        self._complete = False
+
+    def __enter__(self) -> EagerTransaction:
+        return self
+
+    def __exit__(self, kind: object, error: BaseException | None, traceback: object) -> None:
+        if self._token is not None:
+            _CURRENT.reset(self._token)
+            self._token = None
+        if self._complete:
+            return
+        self._complete = True
+        if error is not None:
+            self.proof._abort_prepared_transaction(self)
+            return
+        self.proof._close_prepared_transaction(self)
+
+
+class TorchStep(Submission):
+    """One eager step as the driver's pipeline sees it."""
+
+    def __init__(
+        self,
+        proof: ZKDV,
+        transaction: EagerTransaction,
+        *,
+        parameters: tuple[torch.Tensor, ...],
+        post_buffers: list[torch.Tensor],
+        tokens: int,
+        flops: float | None,
+    ) -> None:
+        self.proof = proof
+        self.index = transaction.index
+        self.policy = transaction.overlap
+        self.tokens = tokens
+        self.flops = flops
+        assert transaction.words is not None
+        self.words = transaction.words
+        self.pre = transaction.pre_parameters
+        self.parameters = parameters
+        self.states = proof._bridge().live_states()
+        self.post_buffers = post_buffers
+        self.buffers_before = transaction.buffers_before
+        self.replay_snapshot = transaction.snapshot
+        self._state_leaves: list[torch.Tensor] | None = None
+        self._layout = proof._layout
+        if transaction.snapshot is not None:
+            snap = transaction.snapshot
+            self.snapshot = self._leaves(snap.parameters, snap.states, snap.buffers)
+
+    def _leaves(
+        self,
+        parameters: Any,
+        states: Any,
+        buffers: Any,
+    ) -> tuple[list[tuple[str, np.ndarray]], ...]:
+        layout = self._layout
+        state_leaves = self.proof._bridge().leaves(states, parameters)
+        return (
+            [(n, host_array(t)) for n, t in zip(layout.parameter_names, parameters, strict=True)],
+            [(n, host_array(t)) for n, t in zip(layout.state_paths, state_leaves, strict=True)],
+            [(n, host_array(t)) for n, t in zip(layout.buffer_names, buffers, strict=True)],
+        )
+
+    def initial_state(self) -> tuple[list[tuple[str, np.ndarray]], ...]:
+        snap = self.replay_snapshot
+        assert snap is not None, "the first step always takes a replay snapshot"
+        return self._leaves(snap.parameters, snap.states, snap.buffers)
+
+    def batch(self) -> np.ndarray:
+        return self.words
+
+    def post_state(self) -> tuple[list[tuple[str, np.ndarray]], ...]:
+        self._state_leaves = self.proof._bridge().leaves(self.states, self.parameters)
+        return self._leaves(self.parameters, self.states, self.post_buffers)
+
+    def probes(
+        self, probes: ProbeSet
+    ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]] | None:
+        assert self.pre is not None
+        pre, post, delta = [], [], []
+        for leaf, (before, after) in enumerate(zip(self.pre, self.parameters, strict=True)):
+            rows_before = _probe_rows(probes, leaf, host_array(before))
+            rows_after = _probe_rows(probes, leaf, host_array(after))
+            matrix = probes.matrices[leaf]
+            pre.append(rows_before @ matrix)
+            post.append(rows_after @ matrix)
+            delta.append((rows_after - rows_before) @ matrix)
+        return pre, post, delta
+
+    def capture(self, challenge: Challenge) -> tuple[float, float]:
+        assert self.pre is not None and self._state_leaves is not None
+        index = self._layout.parameter_index
+        delta = element(self.parameters, index, challenge.param_index) - element(
+            self.pre, index, challenge.param_index
+        )
+        state = element(self._state_leaves, self._layout.state_index, challenge.state_index)
+        return delta, state
+
+    def release_views(self) -> None:
+        self.proof._parameter_copies().give(self.pre)
+        self.pre = None
+        self.parameters = ()
+        self.states = []
+        self._state_leaves = None
+
+    def replay(self, challenge: Challenge) -> ReplayOutcome:
+        return self.proof._replay(challenge)
+
+    def retire(self) -> None:
+        self.proof._retired(self.index)
+        self.replay_snapshot = None
+        self.post_buffers = []
+        self.buffers_before = ()
+
+
+def _probe_rows(probes: ProbeSet, leaf: int, array: np.ndarray) -> np.ndarray:
+    spec = probes.specs[leaf]
+    last = spec.shape[-1] if spec.shape else 1
+    rows = spec.size // last if last else 0
+    values = array.reshape(rows, last)
+    selected = probes.rows[leaf]
+    if selected is not None:
+        values = values[selected]
+    # Upcast reduced precision so the projection adds no rounding beyond float32's.
+    return values.astype(np.float32, copy=False)
+
+
+class Layout:
+    """The committed leaf names and flat indices of one prepared model and optimizer."""
+
+    def __init__(
+        self,
+        parameter_names: tuple[str, ...],
+        state_paths: list[str],
+        buffer_names: tuple[str, ...],
+        parameter_sizes: list[int],
+        state_sizes: list[int],
+    ) -> None:
+        self.parameter_names = parameter_names
+        self.state_paths = state_paths
+        self.buffer_names = buffer_names
+        self.parameter_index = FlatIndex.of(parameter_sizes)
+        self.state_index = FlatIndex.of(state_sizes)

@@ -1,0 +1,198 @@
+"""Lower proof-aware Python execution to a standalone Torch graph function.
+
+The attested function is traced once, on the first transaction, by
+``torch.fx.experimental.proxy_tensor.make_fx``: it runs the function on real tensors
+and records every ATen operator it dispatches, *including the backward pass* that
+``proof.backward`` requests through ``torch.autograd.grad``. (The seed's
+``torch._dynamo.export`` with ``trace_autograd_ops`` does not exist in Torch 2.13;
+``make_fx`` is the tracer under ``torch.export`` and AOTAutograd, and captures
+autograd natively.) The result is a state-free graph::
+
+    (parameters..., buffers..., batch tensors...) -> (gradients..., buffers after...)
+
+Two properties are then enforced on the graph:
+
+* no **captured unprepared state**: a tensor the function reads without receiving it
+  (the parameters of a module outside the prepared root) appears as a graph constant;
+  constants that are only literal tensors created inside the function are allowed;
+* no **implicit random operators** (dropout, ``torch.rand``...): a replay must
+  recompute the same deterministic transition.
+
+The optimizer's transition is not part of the graph: the prepared optimizer's step
+marks the gradient boundary, and its functional contract (``torch.optim``'s own
+functional core) applies the update in replay, as the platform's replay does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from zkdv.torch import artifact
+from zkdv.torch.capture import AttestationCapture
+
+__all__ = [
+    "NO_OPTIMIZER_STEP",
+    "RANDOM_OPERATIONS",
+    "UNPREPARED_STATE",
+    "LoweredProgram",
+    "gradient_function",
+    "lower",
+    "trace",
+]
+
+UNPREPARED_STATE = (
+    "attested Torch code captured unprepared tensor state ({names}); "
+    "pass the owning object through proof.prepare()"
+)
+RANDOM_OPERATIONS = (
+    "attested Torch code contains random operations {operations}; generate randomness "
+    "outside the transition and include it in the prepared transaction batch"
+)
+NO_OPTIMIZER_STEP = (
+    "the attested Torch function must compute a loss, call proof.backward(loss) and "
+    "then optimizer.step() on the prepared optimizer"
+)
+
+_RANDOM_MARKERS = (
+    "bernoulli",
+    "dropout",
+    "exponential",
+    "multinomial",
+    "normal",
+    "rand",
+    "uniform",
+)
+# Literal tensors created inside the traced function become constants that only feed
+# these operators; anything else reading a constant is captured external state.
+_LITERAL_USERS = frozenset({"aten::lift_fresh_copy", "aten::lift_fresh", "aten::detach"})
+
+
+@dataclass
+class LoweredProgram:
+    """A sealed gradient program and its committed bytes.
+
+    Attributes:
+        program: callable on the flat inputs, returning the flat outputs.
+        material: the exact artifact bytes committed by the transcript.
+        kind: ``"aot-inductor"`` or ``"torch.export"``.
+        unused: per parameter, True when the attested step gives it no gradient (the
+            optimizer skips it, as ``torch.optim`` skips a parameter whose grad is None).
+        graph: the traced graph module.
+    """
+
+    program: Callable[..., list[torch.Tensor]]
+    material: bytearray
+    kind: str
+    unused: tuple[bool, ...]
+    graph: fx.GraphModule
+
+
+def gradient_function(
+    function: Callable[..., Any],
+    model: Any,
+    optimizer: Any,
+    rebuild_batch: Callable[[list[torch.Tensor]], Any],
+    parameter_count: int,
+    buffer_count: int,
+) -> tuple[Callable[..., list[torch.Tensor]], list[bool]]:
+    """Wrap the attested ``function(model, optimizer, batch)`` as a flat tensor function.
+
+    Returns:
+        The flat function and a list that the first call fills with the per-parameter
+        "no gradient" flags.
+    """
+    unused: list[bool] = []
+
+    def flat(*tensors: torch.Tensor) -> list[torch.Tensor]:
+        parameters = tuple(
+            tensor.detach().requires_grad_(True) for tensor in tensors[:parameter_count]
+        )
+        buffers = tuple(tensors[parameter_count : parameter_count + buffer_count])
+        batch = rebuild_batch(list(tensors[parameter_count + buffer_count :]))
+        with (
+            torch.enable_grad(),
+            AttestationCapture(model, (parameters, buffers), optimizer, None) as capture,
+        ):
+            function(model.public, optimizer, batch)
+        if capture.transition is None or capture.gradients is None:
+            raise RuntimeError(NO_OPTIMIZER_STEP)
+        unused[:] = [gradient is None for gradient in capture.gradients]
+        gradients = [
+            torch.zeros_like(parameter) if gradient is None else gradient
+            for parameter, gradient in zip(parameters, capture.gradients, strict=True)
+        ]
+        return [*gradients, *capture.model_state[1]]
+
+    return flat, unused
+
+
+def trace(function: Callable[..., Any], arguments: tuple[torch.Tensor, ...]) -> fx.GraphModule:
+    """Capture ``function`` once and reject unprepared state and random operators.
+
+    Raises:
+        RuntimeError: with :data:`UNPREPARED_STATE` or :data:`RANDOM_OPERATIONS`.
+    """
+    graph = make_fx(function, tracing_mode="real")(*arguments)
+    captured = []
+    for node in graph.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = getattr(graph, str(node.target), None)
+        if not isinstance(value, torch.Tensor):
+            continue
+        users = {_schema_name(user) for user in node.users}
+        if isinstance(value, torch.nn.Parameter) or not users <= _LITERAL_USERS:
+            captured.append(
+                f"{node.target}: {str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+            )
+    if captured:
+        raise RuntimeError(UNPREPARED_STATE.format(names=", ".join(captured)))
+    random_operations = tuple(
+        name
+        for name in (_schema_name(node) for node in graph.graph.nodes)
+        if name is not None and any(marker in name for marker in _RANDOM_MARKERS)
+    )
+    if random_operations:
+        raise RuntimeError(RANDOM_OPERATIONS.format(operations=random_operations))
+    return graph
+
+
+def _schema_name(node: fx.Node) -> str | None:
+    if node.op != "call_function":
+        return None
+    schema = getattr(node.target, "_schema", None)
+    return None if schema is None else str(schema.name)
+
+
+def lower(
+    function: Callable[..., list[torch.Tensor]],
+    arguments: tuple[torch.Tensor, ...],
+    *,
+    kind: str = artifact.AOT_INDUCTOR,
+    unused: list[bool] | None = None,
+) -> LoweredProgram:
+    """Capture once and seal a state-free program of the given kind.
+
+    Args:
+        function: the flat function (see :func:`gradient_function`).
+        arguments: example flat inputs (the first transaction's).
+        kind: ``"aot-inductor"`` (compiled, the default) or ``"torch.export"``.
+        unused: the flags list :func:`gradient_function` fills while tracing.
+
+    Raises:
+        RuntimeError: the function captures unprepared state or random operators.
+    """
+    graph = trace(function, arguments)
+    flags = tuple(unused or ())
+    detached = tuple(argument.detach() for argument in arguments)
+    if kind == artifact.AOT_INDUCTOR:
+        program, material = artifact.roundtrip(graph, detached)
+    else:
+        program, material = artifact.export_roundtrip(graph, detached)
+    return LoweredProgram(program, material, kind, flags, graph)

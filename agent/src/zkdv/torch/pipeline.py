@@ -1,0 +1,167 @@
+"""Canonical Torch transaction pipeline above the protocol boundary.
+
+:class:`Pipeline` holds what a sampled check needs once the first transaction sealed
+the program: the committed layout (parameter, optimizer-state and buffer leaves), the
+loaded program artifact, the optimizer's functional contract, the batch packing, and
+the :class:`~zkdv.torch.checkpoint.ReplayCheckpoint`. :meth:`Pipeline.replay`
+recomputes one challenged step from the snapshot that precedes it:
+
+    for each step k from the snapshot to the challenged step t:
+        gradients, buffers' = program(parameters, buffers, batch_k)
+        parameters', state' = contract(parameters, state, gradients)
+
+and returns the challenged update coordinate ``parameters'[i] - parameters[i]`` and
+post-update optimizer-state coordinate of step t. Under DDP the committed batch holds
+every rank's rows; the program runs once per rank's rows and the gradients are
+averaged as DDP's all-reduce does (each divided by the world size, then summed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from zkdv.driver import ReplayOutcome
+from zkdv.sampling import Challenge
+from zkdv.torch.checkpoint import ReplayCheckpoint
+from zkdv.torch.optimizers.bridge import OptimizerBridge
+from zkdv.torch.packing import BatchLayout
+
+__all__ = ["FlatIndex", "Pipeline"]
+
+
+@dataclass(frozen=True)
+class FlatIndex:
+    """Map a flat coordinate over ordered leaves to ``(leaf, element)``."""
+
+    ends: np.ndarray
+
+    @classmethod
+    def of(cls, sizes: Sequence[int]) -> FlatIndex:
+        return cls(np.cumsum(np.asarray(list(sizes), dtype=np.int64)))
+
+    @property
+    def total(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    def locate(self, index: int) -> tuple[int, int]:
+        leaf = int(np.searchsorted(self.ends, index, side="right"))
+        if leaf >= len(self.ends):
+            raise IndexError(f"coordinate {index} is beyond {self.total} committed elements")
+        start = int(self.ends[leaf - 1]) if leaf else 0
+        return leaf, index - start
+
+
+def element(tensors: Sequence[torch.Tensor], index: FlatIndex, flat: int) -> float:
+    """The value at flat coordinate ``flat`` of ``tensors`` (0.0 for an empty state)."""
+    if index.total == 0:
+        return 0.0
+    leaf, offset = index.locate(flat)
+    return float(tensors[leaf].reshape(-1)[offset].item())
+
+
+class Pipeline:
+    """Replay sampled steps with the sealed program and the functional optimizer.
+
+    Args:
+        program: the loaded program (flat inputs to flat outputs).
+        unused: per parameter, whether the attested step gives it no gradient.
+        bridge: the prepared optimizer's bridge (layout and functional transition).
+        layout: the batch packing.
+        checkpoint: snapshots and committed batches.
+        device: where the replay runs (the parameters' device).
+        world_size: DDP replicas whose rows the committed batch holds.
+    """
+
+    def __init__(
+        self,
+        program: Any,
+        unused: Sequence[bool],
+        bridge: OptimizerBridge,
+        layout: BatchLayout,
+        checkpoint: ReplayCheckpoint,
+        *,
+        parameter_sizes: Sequence[int],
+        state_sizes: Sequence[int],
+        buffer_count: int,
+        device: torch.device,
+        world_size: int = 1,
+    ) -> None:
+        self.program = program
+        self.unused = tuple(unused)
+        self.bridge = bridge
+        self.layout = layout
+        self.checkpoint = checkpoint
+        self.parameter_index = FlatIndex.of(parameter_sizes)
+        self.state_index = FlatIndex.of(state_sizes)
+        self.buffer_count = buffer_count
+        self.device = device
+        self.world_size = world_size
+
+    def gradients(
+        self,
+        parameters: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor],
+        words: np.ndarray,
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+        """Run the sealed program on one committed batch (every rank's rows)."""
+        rows = self.layout.rows
+        total: list[torch.Tensor] | None = None
+        buffers_after: list[torch.Tensor] = list(buffers)
+        count = len(parameters)
+        for rank in range(self.world_size):
+            batch = self.layout.unpack(words[rank * rows : (rank + 1) * rows], self.device)
+            tensors = self.layout.tensor_leaves(batch)
+            outputs = self.program(*parameters, *buffers, *tensors)
+            gradients = outputs[:count]
+            if rank == 0:
+                # DDP broadcasts rank 0's buffers: its forward's running stats are kept.
+                buffers_after = list(outputs[count:])
+            if self.world_size > 1:
+                gradients = [gradient / self.world_size for gradient in gradients]
+            total = (
+                list(gradients)
+                if total is None
+                else [a + b for a, b in zip(total, gradients, strict=True)]
+            )
+        assert total is not None
+        return [None if skip else g for skip, g in zip(self.unused, total, strict=True)], (
+            buffers_after
+        )
+
+    def replay(self, challenge: Challenge) -> ReplayOutcome:
+        """Recompute the challenged coordinates from the snapshot preceding the step."""
+        snapshot, batches = self.checkpoint.get(challenge.step)
+        device = self.device
+        parameters = [p.to(device, copy=True) for p in snapshot.parameters]
+        # Each state tensor goes where torch.optim keeps the live one (a non-capturable
+        # ``step`` stays on the host).
+        states = [
+            {
+                name: value.to(live[name].device, copy=True)
+                if isinstance(value, torch.Tensor) and isinstance(live.get(name), torch.Tensor)
+                else value.clone()
+                if isinstance(value, torch.Tensor)
+                else value
+                for name, value in state.items()
+            }
+            for state, live in zip(snapshot.states, self.bridge.live_states(), strict=True)
+        ]
+        buffers = [b.to(device, copy=True) for b in snapshot.buffers]
+        start = snapshot.step
+        for offset, words in enumerate(batches):
+            gradients, buffers_after = self.gradients(parameters, buffers, words)
+            after, states_after = self.bridge.step(parameters, states, gradients)
+            if start + offset == challenge.step:
+                delta = element(after, self.parameter_index, challenge.param_index) - element(
+                    parameters, self.parameter_index, challenge.param_index
+                )
+                leaves = self.bridge.leaves(states_after, after)
+                state_value = element(leaves, self.state_index, challenge.state_index)
+                return ReplayOutcome(delta, state_value, start, challenge.step - start)
+            parameters, states, buffers = after, states_after, buffers_after
+        raise RuntimeError(f"ZKDV replay window of step {challenge.step} is incomplete")

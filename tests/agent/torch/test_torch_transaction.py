@@ -1,0 +1,312 @@
+"""Eager transactions through the shared pipeline: commitments, checks, poisoning.
+
+Each run seals its attested step as a ``torch.export`` program (see conftest) and
+checks every step (``DEBUGCheckEvery(1)``), so every transcript holds replayed values
+for every step; every transcript produced must pass the offline verifier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional
+
+import zkdv
+from zkdv.files import read_batch, read_state, snapshot_path
+from zkdv.merkle import LeafSpec
+from zkdv.records import iter_records
+from zkdv.torch.packing import BatchLayout
+from zkdv.verify import verify_transcript
+
+EVERY_STEP = zkdv.ZKDVConfig(
+    sampling_policy=zkdv.SamplingPolicy.DEBUGCheckEvery(1), chunk_bytes=256
+)
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(10, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def _proof(tmp_path: Path, interval: int = 3, config: zkdv.ZKDVConfig = EVERY_STEP):
+    proof = zkdv.torch.ZKDV(tmp_path / "proof", config, replay_snapshot_interval=interval)
+    proof.start(rolling_window=4, probe_ratio=0.5)
+    return proof
+
+
+def _attest(proof: Any) -> Callable[..., None]:
+    @proof.attest
+    def attested_step(model, optimizer, batch):
+        inputs, targets = batch
+        loss = functional.cross_entropy(proof.forward(model, inputs), targets)
+        proof.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return attested_step
+
+
+def _batches(count: int, seed: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(8, 10, generator=generator), torch.randint(2, (8,), generator=generator))
+        for _ in range(count)
+    ]
+
+
+def _train(proof, model, optimizer, batches, *, before_step=None, after_entry=None) -> None:
+    for index, (inputs, targets) in enumerate(batches):
+        with proof.transaction(batch=(inputs, targets)):
+            if after_entry is not None:
+                after_entry(index, inputs, targets)
+            loss = functional.cross_entropy(model(inputs), targets)
+            proof.backward(loss)
+            if before_step is not None:
+                before_step(index)
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def _verified(path: Path) -> zkdv.verify.VerificationReport:
+    report = verify_transcript(path)
+    assert report.ok, report.summary()
+    # The command-line verifier agrees.
+    result = subprocess.run(
+        [sys.executable, "-m", "zkdv", "verify", str(path)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return report
+
+
+def test_eager_transactions_commit_check_and_verify(tmp_path: Path) -> None:
+    proof = _proof(tmp_path)
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = proof.prepare(model, optimizer)
+    _attest(proof)
+    _train(proof, model, optimizer, _batches(7))
+    proof.close()
+    report = _verified(tmp_path / "proof")
+    assert (report.steps, report.checks, report.snapshots) == (7, 7, [0, 3, 6])
+    root = report.root
+    assert root["prover"] == "whitebox-torch"
+    assert root["program"]["kind"] == "torch.export"
+    assert root["env"]["optimizer"]["contract"] == "AdamW"
+    # BatchNorm running statistics are committed state.
+    assert [leaf["path"] for leaf in root["schema"]["buffers"]] == [
+        "1.running_mean",
+        "1.running_var",
+        "1.num_batches_tracked",
+    ]
+    checks = [r.data for r in iter_records(tmp_path / "proof") if r.data["t"] == "check"]
+    assert [c["from"] for c in checks] == [0, 0, 0, 3, 3, 3, 6]
+    assert all(c["param"]["committed"] != 0.0 for c in checks)
+    # The program bytes on disk are the committed ones; snapshot files hash to roots.
+    program = (tmp_path / "proof" / "program.bin").read_bytes()
+    assert zkdv.core.file_digest(program) == root["program"]["digest"]
+    specs = [LeafSpec.from_dict(s) for s in root["schema"]["opt_state"]]
+    _, commitment = read_state(snapshot_path(tmp_path / "proof", 0, "opt_state"), specs, 256)
+    assert commitment.root == root["initial"]["o"]
+
+
+def test_committed_batch_unpacks_to_the_step_inputs(tmp_path: Path) -> None:
+    proof = _proof(tmp_path)
+    # An optimizer over another model's parameters must not be bound to this model.
+    with pytest.raises(ValueError, match="exactly cover the prepared model"):
+        proof.prepare(_model(), torch.optim.SGD(_model().parameters(), lr=0.1))
+    proof.close()
+    batch = (torch.randn(4, 3, dtype=torch.float64), torch.arange(4), torch.ones(4, 2).bool())
+    layout = BatchLayout.of(batch)
+    words = layout.pack(batch)
+    assert words.dtype == np.uint32 and words.shape == (4, 2 * 3 + 2 + 1)
+    again = layout.unpack(words)
+    for original, restored in zip(batch, again, strict=True):
+        assert torch.equal(original, restored) and original.dtype == restored.dtype
+
+
+def test_batch_files_are_kept_for_the_platform(tmp_path: Path) -> None:
+    proof = _proof(tmp_path)
+    model = _model()
+    model, optimizer = proof.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    _attest(proof)
+    batches = _batches(2)
+    _train(proof, model, optimizer, batches)
+    proof.close()
+    _verified(tmp_path / "proof")
+    words = read_batch(tmp_path / "proof" / "files" / "batch-00000001.u32")
+    layout = BatchLayout.of(batches[1])
+    inputs, targets = layout.unpack(words)
+    assert torch.equal(inputs, batches[1][0]) and torch.equal(targets, batches[1][1])
+
+
+def _poisoned(proof) -> BaseException:
+    with pytest.raises(zkdv.ZKDVPoisonedError) as raised:
+        proof.close()
+    return raised.value
+
+
+def _run_tampered(
+    tmp_path: Path, optimizer_factory, reasons: tuple[str, ...] = ("failed_check",), **hooks: Any
+) -> Any:
+    # One replay window over the whole run: every check replays from step 0's snapshot,
+    # so a divergence at any step stays visible to every later check.
+    proof = _proof(tmp_path, interval=12)
+    model = _model()
+    model, optimizer = proof.prepare(model, optimizer_factory(model))
+    _attest(proof)
+    # A failed check poisons the next call as soon as it completes.
+    with contextlib.suppress(zkdv.ZKDVPoisonedError):
+        _train(proof, model, optimizer, _batches(6), **hooks)
+    error = _poisoned(proof)
+    assert isinstance(error.__cause__, zkdv.ZKDVVerificationError), error
+    report = verify_transcript(tmp_path / "proof")
+    assert not report.ok and report.reason in reasons, report.summary()
+    return error
+
+
+def test_hyperparameters_differing_from_the_attested_ones_are_caught(tmp_path: Path) -> None:
+    def factory(model: nn.Module) -> torch.optim.Optimizer:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        native_step = optimizer.step
+
+        def step_with_other_options(closure=None):
+            # The options seen by validation are the attested ones; the update uses 10x.
+            for group in optimizer.param_groups:
+                group["lr"] *= 10
+            try:
+                return native_step(closure)
+            finally:
+                for group in optimizer.param_groups:
+                    group["lr"] /= 10
+
+        optimizer.step = step_with_other_options  # type: ignore[method-assign]
+        return optimizer
+
+    error = _run_tampered(tmp_path, factory)
+    assert "sampled check of step" in str(error.__cause__)
+
+
+def test_parameters_changed_outside_the_step_are_caught(tmp_path: Path) -> None:
+    holder: dict[str, nn.Module] = {}
+
+    def factory(model: nn.Module) -> torch.optim.Optimizer:
+        holder["model"] = model
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def tamper(index: int, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        if index == 2:
+            with torch.no_grad():
+                holder["model"][3].weight[0].add_(0.5)  # one class only: not softmax-invariant
+
+    # The change races with step 1's commitment, which may still be reading the live
+    # parameters (only optimizer.step() waits for it), so step 1 or step 2 fails its
+    # check. The offline verifier sees it too: probes of the pre-update parameters no
+    # longer continue the committed post-update ones.
+    error = _run_tampered(
+        tmp_path, factory, ("probe_discontinuity", "failed_check"), after_entry=tamper
+    )
+    assert any(f"step {step} failed" in str(error.__cause__) for step in (1, 2, 3, 4, 5))
+
+
+def test_a_batch_mutated_after_commitment_is_caught(tmp_path: Path) -> None:
+    def mutate(index: int, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        if index == 1:
+            inputs.mul_(-3.0)  # after the transaction committed (copied) the batch
+
+    error = _run_tampered(
+        tmp_path, lambda model: torch.optim.Adam(model.parameters(), lr=1e-2), after_entry=mutate
+    )
+    assert any(f"step {step} failed" in str(error.__cause__) for step in (1, 2, 3, 4, 5))
+
+
+def test_options_changed_after_attestation_are_rejected(tmp_path: Path) -> None:
+    proof = _proof(tmp_path)
+    model = _model()
+    model, optimizer = proof.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    _attest(proof)
+    batches = _batches(2)
+    _train(proof, model, optimizer, batches[:1])
+    optimizer.param_groups[0]["lr"] = 0.2
+    with pytest.raises(RuntimeError, match="prepared optimizer options changed after attestation"):
+        _train(proof, model, optimizer, batches[1:])
+    proof.close()
+    _verified(tmp_path / "proof")
+
+
+def test_nested_transactions_are_rejected(tmp_path: Path) -> None:
+    proof = _proof(tmp_path)
+    model = _model()
+    model, optimizer = proof.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    _attest(proof)
+    inputs, targets = _batches(1)[0]
+    with proof.transaction(batch=(inputs, targets)):
+        with pytest.raises(RuntimeError, match="nested ZKDV Torch transactions are unsupported"):
+            proof.transaction(batch=(inputs, targets))
+        proof.backward(functional.cross_entropy(model(inputs), targets))
+        optimizer.step()
+    proof.close()
+    _verified(tmp_path / "proof")
+
+
+def test_a_transaction_without_a_step_or_attestation_says_what_to_do(tmp_path: Path) -> None:
+    proof = _proof(tmp_path)
+    model = _model()
+    model, optimizer = proof.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    inputs, targets = _batches(1)[0]
+    with pytest.raises(RuntimeError, match=r"decorate it with @proof\.attest"):
+        proof.transaction(batch=(inputs, targets))
+    _attest(proof)
+    with (
+        pytest.raises(RuntimeError, match=r"must call optimizer\.step\(\)"),
+        proof.transaction(batch=(inputs, targets)),
+    ):
+        pass
+    _train(proof, model, optimizer, [(inputs, targets)])
+    proof.close()
+    _verified(tmp_path / "proof")
+
+
+def test_outside_a_transaction_the_optimizer_is_native(tmp_path: Path) -> None:
+    proof = _proof(tmp_path)
+    model = nn.Linear(3, 1)
+    reference = nn.Linear(3, 1)
+    reference.load_state_dict(model.state_dict())
+    model, optimizer = proof.prepare(model, torch.optim.Adam(model.parameters(), lr=0.1))
+    native = torch.optim.Adam(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        inputs = torch.randn(4, 3)
+        for m, o in ((model, optimizer), (reference, native)):
+            o.zero_grad()
+            m(inputs).sum().backward()
+            o.step()
+    assert torch.equal(model.weight, reference.weight)
+    proof.close()
+
+
+def test_random_sampling_policy_writes_a_valid_transcript(tmp_path: Path) -> None:
+    config = zkdv.ZKDVConfig(
+        sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.3), chunk_bytes=256
+    )
+    proof = _proof(tmp_path, interval=4, config=config)
+    model = _model()
+    model, optimizer = proof.prepare(model, torch.optim.RMSprop(model.parameters(), lr=1e-3))
+    _attest(proof)
+    _train(
+        proof,
+        model,
+        optimizer,
+        _batches(10),
+    )
+    proof.close()
+    report = _verified(tmp_path / "proof")
+    assert report.steps == 10 and report.checks == len(report.sampled)
+    # Everything a finished window needed was dropped; only the last window remains.
+    assert proof._checkpoint is not None and set(proof._checkpoint.snapshots) <= {8}
