@@ -230,6 +230,9 @@ class DVBenchProof:
             print(result.summary(), file=sys.stderr)
             return result
 
+    def __enter__(self) -> DVBenchProof:
+        return self
+
     def __exit__(
         self,
         exc_type: type[BaseException] | None,

@@ -134,7 +134,9 @@ class FaultProxy:
         self._server.close()
 
     def puts(self, action: str | None = None) -> list[Seen]:
-        return [s for s in self.seen if s.method == "PUT" and (action is None or s.action == action)]
+        return [
+            s for s in self.seen if s.method == "PUT" and (action is None or s.action == action)
+        ]
 
     def _accept(self) -> None:
         while not self._stop.is_set():
