@@ -70,6 +70,32 @@ def test_it_accepts_json_bytes_and_text(bundle: dict[str, Any], trust_root_v1: T
     assert "not valid JSON" in (result.message or "")
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[" * 100_000 + "]" * 100_000,
+        '{"format": ' + "9" * 5000 + "}",
+        '{"format": NaN}',
+        '{"a": 1, "a": 1}',
+        b"\xff\xfe",
+    ],
+    ids=["deep", "huge-integer", "nan", "duplicate-key", "not-utf8"],
+)
+def test_hostile_json_is_malformed_not_a_crash(text: str | bytes, trust_root_v1: TrustRoot) -> None:
+    result = _verify(text, trust_root_v1)
+    assert (result.ok, result.reason) == (False, "malformed")
+
+
+def test_an_absurd_checkpoint_size_is_malformed(
+    bundle: dict[str, Any], trust_root_v1: TrustRoot
+) -> None:
+    lines = bundle["checkpoint"].split("\n")
+    lines[1] = "9" * 5000
+    result = _verify(dict(bundle, checkpoint="\n".join(lines)), trust_root_v1)
+    assert (result.ok, result.reason) == (False, "malformed")
+    assert "below 2**64" in (result.message or "")
+
+
 # --- keys and their validity windows ---------------------------------------------------
 
 

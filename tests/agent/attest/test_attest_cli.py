@@ -150,7 +150,7 @@ def test_time_of_verification_does_not_matter_to_old_certificates(
 
     class Later(datetime):
         @classmethod
-        def now(cls, tz: Any = None) -> Later:  # type: ignore[override]
+        def now(cls, tz: Any = None) -> Later:
             return cls(2031, 1, 1, tzinfo=UTC)
 
     monkeypatch.setattr(module, "datetime", Later)

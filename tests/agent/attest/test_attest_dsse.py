@@ -17,7 +17,9 @@ from cryptography.hazmat.primitives.asymmetric.utils import (
 )
 from securesystemslib.dsse import Envelope as SslibEnvelope
 from securesystemslib.exceptions import VerificationError
-from securesystemslib.signer import CryptoSigner, SSlibKey
+
+# securesystemslib documents these names but its __init__ does not re-export them for mypy.
+from securesystemslib.signer import CryptoSigner, SSlibKey  # type: ignore[attr-defined]
 
 from dvbench.attest import (
     PAYLOAD_TYPE_INTOTO,

@@ -83,7 +83,10 @@ def test_bad_certificate_values_are_refused_when_built(
 
 
 def _document(trust_root: TrustRoot, make_certificate: Any) -> dict[str, Any]:
-    return json.loads(make_certificate(trust_root, index=2).to_statement().to_json())
+    document: dict[str, Any] = json.loads(
+        make_certificate(trust_root, index=2).to_statement().to_json()
+    )
+    return document
 
 
 @pytest.mark.parametrize(
@@ -96,6 +99,8 @@ def _document(trust_root: TrustRoot, make_certificate: Any) -> dict[str, Any]:
         (("subject", 1, "name"), SUBJECT_TRANSCRIPT, "repeats a name"),
         (("predicateType",), "https://slsa.dev/provenance/v1", "predicateType must be"),
         (("predicate", "result"), "passed", "result must be PASSED or FAILED"),
+        (("predicate", "result"), ["PASSED"], "result must be PASSED or FAILED"),
+        (("predicate", "claims", 0, "evidence"), {"x": 1}, "evidence must be one of"),
         (("predicate", "issuedOn"), "2026-03-14T15:09:26.5Z", "RFC 3339 UTC time"),
         (("predicate", "claims", 0, "evidence"), "trust me", "evidence must be one of"),
         (("predicate", "claims", 0, "value"), float("nan"), "finite number"),

@@ -182,5 +182,10 @@ def parse_json(data: bytes | str, what: str) -> Any:
 
     try:
         return json.loads(data, object_pairs_hook=no_duplicates, parse_constant=no_constants)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except MalformedInputError:
+        raise
+    except RecursionError:
+        raise MalformedInputError(f"{what} is nested too deeply") from None
+    except ValueError as error:
+        # JSONDecodeError, UnicodeDecodeError, and integers beyond Python's digit limit.
         raise MalformedInputError(f"{what} is not valid JSON: {error}") from None

@@ -238,7 +238,7 @@ class Claim:
     def from_dict(cls, data: object, what: str) -> Claim:
         entry = obj(data, what, required=("name", "value", "evidence", "unit"))
         evidence = entry["evidence"]
-        if evidence not in {level.value for level in Evidence}:
+        if not isinstance(evidence, str) or evidence not in {level.value for level in Evidence}:
             raise MalformedInputError(
                 f"{what}.evidence must be one of {sorted(level.value for level in Evidence)}, got {evidence!r:.40}"
             )
@@ -428,7 +428,7 @@ class TrainingCertificate:
         verifier = obj(data["verifier"], f"{what}.verifier", required=("id", "version"))
         policy = obj(data["policyDigest"], f"{what}.policyDigest", required=("sha256",))
         result = data["result"]
-        if result not in {value.value for value in Result}:
+        if not isinstance(result, str) or result not in {value.value for value in Result}:
             raise MalformedInputError(f"{what}.result must be PASSED or FAILED, got {result!r:.40}")
         trust = obj(data["trustRoot"], f"{what}.trustRoot", required=("version", "digest"))
         trust_digest = obj(trust["digest"], f"{what}.trustRoot.digest", required=("sha256",))

@@ -64,7 +64,8 @@ HASH_SIZE: Final = 32
 EMPTY_ROOT: Final = hashlib.sha256(b"").digest()
 _NOTE_DASH: Final = "\u2014 "
 _ORIGIN = re.compile(r"[^\s\u2014]+")
-_SIZE = re.compile(r"0|[1-9][0-9]*")
+# Up to 2**64 - 1, as C2SP tlog-checkpoint bounds the tree size.
+_SIZE = re.compile(r"0|[1-9][0-9]{0,19}")
 
 
 def leaf_hash(leaf: bytes) -> bytes:
@@ -391,8 +392,10 @@ class Checkpoint:
         origin, size, root, stamp = lines[:4]
         if _ORIGIN.fullmatch(origin) is None:
             raise MalformedInputError(f"checkpoint origin {origin!r:.80} is malformed")
-        if _SIZE.fullmatch(size) is None:
-            raise MalformedInputError(f"checkpoint tree size {size!r:.80} is not a decimal number")
+        if _SIZE.fullmatch(size) is None or int(size) >= 1 << 64:
+            raise MalformedInputError(
+                f"checkpoint tree size {size!r:.80} is not a decimal number below 2**64"
+            )
         root_hash = b64decode(root, "checkpoint root hash")
         if len(root_hash) != HASH_SIZE:
             raise MalformedInputError(
