@@ -76,6 +76,13 @@ def sign_certificate(certificate: TrainingCertificate, signer: Signer) -> Envelo
 
     The signer does not know the trust root: a key used outside its validity window
     signs happily here, and every verifier then refuses the certificate.
+
+    Args:
+        certificate: what to sign; its ``issued_at`` is the signing time verifiers use.
+        signer: the platform's current key.
+
+    Returns:
+        The envelope; append :func:`envelope_leaf_hash` of it to the log.
     """
     return sign_envelope(PAYLOAD_TYPE_INTOTO, certificate.to_statement().to_json(), signer)
 
