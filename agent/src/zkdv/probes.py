@@ -45,6 +45,24 @@ def _leaf_dims(spec: LeafSpec) -> tuple[int, int]:
     return (spec.size // last if last else 0), last
 
 
+# OpenBLAS runs a GEMM single-threaded below m * n * k = 65536 * 4 (its
+# GEMM_MULTITHREAD_THRESHOLD); above, it wakes every BLAS thread. A probe is tiny, and
+# while the training step and the hashing pool own the cores, waking them cost 15-25 ms
+# per leaf on a 2-core machine (0.1 ms single-threaded). Row blocks under the threshold
+# keep each product single-threaded on every BLAS.
+_SINGLE_THREAD_GEMM = 65536 * 4 - 1
+
+
+def _project(values: np.ndarray, matrix: np.ndarray) -> np.ndarray:
+    rows = max(1, _SINGLE_THREAD_GEMM // max(1, matrix.shape[0] * matrix.shape[1]))
+    if len(values) <= rows:
+        return np.asarray(values @ matrix, dtype=np.float32)
+    out = np.empty((len(values), matrix.shape[1]), dtype=np.float32)
+    for start in range(0, len(values), rows):
+        np.matmul(values[start : start + rows], matrix, out=out[start : start + rows])
+    return out
+
+
 @dataclass
 class ProbeSet:
     """The probe matrices of one run, one per parameter leaf (computed once, reused)."""
@@ -89,9 +107,7 @@ class ProbeSet:
             values = values[selected]
         # Half-precision leaves are upcast so the projection itself adds no rounding
         # beyond float32's.
-        return np.asarray(
-            values.astype(np.float32, copy=False) @ self.matrices[leaf], dtype=np.float32
-        )
+        return _project(values.astype(np.float32, copy=False), self.matrices[leaf])
 
     def project_all(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         return [self.project(i, array) for i, array in enumerate(arrays)]
