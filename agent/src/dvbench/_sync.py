@@ -517,10 +517,14 @@ class Uploader:
                     directory=str(self.directory),
                 )
             names = self.scan(final=final)
-            if final:
+            if names:
                 self._prepare_experiment()
-                self.progress.total = (
-                    sum((self.directory / n).stat().st_size for n in names) or self.progress.total
+            if final:
+                done = ("complete", "deduplicated", "empty")
+                self.progress.total = sum(
+                    (self.directory / n).stat().st_size
+                    for n in names
+                    if self.manifest.files.get(n, {}).get("status") not in done
                 )
             for name in names:
                 if name == TRANSCRIPT:

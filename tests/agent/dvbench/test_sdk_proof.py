@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import pytest
 
@@ -17,50 +16,9 @@ import dvbench
 from dvbench import Client
 from dvbench._proof import proof_class
 from dvbench._sync import MANIFEST, Manifest
-from zkdv.files import batch_path, write_batch
 from zkdv.testing import write_synthetic_transcript
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-class FakeDriver:
-    """The parts of zkdv.driver.Driver that DVBench relies on."""
-
-    def __init__(self, path, config=None, *, max_in_flight: int = 2) -> None:
-        self.path = Path(path)
-        self.config = config
-        self.max_in_flight = max_in_flight
-        self.bound: tuple[str, str] | None = None
-        self.digest: bytes | None = None
-        self.steps = 0
-        self.closed = 0
-
-    def bind_experiment(self, name: str, spec_digest: str) -> None:
-        self.bound = (name, spec_digest)
-
-    def start(self, rolling_window: int, probe_ratio: float = 0.01) -> None:
-        self.window = rolling_window
-
-    def step(self) -> None:
-        import numpy as np
-
-        batch = np.random.default_rng(self.steps).integers(0, 9, (4, 300), dtype=np.uint32)
-        write_batch(batch_path(self.path, self.steps), batch)
-        self.steps += 1
-
-    def close(self) -> None:
-        if not self.closed:
-            assert self.bound is not None
-            write_synthetic_transcript(
-                self.path, steps=3, experiment=self.bound[0], spec_digest=self.bound[1]
-            )
-            self.digest = b"\x01" * 32
-        self.closed += 1
-
-
-@pytest.fixture
-def fake_backend(monkeypatch):
-    monkeypatch.setattr("dvbench._proof.backend_class", lambda backend: FakeDriver)
 
 
 def wait_for(condition, timeout: float = 10.0) -> None:
