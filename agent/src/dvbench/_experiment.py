@@ -32,6 +32,8 @@ BACKENDS = ("jax", "torch")
 #: of anything, so an auditor sees at a glance that nothing was declared.
 UNDECLARED_DATASET = "0" * 64
 SPEC_SCHEMA = "dvbench.spec/v1"
+#: Roles that may upload (the platform's ``write`` capability).
+UPLOAD_ROLES = ("trainer", "admin")
 
 
 def check_name(name: str) -> None:
@@ -244,6 +246,23 @@ class Experiment:
         """The proofs filed for this experiment, newest first, with their verdicts."""
         return list(self._client.paginate("proofs/", {"experiment": self.name}))
 
+    def _check_role(self) -> None:
+        """Fail before training, not at upload, when the key's role cannot upload here."""
+        try:
+            me = self._client.me()
+        except DVBenchError:
+            return  # the upload will say what is wrong; never block training on this
+        for org in me.get("organizations", []):
+            role = org.get("role")
+            if org.get("slug") == self.owner and role not in UPLOAD_ROLES:
+                raise PermissionDeniedError(
+                    f"{me.get('username')} is {role!r} in {self.owner!r}, which may read "
+                    f"{self.name} but not upload proofs to it; ask an admin of "
+                    f"{self.owner!r} for the trainer role, or use a trainer's key",
+                    status_code=403,
+                    code="role_cannot_upload",
+                )
+
     # --- the training-side proof --------------------------------------------------------
     def proof(
         self,
@@ -290,6 +309,8 @@ class Experiment:
                 f"{self.name} declares framework {self.framework!r}, but backend={backend!r}; "
                 "use the declared framework, or declare a new spec version"
             )
+        if not self._client.offline:
+            self._check_role()
         if not self.spec_digest:
             raise ConfigurationError(
                 f"the spec digest of {self.name} is unknown offline: run once online (the "

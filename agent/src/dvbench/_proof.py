@@ -185,7 +185,12 @@ class DVBenchProof:
             if state.result is not None and (state.result.complete or state.result.offline):
                 return state.result
             if not state.closed:
-                self.close()
+                try:
+                    self.close()
+                finally:
+                    # Stopped before the manifest changes hands: from here on only this
+                    # thread writes it.
+                    state.stop_background()
                 state.closed = True
                 state.manifest.update(
                     finished=True,

@@ -587,9 +587,9 @@ class Uploader:
         try:
             self.client.post(f"proofs/{int(proof)}/artifacts/", {"files": files})
         except APIError as error:
-            # A platform without the route answers Django's own 404 (no error envelope)
-            # or 405: the files are uploaded and content-addressed all the same.
-            if error.status_code in (404, 405) and error.code is None:
+            # The proof was just filed, so a 404 or 405 means a platform without the
+            # route: the files are uploaded and content-addressed all the same.
+            if error.status_code in (404, 405):
                 if data.get("attached") != "unsupported":
                     log.info("dvbench: this platform has no proof artifact list; skipped")
                 self.manifest.update(attached="unsupported")

@@ -125,3 +125,12 @@ def test_the_declared_framework_must_match(platform, fake_backend):
             experiment.proof(backend="jax")
         with pytest.raises(ValueError, match="backend"):
             experiment.proof(backend="tensorflow")
+
+
+def test_an_auditor_is_stopped_before_training_not_at_upload(platform, fake_backend):
+    with Client(platform.url, api_key=platform.key("alice")) as client:
+        client.experiment("acme/audited", spec=dvbench.default_spec("jax"))
+    with Client(platform.url, api_key=platform.key("bob")) as bob:
+        experiment = bob.experiment("acme/audited")  # an auditor may read it
+        with pytest.raises(dvbench.PermissionDeniedError, match="trainer role"):
+            experiment.proof(backend="jax")
