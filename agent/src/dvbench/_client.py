@@ -302,6 +302,8 @@ class Client:
 
     def health(self) -> dict[str, Any]:
         """The platform's ``/health`` report (it needs no key)."""
+        if self.offline:
+            raise DVBenchError("DVBENCH_MODE=offline: this client sends no requests")
         response = self._http.get("/health", timeout=self.timeout)
         try:
             data: dict[str, Any] = response.json()
@@ -323,15 +325,16 @@ class Client:
         name: str,
         *,
         spec: Mapping[str, Any] | None = None,
+        framework: str | None = None,
         create: bool = True,
     ) -> Experiment:
         """The experiment ``owner/name``, registered if it does not exist yet.
 
         An experiment that is not registered is registered with ``spec`` (see
-        :meth:`create_experiment`); without one, registration waits for
-        :meth:`Experiment.proof`, which declares the backend as the framework and the
-        rest of the spec as undeclared. Registering needs the trainer or admin role in
-        the owning organisation.
+        :meth:`create_experiment`), or with the default spec of ``framework``; given
+        neither, registration waits for :meth:`Experiment.proof`, which declares its
+        backend as the framework and the rest of the spec as undeclared. Registering
+        needs the trainer or admin role in the owning organisation.
 
         In offline mode nothing is asked: the experiment is described from the cache of
         a previous online lookup, or from ``spec``, and registered by ``dvbench sync``.
@@ -339,6 +342,7 @@ class Client:
         Args:
             name: ``owner/name`` (owner is the organisation's slug).
             spec: the declared spec used if the experiment must be registered.
+            framework: ``"jax"`` or ``"torch"``: register at once with the default spec.
             create: register a missing experiment; with False, a missing one raises.
 
         Raises:
@@ -346,9 +350,11 @@ class Client:
                 to an organisation this key cannot see.
             PermissionDeniedError: it does not exist and this key may not register it.
         """
-        from dvbench._experiment import Experiment, check_name
+        from dvbench._experiment import Experiment, check_name, default_spec
 
         check_name(name)
+        if spec is None and framework is not None:
+            spec = default_spec(framework)
         if self.offline:
             return Experiment.offline(self, name, spec)
         try:

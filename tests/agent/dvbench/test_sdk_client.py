@@ -93,3 +93,10 @@ def test_an_invalid_spec_names_the_field(platform):
             client.create_experiment("acme/bad-spec", spec)
     assert caught.value.field == "spec.dataset_commitment"
     assert caught.value.status_code == 400
+
+
+def test_a_framework_registers_at_once(platform):
+    with Client(platform.url, api_key=platform.key("alice")) as client:
+        experiment = client.experiment("acme/torch-now", framework="torch")
+        assert experiment.registered and experiment.framework == "torch"
+        assert experiment.spec == {**experiment.spec, **dvbench.default_spec("torch")}
