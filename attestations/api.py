@@ -11,7 +11,7 @@ from typing import Any
 
 from django.contrib.auth import get_user_model
 from django.core.files.storage import default_storage
-from django.db.models import QuerySet
+from django.db.models import Prefetch, QuerySet
 from django.http import FileResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
@@ -55,6 +55,9 @@ from attestations.serializers import (
     SpecSerializer,
     UploadSerializer,
 )
+
+#: A proof's jobs, with what their serializer reads, in one query per page.
+JOBS = Prefetch("jobs", queryset=Job.objects.select_related("organization"))
 
 
 class FilterMixin:
@@ -283,9 +286,7 @@ class ExperimentList(FilterMixin, generics.ListCreateAPIView[Experiment]):
     }
 
     def get_queryset(self) -> QuerySet[Experiment]:
-        queryset = Experiment.objects.visible_to(get_access(self.request)).select_related(
-            "owner", "current_spec", "created_by"
-        )
+        queryset = Experiment.objects.visible_to(get_access(self.request)).with_summary()
         return self.apply_filters(queryset, self.request)
 
     def perform_create(self, serializer: serializers.BaseSerializer[Experiment]) -> None:
@@ -314,7 +315,7 @@ class ExperimentList(FilterMixin, generics.ListCreateAPIView[Experiment]):
 def _experiment(request: Request, owner: str, name: str) -> Experiment:
     experiment = (
         Experiment.objects.visible_to(get_access(request))
-        .select_related("owner", "current_spec", "created_by")
+        .with_summary()
         .filter(owner__slug=owner, name=name)
         .first()
     )
@@ -404,7 +405,10 @@ class ProofList(FilterMixin, generics.ListAPIView[Proof]):
         access = get_access(self.request)
         queryset = Proof.objects.filter(access.orgs(Capability.READ, "experiment__owner_id"))
         return self.apply_filters(
-            queryset.select_related("experiment__owner", "spec", "transcript"), self.request
+            queryset.select_related("experiment__owner", "spec", "transcript").prefetch_related(
+                JOBS
+            ),
+            self.request,
         )
 
 
@@ -414,9 +418,11 @@ class ProofDetail(generics.RetrieveAPIView[Proof]):
 
     def get_queryset(self) -> QuerySet[Proof]:
         access = get_access(self.request)
-        return Proof.objects.filter(
-            access.orgs(Capability.READ, "experiment__owner_id")
-        ).select_related("experiment__owner", "spec", "transcript")
+        return (
+            Proof.objects.filter(access.orgs(Capability.READ, "experiment__owner_id"))
+            .select_related("experiment__owner", "spec", "transcript")
+            .prefetch_related(JOBS)
+        )
 
 
 class ProofTranscript(APIView):
@@ -511,7 +517,8 @@ class UploadList(FilterMixin, generics.ListCreateAPIView[Upload]):
     def get_queryset(self) -> QuerySet[Upload]:
         queryset = Upload.objects.filter(get_access(self.request).orgs(Capability.ARTIFACTS))
         return self.apply_filters(
-            queryset.select_related("experiment__owner", "blob"), self.request
+            queryset.select_related("experiment__owner", "blob", "proof").prefetch_related("parts"),
+            self.request,
         )
 
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:

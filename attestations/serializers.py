@@ -222,10 +222,13 @@ class ExperimentSerializer(serializers.ModelSerializer[Experiment]):
         validators: list[Any] = []
 
     def get_proofs(self, experiment: Experiment) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for status in experiment.proofs.values_list("status", flat=True):
-            counts[status] = counts.get(status, 0) + 1
-        return counts
+        return experiment.proof_counts()
+
+    def to_representation(self, instance: Experiment) -> dict[str, Any]:
+        frozen = getattr(instance, "spec_frozen", None)
+        if frozen is not None and instance.current_spec is not None:
+            instance.current_spec._frozen = frozen  # type: ignore[attr-defined]
+        return super().to_representation(instance)
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         name = attrs["name"]
@@ -319,8 +322,9 @@ class ProofSerializer(serializers.ModelSerializer[Proof]):
 
     @extend_schema_field(JobSerializer(allow_null=True))
     def get_job(self, proof: Proof) -> dict[str, Any] | None:
-        job = proof.jobs.order_by("-created").first()
-        return JobSerializer(job).data if job is not None else None
+        # jobs.all() is prefetched by the views: pick the latest without another query.
+        jobs = sorted(proof.jobs.all(), key=lambda job: job.created)
+        return JobSerializer(jobs[-1]).data if jobs else None
 
 
 class UploadPartSerializer(serializers.ModelSerializer[UploadPart]):
@@ -364,8 +368,10 @@ class UploadSerializer(serializers.ModelSerializer[Upload]):
         read_only_fields = ["id", "status", "reason", "created", "expires", "completed"]
 
     def get_proof(self, upload: Upload) -> int | None:
-        proof = Proof.objects.filter(upload=upload).values_list("pk", flat=True).first()
-        return proof
+        try:
+            return upload.proof.pk
+        except Proof.DoesNotExist:
+            return None
 
     def get_max_part_bytes(self, upload: Upload) -> int:
         return max_part_bytes()

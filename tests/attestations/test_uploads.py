@@ -275,3 +275,27 @@ def test_expired_uploads_are_cleaned(world: World, api: Api, storage: Path) -> N
     assert uploads.expire_stale(timezone.now() + timezone.timedelta(days=30)) == 2
     assert not any(name.startswith("staging/") for name in stored_files(storage))
     assert Upload.objects.get(pk=created["id"]).reason == "expired"
+
+
+def test_a_single_part_is_moved_into_place(world: World, api: Api, storage: Path) -> None:
+    data = os.urandom(800)
+    assert upload_blob(api("alice"), data).status_code == 200
+    assert upload_blob(api("admin"), data).status_code == 200  # deduplicated
+    blob = Blob.objects.get(sha256=sha256(data))
+    assert (storage / blob.storage_name).read_bytes() == data
+    assert len(stored_files(storage)) == BASELINE + 1
+    assert not any(name.startswith("staging/") for name in stored_files(storage))
+
+
+def test_a_single_part_with_a_wrong_total_digest_stores_nothing(
+    world: World, api: Api, storage: Path
+) -> None:
+    client = api("alice")
+    data = os.urandom(800)
+    created = open_upload(client, data, digest=sha256(b"other"))
+    put_parts(client, created["id"], data, 1000)
+    response = client.post(f"/api/v1/uploads/{created['id']}/complete/")
+    assert response.status_code == 400
+    assert error_of(response)["code"] == "blob_digest_mismatch"
+    assert len(stored_files(storage)) == BASELINE
+    assert not Blob.objects.filter(sha256=sha256(data)).exists()
