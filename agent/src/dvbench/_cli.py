@@ -140,7 +140,15 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
     directories = [Path(d) for d in args.directories]
     if not directories:
-        directories = pending_directories(runs_dir())
+        directories = pending_directories(runs_dir(), finished=None if args.partial else True)
+        unfinished = [] if args.partial else pending_directories(runs_dir(), finished=False)
+        if unfinished:
+            # A process that died while training left a transcript without its close
+            # record: the platform would reject it, so it is only reported.
+            _err(
+                f"skipping {len(unfinished)} run(s) that never reached finish() (their "
+                "training stopped early); `dvbench sync --partial DIR` uploads their files"
+            )
         if not directories:
             _out(f"nothing to sync under {runs_dir()}")
             return 0

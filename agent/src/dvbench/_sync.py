@@ -678,8 +678,13 @@ def _adopt(directory: Path, experiment: str, base_url: str) -> None:
     manifest.update(finished=True)
 
 
-def pending_directories(root: Path) -> list[Path]:
-    """Proof directories under ``root`` (the cache's ``runs/``) not yet fully synced."""
+def pending_directories(root: Path, *, finished: bool | None = None) -> list[Path]:
+    """Proof directories under ``root`` (the cache's ``runs/``) not yet fully synced.
+
+    Args:
+        finished: only runs whose ``finish()`` closed the transcript (True), only runs
+            that never got there (False), or both (None).
+    """
     if not root.is_dir():
         return []
     found = []
@@ -688,6 +693,8 @@ def pending_directories(root: Path) -> list[Path]:
             data = json.loads(manifest.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(data, dict) and not data.get("synced"):
+        if not isinstance(data, dict) or data.get("synced"):
+            continue
+        if finished is None or bool(data.get("finished")) == finished:
             found.append(manifest.parent)
     return found

@@ -87,3 +87,7 @@ def test_an_unfinished_run_is_not_synced_as_a_proof(platform, fake_backend, monk
     monkeypatch.setenv("DVBENCH_API_KEY", platform.key("alice"))
     assert main(["sync", "--no-progress", str(proof.directory)]) == 1
     assert "has not finished" in capsys.readouterr().err
+    # `dvbench sync` of the whole cache reports it and goes on.
+    assert main(["sync", "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    assert "skipping 1 run(s)" in err and "nothing to sync" in out
