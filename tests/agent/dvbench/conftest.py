@@ -145,7 +145,8 @@ class Seen:
 
 
 Rule = Callable[[str, str, int], str]
-"""``rule(method, path, n)`` -> ``"pass"``, ``"cut"``, ``"503"``, ``"429"`` or ``"hang"``;
+"""``rule(method, path, n)`` -> ``"pass"``, ``"cut"``, ``"503"``, ``"429"``, ``"hang"`` or
+``"slow"``;
 ``n`` counts earlier requests with the same method and path."""
 
 
@@ -158,7 +159,8 @@ class FaultProxy:
     * ``cut``: forward the head and half the body, then close both sides: a connection
       lost in the middle of a part;
     * ``503`` / ``429``: answer that status with ``Retry-After: 0``, never forwarding;
-    * ``hang``: read the request and never answer (until the proxy stops).
+    * ``hang``: read the request and never answer (until the proxy stops);
+    * ``slow``: wait ``slow_seconds`` before forwarding: a slow network.
     """
 
     def __init__(self, upstream: str, rule: Rule | None = None) -> None:
@@ -166,6 +168,7 @@ class FaultProxy:
         assert match, upstream
         self.upstream = (match.group(1), int(match.group(2)))
         self.rule: Rule = rule or (lambda method, path, n: "pass")
+        self.slow_seconds = 0.5
         self.seen: list[Seen] = []
         self._counts: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
@@ -232,6 +235,8 @@ class FaultProxy:
             if action == "hang":
                 self._stop.wait()
                 return
+            if action == "slow":
+                self._stop.wait(self.slow_seconds)
             while len(body) < length and action != "cut":
                 chunk = conn.recv(65536)
                 if not chunk:

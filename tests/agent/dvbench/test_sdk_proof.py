@@ -134,3 +134,22 @@ def test_an_auditor_is_stopped_before_training_not_at_upload(platform, fake_back
         experiment = bob.experiment("acme/audited")  # an auditor may read it
         with pytest.raises(dvbench.PermissionDeniedError, match="trainer role"):
             experiment.proof(backend="jax")
+
+
+def test_a_slow_network_never_stalls_a_step(platform, proxy, fake_backend):
+    slow = proxy(lambda method, path, n: "slow" if method == "PUT" else "pass")
+    slow.slow_seconds = 0.25
+    with Client(slow.url, api_key=platform.key("alice")) as client:
+        proof = client.experiment("acme/slow").proof(backend="jax")
+        proof.start(rolling_window=4)
+        durations = []
+        for _ in range(6):
+            began = time.perf_counter()
+            proof.step()
+            durations.append(time.perf_counter() - began)
+            time.sleep(0.1)  # the rest of a training step
+        # Uploads were under way (each part takes 0.25 s more) while the steps ran at full speed.
+        assert slow.puts("slow")
+        assert max(durations) < 0.25, durations
+        result = proof.finish()
+    assert result.complete
