@@ -253,6 +253,8 @@ class ZKDV(Driver):
                 raise ValueError("this optimizer was prepared by another ZKDV proof")
             return value
         if isinstance(value, nn.Module):
+            if not any(True for _ in value.parameters()) and not any(True for _ in value.buffers()):
+                return value  # a stateless module (an activation, a loss) passes through
             current = self._prepared_model
             if current is not None:
                 if current.public is value:
@@ -308,7 +310,7 @@ class ZKDV(Driver):
         if self._attested_function is None:
             raise RuntimeError(NOT_ATTESTED)
         if self._batch_layout is None:
-            self._batch_layout = BatchLayout.of(transaction.batch)
+            self._batch_layout = BatchLayout.of(transaction.batch, self.rolling_window)
         if self.follower:
             self._gather(self._batch_layout.pack(transaction.batch))
             return None

@@ -5,8 +5,11 @@ batch is any pytree (``torch.utils._pytree``) of tensors and plain values; it is
 as follows (version 1, recorded as ``env.batch`` in the root record):
 
 * **Rows.** When every tensor leaf has at least one dimension and all share the same
-  leading size ``B``, the batch has ``B`` rows and row ``r`` holds sample ``r`` of
-  every leaf; otherwise the batch is one row holding everything.
+  leading size ``B``, row ``r`` holds samples ``r*g .. r*g+g-1`` of every leaf, where
+  ``g`` is the smallest divisor of ``B`` whose rows are at least ``rolling_window``
+  words wide (usually ``g = 1``: one sample per row; a tiny sample such as ten features
+  and a label is grouped so that rolling-hash windows fit in a row). Otherwise the
+  batch is one row holding everything.
 * **Columns.** Within a row the leaves follow in pytree order. Each leaf contributes
   its row's elements in C order as raw little-endian bytes, bit for bit: a float is
   bitcast (never converted), a 64-bit integer or float occupies two words (low word
@@ -70,8 +73,12 @@ class BatchLayout:
     tokens: int
 
     @classmethod
-    def of(cls, batch: Any) -> BatchLayout:
+    def of(cls, batch: Any, min_words: int = 1) -> BatchLayout:
         """Derive the layout from the first batch.
+
+        Args:
+            batch: the first transaction's batch.
+            min_words: the narrowest acceptable row (the run's ``rolling_window``).
 
         Raises:
             ValueError: the batch holds no tensor, or a tensor of an unpackable type.
@@ -81,8 +88,20 @@ class BatchLayout:
         if not tensors:
             raise ValueError("a ZKDV Torch transaction batch must contain at least one tensor")
         leading = {tensor.shape[0] if tensor.dim() else None for tensor in tensors}
-        rows = leading.pop() if len(leading) == 1 and None not in leading else 1
-        rows = max(int(rows or 1), 1)
+        samples = leading.pop() if len(leading) == 1 and None not in leading else 1
+        samples = max(int(samples or 1), 1)
+        rows = 1
+        for group in range(1, samples + 1):
+            if samples % group:
+                continue
+            candidate = samples // group
+            width = sum(
+                math.ceil(tensor.numel() // candidate * tensor.element_size() / 4)
+                for tensor in tensors
+            )
+            if width >= min_words:
+                rows = candidate
+                break
         offset = 0
         leaves: list[LeafLayout | None] = []
         statics: list[Any] = []

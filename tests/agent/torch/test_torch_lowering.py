@@ -1,0 +1,98 @@
+"""Lowering the attested step: what is rejected, with the instruction it gives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional
+
+import zkdv
+from zkdv.verify import verify_transcript
+
+
+def _run(tmp_path: Path, model: nn.Module, attested) -> None:
+    proof = zkdv.torch.ZKDV(tmp_path / "proof")
+    proof.start(rolling_window=2)
+    model, optimizer = proof.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    proof.attest(lambda m, o, b: attested(proof, m, o, b))
+    batch = (torch.randn(4, 3), torch.randint(2, (4,)))
+    try:
+        with proof.transaction(batch=batch):
+            proof.backward(functional.cross_entropy(model(batch[0]), batch[1]))
+            optimizer.step()
+    finally:
+        proof.close()
+
+
+def test_a_stateful_module_outside_the_prepared_root_is_rejected(tmp_path: Path) -> None:
+    head = nn.Linear(2, 2)
+
+    def attested(proof, model, optimizer, batch):
+        logits = head(proof.forward(model, batch[0]))
+        proof.backward(functional.cross_entropy(logits, batch[1]))
+        optimizer.step()
+
+    with pytest.raises(
+        RuntimeError, match=r"captured unprepared tensor state .*proof\.prepare\(\)"
+    ):
+        _run(tmp_path, nn.Linear(3, 2), attested)
+
+
+def test_calling_the_module_directly_is_captured_state(tmp_path: Path) -> None:
+    def attested(proof, model, optimizer, batch):
+        proof.backward(functional.cross_entropy(model(batch[0]), batch[1]))
+        optimizer.step()
+
+    with pytest.raises(RuntimeError, match="captured unprepared tensor state"):
+        _run(tmp_path, nn.Linear(3, 2), attested)
+
+
+def test_forward_of_an_unprepared_model_is_rejected(tmp_path: Path) -> None:
+    other = nn.Linear(3, 2)
+
+    def attested(proof, model, optimizer, batch):
+        proof.backward(functional.cross_entropy(proof.forward(other, batch[0]), batch[1]))
+        optimizer.step()
+
+    with pytest.raises(
+        RuntimeError,
+        match=r"proof\.forward\(\) received an unprepared model; pass it through proof\.prepare\(\) first",
+    ):
+        _run(tmp_path, nn.Linear(3, 2), attested)
+
+
+def test_implicit_random_operators_are_rejected(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2))
+
+    def attested(proof, model, optimizer, batch):
+        proof.backward(functional.cross_entropy(proof.forward(model, batch[0]), batch[1]))
+        optimizer.step()
+
+    with pytest.raises(RuntimeError, match=r"contains random operations .*outside the transition"):
+        _run(tmp_path, model, attested)
+
+
+def test_literal_tensors_and_stateless_modules_pass_through(tmp_path: Path) -> None:
+    activation = nn.GELU()
+
+    def attested(proof, model, optimizer, batch):
+        scale = torch.tensor(0.5)
+        logits = activation(proof.forward(model, batch[0])) * scale
+        proof.backward(functional.cross_entropy(logits, batch[1]))
+        optimizer.step()
+
+    _run(tmp_path, nn.Linear(3, 2), attested)
+    assert verify_transcript(tmp_path / "proof").ok
+
+
+def test_the_attested_step_must_step_the_optimizer(tmp_path: Path) -> None:
+    def attested(proof, model, optimizer, batch):
+        functional.cross_entropy(proof.forward(model, batch[0]), batch[1])
+
+    with pytest.raises(
+        RuntimeError, match=r"call proof\.backward\(loss\) and then optimizer\.step\(\)"
+    ):
+        _run(tmp_path, nn.Linear(3, 2), attested)
