@@ -634,3 +634,15 @@ class UploadComplete(APIView):
         upload = _upload(request, pk, Capability.WRITE)
         upload = uploads.complete(upload, user=request.user, ip=client_ip(request.META))  # type: ignore[arg-type]
         return Response(UploadSerializer(upload).data)
+
+
+class UnknownEndpoint(APIView):
+    """Any other path under /api/v1/: a 404 in the API's error format, not an HTML page."""
+
+    permission_classes: list[Any] = []
+    schema = None
+
+    def _missing(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        raise NotFoundError(f"No API endpoint {request.path}; see /api/v1/docs/.", field="path")
+
+    get = post = put = patch = delete = head = options = _missing

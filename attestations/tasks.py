@@ -33,3 +33,14 @@ def ingest_proof(proof_id: int) -> str | None:
     proof = Proof.objects.select_related("experiment__owner", "transcript").get(pk=proof_id)
     proof.verify()
     return proof.status
+
+
+@shared_task(name="attestations.tasks.expire_uploads", acks_late=True)
+def expire_uploads() -> int:
+    """Remove the staged parts of uploads left open past their expiry (run periodically).
+
+    Idempotent: an upload already expired is no longer open and is not touched again.
+    """
+    from attestations import uploads
+
+    return uploads.expire_stale()

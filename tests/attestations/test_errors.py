@@ -55,3 +55,10 @@ def test_malformed_json_is_a_parse_error(world: World, api: Api) -> None:
     response = api("alice").post("/api/v1/experiments/", data=b"{", content_type="application/json")
     assert response.status_code == 400
     assert error_of(response)["code"] == "parse_error"
+
+
+def test_an_unknown_api_path_is_a_json_404(world: World, api: Api) -> None:
+    response = api("alice").get("/api/v1/nothing/here/")
+    assert response.status_code == 404
+    assert error_of(response)["code"] == "not_found"
+    assert APIClient().post("/api/v1/nope").status_code == 404

@@ -299,3 +299,13 @@ def test_a_single_part_with_a_wrong_total_digest_stores_nothing(
     assert error_of(response)["code"] == "blob_digest_mismatch"
     assert len(stored_files(storage)) == BASELINE
     assert not Blob.objects.filter(sha256=sha256(data)).exists()
+
+
+def test_the_expiry_task_is_idempotent(world: World, api: Api, storage: Path) -> None:
+    from django.utils import timezone
+
+    from attestations.tasks import expire_uploads
+
+    Upload.objects.update(expires=timezone.now() - timezone.timedelta(seconds=1))
+    assert expire_uploads() == 1
+    assert expire_uploads() == 0
