@@ -694,12 +694,22 @@ class Proof(models.Model):
                 f"the transcript names experiment {name!r}; expected {self.experiment.full_name!r}",
                 "root.experiment.name",
             )
-        if not self.experiment.specs.filter(digest=digest).exists():
+        spec = self.experiment.specs.filter(digest=digest).first()
+        if spec is None:
             return (
                 "spec_mismatch",
                 f"the transcript names spec digest {digest!r}, which is no version of "
                 f"{self.experiment.full_name} (current: {self.experiment.current_spec.digest})",  # type: ignore[union-attr]
                 "root.experiment.spec_digest",
+            )
+        prover = root.get("prover") if isinstance(root, Mapping) else None
+        expected = f"whitebox-{spec.framework}"
+        if prover != expected:
+            return (
+                "framework_mismatch",
+                f"the transcript was made by prover {prover!r}; spec version {spec.version} "
+                f"declares framework {spec.framework!r}, so expected {expected!r}",
+                "root.prover",
             )
         return None
 

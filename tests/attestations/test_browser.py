@@ -98,6 +98,7 @@ def upload_transcript(base_url: str, key: str, experiment: str, tmp_path: Path) 
             steps=6,
             experiment=experiment,
             spec_digest=described.json()["spec_digest"],
+            prover=f"whitebox-{described.json()['spec']['framework']}",
         )
         data = (Path(proof_dir) / "records.cborl").read_bytes()
         digest = hashlib.sha256(data).hexdigest()
@@ -119,7 +120,7 @@ def upload_transcript(base_url: str, key: str, experiment: str, tmp_path: Path) 
         )
         part.raise_for_status()
         done = client.post(f"/api/v1/uploads/{upload_id}/complete")
-        done.raise_for_status()
+        assert done.status_code == 200, done.text
         return done.json()  # type: ignore[no-any-return]
 
 

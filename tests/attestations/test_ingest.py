@@ -18,13 +18,21 @@ from zkdv.testing import write_synthetic_transcript
 Api = Callable[[str | None], APIClient]
 
 
-def transcript(tmp_path: Path, experiment: str, spec_digest: str, *, steps: int = 4) -> bytes:
+def transcript(
+    tmp_path: Path,
+    experiment: str,
+    spec_digest: str,
+    *,
+    steps: int = 4,
+    prover: str = "whitebox-jax",
+) -> bytes:
     proof_dir = write_synthetic_transcript(
-        tmp_path / f"proof-{experiment.replace('/', '-')}-{spec_digest[:6]}-{steps}",
+        tmp_path / f"proof-{experiment.replace('/', '-')}-{spec_digest[:6]}-{steps}-{prover}",
         steps=steps,
         experiment=experiment,
         spec_digest=spec_digest,
         seed=0,
+        prover=prover,
     )
     return (Path(proof_dir) / "records.cborl").read_bytes()
 
@@ -95,6 +103,18 @@ def test_a_transcript_of_another_spec_is_refused(
     error = error_of(response)
     assert (error["code"], error["field"]) == ("spec_mismatch", "root.experiment.spec_digest")
     assert (stored_files(storage), Blob.objects.count(), Proof.objects.count()) == before
+
+
+def test_a_transcript_of_another_framework_is_refused(
+    world: World, api: Api, tmp_path: Path, storage: Path
+) -> None:
+    data = transcript(tmp_path, "acme/run-1", digest_of(world), prover="whitebox-torch")
+    response = upload_blob(api("alice"), data, kind="transcript", part_size=4096)
+    assert response.status_code == 422
+    error = error_of(response)
+    assert (error["code"], error["field"]) == ("framework_mismatch", "root.prover")
+    assert "'whitebox-jax'" in error["message"]
+    assert Proof.objects.count() == 1  # the world's
 
 
 def test_the_spec_freezes_once_a_proof_names_it(
