@@ -15,6 +15,7 @@ import os
 import secrets
 import signal
 import socket
+import string
 import subprocess
 import sys
 import time
@@ -30,6 +31,8 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 ADMIN_USERNAME = "admin"
+PASSWORD_ALPHABET = string.ascii_letters + string.digits
+PASSWORD_LENGTH = 24  # about 143 bits
 CREDENTIALS_FILE = "demo-admin.json"
 GUNICORN_CONFIG = Path(settings.BASE_DIR) / "platform" / "gunicorn.conf.py"
 HEALTH_TIMEOUT_SECONDS = 60.0
@@ -60,7 +63,8 @@ def ensure_admin(data_dir: Path) -> tuple[str, str]:
         stored = json.loads(path.read_text())
         if user.check_password(stored["password"]):
             return ADMIN_USERNAME, str(stored["password"])
-    password = secrets.token_urlsafe(18)
+    # Letters and digits only: the password is pasted into forms and shells.
+    password = "".join(secrets.choice(PASSWORD_ALPHABET) for _ in range(PASSWORD_LENGTH))
     if user is None:
         user_model.objects.create_superuser(ADMIN_USERNAME, email="", password=password)
     else:
