@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import sysconfig
@@ -108,3 +109,16 @@ def test_the_django_configuration_package_is_config() -> None:
 
     assert settings.ROOT_URLCONF == "config.urls"
     assert settings.WSGI_APPLICATION == "config.wsgi.application"
+
+
+def test_the_readme_sets_up_with_exactly_two_commands() -> None:
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme.split("## Set up", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```sh\n", 1)[1].split("```", 1)[0]
+    commands = [line.split("#", 1)[0].strip() for line in block.splitlines() if line.strip()]
+    assert commands == ["./scripts/demo", "./scripts/test"]
+    for line in block.splitlines():
+        assert "#" in line, f"set-up command without its one-line explanation: {line!r}"
+    for command in commands:
+        script = REPO_ROOT / command
+        assert script.is_file() and os.access(script, os.X_OK), f"{command} is not executable"
