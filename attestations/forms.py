@@ -6,6 +6,7 @@ from decimal import Decimal
 from typing import Any
 
 from django import forms
+from django.contrib.auth.models import User
 from django.core.validators import MinValueValidator
 
 from attestations.models import (
@@ -13,6 +14,7 @@ from attestations.models import (
     Framework,
     Organization,
     Regime,
+    Role,
     experiment_name_validator,
     sha256_validator,
 )
@@ -106,6 +108,19 @@ class ExperimentForm(SpecForm):
         if owner and name and Experiment.objects.filter(owner=owner, name=name).exists():
             self.add_error("name", f"{owner.slug}/{name} is already registered.")
         return data
+
+
+class MemberForm(forms.Form):
+    """Add a member to an organisation, or change an existing member's role."""
+
+    username = forms.CharField(max_length=150)
+    role = forms.ChoiceField(choices=Role.choices)
+
+    def clean_username(self) -> str:
+        username = str(self.cleaned_data["username"]).strip()
+        if not User.objects.filter(username=username, is_active=True).exists():
+            raise forms.ValidationError(f"No active user named {username!r}.", code="unknown_user")
+        return username
 
 
 class ApiKeyForm(forms.Form):

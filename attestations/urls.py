@@ -24,4 +24,10 @@ urlpatterns = [
     path("keys/", views.api_keys, name="api-keys"),
     path("keys/<int:pk>/revoke/", views.api_key_revoke, name="api-key-revoke"),
     path("audit/", views.audit_log, name="audit"),
+    path("orgs/<slug:slug>/", views.organization, name="organization"),
+    path(
+        "orgs/<slug:slug>/members/<str:username>/remove/",
+        views.organization_remove,
+        name="organization-remove",
+    ),
 ]

@@ -18,7 +18,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_http_methods, require_POST
 
-from attestations.forms import ApiKeyForm, ExperimentForm, SpecForm
+from attestations.forms import ApiKeyForm, ExperimentForm, MemberForm, SpecForm
 from attestations.models import (
     Access,
     ApiKey,
@@ -26,6 +26,7 @@ from attestations.models import (
     Capability,
     Experiment,
     Job,
+    Membership,
     Organization,
     Proof,
     ProofStatus,
@@ -291,3 +292,67 @@ def audit_log(request: HttpRequest) -> HttpResponse:
     if action:
         events = events.filter(action__startswith=action)
     return render(request, "attestations/audit.html", {"events": events[:200], "action": action})
+
+
+@login_required
+@require_http_methods(["GET", "POST"])
+def organization(request: HttpRequest, slug: str) -> HttpResponse:
+    """Members and roles of one organisation; its admins add, change and remove members."""
+    access = get_access(request)
+    org = get_object_or_404(Organization, slug=slug)
+    _require(access, Capability.AUDIT, org.pk)
+    can_manage = access.can(Capability.MANAGE, org.pk)
+    form = MemberForm(request.POST or None)
+    if request.method == "POST":
+        if not can_manage:
+            raise PermissionDenied("Only the organisation's admins manage its members.")
+        if form.is_valid():
+            user = User.objects.get(username=form.cleaned_data["username"])
+            membership, created = Membership.objects.update_or_create(
+                user=user, organization=org, defaults={"role": form.cleaned_data["role"]}
+            )
+            AuditEvent.record(
+                "membership.added" if created else "membership.changed",
+                actor=request.user,
+                organization=org,
+                target=membership,
+                detail={"username": user.get_username(), "role": membership.role},
+                ip=client_ip(request.META),
+            )
+            messages.success(
+                request, f"{user.get_username()} is now {membership.role} in {org.slug}."
+            )
+            return redirect("organization", slug=slug)
+    members = Membership.objects.filter(organization=org).select_related("user")
+    experiments = Experiment.objects.filter(owner=org).select_related("current_spec")[:50]
+    return render(
+        request,
+        "attestations/organization.html",
+        {
+            "org": org,
+            "members": members,
+            "experiments": experiments,
+            "form": form,
+            "can_manage": can_manage,
+        },
+    )
+
+
+@login_required
+@require_POST
+def organization_remove(request: HttpRequest, slug: str, username: str) -> HttpResponse:
+    access = get_access(request)
+    org = get_object_or_404(Organization, slug=slug)
+    _require(access, Capability.MANAGE, org.pk)
+    membership = get_object_or_404(Membership, organization=org, user__username=username)
+    AuditEvent.record(
+        "membership.removed",
+        actor=request.user,
+        organization=org,
+        target=membership,
+        detail={"username": username, "role": membership.role},
+        ip=client_ip(request.META),
+    )
+    membership.delete()
+    messages.success(request, f"Removed {username} from {org.slug}.")
+    return redirect("organization", slug=slug)

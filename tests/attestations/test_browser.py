@@ -195,3 +195,14 @@ def test_auditor_and_regulator_views(page: Any, world: World) -> None:
     page.goto(f"/proofs/{world.proof.pk}/")
     assert page.locator("text=Download transcript").count() == 0
     shot(page, "10-regulator-proof")
+
+
+def test_admin_manages_members(page: Any, world: World) -> None:
+    sign_in(page, "admin")
+    page.click("a.chip:has-text('Acme Labs')")
+    page.wait_for_url("**/orgs/acme/")
+    page.fill("#id_username", "carol")
+    page.select_option("#id_role", "auditor")
+    page.click("button:has-text('Save')")
+    page.locator("text=carol is now auditor in acme").wait_for()
+    shot(page, "11-organisation-members")

@@ -72,6 +72,21 @@ PAGES: list[
         lambda w: {"name": "x", "days": 30},
     ),
     ("audit", "get", "/audit/", codes(200, 200, 403, 200, 200), None),
+    ("organisation", "get", "/orgs/acme/", codes(200, 200, 403, 404, 200), None),
+    (
+        "add member",
+        "post",
+        "/orgs/acme/",
+        codes(403, 403, 403, 404, 302),
+        lambda w: {"username": "carol", "role": "auditor"},
+    ),
+    (
+        "remove member",
+        "post",
+        "/orgs/acme/members/bob/remove/",
+        codes(403, 403, 403, 404, 302),
+        None,
+    ),
 ]
 
 
@@ -154,3 +169,26 @@ def test_keys_of_others_cannot_be_revoked(world: World) -> None:
     assert browser(world, "mallory").post(f"/keys/{key.pk}/revoke/").status_code == 404
     key.refresh_from_db()
     assert key.revoked is None
+
+
+def test_admins_manage_members_and_it_is_audited(world: World) -> None:
+    client = browser(world, "admin")
+    client.post("/orgs/acme/", {"username": "mallory", "role": "auditor"})
+    assert world.mallory.memberships.get(organization=world.acme).role == "auditor"
+    client.post("/orgs/acme/", {"username": "mallory", "role": "trainer"})
+    client.post("/orgs/acme/members/mallory/remove/")
+    assert not world.mallory.memberships.filter(organization=world.acme).exists()
+    actions = list(
+        AuditEvent.objects.filter(action__startswith="membership.")
+        .order_by("created")
+        .values_list("action", flat=True)
+    )
+    assert actions == ["membership.added", "membership.changed", "membership.removed"]
+
+
+def test_an_unknown_user_is_named_inline(world: World) -> None:
+    response = browser(world, "admin").post(
+        "/orgs/acme/", {"username": "nobody", "role": "auditor"}
+    )
+    assert response.status_code == 200
+    assert "No active user named" in response.content.decode()
