@@ -126,3 +126,14 @@ def test_the_platform_services_get_their_settings_from_the_environment() -> None
     for variable in environment:
         if variable.startswith(("DJANGO_", "DVBENCH_", "DATABASE_", "REDIS_")):
             assert f"`{variable}`" in readme, f"{variable} is not in the README"
+
+
+def test_the_dockerfile_copies_only_what_the_repository_has() -> None:
+    dockerfile = (REPO_ROOT / "platform" / "Dockerfile").read_text()
+    for line in dockerfile.splitlines():
+        if line.startswith("COPY "):
+            *sources, _destination = shlex.split(line)[1:]
+            for source in sources:
+                assert (REPO_ROOT / source).exists(), f"{line!r}: {source} is not in the repo"
+    helper = REPO_ROOT / "platform" / "pip-install"
+    assert helper.stat().st_mode & 0o111, "platform/pip-install must be executable"
