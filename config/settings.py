@@ -130,6 +130,9 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": CELERY_TASK_TIME_LIMIT 
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_ACKS_LATE = False  # opted into per task, only where the task is idempotent
 CELERY_TASK_REJECT_ON_WORKER_LOST = False
+# On a lost broker connection a running task finishes the work it claimed; the copy the
+# broker redelivers finds the claim taken and returns. (Celery 6 flips this default.)
+CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = False
 CELERY_TASK_DEFAULT_QUEUE = "ingest"
 CELERY_TASK_ROUTES = {"attestations.tasks.replay_*": {"queue": "replay"}}
 CELERY_TASK_SERIALIZER = "json"
