@@ -51,6 +51,12 @@ NO_MODEL = "ZKDV has no prepared model; pass the root module through proof.prepa
 NO_OPTIMIZER = "ZKDV has no prepared optimizer; pass it through proof.prepare() first"
 NO_STEP = "a ZKDV transaction must call optimizer.step() on the prepared optimizer exactly once"
 TWO_STEPS = "a ZKDV transaction may call optimizer.step() only once"
+
+
+class _StepDroppedError(Exception):
+    """Under DDP, a poisoned owner finishes the step natively and reports at the next entry."""
+
+
 STEP_ABORTED = (
     "a ZKDV transaction raised after optimizer.step(); its update changed the state "
     "without a commitment, so the transcript cannot continue"
@@ -106,6 +112,8 @@ class ZKDV(Driver):
         self._unresolved: set[int] = set()
         self._resolution = threading.Lock()
         self._control_done = False
+        self._entries = 0
+        self._shared_error: str | None = None
 
     # --- lifecycle ----------------------------------------------------------------------
     @property
@@ -312,9 +320,13 @@ class ZKDV(Driver):
         if self._batch_layout is None:
             self._batch_layout = BatchLayout.of(transaction.batch, self.rolling_window)
         if self.follower:
+            self._agree_to_continue(None)
             self._gather(self._batch_layout.pack(transaction.batch))
             return None
-        admission = self._admit(transaction.overlap)
+        if self._control is None:
+            admission = self._admit(transaction.overlap)
+        else:
+            admission = self._agree_to_continue(transaction.overlap)
         try:
             transaction.index = self.steps
             # Copied now: the committed batch is what the step was given, even if the
@@ -329,6 +341,38 @@ class ZKDV(Driver):
             admission.cancel()
             raise
         transaction.admission = admission
+        return admission
+
+    def _agree_to_continue(self, policy: Any) -> Any:
+        """Under DDP: every rank learns, before the step's collectives, whether to go on.
+
+        Rank 0 is admitted first (admission is where a failed check surfaces), then
+        publishes the decision over :class:`~zkdv.control.HostControl`; followers wait for
+        it. All ranks therefore raise :class:`ZKDVPoisonedError` at the same step instead
+        of one rank leaving a collective the others are blocked in.
+        """
+        control = self._control
+        assert control is not None
+        if self._shared_error is not None:
+            raise ZKDVPoisonedError(self._shared_error)
+        key = f"zkdv.step.{self._entries}"
+        self._entries += 1
+        admission = None
+        if self.follower:
+            decision = control.exchange(key)
+        else:
+            try:
+                admission = self._admit(policy)
+            except ZKDVPoisonedError as error:
+                decision = str(error)
+            else:
+                decision = None
+            decision = control.exchange(key, decision)
+        if decision is not None:
+            if admission is not None:
+                admission.cancel()
+            self._shared_error = str(decision)
+            raise ZKDVPoisonedError(self._shared_error)
         return admission
 
     def _gather(self, words: np.ndarray) -> np.ndarray:
@@ -359,24 +403,44 @@ class ZKDV(Driver):
             result = optimizer.optimizer.step(closure)
             transaction.stepped = True
             return result
-        # The previous step's commitment may still be hashing the live state.
-        self._barrier()
-        model = self._require_prepared_model()
-        parameters = model.parameters
-        copies = self._parameter_copies()
-        transaction.pre_parameters = copies.take(parameters, self._queue.check)
-        if self._snapshot_due(transaction.index):
-            assert self._checkpoint is not None
-            transaction.snapshot = self._checkpoint.take(
-                transaction.index,
-                transaction.pre_parameters,
-                optimizer.bridge.live_states(),
-                transaction.buffers_before,
-                self._queue.check,
-            )
+        try:
+            # The previous step's commitment may still be hashing the live state.
+            self._barrier()
+            model = self._require_prepared_model()
+            parameters = model.parameters
+            copies = self._parameter_copies()
+            transaction.pre_parameters = copies.take(parameters, self._poison_check)
+            if self._snapshot_due(transaction.index):
+                assert self._checkpoint is not None
+                transaction.snapshot = self._checkpoint.take(
+                    transaction.index,
+                    transaction.pre_parameters,
+                    optimizer.bridge.live_states(),
+                    transaction.buffers_before,
+                    self._poison_check,
+                )
+        except _StepDroppedError:
+            transaction.dropped = True
         result = optimizer.optimizer.step(closure)
         transaction.stepped = True
         return result
+
+    def _poison_check(self) -> None:
+        if self._control is None:
+            self._queue.check()
+        elif self._queue.poisoned is not None:
+            raise _StepDroppedError
+
+    def _barrier(self) -> None:
+        if self._control is None:
+            super()._barrier()
+            return
+        # Under DDP a failure is reported to every rank at the next entry; here the step
+        # only stops waiting (a poisoned pipeline skips the commitment it waits for).
+        last = self._last
+        while last is not None and not last.released.wait(0.05):
+            if self._queue.poisoned is not None:
+                raise _StepDroppedError
 
     def _close_prepared_transaction(self, transaction: EagerTransaction) -> None:
         if not transaction.stepped:
@@ -384,6 +448,10 @@ class ZKDV(Driver):
                 transaction.admission.cancel()
             raise RuntimeError(NO_STEP)
         if self.follower:
+            return
+        if transaction.dropped or (self._control is not None and self._queue.poisoned is not None):
+            transaction.admission.cancel()
+            self._parameter_copies().give(transaction.pre_parameters)
             return
         model = self._require_prepared_model()
         layout = self._batch_layout
@@ -401,7 +469,12 @@ class ZKDV(Driver):
         )
         with self._resolution:
             self._unresolved.add(transaction.index)
-        self._submit(transaction.admission, step)
+        try:
+            self._submit(transaction.admission, step)
+        except ZKDVPoisonedError:
+            if self._control is None:
+                raise
+            transaction.admission.cancel()  # reported to every rank at the next entry
 
     def _abort_prepared_transaction(self, transaction: EagerTransaction) -> None:
         if transaction.admission is not None:

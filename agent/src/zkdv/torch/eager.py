@@ -82,6 +82,7 @@ class EagerTransaction:
             buffer.clone() for buffer in proof._require_prepared_model().buffers
         )
         self.stepped = False
+        self.dropped = False
         self.admission: Any = None
         self.words: np.ndarray | None = None
         self.index = -1
