@@ -15,9 +15,9 @@ import json
 import re
 import secrets
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any, ClassVar
 
@@ -42,6 +42,14 @@ experiment_name_validator = RegexValidator(
     "Use 1-100 lowercase letters, digits, '.', '_' or '-', starting and ending with a letter "
     "or digit.",
 )
+
+
+def api_datetime(value: datetime | None) -> str | None:
+    """A timestamp as the API writes it (DRF's format: ISO 8601, ``Z`` for UTC)."""
+    if value is None:
+        return None
+    text = value.isoformat()
+    return text[:-6] + "Z" if text.endswith("+00:00") else text
 
 
 def dvbench_int(name: str) -> int:
@@ -314,18 +322,8 @@ class ExperimentQuerySet(models.QuerySet["Experiment"]):
         return self.filter(access.orgs(Capability.READ, "owner_id"))
 
     def with_summary(self) -> ExperimentQuerySet:
-        """Annotate proof counts by status and whether the current spec is frozen.
-
-        One grouped query instead of two more per experiment on a list page.
-        """
-        counts = {
-            f"n_{status}": models.Count("proofs", filter=Q(proofs__status=status))
-            for status in ProofStatus.values
-        }
-        frozen = models.Exists(Proof.objects.filter(spec_id=models.OuterRef("current_spec_id")))
-        return self.select_related("owner", "current_spec", "created_by").annotate(
-            spec_frozen=frozen, **counts
-        )
+        """What an experiment's representation reads; see :meth:`Experiment.summarize`."""
+        return self.select_related("owner", "current_spec", "created_by")
 
     def by_full_name(self, full_name: str) -> ExperimentQuerySet:
         owner, _, name = full_name.partition("/")
@@ -360,12 +358,61 @@ class Experiment(models.Model):
     def full_name(self) -> str:
         return f"{self.owner.slug}/{self.name}"
 
+    def to_dict(self) -> dict[str, Any]:
+        """The API representation, built directly (as healthchecks' ``Check.to_dict``).
+
+        ``ExperimentSerializer`` validates input and documents this shape in the OpenAPI
+        schema; building the output here is several times cheaper on a list page, and a
+        test keeps the two identical.
+        """
+        spec = self.current_spec
+        assert spec is not None
+        return {
+            "id": self.full_name,
+            "owner": self.owner.slug,
+            "name": self.name,
+            "spec_digest": spec.digest,
+            "spec": spec.to_dict(frozen=getattr(self, "spec_frozen", None)),
+            "created": api_datetime(self.created),
+            "created_by": self.created_by.get_username() if self.created_by else None,
+            "proofs": self.proof_counts(),
+        }
+
+    @staticmethod
+    def summarize(experiments: Iterable[Experiment]) -> None:
+        """Attach proof counts and the current spec's frozen flag to many experiments.
+
+        Two small grouped queries for a whole page, instead of two per experiment (or one
+        wide GROUP BY over every experiment column, which is slower to plan and run).
+        """
+        rows = {experiment.pk: experiment for experiment in experiments}
+        if not rows:
+            return
+        for experiment in rows.values():
+            experiment._counts = {}  # type: ignore[attr-defined]
+        grouped = (
+            Proof.objects.filter(experiment_id__in=rows)
+            .order_by()
+            .values_list("experiment_id", "status")
+            .annotate(n=models.Count("id"))
+        )
+        for experiment_id, status, n in grouped:
+            rows[experiment_id]._counts[status] = n  # type: ignore[attr-defined]
+        specs = {e.current_spec_id for e in rows.values()}
+        frozen = set(
+            Proof.objects.filter(spec_id__in=specs)
+            .order_by()
+            .values_list("spec_id", flat=True)
+            .distinct()
+        )
+        for experiment in rows.values():
+            experiment.spec_frozen = experiment.current_spec_id in frozen  # type: ignore[attr-defined]
+
     def proof_counts(self) -> dict[str, int]:
-        """Proofs by status (from :meth:`ExperimentQuerySet.with_summary` when annotated)."""
-        if hasattr(self, "n_valid"):
-            return {
-                s: getattr(self, f"n_{s}") for s in ProofStatus.values if getattr(self, f"n_{s}")
-            }
+        """Proofs by status (attached by :meth:`summarize`, else one query)."""
+        known = getattr(self, "_counts", None)
+        if known is not None:
+            return {status: known[status] for status in ProofStatus.values if known.get(status)}
         counts: dict[str, int] = {}
         for status in self.proofs.values_list("status", flat=True):
             counts[status] = counts.get(status, 0) + 1
@@ -509,6 +556,23 @@ class ExperimentSpec(models.Model):
     def is_frozen(self) -> bool:
         known = getattr(self, "_frozen", None)  # set from an annotated experiment row
         return bool(known) if known is not None else self.proofs.exists()
+
+    def to_dict(self, *, frozen: bool | None = None) -> dict[str, Any]:
+        """The API representation (``SpecSerializer``'s output, built directly)."""
+        return {
+            "version": self.version,
+            "digest": self.digest,
+            "frozen": self.is_frozen if frozen is None else frozen,
+            "framework": self.framework,
+            "model_description": self.model_description,
+            "optimizer": self.optimizer,
+            "dataset_commitment": self.dataset_commitment,
+            "max_flops": None if self.max_flops is None else int(self.max_flops),
+            "max_tokens": None if self.max_tokens is None else int(self.max_tokens),
+            "max_gpu_hours": None if self.max_gpu_hours is None else float(self.max_gpu_hours),
+            "allowed_regimes": list(self.allowed_regimes),
+            "created": api_datetime(self.created),
+        }
 
 
 # --- Blobs and uploads ------------------------------------------------------------------
