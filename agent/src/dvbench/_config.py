@@ -68,6 +68,7 @@ class Settings:
         part_size: bytes per upload part (``DVBENCH_PART_SIZE``), capped by the platform.
         scan_interval: seconds between scans for new snapshot and batch files while
             training (``DVBENCH_UPLOAD_INTERVAL``).
+        concurrency: files uploaded at once (``DVBENCH_UPLOAD_CONCURRENCY``).
         mode: ``online`` or ``offline`` (``DVBENCH_MODE``).
     """
 
@@ -78,6 +79,7 @@ class Settings:
     max_backoff: float = 30.0
     part_size: int = 8 * 1024 * 1024
     scan_interval: float = 5.0
+    concurrency: int = 4
     mode: str = "online"
 
     @classmethod
@@ -95,6 +97,7 @@ class Settings:
             max_backoff=_env_float("DVBENCH_RETRY_MAX_DELAY", cls.max_backoff),
             part_size=_env_int("DVBENCH_PART_SIZE", cls.part_size, minimum=1024),
             scan_interval=_env_float("DVBENCH_UPLOAD_INTERVAL", cls.scan_interval, minimum=0.01),
+            concurrency=_env_int("DVBENCH_UPLOAD_CONCURRENCY", cls.concurrency, minimum=1),
             mode=mode,
         )
 

@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -196,6 +197,24 @@ class Manifest:
             self.data.update(values)
             self.save()
 
+    def change(self, entry: dict[str, Any], *, drop: tuple[str, ...] = (), **values: Any) -> None:
+        """Change one file's entry and save, under the lock: uploader threads share it."""
+        with self._lock:
+            for key in drop:
+                entry.pop(key, None)
+            entry.update(values)
+            self.save()
+
+    def add_part(self, entry: dict[str, Any], number: int, digest: str) -> None:
+        with self._lock:
+            entry.setdefault("parts", {})[str(number)] = digest
+            self.save()
+
+    def put(self, relative: str, entry: dict[str, Any]) -> None:
+        with self._lock:
+            self.files[relative] = entry
+            self.save()
+
 
 @dataclass
 class SyncResult:
@@ -287,6 +306,8 @@ class Uploader:
         self.progress = progress or Progress(enabled=False)
         self._known: dict[tuple[str, str], int | None] | None = None
         self._local_lock = threading.Lock()
+        self._count_lock = threading.Lock()
+        self._inflight: dict[tuple[str, str], threading.Event] = {}
         self._result = SyncResult(self.directory, manifest.experiment)
 
     # --- discovery ----------------------------------------------------------------------
@@ -336,8 +357,7 @@ class Uploader:
                 # The platform stores no empty blobs; an empty state tree's file is
                 # implied by its schema, so there is nothing to send.
                 entry["status"] = "empty"
-            self.manifest.files[relative] = entry
-            self.manifest.save()
+            self.manifest.put(relative, entry)
         return entry
 
     def known(self) -> dict[tuple[str, str], int | None]:
@@ -357,29 +377,45 @@ class Uploader:
     def upload(self, relative: str) -> None:
         """Send one file, resuming or deduplicating; records each step in the manifest."""
         entry = self._entry(relative)
-        status = entry.get("status")
-        if status in ("complete", "deduplicated", "empty"):
+        if entry.get("status") in ("complete", "deduplicated", "empty"):
             return
         key = (str(entry["sha256"]), str(entry["kind"]))
-        if not entry.get("upload_id") and key in self.known():
-            entry["status"] = "deduplicated"
-            entry["proof"] = self.known()[key]
-            self.manifest.save()
-            self.progress.dedup(int(entry["size"]))
-            self._result.files_deduplicated += 1
-            self._result.bytes_deduplicated += int(entry["size"])
-            return
-        self.progress.label(relative)
-        for _ in range(3):
-            if self._send(relative, entry):
+        while True:
+            with self._count_lock:
+                known = not entry.get("upload_id") and key in self.known()
+                leader = None if known else self._inflight.get(key)
+                if not known and leader is None:
+                    self._inflight[key] = threading.Event()
+            if known:
+                self.manifest.change(entry, status="deduplicated", proof=self.known()[key])
+                self.progress.dedup(int(entry["size"]))
+                self._count(files_deduplicated=1, bytes_deduplicated=int(entry["size"]))
+                return
+            if leader is None:
                 break
-        else:
-            raise UploadError(
-                f"{relative}: the platform refused to complete its upload three times",
-                directory=str(self.directory),
-            )
-        self.known()[key] = entry.get("proof")
-        self._result.files_uploaded += 1
+            # Another thread is sending the same bytes: wait, then deduplicate (or, if
+            # it failed, send them here).
+            leader.wait()
+        try:
+            self.progress.label(relative)
+            for _ in range(3):
+                if self._send(relative, entry):
+                    break
+            else:
+                raise UploadError(
+                    f"{relative}: the platform refused to complete its upload three times",
+                    directory=str(self.directory),
+                )
+            self.known()[key] = entry.get("proof")
+            self._count(files_uploaded=1)
+        finally:
+            with self._count_lock:
+                self._inflight.pop(key).set()
+
+    def _count(self, **counts: int) -> None:
+        with self._count_lock:
+            for name, value in counts.items():
+                setattr(self._result, name, getattr(self._result, name) + value)
 
     def _open(self, relative: str, entry: dict[str, Any]) -> tuple[bool, dict[int, str], Any]:
         """``(complete, parts the platform holds, proof)``, opening an upload if needed."""
@@ -392,12 +428,12 @@ class Uploader:
             if state is not None and state.get("status") == "complete":
                 return True, {}, state.get("proof")
             if state is not None and state.get("status") in ("open", "completing"):
-                entry["part_size"] = entry.get("part_size") or state.get("max_part_bytes")
+                if not entry.get("part_size"):
+                    self.manifest.change(entry, part_size=state.get("max_part_bytes"))
                 parts = {int(p["number"]): str(p["sha256"]) for p in state.get("parts", [])}
                 return False, parts, None
             # Aborted, failed or expired: start again with a new upload.
-            entry.pop("upload_id", None)
-            entry["parts"] = {}
+            self.manifest.change(entry, drop=("upload_id",), parts={})
         created = self.client.post(
             "uploads/",
             {
@@ -410,13 +446,13 @@ class Uploader:
             },
         )
         limit = int(created.get("max_part_bytes") or self.client.settings.part_size)
-        entry.update(
+        self.manifest.change(
+            entry,
             upload_id=created["id"],
             part_size=min(self.client.settings.part_size, limit),
             parts={},
             status="uploading",
         )
-        self.manifest.save()
         return False, {}, None
 
     def _send(self, relative: str, entry: dict[str, Any]) -> bool:
@@ -435,7 +471,7 @@ class Uploader:
                 digest = hashlib.sha256(chunk).hexdigest()
                 if server.get(number) == digest:
                     self.progress.skip(len(chunk))
-                    self._result.bytes_resumed += len(chunk)
+                    self._count(bytes_resumed=len(chunk))
                     continue
                 self.client.request(
                     "PUT",
@@ -446,10 +482,9 @@ class Uploader:
                         "Content-Type": "application/octet-stream",
                     },
                 )
-                entry["parts"][str(number)] = digest
-                self.manifest.save()
+                self.manifest.add_part(entry, number, digest)
                 self.progress.add(len(chunk))
-                self._result.bytes_sent += len(chunk)
+                self._count(bytes_sent=len(chunk))
         return self._complete(relative, entry)
 
     def _complete(self, relative: str, entry: dict[str, Any]) -> bool:
@@ -468,9 +503,9 @@ class Uploader:
                     # The platform discarded the parts; if the file changed meanwhile its
                     # new digest starts a new upload, else the bytes were corrupted in
                     # transit and a fresh attempt resends them.
-                    entry.pop("upload_id", None)
-                    entry.update(parts={}, status="pending", mtime_ns=None)
-                    self.manifest.save()
+                    self.manifest.change(
+                        entry, drop=("upload_id",), parts={}, status="pending", mtime_ns=None
+                    )
                     return False
                 raise
             except ConflictError as error:
@@ -485,19 +520,14 @@ class Uploader:
                         done = current
                         break
                     continue
-                entry.pop("upload_id", None)
-                entry.update(parts={}, status="pending")
-                self.manifest.save()
+                self.manifest.change(entry, drop=("upload_id",), parts={}, status="pending")
                 return False
             break
         self._completed(entry, done or {})
         return True
 
     def _completed(self, entry: dict[str, Any], state: dict[str, Any]) -> None:
-        entry["status"] = "complete"
-        entry["proof"] = state.get("proof")
-        entry["completed"] = _now()
-        self.manifest.save()
+        self.manifest.change(entry, status="complete", proof=state.get("proof"), completed=_now())
 
     # --- the whole directory ------------------------------------------------------------
     def run(self, *, final: bool) -> SyncResult:
@@ -526,10 +556,10 @@ class Uploader:
                     for n in names
                     if self.manifest.files.get(n, {}).get("status") not in done
                 )
-            for name in names:
-                if name == TRANSCRIPT:
-                    continue
-                self.upload(name)
+            others = [name for name in names if name != TRANSCRIPT]
+            if others:
+                self.known()  # listed once, before the workers share it
+                self._upload_all(others)
             if final and TRANSCRIPT in names:
                 self.upload(TRANSCRIPT)
                 entry = self.manifest.files[TRANSCRIPT]
@@ -548,6 +578,22 @@ class Uploader:
                 # The proof's page in the web UI: its verdict, steps and checks.
                 self._result.proof_url = f"{self.client.base_url}/proofs/{self._result.proof_id}/"
             return self._result
+
+    def _upload_all(self, names: list[str]) -> None:
+        """Upload files on a few threads: most are small, so round trips dominate."""
+        workers = min(self.client.settings.concurrency, len(names))
+        if workers <= 1:
+            for name in names:
+                self.upload(name)
+            return
+        with ThreadPoolExecutor(workers, thread_name_prefix="dvbench-upload") as pool:
+            futures = [pool.submit(self.upload, name) for name in names]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            for future in futures:
+                future.cancel()
+        for future in futures:
+            if not future.cancelled() and future.exception() is not None:
+                raise future.exception()  # type: ignore[misc]
 
     def _prepare_experiment(self) -> None:
         """Register an experiment declared offline, and check the spec digest it was bound to."""

@@ -9,6 +9,7 @@ live server and drops connections mid-body, answers 503s or hangs, as a test ask
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import threading
@@ -36,6 +37,11 @@ def _isolated_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("DVBENCH_RETRY_MAX_DELAY", "0.2")
     monkeypatch.setenv("DVBENCH_UPLOAD_INTERVAL", "0.05")
     monkeypatch.setenv("DVBENCH_TIMEOUT", "30")
+    # The live server shares one in-memory SQLite connection between its threads, and
+    # concurrent writes there fail ("database table is locked") or deadlock: one request
+    # at a time. The concurrent uploader is tested through a proxy that serialises
+    # requests (test_sdk_upload.py).
+    monkeypatch.setenv("DVBENCH_UPLOAD_CONCURRENCY", "1")
 
 
 @dataclass
@@ -163,12 +169,17 @@ class FaultProxy:
     * ``slow``: wait ``slow_seconds`` before forwarding: a slow network.
     """
 
-    def __init__(self, upstream: str, rule: Rule | None = None) -> None:
+    def __init__(self, upstream: str, rule: Rule | None = None, *, serial: bool = False) -> None:
         match = re.match(r"https?://([^:/]+):(\d+)", upstream)
         assert match, upstream
         self.upstream = (match.group(1), int(match.group(2)))
         self.rule: Rule = rule or (lambda method, path, n: "pass")
         self.slow_seconds = 0.5
+        # With serial=True one request at a time reaches the live server, however many
+        # the client sends at once.
+        self._upstream_lock = threading.Lock() if serial else contextlib.nullcontext()
+        self.max_concurrent = 0
+        self._active = 0
         self.seen: list[Seen] = []
         self._counts: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
@@ -244,27 +255,39 @@ class FaultProxy:
                 body += chunk
             kept = [h for h in headers if not h.lower().startswith(("connection:", "keep-alive"))]
             request = "\r\n".join([lines[0], *kept, "Connection: close"]).encode() + b"\r\n\r\n"
-            with socket.create_connection(self.upstream, timeout=30) as up:
-                if action == "cut":
-                    up.sendall(request + body[: max(1, length // 2)])
-                    return  # both sockets close: the body never arrives whole
-                up.sendall(request + body)
-                response = b""
-                while chunk := up.recv(65536):
-                    response += chunk
-            conn.sendall(response)
+            with self._lock:
+                self._active += 1
+                self.max_concurrent = max(self.max_concurrent, self._active)
+            try:
+                response = self._forward(action, request, body, length)
+            finally:
+                with self._lock:
+                    self._active -= 1
+            if response is not None:
+                conn.sendall(response)
         except OSError:
             pass
         finally:
             conn.close()
+
+    def _forward(self, action: str, request: bytes, body: bytes, length: int) -> bytes | None:
+        with self._upstream_lock, socket.create_connection(self.upstream, timeout=30) as up:
+            if action == "cut":
+                up.sendall(request + body[: max(1, length // 2)])
+                return None  # both sockets close: the body never arrives whole
+            up.sendall(request + body)
+            response = b""
+            while chunk := up.recv(65536):
+                response += chunk
+            return response
 
 
 @pytest.fixture
 def proxy(platform: Platform) -> Iterator[Callable[..., FaultProxy]]:
     made: list[FaultProxy] = []
 
-    def make(rule: Rule | None = None) -> FaultProxy:
-        made.append(FaultProxy(platform.url, rule))
+    def make(rule: Rule | None = None, *, serial: bool = False) -> FaultProxy:
+        made.append(FaultProxy(platform.url, rule, serial=serial))
         return made[-1]
 
     yield make

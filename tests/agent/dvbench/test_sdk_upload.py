@@ -187,3 +187,24 @@ def test_a_transcript_of_another_experiment_is_refused(platform, tmp_path):
             sync_directory(client, directory, progress=False)
     assert caught.value.status_code == 422
     assert caught.value.code == "experiment_mismatch"
+
+
+def test_files_upload_concurrently_and_identical_ones_once(platform, proxy, tmp_path, monkeypatch):
+    monkeypatch.setenv("DVBENCH_UPLOAD_CONCURRENCY", "4")
+    busy = proxy(lambda method, path, n: "slow" if method == "PUT" else "pass", serial=True)
+    busy.slow_seconds = 0.05
+    with Client(busy.url, api_key=platform.key("alice")) as client:
+        directory = make_run(client, tmp_path / "run")
+        files = directory / "files"
+        for step in range(2, 8):  # six more copies of the same batch
+            (files / f"batch-{step:08d}.u32").write_bytes(b"\x01" * 64)
+        for step in range(8, 12):
+            (files / f"batch-{step:08d}.u32").write_bytes(os.urandom(64))
+        result = sync_directory(client, directory, progress=False)
+        batches = [
+            u for u in client.paginate("uploads/", {"experiment": NAME}) if u["kind"] == "batch"
+        ]
+    assert busy.max_concurrent >= 2  # several files were in flight at once
+    assert result.files_deduplicated == 7  # eight identical batches, one sent
+    assert len(batches) == 5
+    assert_on_platform(platform, directory, result.proof_id)
