@@ -26,12 +26,19 @@ Leaves = Sequence[tuple[str, np.ndarray]]
 
 @dataclass(frozen=True)
 class ReplayOutcome:
-    """What a sampled replay recomputed for one challenge."""
+    """What a sampled replay recomputed for one challenge.
+
+    ``committed_delta``, when set, replaces the update value ``capture`` returned: a
+    frontend whose optimizer updates parameters in place (eager Torch) captures the
+    committed post-update value and forms the committed update against the replayed
+    pre-update value, instead of copying every parameter before every step.
+    """
 
     replayed_delta: float
     replayed_state: float
     replay_from: int
     replayed_steps: int
+    committed_delta: float | None = None
 
 
 class Submission(abc.ABC):

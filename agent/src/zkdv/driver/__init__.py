@@ -320,6 +320,8 @@ class Driver:
         try:
             acquired.set()
             outcome = sub.replay(challenge)
+            if outcome.committed_delta is not None:
+                committed = (outcome.committed_delta, committed[1])
             ok = core.record_check(
                 challenge,
                 committed_delta=committed[0],

@@ -26,8 +26,8 @@ from zkdv.errors import CLOSED, NOT_STARTED, ZKDVError, ZKDVPoisonedError
 from zkdv.sampling import Challenge
 from zkdv.torch import artifact
 from zkdv.torch.capture import current_capture
-from zkdv.torch.checkpoint import ParameterCopies, ReplayCheckpoint
-from zkdv.torch.eager import EagerTransaction, Layout, TorchStep
+from zkdv.torch.checkpoint import ReplayCheckpoint
+from zkdv.torch.eager import EagerTransaction, Layout, TorchStep, probe_view
 from zkdv.torch.lowering import LoweredProgram, gradient_function, lower
 from zkdv.torch.model import UNPREPARED_MODEL, PreparedModel
 from zkdv.torch.optimizers.base import OptimizerContract
@@ -108,7 +108,6 @@ class ZKDV(Driver):
         self._batch_layout: BatchLayout | None = None
         self._layout: Layout
         self._checkpoint: ReplayCheckpoint | None = None
-        self._copies: ParameterCopies | None = None
         self._unresolved: set[int] = set()
         self._resolution = threading.Lock()
         self._control_done = False
@@ -303,10 +302,6 @@ class ZKDV(Driver):
     def _pipeline_ready(self) -> bool:
         return self._prepared_compiled is not None
 
-    def _parameter_copies(self) -> ParameterCopies:
-        assert self._copies is not None
-        return self._copies
-
     # --- transactions -------------------------------------------------------------------
     def _open_prepared_transaction(self, transaction: EagerTransaction) -> Any:
         if self._closed:
@@ -408,22 +403,34 @@ class ZKDV(Driver):
             self._barrier()
             model = self._require_prepared_model()
             parameters = model.parameters
-            copies = self._parameter_copies()
-            transaction.pre_parameters = copies.take(parameters, self._poison_check)
             if self._snapshot_due(transaction.index):
                 assert self._checkpoint is not None
                 transaction.snapshot = self._checkpoint.take(
                     transaction.index,
-                    transaction.pre_parameters,
+                    parameters,
                     optimizer.bridge.live_states(),
                     transaction.buffers_before,
                     self._poison_check,
                 )
+            else:
+                transaction.pre_rows = self._probe_rows(parameters)
         except _StepDroppedError:
             transaction.dropped = True
         result = optimizer.optimizer.step(closure)
         transaction.stepped = True
         return result
+
+    def _probe_rows(self, parameters: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """Copies of the pre-update rows the probes read (at most 64 rows per leaf)."""
+        core = self._core
+        # The probe set exists: step 0 is a snapshot step, and the barrier waited for
+        # the previous commitment, which opened the transcript.
+        assert core is not None and core.probes is not None
+        with torch.no_grad():
+            return [
+                probe_view(core.probes, leaf, parameter).clone()
+                for leaf, parameter in enumerate(parameters)
+            ]
 
     def _poison_check(self) -> None:
         if self._control is None:
@@ -451,7 +458,6 @@ class ZKDV(Driver):
             return
         if transaction.dropped or (self._control is not None and self._queue.poisoned is not None):
             transaction.admission.cancel()
-            self._parameter_copies().give(transaction.pre_parameters)
             return
         model = self._require_prepared_model()
         layout = self._batch_layout
@@ -479,8 +485,6 @@ class ZKDV(Driver):
     def _abort_prepared_transaction(self, transaction: EagerTransaction) -> None:
         if transaction.admission is not None:
             transaction.admission.cancel()
-        if self._copies is not None:
-            self._copies.give(transaction.pre_parameters)
         if transaction.stepped and not self.follower:
             self._queue.poison(ZKDVError(STEP_ABORTED))
 
@@ -532,7 +536,6 @@ class ZKDV(Driver):
             capacity=self._max_in_flight + 2,
             pinned=device.type == "cuda",
         )
-        self._copies = ParameterCopies(parameters, self._max_in_flight + 1)
         self._prepared_compiled = Pipeline(
             lowered.program,
             lowered.unused,
@@ -569,7 +572,7 @@ class ZKDV(Driver):
         }
         self.sealing_seconds = time.perf_counter() - started
 
-    def _replay(self, challenge: Challenge) -> ReplayOutcome:
+    def _replay(self, challenge: Challenge, committed_post: float) -> ReplayOutcome:
         pipeline = self._prepared_compiled
         assert pipeline is not None
-        return pipeline.replay(challenge)
+        return pipeline.replay(challenge, committed_post)

@@ -1,19 +1,16 @@
-"""Bounded host snapshots and pre-update copies for Torch checked replay.
+"""Bounded host snapshots for Torch checked replay.
 
-Eager optimizers update parameters and state in place, so ZKDV keeps two kinds of
-copies:
+Eager optimizers update parameters and state in place. Every
+``replay_snapshot_interval`` steps ZKDV copies the full pre-state (parameters,
+optimizer state, buffers) into a **replay snapshot** in host memory: plain host memory
+on CPU, page-locked (pinned) memory on CUDA so the copy is asynchronous. At most
+``capacity`` snapshots are alive; their slots are reused, not reallocated per window. A
+snapshot is kept, with the committed batches of its window, until every step it may
+have to replay has retired, then dropped.
 
-* a **pre-update parameter copy** per in-flight step, on the parameters' device (a
-  device-to-device copy), from which the committed update ``post - pre`` of a
-  sampled coordinate and the pre-update probes are read. A bounded pool of
-  ``max_in_flight + 1`` copies is reused; a step returns its copy as soon as its
-  commitment stops reading it.
-* a **replay snapshot** of the full pre-state (parameters, optimizer state, buffers)
-  every ``replay_snapshot_interval`` steps, in host memory: plain host memory on CPU,
-  page-locked (pinned) memory on CUDA so the copy is asynchronous. At most
-  ``capacity`` snapshots are alive; slots are reused, never reallocated per step. A
-  snapshot is kept, with the committed batches of its window, until every step it
-  may have to replay has retired, then dropped.
+Between snapshots nothing is copied but the few rows each parameter's probe reads: a
+sampled check forms the committed update from the committed post-update value and the
+replayed pre-update value (:class:`~zkdv.pipeline.ReplayOutcome.committed_delta`).
 """
 
 from __future__ import annotations
@@ -26,45 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["ParameterCopies", "ReplayCheckpoint", "Snapshot"]
+__all__ = ["ReplayCheckpoint", "Snapshot"]
 
 State = dict[str, Any]
 _POLL_SECONDS = 0.05
-
-
-class ParameterCopies:
-    """A bounded pool of pre-update parameter copies on the parameters' device."""
-
-    def __init__(self, parameters: Sequence[torch.Tensor], capacity: int) -> None:
-        self._templates = tuple(parameters)
-        self._free: list[list[torch.Tensor]] = []
-        self._allocated = 0
-        self._capacity = capacity
-        self._ready = threading.Condition()
-
-    def take(
-        self, parameters: Sequence[torch.Tensor], check: Callable[[], None]
-    ) -> list[torch.Tensor]:
-        """Copy ``parameters`` into a free slot; waits while every slot is in use."""
-        with self._ready:
-            while not self._free and self._allocated >= self._capacity:
-                self._ready.wait(_POLL_SECONDS)
-                check()
-            if self._free:
-                slot = self._free.pop()
-            else:
-                slot = [torch.empty_like(template) for template in self._templates]
-                self._allocated += 1
-        with torch.no_grad():
-            torch._foreach_copy_(slot, list(parameters))
-        return slot
-
-    def give(self, slot: list[torch.Tensor] | None) -> None:
-        if slot is None:
-            return
-        with self._ready:
-            self._free.append(slot)
-            self._ready.notify()
 
 
 @dataclass

@@ -5,9 +5,10 @@ is admitted by flow control, packs (copies) the batch into the committed uint32 
 and clones the module's mutable buffers (BatchNorm running statistics included)
 before the forward can change them; the first transaction also seals the attested
 program. The prepared optimizer's ``step()`` waits at the mutation barrier (the
-previous step's commitment may still be hashing the live state), copies the
-pre-update parameters (and, every ``replay_snapshot_interval`` steps, the full
-pre-state into a replay snapshot), then runs the native ``torch.optim`` step. On exit
+previous step's commitment may still be hashing the live state), copies the rows of
+the pre-update parameters that the probes read (every ``replay_snapshot_interval``
+steps, the full pre-state into a replay snapshot instead), then runs the native
+``torch.optim`` step. On exit
 the post-update buffers are cloned and the step is submitted; its commitment reads the
 live parameters and optimizer state on the commit thread while the next step's
 forward and backward run.
@@ -30,7 +31,7 @@ from zkdv.torch.pipeline import FlatIndex, element
 if TYPE_CHECKING:
     from zkdv.driver.torch import ZKDV
 
-__all__ = ["NESTED", "EagerTransaction", "current_transaction", "host_array"]
+__all__ = ["NESTED", "EagerTransaction", "current_transaction", "host_array", "probe_view"]
 
 NESTED = "nested ZKDV Torch transactions are unsupported"
 
@@ -86,7 +87,7 @@ class EagerTransaction:
         self.admission: Any = None
         self.words: np.ndarray | None = None
         self.index = -1
-        self.pre_parameters: list[torch.Tensor] | None = None
+        self.pre_rows: list[torch.Tensor] | None = None
         self.snapshot: Any = None
         self.pending = proof._open_prepared_transaction(self)
         self._token: Token[EagerTransaction | None] | None = _CURRENT.set(self)
@@ -128,13 +129,15 @@ class TorchStep(Submission):
         self.flops = flops
         assert transaction.words is not None
         self.words = transaction.words
-        self.pre = transaction.pre_parameters
+        # Pre-update values: the probed rows only, or the whole snapshot on snapshot steps.
+        self.pre_rows = transaction.pre_rows
         self.parameters = parameters
         self.states = proof._bridge().live_states()
         self.post_buffers = post_buffers
         self.buffers_before = transaction.buffers_before
         self.replay_snapshot = transaction.snapshot
         self._state_leaves: list[torch.Tensor] | None = None
+        self._committed_post = 0.0
         self._layout = proof._layout
         if transaction.snapshot is not None:
             snap = transaction.snapshot
@@ -169,35 +172,40 @@ class TorchStep(Submission):
     def probes(
         self, probes: ProbeSet
     ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]] | None:
-        assert self.pre is not None
         pre, post, delta = [], [], []
-        for leaf, (before, after) in enumerate(zip(self.pre, self.parameters, strict=True)):
-            rows_before = _probe_rows(probes, leaf, host_array(before))
+        snapshot = self.replay_snapshot
+        for leaf, after in enumerate(self.parameters):
+            if self.pre_rows is not None:
+                rows_before = host_array(self.pre_rows[leaf]).astype(np.float32, copy=False)
+            else:
+                assert snapshot is not None
+                rows_before = _probe_rows(probes, leaf, host_array(snapshot.parameters[leaf]))
             rows_after = _probe_rows(probes, leaf, host_array(after))
             matrix = probes.matrices[leaf]
-            pre.append(rows_before @ matrix)
-            post.append(rows_after @ matrix)
-            delta.append((rows_after - rows_before) @ matrix)
+            pre.append(_project(rows_before, matrix))
+            post.append(_project(rows_after, matrix))
+            delta.append(_project(rows_after - rows_before, matrix))
         return pre, post, delta
 
     def capture(self, challenge: Challenge) -> tuple[float, float]:
-        assert self.pre is not None and self._state_leaves is not None
-        index = self._layout.parameter_index
-        delta = element(self.parameters, index, challenge.param_index) - element(
-            self.pre, index, challenge.param_index
+        # The committed post-update value; the replay forms the committed update against
+        # its own pre-update value (ReplayOutcome.committed_delta), so no step copies
+        # every parameter before the optimizer overwrites it.
+        assert self._state_leaves is not None
+        self._committed_post = element(
+            self.parameters, self._layout.parameter_index, challenge.param_index
         )
         state = element(self._state_leaves, self._layout.state_index, challenge.state_index)
-        return delta, state
+        return self._committed_post, state
 
     def release_views(self) -> None:
-        self.proof._parameter_copies().give(self.pre)
-        self.pre = None
+        self.pre_rows = None
         self.parameters = ()
         self.states = []
         self._state_leaves = None
 
     def replay(self, challenge: Challenge) -> ReplayOutcome:
-        return self.proof._replay(challenge)
+        return self.proof._replay(challenge, self._committed_post)
 
     def retire(self) -> None:
         self.proof._retired(self.index)
@@ -206,14 +214,33 @@ class TorchStep(Submission):
         self.buffers_before = ()
 
 
-def _probe_rows(probes: ProbeSet, leaf: int, array: np.ndarray) -> np.ndarray:
+# OpenBLAS runs a GEMM single-threaded below m * n * k = 65536 * 4; above, it wakes every
+# BLAS thread, which costs tens of milliseconds per leaf while training and hashing own
+# the cores (measured: ~90 ms per step for a 10M-parameter MLP on 2 cores). A probe is
+# tiny, so it is computed in row blocks under the threshold.
+_SINGLE_THREAD_GEMM = 65536 * 4 - 1
+
+
+def _project(values: np.ndarray, matrix: np.ndarray) -> np.ndarray:
+    rows = max(1, _SINGLE_THREAD_GEMM // max(1, matrix.shape[0] * matrix.shape[1]))
+    out = np.empty((len(values), matrix.shape[1]), dtype=np.float32)
+    for start in range(0, len(values), rows):
+        np.matmul(values[start : start + rows], matrix, out=out[start : start + rows])
+    return out
+
+
+def probe_view(probes: ProbeSet, leaf: int, tensor: Any) -> Any:
+    """The rows of a leaf that its probe reads (a tensor or an array, not copied)."""
     spec = probes.specs[leaf]
     last = spec.shape[-1] if spec.shape else 1
     rows = spec.size // last if last else 0
-    values = array.reshape(rows, last)
+    values = tensor.reshape(rows, last)
     selected = probes.rows[leaf]
-    if selected is not None:
-        values = values[selected]
+    return values if selected is None else values[selected]
+
+
+def _probe_rows(probes: ProbeSet, leaf: int, array: np.ndarray) -> np.ndarray:
+    values = probe_view(probes, leaf, array)
     # Upcast reduced precision so the projection adds no rounding beyond float32's.
     return values.astype(np.float32, copy=False)
 

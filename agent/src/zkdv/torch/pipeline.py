@@ -133,8 +133,15 @@ class Pipeline:
             buffers_after
         )
 
-    def replay(self, challenge: Challenge) -> ReplayOutcome:
-        """Recompute the challenged coordinates from the snapshot preceding the step."""
+    def replay(self, challenge: Challenge, committed_post: float) -> ReplayOutcome:
+        """Recompute the challenged coordinates from the snapshot preceding the step.
+
+        Args:
+            challenge: the sampled step and coordinates.
+            committed_post: the committed post-update value of the challenged parameter
+                coordinate; the committed update is formed against the replayed
+                pre-update value (exact at a snapshot step, within replay drift after).
+        """
         snapshot, batches = self.checkpoint.get(challenge.step)
         device = self.device
         parameters = [p.to(device, copy=True) for p in snapshot.parameters]
@@ -157,11 +164,16 @@ class Pipeline:
             gradients, buffers_after = self.gradients(parameters, buffers, words)
             after, states_after = self.bridge.step(parameters, states, gradients)
             if start + offset == challenge.step:
-                delta = element(after, self.parameter_index, challenge.param_index) - element(
-                    parameters, self.parameter_index, challenge.param_index
-                )
+                before = element(parameters, self.parameter_index, challenge.param_index)
+                delta = element(after, self.parameter_index, challenge.param_index) - before
                 leaves = self.bridge.leaves(states_after, after)
                 state_value = element(leaves, self.state_index, challenge.state_index)
-                return ReplayOutcome(delta, state_value, start, challenge.step - start)
+                return ReplayOutcome(
+                    delta,
+                    state_value,
+                    start,
+                    challenge.step - start,
+                    committed_delta=committed_post - before,
+                )
             parameters, states, buffers = after, states_after, buffers_after
         raise RuntimeError(f"ZKDV replay window of step {challenge.step} is incomplete")

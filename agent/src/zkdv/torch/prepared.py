@@ -4,7 +4,7 @@ A prepared model is the user's own module, unchanged: its layout is bound inside
 proof. A prepared optimizer is a :class:`PreparedOptimizer`, which keeps the
 ``torch.optim.Optimizer`` API and native eager behaviour: outside a transaction its
 ``step()`` is the wrapped optimizer's; inside ``proof.transaction(...)`` it is the same
-native step bracketed by the mutation barrier and the pre-update copies; inside the
+native step bracketed by the mutation barrier and the pre-update probe rows; inside the
 traced ``@proof.attest`` function it marks the transition that the optimizer's
 functional contract applies.
 """
