@@ -100,3 +100,12 @@ def test_a_framework_registers_at_once(platform):
         experiment = client.experiment("acme/torch-now", framework="torch")
         assert experiment.registered and experiment.framework == "torch"
         assert experiment.spec == {**experiment.spec, **dvbench.default_spec("torch")}
+
+
+def test_an_unknown_organisation_says_so(platform):
+    client = Client(platform.url, api_key=platform.key("alice"))
+    with client, pytest.raises(dvbench.NotFoundError, match="no organisation 'nosuch'") as caught:
+        client.experiment("nosuch/run").register(framework="jax")
+    assert caught.value.field == "owner"
+    with pytest.raises(ValueError, match="owner/name"):
+        Client(platform.url).experiment("Not A Name")
