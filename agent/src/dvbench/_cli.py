@@ -290,6 +290,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _err("interrupted; `dvbench sync` resumes an interrupted upload")
         return 130
+    except BrokenPipeError:
+        # `dvbench experiments list | head`: the reader left; say nothing more.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 def _entry() -> Any:  # pragma: no cover - python -m dvbench._cli
