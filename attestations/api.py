@@ -21,7 +21,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from attestations import uploads
-from attestations.exceptions import InvalidRequestError, NotFoundError
+from attestations.exceptions import InvalidRequestError, LengthRequiredError, NotFoundError
 from attestations.models import (
     ApiKey,
     ArtifactKind,
@@ -615,9 +615,13 @@ class UploadPartView(APIView):
         upload = _upload(request, pk, Capability.WRITE)
         length = request.META.get("CONTENT_LENGTH")
         try:
-            content_length = int(length) if length else None
+            content_length = int(length) if length not in (None, "") else None
         except ValueError:
             content_length = None
+        if content_length is None:
+            # Django reads nothing from a body of unknown length; say so instead of
+            # reporting the digest of an empty part.
+            raise LengthRequiredError(field="Content-Length")
         part = uploads.put_part(
             upload,
             int(number),

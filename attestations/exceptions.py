@@ -17,15 +17,17 @@ Tree::
 
     APIException (DRF)
     └── DVBenchError
-        ├── InvalidRequestError (400)
-        │   ├── DigestMismatchError            part_digest_mismatch / blob_digest_mismatch
-        │   ├── SizeMismatchError              size_mismatch
-        │   └── MissingPartsError              missing_parts
-        ├── NotFoundError (404)
+        ├── InvalidRequestError (400)        invalid, invalid_filter, empty_part, …
+        │   ├── DigestMismatchError          part_digest_mismatch / blob_digest_mismatch
+        │   ├── SizeMismatchError            size_mismatch / size_exceeded
+        │   └── MissingPartsError            missing_parts
+        ├── NotFoundError (404)              not_found
         ├── ConflictError (409)
-        │   └── UploadNotOpenError             upload_not_open
-        ├── PayloadTooLargeError (413)         part_too_large / blob_too_large
-        └── TranscriptRejectedError (422)      transcript_rejected / experiment_mismatch / …
+        │   └── UploadNotOpenError           upload_not_open
+        ├── LengthRequiredError (411)        length_required
+        ├── PayloadTooLargeError (413)       part_too_large / blob_too_large
+        └── TranscriptRejectedError (422)    experiment_mismatch / spec_mismatch /
+                                             framework_mismatch / experiment_missing
 """
 
 from __future__ import annotations
@@ -106,6 +108,12 @@ class ConflictError(DVBenchError):
 
 class UploadNotOpenError(ConflictError):
     default_code = "upload_not_open"
+
+
+class LengthRequiredError(DVBenchError):
+    status_code = status.HTTP_411_LENGTH_REQUIRED
+    default_detail = "Send the part with a Content-Length header (chunked bodies are not accepted)."
+    default_code = "length_required"
 
 
 class PayloadTooLargeError(DVBenchError):

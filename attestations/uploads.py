@@ -237,6 +237,12 @@ def put_part(
         )
     with _temporary_path(".part") as path:
         size, got = _stream_to_file(stream, path, limit, number)
+        if size == 0:
+            raise InvalidRequestError(
+                f"part {number} is empty; every part holds at least one byte",
+                code="empty_part",
+                field="body",
+            )
         if got != declared:
             raise DigestMismatchError(
                 f"part {number}",

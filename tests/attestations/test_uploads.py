@@ -309,3 +309,17 @@ def test_the_expiry_task_is_idempotent(world: World, api: Api, storage: Path) ->
     Upload.objects.update(expires=timezone.now() - timezone.timedelta(seconds=1))
     assert expire_uploads() == 1
     assert expire_uploads() == 0
+
+
+def test_an_empty_part_is_refused(world: World, api: Api) -> None:
+    client = api("alice")
+    created = open_upload(client, b"abc")
+    response = client.put(
+        f"/api/v1/uploads/{created['id']}/parts/1/",
+        data=b"",
+        content_type="application/octet-stream",
+        HTTP_X_PART_SHA256=sha256(b""),
+    )
+    assert response.status_code == 400
+    assert error_of(response)["code"] == "empty_part"
+    assert UploadPart.objects.count() == 0
