@@ -42,6 +42,7 @@ API_PREFIX = "/api/v1"
 #: pass on a second try: a restarting worker, an overloaded proxy.
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 USER_AGENT = "dvbench-python/0.1.0"
+FINAL_PROOF_STATUSES = ("valid", "rejected", "error")
 
 _UNSET: Any = object()
 
@@ -403,6 +404,26 @@ class Client:
         """A filed proof and its verdict (``status``: pending, verifying, valid, ...)."""
         data: dict[str, Any] = self.get(f"proofs/{int(proof_id)}/")
         return data
+
+    def wait_for_proof(
+        self, proof_id: int, *, timeout: float = 600.0, interval: float = 2.0
+    ) -> dict[str, Any]:
+        """Poll a filed proof until its verdict is in (``valid``, ``rejected`` or ``error``).
+
+        Raises:
+            TimeoutError: no verdict after ``timeout`` seconds (the proof is still queued
+                or verifying; ask again later).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            proof = self.get_proof(proof_id)
+            if proof.get("status") in FINAL_PROOF_STATUSES:
+                return proof
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"proof {proof_id} is still {proof.get('status')!r} after {timeout:g} s"
+                )
+            self._sleep(interval)
 
     def sync(
         self, directory: str | os.PathLike[str], *, progress: bool | None = None

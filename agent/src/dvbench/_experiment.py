@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from zkdv.config import ZKDVConfig
 
 __all__ = ["Experiment", "default_spec", "spec_digest"]
+
+log = logging.getLogger("dvbench")
 
 NAME = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,48}[a-z0-9])?/[a-z0-9](?:[a-z0-9._-]{0,98}[a-z0-9])?$")
 BACKENDS = ("jax", "torch")
@@ -209,6 +212,14 @@ class Experiment:
             return
         spec = self.spec or default_spec(framework or "jax")
         if self._client.offline:
+            if self.spec is None:
+                log.warning(
+                    "dvbench: offline, and %s is not in the cache: the proof is bound to the "
+                    "default spec. If %s is registered with another spec, `dvbench sync` will "
+                    "refuse it; run once online first (the SDK caches the spec) or pass spec=",
+                    self.name,
+                    self.name,
+                )
             self._declare_offline(spec)
             return
         try:

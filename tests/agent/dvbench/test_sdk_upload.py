@@ -79,6 +79,7 @@ def test_sync_uploads_a_directory_and_marks_it(platform, tmp_path, monkeypatch):
         statuses = {name: entry["status"] for name, entry in manifest["files"].items()}
         assert statuses["records.cborl"] == "complete"
         assert statuses["files/snapshot-00000000.buffers.bin"] == "empty"
+        assert client.wait_for_proof(result.proof_id)["status"] == "valid"
         # Syncing again sends nothing and names the same proof.
         again = sync_directory(client, directory, progress=False)
         assert again.bytes_sent == 0 and again.proof_id == result.proof_id
