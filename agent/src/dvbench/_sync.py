@@ -401,6 +401,8 @@ class Uploader:
             for _ in range(3):
                 if self._send(relative, entry):
                     break
+                # Start over from the file as it is now (re-hashed if it changed).
+                entry = self._entry(relative)
             else:
                 raise UploadError(
                     f"{relative}: the platform refused to complete its upload three times",

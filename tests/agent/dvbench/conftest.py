@@ -152,7 +152,7 @@ class Seen:
 
 Rule = Callable[[str, str, int], str]
 """``rule(method, path, n)`` -> ``"pass"``, ``"cut"``, ``"503"``, ``"429"``, ``"hang"`` or
-``"slow"``;
+``"slow"`` or ``"lie"``;
 ``n`` counts earlier requests with the same method and path."""
 
 
@@ -166,7 +166,8 @@ class FaultProxy:
       lost in the middle of a part;
     * ``503`` / ``429``: answer that status with ``Retry-After: 0``, never forwarding;
     * ``hang``: read the request and never answer (until the proxy stops);
-    * ``slow``: wait ``slow_seconds`` before forwarding: a slow network.
+    * ``slow``: wait ``slow_seconds`` before forwarding: a slow network;
+    * ``lie``: swallow the request and answer 200 (a part the server never got).
     """
 
     def __init__(self, upstream: str, rule: Rule | None = None, *, serial: bool = False) -> None:
@@ -241,6 +242,18 @@ class FaultProxy:
                     f"Retry-After: 0\r\nContent-Length: {len(payload)}\r\n"
                     "Connection: close\r\n\r\n".encode()
                     + payload
+                )
+                return
+            if action == "lie":
+                # Swallow the body and claim success: the part never reaches the server.
+                while len(body) < length:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    body += chunk
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 2\r\nConnection: close\r\n\r\n{}"
                 )
                 return
             if action == "hang":

@@ -209,3 +209,19 @@ def test_files_upload_concurrently_and_identical_ones_once(platform, proxy, tmp_
     assert result.files_deduplicated == 7  # eight identical batches, one sent
     assert len(batches) == 5
     assert_on_platform(platform, directory, result.proof_id)
+
+
+def test_a_part_lost_after_a_200_is_sent_again_at_completion(
+    platform, proxy, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("DVBENCH_PART_SIZE", str(PART))
+    liar = proxy(lambda method, path, n: "lie" if path.endswith("/parts/2/") and n == 0 else "pass")
+    with Client(liar.url, api_key=platform.key("alice")) as client:
+        directory = make_run(client, tmp_path / "run", extra=3 * PART)
+        result = sync_directory(client, directory, progress=False)
+    # The platform named what it lacked at completion; the client sent it and completed.
+    lied = liar.puts("lie")
+    assert lied and all(
+        any(s.path == lie.path and s.action == "pass" for s in liar.puts()) for lie in lied
+    )
+    assert_on_platform(platform, directory, result.proof_id)
