@@ -87,7 +87,7 @@ def _host_copy(leaves: Sequence[Any]) -> list[np.ndarray]:
 
 @functools.lru_cache(maxsize=256)
 def _host_sharding(sharding: Sharding) -> Sharding | None:
-    device = next(iter(sharding.device_set))
+    device: Any = next(iter(sharding.device_set))
     kinds = {memory.kind for memory in device.addressable_memories()}
     for kind in HOST_MEMORY_KINDS:
         if kind in kinds:
@@ -469,7 +469,7 @@ class JitFunction:
             ("params", registration.params_after, "params", param_tree),
             ("opt_state", registration.opt_after, "opt_state", opt_tree),
         ):
-            got = jax.tree.structure(value)
+            got: Any = jax.tree.structure(value)
             if got != want:
                 raise ZKDVError(
                     _messages.STRUCTURE.format(name=name, like=like, got=got, want=want)
@@ -555,6 +555,10 @@ class JitFunction:
         raise ZKDVError("proof.jit functions are compiled by their first call; call the step")
 
 
+def _spec(shape: Any, dtype: Any) -> Any:
+    return jax.ShapeDtypeStruct(shape, dtype)  # type: ignore[no-untyped-call]
+
+
 def _flops(compiled: Any) -> float | None:
     try:
         analysis = compiled.cost_analysis()
@@ -600,7 +604,7 @@ class _Step(Submission):
 
     # The driver reads ``snapshot`` on the commit thread and then clears it; reading
     # host views here, not on the training thread, keeps the training thread unblocked.
-    @property  # type: ignore[override]
+    @property
     def snapshot(self) -> tuple[Leaves, Leaves, Leaves] | None:
         source = self._snapshot_source
         if source is None:
@@ -828,15 +832,16 @@ class ZKDV(Driver):
             ) from None
         params = [leaves[i] for i in traced.param_positions]
         opt = [leaves[i] for i in traced.opt_positions]
-        param_specs = tuple(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in params)
-        opt_specs = tuple(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in opt)
-        batch_spec = jax.ShapeDtypeStruct((validate.rows, validate.cols), jnp.uint32)
-        index_spec = jax.ShapeDtypeStruct((), jnp.uint64)
+        param_specs = tuple(_spec(jnp.shape(x), jnp.result_type(x)) for x in params)
+        opt_specs = tuple(_spec(jnp.shape(x), jnp.result_type(x)) for x in opt)
+        batch_spec = _spec((validate.rows, validate.cols), jnp.uint32)
+        index_spec = _spec((), jnp.uint64)
         if traced.registration.source == "train_state":
             if self._attested is not None:
                 raise ZKDVError(_messages.ATTEST_REGISTERED)
-            transition: Callable[..., Any] | None = replay_builder(traced)
-            attest = _attest_from_transition(transition)
+            generated = replay_builder(traced)
+            transition: Callable[..., Any] | None = generated
+            attest = _attest_from_transition(generated)
             options: dict[str, Any] = {}
             source = "zkdv.jax.contrib.TrainState"
         else:
@@ -1015,7 +1020,7 @@ def _environment() -> dict[str, Any]:
         "devices": sorted({device.device_kind for device in jax.devices()}),
         "device_count": jax.device_count(),
         "process_count": jax.process_count(),
-        "x64": bool(jax.config.jax_enable_x64),
+        "x64": bool(getattr(jax.config, "jax_enable_x64", False)),
     }
     for name in ("flax", "optax"):
         with contextlib.suppress(ImportError):

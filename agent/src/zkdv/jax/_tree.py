@@ -70,7 +70,7 @@ def index(tree: Any, flat_index: Any) -> jax.Array:
             inside = (position >= jnp.uint64(offset)) & (position < jnp.uint64(offset + size))
             local = jnp.where(inside, position - jnp.uint64(offset), jnp.uint64(0))
             value = lax.dynamic_index_in_dim(array.reshape(-1), local, keepdims=False)
-            if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+            if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
                 value = jax.random.key_data(value).reshape(-1)[0]
             result = jnp.where(inside, value.astype(dtype), result)
             offset += size
@@ -78,7 +78,7 @@ def index(tree: Any, flat_index: Any) -> jax.Array:
 
 
 def _is_key(dtype: Any) -> bool:
-    return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+    return bool(jnp.issubdtype(dtype, jax.dtypes.prng_key))
 
 
 @dataclass(frozen=True)
