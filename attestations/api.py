@@ -22,6 +22,7 @@ from rest_framework.views import APIView
 
 from attestations import uploads
 from attestations.exceptions import InvalidRequestError, LengthRequiredError, NotFoundError
+from attestations.filters import QueryFilters
 from attestations.models import (
     ApiKey,
     ArtifactKind,
@@ -58,43 +59,6 @@ from attestations.serializers import (
 
 #: A proof's jobs, with what their serializer reads, in one query per page.
 JOBS = Prefetch("jobs", queryset=Job.objects.select_related("organization"))
-
-
-class FilterMixin:
-    """Exact-match filters from query parameters, validated against their choices.
-
-    ``query_filters`` maps a parameter to ``(lookup, choices or None)``; an unknown value
-    is a 400 naming the parameter, not an empty page that hides a typo.
-    """
-
-    query_filters: dict[str, tuple[str, Any]] = {}
-
-    def apply_filters(self, queryset: QuerySet[Any], request: Request) -> QuerySet[Any]:
-        for param, (lookup, choices) in self.query_filters.items():
-            value = request.query_params.get(param)
-            if value is None or value == "":
-                continue
-            if choices is not None and value not in choices:
-                raise InvalidRequestError(
-                    f"{param}: {value!r} is not one of {', '.join(sorted(choices))}",
-                    code="invalid_filter",
-                    field=param,
-                    detail={"allowed": sorted(choices), "got": value},
-                )
-            if lookup.endswith("__full_name"):
-                owner, _, name = value.partition("/")
-                prefix = lookup.removesuffix("full_name")
-                queryset = queryset.filter(**{f"{prefix}owner__slug": owner, f"{prefix}name": name})
-            else:
-                queryset = queryset.filter(**{lookup: value})
-        return queryset
-
-
-def filter_parameters(view: type[FilterMixin]) -> list[OpenApiParameter]:
-    return [
-        OpenApiParameter(name, str, enum=sorted(choices) if choices else None)
-        for name, (_, choices) in view.query_filters.items()
-    ]
 
 
 # --- Identity, organisations, keys ------------------------------------------------------
@@ -274,27 +238,28 @@ class ApiKeyDetail(generics.RetrieveDestroyAPIView[ApiKey]):
 # --- Experiments ------------------------------------------------------------------------
 
 
-class ExperimentList(FilterMixin, generics.ListCreateAPIView[Experiment]):
+class ExperimentList(generics.ListCreateAPIView[Experiment]):
     """Experiments the caller can read; trainers and admins register new ones."""
 
     serializer_class = ExperimentSerializer
     permission_classes = [HasCapability]
     pagination_class = CursorPage
+    filter_backends = [QueryFilters]
     query_filters = {
         "owner": ("owner__slug", None),
-        "framework": ("current_spec__framework", set(Framework.values)),
+        "framework": ("current_spec__framework", frozenset(Framework.values)),
     }
 
     def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         # Output built by Experiment.to_dict (same shape as the serializer, much cheaper).
-        page = self.paginate_queryset(self.get_queryset())
+        page = self.paginate_queryset(self.filter_queryset(self.get_queryset()))
         assert page is not None
         Experiment.summarize(page)
         return self.get_paginated_response([experiment.to_dict() for experiment in page])
 
     def get_queryset(self) -> QuerySet[Experiment]:
         queryset = Experiment.objects.visible_to(get_access(self.request)).with_summary()
-        return self.apply_filters(queryset, self.request)
+        return queryset
 
     def perform_create(self, serializer: serializers.BaseSerializer[Experiment]) -> None:
         data = serializer.validated_data
@@ -398,26 +363,24 @@ class SpecDetail(APIView):
 # --- Proofs and jobs --------------------------------------------------------------------
 
 
-class ProofList(FilterMixin, generics.ListAPIView[Proof]):
+class ProofList(generics.ListAPIView[Proof]):
     """Proofs (filed transcripts) and their verdicts."""
 
     serializer_class = ProofSerializer
     permission_classes = [HasCapability]
     pagination_class = CursorPage
+    filter_backends = [QueryFilters]
     query_filters = {
         "experiment": ("experiment__full_name", None),
         "owner": ("experiment__owner__slug", None),
-        "status": ("status", set(ProofStatus.values)),
+        "status": ("status", frozenset(ProofStatus.values)),
     }
 
     def get_queryset(self) -> QuerySet[Proof]:
         access = get_access(self.request)
         queryset = Proof.objects.filter(access.orgs(Capability.READ, "experiment__owner_id"))
-        return self.apply_filters(
-            queryset.select_related("experiment__owner", "spec", "transcript").prefetch_related(
-                JOBS
-            ),
-            self.request,
+        return queryset.select_related("experiment__owner", "spec", "transcript").prefetch_related(
+            JOBS
         )
 
 
@@ -460,19 +423,20 @@ class ProofTranscript(APIView):
         )
 
 
-class JobList(FilterMixin, generics.ListAPIView[Job]):
+class JobList(generics.ListAPIView[Job]):
     serializer_class = JobSerializer
     permission_classes = [HasCapability]
     pagination_class = CursorPage
+    filter_backends = [QueryFilters]
     query_filters = {
-        "status": ("status", set(JobStatus.values)),
-        "proof": ("proof_id", None),
+        "status": ("status", frozenset(JobStatus.values)),
+        "proof": ("proof_id", int),
         "kind": ("kind", None),
     }
 
     def get_queryset(self) -> QuerySet[Job]:
         queryset = Job.objects.filter(get_access(self.request).orgs(Capability.READ))
-        return self.apply_filters(queryset.select_related("organization"), self.request)
+        return queryset.select_related("organization")
 
 
 class JobDetail(generics.RetrieveAPIView[Job]):
@@ -485,13 +449,14 @@ class JobDetail(generics.RetrieveAPIView[Job]):
         )
 
 
-class AuditEventList(FilterMixin, generics.ListAPIView[AuditEvent]):
+class AuditEventList(generics.ListAPIView[AuditEvent]):
     """The append-only audit trail of the organisations the caller audits."""
 
     serializer_class = AuditEventSerializer
     permission_classes = [HasCapability]
     required_capability = Capability.AUDIT
     pagination_class = CursorPage
+    filter_backends = [QueryFilters]
     query_filters = {
         "action": ("action", None),
         "organization": ("organization__slug", None),
@@ -501,21 +466,22 @@ class AuditEventList(FilterMixin, generics.ListAPIView[AuditEvent]):
 
     def get_queryset(self) -> QuerySet[AuditEvent]:
         queryset = AuditEvent.objects.filter(get_access(self.request).orgs(Capability.AUDIT))
-        return self.apply_filters(queryset.select_related("organization"), self.request)
+        return queryset.select_related("organization")
 
 
 # --- Uploads ----------------------------------------------------------------------------
 
 
-class UploadList(FilterMixin, generics.ListCreateAPIView[Upload]):
+class UploadList(generics.ListCreateAPIView[Upload]):
     """Upload sessions: artifacts, so visible to the lab's trainers and admins only."""
 
     serializer_class = UploadSerializer
     permission_classes = [HasCapability]
     pagination_class = CursorPage
+    filter_backends = [QueryFilters]
     query_filters = {
-        "status": ("status", set(UploadStatus.values)),
-        "kind": ("kind", set(ArtifactKind.values)),
+        "status": ("status", frozenset(UploadStatus.values)),
+        "kind": ("kind", frozenset(ArtifactKind.values)),
         "experiment": ("experiment__full_name", None),
     }
 
@@ -525,9 +491,8 @@ class UploadList(FilterMixin, generics.ListCreateAPIView[Upload]):
 
     def get_queryset(self) -> QuerySet[Upload]:
         queryset = Upload.objects.filter(get_access(self.request).orgs(Capability.ARTIFACTS))
-        return self.apply_filters(
-            queryset.select_related("experiment__owner", "blob", "proof").prefetch_related("parts"),
-            self.request,
+        return queryset.select_related("experiment__owner", "blob", "proof").prefetch_related(
+            "parts"
         )
 
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:

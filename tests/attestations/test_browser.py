@@ -75,9 +75,9 @@ def page(chromium: Any, live_server: Any, world: World) -> Iterator[Any]:
         context.close()
 
 
-def shot(page: Any, name: str) -> None:
+def shot(page: Any, name: str, *, full_page: bool = True) -> None:
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
+    page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=full_page)
 
 
 def sign_in(page: Any, username: str) -> None:
@@ -206,3 +206,19 @@ def test_admin_manages_members(page: Any, world: World) -> None:
     page.click("button:has-text('Save')")
     page.locator("text=carol is now auditor in acme").wait_for()
     shot(page, "11-organisation-members")
+
+
+def test_api_docs_are_served_locally(page: Any, live_server: Any) -> None:
+    """Swagger UI renders from the platform's own static files: no CDN is needed."""
+    external: list[str] = []
+    page.on(
+        "request",
+        lambda request: (
+            None if request.url.startswith(live_server.url) else external.append(request.url)
+        ),
+    )
+    page.goto("/api/v1/docs/")
+    page.locator(".swagger-ui .opblock").first.wait_for()
+    assert "/static/drf_spectacular_sidecar/" in page.content()
+    assert external == []
+    shot(page, "12-api-docs", full_page=False)

@@ -62,3 +62,16 @@ def test_an_unknown_api_path_is_a_json_404(world: World, api: Api) -> None:
     assert response.status_code == 404
     assert error_of(response)["code"] == "not_found"
     assert APIClient().post("/api/v1/nope").status_code == 404
+
+
+def test_a_non_numeric_id_filter_is_a_400(world: World, api: Api) -> None:
+    response = api("alice").get("/api/v1/jobs/?proof=abc")
+    assert response.status_code == 400
+    assert error_of(response)["field"] == "proof"
+
+
+def test_filters_are_in_the_schema(world: World) -> None:
+    schema = APIClient().get("/api/v1/schema/?format=json").json()
+    parameters = {p["name"]: p for p in schema["paths"]["/api/v1/proofs/"]["get"]["parameters"]}
+    assert "valid" in parameters["status"]["schema"]["enum"]
+    assert {"experiment", "owner", "cursor", "page_size"} <= set(parameters)
