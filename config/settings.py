@@ -258,6 +258,7 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    "POSTPROCESSING_HOOKS": ["attestations.schema.add_error_responses"],
 }
 
 # --- Security -------------------------------------------------------------------------

@@ -75,3 +75,12 @@ def test_filters_are_in_the_schema(world: World) -> None:
     parameters = {p["name"]: p for p in schema["paths"]["/api/v1/proofs/"]["get"]["parameters"]}
     assert "valid" in parameters["status"]["schema"]["enum"]
     assert {"experiment", "owner", "cursor", "page_size"} <= set(parameters)
+
+
+def test_the_error_format_is_in_the_schema(world: World) -> None:
+    schema = APIClient().get("/api/v1/schema/?format=json").json()
+    assert "Error" in schema["components"]["schemas"]
+    put = schema["paths"]["/api/v1/uploads/{id}/parts/{number}/"]["put"]
+    assert put["responses"]["4XX"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/Error"
+    )
