@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import re
 import secrets
 import uuid
@@ -27,6 +28,8 @@ from django.core.validators import RegexValidator
 from django.db import models, transaction
 from django.db.models import Q
 from django.utils import timezone
+
+log = logging.getLogger(__name__)
 
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 sha256_validator = RegexValidator(
@@ -796,8 +799,17 @@ class Proof(models.Model):
             return
         from django.core.files.storage import default_storage
 
-        with default_storage.open(self.transcript.storage_name, "rb") as handle:
-            report = verify_transcript(handle)
+        try:
+            with default_storage.open(self.transcript.storage_name, "rb") as handle:
+                report = verify_transcript(handle)
+        except Exception as error:
+            # Not the transcript's fault (the verifier never raises for bad data): record
+            # it where users see it rather than leave the proof "verifying" for ever.
+            log.exception("verifying proof %s failed", self.pk)
+            self._record(ProofStatus.ERROR, "verifier_failed", f"{type(error).__name__}: {error}")
+            if job is not None:
+                job.finish(JobStatus.FAILED, "verifier_failed")
+            return
         self.report = report.to_dict()
         self.steps = report.steps
         self.checks = report.checks

@@ -203,3 +203,15 @@ def test_ingest_through_a_real_worker(
     job = Job.objects.get(proof=proof)
     assert job.task_id and job.status == "succeeded"
     _ = os
+
+
+def test_a_missing_transcript_is_an_error_verdict_not_a_stuck_proof(
+    world: World, storage: Path
+) -> None:
+    (storage / world.proof.transcript.storage_name).unlink()
+    Proof.objects.filter(pk=world.proof.pk).update(status=ProofStatus.PENDING)
+    assert ingest_proof(world.proof.pk) == ProofStatus.ERROR
+    world.proof.refresh_from_db()
+    assert world.proof.reason == "verifier_failed"
+    assert "FileNotFoundError" in world.proof.message
+    assert Job.objects.get(pk=world.job.pk).status == "failed"
