@@ -148,3 +148,20 @@ def test_tensor_valued_options_are_rejected(proof) -> None:
 def test_an_optimizer_over_other_parameters_is_rejected(proof) -> None:
     with pytest.raises(ValueError, match="exactly cover the prepared model"):
         proof.prepare(nn.Linear(3, 2), torch.optim.SGD(nn.Linear(3, 2).parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "from zkdv.driver.torch import ZKDV",
+        "from zkdv.torch import ZKDV",
+        "import zkdv; ZKDV = zkdv.torch.ZKDV",
+    ],
+)
+def test_the_driver_imports_in_any_order(statement: str) -> None:
+    import subprocess
+    import sys
+
+    code = f"{statement}; import zkdv.driver.torch as d; assert ZKDV is d.ZKDV"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -27,7 +27,7 @@ from zkdv.sampling import Challenge
 from zkdv.torch import artifact
 from zkdv.torch.capture import current_capture
 from zkdv.torch.checkpoint import ReplayCheckpoint
-from zkdv.torch.eager import EagerTransaction, Layout, TorchStep, probe_view
+from zkdv.torch.eager import EagerTransaction, Layout, TorchStep
 from zkdv.torch.lowering import LoweredProgram, gradient_function, lower
 from zkdv.torch.model import UNPREPARED_MODEL, PreparedModel
 from zkdv.torch.optimizers.base import OptimizerContract
@@ -112,6 +112,7 @@ class ZKDV(Driver):
         self._resolution = threading.Lock()
         self._control_done = False
         self._entries = 0
+        self._probe_index: list[torch.Tensor | None] | None = None
         self._shared_error: str | None = None
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -426,11 +427,24 @@ class ZKDV(Driver):
         # The probe set exists: step 0 is a snapshot step, and the barrier waited for
         # the previous commitment, which opened the transcript.
         assert core is not None and core.probes is not None
-        with torch.no_grad():
-            return [
-                probe_view(core.probes, leaf, parameter).clone()
-                for leaf, parameter in enumerate(parameters)
+        probes = core.probes
+        if self._probe_index is None:
+            # Index tensors on each parameter's device, built once: indexing a tensor
+            # with a numpy array converts the array on every call.
+            self._probe_index = [
+                None if rows is None else torch.from_numpy(rows).to(parameter.device)
+                for rows, parameter in zip(probes.rows, parameters, strict=True)
             ]
+        out = []
+        with torch.no_grad():
+            for leaf, (parameter, index) in enumerate(
+                zip(parameters, self._probe_index, strict=True)
+            ):
+                spec = probes.specs[leaf]
+                last = spec.shape[-1] if spec.shape else 1
+                matrix = parameter.reshape(spec.size // last if last else 0, last)
+                out.append(matrix.clone() if index is None else matrix.index_select(0, index))
+        return out
 
     def _poison_check(self) -> None:
         if self._control is None:
@@ -557,7 +571,13 @@ class ZKDV(Driver):
             "world_size": self._world_size,
             "fsdp": model.fsdp,
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-            "optimizer": {"contract": bridge.contract.name, "groups": bridge.options()},
+            # Everything a server needs to rebuild the optimizer's transition: the
+            # contract, every group's options and which parameters each group holds.
+            "optimizer": {
+                "contract": bridge.contract.name,
+                "groups": bridge.options(),
+                "group_parameters": _group_parameters(model, optimizer),
+            },
             "batch": layout.to_dict(),
             "program": {
                 "kind": lowered.kind,
@@ -576,3 +596,15 @@ class ZKDV(Driver):
         pipeline = self._prepared_compiled
         assert pipeline is not None
         return pipeline.replay(challenge, committed_post)
+
+
+def _group_parameters(model: PreparedModel, optimizer: PreparedOptimizer) -> list[list[str]]:
+    """The committed parameter names each optimizer parameter group holds, in order."""
+    names = {
+        id(parameter): name
+        for name, parameter in zip(model.parameter_names, model.state_parameters, strict=True)
+    }
+    return [
+        [names[id(parameter)] for parameter in group["params"]]
+        for group in optimizer.optimizer.param_groups
+    ]

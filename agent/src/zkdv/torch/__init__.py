@@ -9,7 +9,8 @@ Importing this module imports Torch; ``import zkdv`` alone does not.
 
 from __future__ import annotations
 
-from zkdv.driver.torch import ZKDV
+from typing import TYPE_CHECKING, Any
+
 from zkdv.torch import (
     artifact,
     capture,
@@ -23,6 +24,9 @@ from zkdv.torch import (
     pipeline,
     prepared,
 )
+
+if TYPE_CHECKING:
+    from zkdv.driver.torch import ZKDV
 
 __all__ = [
     "ZKDV",
@@ -38,3 +42,15 @@ __all__ = [
     "pipeline",
     "prepared",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # Resolved on first use: zkdv.driver.torch imports this package's submodules, so
+    # either module can be imported first (``from zkdv.driver.torch import ZKDV`` is
+    # where the API reference places the class).
+    if name == "ZKDV":
+        from zkdv.driver.torch import ZKDV
+
+        globals()["ZKDV"] = ZKDV
+        return ZKDV
+    raise AttributeError(f"module 'zkdv.torch' has no attribute {name!r}")

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from zkdv import overlap as overlap_policy
-from zkdv.driver import ReplayOutcome, Submission
+from zkdv.driver import Leaves, ReplayOutcome, Submission
 from zkdv.probes import ProbeSet
 from zkdv.sampling import Challenge
 from zkdv.torch.pipeline import FlatIndex, element
@@ -148,7 +148,7 @@ class TorchStep(Submission):
         parameters: Any,
         states: Any,
         buffers: Any,
-    ) -> tuple[list[tuple[str, np.ndarray]], ...]:
+    ) -> tuple[Leaves, Leaves, Leaves]:
         layout = self._layout
         state_leaves = self.proof._bridge().leaves(states, parameters)
         return (
@@ -157,7 +157,7 @@ class TorchStep(Submission):
             [(n, host_array(t)) for n, t in zip(layout.buffer_names, buffers, strict=True)],
         )
 
-    def initial_state(self) -> tuple[list[tuple[str, np.ndarray]], ...]:
+    def initial_state(self) -> tuple[Leaves, Leaves, Leaves]:
         snap = self.replay_snapshot
         assert snap is not None, "the first step always takes a replay snapshot"
         return self._leaves(snap.parameters, snap.states, snap.buffers)
@@ -165,7 +165,7 @@ class TorchStep(Submission):
     def batch(self) -> np.ndarray:
         return self.words
 
-    def post_state(self) -> tuple[list[tuple[str, np.ndarray]], ...]:
+    def post_state(self) -> tuple[Leaves, Leaves, Leaves]:
         self._state_leaves = self.proof._bridge().leaves(self.states, self.parameters)
         return self._leaves(self.parameters, self.states, self.post_buffers)
 
@@ -242,7 +242,7 @@ def probe_view(probes: ProbeSet, leaf: int, tensor: Any) -> Any:
 def _probe_rows(probes: ProbeSet, leaf: int, array: np.ndarray) -> np.ndarray:
     values = probe_view(probes, leaf, array)
     # Upcast reduced precision so the projection adds no rounding beyond float32's.
-    return values.astype(np.float32, copy=False)
+    return np.asarray(values, dtype=np.float32)
 
 
 class Layout:

@@ -43,16 +43,16 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.bridge = bridge
 
     # The wrapped optimizer's attributes, shared rather than copied.
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return self.optimizer.param_groups
 
-    @property  # type: ignore[override]
-    def state(self) -> Any:
+    @property
+    def state(self) -> Any:  # type: ignore[override]
         return self.optimizer.state
 
-    @property  # type: ignore[override]
-    def defaults(self) -> dict[str, Any]:
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return self.optimizer.defaults
 
     def __repr__(self) -> str:
@@ -61,7 +61,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("a PreparedOptimizer is bound to its proof; pickle .optimizer instead")
 
-    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
         """Take one optimizer step (see the module docstring for the three contexts)."""
         capture = current_capture()
         if capture is not None:

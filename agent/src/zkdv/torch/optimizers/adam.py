@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.optim.adam import adam
@@ -16,7 +16,7 @@ __all__ = ["AdamContract"]
 class AdamContract(OptimizerContract):
     """Adam (Kingma and Ba 2015), and AdamW through ``decoupled_weight_decay``."""
 
-    optimizer_type = torch.optim.Adam
+    optimizer_type: ClassVar[type[torch.optim.Optimizer] | None] = torch.optim.Adam
 
     def initialize(self, parameter: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = {

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
@@ -12,12 +12,12 @@ __all__ = ["has_complex", "host_step", "pick", "scalar_dtype", "step_counter"]
 
 def scalar_dtype(*, fused: bool | None = None) -> torch.dtype:
     """The dtype ``torch.optim`` uses for scalar state such as ``step``."""
-    return _get_scalar_dtype(is_fused=fused)
+    return cast(torch.dtype, _get_scalar_dtype(is_fused=fused))  # type: ignore[no-untyped-call]
 
 
 def host_step(value: float = 0.0) -> torch.Tensor:
     """A scalar step counter on the host, as non-capturable optimizers keep it."""
-    return torch.tensor(value, dtype=_get_scalar_dtype())
+    return torch.tensor(value, dtype=scalar_dtype())
 
 
 def step_counter(parameter: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
@@ -29,7 +29,7 @@ def step_counter(parameter: torch.Tensor, group: dict[str, Any]) -> torch.Tensor
     """
     fused = bool(group.get("fused") or False)
     if group.get("capturable", False) or fused:
-        return torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=parameter.device)
+        return torch.zeros((), dtype=scalar_dtype(fused=fused), device=parameter.device)
     return host_step()
 
 
