@@ -1,4 +1,156 @@
 """Server-side verifiers: the framework-free transcript verifier and the whitebox replay provers.
 
 Pure functions with no Django: they take bytes and files and return verdicts.
+
+:func:`verify_challenge` replays one challenged step (or a window, ``through=``) of a
+stored proof directory with the prover its root record names: ``whitebox-jax``
+(:mod:`provers.jax_replay`) or ``whitebox-torch`` (:mod:`provers.torch_replay`). The
+framework of the other prover is never imported, so a worker needs only its own.
 """
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from zkdv.driver import PROGRAM_FILES
+from zkdv.errors import TranscriptError
+from zkdv.hashing import Domain, hash_bytes
+from zkdv.records import iter_records
+
+if TYPE_CHECKING:
+    from provers.replay import ReplayVerdict, Transition
+
+__all__ = ["PROVERS", "program_material", "require_exact", "root_record", "verify_challenge"]
+
+#: Prover name (the root record's ``prover``) to the module that replays it.
+PROVERS = {"whitebox-jax": "provers.jax_replay", "whitebox-torch": "provers.torch_replay"}
+
+
+def root_record(proof_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The root record of a proof directory's transcript.
+
+    Raises:
+        provers.replay.ReplayError: ``invalid_transcript`` when there is none.
+    """
+    from provers.replay import ReplayError
+
+    try:
+        for record in iter_records(proof_dir):
+            if record.data.get("t") == "root":
+                return record.data
+            break
+    except (OSError, TranscriptError) as error:
+        raise ReplayError("invalid_transcript", f"the transcript cannot be read: {error}") from None
+    raise ReplayError("invalid_transcript", "the transcript does not start with a root record")
+
+
+def program_material(
+    proof_dir: str | os.PathLike[str], root: dict[str, Any], kinds: tuple[str, ...]
+) -> tuple[str, bytes]:
+    """The attested program's bytes, checked against the root record's digest.
+
+    Args:
+        proof_dir: the proof directory holding the artifact file.
+        root: its root record.
+        kinds: the program kinds this prover can run.
+
+    Returns:
+        ``(kind, bytes)``.
+
+    Raises:
+        provers.replay.ReplayError: ``program_mismatch`` when the root commits no
+            program of an accepted kind or the file does not hash to its digest,
+            ``missing_file`` when the file is absent.
+    """
+    from provers.replay import ReplayError
+
+    program = root.get("program")
+    if not isinstance(program, dict) or program.get("kind") not in kinds:
+        kind = program.get("kind") if isinstance(program, dict) else None
+        raise ReplayError(
+            "program_mismatch",
+            f"the root record commits program kind {kind!r}; this prover runs {list(kinds)}",
+        )
+    kind = str(program["kind"])
+    path = os.path.join(os.fspath(proof_dir), PROGRAM_FILES.get(kind, "program.bin"))
+    try:
+        with open(path, "rb") as handle:
+            material = handle.read()
+    except FileNotFoundError:
+        raise ReplayError(
+            "missing_file", f"program artifact {os.path.basename(path)} was not provided"
+        ) from None
+    if hash_bytes(Domain.FILE, material) != program.get("digest"):
+        raise ReplayError(
+            "program_mismatch",
+            f"program artifact {os.path.basename(path)} ({len(material)} bytes) does not "
+            f"hash to the program digest committed in the root record",
+        )
+    return kind, material
+
+
+def require_exact(verdict: ReplayVerdict) -> ReplayVerdict:
+    """Fail a verdict whose steps matched only within tolerance (for exact replays)."""
+    from provers.replay import StepEvidence
+
+    if not verdict.ok:
+        return verdict
+    for index, evidence in enumerate(verdict.evidence):
+        if not evidence.exact:
+            verdict.ok = False
+            verdict.reason = "replay_mismatch"
+            verdict.message = (
+                f"step {evidence.step}: the replayed state does not reproduce the committed "
+                "state roots bit for bit, although the same program ran in the recorded "
+                "environment (the probes agree within tolerance: the difference lies "
+                "where they do not look)"
+            )
+            verdict.evidence[index] = StepEvidence(
+                evidence.step, evidence.batch_ok, False, evidence.probe_excess, False
+            )
+            del verdict.evidence[index + 1 :]
+            break
+    return verdict
+
+
+def verify_challenge(
+    proof_dir: str | os.PathLike[str],
+    step: int,
+    *,
+    through: int | None = None,
+    transition: Transition | None = None,
+) -> ReplayVerdict:
+    """Replay one challenge with the prover named by the proof's root record.
+
+    Args:
+        proof_dir: the proof directory (transcript, program artifact, files).
+        step: the challenged step.
+        through: replay on to this step (a whole window).
+        transition: an already loaded transition of this proof, to skip the
+            one-time artifact load when a worker checks several challenges.
+
+    Returns:
+        The verdict; a bad proof is a failed verdict with a reason, never an exception.
+    """
+    import importlib
+
+    from provers.replay import ReplayError, ReplayVerdict
+
+    try:
+        prover = root_record(proof_dir).get("prover")
+    except ReplayError as error:
+        return ReplayVerdict(ok=False, step=step, reason=error.reason, message=error.message)
+    name = PROVERS.get(str(prover))
+    if name is None:
+        return ReplayVerdict(
+            ok=False,
+            step=step,
+            reason="unknown_prover",
+            message=f"no replay prover for {prover!r}; known: {sorted(PROVERS)}",
+        )
+    module = importlib.import_module(name)
+    verdict: ReplayVerdict = module.verify_challenge(
+        proof_dir, step, through=through, transition=transition
+    )
+    return verdict

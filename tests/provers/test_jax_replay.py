@@ -1,0 +1,232 @@
+"""The whitebox-jax prover on real zkdv.jax runs: honest runs replay bit for bit, forgeries fail.
+
+Each run is made once per module (a contrib ``TrainState`` with Optax AdamW, a small
+Flax MLP, ``replay_snapshot_interval=3``, 8 steps, no SDK-side checks so that forged
+runs complete as a forger would submit them); tests that damage files work on copies.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+pytest.importorskip("flax")
+
+import cbor2  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import linen as nn  # noqa: E402
+
+import provers  # noqa: E402
+import zkdv  # noqa: E402
+from provers import jax_replay  # noqa: E402
+from provers.replay import Transcript, windows  # noqa: E402
+from zkdv.files import batch_path, snapshot_path  # noqa: E402
+from zkdv.jax.contrib import TrainState  # noqa: E402
+from zkdv.verify import verify_transcript  # noqa: E402
+
+STEPS = 8
+FORGED_STEP = 4  # inside the window [3, 5]
+LEARNING_RATE = 0.01
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return nn.Dense(1)(jnp.tanh(nn.Dense(16)(x)))[:, 0]
+
+
+def _step(state: Any, batch: jax.Array) -> Any:
+    def loss(params: Any) -> jax.Array:
+        return jnp.mean((state.apply_fn({"params": params}, batch[:, :6]) - batch[:, 6]) ** 2)
+
+    return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+
+Between = Callable[[zkdv.jax.ZKDV, Any], Any]
+
+
+def _train(path: Path, *, between: Between | None = None, bypass: bool = False) -> Path:
+    """Train 8 steps; ``between(proof, state)`` edits the state before step 4.
+
+    ``bypass`` plays a forger who disabled the frontend's own continuity check.
+    """
+    proof = zkdv.jax.ZKDV(
+        path,
+        zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.0)),
+        replay_snapshot_interval=3,
+    )
+    proof.start(rolling_window=2, probe_ratio=0.5)
+    if bypass:
+        proof._verify_continuity = lambda index, host_pre: None  # type: ignore[method-assign]
+    model = MLP()
+    state = TrainState.create(
+        proof=proof,
+        apply_fn=model.apply,
+        params=model.init(jax.random.key(0), jnp.ones((4, 6)))["params"],
+        # The learning rate lives in the optimizer state, where a forger can change it.
+        tx=optax.inject_hyperparams(optax.adamw)(learning_rate=LEARNING_RATE),
+    )
+    step = proof.jit(_step, donate_argnums=(0,))
+    rng = np.random.default_rng(1)
+    for index in range(STEPS):
+        if index == FORGED_STEP and between is not None:
+            state = between(proof, state)
+        state = step(state, jnp.asarray(rng.standard_normal((4, 7)), jnp.float32))
+    proof.close()
+    return path
+
+
+def _bump(proof: zkdv.jax.ZKDV, state: Any) -> Any:
+    return state.replace(params=jax.tree.map(lambda x: x + 1e-3, state.params))
+
+
+def _invisible(proof: zkdv.jax.ZKDV, state: Any) -> Any:
+    """Change the first kernel only along directions its probe cannot see."""
+    proof.join()  # the transcript (and its probe set) is open once step 0 is committed
+    probes = proof._core.probes  # type: ignore[union-attr]
+    leaf = next(i for i, spec in enumerate(probes.specs) if spec.shape == (6, 16))
+    matrix = probes.matrices[leaf].astype(np.float64)  # (16, kept)
+    assert probes.rows[leaf] is None or len(probes.rows[leaf]) == 6
+    null = np.linalg.svd(matrix.T)[2][matrix.shape[1] :]  # rows orthogonal to the probe
+    change = np.random.default_rng(7).standard_normal((6, len(null))) @ null * 0.05
+    params = jax.tree.map(lambda x: x, state.params)
+    layer = next(name for name, dense in params.items() if dense["kernel"].shape == (6, 16))
+    kernel = params[layer]["kernel"]
+    params[layer]["kernel"] = kernel + jnp.asarray(change, kernel.dtype)
+    return state.replace(params=params)
+
+
+def _double_lr(proof: zkdv.jax.ZKDV, state: Any) -> Any:
+    hyper = dict(state.opt_state.hyperparams)
+    hyper["learning_rate"] = jnp.asarray(2 * LEARNING_RATE, hyper["learning_rate"].dtype)
+    return state.replace(opt_state=state.opt_state._replace(hyperparams=hyper))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("jax-runs")
+    return {
+        "honest": _train(base / "honest"),
+        "visible": _train(base / "visible", between=_bump, bypass=True),
+        "invisible": _train(base / "invisible", between=_invisible, bypass=True),
+        "lr": _train(base / "lr", between=_double_lr, bypass=True),
+    }
+
+
+@pytest.fixture
+def honest_copy(runs: dict[str, Path], tmp_path: Path) -> Path:
+    return Path(shutil.copytree(runs["honest"], tmp_path / "copy"))
+
+
+def test_honest_run_replays_every_window_bit_for_bit(runs: dict[str, Path]) -> None:
+    path = runs["honest"]
+    transcript = Transcript.load(path)
+    assert transcript.root["prover"] == "whitebox-jax"
+    assert windows(transcript) == [(0, 2), (3, 5), (6, 7)]
+    assert jax_replay.exact_environment(transcript.root)
+    transition = jax_replay.load_transition(path)
+    for first, last in windows(transcript):
+        verdict = jax_replay.verify_challenge(path, first, through=last, transition=transition)
+        assert verdict.ok, verdict.message
+        assert [e.step for e in verdict.evidence] == list(range(first, last + 1))
+        # The same artifact on the same backend reproduces the committed roots exactly.
+        assert all(e.exact and e.batch_ok for e in verdict.evidence)
+
+
+def test_package_dispatches_on_the_prover(runs: dict[str, Path]) -> None:
+    verdict = provers.verify_challenge(runs["honest"], 5)
+    assert verdict.ok and (verdict.start, verdict.step) == (3, 5)
+    assert verdict.to_dict()["evidence"][-1] == {
+        "step": 5,
+        "batch_ok": True,
+        "exact": True,
+        "probe_excess": verdict.evidence[-1].probe_excess,
+        "ok": True,
+    }
+
+
+def test_batch_file_that_differs_from_the_committed_batch(honest_copy: Path) -> None:
+    file = batch_path(honest_copy, 4)
+    data = bytearray(file.read_bytes())
+    data[20] ^= 1
+    file.write_bytes(bytes(data))
+    verdict = jax_replay.verify_challenge(honest_copy, 5)
+    assert (verdict.ok, verdict.reason) == (False, "batch_mismatch")
+    assert "batch-00000004.u32 does not hash to step 4" in str(verdict.message)
+    assert [e.ok for e in verdict.evidence] == [True, False]
+    # Windows that do not need the file still pass.
+    assert jax_replay.verify_challenge(honest_copy, 6, through=7).ok
+
+
+def test_snapshot_that_does_not_hash_to_its_commitment(honest_copy: Path) -> None:
+    file = snapshot_path(honest_copy, 3, "opt_state")
+    data = bytearray(file.read_bytes())
+    data[-1] ^= 0x40
+    file.write_bytes(bytes(data))
+    verdict = jax_replay.verify_challenge(honest_copy, 4)
+    assert (verdict.ok, verdict.reason, verdict.snapshot_ok) == (False, "snapshot_mismatch", False)
+    assert "snapshot-00000003.opt_state.bin" in str(verdict.message)
+
+
+def test_program_artifact_that_differs(honest_copy: Path) -> None:
+    file = honest_copy / "program.jaxexport"
+    # A well-formed artifact that is not the committed one.
+    envelope = cbor2.loads(file.read_bytes())
+    envelope["source"] = "elsewhere"
+    file.write_bytes(cbor2.dumps(envelope, canonical=True))
+    with pytest.raises(Exception, match="does not hash to the program digest") as raised:
+        jax_replay.load_transition(honest_copy)
+    assert getattr(raised.value, "reason", None) == "program_mismatch"
+    verdict = provers.verify_challenge(honest_copy, 0)
+    assert (verdict.ok, verdict.reason) == (False, "program_mismatch")
+    file.unlink()
+    assert provers.verify_challenge(honest_copy, 0).reason == "missing_file"
+
+
+def test_frontend_rejects_a_state_modified_between_steps(tmp_path: Path) -> None:
+    with pytest.raises(zkdv.ZKDVPoisonedError) as raised:
+        _train(tmp_path / "bump", between=_bump)
+    assert "parameters passed to step 4 are not the state committed after step 3" in str(
+        raised.value.__cause__
+    )
+
+
+def test_visible_parameter_change_is_caught_by_the_offline_probe_check(
+    runs: dict[str, Path],
+) -> None:
+    report = verify_transcript(runs["visible"])
+    assert not report.ok and "step 4" in report.summary()
+    verdict = jax_replay.verify_challenge(runs["visible"], 4)
+    assert (verdict.ok, verdict.reason) == (False, "invalid_transcript")
+
+
+def test_parameter_change_the_probes_cannot_see_fails_replay(runs: dict[str, Path]) -> None:
+    path = runs["invisible"]
+    assert verify_transcript(path).ok  # the forger kept every probe consistent
+    transition = jax_replay.load_transition(path)
+    verdict = jax_replay.verify_challenge(path, 3, through=5, transition=transition)
+    assert (verdict.ok, verdict.reason) == (False, "replay_mismatch")
+    assert str(verdict.message).startswith("step 4:")
+    assert [(e.step, e.ok) for e in verdict.evidence] == [(3, True), (4, False)]
+    # Steps before the edit, and windows from a later snapshot, still replay.
+    assert jax_replay.verify_challenge(path, 3, transition=transition).ok
+    assert jax_replay.verify_challenge(path, 6, through=7, transition=transition).ok
+
+
+def test_learning_rate_changed_mid_run_fails_replay(runs: dict[str, Path]) -> None:
+    path = runs["lr"]
+    assert verify_transcript(path).ok  # the optimizer state carries no probes
+    verdict = jax_replay.verify_challenge(path, 3, through=5)
+    assert (verdict.ok, verdict.reason) == (False, "replay_mismatch")
+    assert str(verdict.message).startswith("step 4:")
+    # Doubling the step size is far beyond tolerance: the probes alone catch it too.
+    loose = jax_replay.verify_challenge(path, 4, exact=False)
+    assert (loose.ok, loose.reason) == (False, "replay_mismatch")
+    assert "step 4" in str(loose.message) and "probe" in str(loose.message)
