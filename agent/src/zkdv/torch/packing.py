@@ -186,7 +186,9 @@ class BatchLayout:
                 values.append(static)
                 continue
             start = leaf.offset * 4
-            raw = np.ascontiguousarray(as_bytes[:, start : start + leaf.row_bytes])
+            # A copy, not ascontiguousarray: a one-row slice counts as contiguous to numpy
+            # yet keeps the full row stride, which Tensor.view(dtype) rejects.
+            raw = as_bytes[:, start : start + leaf.row_bytes].copy()
             tensor = torch.from_numpy(raw).view(leaf.dtype)
             values.append(tensor.reshape(leaf.shape).to(device))
         return pytree.tree_unflatten(values, self.spec)
