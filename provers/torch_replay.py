@@ -1,0 +1,306 @@
+"""The ``whitebox-torch`` prover: replay challenged steps with the sealed Torch program.
+
+A Torch run commits two things that together make its transition
+(``docs/torch.md``, "The attested step and lowering"):
+
+* the sealed gradient program, ``(parameters..., buffers..., batch tensors...) ->
+  (gradients..., buffers after...)``: an AOT Inductor package (``program.pt2``) or a
+  ``torch.export`` program (``program.bin``), its digest in the root record;
+* the optimizer, in the root record's ``env.optimizer``: the functional contract's name
+  (the ``torch.optim`` class), every parameter group's options and the committed
+  parameter names each group holds; and the batch packing in ``env.batch``.
+
+:func:`load_transition` checks the artifact's digest, loads it with
+:func:`zkdv.torch.artifact.load`, rebuilds the optimizer from the recorded options and
+replays each step through the SDK's own functional core: the same
+:meth:`zkdv.torch.pipeline.Pipeline.gradients` (DDP rows averaged as the all-reduce
+does) and :meth:`zkdv.torch.optimizers.bridge.OptimizerBridge.step` (``torch.optim``'s
+functional ``adam``, ``sgd``, ...) that answer the SDK's sampled checks (STYLE rule 12).
+
+Exactness: training runs eager autograd; a ``torch.export`` program replays the same
+ATen kernels, so on the recorded Torch version, device kind and thread count (the
+replay runs with ``env.threads`` threads) it reproduces the committed state roots bit
+for bit, and :func:`verify_challenge` demands that. An AOT Inductor program is compiled
+code, never bitwise equal to eager training: its replays are judged by the probes
+within the run's ``FloatTolerance``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils import _pytree as pytree
+
+from provers import program_material, require_exact, root_record
+from provers.replay import Leaves, ReplayError, ReplayVerdict, Transcript, Transition, replay
+from zkdv.torch import artifact
+from zkdv.torch.checkpoint import ReplayCheckpoint
+from zkdv.torch.eager import host_array
+from zkdv.torch.optimizers.bridge import OptimizerBridge
+from zkdv.torch.optimizers.registry import OptimizerRegistry
+from zkdv.torch.packing import PACKING_VERSION, BatchLayout, LeafLayout
+from zkdv.torch.pipeline import Pipeline
+
+__all__ = ["PROGRAM_KINDS", "PROVER", "exact_environment", "load_transition", "verify_challenge"]
+
+PROVER = "whitebox-torch"
+PROGRAM_KINDS = (artifact.AOT_INDUCTOR, artifact.TORCH_EXPORT)
+
+State = dict[str, Any]
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ReplayError("invalid_transcript", f"unknown tensor dtype {name!r} in the root record")
+    return dtype
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """A CPU tensor with ``array``'s bits (no copy when the array is writable)."""
+    if array.dtype.name == "bfloat16":  # ml_dtypes' bfloat16 has no Torch counterpart
+        return torch.from_numpy(np.array(array).view(np.int16)).view(torch.bfloat16)
+    if not array.flags.writeable or not array.flags.c_contiguous:
+        array = np.array(array)
+    return torch.from_numpy(array)
+
+
+def _batch_layout(env: dict[str, Any]) -> BatchLayout:
+    """The packing of the program's tensor inputs, from the root record's ``env.batch``.
+
+    Plain (non-tensor) batch values are fixed parts of the sealed program, so only the
+    tensor leaves are rebuilt, as a flat list in pytree order.
+    """
+    batch = env.get("batch") or {}
+    if batch.get("packing") != PACKING_VERSION:
+        raise ReplayError(
+            "unsupported_program", f"batch packing {batch.get('packing')!r} is not supported"
+        )
+    rows = int(batch["rows"])
+    leaves = []
+    for leaf in batch["leaves"]:
+        if leaf is None:
+            continue
+        dtype = _torch_dtype(leaf["dtype"])
+        shape = tuple(int(n) for n in leaf["shape"])
+        numel = int(np.prod(shape, dtype=np.int64))
+        row_bytes = numel // rows * torch.empty((), dtype=dtype).element_size()
+        leaves.append(LeafLayout(dtype, shape, int(leaf["offset"]), int(leaf["words"]), row_bytes))
+    spec = pytree.tree_flatten([0] * len(leaves))[1]
+    return BatchLayout(spec, rows, int(batch["cols"]), tuple(leaves), (None,) * len(leaves), 0)
+
+
+def _plain_option(value: Any) -> Any:
+    # The root record stores tuples (betas) as lists.
+    return tuple(_plain_option(v) for v in value) if isinstance(value, list) else value
+
+
+def _optimizer(env: dict[str, Any], parameters: dict[str, torch.nn.Parameter]) -> OptimizerBridge:
+    """Rebuild the run's optimizer (on placeholder parameters) as its bridge."""
+    recorded = env.get("optimizer") or {}
+    name = str(recorded.get("contract"))
+    kind = getattr(torch.optim, name, None)
+    registry = OptimizerRegistry()
+    if not isinstance(kind, type) or kind not in registry:
+        raise ReplayError(
+            "unsupported_optimizer",
+            f"the run's optimizer contract {name!r} is not a built-in torch.optim contract "
+            "(a custom contract cannot be rebuilt from the transcript)",
+        )
+    members = recorded.get("group_parameters")
+    groups = recorded.get("groups") or []
+    if members is None:
+        if len(groups) != 1:
+            raise ReplayError(
+                "unsupported_program",
+                "the root record does not say which parameters each optimizer group holds "
+                "(recorded since env.optimizer.group_parameters)",
+            )
+        members = [list(parameters)]
+    try:
+        optimizer = kind(
+            [
+                {"params": [parameters[n] for n in names]}
+                | {k: _plain_option(v) for k, v in options.items()}
+                for names, options in zip(members, groups, strict=True)
+            ]
+        )
+        bridge = OptimizerBridge(optimizer, registry.resolve(optimizer))
+        bridge.bind(tuple(parameters.values()))
+    except (KeyError, TypeError, ValueError) as error:
+        raise ReplayError(
+            "program_mismatch", f"the recorded optimizer {name} cannot be rebuilt: {error}"
+        ) from None
+    return bridge
+
+
+def _states(bridge: OptimizerBridge, leaves: list[torch.Tensor]) -> list[State]:
+    """Per-parameter optimizer states from the committed leaves (the bridge's order)."""
+    supply = iter(leaves)
+    states = []
+    for template, entries in zip(bridge.live_states(), bridge.state_names, strict=True):
+        state: State = {}
+        for entry in entries:
+            leaf = next(supply)
+            like = template.get(entry)
+            if isinstance(like, torch.Tensor):
+                state[entry] = leaf
+            elif like is None:
+                # An absent buffer (SGD momentum before its first step) is committed as
+                # zeros; an all-zero committed buffer is taken as absent.
+                state[entry] = None if not bool(leaf.any()) else leaf
+            elif isinstance(like, bool | int):
+                state[entry] = int(leaf.item())
+            else:
+                state[entry] = float(leaf.item())
+        states.append(state)
+    return states
+
+
+def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
+    """Load the committed program and optimizer of a ``whitebox-torch`` proof.
+
+    Args:
+        proof_dir: the proof directory (``records.cborl`` and the program artifact).
+
+    Returns:
+        ``(params, opt_state, buffers, batch) -> (params, opt_state, buffers, deltas)``.
+
+    Raises:
+        provers.replay.ReplayError: ``program_mismatch`` when the artifact does not hash
+            to the committed digest or cannot be loaded; ``unsupported_optimizer`` or
+            ``unsupported_program`` when the root record does not describe a
+            transition this prover can rebuild.
+    """
+    root = root_record(proof_dir)
+    if root.get("prover") != PROVER:
+        raise ReplayError(
+            "program_mismatch", f"the proof names prover {root.get('prover')!r}, not {PROVER!r}"
+        )
+    kind, material = program_material(proof_dir, root, PROGRAM_KINDS)
+    try:
+        program = artifact.load(material, kind)
+    except Exception as error:  # noqa: BLE001 - any loader failure means a bad artifact
+        raise ReplayError(
+            "program_mismatch", f"the {kind} program artifact cannot be loaded: {error}"
+        ) from None
+    env = root.get("env") or {}
+    schema = root["schema"]
+    names = [str(spec["path"]) for spec in schema["params"]]
+    placeholders = {
+        str(spec["path"]): torch.nn.Parameter(
+            torch.zeros(tuple(spec["shape"]), dtype=_torch_dtype(spec["dtype"]))
+        )
+        for spec in schema["params"]
+    }
+    bridge = _optimizer(env, placeholders)
+    state_paths = [str(spec["path"]) for spec in schema["opt_state"]]
+    if bridge.leaf_paths(names) != state_paths:
+        raise ReplayError(
+            "program_mismatch",
+            "the recorded optimizer's state layout is not the committed optimizer-state schema",
+        )
+    unused_names = set((env.get("program") or {}).get("unused_gradients") or [])
+    pipeline = Pipeline(
+        program,
+        [name in unused_names for name in names],
+        bridge,
+        _batch_layout(env),
+        ReplayCheckpoint(interval=1, capacity=1),
+        parameter_sizes=[p.numel() for p in placeholders.values()],
+        state_sizes=[int(np.prod(spec["shape"], dtype=np.int64)) for spec in schema["opt_state"]],
+        buffer_count=len(schema["buffers"]),
+        device=torch.device("cpu"),
+        world_size=int(env.get("world_size", 1)),
+    )
+
+    def transition(
+        params: Leaves, opt_state: Leaves, buffers: Leaves, batch: np.ndarray
+    ) -> tuple[Leaves, Leaves, Leaves, Leaves]:
+        before = [_tensor(a) for _, a in params]
+        states = _states(bridge, [_tensor(a) for _, a in opt_state])
+        with torch.no_grad():
+            gradients, buffers_after = pipeline.gradients(
+                before, [_tensor(a) for _, a in buffers], np.asarray(batch)
+            )
+            after, states_after = bridge.step(before, states, gradients)
+            # The committed delta probe projects ``post - pre`` in float32.
+            deltas = [a.float() - b.float() for a, b in zip(after, before, strict=True)]
+        return (
+            [(n, host_array(t)) for n, t in zip(names, after, strict=True)],
+            [
+                (n, host_array(t))
+                for n, t in zip(state_paths, bridge.leaves(states_after, after), strict=True)
+            ],
+            [(n, host_array(t)) for (n, _), t in zip(buffers, buffers_after, strict=True)],
+            [(n, host_array(t)) for n, t in zip(names, deltas, strict=True)],
+        )
+
+    return transition
+
+
+def exact_environment(root: dict[str, Any]) -> bool:
+    """Whether a replay here reproduces the committed roots bit for bit.
+
+    True for a ``torch.export`` program (eager kernels, like training) on the recorded
+    Torch version and a CPU run; an AOT Inductor program never matches eager training.
+    """
+    env = root.get("env") or {}
+    program = root.get("program") or {}
+    return (
+        program.get("kind") == artifact.TORCH_EXPORT
+        and env.get("torch") == torch.__version__
+        and env.get("device_kind") == "cpu"
+    )
+
+
+@contextlib.contextmanager
+def _threads(count: Any) -> Iterator[None]:
+    """Run with the training's intra-op thread count: CPU reductions depend on it."""
+    previous = torch.get_num_threads()
+    wanted = count if isinstance(count, int) and count > 0 else previous
+    torch.set_num_threads(wanted)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def verify_challenge(
+    proof_dir: str | os.PathLike[str],
+    step: int,
+    *,
+    through: int | None = None,
+    transition: Transition | None = None,
+    exact: bool | None = None,
+) -> ReplayVerdict:
+    """Replay a challenged step (or a window through ``through``) of a Torch proof.
+
+    Args:
+        proof_dir: the proof directory.
+        step: the challenged step.
+        through: replay on to this step (a whole window).
+        transition: a transition already loaded by :func:`load_transition` for this
+            proof (skips the one-time artifact load).
+        exact: demand bit-exact state roots at every step; by default, exactly when
+            :func:`exact_environment` holds.
+
+    Returns:
+        The verdict, with per-step evidence and a reason on failure.
+    """
+    try:
+        transcript = Transcript.load(proof_dir)
+        if transition is None:
+            transition = load_transition(proof_dir)
+    except ReplayError as error:
+        return ReplayVerdict(ok=False, step=step, reason=error.reason, message=error.message)
+    with _threads((transcript.root.get("env") or {}).get("threads")):
+        verdict = replay(transcript, step=step, through=through, transition=transition)
+    if exact if exact is not None else exact_environment(transcript.root):
+        verdict = require_exact(verdict)
+    return verdict
