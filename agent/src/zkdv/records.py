@@ -55,7 +55,7 @@ from typing import IO, Any, BinaryIO
 import cbor2
 
 from zkdv.errors import TranscriptError, TruncatedTranscriptError
-from zkdv.hashing import ZERO_DIGEST, Domain, hash_bytes
+from zkdv.hashing import ZERO_DIGEST, Domain, hash_bytes, hasher
 
 __all__ = [
     "PROBES_FILE",
@@ -80,8 +80,13 @@ def encode(record: dict[str, Any]) -> bytes:
     return cbor2.dumps(record, canonical=True)
 
 
+_RECORD_HASHER = hasher(Domain.RECORD)
+
+
 def record_hash(encoded: bytes | memoryview) -> bytes:
-    return hash_bytes(Domain.RECORD, encoded)
+    h = _RECORD_HASHER.copy()
+    h.update(encoded)
+    return h.digest()
 
 
 class TranscriptWriter:

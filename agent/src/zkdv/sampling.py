@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from zkdv.config import SamplingPolicy
 from zkdv.hashing import Domain, hasher
 
-__all__ = ["Challenge", "decide"]
+__all__ = ["Challenge", "Sampler", "decide"]
 
 _TWO_64 = 1 << 64
 
@@ -35,6 +35,38 @@ def _draw(material: bytes, offset: int, modulus: int) -> int:
     return int.from_bytes(material[offset : offset + 16], "little") % modulus if modulus else 0
 
 
+class Sampler:
+    """The decisions of one run, with the policy's threshold and hasher prepared once.
+
+    The verifier calls :meth:`decide` for every step record, so the per-call work is a
+    single keyed BLAKE3 hash and an integer comparison.
+    """
+
+    def __init__(self, policy: SamplingPolicy, *, param_count: int, state_count: int) -> None:
+        self._every = policy.check_every
+        self._threshold = int(policy.probability * _TWO_64)
+        self._param_count = param_count
+        self._state_count = state_count
+        self._prototype = hasher(Domain.SAMPLE)
+
+    def decide(self, step: int, record_hash: bytes) -> Challenge | None:
+        h = self._prototype.copy()
+        h.update(record_hash)
+        h.update(step.to_bytes(8, "little"))
+        material = h.digest(length=40)
+        if self._every is not None:
+            sampled = step % self._every == 0
+        else:
+            sampled = int.from_bytes(material[:8], "little") < self._threshold
+        if not sampled:
+            return None
+        return Challenge(
+            step,
+            _draw(material, 8, self._param_count),
+            _draw(material, 24, self._state_count),
+        )
+
+
 def decide(
     policy: SamplingPolicy,
     step: int,
@@ -48,15 +80,6 @@ def decide(
     Indices are uint64 values covering the full committed coordinate range of the
     parameters and of the optimizer state (0 when a state is empty).
     """
-    h = hasher(Domain.SAMPLE)
-    h.update(record_hash)
-    h.update(step.to_bytes(8, "little"))
-    material = h.digest(length=40)
-    if policy.check_every is not None:
-        sampled = step % policy.check_every == 0
-    else:
-        threshold = int(policy.probability * _TWO_64)
-        sampled = int.from_bytes(material[:8], "little") < threshold
-    if not sampled:
-        return None
-    return Challenge(step, _draw(material, 8, param_count), _draw(material, 24, state_count))
+    return Sampler(policy, param_count=param_count, state_count=state_count).decide(
+        step, record_hash
+    )

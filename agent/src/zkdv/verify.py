@@ -29,7 +29,7 @@ from zkdv.hashing import ZERO_DIGEST, Domain, hash_bytes
 from zkdv.merkle import LeafSpec
 from zkdv.probes import ProbeSet
 from zkdv.records import PROBES_FILE, PROTOCOL_VERSION, Record, iter_records
-from zkdv.sampling import decide
+from zkdv.sampling import Sampler
 
 __all__ = ["VerificationReport", "verify_transcript"]
 
@@ -213,6 +213,9 @@ class _Verifier:
             )
         self.param_count = sum(spec.size for spec in self.param_specs)
         self.state_count = sum(spec.size for spec in self.state_specs)
+        self.sampler = Sampler(
+            self.config.sampling_policy, param_count=self.param_count, state_count=self.state_count
+        )
         self.post = _roots(data, "initial", record.index)
         self.probe_seed = _require(data, "probe_seed", bytes, record.index)
         self.program = data["program"]
@@ -263,7 +266,10 @@ class _Verifier:
                 and batch["cols"] == self.batch_cols
                 and type(batch["rows"]) is int
                 and batch["rows"] >= 1
-                and all(type(r) is bytes and len(r) == 32 for r in roots)
+                and type(roots[0]) is bytes
+                and type(roots[1]) is bytes
+                and type(roots[2]) is bytes
+                and len(roots[0]) == len(roots[1]) == len(roots[2]) == 32
                 and (flops is None or (type(flops) is float and 0.0 <= flops < math.inf))
             )
         except (KeyError, TypeError):
@@ -281,13 +287,7 @@ class _Verifier:
 
     def _sample(self, record: Record) -> None:
         step = self.next_step
-        challenge = decide(
-            self.config.sampling_policy,
-            step,
-            record.hash,
-            param_count=self.param_count,
-            state_count=self.state_count,
-        )
+        challenge = self.sampler.decide(step, record.hash)
         if challenge is not None:
             self.pending[step] = challenge
             self.report.sampled.append(step)
