@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib.auth import get_user_model
+from django.contrib.auth.models import User
 from django.core.files.storage import default_storage
 from django.db.models import Prefetch, QuerySet
 from django.http import FileResponse
@@ -62,6 +63,12 @@ JOBS = Prefetch("jobs", queryset=Job.objects.select_related("organization"))
 
 
 # --- Identity, organisations, keys ------------------------------------------------------
+
+
+def _user(request: Request) -> User:
+    """The authenticated user (every view here requires one)."""
+    assert isinstance(request.user, User)
+    return request.user
 
 
 class MeView(APIView):
@@ -121,16 +128,11 @@ class MemberList(generics.GenericAPIView[Membership]):
         serializer = MembershipSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         user = get_user_model().objects.get(username=serializer.validated_data["user"]["username"])
-        role = serializer.validated_data["role"]
-        membership, created = Membership.objects.update_or_create(
-            user=user, organization=org, defaults={"role": role}
-        )
-        AuditEvent.record(
-            "membership.added" if created else "membership.changed",
-            actor=request.user,
-            organization=org,
-            target=membership,
-            detail={"username": user.get_username(), "role": role},
+        membership, created = Membership.assign(
+            org,
+            user,
+            serializer.validated_data["role"],
+            actor=_user(request),
             ip=client_ip(request.META),
         )
         return Response(
@@ -149,15 +151,7 @@ class MemberDetail(APIView):
         membership = Membership.objects.filter(organization=org, user__username=username).first()
         if membership is None:
             raise NotFoundError(f"{username!r} is not a member of {slug}.")
-        AuditEvent.record(
-            "membership.removed",
-            actor=request.user,
-            organization=org,
-            target=membership,
-            detail={"username": username, "role": membership.role},
-            ip=client_ip(request.META),
-        )
-        membership.delete()
+        membership.remove(actor=_user(request), ip=client_ip(request.META))
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
@@ -175,15 +169,9 @@ class ApiKeyList(generics.ListCreateAPIView[ApiKey]):
         serializer = ApiKeySerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         key, raw = ApiKey.issue(
-            request.user,  # type: ignore[arg-type]
+            _user(request),
             serializer.validated_data["name"],
             days=serializer.validated_data.get("days"),
-        )
-        AuditEvent.record(
-            "api_key.created",
-            actor=request.user,
-            target=key,
-            detail={"name": key.name, "prefix": key.prefix, "expires": key.expires.isoformat()},
             ip=client_ip(request.META),
         )
         data = NewApiKeySerializer(key).data
@@ -200,14 +188,7 @@ class ApiKeyDetail(generics.RetrieveDestroyAPIView[ApiKey]):
         return ApiKey.objects.filter(user=self.request.user)  # type: ignore[misc]
 
     def perform_destroy(self, instance: ApiKey) -> None:
-        if instance.revoke():
-            AuditEvent.record(
-                "api_key.revoked",
-                actor=self.request.user,
-                target=instance,
-                detail={"name": instance.name, "prefix": instance.prefix},
-                ip=client_ip(self.request.META),
-            )
+        instance.revoke(actor=_user(self.request), ip=client_ip(self.request.META))
 
 
 # --- Experiments ------------------------------------------------------------------------
@@ -238,25 +219,13 @@ class ExperimentList(generics.ListCreateAPIView[Experiment]):
 
     def perform_create(self, serializer: serializers.BaseSerializer[Experiment]) -> None:
         data = serializer.validated_data
-        experiment = Experiment.register(
+        serializer.instance = Experiment.register(
             data["owner"],
             data["name"],
             data["current_spec"],
-            user=self.request.user,  # type: ignore[arg-type]
-        )
-        AuditEvent.record(
-            "experiment.registered",
-            actor=self.request.user,
-            organization=experiment.owner,
-            target=experiment,
-            detail={
-                "experiment": experiment.full_name,
-                "spec_version": 1,
-                "spec_digest": experiment.current_spec.digest,  # type: ignore[union-attr]
-            },
+            user=_user(self.request),
             ip=client_ip(self.request.META),
         )
-        serializer.instance = experiment
 
 
 def _experiment(request: Request, owner: str, name: str) -> Experiment:
@@ -298,22 +267,11 @@ class SpecList(APIView):
         require(request, Capability.WRITE, experiment.owner_id)
         serializer = SpecSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        before = experiment.current_spec
-        spec, changed = experiment.revise_spec(serializer.validated_data)
-        created = before is not None and spec.pk != before.pk
-        if changed:
-            AuditEvent.record(
-                "experiment.spec_versioned" if created else "experiment.spec_edited",
-                actor=request.user,
-                organization=experiment.owner,
-                target=experiment,
-                detail={
-                    "experiment": experiment.full_name,
-                    "spec_version": spec.version,
-                    "spec_digest": spec.digest,
-                },
-                ip=client_ip(request.META),
-            )
+        before = experiment.current_spec_id
+        spec, _ = experiment.revise_spec(
+            serializer.validated_data, user=_user(request), ip=client_ip(request.META)
+        )
+        created = spec.pk != before
         return Response(
             SpecSerializer(spec).data,
             status=status.HTTP_201_CREATED if created else status.HTTP_200_OK,

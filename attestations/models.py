@@ -138,6 +138,42 @@ class Membership(models.Model):
     def __str__(self) -> str:
         return f"{self.user} {self.role} in {self.organization}"
 
+    @classmethod
+    def assign(
+        cls,
+        organization: Organization,
+        user: User,
+        role: str,
+        *,
+        actor: User,
+        ip: str | None = None,
+    ) -> tuple[Membership, bool]:
+        """Add ``user`` with ``role``, or change their role; recorded in the audit trail."""
+        membership, created = cls.objects.update_or_create(
+            user=user, organization=organization, defaults={"role": role}
+        )
+        AuditEvent.record(
+            "membership.added" if created else "membership.changed",
+            actor=actor,
+            organization=organization,
+            target=membership,
+            detail={"username": user.get_username(), "role": role},
+            ip=ip,
+        )
+        return membership, created
+
+    def remove(self, *, actor: User, ip: str | None = None) -> None:
+        """Delete the membership, recording ``membership.removed`` first."""
+        AuditEvent.record(
+            "membership.removed",
+            actor=actor,
+            organization=self.organization,
+            target=self,
+            detail={"username": self.user.get_username(), "role": self.role},
+            ip=ip,
+        )
+        self.delete()
+
 
 @dataclass(frozen=True)
 class Access:
@@ -249,8 +285,13 @@ class ApiKey(models.Model):
         return hashlib.sha256(raw.encode("utf-8")).hexdigest()
 
     @classmethod
-    def issue(cls, user: User, name: str, *, days: int | None = None) -> tuple[ApiKey, str]:
-        """Create a key and return it with its raw value, which is never retrievable again."""
+    def issue(
+        cls, user: User, name: str, *, days: int | None = None, ip: str | None = None
+    ) -> tuple[ApiKey, str]:
+        """Create a key and return it with its raw value, which is never retrievable again.
+
+        Records ``api_key.created`` in the audit trail.
+        """
         ttl = days if days is not None else dvbench_int("API_KEY_TTL_DAYS")
         lookup = secrets.token_hex(6)
         raw = f"{API_KEY_PREFIX}_{lookup}_{secrets.token_urlsafe(32)}"
@@ -260,6 +301,13 @@ class ApiKey(models.Model):
             lookup=lookup,
             digest=cls.hash(raw),
             expires=timezone.now() + timedelta(days=ttl),
+        )
+        AuditEvent.record(
+            "api_key.created",
+            actor=user,
+            target=key,
+            detail={"name": key.name, "prefix": key.prefix, "expires": key.expires.isoformat()},
+            ip=ip,
         )
         return key, raw
 
@@ -282,12 +330,20 @@ class ApiKey(models.Model):
             key.last_used = now
         return key
 
-    def revoke(self) -> bool:
-        """Revoke the key; returns False if it was already revoked."""
+    def revoke(self, *, actor: User | None = None, ip: str | None = None) -> bool:
+        """Revoke the key (recording ``api_key.revoked``); False if it already was."""
         updated = ApiKey.objects.filter(pk=self.pk, revoked__isnull=True).update(
             revoked=timezone.now()
         )
         self.refresh_from_db(fields=["revoked"])
+        if updated:
+            AuditEvent.record(
+                "api_key.revoked",
+                actor=actor,
+                target=self,
+                detail={"name": self.name, "prefix": self.prefix},
+                ip=ip,
+            )
         return bool(updated)
 
 
@@ -434,40 +490,75 @@ class Experiment(models.Model):
         spec: Mapping[str, Any],
         *,
         user: User | None,
+        ip: str | None = None,
     ) -> Experiment:
-        """Create the experiment and its first spec version."""
+        """Create the experiment and its first spec version; records the registration."""
         experiment = cls.objects.create(owner=owner, name=name, created_by=user)
-        experiment.current_spec = ExperimentSpec.create_version(experiment, 1, spec)
+        first = ExperimentSpec.create_version(experiment, 1, spec)
+        experiment.current_spec = first
         experiment.save(update_fields=["current_spec"])
+        AuditEvent.record(
+            "experiment.registered",
+            actor=user,
+            organization=owner,
+            target=experiment,
+            detail={
+                "experiment": experiment.full_name,
+                "spec_version": 1,
+                "spec_digest": first.digest,
+            },
+            ip=ip,
+        )
         return experiment
 
     @transaction.atomic
-    def revise_spec(self, spec: Mapping[str, Any]) -> tuple[ExperimentSpec, bool]:
+    def revise_spec(
+        self, spec: Mapping[str, Any], *, user: User | None = None, ip: str | None = None
+    ) -> tuple[ExperimentSpec, bool]:
         """Apply a changed spec.
 
         A spec with no proof attached is edited in place; a frozen one (a proof names it)
         is kept as it is and the change becomes a new version. An identical spec changes
-        nothing.
+        nothing. A change is recorded as ``experiment.spec_edited`` or
+        ``experiment.spec_versioned``.
 
         Returns:
             The current spec and whether anything changed.
         """
+        spec_row, changed, versioned = self._revise(spec)
+        if changed:
+            AuditEvent.record(
+                "experiment.spec_versioned" if versioned else "experiment.spec_edited",
+                actor=user,
+                organization=self.owner,
+                target=self,
+                detail={
+                    "experiment": self.full_name,
+                    "spec_version": spec_row.version,
+                    "spec_digest": spec_row.digest,
+                },
+                ip=ip,
+            )
+        return spec_row, changed
+
+    def _revise(self, spec: Mapping[str, Any]) -> tuple[ExperimentSpec, bool, bool]:
+        """(current spec, changed, whether the change made a new version)."""
         assert self.current_spec_id is not None, "an experiment always has a spec"
         current = ExperimentSpec.objects.select_for_update().get(pk=self.current_spec_id)
         fields = ExperimentSpec.fields_from(spec)
         if all(getattr(current, key) == value for key, value in fields.items()):
-            return current, False
+            return current, False, False
         if current.is_frozen:
             latest = self.specs.aggregate(models.Max("version"))["version__max"] or 0
             new = ExperimentSpec.create_version(self, latest + 1, spec)
             self.current_spec = new
             self.save(update_fields=["current_spec"])
-            return new, True
+            return new, True, True
         for key, value in fields.items():
             setattr(current, key, value)
         current.digest = current.compute_digest()
         current.save()
-        return current, True
+        return current, True, False
 
 
 class ExperimentSpec(models.Model):

@@ -127,18 +127,10 @@ def experiment_new(request: HttpRequest) -> HttpResponse:
     if request.method == "POST" and form.is_valid():
         owner = form.cleaned_data["owner"]
         experiment = Experiment.register(
-            owner, form.cleaned_data["name"], form.spec(), user=_user(request)
-        )
-        AuditEvent.record(
-            "experiment.registered",
-            actor=request.user,
-            organization=owner,
-            target=experiment,
-            detail={
-                "experiment": experiment.full_name,
-                "spec_version": 1,
-                "spec_digest": experiment.current_spec.digest,  # type: ignore[union-attr]
-            },
+            owner,
+            form.cleaned_data["name"],
+            form.spec(),
+            user=_user(request),
             ip=client_ip(request.META),
         )
         messages.success(request, f"Registered {experiment.full_name}.")
@@ -188,21 +180,11 @@ def experiment_spec(request: HttpRequest, owner: str, name: str) -> HttpResponse
     initial = {key: getattr(spec, key) for key in SpecForm.base_fields}
     form = SpecForm(request.POST or None, initial=initial)
     if request.method == "POST" and form.is_valid():
-        new, changed = experiment.revise_spec(form.spec())
+        new, changed = experiment.revise_spec(
+            form.spec(), user=_user(request), ip=client_ip(request.META)
+        )
         if changed:
             versioned = new.pk != spec.pk
-            AuditEvent.record(
-                "experiment.spec_versioned" if versioned else "experiment.spec_edited",
-                actor=request.user,
-                organization=experiment.owner,
-                target=experiment,
-                detail={
-                    "experiment": experiment.full_name,
-                    "spec_version": new.version,
-                    "spec_digest": new.digest,
-                },
-                ip=client_ip(request.META),
-            )
             messages.success(
                 request,
                 f"Spec version {new.version} created (version {spec.version} is frozen)."
@@ -249,14 +231,9 @@ def api_keys(request: HttpRequest) -> HttpResponse:
     created: tuple[ApiKey, str] | None = None
     if request.method == "POST" and form.is_valid():
         created = ApiKey.issue(
-            _user(request), form.cleaned_data["name"], days=form.cleaned_data["days"]
-        )
-        key = created[0]
-        AuditEvent.record(
-            "api_key.created",
-            actor=request.user,
-            target=key,
-            detail={"name": key.name, "prefix": key.prefix, "expires": key.expires.isoformat()},
+            _user(request),
+            form.cleaned_data["name"],
+            days=form.cleaned_data["days"],
             ip=client_ip(request.META),
         )
         # Rendered, not redirected: the raw key exists only in this response.
@@ -270,14 +247,7 @@ def api_keys(request: HttpRequest) -> HttpResponse:
 @require_POST
 def api_key_revoke(request: HttpRequest, pk: int) -> HttpResponse:
     key = get_object_or_404(ApiKey, pk=pk, user=request.user)
-    if key.revoke():
-        AuditEvent.record(
-            "api_key.revoked",
-            actor=request.user,
-            target=key,
-            detail={"name": key.name, "prefix": key.prefix},
-            ip=client_ip(request.META),
-        )
+    if key.revoke(actor=_user(request), ip=client_ip(request.META)):
         messages.success(request, f"Revoked {key.prefix}….")
     return redirect("api-keys")
 
@@ -308,15 +278,11 @@ def organization(request: HttpRequest, slug: str) -> HttpResponse:
             raise PermissionDenied("Only the organisation's admins manage its members.")
         if form.is_valid():
             user = User.objects.get(username=form.cleaned_data["username"])
-            membership, created = Membership.objects.update_or_create(
-                user=user, organization=org, defaults={"role": form.cleaned_data["role"]}
-            )
-            AuditEvent.record(
-                "membership.added" if created else "membership.changed",
-                actor=request.user,
-                organization=org,
-                target=membership,
-                detail={"username": user.get_username(), "role": membership.role},
+            membership, _ = Membership.assign(
+                org,
+                user,
+                form.cleaned_data["role"],
+                actor=_user(request),
                 ip=client_ip(request.META),
             )
             messages.success(
@@ -345,14 +311,6 @@ def organization_remove(request: HttpRequest, slug: str, username: str) -> HttpR
     org = get_object_or_404(Organization, slug=slug)
     _require(access, Capability.MANAGE, org.pk)
     membership = get_object_or_404(Membership, organization=org, user__username=username)
-    AuditEvent.record(
-        "membership.removed",
-        actor=request.user,
-        organization=org,
-        target=membership,
-        detail={"username": username, "role": membership.role},
-        ip=client_ip(request.META),
-    )
-    membership.delete()
+    membership.remove(actor=_user(request), ip=client_ip(request.META))
     messages.success(request, f"Removed {username} from {org.slug}.")
     return redirect("organization", slug=slug)

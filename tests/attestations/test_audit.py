@@ -37,7 +37,9 @@ def test_actions_are_recorded_with_actor_and_ip(world: World, api: Api) -> None:
     api("admin").delete("/api/v1/organizations/acme/members/bob/")
     events = {e.action: e for e in AuditEvent.objects.filter(organization=world.acme)}
     assert {"experiment.registered", "membership.added", "membership.removed"} <= set(events)
-    registered = events["experiment.registered"]
+    registered = AuditEvent.objects.get(
+        action="experiment.registered", detail__experiment="acme/run-2"
+    )
     assert registered.actor_name == "alice"
     assert registered.ip == "127.0.0.1"
     assert registered.detail["experiment"] == "acme/run-2"
@@ -46,7 +48,9 @@ def test_actions_are_recorded_with_actor_and_ip(world: World, api: Api) -> None:
 def test_the_api_lists_and_filters_events(world: World, api: Api) -> None:
     api("alice").post("/api/v1/experiments/", {"name": "acme/run-2", "spec": SPEC}, format="json")
     body = api("bob").get("/api/v1/audit-events/?action=experiment.registered").json()
-    assert [e["action"] for e in body["results"]] == ["experiment.registered"]
+    # The world's acme/run-1 and the new acme/run-2; mallory's evil/heist is out of scope.
+    assert [e["detail"]["experiment"] for e in body["results"]] == ["acme/run-2", "acme/run-1"]
+    assert {e["action"] for e in body["results"]} == {"experiment.registered"}
     assert body["results"][0]["actor"] == "alice"
 
 
