@@ -121,3 +121,21 @@ def test_donation_is_memory_safe_while_a_view_exists() -> None:
     del view
     z = jax.jit(lambda a: a * 2, donate_argnums=0)(y)
     assert y.is_deleted() and float(z[3]) == 12.0
+
+
+def test_a_normal_loop_never_copies_the_state_after_the_first_step(make_proof, monkeypatch) -> None:
+    """Continuity by identity: the inputs are the previous outputs, nothing is re-read."""
+    import zkdv.driver.jax as driver
+
+    copies = []
+    original = driver._host_copy
+    monkeypatch.setattr(driver, "_host_copy", lambda leaves: copies.append(1) or original(leaves))
+    proof = make_proof(zkdv.SamplingPolicy(update_check_probability=0.0), interval=2)
+    state = TrainState.create(
+        proof=proof, apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.05)
+    )
+    step = proof.jit(_step, donate_argnums=(0,))
+    for batch in batches(6):
+        state = step(state, batch)
+    proof.close()
+    assert len(copies) == 1  # the initial state
