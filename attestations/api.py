@@ -7,6 +7,7 @@ not act on answers 403 (:func:`~attestations.permissions.require`).
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from django.contrib.auth import get_user_model
@@ -204,6 +205,14 @@ class ExperimentList(generics.ListCreateAPIView[Experiment]):
     query_filters = {
         "owner": ("owner__slug", None),
         "framework": ("current_spec__framework", frozenset(Framework.values)),
+        "declared_flops_at_least": ("current_spec__max_flops__gte", int),
+        "created_after": ("created__gte", datetime),
+        "created_before": ("created__lt", datetime),
+    }
+    query_filter_help = {
+        "declared_flops_at_least": "Experiments whose current spec declares max_flops >= this.",
+        "created_after": "Registered at or after this ISO 8601 date or date-time.",
+        "created_before": "Registered before this ISO 8601 date or date-time.",
     }
 
     def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:
@@ -307,6 +316,12 @@ class ProofList(generics.ListAPIView[Proof]):
         "experiment": ("experiment__full_name", None),
         "owner": ("experiment__owner__slug", None),
         "status": ("status", frozenset(ProofStatus.values)),
+        "verified_after": ("verified__gte", datetime),
+        "verified_before": ("verified__lt", datetime),
+    }
+    query_filter_help = {
+        "verified_after": "Verdict given at or after this ISO 8601 date or date-time.",
+        "verified_before": "Verdict given before this ISO 8601 date or date-time.",
     }
 
     def get_queryset(self) -> QuerySet[Proof]:
@@ -395,6 +410,8 @@ class AuditEventList(generics.ListAPIView[AuditEvent]):
         "organization": ("organization__slug", None),
         "target_type": ("target_type", None),
         "target_id": ("target_id", None),
+        "after": ("created__gte", datetime),
+        "before": ("created__lt", datetime),
     }
 
     def get_queryset(self) -> QuerySet[AuditEvent]:

@@ -2,24 +2,30 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from django.db.models import QuerySet
+from django.utils import timezone
+from django.utils.dateparse import parse_date, parse_datetime
 from rest_framework.filters import BaseFilterBackend
 from rest_framework.request import Request
 
 from attestations.exceptions import InvalidRequestError
 
-#: A filter's kind of value: a set of allowed strings, ``int``, or None for any string.
-Choices = frozenset[str] | type[int] | None
+#: A filter's kind of value: a set of allowed strings, ``int``, ``datetime`` (an ISO 8601
+#: date or date-time), or None for any string.
+Choices = frozenset[str] | type[int] | type[datetime] | None
 
 
 class QueryFilters(BaseFilterBackend):
-    """Exact-match filters declared on the view as ``query_filters``.
+    """Filters declared on the view as ``query_filters``.
 
-    ``query_filters`` maps a query parameter to ``(lookup, choices)``. A value outside
-    its choices is a 400 naming the parameter (never an empty page that hides a typo). A
-    lookup ending in ``__full_name`` takes an ``owner/name`` experiment id.
+    ``query_filters`` maps a query parameter to ``(lookup, choices)``; the lookup may end
+    in a comparison (``__gte``, ``__lt``). A value that does not fit is a 400 naming the
+    parameter (never an empty page that hides a typo). A lookup ending in
+    ``__full_name`` takes an ``owner/name`` experiment id. ``query_filter_help`` on the
+    view describes parameters in the schema.
     """
 
     def filter_queryset(
@@ -30,14 +36,12 @@ class QueryFilters(BaseFilterBackend):
             value = request.query_params.get(param)
             if value is None or value == "":
                 continue
+            parsed: Any = value
             if choices is int:
                 if not value.isdigit():
-                    raise InvalidRequestError(
-                        f"{param}: expected a whole number, got {value!r}",
-                        code="invalid_filter",
-                        field=param,
-                        detail={"got": value},
-                    )
+                    raise _invalid(param, f"expected a whole number, got {value!r}", value)
+            elif choices is datetime:
+                parsed = _moment(param, value)
             elif isinstance(choices, frozenset) and value not in choices:
                 raise InvalidRequestError(
                     f"{param}: {value!r} is not one of {', '.join(sorted(choices))}",
@@ -50,23 +54,27 @@ class QueryFilters(BaseFilterBackend):
                 prefix = lookup.removesuffix("full_name")
                 queryset = queryset.filter(**{f"{prefix}owner__slug": owner, f"{prefix}name": name})
             else:
-                queryset = queryset.filter(**{lookup: value})
+                queryset = queryset.filter(**{lookup: parsed})
         return queryset
 
     def get_schema_operation_parameters(self, view: Any) -> list[dict[str, Any]]:
         filters: dict[str, tuple[str, Choices]] = getattr(view, "query_filters", {})
+        help_texts: dict[str, str] = getattr(view, "query_filter_help", {})
         parameters = []
         for param, (lookup, choices) in filters.items():
             schema: dict[str, Any] = {"type": "string"}
             if choices is int:
                 schema = {"type": "integer"}
+            elif choices is datetime:
+                schema["format"] = "date-time"
             elif isinstance(choices, frozenset):
                 schema["enum"] = sorted(choices)
-            description = (
-                "Experiment id, owner/name."
-                if lookup.endswith("__full_name")
-                else f"Exact match on {param}."
-            )
+            if param in help_texts:
+                description = help_texts[param]
+            elif lookup.endswith("__full_name"):
+                description = "Experiment id, owner/name."
+            else:
+                description = f"Exact match on {param}."
             parameters.append(
                 {
                     "name": param,
@@ -77,3 +85,22 @@ class QueryFilters(BaseFilterBackend):
                 }
             )
         return parameters
+
+
+def _invalid(param: str, message: str, value: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"{param}: {message}", code="invalid_filter", field=param, detail={"got": value}
+    )
+
+
+def _moment(param: str, value: str) -> datetime:
+    """An ISO 8601 date (midnight UTC) or date-time (UTC when it has no offset)."""
+    try:
+        moment = parse_datetime(value)
+        if moment is None and (day := parse_date(value)) is not None:
+            moment = datetime(day.year, day.month, day.day)
+    except ValueError:
+        moment = None
+    if moment is None:
+        raise _invalid(param, f"expected an ISO 8601 date or date-time, got {value!r}", value)
+    return moment if timezone.is_aware(moment) else moment.replace(tzinfo=UTC)

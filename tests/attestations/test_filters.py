@@ -1,0 +1,60 @@
+"""Regulator-style queries: by organisation, declared compute, date; bad values name the parameter."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from attestations.models import Experiment, Proof
+from tests.attestations.base import SPEC, World, error_of
+
+Api = Callable[[str | None], APIClient]
+
+
+def ids(response: object) -> set[str]:
+    return {item["id"] for item in response.json()["results"]}  # type: ignore[attr-defined]
+
+
+def test_by_organisation_and_declared_compute(world: World, api: Api) -> None:
+    Experiment.register(world.evil, "small", {**SPEC, "max_flops": 10**20}, user=world.mallory)
+    carol = api("carol")
+    assert ids(carol.get("/api/v1/experiments/?owner=evil")) == {"evil/heist", "evil/small"}
+    big = ids(carol.get(f"/api/v1/experiments/?declared_flops_at_least={10**24}"))
+    assert big == {"acme/run-1", "evil/heist"}
+
+
+def test_by_date(world: World, api: Api) -> None:
+    Experiment.objects.filter(pk=world.other.pk).update(
+        created=timezone.now() - timezone.timedelta(days=30)
+    )
+    carol = api("carol")
+    recent = ids(
+        carol.get(
+            f"/api/v1/experiments/?created_after={(timezone.now() - timezone.timedelta(days=1)).date()}"
+        )
+    )
+    assert recent == {"acme/run-1"}
+    old = ids(
+        carol.get(
+            "/api/v1/experiments/?created_before="
+            + str((timezone.now() - timezone.timedelta(days=7)).date())
+        )
+    )
+    assert old == {"evil/heist"}
+    Proof.objects.filter(pk=world.proof.pk).update(verified=timezone.now())
+    proofs = carol.get("/api/v1/proofs/?verified_after=2000-01-01T00:00:00Z").json()["results"]
+    assert [p["id"] for p in proofs] == [world.proof.pk]
+
+
+def test_bad_values_name_the_parameter(world: World, api: Api) -> None:
+    for query, field in [
+        ("declared_flops_at_least=1e25", "declared_flops_at_least"),
+        ("created_after=yesterday", "created_after"),
+        ("framework=tensorflow", "framework"),
+    ]:
+        response = api("carol").get(f"/api/v1/experiments/?{query}")
+        assert response.status_code == 400, query
+        error = error_of(response)
+        assert (error["code"], error["field"]) == ("invalid_filter", field)
