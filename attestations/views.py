@@ -154,10 +154,17 @@ def experiment_detail(request: HttpRequest, owner: str, name: str) -> HttpRespon
             Q(target_type="experiment", target_id=str(experiment.pk))
             | Q(detail__experiment=experiment.full_name)
         ).order_by("-created")[:50]
+    can_artifacts = access.can(Capability.ARTIFACTS, experiment.owner_id)
+    uploads = (
+        experiment.uploads.select_related("blob").prefetch_related("parts")[:20]
+        if can_artifacts
+        else None
+    )
     return render(
         request,
         "attestations/experiment_detail.html",
         {
+            "uploads": uploads,
             "experiment": experiment,
             "spec": experiment.current_spec,
             "specs": experiment.specs.all(),

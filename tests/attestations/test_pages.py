@@ -192,3 +192,15 @@ def test_an_unknown_user_is_named_inline(world: World) -> None:
     )
     assert response.status_code == 200
     assert "No active user named" in response.content.decode()
+
+
+def test_upload_sessions_show_to_trainers_not_auditors(world: World) -> None:
+    assert "Uploads" in browser(world, "alice").get("/experiments/acme/run-1/").content.decode()
+    assert (
+        "<h2>Uploads</h2>"
+        not in browser(world, "bob").get("/experiments/acme/run-1/").content.decode()
+    )
+    assert (
+        "<h2>Uploads</h2>"
+        not in browser(world, "carol").get("/experiments/acme/run-1/").content.decode()
+    )
