@@ -2,6 +2,7 @@
 
     python bench/torch_overhead.py [--quick] [--rounds 3] [--steps 12] [--only lm|mlp]
                                    [--checked] [--program aot-inductor|torch.export]
+                                   [--chunk-bytes 65536]
 
 Two workloads, each trained with ``torch.optim.Adam`` in eager mode:
 
@@ -11,15 +12,24 @@ Two workloads, each trained with ``torch.optim.Adam`` in eager mode:
   ZKDV adds per step <= 1.2 x what raw ``blake3`` with all threads needs to hash the same
   state bytes once, measured here; the plain ratio is printed too).
 
-For each workload the same step runs as plain eager code and inside
-``proof.transaction`` with the default policy (p = 0.01, N = 12), and with
-``--checked`` also under ``SamplingPolicy.DEBUGCheckEvery(1)``, in interleaved blocks of
-``--steps`` steps so that machine noise hits all alike. A proof's block ends with
+For each workload the same step runs as plain eager code, inside ``proof.transaction``
+with the default policy (p = 0.01, N = 12), inside ``proof.transaction`` with checks off
+(p = 0: commitments, probes, snapshots and files only), and with ``--checked`` also
+under ``SamplingPolicy.DEBUGCheckEvery(1)``, in interleaved blocks of ``--steps`` steps
+so that machine noise hits all alike. A sampled check replays on average 6.5 steps
+(the challenged one and half a snapshot window before it) and, under the default
+``UNCHECKED`` overlap policy, training waits for it: with p = 0.01 that is about
+0.01 x 6.5 = 6.5 % of the forward-backward compute on average, concentrated in the
+rare checked steps, so a short run's default-policy number depends on how many checks
+its steps happened to draw (printed). A proof's block ends with
 ``proof.join()``, so its commitments (and checks) are inside the timing. Each variant has
 its own identical copy of the model and optimizer. The median block time per step is
 reported. The one-time sealing cost (tracing plus the AOT Inductor compile of the
 attested step, paid by the first transaction) is reported separately and is not in the
 step times.
+
+On a shared machine wall-clock times swing with other processes' load (printed), so the
+process CPU time per step is reported too: the work ZKDV adds, whoever else runs.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from torch import nn
 from torch.nn import functional
 
 import zkdv
+from zkdv.verify import verify_transcript
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -131,10 +142,13 @@ def run(name: str, workload: Any, args: argparse.Namespace, root: str) -> dict[s
         if policy is not None:
             proof = zkdv.torch.ZKDV(
                 os.path.join(root, f"{name}-{label}"),
-                zkdv.ZKDVConfig(sampling_policy=policy),
+                zkdv.ZKDVConfig(sampling_policy=policy, chunk_bytes=args.chunk_bytes),
                 replay_snapshot_interval=12,
             )
-            proof.program_kind = args.program
+            # Without checks the program never runs: seal it quickly.
+            proof.program_kind = (
+                args.program if policy.probability or policy.check_every else ("torch.export")
+            )
             proof.start(rolling_window=4, probe_ratio=0.01)
             model, optimizer = proof.prepare(model, optimizer)
 
@@ -149,12 +163,14 @@ def run(name: str, workload: Any, args: argparse.Namespace, root: str) -> dict[s
             "model": model,
             "optimizer": optimizer,
             "times": [],
+            "cpu": [],
             "i": 0,
             "seal": 0.0,
         }
 
     make("eager", None)
     make("zkdv", zkdv.SamplingPolicy(update_check_probability=0.01))
+    make("zkdv p=0", zkdv.SamplingPolicy(update_check_probability=0.0))
     if args.checked:
         make("check-every-1", zkdv.SamplingPolicy.DEBUGCheckEvery(1))
 
@@ -163,6 +179,7 @@ def run(name: str, workload: Any, args: argparse.Namespace, root: str) -> dict[s
         model, optimizer, proof = v["model"], v["optimizer"], v["proof"]
         data = [batch(v["i"] + k) for k in range(steps)]
         _sync()
+        cpu = time.process_time()
         start = time.perf_counter()
         for item in data:
             if proof is None:
@@ -180,6 +197,7 @@ def run(name: str, workload: Any, args: argparse.Namespace, root: str) -> dict[s
         _sync()
         if proof is not None:
             proof.join()
+        v["cpu"].append((time.process_time() - cpu) / steps)
         return (time.perf_counter() - start) / steps
 
     for label, v in variants.items():  # seal (first transaction) and warm up
@@ -188,6 +206,8 @@ def run(name: str, workload: Any, args: argparse.Namespace, root: str) -> dict[s
         v["seal"] = v["proof"].sealing_seconds if v["proof"] is not None else 0.0
         v["first"] = time.perf_counter() - started
         block(label, 2)
+    for v in variants.values():
+        v["cpu"].clear()
     for _ in range(args.rounds):
         for label in variants:
             variants[label]["times"].append(block(label, args.steps))
@@ -197,23 +217,34 @@ def run(name: str, workload: Any, args: argparse.Namespace, root: str) -> dict[s
     for state in eager["optimizer"].state.values():
         leaves.extend(value for value in state.values() if isinstance(value, torch.Tensor))
     flat = np.concatenate([t.cpu().reshape(-1).view(torch.uint8).numpy() for t in leaves])
-    hashes = []
+    hashes, hash_cpu = [], []
     for _ in range(5):
+        cpu = time.process_time()
         start = time.perf_counter()
         blake3.blake3(memoryview(flat), max_threads=blake3.blake3.AUTO).digest()
         hashes.append(time.perf_counter() - start)
+        hash_cpu.append(time.process_time() - cpu)
     state_bytes = flat.nbytes
     del flat
-    for v in variants.values():
+    checks = {}
+    for label, v in variants.items():
         if v["proof"] is not None:
             v["proof"].close()
+            report = verify_transcript(v["proof"].path)
+            assert report.ok, report.summary()
+            checks[label] = report.checks
     return {
         "name": name,
         "params": sum(p.numel() for p in template.parameters()),
         "state_mib": state_bytes / 2**20,
         "blake3_ms": min(hashes) * 1e3,
+        "blake3_cpu_ms": min(hash_cpu) * 1e3,
+        "cpu_ms": {label: statistics.median(v["cpu"]) * 1e3 for label, v in variants.items()},
+        "load": os.getloadavg()[0],
         "ms": {label: statistics.median(v["times"]) * 1e3 for label, v in variants.items()},
         "seal_s": {label: v["seal"] for label, v in variants.items() if v["proof"] is not None},
+        "checks": checks,
+        "steps": {label: v["i"] for label, v in variants.items()},
     }
 
 
@@ -222,18 +253,34 @@ def report(result: dict[str, Any], program: str) -> None:
     base = ms["eager"]
     print(
         f"\n[{result['name']}] {result['params'] / 1e6:.2f}M params, committed state "
-        f"{result['state_mib']:.1f} MiB, raw blake3 (all threads) {result['blake3_ms']:.1f} ms"
+        f"{result['state_mib']:.1f} MiB, raw blake3 (all threads) {result['blake3_ms']:.1f} ms "
+        f"wall, {result['blake3_cpu_ms']:.1f} ms CPU; load average {result['load']:.1f}"
     )
     for label, value in ms.items():
-        print(f"  {label:14s} {value:8.1f} ms/step  ratio {value / base:6.3f}")
-    added = ms["zkdv"] - base
-    print(
-        f"  added by the ZKDV transaction: {added:.1f} ms/step = "
-        f"{added / result['blake3_ms']:.2f} x raw blake3 of the state; step-time ratio "
-        f"{ms['zkdv'] / base:.3f}"
-    )
-    for label, seconds in result["seal_s"].items():
-        print(f"  one-time sealing ({program}) of {label}: {seconds:.1f} s")
+        drawn = ""
+        if label in result["checks"]:
+            drawn = (
+                f"  ({result['checks'][label]} sampled checks in {result['steps'][label]} steps)"
+            )
+        cpu = result["cpu_ms"][label]
+        print(
+            f"  {label:14s} {value:8.1f} ms/step  ratio {value / base:6.3f}  "
+            f"CPU {cpu:8.1f} ms/step{drawn}"
+        )
+    for label in ("zkdv", "zkdv p=0"):
+        added = ms[label] - base
+        print(
+            f"  added by the ZKDV transaction ({label}): {added:.1f} ms/step = "
+            f"{added / result['blake3_ms']:.2f} x raw blake3 of the state; step-time ratio "
+            f"{ms[label] / base:.3f}"
+        )
+        added_cpu = result["cpu_ms"][label] - result["cpu_ms"]["eager"]
+        print(
+            f"  added process CPU time ({label}): {added_cpu:.1f} ms/step = "
+            f"{added_cpu / result['blake3_cpu_ms']:.2f} x the CPU time of raw blake3"
+        )
+    seconds = result["seal_s"]["zkdv"]
+    print(f"  one-time sealing ({program}) on the first transaction: {seconds:.1f} s")
 
 
 def main() -> None:
@@ -249,12 +296,19 @@ def main() -> None:
         default=os.environ.get("ZKDV_TORCH_PROGRAM", "aot-inductor"),
         help="the sealed program kind (default: the product default, aot-inductor)",
     )
+    parser.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=zkdv.ZKDVConfig().chunk_bytes,
+        help="Merkle chunk size (default: ZKDVConfig's, 64 KiB)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.steps = 2, 6
     print(
         f"torch {torch.__version__} on {DEVICE} ({torch.get_num_threads()} threads), "
-        f"{os.cpu_count()} cpus; {args.rounds} rounds x {args.steps} steps per variant"
+        f"{os.cpu_count()} cpus; {args.rounds} rounds x {args.steps} steps per variant; "
+        f"Merkle chunks of {args.chunk_bytes} bytes"
     )
     with tempfile.TemporaryDirectory(prefix="zkdv-bench-") as root:
         for name, workload in (("lm", lm_workload), ("mlp", mlp_workload)):

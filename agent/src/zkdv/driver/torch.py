@@ -50,6 +50,10 @@ NOT_ATTESTED = (
 NO_MODEL = "ZKDV has no prepared model; pass the root module through proof.prepare() first"
 NO_OPTIMIZER = "ZKDV has no prepared optimizer; pass it through proof.prepare() first"
 NO_STEP = "a ZKDV transaction must call optimizer.step() on the prepared optimizer exactly once"
+FSDP_UNSUPPORTED = (
+    "ZKDV does not support FSDP2 (fully_shard) models yet: a sampled check would need "
+    "the sharded gradient program; use DistributedDataParallel or a single process"
+)
 TWO_STEPS = "a ZKDV transaction may call optimizer.step() only once"
 
 
@@ -271,7 +275,10 @@ class ZKDV(Driver):
                     "ZKDV prepares one root model per proof; compose additional stateful "
                     "modules under that root"
                 )
-            self._prepared_model = PreparedModel.bind(value)
+            prepared = PreparedModel.bind(value)
+            if prepared.fsdp:
+                raise ValueError(FSDP_UNSUPPORTED)
+            self._prepared_model = prepared
             self._bind()
             return value
         if isinstance(value, torch.optim.Optimizer):
