@@ -13,6 +13,7 @@ from typing import Any
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
 from django.core.files.storage import default_storage
+from django.db import IntegrityError, transaction
 from django.db.models import Prefetch, QuerySet
 from django.http import FileResponse
 from drf_spectacular.types import OpenApiTypes
@@ -23,7 +24,12 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from attestations import uploads
-from attestations.exceptions import InvalidRequestError, LengthRequiredError, NotFoundError
+from attestations.exceptions import (
+    ConflictError,
+    InvalidRequestError,
+    LengthRequiredError,
+    NotFoundError,
+)
 from attestations.filters import QueryFilters
 from attestations.models import (
     ApiKey,
@@ -228,13 +234,22 @@ class ExperimentList(generics.ListCreateAPIView[Experiment]):
 
     def perform_create(self, serializer: serializers.BaseSerializer[Experiment]) -> None:
         data = serializer.validated_data
-        serializer.instance = Experiment.register(
-            data["owner"],
-            data["name"],
-            data["current_spec"],
-            user=_user(self.request),
-            ip=client_ip(self.request.META),
-        )
+        try:
+            with transaction.atomic():
+                serializer.instance = Experiment.register(
+                    data["owner"],
+                    data["name"],
+                    data["current_spec"],
+                    user=_user(self.request),
+                    ip=client_ip(self.request.META),
+                )
+        except IntegrityError:
+            # Lost a race with a concurrent registration of the same name.
+            raise ConflictError(
+                f"{data['owner'].slug}/{data['name']} is already registered.",
+                code="exists",
+                field="name",
+            ) from None
 
 
 def _experiment(request: Request, owner: str, name: str) -> Experiment:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
+from typing import Any
 
 from rest_framework.test import APIClient
 
-from attestations.models import ExperimentSpec
+from attestations.models import Experiment, ExperimentSpec
 from tests.attestations.base import SPEC, World, error_of
 
 Api = Callable[[str | None], APIClient]
@@ -112,3 +113,21 @@ def test_an_outsider_learns_nothing_about_names(world: World, api: Api) -> None:
         "/api/v1/experiments/", {"name": "acme/run-1", "spec": SPEC}, format="json"
     )
     assert response.status_code == 404
+
+
+def test_a_registration_race_is_a_409(world: World, api: Api, monkeypatch: Any) -> None:
+    original = Experiment.register.__func__  # type: ignore[attr-defined]
+
+    def racing(
+        cls: type[Experiment], owner: Any, name: str, spec: Any, **kwargs: Any
+    ) -> Experiment:
+        # Another request registers the same name after validation, before our insert.
+        Experiment.objects.create(owner=owner, name=name)
+        return original(cls, owner, name, spec, **kwargs)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(Experiment, "register", classmethod(racing))
+    response = api("alice").post(
+        "/api/v1/experiments/", {"name": "acme/run-9", "spec": SPEC}, format="json"
+    )
+    assert response.status_code == 409
+    assert (error_of(response)["code"], error_of(response)["field"]) == ("exists", "name")
