@@ -1,4 +1,36 @@
-"""Routes of the REST API, mounted at ``/api/v1/``. A trailing slash is optional."""
+"""Routes of the REST API, mounted at ``/api/v1/``. A trailing slash is optional.
+
+Authenticate with ``Authorization: Bearer <api key>`` (``Api-Key <key>`` works too) or a
+browser session. Lists are cursor-paginated (``?page_size=`` up to 200, ``next`` and
+``previous`` links) and take the filters listed in the schema. Every error has the body
+``{"error": {"code", "message", "field", "detail"}, "request_id"}``.
+
+======  ===============================================  =================================
+GET     me/                                              who am I, my roles
+GET     organizations/                                   visible organisations
+GET     organizations/{slug}/members/                    members (trainer, auditor, admin)
+POST    organizations/{slug}/members/                    add or change a member (admin)
+DELETE  organizations/{slug}/members/{username}/         remove a member (admin)
+GET     keys/ · POST keys/                               my API keys; create (shown once)
+GET     keys/{id}/ · DELETE keys/{id}/                   one key; revoke
+GET     experiments/ · POST experiments/                 list; register (trainer, admin)
+GET     experiments/{owner}/{name}/                      one experiment, spec, spec_digest
+GET     experiments/{owner}/{name}/specs/                spec versions
+POST    experiments/{owner}/{name}/specs/                change the spec (new version once
+                                                         a proof names it)
+GET     experiments/{owner}/{name}/specs/{version}/      one version and its canonical doc
+GET     proofs/ · GET proofs/{id}/                       filed transcripts and verdicts
+GET     proofs/{id}/transcript/                          the transcript bytes (artifacts)
+GET     jobs/ · GET jobs/{id}/                           background jobs and progress
+GET     audit-events/                                    the audit trail (not regulators)
+GET     uploads/ · POST uploads/                         upload sessions; open one
+GET     uploads/{id}/                                    state and parts received (resume)
+PUT     uploads/{id}/parts/{n}/                          part n, header X-Part-SHA256
+POST    uploads/{id}/complete/                           verify, store, file a transcript
+DELETE  uploads/{id}/                                    abort
+GET     schema/ · docs/ · redoc/                         OpenAPI document, Swagger, ReDoc
+======  ===============================================  =================================
+"""
 
 from __future__ import annotations
 
