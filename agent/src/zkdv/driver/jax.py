@@ -859,15 +859,9 @@ class ZKDV(Driver):
                     )
                 )
         try:
-            with jax.enable_x64(True):
-                exported_attest = export.export(jax.jit(attest, **options))(
-                    param_specs, opt_specs, batch_spec, index_spec, index_spec
-                )
-                exported_transition = (
-                    None
-                    if transition is None
-                    else export.export(jax.jit(transition))(param_specs, opt_specs, batch_spec)
-                )
+            exported_attest, exported_transition = _export_programs(
+                attest, options, transition, (param_specs, opt_specs, batch_spec, index_spec)
+            )
         except ZKDVError:
             raise
         except Exception as error:
@@ -1026,6 +1020,42 @@ def _environment() -> dict[str, Any]:
         with contextlib.suppress(ImportError):
             env[name] = __import__(name).__version__
     return env
+
+
+# A transcript is replayed where the platform has accelerators, often not where it was
+# trained (or the reverse), so programs are lowered for the training platform and the
+# common ones when their operations allow it (jax.export multi-platform lowering).
+REPLAY_PLATFORMS = ("cpu", "cuda")
+
+
+def _export_programs(
+    attest: Callable[..., Any],
+    options: dict[str, Any],
+    transition: Callable[..., Any] | None,
+    specs: tuple[Any, Any, Any, Any],
+) -> tuple[export.Exported, export.Exported | None]:
+    params, opt, batch, index_spec = specs
+    local = jax.default_backend()
+    candidates = [(local, *(p for p in REPLAY_PLATFORMS if p != local)), (local,)]
+    failure: Exception | None = None
+    for platforms in candidates:
+        try:
+            with jax.enable_x64(True):
+                attested = export.export(jax.jit(attest, **options), platforms=platforms)(
+                    params, opt, batch, index_spec, index_spec
+                )
+                full = (
+                    None
+                    if transition is None
+                    else export.export(jax.jit(transition), platforms=platforms)(params, opt, batch)
+                )
+            return attested, full
+        except ZKDVError:
+            raise
+        except Exception as error:  # noqa: BLE001 - retried for the local platform only
+            failure = error
+    assert failure is not None
+    raise failure
 
 
 def _attest_from_transition(transition: Callable[..., Any]) -> Callable[..., Any]:
