@@ -193,7 +193,7 @@ def upload(port: int, key: str, experiment: str, source: Path, part_bytes: int) 
             conn.endheaders()
             remaining = size
             while remaining:
-                chunk = handle.read(min(remaining, 1 << 20))
+                chunk = handle.read(min(remaining, 256 << 10))
                 conn.send(chunk)
                 remaining -= len(chunk)
             response = conn.getresponse()
