@@ -10,8 +10,8 @@ the root record's program digest, decodes it with :class:`zkdv.jax.artifact.Arti
 
 Exactness: the training step and the exported transition are different XLA programs,
 but XLA compiles the same arithmetic for both on the same backend, so a replay on the
-platform and library versions the run recorded (``env.jax_platform``, ``env.jaxlib``,
-``env.devices``) reproduces the committed state roots bit for bit. There a replay that
+platform, library versions and core count the run recorded (``env.jax_platform``,
+``env.jaxlib``, ``env.devices``, ``env.cpu_count``) reproduces the committed state roots bit for bit. There a replay that
 matches only within the probes' tolerance is itself a mismatch (``exact=True``): that is
 what catches a change confined to coordinates the probes cannot see. Elsewhere (another
 accelerator, another XLA) the probes and ``FloatTolerance`` decide.
@@ -106,12 +106,17 @@ def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
 
 
 def exact_environment(root: dict[str, Any]) -> bool:
-    """Whether this process replays on the backend and XLA build the run recorded."""
+    """Whether this process replays on the backend, XLA build and core count the run recorded.
+
+    XLA's CPU thread pool is sized by the core count, and its reductions may split
+    differently with another pool: the recorded ``cpu_count`` must match too.
+    """
     import jaxlib
 
     env = root.get("env") or {}
     return (
         env.get("jax_platform") == jax.default_backend()
+        and env.get("cpu_count") == (os.cpu_count() or 1)
         and env.get("jaxlib") == getattr(jaxlib, "__version__", "unknown")
         and env.get("devices") == sorted({device.device_kind for device in jax.devices()})
     )

@@ -196,6 +196,10 @@ def test_frontend_rejects_a_state_modified_between_steps(tmp_path: Path) -> None
     assert "parameters passed to step 4 are not the state committed after step 3" in str(
         raised.value.__cause__
     )
+    # A learning rate held in the optimizer state is continuity-checked state too.
+    with pytest.raises(zkdv.ZKDVPoisonedError) as raised:
+        _train(tmp_path / "lr", between=_double_lr)
+    assert "optimizer state passed to step 4" in str(raised.value.__cause__)
 
 
 def test_visible_parameter_change_is_caught_by_the_offline_probe_check(
