@@ -8,6 +8,8 @@ runs complete as a forger would submit them); tests that damage files work on co
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -234,3 +236,16 @@ def test_learning_rate_changed_mid_run_fails_replay(runs: dict[str, Path]) -> No
     loose = jax_replay.verify_challenge(path, 4, exact=False)
     assert (loose.ok, loose.reason) == (False, "replay_mismatch")
     assert "step 4" in str(loose.message) and "probe" in str(loose.message)
+
+
+def test_dispatch_imports_only_the_framework_it_needs() -> None:
+    code = (
+        "import sys, provers, provers.replay, provers.challenges; "
+        "print(sorted(m for m in ('jax', 'torch') if m in sys.modules))"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {"PYTHONPATH": f"{root}:{root / 'agent' / 'src'}", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
