@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+import zkdv
+from zkdv.verify import verify_transcript
 
 pytest.importorskip("jax")
 pytest.importorskip("optax")
@@ -18,7 +20,12 @@ pytest.importorskip("flax")
 # imported by name from the test files.
 sys.path.insert(0, str(Path(__file__).parent))
 
-import zkdv
+
+@pytest.fixture(autouse=True)
+def _local_exports(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Multi-platform lowering (cpu + cuda) is tested once, in test_jax_examples; the
+    # other tests lower for the local platform only, which keeps the suite fast.
+    monkeypatch.setenv("ZKDV_JAX_EXPORT_PLATFORMS", "")
 
 
 @pytest.fixture
@@ -49,6 +56,12 @@ def make_proof(tmp_path: Path) -> Iterator[Callable[..., zkdv.jax.ZKDV]]:
 
     yield make
     for proof in made:
-        # Tests that expect a failure close explicitly; this only releases threads.
-        with contextlib.suppress(zkdv.ZKDVError):
+        # Tests that expect a failure close explicitly; this releases threads and checks
+        # that every transcript a test produced without a failure verifies offline.
+        try:
             proof.close()
+        except zkdv.ZKDVError:
+            continue
+        if (proof.path / "records.cborl").exists() and not proof._queue.poisoned:
+            report = verify_transcript(proof.path)
+            assert report.ok, f"{proof.path}: {report.summary()}"

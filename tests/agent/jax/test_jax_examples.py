@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[3]
 def _run(script: str, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "agent" / "src"), env.get("PYTHONPATH", "")])
+    env.pop("ZKDV_JAX_EXPORT_PLATFORMS", None)  # the default: cpu and cuda as well
     return subprocess.run(
         [sys.executable, str(ROOT / "examples" / "jax" / script), *args],
         cwd=cwd,
@@ -46,7 +47,10 @@ def test_readme_quick_start_runs_as_written(tmp_path: Path) -> None:
     verified = _verify(tmp_path / "proof")
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert verified.stdout.startswith("valid: 10 steps")
-    assert (tmp_path / "proof" / "program.jaxexport").is_file()
+    from zkdv.jax.artifact import Artifact
+
+    artifact = Artifact.loads((tmp_path / "proof" / "program.jaxexport").read_bytes())
+    assert set(artifact.attest.platforms) == {"cpu", "cuda"}
 
 
 @pytest.mark.slow

@@ -125,7 +125,7 @@ def test_donation_is_memory_safe_while_a_view_exists() -> None:
 
 def test_a_normal_loop_never_copies_the_state_after_the_first_step(make_proof, monkeypatch) -> None:
     """Continuity by identity: the inputs are the previous outputs, nothing is re-read."""
-    import zkdv.driver.jax as driver
+    import zkdv.jax._driver as driver
 
     copies = []
     original = driver._host_copy

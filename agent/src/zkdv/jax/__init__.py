@@ -14,9 +14,9 @@ Usage (see ``docs/jax.md`` and ``examples/jax/``)::
 
 from __future__ import annotations
 
-from zkdv.driver.jax import ZKDV
 from zkdv.jax import artifact, contrib
 from zkdv.jax._context import Transaction
+from zkdv.jax._driver import ZKDV
 from zkdv.jax._tree import index
 
 __all__ = ["ZKDV", "Transaction", "artifact", "contrib", "index"]

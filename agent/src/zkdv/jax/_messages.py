@@ -80,3 +80,9 @@ UNTRACKED_UPDATE = (
     "a zkdv.jax.contrib.TrainState created with a proof is being updated under jax.jit, "
     "so this update is not in the transcript; decorate the step with proof.jit"
 )
+MULTI_PROCESS = (
+    "zkdv.jax does not support multi-process JAX runs yet (jax.process_count() == {count}): "
+    "rank 0 owning the transcript through zkdv.control.HostControl is not implemented, and "
+    "every process would write its own transcript of the global state. Run one process "
+    "per host group, or use a single process with all local devices."
+)
