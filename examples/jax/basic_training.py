@@ -24,7 +24,10 @@ FEATURES, CLASSES, ROWS = 16, 4, 32
 config = zkdv.ZKDVConfig(
     sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.25),
 )
-proof = zkdv.jax.ZKDV(sys.argv[1] if len(sys.argv) > 1 else "proof", config)
+# A replay snapshot every 5 steps: a sampled check replays at most 4 transitions.
+proof = zkdv.jax.ZKDV(
+    sys.argv[1] if len(sys.argv) > 1 else "proof", config, replay_snapshot_interval=5
+)
 # Each committed batch row is one example: FEATURES token ids followed by the label.
 proof.start(rolling_window=4, probe_ratio=0.05)
 
