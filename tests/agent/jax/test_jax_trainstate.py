@@ -237,3 +237,40 @@ def test_batch_layout_roundtrip_is_bit_exact() -> None:
             np.asarray(original).view(np.uint8), np.asarray(restored).view(np.uint8)
         )
     assert BatchLayout.from_dict(layout.to_dict()) == layout
+
+
+def test_flax_tutorial_flow_with_a_prng_key(make_proof, tmp_path: Path) -> None:
+    """The DVBench tutorial's TrainState code, with the driver created directly."""
+    proof = make_proof(zkdv.SamplingPolicy.DEBUGCheckEvery(2), interval=2, window=4)
+
+    class TinyClassifier(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            return nn.Dense(2)(tokens.astype(jnp.float32))
+
+    model = TinyClassifier()
+    params = model.init(jax.random.key(0), jnp.ones((1, 4), dtype=jnp.uint32))["params"]
+    state = TrainState.create(proof=proof, apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
+
+    @proof.jit(donate_argnums=(0,))
+    def train_step(state, batch, key):
+        tokens = batch[:, :4]
+        labels = batch[:, 4].astype(jnp.int32)
+        keep = jax.random.bernoulli(key, 0.9, tokens.shape)
+
+        def loss(params):
+            logits = state.apply_fn({"params": params}, tokens * keep)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+        return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+    batch = jnp.asarray(
+        [[0, 0, 0, 1, 0], [0, 1, 0, 1, 0], [1, 0, 1, 0, 1], [1, 1, 1, 0, 1]], dtype=jnp.uint32
+    )
+    for step in range(6):
+        state = train_step(state, batch, jax.random.key(step))
+    proof.close()
+    report = assert_verifies(tmp_path / "proof")
+    assert (report.steps, report.checks) == (6, 3)
+    layout = proof.artifact.layout
+    assert (layout.rows, layout.cols) == (1, 4 * 5 + 2)  # a key is not per-example: one row
