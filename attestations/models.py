@@ -441,31 +441,27 @@ class Experiment(models.Model):
     def summarize(experiments: Iterable[Experiment]) -> None:
         """Attach proof counts and the current spec's frozen flag to many experiments.
 
-        Two small grouped queries for a whole page, instead of two per experiment (or one
-        wide GROUP BY over every experiment column, which is slower to plan and run).
+        One grouped query for a whole page (proofs by experiment, status and spec),
+        instead of two per experiment; a spec is frozen when some proof names it.
         """
         rows = {experiment.pk: experiment for experiment in experiments}
         if not rows:
             return
         for experiment in rows.values():
             experiment._counts = {}  # type: ignore[attr-defined]
+            experiment.spec_frozen = False  # type: ignore[attr-defined]
         grouped = (
             Proof.objects.filter(experiment_id__in=rows)
             .order_by()
-            .values_list("experiment_id", "status")
+            .values_list("experiment_id", "status", "spec_id")
             .annotate(n=models.Count("id"))
         )
-        for experiment_id, status, n in grouped:
-            rows[experiment_id]._counts[status] = n  # type: ignore[attr-defined]
-        specs = {e.current_spec_id for e in rows.values()}
-        frozen = set(
-            Proof.objects.filter(spec_id__in=specs)
-            .order_by()
-            .values_list("spec_id", flat=True)
-            .distinct()
-        )
-        for experiment in rows.values():
-            experiment.spec_frozen = experiment.current_spec_id in frozen  # type: ignore[attr-defined]
+        for experiment_id, status, spec_id, n in grouped:
+            experiment = rows[experiment_id]
+            counts = experiment._counts  # type: ignore[attr-defined]
+            counts[status] = counts.get(status, 0) + n
+            if spec_id == experiment.current_spec_id:
+                experiment.spec_frozen = True  # type: ignore[attr-defined]
 
     def proof_counts(self) -> dict[str, int]:
         """Proofs by status (attached by :meth:`summarize`, else one query)."""
