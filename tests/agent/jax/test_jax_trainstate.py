@@ -213,7 +213,9 @@ def test_prng_key_and_mixed_dtype_inputs_are_packed_losslessly(make_proof, tmp_p
     report = assert_verifies(tmp_path / "proof")
     layout = proof.artifact.layout
     assert [leaf.dtype for leaf in layout.leaves] == ["float32", "key<fry>", "int8", "bfloat16"]
-    assert layout.rows == 1 and layout.cols == 4 * 7 + 2 + 4 + 1
+    # Four examples per row; the key and the scalar are replicated in every row.
+    assert (layout.rows, layout.cols) == (4, 7 + 2 + 1 + 1)
+    assert [leaf.shared for leaf in layout.leaves] == [False, True, False, True]
     assert report.checks == 4
 
 
@@ -226,17 +228,26 @@ def test_batch_layout_roundtrip_is_bit_exact() -> None:
         jnp.asarray([[-3, 7], [120, -128]], jnp.int8),
         jnp.asarray([[1.25], [-2.5]], jnp.bfloat16),
         jnp.asarray([[65535], [7]], jnp.uint16),
+        jnp.asarray(0.5, jnp.float16),  # not per-example: replicated in each row
     ]
     layout = BatchLayout.of([f"x{i}" for i in range(len(values))], values)
-    assert (layout.rows, layout.cols) == (2, 7)
+    assert (layout.rows, layout.cols) == (2, 8)
     packed = layout.pack(values)
-    assert packed.dtype == jnp.uint32 and packed.shape == (2, 7)
+    assert packed.dtype == jnp.uint32 and packed.shape == (2, 8)
     for original, restored in zip(values, layout.unpack(packed), strict=True):
         assert restored.dtype == original.dtype
         np.testing.assert_array_equal(
-            np.asarray(original).view(np.uint8), np.asarray(restored).view(np.uint8)
+            np.asarray(original).reshape(-1).view(np.uint8),
+            np.asarray(restored).reshape(-1).view(np.uint8),
         )
     assert BatchLayout.from_dict(layout.to_dict()) == layout
+    key = jax.random.key(3)
+    single = BatchLayout.of(["x", "key"], [jnp.arange(5, dtype=jnp.int32), key])
+    assert (single.rows, single.cols) == (1, 7)  # no rank-2 input: one row
+    restored = single.unpack(single.pack([jnp.arange(5, dtype=jnp.int32), key]))[1]
+    np.testing.assert_array_equal(jax.random.key_data(restored), jax.random.key_data(key))
+    big = BatchLayout.of(["x", "table"], [jnp.zeros((4, 3)), jnp.zeros((100,))])
+    assert big.rows == 1  # a large input that is not per-example: one row
 
 
 def test_flax_tutorial_flow_with_a_prng_key(make_proof, tmp_path: Path) -> None:
@@ -273,4 +284,4 @@ def test_flax_tutorial_flow_with_a_prng_key(make_proof, tmp_path: Path) -> None:
     report = assert_verifies(tmp_path / "proof")
     assert (report.steps, report.checks) == (6, 3)
     layout = proof.artifact.layout
-    assert (layout.rows, layout.cols) == (1, 4 * 5 + 2)  # a key is not per-example: one row
+    assert (layout.rows, layout.cols) == (4, 5 + 2)  # one example per row, the key in each

@@ -15,7 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["BatchLayout", "PackedLeaf", "index", "leaf_paths", "selection_dtype"]
+__all__ = ["SHARED_WORDS", "BatchLayout", "PackedLeaf", "index", "leaf_paths", "selection_dtype"]
+
+#: Largest input (in words) replicated into every row of a row-mode batch.
+SHARED_WORDS = 64
 
 
 def leaf_paths(tree: Any, prefix: str) -> list[str]:
@@ -91,6 +94,7 @@ class PackedLeaf:
         shape: its shape.
         offset: first column of its words in every row.
         words: columns it occupies in every row.
+        shared: the whole input is replicated in every row (read back from row 0).
     """
 
     path: str
@@ -98,6 +102,7 @@ class PackedLeaf:
     shape: tuple[int, ...]
     offset: int
     words: int
+    shared: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -106,6 +111,7 @@ class PackedLeaf:
             "shape": list(self.shape),
             "offset": self.offset,
             "words": self.words,
+            "shared": self.shared,
         }
 
     @classmethod
@@ -116,6 +122,7 @@ class PackedLeaf:
             tuple(int(d) for d in data["shape"]),
             int(data["offset"]),
             int(data["words"]),
+            bool(data.get("shared", False)),
         )
 
 
@@ -127,10 +134,15 @@ class BatchLayout:
     values are bitcast to unsigned integers and zero-extended (one word each, so a
     token stays one word), booleans become 0/1, 64-bit values are split into two words
     (low word first, the platform's little-endian bitcast), typed PRNG keys are stored
-    as their key data. *Row mode*: when every input has the same leading dimension
-    ``R`` and at least one has rank >= 2 (a batch of examples), row ``r`` holds example
-    ``r`` of every input, inputs concatenated in argument order. Otherwise the batch is
-    one row holding every input flattened in C order.
+    as their key data.
+
+    *Row mode*: when some input has rank >= 2, its leading dimension ``R`` is the number
+    of examples; every input whose leading dimension is ``R`` contributes example ``r``
+    to row ``r``, and every other input (a PRNG key, a scalar) of at most
+    ``SHARED_WORDS`` words is replicated whole in every row, so that each row is one
+    self-contained example. Inputs are concatenated in argument order. Otherwise (no
+    rank-2 input, or a large input that is not per-example) the batch is one row holding
+    every input flattened in C order.
     """
 
     rows: int
@@ -147,12 +159,8 @@ class BatchLayout:
                 "(the batch): nothing would be committed as training data"
             )
         shapes = [tuple(int(d) for d in jnp.shape(leaf)) for leaf in leaves]
-        leading = {shape[0] if shape else None for shape in shapes}
-        row_mode = None not in leading and len(leading) == 1 and any(len(s) >= 2 for s in shapes)
-        rows = shapes[0][0] if row_mode else 1
-        packed: list[PackedLeaf] = []
+        totals: list[int] = []
         keys: list[str | None] = []
-        offset = 0
         for path, leaf, shape in zip(paths, leaves, shapes, strict=True):
             dtype = leaf.dtype
             key_impl = None
@@ -168,10 +176,23 @@ class BatchLayout:
                         "uint32 batch; pass real-valued arrays"
                     )
                 per_element = 2 if itemsize == 8 else 1
-            elements = int(np.prod(shape, dtype=np.int64))
-            words = elements * per_element // rows
-            packed.append(PackedLeaf(path, str(dtype), shape, offset, words))
+            totals.append(int(np.prod(shape, dtype=np.int64)) * per_element)
             keys.append(key_impl)
+        examples = next((shape[0] for shape in shapes if len(shape) >= 2), 1)
+        per_example = [len(shape) >= 1 and shape[0] == examples for shape in shapes]
+        rows = 1
+        if examples > 1 and all(
+            row or total <= SHARED_WORDS for row, total in zip(per_example, totals, strict=True)
+        ):
+            rows = examples
+        packed: list[PackedLeaf] = []
+        offset = 0
+        for path, leaf, shape, total, row in zip(
+            paths, leaves, shapes, totals, per_example, strict=True
+        ):
+            shared = rows > 1 and not row
+            words = total if shared or rows == 1 else total // rows
+            packed.append(PackedLeaf(path, str(leaf.dtype), shape, offset, words, shared))
             offset += words
         if offset == 0:
             raise ValueError("the dynamic inputs committed as the batch are all empty")
@@ -193,7 +214,12 @@ class BatchLayout:
                 words = lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32)
             else:
                 words = lax.bitcast_convert_type(x, jnp.uint32)
-            columns.append(words.reshape(self.rows, spec.words))
+            if spec.shared:
+                columns.append(
+                    jnp.broadcast_to(words.reshape(1, spec.words), (self.rows, spec.words))
+                )
+            else:
+                columns.append(words.reshape(self.rows, spec.words))
         return columns[0] if len(columns) == 1 else jnp.concatenate(columns, axis=1)
 
     def unpack(self, batch: Any) -> list[jax.Array]:
@@ -201,7 +227,8 @@ class BatchLayout:
         batch = jnp.asarray(batch)
         out = []
         for spec, key in zip(self.leaves, self.keys, strict=True):
-            words = batch[:, spec.offset : spec.offset + spec.words]
+            first = 1 if spec.shared else batch.shape[0]
+            words = batch[:first, spec.offset : spec.offset + spec.words]
             if key is not None:
                 data = words.reshape(*spec.shape, -1)
                 out.append(jax.random.wrap_key_data(data, impl=key))
