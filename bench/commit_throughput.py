@@ -40,7 +40,10 @@ def main() -> None:
     # A realistic state: a few big matrices and many small leaves.
     rng = np.random.default_rng(0)
     big = total // 4 // 8 * 8
-    leaves = [(f"layer{i}/kernel", rng.integers(0, 2**31, size=big // 4, dtype=np.int32).view(np.float32)) for i in range(4)]
+    leaves = [
+        (f"layer{i}/kernel", rng.integers(0, 2**31, size=big // 4, dtype=np.int32).view(np.float32))
+        for i in range(4)
+    ]
     leaves += [(f"layer{i}/bias", rng.standard_normal(1024).astype(np.float32)) for i in range(64)]
     nbytes = sum(a.nbytes for _, a in leaves)
     flat = np.concatenate([a.reshape(-1).view(np.uint8) for _, a in leaves])
@@ -49,14 +52,22 @@ def main() -> None:
     times = {"commit": [], "blake3": [], "copy": []}
     for _ in range(args.repeat):
         times["commit"].append(_best(lambda: commit_state(leaves, args.chunk_bytes), 1))
-        times["blake3"].append(_best(lambda: blake3.blake3(memoryview(flat), max_threads=blake3.blake3.AUTO).digest(), 1))
+        times["blake3"].append(
+            _best(
+                lambda: blake3.blake3(memoryview(flat), max_threads=blake3.blake3.AUTO).digest(), 1
+            )
+        )
         times["copy"].append(_best(lambda: np.copyto(target, flat), 1))
     best = {k: min(v) for k, v in times.items()}
     gbps = {k: nbytes / v / 1e9 for k, v in best.items()}
-    print(f"machine: {os.cpu_count()} cpus; state {nbytes / 2**30:.2f} GiB in {len(leaves)} leaves; chunk {args.chunk_bytes} bytes")
+    print(
+        f"machine: {os.cpu_count()} cpus; state {nbytes / 2**30:.2f} GiB in {len(leaves)} leaves; chunk {args.chunk_bytes} bytes"
+    )
     for name in ("commit", "blake3", "copy"):
         print(f"  {name:7s} {best[name] * 1e3:8.1f} ms  {gbps[name]:6.2f} GB/s")
-    print(f"ratio commit/raw-blake3 throughput: {best['blake3'] / best['commit']:.3f}  (target >= 0.85)")
+    print(
+        f"ratio commit/raw-blake3 throughput: {best['blake3'] / best['commit']:.3f}  (target >= 0.85)"
+    )
     print(f"ratio commit/memcpy throughput:     {best['copy'] / best['commit']:.3f}")
 
 

@@ -101,9 +101,7 @@ def _batches(n: int) -> list[np.ndarray]:
     return [rng.integers(0, 1000, (8, 5), dtype=np.uint32) for _ in range(n)]
 
 
-def _run(
-    tmp_path: Path, policy=EVERY_STEP, *, tamper=None, steps=7, **opts
-):
+def _run(tmp_path: Path, policy=EVERY_STEP, *, tamper=None, steps=7, **opts):
     proof = NumpyProof(
         tmp_path / "proof", zkdv.ZKDVConfig(sampling_policy=policy, chunk_bytes=64), **opts
     )
