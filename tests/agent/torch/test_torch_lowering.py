@@ -96,3 +96,20 @@ def test_the_attested_step_must_step_the_optimizer(tmp_path: Path) -> None:
         RuntimeError, match=r"call proof\.backward\(loss\) and then optimizer\.step\(\)"
     ):
         _run(tmp_path, nn.Linear(3, 2), attested)
+
+
+def test_an_unknown_program_kind_is_rejected(tmp_path: Path) -> None:
+    proof = zkdv.torch.ZKDV(tmp_path / "proof")
+    proof.start(rolling_window=2)
+    proof.program_kind = "pickle"
+    model = nn.Linear(3, 2)
+    model, _ = proof.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @proof.attest
+    def attested(model, optimizer, batch):
+        proof.backward(functional.cross_entropy(proof.forward(model, batch[0]), batch[1]))
+        optimizer.step()
+
+    with pytest.raises(ValueError, match="unknown ZKDV Torch program kind 'pickle'"):
+        proof.transaction(batch=(torch.randn(4, 3), torch.randint(2, (4,))))
+    proof.close()

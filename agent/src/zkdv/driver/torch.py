@@ -101,7 +101,6 @@ class ZKDV(Driver):
         self._prepared_optimizer: PreparedOptimizer | None = None
         self._optimizer_registry = OptimizerRegistry()
         self._prepared_compiled: Pipeline | None = None
-        self._prepared_requires_deltas = False
         #: Sealed program kind; set before the first transaction to override.
         self.program_kind = os.environ.get(PROGRAM_KIND_ENV, artifact.AOT_INDUCTOR)
         #: Seconds the first transaction spent sealing the program (one-time cost).

@@ -187,7 +187,13 @@ def lower(
 
     Raises:
         RuntimeError: the function captures unprepared state or random operators.
+        ValueError: an unknown program kind.
     """
+    if kind not in (artifact.AOT_INDUCTOR, artifact.TORCH_EXPORT):
+        raise ValueError(
+            f"unknown ZKDV Torch program kind {kind!r}; use "
+            f"{artifact.AOT_INDUCTOR!r} or {artifact.TORCH_EXPORT!r}"
+        )
     graph = trace(function, arguments)
     flags = tuple(unused or ())
     detached = tuple(argument.detach() for argument in arguments)
