@@ -167,6 +167,8 @@ class FaultProxy:
     * ``503`` / ``429``: answer that status with ``Retry-After: 0``, never forwarding;
     * ``hang``: read the request and never answer (until the proxy stops);
     * ``slow``: wait ``slow_seconds`` before forwarding: a slow network;
+    * ``hold``: set ``holding`` and forward only once ``released`` is set: a network
+      as slow as the test wants, without timing anything;
     * ``lie``: swallow the request and answer 200 (a part the server never got).
     """
 
@@ -185,6 +187,8 @@ class FaultProxy:
         self._counts: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.holding = threading.Event()
+        self.released = threading.Event()
         self._server = socket.create_server(("127.0.0.1", 0))
         self._server.settimeout(0.2)
         self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
@@ -261,6 +265,10 @@ class FaultProxy:
                 return
             if action == "slow":
                 self._stop.wait(self.slow_seconds)
+            if action == "hold":
+                self.holding.set()
+                while not self.released.wait(0.05) and not self._stop.is_set():
+                    pass
             while len(body) < length and action != "cut":
                 chunk = conn.recv(65536)
                 if not chunk:

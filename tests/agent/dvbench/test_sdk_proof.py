@@ -8,6 +8,7 @@ themselves are exercised end to end in test_sdk_tutorial.py.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -137,19 +138,19 @@ def test_an_auditor_is_stopped_before_training_not_at_upload(platform, fake_back
 
 
 def test_a_slow_network_never_stalls_a_step(platform, proxy, fake_backend):
-    slow = proxy(lambda method, path, n: "slow" if method == "PUT" else "pass")
-    slow.slow_seconds = 0.25
-    with Client(slow.url, api_key=platform.key("alice")) as client:
+    # Every part upload is held at the proxy until the test releases it. Training steps
+    # must complete while a part is stuck on the network: a causal check, not a timing.
+    held = proxy(lambda method, path, n: "hold" if method == "PUT" else "pass")
+    with Client(held.url, api_key=platform.key("alice")) as client:
         proof = client.experiment("acme/slow").proof(backend="jax")
         proof.start(rolling_window=4)
-        durations = []
-        for _ in range(6):
-            began = time.perf_counter()
-            proof.step()
-            durations.append(time.perf_counter() - began)
-            time.sleep(0.1)  # the rest of a training step
-        # Uploads were under way (each part takes 0.25 s more) while the steps ran at full speed.
-        assert slow.puts("slow")
-        assert max(durations) < 0.25, durations
+        proof.step()
+        assert held.holding.wait(120), "the background uploader never sent a part"
+        steps = threading.Thread(target=lambda: [proof.step() for _ in range(5)])
+        steps.start()
+        steps.join(120)  # a liveness bound only: a step waiting on the network never returns
+        assert not steps.is_alive(), "a training step waited for the network"
+        assert held.puts("hold") and not held.released.is_set()
+        held.released.set()
         result = proof.finish()
     assert result.complete
