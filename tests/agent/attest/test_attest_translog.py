@@ -4,7 +4,6 @@ size up to a few hundred, altered proofs, and signed checkpoints."""
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
@@ -194,17 +193,16 @@ def test_random_sizes_of_larger_trees(tree: MerkleTree, data: st.DataObject) -> 
     assert consistency_proof(LEAVES, old, new) == tree.consistency_proof(old, new)
 
 
-def test_tens_of_thousands_of_entries_are_cheap() -> None:
+def test_tens_of_thousands_of_entries() -> None:
+    # Scale, not speed (speed belongs to bench/): proofs across a 50,000-entry log verify
+    # (the verifiers raise on a bad proof).
     leaves = [hashlib.sha256(number.to_bytes(4, "big")).digest() for number in range(50_000)]
-    started = time.perf_counter()
     big = MerkleTree(leaves)
     root = big.root()
     for index in range(0, 50_000, 997):
         verify_inclusion(leaves[index], index, big.size, big.inclusion_proof(index), root)
         old = index + 1
         verify_consistency(old, big.size, big.root(old), root, big.consistency_proof(old))
-    # About 0.2 s on a laptop core; generous for a loaded CI machine.
-    assert time.perf_counter() - started < 10
 
 
 # --- checkpoints ---------------------------------------------------------------------
