@@ -38,6 +38,12 @@ def test_it_creates_a_local_admin_and_keeps_its_credentials(
     assert admin.is_superuser and admin.check_password(password.group(1))
     credentials = tmp_path / "demo-admin.json"
     assert credentials.stat().st_mode & 0o077 == 0
+    # The admin can register experiments at once: it administers the demo organisation,
+    # and running the demo again does not duplicate it.
+    from attestations.models import Membership
+
+    memberships = Membership.objects.filter(user=admin)
+    assert [(m.organization.slug, m.role) for m in memberships] == [("demo", "admin")]
 
 
 @pytest.mark.slow

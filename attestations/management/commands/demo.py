@@ -31,6 +31,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 ADMIN_USERNAME = "admin"
+DEMO_ORGANIZATION = ("demo", "Demo lab")
 PASSWORD_ALPHABET = string.ascii_letters + string.digits
 PASSWORD_LENGTH = 24  # about 143 bits
 CREDENTIALS_FILE = "demo-admin.json"
@@ -75,6 +76,23 @@ def ensure_admin(data_dir: Path) -> tuple[str, str]:
     with os.fdopen(descriptor, "w") as handle:
         json.dump({"username": ADMIN_USERNAME, "password": password}, handle)
     return ADMIN_USERNAME, password
+
+
+def ensure_demo_organization(username: str) -> str:
+    """Give the admin an organisation to work in, as its admin; returns the slug.
+
+    Experiments are named ``owner/name`` after an organisation, so without one the web
+    UI has nowhere to register an experiment. Idempotent.
+    """
+    from attestations.models import Membership, Organization, Role
+
+    slug, name = DEMO_ORGANIZATION
+    organization, _ = Organization.objects.get_or_create(slug=slug, defaults={"name": name})
+    user = get_user_model().objects.get(username=username)
+    Membership.objects.get_or_create(
+        user=user, organization=organization, defaults={"role": Role.ADMIN}
+    )
+    return organization.slug
 
 
 def wait_for_health(url: str, server: subprocess.Popen[bytes], timeout: float) -> dict[str, Any]:
@@ -129,7 +147,10 @@ class Command(BaseCommand):
         self.stdout.write(f"Data directory: {data_dir}")
         call_command("migrate", interactive=False, verbosity=0)
         call_command("collectstatic", interactive=False, verbosity=0)
-        return ensure_admin(data_dir)
+        username, password = ensure_admin(data_dir)
+        slug = ensure_demo_organization(username)
+        self.stdout.write(f"Organisation: {slug!r} (the admin is its admin)")
+        return username, password
 
     def serve(self, host: str, port: int, username: str, password: str) -> None:
         port = free_port(host, port)
