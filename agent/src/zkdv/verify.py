@@ -477,21 +477,29 @@ class _Verifier:
                 index,
                 "i",
             )
-        roots = _roots(data, "roots", index)
-        if roots != self.post:
-            which = next(n for n, a, b in zip(ROOTS, roots, self.post, strict=True) if a != b)
-            raise _fail(
-                "state_discontinuity",
-                f"snapshot roots of step {step} do not continue the committed state (root {which!r} differs)",
-                index,
-                f"roots.{which}",
-            )
+        self._continues(
+            _roots(data, "roots", index),
+            "roots",
+            f"snapshot roots of step {step} do not continue the committed state",
+            index,
+        )
         files = _require(data, "files", dict, index)
         for name, entry in files.items():
             if not isinstance(entry, dict):
                 raise _fail("schema", f"snapshot file entry {name!r} is malformed", index, "files")
             _digest(entry, "digest", index)
         self.report.snapshots.append(step)
+
+    def _continues(self, roots: tuple[bytes, ...], field: str, message: str, index: int) -> None:
+        """Reject ``roots`` unless they equal the last committed post-update roots."""
+        if roots != self.post:
+            which = next(n for n, a, b in zip(ROOTS, roots, self.post, strict=True) if a != b)
+            raise _fail(
+                "state_discontinuity",
+                f"{message} (root {which!r} differs)",
+                index,
+                f"{field}.{which}",
+            )
 
     def close(self, record: Record) -> None:
         data, index = record.data, record.index
@@ -519,14 +527,9 @@ class _Verifier:
                 "checks",
             )
         final = _roots(data, "final", index)
-        if final != self.post:
-            which = next(n for n, a, b in zip(ROOTS, final, self.post, strict=True) if a != b)
-            raise _fail(
-                "state_discontinuity",
-                f"final root {which!r} does not equal the last committed post-update root",
-                index,
-                f"final.{which}",
-            )
+        self._continues(
+            final, "final", "final roots do not equal the last committed post-update roots", index
+        )
         self.report.final = {name: root.hex() for name, root in zip(ROOTS, final, strict=True)}
 
 
