@@ -39,7 +39,8 @@ def _storage() -> str:
                 raise OSError("storage returned different bytes than were written")
     finally:
         default_storage.delete(name)
-    return type(default_storage).__name__
+    # default_storage is a lazy proxy; name the configured backend, not the proxy.
+    return str(settings.STORAGES["default"]["BACKEND"]).rsplit(".", 1)[-1]
 
 
 CHECKS: dict[str, Callable[[], str]] = {

@@ -74,6 +74,7 @@ def test_it_reports_ok_on_the_embedded_defaults(tmp_path: Path) -> None:
     components = body["components"]
     assert components["database"] == {"status": "ok", "backend": "sqlite"}
     assert components["broker"] == {"status": "ok", "backend": "in-process"}
+    assert components["storage"] == {"status": "ok", "backend": "FileSystemStorage"}
     assert components["storage"]["status"] == "ok"
 
 
