@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from django.conf import settings
 from django.core.files.base import ContentFile
-from django.core.files.storage import default_storage
+from django.core.files.storage import default_storage, storages
 from django.db import connection
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.cache import never_cache
@@ -40,7 +40,7 @@ def _storage() -> str:
     finally:
         default_storage.delete(name)
     # default_storage is a lazy proxy; name the configured backend, not the proxy.
-    return str(settings.STORAGES["default"]["BACKEND"]).rsplit(".", 1)[-1]
+    return type(storages["default"]).__name__
 
 
 CHECKS: dict[str, Callable[[], str]] = {
