@@ -159,6 +159,16 @@ def _legal_async_order(records: list[dict[str, Any]]) -> bool:
     return steps == sorted(steps) and len(steps) == len(set(steps))
 
 
+def test_duplicated_snapshot_record_is_rejected(data: bytes) -> None:
+    # Found by the property test above: a repeated snapshot record once slipped through.
+    records = _records(data)
+    snap = next(i for i, r in enumerate(records) if r["t"] == "snap" and r["i"] == 4)
+    edited = [*records[: snap + 1], records[snap], *records[snap + 1 :]]
+    report = _verify(rechain(edited))
+    assert (report.reason, report.record) == ("snapshot_order", snap + 1)
+    assert "recorded twice" in report.message
+
+
 def test_rechained_edit_of_a_sampled_decision_is_rejected(data: bytes) -> None:
     records = _records(data)
     # Editing any committed field of a sampled step changes its record hash and so the

@@ -477,6 +477,8 @@ class _Verifier:
                 index,
                 "i",
             )
+        if self.report.snapshots and self.report.snapshots[-1] == step:
+            raise _fail("snapshot_order", f"snapshot of step {step} is recorded twice", index, "i")
         self._continues(
             _roots(data, "roots", index),
             "roots",
