@@ -26,7 +26,7 @@ from zkdv.hashing import Domain, hash_bytes
 from zkdv.merkle import LeafSpec, StateCommitment, commit_state
 from zkdv.probes import ProbeSet
 from zkdv.records import PROTOCOL_VERSION, TranscriptWriter
-from zkdv.sampling import Challenge, decide
+from zkdv.sampling import Challenge, Sampler
 
 __all__ = ["ProgramInfo", "StateRoots", "StepResult", "ZKDVCore", "file_digest"]
 
@@ -161,6 +161,9 @@ class ZKDVCore:
         self.param_count, self.state_count = committed[0].size, committed[1].size
         probe_seed = secrets.token_bytes(16)
         self.probes = ProbeSet.create(self.param_specs, self.probe_ratio, probe_seed)
+        self._sampler = Sampler(
+            self.config.sampling_policy, param_count=self.param_count, state_count=self.state_count
+        )
         schema: dict[str, Any] = {
             "params": [s.to_dict() for s in committed[0].specs],
             "opt_state": [s.to_dict() for s in committed[1].specs],
@@ -248,13 +251,7 @@ class ZKDVCore:
             record_hash = writer.append(record)
         self.steps += 1
         self.last_roots = roots
-        challenge = decide(
-            self.config.sampling_policy,
-            step,
-            record_hash,
-            param_count=self.param_count,
-            state_count=self.state_count,
-        )
+        challenge = self._sampler.decide(step, record_hash)
         return StepResult(record_hash, roots, challenge, committed[0], committed[1])
 
     def record_check(
