@@ -34,7 +34,7 @@ GET     schema/ · docs/ · redoc/                         OpenAPI document, Swa
 
 from __future__ import annotations
 
-from django.urls import path, re_path
+from django.urls import include, path, re_path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
 from attestations import api
@@ -77,6 +77,8 @@ urlpatterns = [
         rf"^uploads/{UUID}/parts/(?P<number>[0-9]+)/?$", api.UploadPartView.as_view(), name="part"
     ),
     re_path(rf"^uploads/{UUID}/complete/?$", api.UploadComplete.as_view(), name="complete"),
+    path("", include("attestations.certificate_urls")),
+    path("", include("attestations.report_api_urls")),
     path("schema/", SpectacularAPIView.as_view(), name="schema"),
     path("docs/", SpectacularSwaggerView.as_view(url_name="api:schema"), name="docs"),
     path("redoc/", SpectacularRedocView.as_view(url_name="api:schema"), name="redoc"),

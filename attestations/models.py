@@ -1100,3 +1100,8 @@ class WorkerHeartbeat(models.Model):
 
     def __str__(self) -> str:
         return f"heartbeat {self.token} from {self.hostname}"
+
+
+# Certificates, signing keys and the transparency log live in their own module; importing
+# it here registers those models with this app.
+from attestations.certificate_models import *  # noqa: E402, F403

@@ -44,3 +44,7 @@ def expire_uploads() -> int:
     from attestations import uploads
 
     return uploads.expire_stale()
+
+
+# Certificate tasks live in their own module; importing it registers them with Celery.
+from attestations.certificate_tasks import issue_certificate  # noqa: E402, F401

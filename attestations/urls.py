@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from django.contrib.auth import views as auth_views
-from django.urls import path
+from django.urls import include, path
 
 from attestations import health, views
 
@@ -21,6 +21,7 @@ urlpatterns = [
     path(f"experiments/{NAME}/", views.experiment_detail, name="experiment"),
     path(f"experiments/{NAME}/spec/", views.experiment_spec, name="experiment-spec"),
     path("proofs/<int:pk>/", views.proof_detail, name="proof"),
+    path("", include("attestations.report_urls")),
     path("keys/", views.api_keys, name="api-keys"),
     path("keys/<int:pk>/revoke/", views.api_key_revoke, name="api-key-revoke"),
     path("audit/", views.audit_log, name="audit"),
