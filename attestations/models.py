@@ -707,6 +707,8 @@ class Upload(models.Model):
     organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="+")
     experiment = models.ForeignKey(Experiment, on_delete=models.CASCADE, related_name="uploads")
     kind = models.CharField(max_length=16, choices=ArtifactKind.choices)
+    #: The file's path in the proof directory, as the client names it (informational).
+    name = models.CharField(max_length=255, blank=True)
     size = models.PositiveBigIntegerField()
     sha256 = models.CharField(max_length=64, validators=[sha256_validator])
     status = models.CharField(
@@ -762,8 +764,16 @@ class UploadPart(models.Model):
 
 
 class ProofStatus(models.TextChoices):
+    """Where a proof stands.
+
+    ``pending`` and ``verifying`` cover ingest (the offline verifier); a transcript that
+    passes it is ``challenged`` while the platform's challenges wait for answers and
+    replays. ``valid``, ``rejected`` and ``error`` are final.
+    """
+
     PENDING = "pending", "Pending"
     VERIFYING = "verifying", "Verifying"
+    CHALLENGED = "challenged", "Challenged"
     VALID = "valid", "Valid"
     REJECTED = "rejected", "Rejected"
     ERROR = "error", "Verifier error"
@@ -796,12 +806,27 @@ class Proof(models.Model):
     created = models.DateTimeField(default=timezone.now)
     claimed = models.DateTimeField(null=True, blank=True)
     verified = models.DateTimeField(null=True, blank=True)
+    # The challenge plan (attestations/replay.py). The seed is the platform's secret
+    # until the verdict is final: only its SHA-256 is shown while answers are pending,
+    # so the trainer cannot predict which steps a re-filed transcript would face.
+    challenge_seed = models.CharField(max_length=64, blank=True)
+    challenge_seed_commitment = models.CharField(max_length=64, blank=True)
+    challenge_seed_revealed = models.DateTimeField(null=True, blank=True)
+    challenge_target = models.FloatField(null=True, blank=True)
+    challenge_forged_fraction = models.FloatField(null=True, blank=True)
+    challenges_drawn = models.DateTimeField(null=True, blank=True)
+    challenge_deadline = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created"]
 
     def __str__(self) -> str:
         return f"proof {self.pk} of {self.experiment_id} ({self.status})"
+
+    @property
+    def revealed_seed(self) -> str | None:
+        """The challenge seed once it may be shown (the verdict is final), else None."""
+        return self.challenge_seed if self.challenge_seed_revealed is not None else None
 
     @property
     def organization_id(self) -> int:
@@ -946,6 +971,105 @@ class Proof(models.Model):
         )
 
 
+class ProofArtifact(models.Model):
+    """A file of a proof directory the trainer attached: a stored blob under its name.
+
+    ``name`` is the path relative to the proof directory (``snapshots/00000004/p.bin``),
+    the same on the trainer's disk and in the directory a replay worker materialises.
+    """
+
+    proof = models.ForeignKey(Proof, on_delete=models.CASCADE, related_name="artifacts")
+    name = models.CharField(max_length=255)
+    kind = models.CharField(max_length=16, choices=ArtifactKind.choices)
+    blob = models.ForeignKey(Blob, on_delete=models.PROTECT, related_name="artifacts")
+    sha256 = models.CharField(max_length=64, validators=[sha256_validator])
+    size = models.PositiveBigIntegerField()
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+"
+    )
+    created = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["proof", "name"], name="proof_artifact_name_unique")
+        ]
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return f"{self.name} of proof {self.proof_id}"
+
+
+class ChallengeOrigin(models.TextChoices):
+    GENESIS = "genesis", "Genesis (step 0)"
+    SELF_CHECKED = "self_checked", "Self-checked by the trainer"
+    RANDOM = "random", "Random"
+    WINDOW = "window", "Window"
+
+
+class ChallengeStatus(models.TextChoices):
+    """A challenge's life: answered (``ready``), replayed, and a final verdict."""
+
+    PENDING = "pending", "Awaiting files"
+    READY = "ready", "Ready to replay"
+    REPLAYING = "replaying", "Replaying"
+    PASSED = "passed", "Passed"
+    FAILED = "failed", "Failed"
+    EXPIRED = "expired", "Expired"
+    ERROR = "error", "Replay error"
+
+
+#: Challenge states that no longer change.
+CHALLENGE_FINAL = frozenset(
+    {ChallengeStatus.PASSED, ChallengeStatus.FAILED, ChallengeStatus.EXPIRED, ChallengeStatus.ERROR}
+)
+
+
+class Challenge(models.Model):
+    """One step (or window, up to ``through``) of a proof the platform replays."""
+
+    proof = models.ForeignKey(Proof, on_delete=models.CASCADE, related_name="challenges")
+    step = models.PositiveIntegerField()
+    through = models.PositiveIntegerField(null=True, blank=True)
+    origin = models.CharField(max_length=16, choices=ChallengeOrigin.choices)
+    status = models.CharField(
+        max_length=16,
+        choices=ChallengeStatus.choices,
+        default=ChallengeStatus.PENDING,
+        db_index=True,
+    )
+    #: Proof-directory names the replay reads (snapshot files, batch files).
+    needed_files = models.JSONField(default=list)
+    reason = models.CharField(max_length=64, blank=True)
+    message = models.TextField(blank=True)
+    evidence = models.JSONField(null=True, blank=True)
+    steps_total = models.PositiveIntegerField(default=0)
+    steps_replayed = models.PositiveIntegerField(default=0)
+    attempts = models.PositiveIntegerField(default=0)
+    task_id = models.CharField(max_length=64, blank=True)
+    created = models.DateTimeField(default=timezone.now)
+    answered = models.DateTimeField(null=True, blank=True)
+    claimed = models.DateTimeField(null=True, blank=True)
+    finished = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["proof", "step", "through"],
+                name="challenge_step_unique",
+                nulls_distinct=False,
+            )
+        ]
+        ordering = ["step", "through"]
+
+    def __str__(self) -> str:
+        span = f"{self.step}..{self.through}" if self.through is not None else f"{self.step}"
+        return f"challenge {span} of proof {self.proof_id} ({self.status})"
+
+    @property
+    def is_final(self) -> bool:
+        return self.status in CHALLENGE_FINAL
+
+
 class JobStatus(models.TextChoices):
     QUEUED = "queued", "Queued"
     RUNNING = "running", "Running"
@@ -964,6 +1088,9 @@ class Job(models.Model):
         max_length=16, choices=JobStatus.choices, default=JobStatus.QUEUED, db_index=True
     )
     progress = models.FloatField(default=0.0)
+    # Replay jobs count steps: ``progress`` is ``steps_done / steps_total``.
+    steps_done = models.PositiveIntegerField(default=0)
+    steps_total = models.PositiveIntegerField(default=0)
     reason = models.CharField(max_length=64, blank=True)
     task_id = models.CharField(max_length=64, blank=True)
     created = models.DateTimeField(default=timezone.now)
@@ -1073,6 +1200,9 @@ __all__ = [
     "AuditEvent",
     "Blob",
     "Capability",
+    "Challenge",
+    "ChallengeOrigin",
+    "ChallengeStatus",
     "Experiment",
     "ExperimentSpec",
     "Framework",
@@ -1081,6 +1211,7 @@ __all__ = [
     "Membership",
     "Organization",
     "Proof",
+    "ProofArtifact",
     "ProofStatus",
     "Regime",
     "Role",
