@@ -494,6 +494,276 @@ def _downsample(count: int, keep: Sequence[int]) -> np.ndarray:
     return np.unique(np.concatenate([picks, extra]))
 
 
+@dataclass(frozen=True)
+class _Part:
+    """One claim, how it was obtained, and the limits it broke."""
+
+    claim: Claim
+    details: dict[str, Any]
+    violations: tuple[Violation, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Totals:
+    """Running totals after every step, in step order."""
+
+    steps: np.ndarray
+    tokens: np.ndarray
+    flops: np.ndarray
+    hours: np.ndarray
+    flops_details: dict[str, Any]
+    hours_details: dict[str, Any]
+
+
+def _totals(facts: RunFacts, root: Mapping[str, Any]) -> _Totals:
+    steps = np.asarray(facts.step_index, dtype=np.int64)
+    n = int(steps.size)
+    tokens = np.cumsum(np.asarray(facts.tokens, dtype=np.int64))
+    # FLOPs: per-step counts from the program's cost analysis, times the replicas.
+    replicas, why = flop_replicas(root)
+    per_step = np.asarray([np.nan if f is None else f for f in facts.flops], dtype=np.float64)
+    missing = int(np.isnan(per_step).sum())
+    source = "step.flops"
+    if missing:
+        # No count recorded (an older frontend, a backend without cost analysis): the
+        # dense-transformer estimate 6 x parameters x tokens (Kaplan et al. 2020, eq. 2.1).
+        estimate = 6.0 * _parameter_count(root) * np.asarray(facts.tokens, dtype=np.float64)
+        per_step = np.where(np.isnan(per_step), estimate, per_step)
+        source = "6 x parameters x tokens" + (" where step.flops is absent" if missing < n else "")
+    flops = np.cumsum(per_step * replicas)
+    # GPU-hours: devices x wall time since the first step began (the trainer's clock).
+    devices = gpu_devices(root)
+    start = np.asarray(facts.start, dtype=np.float64)
+    end = np.asarray(facts.end, dtype=np.float64)
+    wall = np.zeros(n, np.float64)
+    if n and np.isfinite(start).any():
+        elapsed = np.nan_to_num(end - float(np.nanmin(start)), nan=0.0).clip(min=0.0)
+        wall = np.fmax.accumulate(elapsed)
+    return _Totals(
+        steps,
+        tokens,
+        flops,
+        wall * devices / 3600.0,
+        {
+            "source": source,
+            "steps_without_count": missing,
+            "replicas": replicas,
+            "replicas_reason": why,
+            "prover": root.get("prover"),
+        },
+        {
+            "devices": devices,
+            "wall_seconds": round(float(wall[-1]), 3) if n else 0.0,
+            "source": "devices x (last step end - first step start), step.time",
+        },
+    )
+
+
+def _over(
+    limit: str, declared: Decimal | None, totals: np.ndarray, steps: np.ndarray, what: str
+) -> tuple[Violation, ...]:
+    """The violation of a running-total limit at the first step over it, if any."""
+    at = _first_over(totals, declared)
+    if at is None or declared is None:
+        return ()
+    actual = totals[at].item()
+    actual = round(actual) if limit == "max_flops" else actual
+    actual = round(actual, 9) if isinstance(actual, float) else actual
+    step = int(steps[at])
+    return (
+        Violation(
+            limit,
+            _limit_number(declared),
+            actual,
+            step,
+            f"cumulative {what} reached {actual:.6g} at step {step}, over the declared "
+            f"maximum of {float(declared):.6g}",
+        ),
+    )
+
+
+def _compute_parts(facts: RunFacts, totals: _Totals, limits: Limits) -> list[_Part]:
+    n = int(totals.steps.size)
+    last = (lambda a: a[-1].item()) if n else (lambda a: 0)
+    committed = Evidence.COMMITTED
+    return [
+        _Part(
+            Claim("steps", n, committed, "step"),
+            {
+                "close_record_steps": facts.close.get("steps") if facts.close else None,
+                "sampled_checks": len(facts.checked_steps),
+                "failed_checks": len(facts.failed_checks),
+            },
+        ),
+        _Part(
+            Claim("tokens", int(last(totals.tokens)), committed, "token"),
+            {"source": "step.tokens", "limit": _opt(limits.max_tokens)},
+            _over("max_tokens", limits.max_tokens, totals.tokens, totals.steps, "tokens"),
+        ),
+        _Part(
+            Claim("flops", round(float(last(totals.flops))), committed, "FLOP"),
+            {**totals.flops_details, "limit": _opt(limits.max_flops)},
+            _over("max_flops", limits.max_flops, totals.flops, totals.steps, "FLOPs"),
+        ),
+        _Part(
+            Claim("gpu_hours", round(float(last(totals.hours)), 6), Evidence.REPORTED, "GPU-hour"),
+            {**totals.hours_details, "limit": _opt(limits.max_gpu_hours)},
+            _over("max_gpu_hours", limits.max_gpu_hours, totals.hours, totals.steps, "GPU-hours"),
+        ),
+    ]
+
+
+def _optimizer_part(root: Mapping[str, Any], limits: Limits, replayed: Evidence) -> _Part:
+    observed = _observed_optimizer(root)
+    declared_family = optimizer_family(limits.optimizer)
+    matches: bool | None = None
+    if declared_family is not None and observed["family"] is not None:
+        # Adam and AdamW keep the same state leaves: from the state alone they are one.
+        inferred = observed["source"] == "root.schema.opt_state"
+        same = {declared_family, observed["family"]} == {"adam", "adamw"}
+        matches = declared_family == observed["family"] or (inferred and same)
+    # A replay runs the committed optimizer transition with the recorded options, so a
+    # passing replay backs the options PyTorch records; JAX compiles them into the program.
+    evidence = replayed if observed["source"] == "root.env.optimizer" else Evidence.COMMITTED
+    if observed["family"] is None:
+        evidence = Evidence.REPORTED
+    violations: tuple[Violation, ...] = ()
+    if matches is False:
+        violations = (
+            Violation(
+                "optimizer",
+                limits.optimizer,
+                observed["contract"] or observed["family"],
+                None,
+                f"the spec declares optimizer family {declared_family}; the transcript shows "
+                f"{observed['family']} ({observed['source']})",
+            ),
+        )
+    value = {
+        "family": observed["family"],
+        "contract": observed["contract"],
+        "hyperparameters": _json_safe(observed["hyperparameters"]),
+        "declared": limits.optimizer,
+        "matches_declared": matches,
+    }
+    details = {k: v for k, v in observed.items() if k in ("source", "state_leaves")}
+    return _Part(Claim("optimizer", value, evidence), details, violations)
+
+
+def _regime_part(facts: RunFacts, root: Mapping[str, Any], limits: Limits) -> _Part:
+    regime = _regime(root)
+    allowed = list(limits.allowed_regimes)
+    violations: tuple[Violation, ...] = ()
+    if regime is not None and allowed and regime not in allowed:
+        violations = (
+            Violation(
+                "allowed_regimes",
+                allowed,
+                regime,
+                None,
+                f"the run declares regime {regime!r}; the spec allows {', '.join(allowed)}",
+            ),
+        )
+    phases = max(1, len(set(facts.program_digests)))
+    return _Part(
+        Claim(
+            "regime",
+            {"declared_by_trainer": regime, "allowed": allowed, "program_phases": phases},
+            Evidence.REPORTED,
+        ),
+        {
+            "note": "the transcript binds one program for the whole run; the regime is the "
+            "trainer's declaration (root.experiment.regime) when present",
+        },
+        violations,
+    )
+
+
+def _program_part(facts: RunFacts, root: Mapping[str, Any], replayed: Evidence) -> _Part:
+    digests = list(dict.fromkeys(facts.program_digests))
+    program = root.get("program") if isinstance(root.get("program"), dict) else None
+    violations: tuple[Violation, ...] = ()
+    if len(digests) > 1:
+        changed = next((i for i, d in facts.program_changes if d != digests[0]), None)
+        violations = (
+            Violation(
+                "program",
+                digests[0],
+                digests,
+                changed,
+                f"the program changed at step {changed}: a hidden phase change "
+                f"({len(digests)} distinct program digests)",
+            ),
+        )
+    value = digests[0] if len(digests) == 1 else (digests or None)
+    # Replays execute the committed artifact itself, so passing replays back its digest.
+    evidence = replayed if program is not None else Evidence.COMMITTED
+    details = {
+        "kind": program.get("kind") if program else None,
+        "bytes": program.get("bytes") if program else None,
+        "distinct_digests": len(digests),
+        "single_program": len(digests) <= 1,
+    }
+    return _Part(Claim("program_digest", value, evidence), details, violations)
+
+
+def _dataset_part(facts: RunFacts, limits: Limits) -> _Part:
+    sequence = hashlib.sha256(b"".join(facts.batch_roots)).hexdigest()
+    declared = limits.dataset_commitment.lower()
+    matches = declared == sequence
+    value = {
+        "declared": None if declared in ("", UNDECLARED_DATASET) else declared,
+        "batch_sequence_digest": sequence,
+        "matches_declared": matches,
+    }
+    details = {
+        "batch_sequence_digest": "SHA-256 of the concatenated per-step batch roots, in step order",
+        "batches": len(facts.batch_roots),
+    }
+    evidence = Evidence.COMMITTED if matches else Evidence.REPORTED
+    return _Part(Claim("dataset_commitment", value, evidence), details)
+
+
+def _final_root_part(facts: RunFacts) -> _Part:
+    final = facts.close.get("final") if facts.close else None
+    root_bytes = final.get("p") if isinstance(final, dict) else None
+    details = {
+        "source": "close.final.p" if root_bytes is not None else None,
+        "last_step_post": _hex(facts.last_post.get("p")) if facts.last_post else None,
+    }
+    return _Part(Claim("final_parameter_root", _hex(root_bytes), Evidence.COMMITTED), details)
+
+
+def _series(totals: _Totals, violations: Sequence[Violation]) -> Series:
+    steps = totals.steps
+    keep = [
+        int(np.nonzero(steps == v.step)[0][0])
+        for v in violations
+        if v.step is not None and bool((steps == v.step).any())
+    ]
+    picks = _downsample(int(steps.size), keep)
+    return Series(
+        tuple(int(steps[i]) for i in picks),
+        tuple(float(totals.flops[i]) for i in picks),
+        tuple(int(totals.tokens[i]) for i in picks),
+        tuple(round(float(totals.hours[i]), 9) for i in picks),
+    )
+
+
+def _timeline(facts: RunFacts, replay: ReplayFacts) -> dict[str, Any]:
+    start = [t for t in facts.start if np.isfinite(t)]
+    end = [t for t in facts.end if np.isfinite(t)]
+    return {
+        "checked_steps": facts.checked_steps[:5000],
+        "failed_checks": facts.failed_checks[:5000],
+        "snapshot_steps": facts.snapshot_steps[:5000],
+        "started": min(start) if start else None,
+        "ended": max(end) if end else None,
+        "replay_passed": list(replay.passed),
+        "replay_failed": list(replay.failed),
+    }
+
+
 def evaluate(facts: RunFacts, limits: Limits, replay: ReplayFacts | None = None) -> ClaimSet:
     """Compute every claim and check the declared limits as running invariants.
 
@@ -507,259 +777,24 @@ def evaluate(facts: RunFacts, limits: Limits, replay: ReplayFacts | None = None)
     """
     replay = replay or ReplayFacts()
     root = facts.root or {}
-    committed = Evidence.COMMITTED
     replayed = Evidence.REPLAYED if replay.verified else Evidence.COMMITTED
-    steps = np.asarray(facts.step_index, dtype=np.int64)
-    n = int(steps.size)
-    claims: list[Claim] = []
-    details: dict[str, Any] = {}
-    violations: list[Violation] = []
-
-    # Steps.
-    claims.append(Claim("steps", n, committed, "step"))
-    details["steps"] = {
-        "close_record_steps": facts.close.get("steps") if facts.close else None,
-        "sampled_checks": len(facts.checked_steps),
-        "failed_checks": len(facts.failed_checks),
-    }
-
-    # Tokens.
-    tokens = np.cumsum(np.asarray(facts.tokens, dtype=np.int64)) if n else np.zeros(0, np.int64)
-    total_tokens = int(tokens[-1]) if n else 0
-    claims.append(Claim("tokens", total_tokens, committed, "token"))
-    details["tokens"] = {"source": "step.tokens", "limit": _opt(limits.max_tokens)}
-    at = _first_over(tokens, limits.max_tokens)
-    if at is not None and limits.max_tokens is not None:
-        violations.append(
-            Violation(
-                "max_tokens",
-                _limit_number(limits.max_tokens),
-                int(tokens[at]),
-                int(steps[at]),
-                f"cumulative tokens reached {int(tokens[at]):,} at step {int(steps[at])}, "
-                f"over the declared maximum of {_limit_number(limits.max_tokens):,}",
-            )
-        )
-
-    # FLOPs: per-step counts from the program's cost analysis, times the replicas.
-    replicas, why = flop_replicas(root)
-    per_step = np.asarray(
-        [np.nan if f is None else f for f in facts.flops], dtype=np.float64
-    ).reshape(-1)
-    missing = int(np.isnan(per_step).sum())
-    source = "step.flops"
-    if missing:
-        # No count recorded (an older frontend, a backend without cost analysis): the
-        # dense-transformer estimate 6 x parameters x tokens (Kaplan et al. 2020, eq. 2.1).
-        estimate = 6.0 * _parameter_count(root) * np.asarray(facts.tokens, dtype=np.float64)
-        per_step = np.where(np.isnan(per_step), estimate, per_step)
-        source = (
-            "step.flops, 6 x parameters x tokens where absent"
-            if missing < n
-            else "6 x parameters x tokens"
-        )
-    flops = np.cumsum(per_step * replicas) if n else np.zeros(0, np.float64)
-    total_flops = round(float(flops[-1])) if n else 0
-    claims.append(Claim("flops", total_flops, committed, "FLOP"))
-    details["flops"] = {
-        "source": source,
-        "steps_without_count": missing,
-        "replicas": replicas,
-        "replicas_reason": why,
-        "prover": root.get("prover"),
-        "limit": _opt(limits.max_flops),
-    }
-    at = _first_over(flops, limits.max_flops)
-    if at is not None and limits.max_flops is not None:
-        violations.append(
-            Violation(
-                "max_flops",
-                _limit_number(limits.max_flops),
-                round(float(flops[at])),
-                int(steps[at]),
-                f"cumulative FLOPs reached {float(flops[at]):.4g} at step {int(steps[at])}, "
-                f"over the declared maximum of {float(limits.max_flops):.4g}",
-            )
-        )
-
-    # GPU-hours: devices x wall time since the first step began (the trainer's clock).
-    devices = gpu_devices(root)
-    start = np.asarray(facts.start, dtype=np.float64)
-    end = np.asarray(facts.end, dtype=np.float64)
-    if n and np.isfinite(start).any():
-        origin = float(np.nanmin(start))
-        wall = np.fmax.accumulate(np.nan_to_num(end - origin, nan=0.0).clip(min=0.0))
-    else:
-        wall = np.zeros(n, np.float64)
-    hours = wall * devices / 3600.0
-    total_hours = round(float(hours[-1]), 6) if n else 0.0
-    claims.append(Claim("gpu_hours", total_hours, Evidence.REPORTED, "GPU-hour"))
-    details["gpu_hours"] = {
-        "devices": devices,
-        "wall_seconds": round(float(wall[-1]), 3) if n else 0.0,
-        "source": "devices x (last step end - first step start), step.time",
-        "limit": _opt(limits.max_gpu_hours),
-    }
-    at = _first_over(hours, limits.max_gpu_hours)
-    if at is not None and limits.max_gpu_hours is not None:
-        violations.append(
-            Violation(
-                "max_gpu_hours",
-                _limit_number(limits.max_gpu_hours),
-                round(float(hours[at]), 6),
-                int(steps[at]),
-                f"cumulative GPU-hours reached {float(hours[at]):.4g} at step {int(steps[at])}, "
-                f"over the declared maximum of {float(limits.max_gpu_hours):g}",
-            )
-        )
-
-    # Optimizer and hyperparameters.
-    observed = _observed_optimizer(root)
-    declared_family = optimizer_family(limits.optimizer)
-    matches: bool | None = None
-    if declared_family is not None and observed["family"] is not None:
-        # Adam and AdamW keep the same state leaves: from the state alone they are one.
-        inferred = observed["source"] == "root.schema.opt_state"
-        same = {declared_family, observed["family"]} == {"adam", "adamw"}
-        matches = declared_family == observed["family"] or (inferred and same)
-    optimizer_evidence = replayed if observed["source"] == "root.env.optimizer" else committed
-    if observed["family"] is None:
-        optimizer_evidence = Evidence.REPORTED
-    claims.append(
-        Claim(
-            "optimizer",
-            {
-                "family": observed["family"],
-                "contract": observed["contract"],
-                "hyperparameters": _json_safe(observed["hyperparameters"]),
-                "declared": limits.optimizer,
-                "matches_declared": matches,
-            },
-            optimizer_evidence,
-        )
-    )
-    details["optimizer"] = {
-        k: v for k, v in observed.items() if k == "source" or k == "state_leaves"
-    }
-    if matches is False:
-        violations.append(
-            Violation(
-                "optimizer",
-                limits.optimizer,
-                observed["contract"] or observed["family"],
-                None,
-                f"the spec declares a {declared_family} optimizer; the transcript shows "
-                f"{observed['family']} ({observed['source']})",
-            )
-        )
-
-    # Regime.
-    regime = _regime(root)
-    allowed = list(limits.allowed_regimes)
-    phases = len(set(facts.program_digests)) if facts.program_digests else 1
-    claims.append(
-        Claim(
-            "regime",
-            {"declared_by_trainer": regime, "allowed": allowed, "program_phases": phases},
-            Evidence.REPORTED,
-        )
-    )
-    details["regime"] = {
-        "note": "the transcript binds one program for the whole run; a regime is the "
-        "trainer's declaration (root.experiment.regime) when present",
-    }
-    if regime is not None and allowed and regime not in allowed:
-        violations.append(
-            Violation(
-                "allowed_regimes",
-                allowed,
-                regime,
-                None,
-                f"the run declares regime {regime!r}; the spec allows {', '.join(allowed)}",
-            )
-        )
-
-    # One program digest throughout.
-    digests = list(dict.fromkeys(facts.program_digests))
-    program = root.get("program") if isinstance(root.get("program"), dict) else None
-    claims.append(
-        Claim(
-            "program_digest",
-            digests[0] if len(digests) == 1 else (digests or None),
-            replayed if program is not None else committed,
-        )
-    )
-    details["program_digest"] = {
-        "kind": program.get("kind") if program else None,
-        "bytes": program.get("bytes") if program else None,
-        "distinct_digests": len(digests),
-        "single_program": len(digests) <= 1,
-    }
-    if len(digests) > 1:
-        changed = next((i for i, d in facts.program_changes if d != digests[0]), None)
-        violations.append(
-            Violation(
-                "program",
-                digests[0],
-                digests,
-                changed,
-                f"the program changed at step {changed}: a hidden phase change "
-                f"({len(digests)} distinct program digests)",
-            )
-        )
-
-    # Dataset commitment: the declared digest against the committed batch sequence.
-    sequence = hashlib.sha256(b"".join(facts.batch_roots)).hexdigest()
-    declared_data = limits.dataset_commitment.lower()
-    data_matches = declared_data == sequence
-    claims.append(
-        Claim(
-            "dataset_commitment",
-            {
-                "declared": None if declared_data in ("", UNDECLARED_DATASET) else declared_data,
-                "batch_sequence_digest": sequence,
-                "matches_declared": data_matches,
-            },
-            committed if data_matches else Evidence.REPORTED,
-        )
-    )
-    details["dataset_commitment"] = {
-        "batch_sequence_digest": "SHA-256 of the concatenated per-step batch roots, in step order",
-        "batches": n,
-    }
-
-    # Final parameter root.
-    final = facts.close.get("final") if facts.close else None
-    root_bytes = final.get("p") if isinstance(final, dict) else None
-    claims.append(Claim("final_parameter_root", _hex(root_bytes), committed))
-    details["final_parameter_root"] = {
-        "source": "close.final.p" if root_bytes is not None else None,
-        "last_step_post": _hex(facts.last_post.get("p")) if facts.last_post else None,
-    }
-
-    keep = [
-        int(np.nonzero(steps == v.step)[0][0])
-        for v in violations
-        if v.step is not None and (steps == v.step).any()
+    totals = _totals(facts, root)
+    parts = [
+        *_compute_parts(facts, totals, limits),
+        _optimizer_part(root, limits, replayed),
+        _regime_part(facts, root, limits),
+        _program_part(facts, root, replayed),
+        _dataset_part(facts, limits),
+        _final_root_part(facts),
     ]
-    picks = _downsample(n, keep)
-    series = Series(
-        tuple(int(steps[i]) for i in picks),
-        tuple(float(flops[i]) for i in picks),
-        tuple(int(tokens[i]) for i in picks),
-        tuple(round(float(hours[i]), 9) for i in picks),
-    )
-    timeline = {
-        "checked_steps": facts.checked_steps[:5000],
-        "failed_checks": facts.failed_checks[:5000],
-        "snapshot_steps": facts.snapshot_steps[:5000],
-        "started": float(np.nanmin(start)) if n and np.isfinite(start).any() else None,
-        "ended": float(np.nanmax(end)) if n and np.isfinite(end).any() else None,
-        "replay_passed": list(replay.passed),
-        "replay_failed": list(replay.failed),
-    }
+    violations = [violation for part in parts for violation in part.violations]
     return ClaimSet(
-        tuple(claims), violations, details, series, timeline, transcript_error=facts.error
+        claims=tuple(part.claim for part in parts),
+        violations=violations,
+        details={part.claim.name: part.details for part in parts},
+        series=_series(totals, violations),
+        timeline=_timeline(facts, replay),
+        transcript_error=facts.error,
     )
 
 
