@@ -23,7 +23,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from attestations import uploads
+from attestations import replay, uploads
 from attestations.exceptions import (
     ConflictError,
     InvalidRequestError,
@@ -36,6 +36,9 @@ from attestations.models import (
     ArtifactKind,
     AuditEvent,
     Capability,
+    Challenge,
+    ChallengeOrigin,
+    ChallengeStatus,
     Experiment,
     ExperimentSpec,
     Framework,
@@ -53,13 +56,16 @@ from attestations.pagination import CursorPage
 from attestations.permissions import HasCapability, get_access, require
 from attestations.serializers import (
     ApiKeySerializer,
+    ArtifactListSerializer,
     AuditEventSerializer,
+    ChallengeSerializer,
     ExperimentSerializer,
     JobSerializer,
     MembershipSerializer,
     MeSerializer,
     NewApiKeySerializer,
     OrganizationSerializer,
+    ProofArtifactSerializer,
     ProofSerializer,
     SpecSerializer,
     UploadSerializer,
@@ -351,6 +357,12 @@ class ProofDetail(generics.RetrieveAPIView[Proof]):
     serializer_class = ProofSerializer
     permission_classes = [HasCapability]
 
+    def get_object(self) -> Proof:
+        proof = super().get_object()
+        if replay.expire_if_due(proof):
+            proof = super().get_object()
+        return proof
+
     def get_queryset(self) -> QuerySet[Proof]:
         access = get_access(self.request)
         return (
@@ -383,6 +395,110 @@ class ProofTranscript(APIView):
             as_attachment=True,
             filename=f"{proof.experiment.name}-{proof.pk}.cborl",
             content_type="application/cbor-seq",
+        )
+
+
+def _proof(request: Request, pk: int) -> Proof:
+    """A proof the caller may read (404 otherwise), its deadline checked on read."""
+    proof = (
+        Proof.objects.filter(get_access(request).orgs(Capability.READ, "experiment__owner_id"))
+        .select_related("experiment__owner", "transcript")
+        .filter(pk=pk)
+        .first()
+    )
+    if proof is None:
+        raise NotFoundError(f"No proof {pk}.")
+    if replay.expire_if_due(proof):
+        proof.refresh_from_db()
+    return proof
+
+
+class ChallengePage(CursorPage):
+    """Challenges in step order, 100 a page."""
+
+    page_size = 100
+    max_page_size = 500
+    ordering = ("step", "id")  # type: ignore[assignment]
+
+
+class ChallengeList(generics.ListAPIView[Challenge]):
+    """The platform's challenges of a proof: pending ones list the files they need."""
+
+    serializer_class = ChallengeSerializer
+    permission_classes = [HasCapability]
+    pagination_class = ChallengePage
+    filter_backends = [QueryFilters]
+    query_filters = {
+        "status": ("status", frozenset(ChallengeStatus.values)),
+        "origin": ("origin", frozenset(ChallengeOrigin.values)),
+    }
+
+    def get_queryset(self) -> QuerySet[Challenge]:
+        proof = _proof(self.request, int(self.kwargs["pk"]))
+        return Challenge.objects.filter(proof=proof)
+
+
+class ProofArtifacts(APIView):
+    """The files of a proof directory attached for replay (artifacts: trainers, admins)."""
+
+    permission_classes = [HasCapability]
+
+    @extend_schema(responses=ProofArtifactSerializer(many=True))
+    def get(self, request: Request, pk: int) -> Response:
+        """The attached files, by name."""
+        proof = _proof(request, pk)
+        require(request, Capability.ARTIFACTS, proof.experiment.owner_id)
+        return Response(ProofArtifactSerializer(proof.artifacts.all(), many=True).data)
+
+    @extend_schema(
+        request=ArtifactListSerializer,
+        responses=inline_serializer(
+            "AttachedArtifacts",
+            {
+                "attached": serializers.IntegerField(),
+                "files": ProofArtifactSerializer(many=True),
+                "ready": serializers.IntegerField(),
+                "pending": serializers.IntegerField(),
+            },
+        ),
+    )
+    def post(self, request: Request, pk: int) -> Response:
+        """Attach uploaded blobs to the proof under their proof-directory names.
+
+        All or nothing and idempotent. Files its challenges need are checked against the
+        transcript's commitments (422 on a mismatch); challenges whose files are all
+        attached are queued for replay.
+        """
+        proof = _proof(request, pk)
+        require(request, Capability.WRITE, proof.experiment.owner_id)
+        body = ArtifactListSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        claims = [replay.FileClaim(**item) for item in body.validated_data["files"]]
+        if proof.is_final:
+            raise ConflictError(
+                f"proof {proof.pk} is final ({proof.status}); its files can no longer change",
+                code="proof_final",
+                field="files",
+                detail={"status": proof.status},
+            )
+        artifacts, fresh = replay.attach(
+            proof,
+            claims,
+            user=_user(request),
+            ip=client_ip(request.META),
+        )
+        counts = {
+            status_: proof.challenges.filter(status=status_).count()
+            for status_ in (ChallengeStatus.READY, ChallengeStatus.PENDING)
+        }
+        return Response(
+            {
+                "attached": fresh,
+                "files": ProofArtifactSerializer(artifacts, many=True).data,
+                "ready": counts[ChallengeStatus.READY],
+                "pending": counts[ChallengeStatus.PENDING],
+            },
+            status=status.HTTP_201_CREATED if fresh else status.HTTP_200_OK,
         )
 
 
@@ -448,7 +564,9 @@ class UploadList(generics.ListCreateAPIView[Upload]):
         "status": ("status", frozenset(UploadStatus.values)),
         "kind": ("kind", frozenset(ArtifactKind.values)),
         "experiment": ("experiment__full_name", None),
+        "sha256": ("sha256", None),
     }
+    query_filter_help = {"sha256": "Uploads of the blob with this SHA-256 (hex)."}
 
     @property
     def required_capability(self) -> str:
@@ -481,6 +599,7 @@ class UploadList(generics.ListCreateAPIView[Upload]):
             sha256=data["sha256"],
             user=request.user,  # type: ignore[arg-type]
             ip=client_ip(request.META),
+            name=data.get("name") or "",
         )
         return Response(UploadSerializer(upload).data, status=status.HTTP_201_CREATED)
 

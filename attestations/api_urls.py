@@ -21,6 +21,10 @@ POST    experiments/{owner}/{name}/specs/                change the spec (new ve
 GET     experiments/{owner}/{name}/specs/{version}/      one version and its canonical doc
 GET     proofs/ · GET proofs/{id}/                       filed transcripts and verdicts
 GET     proofs/{id}/transcript/                          the transcript bytes (artifacts)
+GET     proofs/{id}/challenges/                          the platform's challenges, their
+                                                         needed files, progress, verdicts
+GET     proofs/{id}/artifacts/                           files attached for replay
+POST    proofs/{id}/artifacts/                           attach uploaded files (answers)
 GET     jobs/ · GET jobs/{id}/                           background jobs and progress
 GET     audit-events/                                    the audit trail (not regulators)
 GET     uploads/ · POST uploads/                         upload sessions; open one
@@ -68,6 +72,10 @@ urlpatterns = [
     re_path(
         r"^proofs/(?P<pk>[0-9]+)/transcript/?$", api.ProofTranscript.as_view(), name="transcript"
     ),
+    re_path(
+        r"^proofs/(?P<pk>[0-9]+)/challenges/?$", api.ChallengeList.as_view(), name="challenges"
+    ),
+    re_path(r"^proofs/(?P<pk>[0-9]+)/artifacts/?$", api.ProofArtifacts.as_view(), name="artifacts"),
     re_path(r"^jobs/?$", api.JobList.as_view(), name="jobs"),
     re_path(rf"^jobs/{UUID}/?$", api.JobDetail.as_view(), name="job"),
     re_path(r"^audit-events/?$", api.AuditEventList.as_view(), name="audit-events"),

@@ -943,7 +943,15 @@ class Proof(models.Model):
         else:
             named = root["experiment"]  # type: ignore[index]
             self.spec = self.experiment.specs.get(digest=named["spec_digest"])
-            self._record(ProofStatus.VALID, "", "")
+            from attestations import replay
+
+            if replay.replayable(root):
+                # The transcript is consistent; now the platform stops trusting the
+                # trainer: its challenges decide the verdict (attestations/replay.py).
+                replay.draw(self)
+            else:
+                # Nothing to replay (no attested program): the offline verdict stands.
+                self._record(ProofStatus.VALID, "", "")
         if job is not None:
             job.finish(JobStatus.SUCCEEDED, self.reason)
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from django.contrib.auth import get_user_model
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import extend_schema_field
+from drf_spectacular.utils import extend_schema_field, inline_serializer
 from rest_framework import serializers
 
 from attestations.models import (
@@ -17,6 +17,7 @@ from attestations.models import (
     ArtifactKind,
     AuditEvent,
     Capability,
+    Challenge,
     Experiment,
     ExperimentSpec,
     Framework,
@@ -24,10 +25,12 @@ from attestations.models import (
     Membership,
     Organization,
     Proof,
+    ProofArtifact,
     Regime,
     Role,
     Upload,
     UploadPart,
+    api_datetime,
     experiment_name_validator,
 )
 from attestations.permissions import require
@@ -283,6 +286,8 @@ class JobSerializer(serializers.ModelSerializer[Job]):
             "proof",
             "status",
             "progress",
+            "steps_done",
+            "steps_total",
             "reason",
             "created",
             "started",
@@ -297,6 +302,7 @@ class ProofSerializer(serializers.ModelSerializer[Proof]):
     transcript_sha256 = serializers.CharField(source="transcript.sha256", read_only=True)
     record = serializers.IntegerField(source="record_index", read_only=True, allow_null=True)
     job = serializers.SerializerMethodField()
+    challenge_plan = serializers.SerializerMethodField()
 
     class Meta:
         model = Proof
@@ -318,7 +324,35 @@ class ProofSerializer(serializers.ModelSerializer[Proof]):
             "created",
             "verified",
             "job",
+            "challenge_plan",
         ]
+
+    @extend_schema_field(
+        inline_serializer(
+            "ChallengePlan",
+            {
+                "seed_commitment": serializers.CharField(),
+                "seed": serializers.CharField(allow_null=True),
+                "target": serializers.FloatField(),
+                "forged_fraction": serializers.FloatField(),
+                "drawn": serializers.DateTimeField(),
+                "deadline": serializers.DateTimeField(),
+            },
+            allow_null=True,
+        )
+    )
+    def get_challenge_plan(self, proof: Proof) -> dict[str, Any] | None:
+        """The platform's challenges: the seed's SHA-256 now, the seed once final."""
+        if proof.challenges_drawn is None:
+            return None
+        return {
+            "seed_commitment": proof.challenge_seed_commitment,
+            "seed": proof.revealed_seed,
+            "target": proof.challenge_target,
+            "forged_fraction": proof.challenge_forged_fraction,
+            "drawn": api_datetime(proof.challenges_drawn),
+            "deadline": api_datetime(proof.challenge_deadline),
+        }
 
     @extend_schema_field(JobSerializer(allow_null=True))
     def get_job(self, proof: Proof) -> dict[str, Any] | None:
@@ -340,6 +374,13 @@ class UploadSerializer(serializers.ModelSerializer[Upload]):
     kind = serializers.ChoiceField(choices=ArtifactKind.choices)
     size = serializers.IntegerField(min_value=1, help_text="Total size of the blob in bytes.")
     sha256 = Sha256Field(help_text="SHA-256 (hex) of the whole blob.")
+    name = serializers.CharField(
+        max_length=255,
+        required=False,
+        allow_blank=True,
+        default="",
+        help_text="The file's path in the proof directory (informational).",
+    )
     parts = UploadPartSerializer(many=True, read_only=True)
     received_bytes = serializers.IntegerField(read_only=True)
     blob_sha256 = serializers.CharField(source="blob.sha256", read_only=True, allow_null=True)
@@ -352,6 +393,7 @@ class UploadSerializer(serializers.ModelSerializer[Upload]):
             "id",
             "experiment",
             "kind",
+            "name",
             "size",
             "sha256",
             "status",
@@ -383,6 +425,54 @@ class UploadSerializer(serializers.ModelSerializer[Upload]):
         if experiment is None:
             raise serializers.ValidationError(f"No experiment {value!r}.", code="does_not_exist")
         return experiment
+
+
+class ChallengeSerializer(serializers.ModelSerializer[Challenge]):
+    """One challenge: what is replayed, what it needs, how far it got, its verdict."""
+
+    class Meta:
+        model = Challenge
+        fields = [
+            "id",
+            "proof",
+            "step",
+            "through",
+            "origin",
+            "status",
+            "needed_files",
+            "steps_total",
+            "steps_replayed",
+            "attempts",
+            "reason",
+            "message",
+            "evidence",
+            "created",
+            "answered",
+            "finished",
+        ]
+        read_only_fields = fields
+
+
+class ProofArtifactSerializer(serializers.ModelSerializer[ProofArtifact]):
+    class Meta:
+        model = ProofArtifact
+        fields = ["name", "kind", "sha256", "size", "created"]
+        read_only_fields = fields
+
+
+class ArtifactClaimSerializer(serializers.Serializer[Any]):
+    """One file of ``POST proofs/{id}/artifacts/``: an uploaded blob and its name."""
+
+    name = serializers.CharField(max_length=255, trim_whitespace=False)
+    kind = serializers.ChoiceField(choices=ArtifactKind.choices)
+    sha256 = Sha256Field()
+    size = serializers.IntegerField(min_value=1)
+
+
+class ArtifactListSerializer(serializers.Serializer[Any]):
+    files = serializers.ListField(
+        child=ArtifactClaimSerializer(), allow_empty=True, max_length=100_000
+    )
 
 
 class AuditEventSerializer(serializers.ModelSerializer[AuditEvent]):

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 
-from celery import shared_task
+from celery import Task, shared_task
+from django.db import DatabaseError, InterfaceError, OperationalError
+from kombu.exceptions import OperationalError as KombuOperationalError
 
-from attestations.models import Proof, WorkerHeartbeat
+from attestations.models import Challenge, Proof, WorkerHeartbeat
+
+log = logging.getLogger(__name__)
 
 
 @shared_task(name="attestations.tasks.heartbeat", acks_late=True, reject_on_worker_lost=True)
@@ -44,6 +49,83 @@ def expire_uploads() -> int:
     from attestations import uploads
 
     return uploads.expire_stale()
+
+
+#: Errors a retry may cure: the database, the broker or the disk were briefly unavailable.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    KombuOperationalError,
+    OSError,
+)
+
+
+@shared_task(
+    bind=True,
+    name="attestations.tasks.replay_challenge",
+    acks_late=True,
+    reject_on_worker_lost=True,
+    max_retries=5,
+)
+def replay_challenge(self: Task, challenge_id: int) -> str | None:  # type: ignore[type-arg]
+    """Replay one challenge and record its verdict (queue ``replay``).
+
+    Keyed by the challenge: it is claimed with a conditional update (ready -> replaying,
+    or a stale ``replaying`` claim whose worker died), so a redelivered message or a
+    second worker finds nothing to do. Late acknowledgement with reject-on-worker-lost
+    means a worker killed mid-replay leaves the message to the broker, which delivers it
+    again once the claim is stale. Transient errors (database, broker, disk) release the
+    claim and retry with exponential backoff; anything else, and the soft time limit,
+    is recorded on the challenge as a permanent ``error`` with its reason.
+
+    Returns:
+        The challenge's final status, or None when another worker owns it.
+    """
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    from attestations import replay
+
+    if not replay.claim(challenge_id):
+        return None
+    replay.pause_for_tests()
+    try:
+        challenge = Challenge.objects.select_related("proof__transcript", "proof__experiment").get(
+            pk=challenge_id
+        )
+        verdict = replay.replay_one(challenge)
+        replay.record_verdict(challenge, verdict)
+    except SoftTimeLimitExceeded:
+        replay.record_error(
+            challenge_id, "replay_timeout", "the replay ran past the task's soft time limit"
+        )
+    except TRANSIENT_ERRORS as error:
+        replay.release_claim(challenge_id)
+        if self.request.retries >= (self.max_retries or 0):
+            replay.record_error(
+                challenge_id, "replay_unavailable", f"{type(error).__name__}: {error}"
+            )
+            raise
+        raise self.retry(
+            exc=error,  # type: ignore[arg-type]
+            countdown=min(300, 2 ** (self.request.retries + 1)),
+        ) from error
+    except Exception as error:
+        log.exception("replaying challenge %s failed", challenge_id)
+        replay.record_error(challenge_id, "replay_failed", f"{type(error).__name__}: {error}")
+    return str(Challenge.objects.values_list("status", flat=True).get(pk=challenge_id))
+
+
+@shared_task(name="attestations.tasks.expire_challenges", acks_late=True)
+def expire_challenges() -> int:
+    """Expire challenges left unanswered past their deadline (run periodically).
+
+    Each expiry rejects its proof (``challenge_expired``). Idempotent: an expired
+    challenge is final and is not touched again.
+    """
+    from attestations import replay
+
+    return replay.expire()
 
 
 # Certificate tasks live in their own module; importing it registers them with Celery.

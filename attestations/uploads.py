@@ -127,8 +127,13 @@ def create(
     sha256: str,
     user: User,
     ip: str | None = None,
+    name: str = "",
 ) -> Upload:
-    """Open an upload session for ``experiment`` (validated by the serializer)."""
+    """Open an upload session for ``experiment`` (validated by the serializer).
+
+    ``name`` is the file's path in the client's proof directory: informational (the
+    proof's artifact list is what names files for replay), kept to make sessions legible.
+    """
     limit = max_blob_bytes()
     if size > limit:
         raise PayloadTooLargeError(
@@ -142,6 +147,7 @@ def create(
         organization=experiment.owner,
         experiment=experiment,
         kind=kind,
+        name=name[:255],
         size=size,
         sha256=sha256,
         created_by=user,

@@ -23,6 +23,7 @@ from config.env import (
     envfloat,
     envint,
     envlist,
+    envrate,
     envstr,
     parse_database_url,
 )
@@ -76,6 +77,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "attestations.middleware.SecurityHeadersMiddleware",
+    "attestations.middleware.LoginRateLimitMiddleware",
 ]
 
 ROOT_URLCONF = "config.urls"
@@ -141,6 +144,10 @@ CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_RESULT_EXPIRES = 24 * 3600
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+# Periodic tasks (celery beat): expire replay challenges left unanswered past their deadline.
+CELERY_BEAT_SCHEDULE = {
+    "expire-challenges": {"task": "attestations.tasks.expire_challenges", "schedule": 300.0},
+}
 
 # --- Storage --------------------------------------------------------------------------
 MEDIA_ROOT = DATA_DIR / "media"
@@ -190,6 +197,8 @@ class DVBenchSettings(TypedDict):
     API_KEY_TTL_DAYS: int
     SIGNING_KEY_FILE: str
     SIGNING_KEY: str
+    VERIFIER_ID: str
+    LOG_ORIGIN: str
     DETECTION_TARGET: float
     FORGED_FRACTION: float
     CHALLENGE_TTL_SECONDS: int
@@ -203,6 +212,8 @@ DVBENCH: DVBenchSettings = {
     "API_KEY_TTL_DAYS": envint("DVBENCH_API_KEY_TTL_DAYS", 90, minimum=1),
     "SIGNING_KEY_FILE": envstr("DVBENCH_SIGNING_KEY_FILE"),
     "SIGNING_KEY": envstr("DVBENCH_SIGNING_KEY"),
+    "VERIFIER_ID": envstr("DVBENCH_VERIFIER_ID", "https://dvbench.localhost"),
+    "LOG_ORIGIN": envstr("DVBENCH_LOG_ORIGIN"),
     "DETECTION_TARGET": envfloat("DVBENCH_DETECTION_TARGET", 0.95, minimum=0.0, maximum=1.0),
     "FORGED_FRACTION": envfloat("DVBENCH_FORGED_FRACTION", 0.01, minimum=0.0, maximum=1.0),
     "CHALLENGE_TTL_SECONDS": envint("DVBENCH_CHALLENGE_TTL_SECONDS", 24 * 3600, minimum=60),
@@ -238,7 +249,8 @@ REST_FRAMEWORK = {
     "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
     "EXCEPTION_HANDLER": "attestations.exceptions.exception_handler",
     "PAGE_SIZE": 50,
-    "DEFAULT_THROTTLE_CLASSES": [],
+    # Limits only the upload endpoints (it ignores every other view); rates below.
+    "DEFAULT_THROTTLE_CLASSES": ["attestations.throttling.UploadRateThrottle"],
     "TEST_REQUEST_DEFAULT_FORMAT": "json",
 }
 SPECTACULAR_SETTINGS = {
@@ -261,21 +273,63 @@ SPECTACULAR_SETTINGS = {
     "POSTPROCESSING_HOOKS": ["attestations.schema.add_error_responses"],
 }
 
+# --- Cache (rate-limit counters) -------------------------------------------------------
+# Redis when configured, so every gunicorn worker and host counts against one limit;
+# process-local memory for the embedded default (one process serves everything there).
+if _redis_url:
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": envstr("DVBENCH_CACHE_URL", _redis_url),
+            "KEY_PREFIX": "dvbench",
+        }
+    }
+else:
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+
 # --- Security -------------------------------------------------------------------------
-_secure = envbool("DVBENCH_SECURE_COOKIES", False)
+SECURE_SSL_REDIRECT = envbool("DVBENCH_SSL_REDIRECT", False)
+SECURE_HSTS_SECONDS = envint("DVBENCH_HSTS_SECONDS", 0, minimum=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = envbool("DVBENCH_HSTS_INCLUDE_SUBDOMAINS", False)
+SECURE_HSTS_PRELOAD = envbool("DVBENCH_HSTS_PRELOAD", False)
+_behind_proxy = envbool("DVBENCH_BEHIND_PROXY", False)
+if _behind_proxy:
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+# Cookies are Secure whenever the deployment says it is served over TLS (a TLS-terminating
+# proxy, an HTTPS redirect or HSTS); DVBENCH_SECURE_COOKIES overrides either way. The
+# embedded default serves plain http://localhost, where a Secure cookie would never come
+# back and sign-in would fail.
+_secure = envbool(
+    "DVBENCH_SECURE_COOKIES", _behind_proxy or SECURE_SSL_REDIRECT or SECURE_HSTS_SECONDS > 0
+)
 SESSION_COOKIE_SECURE = _secure
 CSRF_COOKIE_SECURE = _secure
 SESSION_COOKIE_HTTPONLY = True
+# Forms carry the token; no script needs to read the cookie.
+CSRF_COOKIE_HTTPONLY = True
 SESSION_COOKIE_SAMESITE = "Lax"
 CSRF_COOKIE_SAMESITE = "Lax"
+SESSION_COOKIE_AGE = envint("DVBENCH_SESSION_SECONDS", 12 * 3600, minimum=300)
 SECURE_CONTENT_TYPE_NOSNIFF = True
 SECURE_REFERRER_POLICY = "same-origin"
 SECURE_CROSS_ORIGIN_OPENER_POLICY = "same-origin"
 X_FRAME_OPTIONS = "DENY"
-SECURE_SSL_REDIRECT = envbool("DVBENCH_SSL_REDIRECT", False)
-SECURE_HSTS_SECONDS = envint("DVBENCH_HSTS_SECONDS", 0, minimum=0)
-if envbool("DVBENCH_BEHIND_PROXY", False):
-    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+# Set by attestations.middleware.SecurityHeadersMiddleware. Swagger UI and ReDoc need
+# inline scripts and styles and blob: workers; everything still comes from this origin.
+DVBENCH_CONTENT_SECURITY_POLICY = envstr(
+    "DVBENCH_CONTENT_SECURITY_POLICY",
+    "default-src 'self'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline'; "
+    "img-src 'self' data:; worker-src 'self' blob:; object-src 'none'; base-uri 'self'; "
+    "form-action 'self'; frame-ancestors 'none'",
+)
+DVBENCH_PERMISSIONS_POLICY = "camera=(), microphone=(), geolocation=(), payment=()"
+# Rate limits (attestations/throttling.py): "<count>/<second|minute|hour|day>"; "off"
+# disables one. Counters live in the cache above.
+DVBENCH_RATE_LIMITS: dict[str, str | None] = {
+    "uploads": envrate("DVBENCH_RATE_UPLOADS", "1200/minute"),
+    "api_key_failures": envrate("DVBENCH_RATE_API_KEY_FAILURES", "60/minute"),
+    "login_failures": envrate("DVBENCH_RATE_LOGIN_FAILURES", "10/minute"),
+}
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"

@@ -1,0 +1,905 @@
+"""Server-side replay: challenges, the files that answer them, and the replay verdicts.
+
+The life of a proof after the offline verifier accepted its transcript:
+
+1. :func:`draw` takes a fresh seed from the platform's CSPRNG, derives the challenged
+   steps (:func:`provers.challenges.draw_challenges`: step 0, every step the trainer
+   self-checked, random steps up to the detection target), stores only the seed's
+   SHA-256 where users can see it, and lists for each challenge the proof-directory
+   files its replay reads. The proof is ``challenged``.
+2. The trainer answers by uploading those files and attaching them
+   (:func:`attach`): each one is checked against what the transcript commits for it
+   (state roots, batch roots, the program digest) before anything is stored.
+3. A challenge whose files are all there is ``ready`` and queued for the ``replay``
+   queue; :func:`run_challenge` claims it (a conditional update, so it completes once),
+   materialises the proof directory under ``DATA_DIR`` and runs
+   :func:`provers.verify_challenge`.
+4. :func:`settle` gives the proof its verdict once every challenge is final: ``valid``
+   iff all passed, else ``rejected`` with the first failing challenge's reason and step;
+   the seed is revealed and the certificate task queued.
+
+Unanswered challenges expire at the deadline (:func:`expire`), which rejects the proof.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import numpy as np
+from django.conf import settings
+from django.contrib.auth.models import User
+from django.core.files.storage import default_storage
+from django.db import transaction
+from django.db.models import F, Q
+from django.utils import timezone
+
+from attestations.exceptions import DVBenchError
+from attestations.models import (
+    CHALLENGE_FINAL,
+    ArtifactKind,
+    AuditEvent,
+    Blob,
+    Challenge,
+    ChallengeOrigin,
+    ChallengeStatus,
+    Job,
+    JobStatus,
+    Proof,
+    ProofArtifact,
+    ProofStatus,
+    UploadStatus,
+)
+
+log = logging.getLogger(__name__)
+
+TRANSCRIPT = "records.cborl"
+PROBES = "probes.bin"
+FILES_DIR = "files"
+REPLAY_DIR = "replay"
+COPY_CHUNK = 1024 * 1024
+#: Proof-directory names a trainer may attach: the layout zkdv writes.
+MAX_NAME = 255
+
+
+# --- Settings -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChallengePolicy:
+    """The detection target, the forged fraction it is computed for, and the answer TTL."""
+
+    target: float
+    forged_fraction: float
+    ttl: timedelta
+
+    @classmethod
+    def from_settings(cls) -> ChallengePolicy:
+        knobs: Mapping[str, Any] = settings.DVBENCH
+        return cls(
+            target=float(knobs["DETECTION_TARGET"]),
+            forged_fraction=float(knobs["FORGED_FRACTION"]),
+            ttl=timedelta(seconds=int(knobs["CHALLENGE_TTL_SECONDS"])),
+        )
+
+
+def replay_time_limit() -> int:
+    """Seconds after which a ``replaying`` claim is stale (its worker died)."""
+    return int(getattr(settings, "CELERY_TASK_TIME_LIMIT", 3600))
+
+
+# --- The transcript, indexed for challenges ------------------------------------------------
+
+
+@dataclass
+class TranscriptIndex:
+    """What the platform reads from a stored transcript to draw and check challenges."""
+
+    root: dict[str, Any]
+    steps: dict[int, dict[str, Any]] = field(default_factory=dict)
+    snapshots: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, source: str | os.PathLike[str] | bytes) -> TranscriptIndex:
+        from zkdv.records import iter_records
+
+        index = cls(root={})
+        for record in iter_records(source):
+            data = record.data
+            kind = data.get("t")
+            if kind == "root":
+                index.root = data
+            elif kind == "step":
+                index.steps[int(data["i"])] = data
+            elif kind == "snap":
+                index.snapshots[int(data["i"])] = data
+        return index
+
+    @classmethod
+    def of(cls, proof: Proof) -> TranscriptIndex:
+        with default_storage.open(proof.transcript.storage_name, "rb") as handle:
+            return cls.read(handle.read())
+
+    def snapshot_before(self, step: int) -> int | None:
+        candidates = [s for s in self.snapshots if s <= step]
+        return max(candidates) if candidates else None
+
+    def specs(self, tree: str) -> list[dict[str, Any]]:
+        schema = self.root.get("schema") or {}
+        return list(schema.get(tree) or [])
+
+    def tree_bytes(self, tree: str) -> int:
+        from zkdv.merkle import LeafSpec
+
+        return sum(LeafSpec.from_dict(spec).nbytes for spec in self.specs(tree))
+
+    @property
+    def program_file(self) -> str | None:
+        from zkdv.driver import PROGRAM_FILES
+
+        program = self.root.get("program")
+        if not isinstance(program, dict):
+            return None
+        return PROGRAM_FILES.get(str(program.get("kind")), "program.bin")
+
+    @property
+    def has_probes(self) -> bool:
+        return any(step.get("probe") for step in self.steps.values())
+
+    def common_files(self) -> list[str]:
+        """Files every replay of this proof reads besides the transcript."""
+        names = [self.program_file] if self.program_file else []
+        if self.has_probes:
+            names.append(PROBES)
+        return names
+
+    def files_for(self, step: int, through: int | None) -> list[str]:
+        """Proof-directory names a replay of ``step`` (to ``through``) reads.
+
+        State files of an empty tree (no buffers, say) hold no bytes; the platform stores
+        no empty blobs, so they are implied and never requested.
+        """
+        from zkdv.files import TREES
+
+        names = self.common_files()
+        start = self.snapshot_before(step)
+        if start is None:
+            return names
+        for tree in TREES:
+            if self.tree_bytes(tree):
+                names.append(f"{FILES_DIR}/snapshot-{start:08d}.{tree}.bin")
+        end = step if through is None else through
+        names += [f"{FILES_DIR}/batch-{k:08d}.u32" for k in range(start, end + 1)]
+        return names
+
+    def steps_to_replay(self, step: int, through: int | None) -> int:
+        start = self.snapshot_before(step)
+        end = step if through is None else through
+        return 0 if start is None else end - start + 1
+
+
+# --- Drawing ------------------------------------------------------------------------------
+
+
+def replayable(root: Mapping[str, Any] | None) -> bool:
+    """Whether a transcript commits a program a replay prover can run."""
+    from provers import PROVERS
+
+    if not isinstance(root, Mapping) or root.get("prover") not in PROVERS:
+        return False
+    program = root.get("program")
+    return isinstance(program, Mapping) and bool(program.get("kind"))
+
+
+def draw(proof: Proof, *, policy: ChallengePolicy | None = None) -> list[Challenge]:
+    """Draw and store the challenges of a proof the offline verifier accepted.
+
+    Called inside :meth:`Proof.verify` (the ingest task). Idempotent: a proof that has
+    its challenges keeps them.
+    """
+    from provers.challenges import draw_challenges
+
+    if proof.challenges_drawn is not None:
+        return list(proof.challenges.all())
+    policy = policy or ChallengePolicy.from_settings()
+    index = TranscriptIndex.of(proof)
+    report = proof.report or {}
+    plan = draw_challenges(
+        steps=max(1, len(index.steps)),
+        transcript_digest=proof.transcript_digest,
+        self_checked=[int(s) for s in report.get("sampled") or []],
+        target=policy.target,
+        forged_fraction=policy.forged_fraction,
+    )
+    own, now = set(plan.self_checked), timezone.now()
+    rows = []
+    for step in plan.steps:
+        origin = (
+            ChallengeOrigin.GENESIS
+            if step == plan.genesis
+            else ChallengeOrigin.SELF_CHECKED
+            if step in own
+            else ChallengeOrigin.RANDOM
+        )
+        rows.append(
+            Challenge(
+                proof=proof,
+                step=step,
+                origin=origin,
+                needed_files=index.files_for(step, None),
+                steps_total=index.steps_to_replay(step, None),
+                created=now,
+            )
+        )
+    with transaction.atomic():
+        created = Challenge.objects.bulk_create(rows)
+        proof.challenge_seed = plan.seed.hex()
+        proof.challenge_seed_commitment = plan.commitment
+        proof.challenge_target = plan.target
+        proof.challenge_forged_fraction = plan.forged_fraction
+        proof.challenges_drawn = now
+        proof.challenge_deadline = now + policy.ttl
+        proof.status = ProofStatus.CHALLENGED
+        proof.save()
+        Job.objects.create(
+            kind="replay",
+            organization_id=proof.experiment.owner_id,
+            proof=proof,
+            steps_total=sum(row.steps_total for row in rows),
+        )
+        AuditEvent.record(
+            "proof.challenged",
+            organization=proof.experiment.owner,
+            target=proof,
+            detail={
+                "experiment": proof.experiment.full_name,
+                "challenges": len(rows),
+                "steps": list(plan.steps),
+                "seed_commitment": plan.commitment,
+                "target": plan.target,
+                "forged_fraction": plan.forged_fraction,
+                "deadline": proof.challenge_deadline.isoformat(),
+            },
+        )
+        # Files attached before the draw (an "upload everything" client) answer at once.
+        mark_ready(proof)
+    return created
+
+
+# --- Answering ----------------------------------------------------------------------------
+
+
+class ArtifactRejectedError(DVBenchError):
+    """An attached file that cannot be accepted; nothing of the request is stored.
+
+    400 for a malformed list, 409 for a name already attached with other bytes, 422 for
+    a file that does not match what the transcript commits for it.
+    """
+
+    default_code = "artifact_rejected"
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        field: str,
+        status: int = 400,
+        detail: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message, code=code, field=field, detail=detail)
+        self.status_code = status
+
+
+@dataclass(frozen=True)
+class FileClaim:
+    """One file of an artifact list: ``{name, kind, sha256, size}``."""
+
+    name: str
+    kind: str
+    sha256: str
+    size: int
+
+
+def check_name(name: str, kind: str, position: int) -> str:
+    """A proof-directory name: relative, normalised, in zkdv's layout for its kind."""
+    where = f"files[{position}].name"
+    path = PurePosixPath(name)
+    if (
+        not name
+        or len(name) > MAX_NAME
+        or "\\" in name
+        or "\0" in name
+        or path.is_absolute()
+        or any(part in ("", ".", "..") for part in name.split("/"))
+    ):
+        raise ArtifactRejectedError(
+            "invalid_name",
+            f"{where}: {name!r} is not a relative path inside the proof directory",
+            field=where,
+        )
+    if kind not in (ArtifactKind.SNAPSHOT, ArtifactKind.BATCH, ArtifactKind.ARTIFACT):
+        raise ArtifactRejectedError(
+            "invalid_kind",
+            f"files[{position}].kind: {kind!r} cannot be attached; expected one of "
+            "artifact, snapshot, batch (the transcript is the proof itself)",
+            field=f"files[{position}].kind",
+        )
+    if not _in_layout(name, kind):
+        raise ArtifactRejectedError(
+            "invalid_name",
+            f"{where}: {name!r} is not where zkdv writes a file of kind {kind!r}",
+            field=where,
+        )
+    return name
+
+
+def _in_layout(name: str, kind: str) -> bool:
+    """Whether ``name`` is where zkdv writes a file of ``kind``."""
+    base = name.removeprefix(f"{FILES_DIR}/")
+    in_files = name.startswith(f"{FILES_DIR}/") and "/" not in base
+    if kind == ArtifactKind.SNAPSHOT:
+        return in_files and base.startswith("snapshot-") and base.endswith(".bin")
+    if kind == ArtifactKind.BATCH:
+        return in_files and base.startswith("batch-") and base.endswith(".u32")
+    return "/" not in name and (name == PROBES or name.startswith("program."))
+
+
+def _commitment_check(
+    index: TranscriptIndex, name: str, data: bytes
+) -> tuple[str, str, dict[str, Any]] | None:
+    """Check a file against what the transcript commits for it.
+
+    Returns:
+        None when it matches (or the transcript commits nothing for it), else
+        ``(code, message, detail)``.
+    """
+    from zkdv.batch import commit_batch
+    from zkdv.config import ZKDVConfig
+    from zkdv.hashing import Domain, hash_bytes
+    from zkdv.merkle import LeafSpec, commit_state
+
+    base = name.rsplit("/", 1)[-1]
+    if name == index.program_file:
+        program = index.root.get("program") or {}
+        if hash_bytes(Domain.FILE, data) != program.get("digest"):
+            return (
+                "program_mismatch",
+                f"{name} ({len(data)} bytes) does not hash to the program digest the "
+                "transcript's root record commits",
+                {"file": name},
+            )
+        return None
+    if base.startswith("snapshot-"):
+        try:
+            step_text, tree, _ = base.removeprefix("snapshot-").split(".")
+            step = int(step_text)
+        except ValueError:
+            return ("unknown_file", f"{name} is not a snapshot file name", {"file": name})
+        snap = index.snapshots.get(step)
+        if snap is None or tree not in ("params", "opt_state", "buffers"):
+            return (
+                "unknown_file",
+                f"{name}: the transcript records no snapshot of {tree} at step {step}",
+                {"file": name, "step": step},
+            )
+        specs = [LeafSpec.from_dict(spec) for spec in index.specs(tree)]
+        expected_size = sum(spec.nbytes for spec in specs)
+        if len(data) != expected_size:
+            return (
+                "snapshot_mismatch",
+                f"{name} holds {len(data)} bytes; the schema of {tree} needs {expected_size}",
+                {"file": name, "step": step, "expected_size": expected_size},
+            )
+        chunk = ZKDVConfig.from_dict(index.root["config"]).chunk_bytes
+        leaves, offset = [], 0
+        raw = np.frombuffer(data, dtype=np.uint8)
+        for spec in specs:
+            dtype = np.dtype(spec.dtype).newbyteorder("<")
+            leaves.append(
+                (spec.path, raw[offset : offset + spec.nbytes].view(dtype).reshape(spec.shape))
+            )
+            offset += spec.nbytes
+        key = {"params": "p", "opt_state": "o", "buffers": "b"}[tree]
+        if commit_state(leaves, chunk).root != snap["roots"][key]:
+            return (
+                "snapshot_mismatch",
+                f"{name} does not hash to the {tree} root the transcript commits for step {step}",
+                {"file": name, "step": step},
+            )
+        return None
+    if base.startswith("batch-"):
+        try:
+            step = int(base.removeprefix("batch-").removesuffix(".u32"))
+        except ValueError:
+            return ("unknown_file", f"{name} is not a batch file name", {"file": name})
+        record = index.steps.get(step)
+        if record is None:
+            return (
+                "unknown_file",
+                f"{name}: the transcript has no step {step}",
+                {"file": name, "step": step},
+            )
+        import struct
+
+        if len(data) < 16:
+            return ("batch_mismatch", f"{name} is too short to be a batch file", {"file": name})
+        rows, cols = struct.unpack("<QQ", data[:16])
+        if len(data) != 16 + rows * cols * 4:
+            return (
+                "batch_mismatch",
+                f"{name} declares {rows}x{cols} words but holds {len(data) - 16} bytes",
+                {"file": name, "step": step},
+            )
+        batch = np.frombuffer(data, dtype="<u4", offset=16).reshape(rows, cols)
+        window = int(index.root["config"]["rolling_window"])
+        if commit_batch(batch, window).root != record["batch"]["root"]:
+            return (
+                "batch_mismatch",
+                f"{name} does not hash to step {step}'s committed batch root",
+                {"file": name, "step": step},
+            )
+    return None
+
+
+def _needed(proof: Proof) -> set[str]:
+    names: set[str] = set()
+    for files in proof.challenges.values_list("needed_files", flat=True):
+        names.update(files or [])
+    return names
+
+
+def attach(
+    proof: Proof, claims: Sequence[FileClaim], *, user: User | None, ip: str | None = None
+) -> tuple[list[ProofArtifact], int]:
+    """Attach uploaded files to a proof; all or nothing.
+
+    Each file must be a completed upload (a blob) of this organisation's experiment.
+    Files a challenge needs are checked against the transcript's commitments. Attaching
+    a file again with the same digest is a no-op; with another digest, a 409.
+
+    Returns:
+        The proof's artifacts named in the request, and how many were newly stored.
+
+    Raises:
+        ArtifactRejectedError: the first bad file; nothing was stored.
+    """
+    names_seen: dict[str, int] = {}
+    for position, claim in enumerate(claims):
+        check_name(claim.name, claim.kind, position)
+        if claim.name in names_seen:
+            raise ArtifactRejectedError(
+                "duplicate_name",
+                f"files[{position}].name: {claim.name!r} is listed twice "
+                f"(also files[{names_seen[claim.name]}])",
+                field=f"files[{position}].name",
+            )
+        names_seen[claim.name] = position
+    blobs = _owned_blobs(proof, claims)
+    existing = {a.name: a for a in proof.artifacts.all()}
+    needed = _needed(proof)
+    index: TranscriptIndex | None = None
+    fresh: list[ProofArtifact] = []
+    for position, claim in enumerate(claims):
+        blob = blobs[claim.sha256]
+        if blob.size != claim.size:
+            raise ArtifactRejectedError(
+                "size_mismatch",
+                f"files[{position}].size: {claim.name} declares {claim.size} bytes; the stored "
+                f"blob sha256:{claim.sha256} has {blob.size}",
+                field=f"files[{position}].size",
+                detail={"expected": blob.size, "got": claim.size},
+            )
+        known = existing.get(claim.name)
+        if known is not None:
+            if known.sha256 != claim.sha256:
+                raise ArtifactRejectedError(
+                    "artifact_conflict",
+                    f"files[{position}]: {claim.name} is already attached to proof {proof.pk} "
+                    f"with sha256 {known.sha256}; a proof's files never change",
+                    field=f"files[{position}].sha256",
+                    status=409,
+                    detail={"attached": known.sha256, "got": claim.sha256},
+                )
+            continue
+        if claim.name in needed or claim.name.startswith("program."):
+            if index is None:
+                index = TranscriptIndex.of(proof)
+            with default_storage.open(blob.storage_name, "rb") as handle:
+                problem = _commitment_check(index, claim.name, handle.read())
+            if problem is not None:
+                code, message, detail = problem
+                raise ArtifactRejectedError(
+                    code,
+                    f"files[{position}]: {message}",
+                    field=f"files[{position}].sha256",
+                    status=422,
+                    detail=detail,
+                )
+        fresh.append(
+            ProofArtifact(
+                proof=proof,
+                name=claim.name,
+                kind=claim.kind,
+                blob=blob,
+                sha256=claim.sha256,
+                size=claim.size,
+                created_by=user,
+            )
+        )
+    with transaction.atomic():
+        ProofArtifact.objects.bulk_create(fresh, ignore_conflicts=True)
+        if fresh:
+            AuditEvent.record(
+                "proof.artifacts_attached",
+                actor=user,
+                organization=proof.experiment.owner,
+                target=proof,
+                detail={"files": [a.name for a in fresh], "count": len(fresh)},
+                ip=ip,
+            )
+        mark_ready(proof)
+    names = [claim.name for claim in claims]
+    return list(proof.artifacts.filter(name__in=names).select_related("blob")), len(fresh)
+
+
+def _owned_blobs(proof: Proof, claims: Sequence[FileClaim]) -> dict[str, Blob]:
+    """The blobs named by digest, each completed by an upload of this organisation."""
+    digests = {claim.sha256 for claim in claims}
+    owned = {
+        blob.sha256: blob
+        for blob in Blob.objects.filter(
+            sha256__in=digests,
+            uploads__status=UploadStatus.COMPLETE,
+            uploads__organization_id=proof.experiment.owner_id,
+        ).distinct()
+    }
+    for position, claim in enumerate(claims):
+        if claim.sha256 not in owned:
+            raise ArtifactRejectedError(
+                "blob_not_found",
+                f"files[{position}].sha256: no completed upload of {proof.experiment.owner.slug} "
+                f"has sha256 {claim.sha256} ({claim.name}); upload it first",
+                field=f"files[{position}].sha256",
+            )
+    return owned
+
+
+def mark_ready(proof: Proof) -> list[int]:
+    """Move pending challenges whose files are all attached to ``ready``, and queue them.
+
+    The queueing happens on commit, so a worker never sees a challenge the database
+    does not yet show as ready.
+    """
+    attached = set(proof.artifacts.values_list("name", flat=True))
+    ready: list[int] = []
+    now = timezone.now()
+    for challenge in proof.challenges.filter(status=ChallengeStatus.PENDING):
+        if set(challenge.needed_files) <= attached:
+            moved = Challenge.objects.filter(
+                pk=challenge.pk, status=ChallengeStatus.PENDING
+            ).update(status=ChallengeStatus.READY, answered=now)
+            if moved:
+                ready.append(challenge.pk)
+    if ready:
+        transaction.on_commit(lambda: enqueue(ready))
+    return ready
+
+
+def enqueue(challenge_ids: Iterable[int]) -> None:
+    from attestations.tasks import replay_challenge
+
+    for challenge_id in challenge_ids:
+        result = replay_challenge.apply_async((challenge_id,), queue="replay")
+        Challenge.objects.filter(pk=challenge_id).update(task_id=str(result.id))
+
+
+# --- Replaying ----------------------------------------------------------------------------
+
+
+def claim(challenge_id: int) -> bool:
+    """Take a ready challenge (or one whose replaying worker died) for this worker.
+
+    A conditional update: of two deliveries of the same message, one wins.
+    """
+    now = timezone.now()
+    stale = now - timedelta(seconds=replay_time_limit())
+    return bool(
+        Challenge.objects.filter(pk=challenge_id)
+        .filter(
+            Q(status=ChallengeStatus.READY) | Q(status=ChallengeStatus.REPLAYING, claimed__lt=stale)
+        )
+        .update(status=ChallengeStatus.REPLAYING, claimed=now, attempts=F("attempts") + 1)
+    )
+
+
+def data_dir() -> Path:
+    return Path(settings.DVBENCH["DATA_DIR"])
+
+
+def proof_directory(proof: Proof, names: Iterable[str]) -> Path:
+    """The proof directory under ``DATA_DIR/replay/``, with the transcript and ``names``.
+
+    Each file is copied from its blob once (a cache shared by the challenges of the
+    proof), through a unique temporary name and an atomic rename, so two workers
+    materialising the same proof never see half a file. Empty state files, which no
+    blob stores, are created from the schema.
+    """
+    directory = data_dir() / REPLAY_DIR / f"proof-{proof.pk}-{proof.transcript.sha256[:16]}"
+    (directory / FILES_DIR).mkdir(parents=True, exist_ok=True)
+    _materialise(directory / TRANSCRIPT, proof.transcript)
+    artifacts = {a.name: a for a in proof.artifacts.select_related("blob")}
+    for name in names:
+        artifact = artifacts.get(name)
+        if artifact is not None:
+            _materialise(directory / name, artifact.blob)
+    _empty_trees(proof, directory)
+    return directory
+
+
+def _empty_trees(proof: Proof, directory: Path) -> None:
+    """Create the zero-byte state files of empty trees (no blob holds an empty file)."""
+    from zkdv.files import TREES
+
+    starts = {path.name.split(".")[0] for path in directory.glob(f"{FILES_DIR}/snapshot-*.bin")}
+    missing = [
+        directory / FILES_DIR / f"{start}.{tree}.bin"
+        for start in starts
+        for tree in TREES
+        if not (directory / FILES_DIR / f"{start}.{tree}.bin").exists()
+    ]
+    if not missing:
+        return
+    index = TranscriptIndex.of(proof)
+    for path in missing:
+        tree = path.name.split(".")[1]
+        if index.tree_bytes(tree) == 0:
+            path.touch()
+
+
+def _materialise(target: Path, blob: Blob) -> None:
+    if target.exists() and target.stat().st_size == blob.size:
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.partial")
+    digest = hashlib.sha256()
+    try:
+        with default_storage.open(blob.storage_name, "rb") as source, open(temporary, "wb") as out:
+            while chunk := source.read(COPY_CHUNK):
+                digest.update(chunk)
+                out.write(chunk)
+        if digest.hexdigest() != blob.sha256:
+            raise OSError(f"stored blob sha256:{blob.sha256} reads back as {digest.hexdigest()}")
+        os.replace(temporary, target)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def release_directory(proof: Proof) -> None:
+    """Remove a proof's materialised directory once its verdict is final."""
+    directory = data_dir() / REPLAY_DIR / f"proof-{proof.pk}-{proof.transcript.sha256[:16]}"
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+#: Loaded transitions of recent proofs: ``(transcript sha256) -> transition``. Loading
+#: the attested program is the one-time cost of a proof; its other challenges reuse it.
+_TRANSITIONS: OrderedDict[str, Any] = OrderedDict()
+_TRANSITIONS_KEPT = 2
+_TRANSITIONS_LOCK = threading.Lock()
+
+
+def _transition(proof: Proof, directory: Path) -> Any | None:
+    import importlib
+
+    from provers import PROVERS, root_record
+    from provers.replay import ReplayError
+
+    key = proof.transcript.sha256
+    with _TRANSITIONS_LOCK:
+        if key in _TRANSITIONS:
+            _TRANSITIONS.move_to_end(key)
+            return _TRANSITIONS[key]
+    try:
+        name = PROVERS.get(str(root_record(directory).get("prover")))
+        if name is None:
+            return None
+        transition = importlib.import_module(name).load_transition(directory)
+    except ReplayError:
+        return None  # verify_challenge loads it again and reports why it cannot
+    with _TRANSITIONS_LOCK:
+        _TRANSITIONS[key] = transition
+        while len(_TRANSITIONS) > _TRANSITIONS_KEPT:
+            _TRANSITIONS.popitem(last=False)
+    return transition
+
+
+def replay_one(challenge: Challenge) -> dict[str, Any]:
+    """Materialise and replay one claimed challenge; returns the verdict's dict."""
+    import provers
+
+    proof = challenge.proof
+    directory = proof_directory(proof, challenge.needed_files)
+    transition = _transition(proof, directory)
+    verdict = provers.verify_challenge(
+        directory, challenge.step, through=challenge.through, transition=transition
+    )
+    return verdict.to_dict()
+
+
+def record_verdict(challenge: Challenge, verdict: Mapping[str, Any]) -> bool:
+    """Store a replay verdict; False if the challenge was no longer ours to finish."""
+    evidence = list(verdict.get("evidence") or [])
+    replayed = sum(1 for e in evidence if e.get("ok"))
+    ok = bool(verdict.get("ok"))
+    with transaction.atomic():
+        done = Challenge.objects.filter(pk=challenge.pk, status=ChallengeStatus.REPLAYING).update(
+            status=ChallengeStatus.PASSED if ok else ChallengeStatus.FAILED,
+            reason="" if ok else str(verdict.get("reason") or "replay_failed")[:64],
+            message="" if ok else str(verdict.get("message") or ""),
+            evidence=dict(verdict),
+            steps_replayed=len(evidence) if ok else replayed,
+            finished=timezone.now(),
+        )
+        if not done:
+            return False
+        _progress(challenge.proof_id)
+        settle(challenge.proof_id)
+    return True
+
+
+def record_error(challenge_id: int, reason: str, message: str) -> None:
+    """A permanent failure that is not the proof's fault (the replay itself broke)."""
+    with transaction.atomic():
+        done = Challenge.objects.filter(
+            pk=challenge_id, status__in=[ChallengeStatus.REPLAYING, ChallengeStatus.READY]
+        ).update(
+            status=ChallengeStatus.ERROR,
+            reason=reason[:64],
+            message=message,
+            finished=timezone.now(),
+        )
+        if done:
+            proof_id = Challenge.objects.values_list("proof_id", flat=True).get(pk=challenge_id)
+            _progress(proof_id)
+            settle(proof_id)
+
+
+def release_claim(challenge_id: int) -> None:
+    """Give a claimed challenge back (a transient failure: the retry claims it again)."""
+    Challenge.objects.filter(pk=challenge_id, status=ChallengeStatus.REPLAYING).update(
+        status=ChallengeStatus.READY
+    )
+
+
+def _progress(proof_id: int) -> None:
+    job = Job.objects.filter(proof_id=proof_id, kind="replay").order_by("-created").first()
+    if job is None:
+        return
+    rows = list(Challenge.objects.filter(proof_id=proof_id).values("status", "steps_total"))
+    done = sum(r["steps_total"] for r in rows if r["status"] in CHALLENGE_FINAL)
+    total = sum(r["steps_total"] for r in rows) or 1
+    fields: dict[str, Any] = {"steps_done": done, "progress": min(1.0, done / total)}
+    if job.status == JobStatus.QUEUED:
+        fields.update(status=JobStatus.RUNNING, started=timezone.now())
+    Job.objects.filter(pk=job.pk).update(**fields)
+
+
+# --- Verdicts -----------------------------------------------------------------------------
+
+
+def settle(proof_id: int) -> str | None:
+    """Give the proof its verdict once every challenge is final; None while some are not.
+
+    ``valid`` iff every challenge passed; otherwise ``rejected`` with the first failing
+    challenge's reason (by step). Reveals the seed and queues the certificate. Runs
+    inside the caller's transaction and locks the proof row, so two workers finishing
+    the last two challenges settle it once.
+    """
+    from attestations.certificate_tasks import issue_certificate
+
+    proof = (
+        Proof.objects.select_for_update()
+        .select_related("experiment__owner", "transcript")
+        .get(pk=proof_id)
+    )
+    if proof.status != ProofStatus.CHALLENGED:
+        return None
+    challenges = list(proof.challenges.order_by("step", "through"))
+    if any(c.status not in CHALLENGE_FINAL for c in challenges):
+        return None
+    failed = next((c for c in challenges if c.status != ChallengeStatus.PASSED), None)
+    now = timezone.now()
+    proof.challenge_seed_revealed = now
+    if failed is None:
+        proof._record(ProofStatus.VALID, "", "")
+    else:
+        reason = failed.reason or failed.status
+        proof._record(
+            ProofStatus.REJECTED,
+            reason,
+            f"challenge of step {failed.step}: {failed.message or failed.get_status_display()}",
+            field=f"challenges.step[{failed.step}]",
+        )
+    job = Job.objects.filter(proof_id=proof.pk, kind="replay").order_by("-created").first()
+    if job is not None:
+        job.finish(
+            JobStatus.SUCCEEDED if failed is None or failed.status != "error" else JobStatus.FAILED,
+            proof.reason,
+        )
+    transaction.on_commit(lambda: issue_certificate.delay(proof.pk))
+    transaction.on_commit(lambda: release_directory(proof))
+    return proof.status
+
+
+def expire(now: Any = None) -> int:
+    """Expire the challenges of proofs past their deadline; returns how many expired."""
+    now = now or timezone.now()
+    count = 0
+    overdue = Proof.objects.filter(status=ProofStatus.CHALLENGED, challenge_deadline__lt=now)
+    for proof_id in overdue.values_list("pk", flat=True):
+        count += expire_proof(proof_id, now)
+    return count
+
+
+def expire_proof(proof_id: int, now: Any = None) -> int:
+    """Expire one proof's unanswered challenges if its deadline passed (check on read)."""
+    now = now or timezone.now()
+    with transaction.atomic():
+        expired = Challenge.objects.filter(
+            proof_id=proof_id,
+            proof__challenge_deadline__lt=now,
+            proof__status=ProofStatus.CHALLENGED,
+            status=ChallengeStatus.PENDING,
+        ).update(
+            status=ChallengeStatus.EXPIRED,
+            reason="challenge_expired",
+            message="the files this challenge needs were not provided before the deadline",
+            finished=now,
+        )
+        if expired:
+            _progress(proof_id)
+            settle(proof_id)
+    return expired
+
+
+def expire_if_due(proof: Proof) -> bool:
+    """The check on read: a proof shown after its deadline shows its expired verdict.
+
+    Returns:
+        Whether anything expired (the caller re-reads the proof).
+    """
+    if (
+        proof.status == ProofStatus.CHALLENGED
+        and proof.challenge_deadline is not None
+        and proof.challenge_deadline < timezone.now()
+    ):
+        return expire_proof(proof.pk) > 0
+    return False
+
+
+def test_delay() -> float:
+    """Seconds a replay pauses after claiming (``DVBENCH_REPLAY_TEST_DELAY``; tests only).
+
+    Fault-injection for the worker-kill test: it gives the test a moment in which the
+    challenge is claimed but not finished. Zero (no pause) unless set.
+    """
+    try:
+        return max(0.0, float(os.environ.get("DVBENCH_REPLAY_TEST_DELAY", "0") or 0))
+    except ValueError:
+        return 0.0
+
+
+def pause_for_tests() -> None:
+    delay = test_delay()
+    if delay:
+        time.sleep(delay)
