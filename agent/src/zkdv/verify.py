@@ -586,7 +586,7 @@ def verify_transcript(
                 verifier.close(record)
                 closed = True
                 continue
-            handler = handlers.get(kind)  # type: ignore[arg-type]
+            handler = handlers.get(kind) if isinstance(kind, str) else None
             if handler is None:
                 raise _fail("schema", f"unknown record type {kind!r}", record.index, "t")
             handler(record)
@@ -606,6 +606,13 @@ def verify_transcript(
         report.message = error.detail
         report.record = error.record
         report.field = error.field
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as error:
+        # A field of a type or size no check anticipated (a list where a string belongs,
+        # an integer too large to print or to convert): still bad data, so still a report.
+        report.ok = False
+        report.reason = "schema"
+        report.message = f"a field has an unexpected type or value ({type(error).__name__})"
+        report.record = last_index if last_index >= 0 else None
     except OSError as error:
         report.ok = False
         report.reason = "io_error"
