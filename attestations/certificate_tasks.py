@@ -1,8 +1,21 @@
-"""Celery tasks that issue certificates and checkpoint the transparency log."""
+"""Celery tasks that issue certificates.
+
+``issue_certificate`` is enqueued on commit when a proof's verdict becomes final. It is
+idempotent: issuance holds the log lock, returns the certificate already issued for the
+proof if there is one, and ``Certificate.proof`` is unique. So it acknowledges late and
+is redelivered if its worker dies mid-way, without ever issuing twice.
+"""
 
 from __future__ import annotations
 
+import logging
+
 from celery import shared_task
+
+from attestations import certificates
+from attestations.models import Proof
+
+log = logging.getLogger(__name__)
 
 
 @shared_task(
@@ -11,5 +24,23 @@ from celery import shared_task
     reject_on_worker_lost=True,
 )
 def issue_certificate(proof_id: int) -> str | None:
-    """Sign the certificate of a proof whose verdict is final (being built in issue 9)."""
-    return None
+    """Sign and log the certificate of a proof whose verdict is final.
+
+    Returns:
+        ``"certificate <id>"``, or None when the proof cannot be certified (it is gone,
+        its verdict is not final, or its transcript never named a final state): those
+        are logged, not retried, since retrying would not change them.
+
+    Raises:
+        KeyConfigurationError: the signing key is unusable; the task fails loudly so an
+            operator sees it, and a later call (after fixing the key) issues normally.
+    """
+    try:
+        certificate = certificates.issue_certificate(proof_id)
+    except Proof.DoesNotExist:
+        log.warning("issue_certificate: proof %s does not exist", proof_id)
+        return None
+    except certificates.CertificateNotIssuableError as error:
+        log.warning("issue_certificate: %s", error)
+        return None
+    return f"certificate {certificate.pk}"
