@@ -9,6 +9,7 @@ from rest_framework import authentication, exceptions
 from rest_framework.request import Request
 
 from attestations.models import ApiKey
+from attestations.throttling import check_api_key_failures, count_api_key_failure
 
 SCHEMES = ("bearer", "api-key")
 
@@ -19,6 +20,11 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
     A request without an ``Authorization`` header (or with another scheme) is left to the
     next authenticator (the browser session); a header that names our scheme but carries
     an unknown, expired or revoked key fails with 401, never falls through.
+
+    Failures are counted per client address (``api_key_failures`` in
+    ``DVBENCH_RATE_LIMITS``); past the limit every key from that address is refused with
+    429 until the window passes, before any key is looked up. The raw key is never logged
+    or put in an error message.
     """
 
     keyword = "Bearer"
@@ -28,14 +34,17 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
         scheme, _, raw = header.partition(" ")
         if scheme.lower() not in SCHEMES:
             return None
+        check_api_key_failures(request)
         raw = raw.strip()
         if not raw or " " in raw:
+            count_api_key_failure(request)
             raise exceptions.AuthenticationFailed(
                 "Malformed Authorization header; expected 'Bearer <api key>'.",
                 code="invalid_api_key",
             )
         key = ApiKey.authenticate(raw)
         if key is None:
+            count_api_key_failure(request)
             raise exceptions.AuthenticationFailed(
                 "Unknown, expired or revoked API key.", code="invalid_api_key"
             )

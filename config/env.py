@@ -8,6 +8,7 @@ healthchecks' ``envbool``/``envint``.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -79,6 +80,21 @@ def envchoice(name: str, default: str, choices: tuple[str, ...]) -> str:
     if raw not in choices:
         raise ImproperlyConfigured(f"{name}={raw!r} is not one of {', '.join(choices)}")
     return raw
+
+
+_RATE = re.compile(r"^\s*\d+\s*/\s*(s|sec|second|m|min|minute|h|hour|d|day)\s*$")
+
+
+def envrate(name: str, default: str) -> str | None:
+    """A rate limit ``"<count>/<second|minute|hour|day>"``, or None for ``off``."""
+    raw = os.environ.get(name, default)
+    if raw.strip().lower() == "off":
+        return None
+    if not _RATE.match(raw):
+        raise ImproperlyConfigured(
+            f"{name}={raw!r} is not a rate; use '<count>/<second|minute|hour|day>' or 'off'"
+        )
+    return raw.strip()
 
 
 @dataclass(frozen=True)
