@@ -27,7 +27,7 @@ from django.template.loader import render_to_string
 from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
 
-from attestations.claims import ClaimSet, Series, compute_claims
+from attestations.claims import ClaimSet, Series, Violation, compute_claims
 from dvbench.attest import Claim, Evidence
 
 if TYPE_CHECKING:
@@ -75,6 +75,7 @@ CLAIM_LIMITS = {
     "regime": "allowed_regimes",
     "program_digest": "program",
 }
+PLURALS = {"step": "steps", "token": "tokens", "FLOP": "FLOPs"}
 CHART_WIDTH, CHART_HEIGHT = 720, 300
 TIMELINE_WIDTH, TIMELINE_HEIGHT = 720, 120
 FONT = "Helvetica, Arial, sans-serif"
@@ -105,8 +106,16 @@ def human_number(value: float | int | Decimal | None, unit: str = "") -> str:
     if abs(number) < 1e6:
         text = f"{number:,.0f}" if number == int(number) else f"{number:,.6g}"
     else:
-        text = f"{number:.3e}".replace("e+0", "e+").replace("e-0", "e-")
+        text = f"{number:.4g}".replace("e+0", "e+").replace("e-0", "e-")
     return f"{text} {unit}".strip()
+
+
+def nice_ceiling(value: float) -> float:
+    """The smallest 1, 2, 2.5 or 5 times a power of ten at or above ``value`` (axis ends)."""
+    if value <= 0:
+        return 1.0
+    power = 10 ** math.floor(math.log10(value))
+    return next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= value * (1 - 1e-12))
 
 
 # --- Claims as rows ---------------------------------------------------------------------
@@ -128,7 +137,7 @@ class ClaimRow:
 def _claim_text(claim: Claim) -> str:
     value = claim.value
     if claim.name in ("steps", "tokens", "flops"):
-        return human_number(value, claim.unit or "")
+        return human_number(value, PLURALS.get(claim.unit or "", claim.unit or ""))
     if claim.name == "gpu_hours":
         return f"{float(value):.6g} GPU-hours"
     if claim.name == "optimizer" and isinstance(value, dict):
@@ -224,7 +233,7 @@ def compute_chart_svg(
     steps, flops = series.steps, series.flops
     last_step = max(steps[-1] if steps else 0, 1)
     peak = max([*flops, float(budget) if budget is not None else 0.0, 1.0])
-    ymax = peak * 1.08
+    ymax = 4 * nice_ceiling(peak * 1.04 / 4)  # four gridlines at round numbers
 
     def x(step: float) -> float:
         return left + plot_w * step / last_step
@@ -385,6 +394,23 @@ def certificate_info(proof: Proof) -> dict[str, Any] | None:
     }
 
 
+def _violation_row(violation: Violation) -> dict[str, Any]:
+    def text(value: Any) -> str:
+        if isinstance(value, int | float | Decimal) and not isinstance(value, bool):
+            return human_number(value)
+        if isinstance(value, list):
+            return ", ".join(map(str, value))
+        return str(value)
+
+    return {
+        "limit": violation.limit,
+        "declared": text(violation.declared),
+        "actual": text(violation.actual),
+        "step": violation.step,
+        "message": violation.message,
+    }
+
+
 def _limits(proof: Proof) -> dict[str, Any]:
     spec = proof.spec
     return {
@@ -434,7 +460,7 @@ def report_context(proof: Proof, *, pdf: bool = False) -> dict[str, Any]:
         "claims": claims,
         "claims_error": claims_error,
         "claim_rows": claim_rows(claims, limits) if claims is not None else [],
-        "violations": claims.violations if claims is not None else [],
+        "violations": [_violation_row(v) for v in claims.violations] if claims else [],
         "chart_svg": chart,
         "chart_uri": svg_data_uri(chart) if chart else "",
         "timeline_svg": timeline,
