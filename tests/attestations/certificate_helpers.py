@@ -26,20 +26,24 @@ _SCRATCH = Path(tempfile.mkdtemp(prefix="dvbench-certificate-tests-"))
 
 
 @functools.cache
-def _transcript(experiment: str, spec_digest: str, seed: int) -> tuple[bytes, dict[str, Any]]:
-    folder = _SCRATCH / f"{experiment.replace('/', '-')}-{spec_digest[:8]}-{seed}"
+def _transcript(
+    experiment: str, spec_digest: str, seed: int, steps: int
+) -> tuple[bytes, dict[str, Any]]:
+    folder = _SCRATCH / f"{experiment.replace('/', '-')}-{spec_digest[:8]}-{seed}-{steps}"
     write_synthetic_transcript(
-        folder, steps=4, experiment=experiment, spec_digest=spec_digest, seed=seed
+        folder, steps=steps, experiment=experiment, spec_digest=spec_digest, seed=seed
     )
     report = verify_transcript(folder / "records.cborl")
     assert report.ok, report.summary()
     return (folder / "records.cborl").read_bytes(), report.to_dict()
 
 
-def stored_transcript(experiment: Experiment, seed: int = 0) -> tuple[Blob, dict[str, Any]]:
+def stored_transcript(
+    experiment: Experiment, seed: int = 0, steps: int = 4
+) -> tuple[Blob, dict[str, Any]]:
     """A real transcript of ``experiment`` in storage, and the verifier's report on it."""
     assert experiment.current_spec is not None
-    data, report = _transcript(experiment.full_name, experiment.current_spec.digest, seed)
+    data, report = _transcript(experiment.full_name, experiment.current_spec.digest, seed, steps)
     digest = hashlib.sha256(data).hexdigest()
     blob = Blob.objects.filter(sha256=digest).first()
     if blob is None:
@@ -61,7 +65,12 @@ def declare_sgd(experiment: Experiment) -> None:
 
 
 def finalize(
-    proof: Proof, *, status: str = ProofStatus.VALID, seed: int = 0, within_limits: bool = True
+    proof: Proof,
+    *,
+    status: str = ProofStatus.VALID,
+    seed: int = 0,
+    steps: int = 4,
+    within_limits: bool = True,
 ) -> Proof:
     """Give ``proof`` a real transcript, its report and the verdict ``status``.
 
@@ -70,7 +79,7 @@ def finalize(
     """
     if within_limits:
         declare_sgd(proof.experiment)
-    blob, report = stored_transcript(proof.experiment, seed)
+    blob, report = stored_transcript(proof.experiment, seed, steps)
     Proof.objects.filter(pk=proof.pk).update(
         spec=proof.experiment.current_spec,
         status=status,
