@@ -153,7 +153,24 @@ class Driver:
         """Bind the transcript to a DVBench experiment (before the first step)."""
         if self._core is not None and self._core.opened:
             raise ZKDVError("bind the experiment before the first training step")
+        regime = (self._experiment or {}).get("regime")
         self._experiment = {"name": name, "spec_digest": spec_digest}
+        if regime is not None:
+            self._experiment["regime"] = regime
+
+    def declare_regime(self, regime: str) -> None:
+        """Declare the run's training regime (``"pretraining"``, ``"fine-tuning"``, ``"rl"``, ...).
+
+        Recorded in the root record with the experiment binding (``experiment.regime``),
+        so the platform checks it against the spec's allowed regimes; the transcript
+        binds one program for the whole run, so the regime cannot change mid-run
+        unseen. Call before the first step.
+        """
+        if not isinstance(regime, str) or not regime:
+            raise ValueError(f"regime={regime!r} must be a non-empty string")
+        if self._core is not None and self._core.opened:
+            raise ZKDVError("declare the regime before the first training step")
+        self._experiment = {**(self._experiment or {}), "regime": regime}
 
     def join(self) -> None:
         """Wait for every queued commitment and sampled check without closing."""
@@ -246,7 +263,10 @@ class Driver:
         try:
             if not core.opened:
                 params, opt_state, buffers = sub.initial_state()
-                core.experiment = self._experiment
+                bound = self._experiment
+                # A regime is recorded only with an experiment binding: the root's
+                # experiment map is {name, spec_digest[, regime]} or null.
+                core.experiment = bound if bound is not None and "name" in bound else None
                 batch = sub.batch()
                 core.open(
                     params=params,
