@@ -182,6 +182,26 @@ def cmd_sync(args: argparse.Namespace) -> int:
     return status
 
 
+def cmd_download_report(args: argparse.Namespace) -> int:
+    output = Path(args.output or f"proof-{args.proof_id}.bundle.json")
+    with Client() as client:
+        if client.offline:
+            _err("DVBENCH_MODE=offline: unset it to download reports")
+            return 1
+        bundle = client.download_report(args.proof_id)
+        trust_root = client.trust_root() if args.trust_root_out else None
+    output.write_bytes(bundle)
+    _out(f"saved the report bundle of proof {args.proof_id} to {output}")
+    if trust_root is not None:
+        Path(args.trust_root_out).write_bytes(trust_root)
+        _out(
+            f"saved the platform's current trust root to {args.trust_root_out}; compare it with "
+            "a copy you obtained another way before relying on it"
+        )
+    _out(f"verify offline: dvbench verify-report {output} --trust-root TRUST_ROOT.json")
+    return 0
+
+
 def _attest_command(name: str) -> Callable[[list[str]], int] | None:
     """The signing library's ``<name>_main(argv)``, if that library is installed."""
     try:
@@ -255,13 +275,25 @@ def build_parser() -> argparse.ArgumentParser:
     sync.add_argument("--no-progress", action="store_true", help="no progress bar")
     sync.set_defaults(handler=cmd_sync)
 
-    for name, text in (
-        ("download-report", "download a proof's signed report"),
-        ("verify-report", "verify a signed report offline"),
-    ):
-        slot = commands.add_parser(name, help=text, add_help=False)
-        slot.add_argument("rest", nargs=argparse.REMAINDER)
-        slot.set_defaults(handler=None, slot=name)
+    download = commands.add_parser(
+        "download-report", help="download a proof's signed report bundle (JSON)"
+    )
+    download.add_argument("proof_id", type=int, metavar="PROOF_ID", help="the proof's id")
+    download.add_argument(
+        "-o", "--output", metavar="FILE", help="where to save it (default: proof-ID.bundle.json)"
+    )
+    download.add_argument(
+        "--trust-root-out",
+        metavar="FILE",
+        help="also save the platform's current trust root (pin it; verify-report needs one)",
+    )
+    download.set_defaults(handler=cmd_download_report)
+
+    slot = commands.add_parser(
+        "verify-report", help="verify a signed report offline", add_help=False
+    )
+    slot.add_argument("rest", nargs=argparse.REMAINDER)
+    slot.set_defaults(handler=None, slot="verify-report")
     return parser
 
 
@@ -270,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     # The report commands own their arguments: hand them over untouched.
-    if arguments and arguments[0] in ("download-report", "verify-report"):
+    if arguments and arguments[0] == "verify-report":
         return _report_slot(arguments[0], arguments[1:])
     args = parser.parse_args(arguments)
     handler: Callable[[argparse.Namespace], int] | None = getattr(args, "handler", None)

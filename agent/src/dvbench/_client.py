@@ -425,6 +425,28 @@ class Client:
                 )
             self._sleep(interval)
 
+    # --- certificates -------------------------------------------------------------------
+    def download_report(self, proof_id: int) -> bytes:
+        """The offline report bundle of a proof's certificate, as the platform sent it.
+
+        Verify it with ``dvbench verify-report`` (:func:`dvbench.attest.verify_bundle`)
+        against a trust root obtained out of band; the bundle is JSON bytes.
+
+        Raises:
+            NotFoundError: no such proof visible to this key, or it has no certificate yet
+                (code ``no_certificate``).
+        """
+        return self.request("GET", f"proofs/{int(proof_id)}/bundle/").content
+
+    def trust_root(self, version: int | None = None) -> bytes:
+        """The platform's published trust root (JSON bytes), latest or a given ``version``.
+
+        Fetching it from the platform you are auditing only proves what the platform
+        says today; pin it once and compare, or get it from a second channel.
+        """
+        params = None if version is None else {"version": int(version)}
+        return self.request("GET", "trust-root/", params=params).content
+
     def sync(
         self, directory: str | os.PathLike[str], *, progress: bool | None = None
     ) -> SyncResult:

@@ -98,8 +98,6 @@ def test_verify_report_is_handed_to_the_signing_library(monkeypatch):
     monkeypatch.setitem(sys.modules, "dvbench.attest.cli", fake)
     assert main(["verify-report", "report.json", "--key", "pub.pem"]) == 0
     assert calls == [["report.json", "--key", "pub.pem"]]
-    # download-report is a slot until the signing library provides it.
-    assert main(["download-report", "7"]) == 2
 
 
 def test_report_commands_work_without_the_signing_library(monkeypatch, capsys):
