@@ -204,3 +204,34 @@ def test_the_chart_scales_to_the_budget_and_marks_the_crossing() -> None:
     assert compute_chart_svg(series, None).count("No FLOP budget declared") == 1
     # Labels are escaped text: nothing from the data can inject markup.
     assert "<script" not in compute_chart_svg(Series(), None)
+
+
+# --- With a certificate -----------------------------------------------------------------
+
+
+@pytest.fixture
+def certified(world: World, tmp_path: Path) -> Proof:
+    """A proof verified by the real verifier, with the certificate the platform issues."""
+    from attestations.certificates import issue_certificate
+
+    filed, _ = filed_proof(world, tmp_path)
+    Proof.objects.filter(pk=filed.pk).update(status=ProofStatus.VERIFYING)
+    filed.refresh_from_db()
+    filed.verify()
+    assert filed.status == ProofStatus.VALID, filed.message
+    issue_certificate(filed.pk)
+    return Proof.objects.select_related("certificate").get(pk=filed.pk)
+
+
+def test_the_report_and_panel_show_the_certificate(world: World, certified: Proof) -> None:
+    certificate = certified.certificate
+    client = browser(world, "carol")
+    page = client.get(f"/proofs/{certified.pk}/report/").content.decode()
+    assert certificate.keyid in page and certificate.result in page
+    assert "dvbench verify-report" in page
+    assert f"/api/v1/proofs/{certified.pk}/bundle" in page
+    panel = browser(world, "bob").get(f"/proofs/{certified.pk}/").content.decode()
+    assert f"/api/v1/proofs/{certified.pk}/bundle" in panel
+    assert f"transparency log entry {certificate.log_index}" in panel
+    text = pdf_text(client.get(f"/proofs/{certified.pk}/report.pdf").content)
+    assert "verify-report" in text and certificate.result in text
