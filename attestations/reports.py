@@ -114,7 +114,7 @@ def nice_ceiling(value: float) -> float:
     """The smallest 1, 2, 2.5 or 5 times a power of ten at or above ``value`` (axis ends)."""
     if value <= 0:
         return 1.0
-    power = 10 ** math.floor(math.log10(value))
+    power = 10.0 ** math.floor(math.log10(value))
     return next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= value * (1 - 1e-12))
 
 
