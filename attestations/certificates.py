@@ -655,26 +655,32 @@ def tree_root(size: int) -> bytes:
 
 
 def bundle_for(certificate: Certificate) -> dict[str, Any]:
-    """The offline report bundle: envelope, inclusion proof, latest checkpoint, trust root.
+    """The offline report bundle: envelope, inclusion proof, checkpoint, trust root.
+
+    The checkpoint is the one signed when the certificate was appended (tree size
+    ``log_index + 1``), by the same key under the same trust root, so the bundle is the
+    same bytes at every download and verifies with the trust root the auditor held at
+    issuance. That the log still holds the entry later is shown by a consistency proof
+    from that checkpoint to any newer one (``GET log/proof/consistency/``).
 
     Raises:
         LogCorruptError: the stored checkpoint's root is not the stored leaves' root.
     """
-    checkpoint = latest_checkpoint()
-    assert checkpoint is not None, "a certificate is always followed by a checkpoint"
+    size = certificate.log_index + 1
+    checkpoint = LogCheckpoint.objects.filter(tree_size=size).first()
+    if checkpoint is None:
+        raise LogCorruptError(f"the checkpoint at size {size} is missing")
     with _tree() as tree:
-        if tree.root(checkpoint.tree_size).hex() != checkpoint.root_hash:
-            raise LogCorruptError(
-                f"checkpoint at size {checkpoint.tree_size} does not match the stored log"
-            )
-        path = tree.inclusion_proof(certificate.log_index, checkpoint.tree_size)
+        if tree.size < size or tree.root(size).hex() != checkpoint.root_hash:
+            raise LogCorruptError(f"checkpoint at size {size} does not match the stored log")
+        path = tree.inclusion_proof(certificate.log_index, size)
     root = TrustRootVersion.objects.get(version=certificate.trust_root_version).trust_root()
     return make_bundle(
         certificate.envelope,
         log_index=certificate.log_index,
         inclusion_proof=path,
         checkpoint=checkpoint.note,
-        tree_size=checkpoint.tree_size,
+        tree_size=size,
         trust_root=root,
     )
 

@@ -291,6 +291,19 @@ def test_rotation_starts_a_new_key_and_old_certificates_still_verify(world: Worl
     assert verify_bundle(old_bundle, latest, now=later).ok
     assert verify_bundle(certificates.bundle_for(old), latest, now=later).ok
     assert verify_bundle(certificates.bundle_for(new), latest, now=later).ok
+    # An auditor who pinned version 1 still verifies the old certificate's bundle: its
+    # checkpoint was signed at issuance, by the key version 1 lists.
+    first = TrustRootVersion.objects.get(version=1).trust_root()
+    assert verify_bundle(certificates.bundle_for(old), first, now=later).ok
+    assert not verify_bundle(certificates.bundle_for(new), first, now=later).ok
+
+
+def test_a_bundle_is_the_same_at_every_download(world: World) -> None:
+    first = certify(world.proof)
+    before = certificates.bundle_for(first)
+    certify(new_proof(world.experiment, seed=1))
+    assert certificates.bundle_for(first) == before
+    assert before["inclusion_proof"]["tree_size"] == first.log_index + 1
 
 
 def test_a_certificate_signed_by_a_key_outside_its_window_fails(world: World) -> None:
