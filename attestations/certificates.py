@@ -390,7 +390,14 @@ def _rotate_rows(incoming: SigningKey, source: str) -> Rotation:
             f"key {incoming.keyid} is already in the trust root: put a new key into "
             "DVBENCH_SIGNING_KEY_FILE / DVBENCH_SIGNING_KEY first"
         )
+    # The next whole second, and after the current key's start (two rotations within one
+    # second would otherwise give the current key an empty window).
     at = _now() + timedelta(seconds=1)
+    started = PlatformKey.objects.filter(not_after__isnull=True).values_list(
+        "not_before", flat=True
+    )
+    for not_before in started:
+        at = max(at, to_seconds(not_before) + timedelta(seconds=1))
     if root_row is None:
         published = _register_initial(incoming, source, at=at)
         return Rotation(old_keyid=None, new_keyid=incoming.keyid, at=at, trust_root=published)

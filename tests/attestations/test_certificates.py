@@ -359,3 +359,31 @@ def test_statement_and_claims_helpers_read_the_signed_payload(world: World) -> N
     assert names[:3] == ["steps", "tokens", "flops"] and names[-1] == "limit_violations"
     world.proof.refresh_from_db()
     assert world.proof.certificate == certificate  # what the proof page's panel reads
+
+
+def test_the_rotate_signing_key_command(world: World, tmp_path: Path, settings: Any) -> None:
+    from io import StringIO
+
+    from django.core.management import CommandError, call_command
+
+    first = certificates.current_trust_root().trust_root().keys[0].keyid
+    out = StringIO()
+    call_command("rotate_signing_key", stdout=out)
+    assert f"key {first} retired" in out.getvalue() and "trust root version 2" in out.getvalue()
+
+    imported = SigningKey.generate()
+    path = tmp_path / "incoming.pem"
+    path.write_bytes(imported.private_pem())
+    call_command("rotate_signing_key", "--key-file", str(path), stdout=out)
+    assert SigningKey.from_file(certificates.keys_dir() / "signing-key.pem").keyid == imported.keyid
+    assert PlatformKey.objects.get(keyid=imported.keyid).source == "imported"
+
+    settings.DVBENCH = {
+        **settings.DVBENCH,
+        "SIGNING_KEY": SigningKey.generate().private_pem().decode(),
+    }
+    with pytest.raises(CommandError, match="put the new key there"):
+        call_command("rotate_signing_key", "--key-file", str(path))
+    with pytest.raises(CommandError, match="cannot read signing key file"):
+        call_command("rotate_signing_key", "--key-file", str(tmp_path / "missing.pem"))
+    assert TrustRootVersion.objects.count() == 3
