@@ -41,6 +41,7 @@ __all__ = [
     "query_proof",
     "search_batches",
     "validate_window",
+    "verified_key",
 ]
 
 #: Steps listed in one answer; a window found in more steps is counted, not listed.
@@ -203,6 +204,11 @@ def search_batches(
     return result
 
 
+def verified_key(sha256: str, root: bytes) -> str:
+    """The cache key remembering whether the blob ``sha256`` hashes to batch ``root``."""
+    return f"{_VERIFIED_PREFIX}:{sha256}:{root.hex()}"
+
+
 def _stored_batches(proof: Proof) -> list[tuple[int, str, str]]:
     """``(step, blob sha256, storage name)`` of the batch files attached to ``proof``."""
     from attestations.models import ArtifactKind, ProofArtifact
@@ -246,14 +252,14 @@ def query_proof(
     validate_window(window, committed.rolling_window, proof.pk)
     stored = _stored_batches(proof)
     keys = {
-        step: f"{_VERIFIED_PREFIX}:{sha}:{committed.roots[step][0].hex()}"
+        step: verified_key(sha, committed.roots[step][0])
         for step, sha, _ in stored
         if step in committed.roots
     }
     # A batch file never changes under its digest, so its check against the commitment
     # is done once and remembered.
     cached = cache.get_many(list(keys.values()))
-    verified = {step: bool(cached[key]) for step, key in keys.items() if key in cached}
+    verified = {step: True for step, key in keys.items() if cached.get(key) is True}
 
     def load() -> Iterable[tuple[int, np.ndarray | None]]:
         for step, _, name in stored:
@@ -264,8 +270,12 @@ def query_proof(
                 yield step, None
 
     result = search_batches(window, committed, load(), verified=verified)
+    # Only matches are remembered: a mismatch is a fact about what storage returned this
+    # time, not about the digest, and is checked again at the next query.
     fresh = {
-        keys[step]: step not in result.batches_not_matching for step in keys if step not in verified
+        keys[step]: True
+        for step in keys
+        if step not in verified and step not in result.batches_not_matching
     }
     if fresh:
         cache.set_many(fresh, 30 * 24 * 3600)
