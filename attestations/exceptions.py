@@ -35,6 +35,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
+from django.core.exceptions import ValidationError as DjangoValidationError
 from django.http import Http404
 from rest_framework import exceptions, status
 from rest_framework.response import Response
@@ -161,6 +162,10 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         exc = NotFoundError()
     elif isinstance(exc, DjangoPermissionDenied):
         exc = exceptions.PermissionDenied()
+    elif isinstance(exc, DjangoValidationError):
+        # A model field refusing a value the URL or filter let through (a malformed UUID
+        # in a path): the request is wrong, not the server.
+        exc = InvalidRequestError(" ".join(exc.messages) or None, detail={"errors": exc.messages})
     response = drf_exception_handler(exc, context)
     if response is None:
         return None

@@ -1,8 +1,9 @@
 """Request ids, security headers, sign-in rate limits, and API errors that escape a view.
 
 * :class:`RequestIDMiddleware`: one id per request, echoed in ``X-Request-ID`` and in every
-  error body; an exception no view handled becomes, under ``/api/``, a 500 (or 413 for an
-  over-long body) in the API's one error format instead of Django's HTML page.
+  error body. Under ``/api/`` an exception no view handled becomes a 500 (400 for a body
+  cut short, 413 for one over Django's limit), and a path no route matches a 404, in the
+  API's one error format instead of Django's HTML page.
 * :class:`SecurityHeadersMiddleware`: headers Django's ``SecurityMiddleware`` does not set
   (``Content-Security-Policy``, ``Permissions-Policy``).
 * :class:`LoginRateLimitMiddleware`: failed sign-ins are counted per address and per
@@ -20,7 +21,7 @@ from collections.abc import Callable
 
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse, UnreadablePostError
 from django.urls import NoReverseMatch, reverse
 
 from attestations.exceptions import error_body
@@ -47,8 +48,24 @@ class RequestIDMiddleware:
         request_id = incoming if _ACCEPTABLE.match(incoming) else uuid.uuid4().hex
         request.request_id = request_id  # type: ignore[attr-defined]
         response = self.get_response(request)
+        if response.status_code == 404 and request.path.startswith(API_PREFIX):
+            response = self._api_not_found(request, response)
         response[REQUEST_ID_HEADER] = request_id
         return response
+
+    @staticmethod
+    def _api_not_found(request: HttpRequest, response: HttpResponse) -> HttpResponse:
+        """A 404 from outside the API's views (a path no route matches) in the API format."""
+        if response.get("Content-Type", "").startswith("application/json"):
+            return response
+        body = error_body(
+            "not_found",
+            f"No API endpoint {request.path}; see /api/v1/docs/.",
+            field="path",
+            detail=None,
+            request_id=getattr(request, "request_id", None),
+        )
+        return JsonResponse(body, status=404)
 
     def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
         """Render an API exception that no view handled in the one error format.
@@ -60,6 +77,17 @@ class RequestIDMiddleware:
         if not request.path.startswith(API_PREFIX):
             return None
         request_id = getattr(request, "request_id", None)
+        if isinstance(exception, UnreadablePostError):
+            # The client promised more body than it sent (it disconnected, or lied in
+            # Content-Length): its fault, and nothing of the body was kept.
+            body = error_body(
+                "incomplete_body",
+                "The request body ended before its Content-Length; send it again.",
+                field="body",
+                detail=None,
+                request_id=request_id,
+            )
+            return JsonResponse(body, status=400)
         if isinstance(exception, RequestDataTooBig):
             limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
             body = error_body(
