@@ -232,3 +232,24 @@ def test_the_openapi_schema_documents_the_certificate_api(world: World) -> None:
         "/api/v1/log/proof/consistency/",
     ):
         assert "get" in schema["paths"][path], path
+
+
+def test_a_search_page_costs_the_same_queries_for_one_or_many_certificates(
+    world: World, api: Api
+) -> None:
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    client = api("carol")
+    client.get("/api/v1/certificates/")  # authenticate once (last_used is written)
+    certify(world.proof)
+
+    def queries() -> int:
+        with CaptureQueriesContext(connection) as captured:
+            assert client.get("/api/v1/certificates/").status_code == 200
+        return len(captured)
+
+    one = queries()
+    for seed in (1, 2, 3):
+        certify(new_proof(world.other if seed % 2 else world.experiment, seed=seed))
+    assert queries() == one
