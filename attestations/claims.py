@@ -453,6 +453,18 @@ def flop_replicas(root: Mapping[str, Any]) -> tuple[int, str]:
     return devices, f"per-device XLA cost x {devices} devices of the sharded program"
 
 
+def flop_counter(root: Mapping[str, Any]) -> str:
+    """What produced the per-step FLOP counts, as the root record states it."""
+    env = root.get("env") if isinstance(root.get("env"), dict) else {}
+    assert isinstance(env, dict)
+    stated = env.get("flops")
+    if isinstance(stated, dict) and isinstance(stated.get("method"), str):
+        return str(stated["method"])
+    if root.get("prover") == "whitebox-jax":
+        return "XLA cost analysis of the compiled step program"
+    return "unstated"
+
+
 def gpu_devices(root: Mapping[str, Any]) -> int:
     """Accelerators the run held: JAX's global ``device_count``, PyTorch's ``world_size``."""
     env = root.get("env") if isinstance(root.get("env"), dict) else {}
@@ -546,6 +558,7 @@ def _totals(facts: RunFacts, root: Mapping[str, Any]) -> _Totals:
         wall * devices / 3600.0,
         {
             "source": source,
+            "counter": flop_counter(root),
             "steps_without_count": missing,
             "replicas": replicas,
             "replicas_reason": why,

@@ -28,7 +28,7 @@ from zkdv.torch import artifact
 from zkdv.torch.capture import current_capture
 from zkdv.torch.checkpoint import ReplayCheckpoint
 from zkdv.torch.eager import EagerTransaction, Layout, TorchStep
-from zkdv.torch.lowering import LoweredProgram, gradient_function, lower
+from zkdv.torch.lowering import LoweredProgram, count_flops, gradient_function, lower
 from zkdv.torch.model import UNPREPARED_MODEL, PreparedModel
 from zkdv.torch.optimizers.base import OptimizerContract
 from zkdv.torch.optimizers.bridge import OptimizerBridge
@@ -108,6 +108,8 @@ class ZKDV(Driver):
         self._control: HostControl | None = None
         self._rank = 0
         self._world_size = 1
+        #: FLOPs of one rank's gradient program (Torch's FLOP counter), set at sealing.
+        self._program_flops: float | None = None
         self._batch_layout: BatchLayout | None = None
         self._layout: Layout
         self._checkpoint: ReplayCheckpoint | None = None
@@ -483,15 +485,21 @@ class ZKDV(Driver):
         layout = self._batch_layout
         assert layout is not None
         tokens = layout.tokens * self._world_size
+        # Every rank runs the same gradient program on its own rows: the counted FLOPs
+        # times the world size. Without a count, the usual dense estimate: 6 FLOPs per
+        # parameter per token (forward and backward), over every rank's tokens.
+        flops = (
+            self._program_flops * self._world_size
+            if self._program_flops is not None
+            else 6.0 * self._parameter_count * tokens
+        )
         step = TorchStep(
             self,
             transaction,
             parameters=model.parameters,
             post_buffers=[buffer.clone() for buffer in model.buffers],
             tokens=tokens,
-            # The usual dense estimate: 6 FLOPs per parameter per token (forward and
-            # backward), per rank.
-            flops=6.0 * self._parameter_count * tokens,
+            flops=flops,
         )
         with self._resolution:
             self._unresolved.add(transaction.index)
@@ -541,6 +549,7 @@ class ZKDV(Driver):
         )
         lowered = lower(function, arguments, kind=self.program_kind, unused=unused)
         self._lowered_program = lowered
+        self._program_flops = count_flops(lowered.graph, arguments)
         states = bridge.live_states()
         state_leaves = bridge.leaves(states, parameters)
         self._layout = Layout(
@@ -577,6 +586,13 @@ class ZKDV(Driver):
             "world_size": self._world_size,
             "fsdp": model.fsdp,
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            # How each step record's FLOPs were obtained (attestations/claims.py reads it).
+            "flops": {
+                "method": "torch.utils.flop_counter"
+                if self._program_flops is not None
+                else "6 x parameters x tokens",
+                "per_rank": self._program_flops,
+            },
             # Everything a server needs to rebuild the optimizer's transition: the
             # contract, every group's options and which parameters each group holds.
             "optimizer": {

@@ -41,6 +41,7 @@ __all__ = [
     "RANDOM_OPERATIONS",
     "UNPREPARED_STATE",
     "LoweredProgram",
+    "count_flops",
     "gradient_function",
     "lower",
     "trace",
@@ -168,6 +169,31 @@ def _schema_name(node: fx.Node) -> str | None:
         return None
     schema = getattr(node.target, "_schema", None)
     return None if schema is None else str(schema.name)
+
+
+def count_flops(graph: fx.GraphModule, arguments: tuple[torch.Tensor, ...]) -> float | None:
+    """FLOPs of one call of the traced gradient program, by Torch's FLOP counter.
+
+    The graph runs once on fake tensors (``FakeTensorMode``: shapes only, no compute)
+    under ``torch.utils.flop_counter.FlopCounterMode``, which counts the matrix
+    products, convolutions and attention of the forward and backward passes (the
+    optimizer's elementwise update is not counted, as usual for training FLOPs).
+
+    Returns:
+        The count, or None when the graph cannot run on fake tensors (the caller then
+        estimates).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fakes = [mode.from_tensor(argument.detach()) for argument in arguments]
+            with FlopCounterMode(display=False) as counter:
+                graph(*fakes)
+        return float(counter.get_total_flops())
+    except Exception:  # noqa: BLE001 - an estimate replaces a count that cannot be made
+        return None
 
 
 def lower(
