@@ -752,6 +752,18 @@ def record_verdict(challenge: Challenge, verdict: Mapping[str, Any]) -> bool:
         )
         if not done:
             return False
+        AuditEvent.record(
+            f"challenge.{'passed' if ok else 'failed'}",
+            organization=challenge.proof.experiment.owner,
+            target=challenge,
+            detail={
+                "proof": challenge.proof_id,
+                "step": challenge.step,
+                "through": challenge.through,
+                "reason": None if ok else verdict.get("reason"),
+                "attempts": challenge.attempts,
+            },
+        )
         _progress(challenge.proof_id)
         settle(challenge.proof_id)
     return True
@@ -841,9 +853,33 @@ def settle(proof_id: int) -> str | None:
     return proof.status
 
 
-def expire(now: Any = None) -> int:
-    """Expire the challenges of proofs past their deadline; returns how many expired."""
+def requeue_lost(now: Any = None) -> int:
+    """Queue again challenges whose message was lost (a broker flushed, a worker died).
+
+    A ``ready`` challenge not claimed, or a ``replaying`` claim not finished, within
+    twice the task time limit has no live message behind it; a second message is
+    harmless, since only one delivery can claim the challenge.
+    """
     now = now or timezone.now()
+    cutoff = now - timedelta(seconds=2 * replay_time_limit())
+    lost = list(
+        Challenge.objects.filter(
+            Q(status=ChallengeStatus.READY, answered__lt=cutoff)
+            | Q(status=ChallengeStatus.REPLAYING, claimed__lt=cutoff)
+        ).values_list("pk", flat=True)
+    )
+    if lost:
+        enqueue(lost)
+    return len(lost)
+
+
+def expire(now: Any = None) -> int:
+    """Expire the challenges of proofs past their deadline; returns how many expired.
+
+    Also re-queues challenges whose replay message was lost (:func:`requeue_lost`).
+    """
+    now = now or timezone.now()
+    requeue_lost(now)
     count = 0
     overdue = Proof.objects.filter(status=ProofStatus.CHALLENGED, challenge_deadline__lt=now)
     for proof_id in overdue.values_list("pk", flat=True):
