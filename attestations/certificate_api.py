@@ -144,8 +144,8 @@ def _integer(request: Request, name: str, *, required: bool = True) -> int | Non
     return int(raw)
 
 
-def _out_of_range(name: str, error: ValueError) -> InvalidRequestError:
-    return InvalidRequestError(str(error), code="out_of_range", field=name)
+def _out_of_range(error: certificates.LogRangeError) -> InvalidRequestError:
+    return InvalidRequestError(str(error), code="out_of_range", field=error.field)
 
 
 def _note(size: int) -> str | None:
@@ -278,16 +278,16 @@ class InclusionProofView(APIView):
             latest = certificates.latest_checkpoint()
             tree_size = latest.tree_size if latest is not None else 0
         try:
-            hashes = certificates.inclusion(index, tree_size)
-        except ValueError as error:
-            raise _out_of_range("index", error) from None
+            hashes, root = certificates.inclusion(index, tree_size)
+        except certificates.LogRangeError as error:
+            raise _out_of_range(error) from None
         leaf = LogEntry.objects.values_list("leaf_hash", flat=True).get(index=index)
         return Response(
             {
                 "log_index": index,
                 "tree_size": tree_size,
                 "leaf_hash": leaf,
-                "root_hash": certificates.tree_root(tree_size).hex(),
+                "root_hash": root.hex(),
                 "hashes": [value.hex() for value in hashes],
                 "checkpoint": _note(tree_size),
             }
@@ -313,8 +313,8 @@ class ConsistencyProofView(APIView):
         assert first is not None and second is not None
         try:
             hashes, first_root, second_root = certificates.consistency(first, second)
-        except ValueError as error:
-            raise _out_of_range("second" if "exceeds" in str(error) else "first", error) from None
+        except certificates.LogRangeError as error:
+            raise _out_of_range(error) from None
         return Response(
             {
                 "first": first,

@@ -83,6 +83,7 @@ __all__ = [
     "NO_REPLAY_SEED",
     "CertificateNotIssuableError",
     "LogCorruptError",
+    "LogRangeError",
     "LogReport",
     "bundle_for",
     "consistency",
@@ -628,37 +629,49 @@ def _tree() -> Iterator[MerkleTree]:
         yield _TREE.synced()
 
 
-def inclusion(index: int, tree_size: int) -> list[bytes]:
+class LogRangeError(ValueError):
+    """A proof was asked for sizes or an index the log does not have.
+
+    Attributes:
+        field: the request parameter at fault.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def inclusion(index: int, tree_size: int) -> tuple[list[bytes], bytes]:
     """The RFC 9162 audit path of entry ``index`` in the tree of ``tree_size`` entries.
 
+    Returns:
+        The path (leaf to root) and the root of that tree.
+
     Raises:
-        ValueError: ``index`` is not below ``tree_size`` or the log is smaller.
+        LogRangeError: ``tree_size`` exceeds the log, or ``index`` is not below it.
     """
     with _tree() as tree:
         if tree_size > tree.size:
-            raise ValueError(f"tree_size {tree_size} exceeds the log's size {tree.size}")
+            raise LogRangeError(
+                "tree_size", f"tree_size {tree_size} exceeds the log's size {tree.size}"
+            )
         if not 0 <= index < tree_size:
-            raise ValueError(f"index {index} is not below tree_size {tree_size}")
-        return tree.inclusion_proof(index, tree_size)
+            raise LogRangeError("index", f"index {index} is not below tree_size {tree_size}")
+        return tree.inclusion_proof(index, tree_size), tree.root(tree_size)
 
 
 def consistency(first: int, second: int) -> tuple[list[bytes], bytes, bytes]:
     """The consistency proof from size ``first`` to ``second`` and both roots.
 
     Raises:
-        ValueError: ``first > second`` or ``second`` exceeds the log.
+        LogRangeError: ``second`` exceeds the log, or ``first`` exceeds ``second``.
     """
     with _tree() as tree:
         if second > tree.size:
-            raise ValueError(f"second {second} exceeds the log's size {tree.size}")
+            raise LogRangeError("second", f"second {second} exceeds the log's size {tree.size}")
         if not 0 <= first <= second:
-            raise ValueError(f"first {first} must be between 0 and second ({second})")
+            raise LogRangeError("first", f"first {first} must be between 0 and second ({second})")
         return tree.consistency_proof(first, second), tree.root(first), tree.root(second)
-
-
-def tree_root(size: int) -> bytes:
-    with _tree() as tree:
-        return tree.root(size)
 
 
 def bundle_for(certificate: Certificate) -> dict[str, Any]:

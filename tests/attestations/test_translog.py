@@ -166,7 +166,7 @@ def test_altered_proofs_from_the_api_fail(small_log: list[Certificate], api: Api
         ({"tree_size": 3}, "index"),
         ({"index": "x"}, "index"),
         ({"index": 11}, "index"),
-        ({"index": 2, "tree_size": 12}, "index"),
+        ({"index": 2, "tree_size": 12}, "tree_size"),
         ({"index": 3, "tree_size": 3}, "index"),
     ],
 )
