@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from attestations.exceptions import InvalidRequestError
+from attestations.exceptions import ConflictError, InvalidRequestError
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AnonymousUser, User
@@ -60,23 +60,32 @@ class CommittedBatches:
 
 
 def committed_batches(records: Iterable[Any]) -> CommittedBatches:
-    """Read the rolling-window length and every step's batch commitment from the records."""
+    """Read the rolling-window length and every step's batch commitment from the records.
+
+    Reading stops at a record the reader cannot decode; the steps before it can still be
+    searched. Fields of unexpected types are skipped (a rejected transcript may hold
+    them).
+    """
+    from zkdv.errors import TranscriptError
+
     window: int | None = None
     roots: dict[int, tuple[bytes, bytes]] = {}
-    for record in records:
-        data = record.data
-        kind = data.get("t")
-        if kind == "step":
-            batch = data.get("batch")
-            if isinstance(batch, dict):
-                roots[int(data["i"])] = (
-                    bytes(batch.get("root", b"")),
-                    bytes(batch.get("win", b"")),
-                )
-        elif kind == "root":
-            config = data.get("config")
-            value = config.get("rolling_window") if isinstance(config, dict) else None
-            window = value if isinstance(value, int) and not isinstance(value, bool) else None
+    try:
+        for record in records:
+            data = record.data
+            kind = data.get("t")
+            if kind == "step":
+                batch, step = data.get("batch"), data.get("i")
+                if isinstance(batch, dict) and type(step) is int:
+                    root, win = batch.get("root"), batch.get("win")
+                    if isinstance(root, bytes) and isinstance(win, bytes):
+                        roots[step] = (root, win)
+            elif kind == "root":
+                config = data.get("config")
+                value = config.get("rolling_window") if isinstance(config, dict) else None
+                window = value if type(value) is int and value > 0 else None
+    except TranscriptError:
+        pass
     return CommittedBatches(window, roots)
 
 
@@ -84,14 +93,14 @@ def validate_window(window: Sequence[int], rolling_window: int | None, proof_id:
     """Refuse a window that is not exactly the committed rolling-window length.
 
     Raises:
+        ConflictError: ``no_rolling_window`` (409), the transcript has no readable root.
         InvalidRequestError: ``window_length`` (400), naming both lengths.
     """
     if rolling_window is None:
-        raise InvalidRequestError(
-            f"proof {proof_id}'s transcript records no rolling window "
-            "(root.config.rolling_window), so it cannot answer data-content queries",
+        raise ConflictError(
+            f"proof {proof_id}'s transcript has no readable root record with a rolling "
+            "window (root.config.rolling_window), so it cannot answer data-content queries",
             code="no_rolling_window",
-            field="window",
         )
     if len(window) != rolling_window:
         raise InvalidRequestError(

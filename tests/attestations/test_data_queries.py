@@ -178,3 +178,10 @@ def test_search_batches_finds_every_step_and_no_other() -> None:
     result = search_batches(needle, committed, enumerate(batches))
     assert result.steps == [0, 3]
     assert result.complete
+
+
+def test_a_proof_whose_transcript_cannot_be_read_answers_409(world: World, api: Api) -> None:
+    # world.proof's blob is not a transcript at all.
+    response = api("bob").post(url(world.proof.pk), {"window": [1, 2, 3, 4]}, format="json")
+    assert response.status_code == 409
+    assert error_of(response)["code"] == "no_rolling_window"
