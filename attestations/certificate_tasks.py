@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from celery import shared_task
+from django.db import OperationalError
 
 from attestations import certificates
 from attestations.models import Proof
@@ -22,6 +23,11 @@ log = logging.getLogger(__name__)
     name="attestations.certificate_tasks.issue_certificate",
     acks_late=True,
     reject_on_worker_lost=True,
+    # A database that is briefly unavailable or locked is worth a few more tries;
+    # everything else is a fault to look at (``manage.py issue_certificates`` re-issues).
+    autoretry_for=(OperationalError,),
+    retry_backoff=True,
+    max_retries=5,
 )
 def issue_certificate(proof_id: int) -> str | None:
     """Sign and log the certificate of a proof whose verdict is final.
@@ -33,7 +39,8 @@ def issue_certificate(proof_id: int) -> str | None:
 
     Raises:
         KeyConfigurationError: the signing key is unusable; the task fails loudly so an
-            operator sees it, and a later call (after fixing the key) issues normally.
+            operator sees it, and ``manage.py issue_certificates`` (after fixing the key)
+            issues what is missing.
     """
     try:
         certificate = certificates.issue_certificate(proof_id)

@@ -387,3 +387,28 @@ def test_the_rotate_signing_key_command(world: World, tmp_path: Path, settings: 
     with pytest.raises(CommandError, match="cannot read signing key file"):
         call_command("rotate_signing_key", "--key-file", str(tmp_path / "missing.pem"))
     assert TrustRootVersion.objects.count() == 3
+
+
+def test_issue_certificates_issues_what_a_failed_task_left_missing(
+    world: World, settings: Any
+) -> None:
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    certificates.current_trust_root()
+    original = settings.DVBENCH
+    settings.DVBENCH = {**original, "SIGNING_KEY": SigningKey.generate().private_pem().decode()}
+    finalize(world.proof)
+    with pytest.raises(KeyConfigurationError):
+        issue_certificate.delay(world.proof.pk).get()
+    settings.DVBENCH = original  # the operator fixes the key configuration
+    out = StringIO()
+    call_command("issue_certificates", stdout=out)
+    certificate = Certificate.objects.get(proof=world.proof)
+    assert f"proof {world.proof.pk}: certificate {certificate.pk} (PASSED), log entry 0" in (
+        out.getvalue()
+    )
+    call_command("issue_certificates", stdout=out)
+    assert "no certificate is missing" in out.getvalue()
+    assert Certificate.objects.count() == 1
