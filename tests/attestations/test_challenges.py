@@ -1,0 +1,236 @@
+"""The challenge and artifact API: roles, bad input, idempotency (tasks run in-process).
+
+A real Torch run (from ``test_replay``) is filed; its challenges are listed and
+answered through ``/api/v1/proofs/{id}/challenges/`` and ``/artifacts/``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from rest_framework.test import APIClient
+
+from attestations.models import (
+    ApiKey,
+    AuditEvent,
+    Challenge,
+    ChallengeStatus,
+    Membership,
+    Organization,
+    Proof,
+    ProofArtifact,
+    ProofStatus,
+    Role,
+)
+from tests.attestations.base import error_of, sha256
+from tests.attestations.test_replay import (
+    ORG,
+    client_for,
+    file_transcript,
+    kind_of,
+    platform,
+    runs,
+    upload,
+)
+
+__all__ = ["platform", "runs"]
+
+EXPERIMENT = f"{ORG}/torch-run"
+
+
+def _member(username: str, org: Organization, role: str) -> APIClient:
+    user = User.objects.create_user(username, f"{username}@example.org", "x" * 20)
+    Membership.objects.create(user=user, organization=org, role=role)
+    return client_for(ApiKey.issue(user, "tests")[1])
+
+
+@pytest.fixture
+def filed(
+    platform: APIClient, runs: dict[str, Path], django_capture_on_commit_callbacks: Any
+) -> tuple[APIClient, Proof, Path]:
+    with django_capture_on_commit_callbacks(execute=True):
+        response = file_transcript(platform, runs["honest"], EXPERIMENT)
+    proof = Proof.objects.get(pk=response.json()["proof"])
+    assert proof.status == ProofStatus.CHALLENGED
+    return platform, proof, runs["honest"]
+
+
+def _send(client: APIClient, run: Path, names: list[str]) -> list[dict[str, Any]]:
+    files = []
+    for name in names:
+        data = (run / name).read_bytes()
+        assert upload(client, EXPERIMENT, kind_of(name), data, name).status_code == 200
+        files.append(
+            {"name": name, "kind": kind_of(name), "sha256": sha256(data), "size": len(data)}
+        )
+    return files
+
+
+def test_challenges_list_filters_by_status_and_names_what_they_need(
+    filed: tuple[APIClient, Proof, Path], django_capture_on_commit_callbacks: Any
+) -> None:
+    client, proof, run = filed
+    body = client.get(f"/api/v1/proofs/{proof.pk}/challenges/").json()
+    assert [c["step"] for c in body["results"]] == list(range(8))
+    assert all(c["status"] == "pending" for c in body["results"])
+    genesis = Challenge.objects.get(proof=proof, step=0)
+    with django_capture_on_commit_callbacks(execute=True):
+        attached = client.post(
+            f"/api/v1/proofs/{proof.pk}/artifacts/",
+            {"files": _send(client, run, genesis.needed_files)},
+            format="json",
+        )
+    assert attached.status_code == 201, attached.content
+    assert attached.json()["attached"] == len(genesis.needed_files)
+    passed = client.get(f"/api/v1/proofs/{proof.pk}/challenges/?status=passed").json()
+    assert [c["step"] for c in passed["results"]] == [0]
+    pending = client.get(f"/api/v1/proofs/{proof.pk}/challenges/?status=pending").json()
+    assert [c["step"] for c in pending["results"]] == list(range(1, 8))
+    bad = client.get(f"/api/v1/proofs/{proof.pk}/challenges/?status=done")
+    assert bad.status_code == 400 and error_of(bad)["field"] == "status"
+    # Attaching the same files again changes nothing.
+    again = client.post(
+        f"/api/v1/proofs/{proof.pk}/artifacts/",
+        {"files": _send(client, run, genesis.needed_files)},
+        format="json",
+    )
+    assert again.status_code == 200 and again.json()["attached"] == 0
+    assert (
+        AuditEvent.objects.filter(
+            action="proof.artifacts_attached", target_id=str(proof.pk)
+        ).count()
+        == 1
+    )
+    # The uploads list finds a blob by digest and keeps the file's name.
+    data = (run / "probes.bin").read_bytes()
+    found = client.get(f"/api/v1/uploads/?sha256={sha256(data)}").json()["results"]
+    assert {(u["name"], u["kind"], u["sha256"]) for u in found} == {
+        ("probes.bin", "artifact", sha256(data))
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "code"),
+    [
+        ("../etc/passwd", "artifact", "invalid_name"),
+        ("/files/batch-00000000.u32", "batch", "invalid_name"),
+        ("files/../batch-00000000.u32", "batch", "invalid_name"),
+        ("files/sub/batch-00000000.u32", "batch", "invalid_name"),
+        ("files/batch-00000000.u32", "snapshot", "invalid_name"),
+        ("records.cborl", "transcript", "invalid_kind"),
+    ],
+)
+def test_bad_names_are_refused_and_nothing_is_stored(
+    filed: tuple[APIClient, Proof, Path], name: str, kind: str, code: str
+) -> None:
+    client, proof, run = filed
+    good = _send(client, run, ["files/batch-00000000.u32"])
+    files = [*good, {**good[0], "name": name, "kind": kind}]
+    response = client.post(f"/api/v1/proofs/{proof.pk}/artifacts/", {"files": files}, format="json")
+    assert response.status_code == 400, response.content
+    error = error_of(response)
+    assert (error["code"], error["field"]) == (
+        code,
+        "files[1].name" if code == "invalid_name" else "files[1].kind",
+    )
+    assert not ProofArtifact.objects.exists()
+
+
+def test_a_blob_never_uploaded_by_the_organisation_is_refused(
+    filed: tuple[APIClient, Proof, Path],
+) -> None:
+    client, proof, run = filed
+    data = (run / "files/batch-00000001.u32").read_bytes()  # never uploaded
+    files = [
+        {
+            "name": "files/batch-00000001.u32",
+            "kind": "batch",
+            "sha256": sha256(data),
+            "size": len(data),
+        }
+    ]
+    response = client.post(f"/api/v1/proofs/{proof.pk}/artifacts/", {"files": files}, format="json")
+    assert response.status_code == 400
+    error = error_of(response)
+    assert (error["code"], error["field"]) == ("blob_not_found", "files[0].sha256")
+    assert not ProofArtifact.objects.exists()
+
+
+def test_a_batch_file_of_another_step_is_refused_against_the_commitment(
+    filed: tuple[APIClient, Proof, Path],
+) -> None:
+    client, proof, run = filed
+    files = _send(client, run, ["files/batch-00000002.u32"])
+    files[0]["name"] = "files/batch-00000001.u32"  # step 2's batch under step 1's name
+    response = client.post(f"/api/v1/proofs/{proof.pk}/artifacts/", {"files": files}, format="json")
+    assert response.status_code == 422, response.content
+    error = error_of(response)
+    assert error["code"] == "batch_mismatch"
+    assert error["detail"] == {"file": "files/batch-00000001.u32", "step": 1}
+    assert not ProofArtifact.objects.exists()
+
+
+def test_a_name_attached_with_other_bytes_is_a_conflict(
+    filed: tuple[APIClient, Proof, Path],
+) -> None:
+    client, proof, run = filed
+    first = _send(client, run, ["probes.bin"])
+    assert (
+        client.post(
+            f"/api/v1/proofs/{proof.pk}/artifacts/", {"files": first}, format="json"
+        ).status_code
+        == 201
+    )
+    other = _send(client, run, ["files/batch-00000000.u32"])
+    clash = [{**other[0], "name": "probes.bin", "kind": "artifact"}]
+    response = client.post(f"/api/v1/proofs/{proof.pk}/artifacts/", {"files": clash}, format="json")
+    assert response.status_code == 409
+    assert error_of(response)["code"] == "artifact_conflict"
+    assert ProofArtifact.objects.get(proof=proof, name="probes.bin").sha256 == first[0]["sha256"]
+
+
+def test_roles_on_challenges_and_artifacts(filed: tuple[APIClient, Proof, Path]) -> None:
+    client, proof, run = filed
+    acme = Organization.objects.get(slug=ORG)
+    evil = Organization.objects.create(slug="evil", name="Evil")
+    office = Organization.objects.create(slug="eu-office", name="EU AI Office")
+    auditor = _member("bob", acme, Role.AUDITOR)
+    regulator = _member("carol", office, Role.REGULATOR)
+    outsider = _member("mallory", evil, Role.TRAINER)
+    admin = _member("root", acme, Role.ADMIN)
+    files = _send(client, run, ["probes.bin"])
+    challenges = f"/api/v1/proofs/{proof.pk}/challenges/"
+    artifacts = f"/api/v1/proofs/{proof.pk}/artifacts/"
+    assert auditor.get(challenges).status_code == 200
+    assert regulator.get(challenges).status_code == 200  # claims, not artifacts
+    assert outsider.get(challenges).status_code == 404
+    assert APIClient().get(challenges).status_code in (401, 403)
+    assert auditor.get(artifacts).status_code == 403
+    assert regulator.get(artifacts).status_code == 403
+    assert outsider.get(artifacts).status_code == 404
+    assert auditor.post(artifacts, {"files": files}, format="json").status_code == 403
+    assert regulator.post(artifacts, {"files": files}, format="json").status_code == 403
+    assert outsider.post(artifacts, {"files": files}, format="json").status_code == 404
+    assert not ProofArtifact.objects.exists()
+    assert admin.post(artifacts, {"files": files}, format="json").status_code == 201
+    listed = client.get(artifacts).json()
+    assert [a["name"] for a in listed] == ["probes.bin"]
+
+
+def test_the_periodic_expiry_rejects_an_unanswered_proof(
+    filed: tuple[APIClient, Proof, Path],
+) -> None:
+    from attestations.tasks import expire_challenges
+
+    _, proof, _ = filed
+    assert expire_challenges() == 0
+    Proof.objects.filter(pk=proof.pk).update(challenge_deadline=proof.created)
+    assert expire_challenges() == 8
+    proof.refresh_from_db()
+    assert (proof.status, proof.reason) == (ProofStatus.REJECTED, "challenge_expired")
+    assert proof.field == "challenges.step[0]" and proof.revealed_seed
+    assert set(proof.challenges.values_list("status", flat=True)) == {ChallengeStatus.EXPIRED}
+    assert expire_challenges() == 0
