@@ -52,6 +52,7 @@ from attestations.certificate_models import (
 from attestations.claims import compute_claims
 from attestations.models import AuditEvent, Challenge, Proof, ProofStatus
 from dvbench.attest import (
+    DEFAULT_KEY_FILENAME,
     ENV_SIGNING_KEY,
     AttestationError,
     Checkpoint,
@@ -68,6 +69,7 @@ from dvbench.attest import (
     TrustRoot,
     envelope_leaf,
     leaf_hash,
+    load_signing_key,
     make_bundle,
     sign_certificate,
     sign_checkpoint,
@@ -105,7 +107,7 @@ CERTIFIED_STATUSES: Final = frozenset({ProofStatus.VALID, ProofStatus.REJECTED})
 NO_REPLAY_SEED: Final = "00" * 32
 #: pg_advisory_xact_lock key of the log ("dvblog" in ASCII).
 _LOG_LOCK: Final = 0x64_76_62_6C_6F_67
-_KEY_FILE: Final = "signing-key.pem"
+_KEY_FILE: Final = DEFAULT_KEY_FILENAME
 _NEXT_KEY_FILE: Final = "next-signing-key.pem"
 
 
@@ -159,15 +161,11 @@ def _configured_key() -> SigningKey | None:
         return SigningKey.from_file(path)
     text = _knob("SIGNING_KEY")
     if text:
-        from dvbench.attest import load_signing_key
-
         return load_signing_key(environ={ENV_SIGNING_KEY: text})
     return None
 
 
 def _local_key() -> SigningKey:
-    from dvbench.attest import load_signing_key
-
     return load_signing_key(data_dir=keys_dir())
 
 
