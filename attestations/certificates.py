@@ -747,6 +747,8 @@ def verify_log() -> LogReport:
                 f"document's ({parsed.digest()}); the row was altered"
             )
         trust_root = parsed
+    if trust_root is not None:
+        _check_keys(trust_root, report)
     origin = log_origin()
     certificates = {c.log_entry_id: c for c in Certificate.objects.all()}
     tree = MerkleTree()
@@ -766,6 +768,19 @@ def verify_log() -> LogReport:
         report.checkpoints += 1
         _check_checkpoint(checkpoint, tree, trust_root, report)
     return report
+
+
+def _check_keys(trust_root: TrustRoot, report: LogReport) -> None:
+    # The key table decides which key may sign next; it must say what the latest
+    # published trust root says, or issuance would follow a window nobody published.
+    published = {key.keyid: key for key in trust_root.keys}
+    stored = {row.keyid: _trusted(row) for row in PlatformKey.objects.all()}
+    for keyid in sorted(published.keys() | stored.keys()):
+        if published.get(keyid) != stored.get(keyid):
+            report.problems.append(
+                f"signing key {keyid}: the key table and trust root version "
+                f"{trust_root.version} disagree on it (missing, or another window)"
+            )
 
 
 def _check_entry(

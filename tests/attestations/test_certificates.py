@@ -296,6 +296,8 @@ def test_rotation_starts_a_new_key_and_old_certificates_still_verify(world: Worl
     first = TrustRootVersion.objects.get(version=1).trust_root()
     assert verify_bundle(certificates.bundle_for(old), first, now=later).ok
     assert not verify_bundle(certificates.bundle_for(new), first, now=later).ok
+    report = certificates.verify_log()
+    assert report.ok and report.trust_roots == 2, report.problems
 
 
 def test_a_bundle_is_the_same_at_every_download(world: World) -> None:

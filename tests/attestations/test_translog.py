@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -291,3 +292,11 @@ def test_certificate_issued_after_a_rolled_back_append_is_consistent(world: Worl
     assert certificate.log_index == 1
     report = certificates.verify_log()
     assert report.ok, report.problems
+
+
+def test_verify_log_finds_a_key_window_nobody_published(small_log: list[Certificate]) -> None:
+    from attestations.certificate_models import PlatformKey
+
+    PlatformKey.objects.update(not_after=datetime(2027, 1, 1, tzinfo=UTC))
+    problems = _verify_log_fails()
+    assert "the key table and trust root version 1 disagree" in problems
