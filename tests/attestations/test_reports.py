@@ -179,7 +179,10 @@ def test_the_schema_documents_the_report_endpoints(api: Api) -> None:
 # --- The proof page's panel -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("status", [ProofStatus.PENDING, ProofStatus.VALID, ProofStatus.REJECTED])
+@pytest.mark.parametrize(
+    "status",
+    [ProofStatus.PENDING, ProofStatus.CHALLENGED, ProofStatus.VALID, ProofStatus.REJECTED],
+)
 def test_the_proof_page_panel_renders_without_a_certificate(world: World, status: str) -> None:
     Proof.objects.filter(pk=world.proof.pk).update(status=status)
     response = browser(world, "bob").get(f"/proofs/{world.proof.pk}/")
@@ -188,8 +191,11 @@ def test_the_proof_page_panel_renders_without_a_certificate(world: World, status
     assert 'id="report-panel"' in html
     assert f"/proofs/{world.proof.pk}/report/" in html
     assert f"/proofs/{world.proof.pk}/report.pdf" in html
-    expected = "once the verdict is final" if status == ProofStatus.PENDING else "No certificate"
+    final = status in (ProofStatus.VALID, ProofStatus.REJECTED)
+    expected = "No certificate" if final else "once the verdict is final"
     assert expected in html
+    report = browser(world, "bob").get(f"/proofs/{world.proof.pk}/report/")
+    assert report.status_code == 200
 
 
 # --- Chart drawing ----------------------------------------------------------------------
