@@ -37,7 +37,7 @@ from attestations.certificate_models import (
 )
 from attestations.exceptions import DVBenchError, InvalidRequestError, NotFoundError
 from attestations.filters import QueryFilters
-from attestations.models import Capability, Proof
+from attestations.models import Capability, Proof, api_datetime
 from attestations.pagination import CursorPage
 from attestations.permissions import HasCapability, get_access
 from dvbench.attest import KeyConfigurationError
@@ -211,6 +211,37 @@ class TrustRootView(APIView):
         response["X-Trust-Root-Digest"] = f"sha256:{row.digest}"
         response["ETag"] = f'"{row.digest}"'
         return response
+
+
+class TrustRootVersionSerializer(serializers.Serializer[TrustRootVersion]):
+    version = serializers.IntegerField()
+    digest = serializers.CharField(help_text="hex SHA-256 of the document's canonical JSON")
+    created = serializers.DateTimeField(help_text="when this version was published")
+    url = serializers.CharField(help_text="where the document itself is served")
+
+    def to_representation(self, instance: TrustRootVersion) -> dict[str, Any]:
+        return {
+            "version": instance.version,
+            "digest": instance.digest,
+            "created": api_datetime(instance.created),
+            "url": f"/api/v1/trust-root/?version={instance.version}",
+        }
+
+
+class TrustRootVersionList(generics.ListAPIView[TrustRootVersion]):
+    """Every published trust root version and its digest, newest first (public).
+
+    Pin a digest from here (or from a second channel) and compare it with the
+    ``X-Trust-Root-Digest`` of the document you verify with.
+    """
+
+    serializer_class = TrustRootVersionSerializer
+    permission_classes = [AllowAny]
+    authentication_classes: list[type[Any]] = []
+    pagination_class = None
+
+    def get_queryset(self) -> QuerySet[TrustRootVersion]:
+        return TrustRootVersion.objects.order_by("-version")
 
 
 # --- the log --------------------------------------------------------------------------

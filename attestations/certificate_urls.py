@@ -4,6 +4,7 @@ Mounted under ``/api/v1/`` before the catch-all; a trailing slash is optional.
 
 ======  ===============================================  =================================
 GET     trust-root/ (?version=)                          the trust root (public)
+GET     trust-root/versions/                             every version and digest (public)
 GET     log/checkpoint/                                  latest signed checkpoint (public)
 GET     log/entries/{index}/                             one entry's envelope (its readers)
 GET     log/proof/inclusion/?index=&tree_size=           inclusion proof (public)
@@ -22,6 +23,11 @@ from attestations import certificate_api as views
 
 urlpatterns: list[URLPattern] = [
     re_path(r"^trust-root/?$", views.TrustRootView.as_view(), name="trust-root"),
+    re_path(
+        r"^trust-root/versions/?$",
+        views.TrustRootVersionList.as_view(),
+        name="trust-root-versions",
+    ),
     re_path(r"^log/checkpoint/?$", views.LogCheckpointView.as_view(), name="log-checkpoint"),
     re_path(r"^log/entries/(?P<index>[0-9]+)/?$", views.LogEntryView.as_view(), name="log-entry"),
     re_path(r"^log/proof/inclusion/?$", views.InclusionProofView.as_view(), name="log-inclusion"),

@@ -41,6 +41,7 @@ ENDPOINTS = [
     ("log entry", "/api/v1/log/entries/{index}/", MEMBERS_AND_REGULATORS),
     ("certificate search", "/api/v1/certificates/", codes(200, 200, 200, 200, 200, 401)),
     ("trust root", "/api/v1/trust-root/", EVERYONE),
+    ("trust root versions", "/api/v1/trust-root/versions/", EVERYONE),
     ("checkpoint", "/api/v1/log/checkpoint/", EVERYONE),
     ("inclusion", "/api/v1/log/proof/inclusion/?index={index}", EVERYONE),
     ("consistency", "/api/v1/log/proof/consistency/?first=0&second=1", EVERYONE),
@@ -118,6 +119,12 @@ def test_earlier_trust_root_versions_stay_published(certified: Certificate, api:
     first = TrustRoot.from_json(client.get("/api/v1/trust-root/?version=1").content)
     assert (latest.version, first.version) == (2, 1)
     assert latest.keys[0].keyid == first.keys[0].keyid and latest.keys[0].not_after is not None
+    versions = client.get("/api/v1/trust-root/versions/").json()
+    assert [(v["version"], v["digest"]) for v in versions] == [
+        (2, latest.digest()),
+        (1, first.digest()),
+    ]
+    assert client.get(versions[1]["url"]).content == first.to_json()
     assert client.get("/api/v1/trust-root/?version=3").status_code == 404
     bad = client.get("/api/v1/trust-root/?version=two")
     assert bad.status_code == 400 and error_of(bad)["field"] == "version"
