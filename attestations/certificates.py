@@ -166,7 +166,14 @@ def _configured_key() -> SigningKey | None:
 
 
 def _local_key() -> SigningKey:
-    return load_signing_key(data_dir=keys_dir())
+    try:
+        return load_signing_key(data_dir=keys_dir())
+    except KeyConfigurationError:
+        # Another process generated it between our look and our exclusive create.
+        path = keys_dir() / _KEY_FILE
+        if not path.exists():
+            raise
+        return SigningKey.from_file(path)
 
 
 # --- the log lock and the cached tree -------------------------------------------------
