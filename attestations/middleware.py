@@ -2,7 +2,7 @@
 
 * :class:`RequestIDMiddleware`: one id per request, echoed in ``X-Request-ID`` and in every
   error body. Under ``/api/`` an exception no view handled becomes a 500 (400 for a body
-  cut short, 413 for one over Django's limit), and a path no route matches a 404, in the
+  cut short, 413 for one over Django's limit, 507 when storage is full), and a path no route matches a 404, in the
   API's one error format instead of Django's HTML page.
 * :class:`SecurityHeadersMiddleware`: headers Django's ``SecurityMiddleware`` does not set
   (``Content-Security-Policy``, ``Permissions-Policy``).
@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import re
 import uuid
@@ -33,6 +34,7 @@ REQUEST_ID_HEADER = "X-Request-ID"
 # without escaping.
 _ACCEPTABLE = re.compile(r"^[A-Za-z0-9._:-]{8,64}$")
 API_PREFIX = "/api/"
+_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 log = logging.getLogger("attestations.request")
 
@@ -88,6 +90,22 @@ class RequestIDMiddleware:
                 request_id=request_id,
             )
             return JsonResponse(body, status=400)
+        if isinstance(exception, OSError) and exception.errno in _NO_SPACE:
+            # Storage is full: nothing partial was kept (uploads write to temporary files
+            # that are removed on failure), and the client may retry later.
+            log.error(
+                "storage full on %s %s (request %s)", request.method, request.path, request_id
+            )
+            body = error_body(
+                "insufficient_storage",
+                "The platform's storage is full; nothing was stored. Retry later.",
+                field=None,
+                detail=None,
+                request_id=request_id,
+            )
+            response = JsonResponse(body, status=507)
+            response["Retry-After"] = "60"
+            return response
         if isinstance(exception, RequestDataTooBig):
             limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
             body = error_body(

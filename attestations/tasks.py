@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 
 from celery import Task, shared_task
+from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError
 from kombu.exceptions import OperationalError as KombuOperationalError
 
-from attestations.models import Challenge, Proof, WorkerHeartbeat
+from attestations.models import Challenge, Proof, ProofStatus, WorkerHeartbeat
 
 log = logging.getLogger(__name__)
+
+
+#: Errors a retry may cure: the database, the broker or the disk were briefly unavailable.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    KombuOperationalError,
+    OSError,
+)
 
 
 @shared_task(name="attestations.tasks.heartbeat", acks_late=True, reject_on_worker_lost=True)
@@ -23,20 +35,42 @@ def heartbeat(token: str) -> str:
     return row.hostname
 
 
-@shared_task(name="attestations.tasks.ingest_proof", acks_late=True, reject_on_worker_lost=True)
-def ingest_proof(proof_id: int) -> str | None:
+@shared_task(
+    bind=True,
+    name="attestations.tasks.ingest_proof",
+    acks_late=True,
+    reject_on_worker_lost=True,
+    max_retries=30,
+)
+def ingest_proof(self: Task, proof_id: int) -> str | None:  # type: ignore[type-arg]
     """Verify a filed transcript and record the verdict.
 
     Idempotent: the proof is claimed with a conditional update (pending -> verifying), so
-    a redelivered message, or a second worker, finds nothing to do and returns None.
+    a redelivered message, or a second worker, finds nothing to do and returns None. A
+    claim held by a worker that may have died (killed mid-task: the broker redelivers the
+    message at once) is looked at again once it is stale, so the proof is never left
+    ``verifying``. Transient errors (database, broker, disk) retry with backoff.
 
     Returns:
         The proof's final status, or None when another worker owns it.
     """
-    if not Proof.claim(proof_id):
-        return None
-    proof = Proof.objects.select_related("experiment__owner", "transcript").get(pk=proof_id)
-    proof.verify()
+    try:
+        if not Proof.claim(proof_id):
+            held = Proof.objects.filter(pk=proof_id, status=ProofStatus.VERIFYING).exists()
+            if held and self.request.retries < (self.max_retries or 0):
+                raise self.retry(countdown=int(settings.CELERY_TASK_TIME_LIMIT) + 1)
+            return None
+        proof = Proof.objects.select_related("experiment__owner", "transcript").get(pk=proof_id)
+        proof.verify()
+    except TRANSIENT_ERRORS as error:
+        with contextlib.suppress(*TRANSIENT_ERRORS):
+            Proof.objects.filter(pk=proof_id, status=ProofStatus.VERIFYING).update(
+                status=ProofStatus.PENDING
+            )
+        raise self.retry(
+            exc=error,  # type: ignore[arg-type]
+            countdown=min(60, 2 ** (self.request.retries + 1)),
+        ) from error
     return proof.status
 
 
@@ -49,16 +83,6 @@ def expire_uploads() -> int:
     from attestations import uploads
 
     return uploads.expire_stale()
-
-
-#: Errors a retry may cure: the database, the broker or the disk were briefly unavailable.
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
-    DatabaseError,
-    InterfaceError,
-    OperationalError,
-    KombuOperationalError,
-    OSError,
-)
 
 
 @shared_task(

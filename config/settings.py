@@ -129,7 +129,13 @@ CELERY_TASK_EAGER_PROPAGATES = True
 # worker while the first still holds it, so the visibility timeout exceeds the hard limit.
 CELERY_TASK_TIME_LIMIT = envint("DVBENCH_TASK_TIME_LIMIT", 3600, minimum=10)
 CELERY_TASK_SOFT_TIME_LIMIT = max(5, CELERY_TASK_TIME_LIMIT - 60)
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": CELERY_TASK_TIME_LIMIT * 2}
+# A message a killed worker held comes back after the visibility timeout; every worker
+# sweeps for such messages every few seconds (kombu's default is ~100 s between scans).
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "visibility_timeout": CELERY_TASK_TIME_LIMIT * 2,
+    "unacked_restore_interval": max(1, min(10, CELERY_TASK_TIME_LIMIT // 4)),
+    "unacked_restore_throttle": 1,
+}
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_ACKS_LATE = False  # opted into per task, only where the task is idempotent
 CELERY_TASK_REJECT_ON_WORKER_LOST = False
