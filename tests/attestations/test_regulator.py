@@ -260,3 +260,18 @@ def test_a_search_page_costs_the_same_queries_for_one_or_many_certificates(
     for seed in (1, 2, 3):
         certify(new_proof(world.other if seed % 2 else world.experiment, seed=seed))
     assert queries() == one
+
+
+def test_pages_hold_every_certificate_once_when_many_share_a_second(world: World, api: Api) -> None:
+    from tests.attestations.test_translog import _issue_many
+
+    issued = {certificate.pk for certificate in _issue_many(world, 11)}
+    client = api("carol")
+    seen: list[int] = []
+    page = client.get("/api/v1/certificates/", {"page_size": 3}).json()
+    while True:
+        seen.extend(item["id"] for item in page["results"])
+        if page["next"] is None:
+            break
+        page = client.get(page["next"]).json()
+    assert sorted(seen) == sorted(issued)
