@@ -55,7 +55,7 @@ def test_it_serves_the_platform_and_health_answers_ok(tmp_path: Path) -> None:
     }
     environment.update(DVBENCH_DATA_DIR=str(tmp_path), PYTHONUNBUFFERED="1")
     server = subprocess.Popen(
-        [sys.executable, "manage.py", "demo", "--port", "0"],
+        [sys.executable, "manage.py", "demo", "--port", "0", "--no-flow"],
         cwd=REPO_ROOT,
         env=environment,
         stdout=subprocess.PIPE,

@@ -11,7 +11,9 @@ the JAX half of ``./scripts/demo``; run it on its own against any platform::
 The experiment is registered on first use with the default spec (nothing declared);
 register it first with declared limits (``dvbench experiments create NAME --spec FILE``)
 to have them checked. With ``DVBENCH_MODE=offline`` nothing is sent: the proof stays on
-disk and ``dvbench sync`` uploads it later. Knobs: ``DIGITS_STEPS`` (default 60),
+disk and ``dvbench sync`` uploads it later. Knobs: ``DIGITS_PROOF_DIR`` (keep
+the proof there, e.g. to check a report's transcript digest later; default: a temporary
+directory removed once uploaded), ``DIGITS_STEPS`` (default 60),
 ``DIGITS_BATCH`` (rows per step, default 50). The last line printed is JSON (proof id,
 test accuracy, steps) for scripts that drive this one.
 """
@@ -73,7 +75,12 @@ config = zkdv.ZKDVConfig(
     sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.1),
 )
 # A replay snapshot every 10 steps: a challenged step replays at most 9 transitions.
-proof = experiment.proof(backend="jax", config=config, replay_snapshot_interval=10)
+proof = experiment.proof(
+    backend="jax",
+    config=config,
+    path=os.environ.get("DIGITS_PROOF_DIR"),
+    replay_snapshot_interval=10,
+)
 proof.start(rolling_window=4, probe_ratio=0.25)
 
 model = DigitClassifier()

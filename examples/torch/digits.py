@@ -11,7 +11,9 @@ shipped inside the package, so nothing is downloaded)::
 Runs on CUDA when there is a device, else on the CPU. Without ``ZKDV_TORCH_PROGRAM``
 the first transaction seals an AOT Inductor package (a cold compile takes 40-60 s on two
 CPU cores); ``torch.export`` seals a serialized exported program in about a second,
-replayed by Torch's eager kernels. Knobs: ``DIGITS_STEPS`` (default 60),
+replayed by Torch's eager kernels. Knobs: ``DIGITS_PROOF_DIR`` (keep
+the proof there, e.g. to check a report's transcript digest later; default: a temporary
+directory removed once uploaded), ``DIGITS_STEPS`` (default 60),
 ``DIGITS_BATCH`` (rows per step, default 50). The last line printed is JSON (proof id,
 test accuracy, steps) for scripts that drive this one.
 """
@@ -60,7 +62,12 @@ config = zkdv.ZKDVConfig(
     sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.1),
 )
 # A replay snapshot every 10 steps: a challenged step replays at most 9 transitions.
-proof = experiment.proof(backend="torch", config=config, replay_snapshot_interval=10)
+proof = experiment.proof(
+    backend="torch",
+    config=config,
+    path=os.environ.get("DIGITS_PROOF_DIR"),
+    replay_snapshot_interval=10,
+)
 proof.start(rolling_window=4, probe_ratio=0.25)
 
 torch.manual_seed(0)

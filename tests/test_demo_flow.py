@@ -1,0 +1,144 @@
+"""The README's first command, end to end, as a test: the flow ``./scripts/demo`` runs.
+
+The platform is a live server in this process; in CI (``DATABASE_URL`` and ``REDIS_URL``
+set) it writes to PostgreSQL and its tasks travel over Redis to a real Celery worker
+process, and on a laptop it runs on the embedded defaults with tasks in-process. The
+flow itself (:func:`attestations.demo_flow.run`) is exactly what the demo runs: the SDK
+in a separate training process, the REST API, and the ``dvbench`` CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attestations import demo_flow
+from attestations.demo_flow import Account, Outcome
+from tests.conftest import WorkerProcess, services_configured
+
+pytestmark = pytest.mark.slow
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEMO_TIMEOUT_SECONDS = 300
+
+
+def _accounts(data_dir: Path) -> dict[str, Account]:
+    from attestations.management.commands.demo import (
+        ensure_admin,
+        ensure_demo_accounts,
+        ensure_demo_organization,
+    )
+
+    admin = ensure_admin(data_dir)
+    ensure_demo_organization(admin[0])
+    return ensure_demo_accounts(data_dir, admin)
+
+
+def _run(url: str, tmp_path: Path) -> tuple[Outcome, list[str]]:
+    lines: list[str] = []
+
+    def write(line: str) -> None:
+        lines.append(line)
+        print(line)  # shown by pytest when the test fails
+
+    outcome = demo_flow.run(url, _accounts(tmp_path), tmp_path / "report", write=write)
+    return outcome, lines
+
+
+def _assert_complete(outcome: Outcome, lines: list[str]) -> None:
+    printed = "\n".join(lines)
+    assert outcome.failures == [], printed
+    assert outcome.unavailable == [], printed
+    assert outcome.status == "valid", printed
+    assert outcome.certificate == "PASSED", printed
+    assert outcome.verified is True, printed
+    # Eight numbered steps, 5 to 12, each with its timing.
+    assert [line.split("]")[0] for line in lines if line.startswith("[")] == [
+        f"[{n}/12" for n in range(5, 13)
+    ]
+    files = outcome.files
+    assert files["pdf"].read_bytes().startswith(b"%PDF-")
+    assert f"{outcome.proof_id}" in files["html"].read_text()
+    bundle = json.loads(files["bundle"].read_text())
+    assert bundle["envelope"]["payloadType"] == "application/vnd.in-toto+json"
+    # The model learned something real: far above the 10% of guessing.
+    assert outcome.accuracy is not None and outcome.accuracy > 0.5
+
+
+def _verify(bundle: Path, trust_root: Path, transcript: Path) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "dvbench._cli", "verify-report", str(bundle)]
+    command += ["--trust-root", str(trust_root), "--transcript", str(transcript)]
+    return subprocess.run(command, capture_output=True, text=True, check=False)
+
+
+def _assert_tampering_is_caught(outcome: Outcome, tmp_path: Path) -> None:
+    """The offline check is not a rubber stamp: another transcript fails it."""
+    other = tmp_path / "other.cborl"
+    transcript = outcome.report_dir / "proof" / "records.cborl"
+    data = bytearray(transcript.read_bytes())
+    data[-1] ^= 1
+    other.write_bytes(bytes(data))
+    files = outcome.files
+    checked = _verify(files["bundle"], files["trust root"], other)
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+
+
+@pytest.mark.services
+@pytest.mark.django_db(transaction=True)
+def test_the_demo_flow_passes_on_postgresql_redis_and_a_real_worker(
+    live_server: object, celery_worker_process: WorkerProcess, tmp_path: Path
+) -> None:
+    outcome, lines = _run(str(live_server.url), tmp_path)  # type: ignore[attr-defined]
+    _assert_complete(outcome, lines)
+    _assert_tampering_is_caught(outcome, tmp_path)
+    assert "replay_challenge" in celery_worker_process.log()
+
+
+def test_the_demo_command_runs_the_flow_on_embedded_defaults(tmp_path: Path) -> None:
+    """``manage.py demo --exit`` (what ./scripts/demo runs): SQLite, tasks in-process.
+
+    The real command in a subprocess, gunicorn included, on a data directory of its own,
+    rather than a live server in this process: the in-memory SQLite database of the
+    test run cannot take the SDK's concurrent uploads.
+    """
+    if services_configured():
+        pytest.skip("with services configured the real-worker test above runs this flow")
+    environment = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("DJANGO_", "DVBENCH_", "DATABASE_URL", "REDIS_URL"))
+    }
+    environment.update(DVBENCH_DATA_DIR=str(tmp_path / "data"), PYTHONUNBUFFERED="1")
+    report = tmp_path / "report"
+    finished = subprocess.run(
+        [sys.executable, "manage.py", "demo", "--port", "0", "--exit", "--report-dir", str(report)],
+        cwd=REPO_ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=DEMO_TIMEOUT_SECONDS,
+        check=False,
+    )
+    printed = finished.stdout + finished.stderr
+    assert finished.returncode == 0, printed
+    assert [
+        line.split("]")[0] for line in finished.stdout.splitlines() if line.startswith("[")
+    ] == [f"[{n}/12" for n in range(2, 13)], printed
+    assert (
+        "Demo complete: proof 1 of demo/digits-jax: valid, certificate PASSED, report verified offline"
+        in printed
+    )
+    assert "not available" not in printed
+    assert (report / "report.pdf").read_bytes().startswith(b"%PDF-")
+    assert (report / "report.html").stat().st_size > 0
+    accounts = json.loads((tmp_path / "data" / "demo-accounts.json").read_text())
+    assert sorted(accounts) == ["admin", "auditor", "regulator", "trainer"]
+    assert accounts["regulator"]["password"] in printed  # the credentials are printed
+    files = {"bundle": report / "bundle.json", "trust root": report / "trust-root.json"}
+    outcome = Outcome("demo/digits-jax", report, files=files)
+    _assert_tampering_is_caught(outcome, tmp_path)
