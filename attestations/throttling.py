@@ -146,9 +146,25 @@ class UploadRateThrottle(BaseThrottle):
 # --- API: API key failures --------------------------------------------------------------
 
 
+#: Addresses this process saw send a bad key, with the window it saw it in. Only those
+#: are checked against the shared counter, so a client that never fails costs no cache
+#: round trip per request; an address guessing keys fails on every worker soon enough.
+_suspects: dict[str, int] = {}
+_MAX_SUSPECTS = 10_000
+
+
+def _window(scope: str) -> int | None:
+    rate = configured_rate(scope)
+    return None if rate is None else int(time.time() // rate[1])
+
+
 def check_api_key_failures(request: Request) -> None:
     """Refuse (429) a client address that sent too many bad API keys recently."""
-    wait = FixedWindow("api_key_failures", str(client_ip(request.META))).exceeded()
+    ip = str(client_ip(request.META))
+    seen = _suspects.get(ip)
+    if seen is None or seen != _window("api_key_failures"):
+        return
+    wait = FixedWindow("api_key_failures", ip).exceeded()
     if wait is not None:
         raise exceptions.Throttled(
             wait=wait, detail=f"Too many failed API key attempts; retry in {wait} seconds."
@@ -156,7 +172,14 @@ def check_api_key_failures(request: Request) -> None:
 
 
 def count_api_key_failure(request: Request) -> None:
-    FixedWindow("api_key_failures", str(client_ip(request.META))).hit()
+    ip = str(client_ip(request.META))
+    window = _window("api_key_failures")
+    if window is None:
+        return
+    if len(_suspects) >= _MAX_SUSPECTS:
+        _suspects.clear()
+    _suspects[ip] = window
+    FixedWindow("api_key_failures", ip).hit()
 
 
 # --- Web: sign-in failures --------------------------------------------------------------

@@ -263,7 +263,7 @@ def test_api_keys_are_stored_as_sha256_only(world: World, api: Api) -> None:
 def test_api_keys_are_compared_in_constant_time(world: World, monkeypatch: Any) -> None:
     import hmac
 
-    from attestations import models
+    from attestations import authentication, models
 
     _, raw = ApiKey.issue(world.alice, "k")
     compared: list[tuple[str, str]] = []
@@ -273,12 +273,18 @@ def test_api_keys_are_compared_in_constant_time(world: World, monkeypatch: Any) 
         compared.append((a, b))
         return real(a, b)
 
+    # Both the model's check and the request path's (attestations/authentication.py).
     monkeypatch.setattr(models.hmac, "compare_digest", spy)
+    monkeypatch.setattr(authentication.hmac, "compare_digest", spy)
     forged = raw[:-1] + ("A" if raw[-1] != "A" else "B")
     assert ApiKey.authenticate(forged) is None
     assert ApiKey.authenticate(raw) is not None
-    # Both outcomes went through the constant-time comparison of the digests.
-    assert [len(a) for a, _ in compared] == [64, 64]
+    for key, status in ((forged, 401), (raw, 200)):
+        client = APIClient(REMOTE_ADDR=fresh_ip())
+        client.credentials(HTTP_AUTHORIZATION=f"Bearer {key}")
+        assert client.get("/api/v1/me/").status_code == status
+    # Every outcome went through the constant-time comparison of the 64-hex digests.
+    assert [len(a) for a, _ in compared] == [64, 64, 64, 64]
 
 
 # --- Audit trail --------------------------------------------------------------------------
