@@ -228,7 +228,7 @@ class Flow:
         limits = ", ".join(
             f"{key} {spec[key]}" for key in ("max_flops", "max_tokens", "max_gpu_hours")
         )
-        self.steps.note(f"{name} (as {self.accounts['trainer'].username}, the trainer)")
+        self.steps.note(f"{name}, registered by user {self.accounts['trainer'].username!r}")
         self.steps.note(f"declared: {limits}, regimes {spec['allowed_regimes']}")
         self.steps.note(f"spec digest {experiment.spec_digest}")
 
@@ -276,7 +276,9 @@ class Flow:
             self.steps.note(line)
         if self.outcome.proof_id is None:
             raise StepFailedError("the training run filed no proof (see the log)")
-        self.steps.note(f"proof {self.outcome.proof_id} filed: {self.base_url}/proofs/")
+        self.steps.note(
+            f"proof {self.outcome.proof_id} filed: {self.base_url}/proofs/{self.outcome.proof_id}/"
+        )
 
     # --- 7: structural verification -----------------------------------------------------
     def _proof(self) -> dict[str, Any]:
@@ -413,9 +415,12 @@ class Flow:
         folder, proof = self.outcome.report_dir, self.outcome.proof_id
         bundle, trust_root = folder / "bundle.json", folder / "trust-root.json"
         # The auditor's download, with the CLI: the bundle and the trust root to pin.
-        command = ("download-report", str(proof), "-o", str(bundle), "--trust-root-out")
+        # Run in the report folder with relative names: the line shown can be pasted.
+        command: tuple[str, ...] = ("download-report", str(proof), "-o", bundle.name)
+        command += ("--trust-root-out", trust_root.name)
         downloaded = subprocess.run(
-            _dvbench(*command, str(trust_root)),
+            _dvbench(*command),
+            cwd=folder,
             env={
                 **self.environment,
                 "DVBENCH_BASE_URL": self.base_url,
@@ -431,7 +436,7 @@ class Flow:
             raise StepUnavailableError(output)
         if downloaded.returncode != 0:
             raise StepFailedError(f"dvbench download-report: {output}")
-        self.steps.note(f"$ dvbench {' '.join(command)} trust-root.json")
+        self.steps.note(f"$ cd {folder} && dvbench {' '.join(command)}")
         self.outcome.files.update({"bundle": bundle, "trust root": trust_root})
         for what, path, filename in (
             ("html", f"proofs/{proof}/report.html", "report.html"),
@@ -452,13 +457,14 @@ class Flow:
         files = self.outcome.files
         if "bundle" not in files or "trust root" not in files:
             raise StepUnavailableError("offline verification needs the bundle and the trust root")
+        folder = self.outcome.report_dir
         arguments = (
             "verify-report",
-            str(files["bundle"]),
+            str(files["bundle"].relative_to(folder)),
             "--trust-root",
-            str(files["trust root"]),
+            str(files["trust root"].relative_to(folder)),
             "--transcript",
-            str(self.proof_dir / "records.cborl"),
+            str((self.proof_dir / "records.cborl").relative_to(folder)),
         )
         command = _dvbench(*arguments)
         # No platform address in its environment: the check uses local files only.
@@ -466,7 +472,13 @@ class Flow:
             key: value for key, value in self.environment.items() if not key.startswith("DVBENCH_")
         }
         checked = subprocess.run(
-            command, env=environment, capture_output=True, text=True, timeout=120, check=False
+            command,
+            cwd=folder,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
         )
         output = (checked.stdout + checked.stderr).strip()
         if checked.returncode == 2 and "not available in this installation" in output:

@@ -81,3 +81,80 @@ def test_it_serves_the_platform_and_health_answers_ok(tmp_path: Path) -> None:
     finally:
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=30) == 0
+
+
+@pytest.mark.django_db
+def test_it_registers_the_demo_accounts_with_working_keys_and_keeps_them(tmp_path: Path) -> None:
+    from attestations.management.commands.demo import (
+        ensure_admin,
+        ensure_demo_accounts,
+        ensure_demo_organization,
+    )
+    from attestations.models import Access, ApiKey
+
+    admin = ensure_admin(tmp_path)
+    ensure_demo_organization(admin[0])
+    first = ensure_demo_accounts(tmp_path, admin)
+    second = ensure_demo_accounts(tmp_path, admin)
+
+    assert first == second  # a rerun prints the same credentials
+    assert {role: (a.username, a.organization) for role, a in first.items()} == {
+        "trainer": ("trainer", "demo"),
+        "auditor": ("auditor", "demo"),
+        "regulator": ("regulator", "agency"),
+        "admin": ("admin", "demo"),
+    }
+    for account in first.values():
+        key = ApiKey.authenticate(account.api_key)
+        assert key is not None and key.user.get_username() == account.username
+        assert key.user.check_password(account.password)
+    regulator = ApiKey.authenticate(first["regulator"].api_key)
+    assert regulator is not None and Access.for_user(regulator.user).is_regulator
+    assert (tmp_path / "demo-accounts.json").stat().st_mode & 0o077 == 0
+
+    # A revoked key is replaced by a working one, and the file follows.
+    revoked = ApiKey.authenticate(first["auditor"].api_key)
+    assert revoked is not None
+    revoked.revoke()
+    third = ensure_demo_accounts(tmp_path, admin)
+    assert third["auditor"].api_key != first["auditor"].api_key
+    assert ApiKey.authenticate(third["auditor"].api_key) is not None
+    stored = json.loads((tmp_path / "demo-accounts.json").read_text())
+    assert stored["auditor"]["api_key"] == third["auditor"].api_key
+
+
+def test_a_second_demo_on_the_same_data_directory_is_refused(
+    settings: object, tmp_path: Path
+) -> None:
+    from django.core.management.base import CommandError
+
+    settings.DVBENCH = {**settings.DVBENCH, "DATA_DIR": tmp_path}  # type: ignore[attr-defined]
+    earlier = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / "demo.json").write_text(
+            json.dumps({"pid": earlier.pid, "url": "http://127.0.0.1:8000"})
+        )
+        with pytest.raises(
+            CommandError, match=rf"earlier demo is still running \(pid {earlier.pid}"
+        ):
+            call_command("demo", "--port", "0")
+    finally:
+        earlier.kill()
+        earlier.wait()
+    # Once that process is gone, its record no longer blocks anything.
+    from attestations.management.commands.demo import refuse_second_demo
+
+    refuse_second_demo(tmp_path)
+
+
+def test_a_taken_port_is_replaced_by_a_free_one() -> None:
+    import socket
+
+    from attestations.management.commands.demo import free_port
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        chosen = free_port("127.0.0.1", taken)
+    assert chosen != taken and chosen > 0

@@ -67,15 +67,6 @@ class StopDemoError(Exception):
     """Ctrl-C or SIGTERM while the flow runs: stop it and the server."""
 
 
-def port_is_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def free_port(host: str, preferred: int) -> int:
     """Return ``preferred`` if it can be bound on ``host``, else a port the OS picks."""
     for port in (preferred, 0) if preferred else (0,):
@@ -237,9 +228,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def single_demo(data_dir: Path, url: str) -> Iterator[None]:
-    """Refuse to start a second demo on the same data directory; record this one.
+def refuse_second_demo(data_dir: Path) -> None:
+    """Fail, saying what to do, when a demo is already running on ``data_dir``.
 
     Two servers on one SQLite file and one report folder would trip over each other,
     and the second would print credentials for a platform the person is not looking at.
@@ -257,6 +247,13 @@ def single_demo(data_dir: Path, url: str) -> Iterator[None]:
             f"terminal, or `kill {pid}`) and run the demo again; or give this one its own "
             "DVBENCH_DATA_DIR."
         )
+
+
+@contextlib.contextmanager
+def single_demo(data_dir: Path, url: str) -> Iterator[None]:
+    """Record this demo (pid and URL) for :func:`refuse_second_demo`, while it runs."""
+    refuse_second_demo(data_dir)
+    path = data_dir / PID_FILE
     path.write_text(json.dumps({"pid": os.getpid(), "url": url}))
     try:
         yield
@@ -312,6 +309,8 @@ class Command(BaseCommand):
             self.prepare(data_dir)
             return
         host, preferred = options["host"], options["port"]
+        # Before the port: a taken port is most often the earlier demo itself.
+        refuse_second_demo(data_dir)
         port = free_port(host, preferred)
         if preferred and port != preferred:
             self.stdout.write(
