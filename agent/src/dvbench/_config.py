@@ -70,6 +70,12 @@ class Settings:
             training (``DVBENCH_UPLOAD_INTERVAL``).
         concurrency: files uploaded at once (``DVBENCH_UPLOAD_CONCURRENCY``).
         mode: ``online`` or ``offline`` (``DVBENCH_MODE``).
+        upload_files: which snapshot and batch files leave the lab
+            (``DVBENCH_UPLOAD_FILES``): ``challenged`` (default) sends only those the
+            platform's challenges ask for, after the transcript is filed; ``all`` sends
+            every one, in the background while training.
+        challenge_wait: seconds to wait for the platform to verify the transcript and
+            draw its challenges before answering them (``DVBENCH_CHALLENGE_WAIT``).
     """
 
     timeout: float = 60.0
@@ -81,6 +87,8 @@ class Settings:
     scan_interval: float = 5.0
     concurrency: int = 4
     mode: str = "online"
+    upload_files: str = "challenged"
+    challenge_wait: float = 600.0
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -99,11 +107,25 @@ class Settings:
             scan_interval=_env_float("DVBENCH_UPLOAD_INTERVAL", cls.scan_interval, minimum=0.01),
             concurrency=_env_int("DVBENCH_UPLOAD_CONCURRENCY", cls.concurrency, minimum=1),
             mode=mode,
+            upload_files=_upload_files(),
+            challenge_wait=_env_float("DVBENCH_CHALLENGE_WAIT", cls.challenge_wait, minimum=0.0),
         )
 
     @property
     def offline(self) -> bool:
         return self.mode == "offline"
+
+
+UPLOAD_FILES = ("challenged", "all")
+
+
+def _upload_files() -> str:
+    value = os.environ.get("DVBENCH_UPLOAD_FILES", "challenged").strip().lower() or "challenged"
+    if value not in UPLOAD_FILES:
+        raise ConfigurationError(
+            f"DVBENCH_UPLOAD_FILES={value!r} must be one of {', '.join(UPLOAD_FILES)}"
+        )
+    return value
 
 
 def config_dir() -> Path:

@@ -17,6 +17,14 @@ connection or a killed process loses at most one part:
    filed; then the proof's artifact list is attached
    (``POST /api/v1/proofs/<id>/artifacts/``).
 
+Which snapshot and batch files leave the lab is ``DVBENCH_UPLOAD_FILES``: with
+``challenged`` (the default) none is sent while training; once the transcript is filed
+the uploader waits for the platform to verify it and draw its challenges
+(``GET /api/v1/proofs/<id>/challenges/?status=pending``), then sends only the files
+those challenges name, and attaches them. The platform's replays need nothing else, so
+the rest of the weights and data never leave. With ``all`` every file is sent, in the
+background while training, as before.
+
 ``dvbench sync DIR`` runs the same steps on a directory left by offline mode or by an
 interrupted process.
 """
@@ -238,6 +246,7 @@ class SyncResult:
     attached: bool | None = None
     files_uploaded: int = 0
     files_deduplicated: int = 0
+    challenged_files: int | None = None
     bytes_sent: int = 0
     bytes_deduplicated: int = 0
     bytes_resumed: int = 0
@@ -260,6 +269,8 @@ class SyncResult:
             )
         if self.bytes_resumed:
             text += f"; resumed {format_bytes(self.bytes_resumed)}"
+        if self.challenged_files is not None:
+            text += f"; answered challenges with {self.challenged_files} file(s)"
         if self.proof_id is not None:
             text += f"; proof {self.proof_id}"
             if self.proof_url:
@@ -310,6 +321,11 @@ class Uploader:
         self._inflight: dict[tuple[str, str], threading.Event] = {}
         self._result = SyncResult(self.directory, manifest.experiment)
 
+    @property
+    def challenged_only(self) -> bool:
+        """Whether only the files the platform's challenges ask for are sent."""
+        return str(getattr(self.client.settings, "upload_files", "all")) == "challenged"
+
     # --- discovery ----------------------------------------------------------------------
     def scan(self, *, final: bool) -> list[str]:
         """Files to consider, in upload order: ``files/`` first, the transcript last.
@@ -322,6 +338,8 @@ class Uploader:
         files_dir = self.directory / "files"
         if files_dir.is_dir():
             found += sorted(f"files/{p.name}" for p in files_dir.iterdir() if p.is_file())
+        if self.challenged_only:
+            found = []  # sent when, and only if, a challenge asks for them
         if final:
             found += sorted(
                 p.name for p in self.directory.iterdir() if p.is_file() and p.name != TRANSCRIPT
@@ -568,9 +586,11 @@ class Uploader:
                 proof = entry.get("proof")
                 self.manifest.update(proof=proof)
                 self._result.proof_id = int(proof) if proof is not None else None
+                answered = self._answer() if self.challenged_only else True
                 self._attach()
-                self._result.complete = True
-                self.manifest.update(synced=_now())
+                self._result.complete = answered
+                if answered:
+                    self.manifest.update(synced=_now())
             self._result.attached = (
                 self.manifest.data.get("attached") is True
                 if self.manifest.data.get("attached") is not None
@@ -621,19 +641,90 @@ class Uploader:
             )
         self.manifest.update(experiment_checked=True)
 
+    def _wait_for_challenges(self, proof: int) -> str:
+        """Poll the proof until the platform has verified it; its status then."""
+        deadline = time.monotonic() + float(getattr(self.client.settings, "challenge_wait", 0))
+        pause = 0.2
+        while True:
+            status = str(self.client.get_proof(proof).get("status"))
+            if status not in ("pending", "verifying") or time.monotonic() >= deadline:
+                return status
+            time.sleep(pause)
+            pause = min(pause * 1.5, 2.0)
+
+    def _answer(self) -> bool:
+        """Send the files the proof's pending challenges need; False if not yet drawn.
+
+        Returns:
+            True when there is nothing (more) to answer: the challenges' files are sent,
+            or the proof has no challenges (no program to replay, or already final).
+        """
+        proof = self.manifest.data.get("proof")
+        if proof is None:
+            return False
+        status = self._wait_for_challenges(int(proof))
+        if status in ("pending", "verifying"):
+            note = (
+                f"proof {proof} is still {status}: its challenges are not drawn yet; "
+                f"run `dvbench sync {self.directory}` later to answer them"
+            )
+            log.warning("dvbench: %s", note)
+            self._result.notes.append(note)
+            return False
+        if status != "challenged":
+            return True
+        needed: set[str] = set()
+        for challenge in self.client.paginate(
+            f"proofs/{int(proof)}/challenges/", {"status": "pending"}
+        ):
+            needed.update(str(name) for name in challenge.get("needed_files") or [])
+        missing = sorted(name for name in needed if not (self.directory / name).is_file())
+        if missing:
+            raise UploadError(
+                f"the platform's challenges of proof {proof} need {', '.join(missing)}, which "
+                f"{self.directory} does not hold; unanswered, the challenges expire and the "
+                "proof is rejected",
+                directory=str(self.directory),
+            )
+        names = sorted(name for name in needed if kind_of(name) is not None)
+        self._result.challenged_files = len(names)
+        if names:
+            self.progress.total = (self.progress.total or 0) + sum(
+                (self.directory / name).stat().st_size for name in names
+            )
+            self.known()
+            self._upload_all(names)
+        return True
+
     def _attach(self) -> None:
-        """List the proof's files on the platform, so its replays can find them."""
+        """List the proof's files on the platform, so its replays can find them.
+
+        Sends the files not attached yet (the manifest's ``attached_files``); attaching
+        is idempotent on the platform, so a retry after a lost answer is harmless.
+        """
         data = self.manifest.data
         proof = data.get("proof")
-        if proof is None or data.get("attached") is True:
+        if proof is None or data.get("attached") in ("unsupported", "final"):
             return
+        done = set(data.get("attached_files") or [])
         files = [
             {"name": name, "kind": e["kind"], "sha256": e["sha256"], "size": e["size"]}
             for name, e in sorted(self.manifest.files.items())
-            if e.get("status") in ("complete", "deduplicated") and e.get("kind") != "transcript"
+            if e.get("status") in ("complete", "deduplicated")
+            and e.get("kind") != "transcript"
+            and name not in done
         ]
+        if not files and data.get("attached") is True:
+            return
         try:
             self.client.post(f"proofs/{int(proof)}/artifacts/", {"files": files})
+        except ConflictError as error:
+            if error.code != "proof_final":
+                raise
+            # The verdict is in (a proof with nothing to replay is final at ingest):
+            # its files no longer matter, and they are stored all the same.
+            self.manifest.update(attached="final")
+            return
         except APIError as error:
             # The proof was just filed, so a 404 or 405 means a platform without the
             # route: the files are uploaded and content-addressed all the same.
@@ -643,7 +734,9 @@ class Uploader:
                 self.manifest.update(attached="unsupported")
                 return
             raise
-        self.manifest.update(attached=True)
+        self.manifest.update(
+            attached=True, attached_files=sorted(done | {str(f["name"]) for f in files})
+        )
 
 
 def release(directory: Path) -> None:

@@ -42,6 +42,9 @@ def _isolated_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     # at a time. The concurrent uploader is tested through a proxy that serialises
     # requests (test_sdk_upload.py).
     monkeypatch.setenv("DVBENCH_UPLOAD_CONCURRENCY", "1")
+    # These tests exercise the upload machinery on every file of a proof directory; the
+    # default (only the files the platform's challenges ask for) is tested apart.
+    monkeypatch.setenv("DVBENCH_UPLOAD_FILES", "all")
 
 
 @dataclass
