@@ -18,12 +18,14 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_http_methods, require_POST
 
+from attestations import replay
 from attestations.forms import ApiKeyForm, ExperimentForm, MemberForm, SpecForm
 from attestations.models import (
     Access,
     ApiKey,
     AuditEvent,
     Capability,
+    Challenge,
     Experiment,
     Job,
     Membership,
@@ -92,7 +94,13 @@ def experiment_list(request: HttpRequest) -> HttpResponse:
             rejected=Count("proofs", filter=Q(proofs__status=ProofStatus.REJECTED)),
             pending=Count(
                 "proofs",
-                filter=Q(proofs__status__in=[ProofStatus.PENDING, ProofStatus.VERIFYING]),
+                filter=Q(
+                    proofs__status__in=[
+                        ProofStatus.PENDING,
+                        ProofStatus.VERIFYING,
+                        ProofStatus.CHALLENGED,
+                    ]
+                ),
             ),
         )
     )
@@ -217,7 +225,10 @@ def proof_detail(request: HttpRequest, pk: int) -> HttpResponse:
         ),
         pk=pk,
     )
+    if replay.expire_if_due(proof):
+        proof.refresh_from_db()
     job = Job.objects.filter(proof=proof).order_by("-created").first()
+    challenges = list(proof.challenges.order_by("step", "through"))
     return render(
         request,
         "attestations/proof_detail.html",
@@ -226,8 +237,46 @@ def proof_detail(request: HttpRequest, pk: int) -> HttpResponse:
             "experiment": proof.experiment,
             "job": job,
             "can_artifacts": access.can(Capability.ARTIFACTS, proof.experiment.owner_id),
+            "challenges": challenges,
+            "timeline": challenge_timeline(proof, challenges),
         },
     )
+
+
+def challenge_timeline(proof: Proof, challenges: list[Challenge]) -> dict[str, Any]:
+    """Positions (0-1000 SVG units) and counts for the proof page's challenge timeline."""
+    report = proof.report or {}
+    last = max(proof.steps - 1, 1)
+
+    def x(step: int) -> str:
+        return f"{10 + 980 * min(step, last) / last:.1f}"
+
+    counts = {key: 0 for key in ("passed", "failed", "expired", "error", "open")}
+    marks = []
+    for challenge in challenges:
+        counts[challenge.status if challenge.is_final else "open"] += 1
+        evidence = (challenge.evidence or {}).get("evidence") or []
+        challenge.exact = bool(evidence) and all(e.get("exact") for e in evidence)  # type: ignore[attr-defined]
+        marks.append(
+            {
+                "x": x(challenge.step),
+                "step": challenge.step,
+                "status": challenge.status,
+                "reason": challenge.reason,
+            }
+        )
+    done = sum(c.steps_total for c in challenges if c.is_final)
+    total = sum(c.steps_total for c in challenges)
+    return {
+        "last": max(proof.steps - 1, 0),
+        "snapshots": [x(int(s)) for s in report.get("snapshots") or []],
+        "self_checks": [{"x": x(int(s)), "step": int(s)} for s in report.get("sampled") or []],
+        "challenges": marks,
+        "counts": counts,
+        "steps_done": done,
+        "steps_total": total,
+        "done_percent": round(100 * done / total) if total else 0,
+    }
 
 
 @never_cache

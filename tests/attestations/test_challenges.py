@@ -234,3 +234,37 @@ def test_the_periodic_expiry_rejects_an_unanswered_proof(
     assert proof.field == "challenges.step[0]" and proof.revealed_seed
     assert set(proof.challenges.values_list("status", flat=True)) == {ChallengeStatus.EXPIRED}
     assert expire_challenges() == 0
+
+
+def test_the_proof_page_shows_challenges_and_a_timeline(
+    filed: tuple[APIClient, Proof, Path], django_capture_on_commit_callbacks: Any
+) -> None:
+    from django.test import Client as PageClient
+
+    client, proof, run = filed
+    acme = Organization.objects.get(slug=ORG)
+    auditor = User.objects.create_user("bob", "bob@example.org", "x" * 20)
+    Membership.objects.create(user=auditor, organization=acme, role=Role.AUDITOR)
+    page = PageClient()
+    page.force_login(auditor)
+    html = page.get(f"/proofs/{proof.pk}/").content.decode()
+    assert 'http-equiv="refresh"' in html  # not final: the page refreshes itself
+    assert "Replaying challenged steps" in html
+    assert html.count('class="c-pending"') == 8
+    genesis = Challenge.objects.get(proof=proof, step=0)
+    with django_capture_on_commit_callbacks(execute=True):
+        client.post(
+            f"/api/v1/proofs/{proof.pk}/artifacts/",
+            {"files": _send(client, run, genesis.needed_files)},
+            format="json",
+        )
+    html = page.get(f"/proofs/{proof.pk}/").content.decode()
+    assert "<title>step 0: passed</title>" in html
+    assert html.count('class="c-pending"') == 7
+    assert 'id="challenge-0"' in html and "bit for bit" in html
+    Proof.objects.filter(pk=proof.pk).update(challenge_deadline=proof.created)
+    html = page.get(f"/proofs/{proof.pk}/").content.decode()
+    assert 'http-equiv="refresh"' not in html
+    assert "Rejected: <code>challenge_expired</code>" in html
+    assert "<title>step 1: expired (challenge_expired)</title>" in html
+    assert proof.challenge_seed in html  # revealed with the verdict
