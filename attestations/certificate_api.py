@@ -401,7 +401,9 @@ class ProofBundleView(APIView):
 
 
 class CertificatePage(CursorPage):
-    ordering = "-issued"
+    # Many certificates can share a second; the id makes the order total, so the
+    # cursor's offset within one second always counts the same rows.
+    ordering = ("-issued", "-id")  # type: ignore[assignment]
 
 
 class CertificateList(generics.ListAPIView[Certificate]):
