@@ -15,8 +15,6 @@ CLI command that is not installed) is reported as not available, never imitated.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -124,26 +122,14 @@ def experiment_name(framework: str) -> str:
     return f"demo/digits-{framework}"
 
 
-def dataset_commitment() -> str:
-    """SHA-256 of the digits data file inside scikit-learn: the declared data set.
-
-    Found without importing scikit-learn (a second of start-up the demo does not need).
-    """
-    found = importlib.util.find_spec("sklearn")
-    if found is None or found.origin is None:
-        raise StepFailedError("scikit-learn is not installed; run ./scripts/bootstrap")
-    data = Path(found.origin).parent / "datasets" / "data" / "digits.csv.gz"
-    return hashlib.sha256(data.read_bytes()).hexdigest()
-
-
-def declared_spec(framework: str) -> dict[str, Any]:
+def declared_spec(framework: str, dataset_commitment: str) -> dict[str, Any]:
     """The experiment's spec: what the run is, and the limits it declares in advance."""
     model = "2-layer perceptron 64-32-10 (ReLU), handwritten digits 0-9"
     return {
         "framework": framework,
         "model_description": model,
         "optimizer": "Adam(lr=0.01), 60 steps of 50 examples",
-        "dataset_commitment": dataset_commitment(),
+        "dataset_commitment": dataset_commitment,
         "max_flops": 10**9,
         "max_tokens": 10**6,
         "max_gpu_hours": 0.1,
@@ -218,8 +204,31 @@ class Flow:
             client.close()
 
     # --- 5: experiment ------------------------------------------------------------------
+    def _example(self) -> Path:
+        return REPO_ROOT / "examples" / self.framework / "digits.py"
+
+    def dataset_commitment(self) -> str:
+        """What the trainer declares for its data: the example computes it, as a lab would."""
+        computed = subprocess.run(
+            [sys.executable, str(self._example()), "--dataset-commitment"],
+            cwd=REPO_ROOT,
+            env=self.environment,
+            capture_output=True,
+            text=True,
+            timeout=TRAIN_TIMEOUT,
+            check=False,
+        )
+        lines = computed.stdout.split()
+        if computed.returncode != 0 or not lines:
+            raise StepFailedError(
+                f"{self._example().name} --dataset-commitment exited with status "
+                f"{computed.returncode}: {computed.stderr.strip()[-2000:]}"
+            )
+        return lines[-1]
+
     def register_experiment(self) -> None:
-        name, spec = self.outcome.experiment, declared_spec(self.framework)
+        name = self.outcome.experiment
+        spec = declared_spec(self.framework, self.dataset_commitment())
         client = self.clients["trainer"]
         experiment = client.experiment(name, spec=spec)
         if experiment.spec_digest != spec_digest(name, spec):
@@ -231,11 +240,12 @@ class Flow:
         )
         self.steps.note(f"{name}, registered by user {self.accounts['trainer'].username!r}")
         self.steps.note(f"declared: {limits}, regimes {spec['allowed_regimes']}")
+        self.steps.note(f"dataset commitment {spec['dataset_commitment']} (batch roots, in order)")
         self.steps.note(f"spec digest {experiment.spec_digest}")
 
     # --- 6: training --------------------------------------------------------------------
     def train(self) -> None:
-        script = REPO_ROOT / "examples" / self.framework / "digits.py"
+        script = self._example()
         log_path = self.outcome.report_dir / "training.log"
         environment = {
             **self.environment,
@@ -407,6 +417,7 @@ class Flow:
             f"{certificate.get('flops'):,} FLOPs claimed, signed by key "
             f"{str(certificate.get('keyid'))[:16]}..., log entry {certificate.get('log_index')}"
         )
+        self.claims()
         # The regulator's view: found by searching, across organisations, by the API.
         found = self.clients["regulator"].get(
             "certificates/", params={"organization": "demo", "result": "PASSED"}
@@ -418,6 +429,24 @@ class Flow:
         )
         if certificate.get("id") not in ids:
             raise StepFailedError("the regulator's search does not list the certificate")
+
+    def claims(self) -> None:
+        """The claims the certificate carries, by evidence level, and the limits' fate."""
+        data = self.clients["auditor"].get(f"proofs/{self.outcome.proof_id}/claims/")
+        by_evidence: dict[str, list[str]] = {}
+        for claim in data.get("claims", []):
+            if claim.get("name") == "limit_violations":
+                continue  # the last line below
+            text = f"{claim.get('name')} {_claim_value(claim)}".rstrip()
+            by_evidence.setdefault(str(claim.get("evidence")), []).append(text)
+        for evidence, texts in by_evidence.items():
+            self.steps.note(f"{evidence.replace('_', ' ')}: {'; '.join(texts)}")
+        violations = data.get("violations") or []
+        self.steps.note(
+            "declared limits: all held"
+            if not violations
+            else "declared limits broken: " + "; ".join(str(v.get("message")) for v in violations)
+        )
 
     # --- 11: report ---------------------------------------------------------------------
     def report(self) -> None:
@@ -516,6 +545,30 @@ def _describe(challenges: list[dict[str, Any]]) -> str:
         f"{origin} {', '.join(labels[:6])}{f' (+{len(labels) - 6} more)' if len(labels) > 6 else ''}"
         for origin, labels in origins.items()
     )
+
+
+def _claim_value(claim: Mapping[str, Any]) -> str:
+    """A claim's value in a few words (digests shortened, dictionaries summarised)."""
+    value, name = claim.get("value"), claim.get("name")
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, str):
+        return f"{value[:12]}..." if len(value) > 16 else value
+    if isinstance(value, Mapping):
+        if "matches_declared" in value and name == "dataset_commitment":
+            return (
+                "matches the declared" if value["matches_declared"] else "differs from the declared"
+            )
+        if name == "optimizer":
+            same = " (as declared)" if value.get("matches_declared") else ""
+            return f"{value.get('family')}{same}"
+        if name == "regime":
+            return str(value.get("declared_by_trainer"))
+    return ""
 
 
 def _span(challenges: list[dict[str, Any]]) -> str:

@@ -16,10 +16,15 @@ the proof there, e.g. to check a report's transcript digest later; default: a te
 directory removed once uploaded), ``DIGITS_STEPS`` (default 60),
 ``DIGITS_BATCH`` (rows per step, default 50). The last line printed is JSON (proof id,
 test accuracy, steps) for scripts that drive this one.
+
+``python examples/torch/digits.py --dataset-commitment`` prints the data set commitment
+to declare in the experiment's spec and exits: the SHA-256 of the batch roots of the
+exact batches this run trains on, in step order (what the platform's dataset claim checks).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -31,13 +36,16 @@ from torch import nn
 from torch.nn import functional
 
 import zkdv
+import zkdv.batch
 from dvbench import Client
+from zkdv.torch.packing import BatchLayout
 
 EXPERIMENT = sys.argv[1] if len(sys.argv) > 1 else "your-name/digits-torch"
 STEPS = int(os.environ.get("DIGITS_STEPS", "60"))
 BATCH = int(os.environ.get("DIGITS_BATCH", "50"))
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PIXELS, CLASSES, HELD_OUT = 64, 10, 297
+ROLLING_WINDOW = 4
 
 
 def digit_tensors() -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
@@ -52,7 +60,28 @@ def digit_tensors() -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tens
     return (pixels[HELD_OUT:], labels[HELD_OUT:]), (pixels[:HELD_OUT], labels[:HELD_OUT])
 
 
+def batches(pixels: torch.Tensor, labels: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The batch of each step, in order: epochs over the fixed training split."""
+    per_epoch = len(labels) // BATCH
+    starts = [(step % per_epoch) * BATCH for step in range(STEPS)]
+    return [(pixels[i : i + BATCH], labels[i : i + BATCH]) for i in starts]
+
+
+def dataset_commitment(steps: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
+    """SHA-256 of the committed batch roots in step order, computed before training.
+
+    Each batch is packed into uint32 rows exactly as a transaction packs it
+    (zkdv.torch.packing) and committed with zkdv.batch.commit_batch.
+    """
+    layout = BatchLayout.of(steps[0], min_words=ROLLING_WINDOW)
+    roots = (zkdv.batch.commit_batch(layout.pack(b), ROLLING_WINDOW).root for b in steps)
+    return hashlib.sha256(b"".join(roots)).hexdigest()
+
+
 (train_pixels, train_labels), (test_pixels, test_labels) = digit_tensors()
+if "--dataset-commitment" in sys.argv:
+    print(dataset_commitment(batches(train_pixels, train_labels)))
+    sys.exit(0)
 
 # Connect, look up (or register) the experiment, make its proof: the zkdv.torch driver.
 client = Client()
@@ -68,7 +97,8 @@ proof = experiment.proof(
     path=os.environ.get("DIGITS_PROOF_DIR"),
     replay_snapshot_interval=10,
 )
-proof.start(rolling_window=4, probe_ratio=0.25)
+proof.start(rolling_window=ROLLING_WINDOW, probe_ratio=0.25)
+proof.declare_regime("pretraining")  # from scratch; checked against the spec's regimes
 
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(PIXELS, 32), nn.ReLU(), nn.Linear(32, CLASSES)).to(DEVICE)
@@ -86,11 +116,8 @@ def attested_step(model, optimizer, batch):
     optimizer.zero_grad()
 
 
-batches_per_epoch = len(train_labels) // BATCH
-for step in range(STEPS):
-    start = (step % batches_per_epoch) * BATCH
-    pixels = train_pixels[start : start + BATCH].to(DEVICE)
-    labels = train_labels[start : start + BATCH].to(DEVICE)
+for pixels, labels in batches(train_pixels, train_labels):
+    pixels, labels = pixels.to(DEVICE), labels.to(DEVICE)
     with proof.transaction(batch=(pixels, labels)):
         loss = functional.cross_entropy(model(pixels / 16.0), labels)
         proof.backward(loss)
