@@ -37,8 +37,11 @@ class QueryFilters(BaseFilterBackend):
             if value is None or value == "":
                 continue
             parsed: Any = value
+            if "\x00" in value:
+                # PostgreSQL text cannot hold NUL; the query would fail, not match nothing.
+                raise _invalid(param, "must not contain a NUL character", value)
             if choices is int:
-                if not value.isdigit():
+                if not (value.isascii() and value.isdigit()) or len(value) > 40:
                     raise _invalid(param, f"expected a whole number, got {value!r}", value)
             elif choices is datetime:
                 parsed = _moment(param, value)
@@ -103,4 +106,10 @@ def _moment(param: str, value: str) -> datetime:
         moment = None
     if moment is None:
         raise _invalid(param, f"expected an ISO 8601 date or date-time, got {value!r}", value)
-    return moment if timezone.is_aware(moment) else moment.replace(tzinfo=UTC)
+    if not timezone.is_aware(moment):
+        return moment.replace(tzinfo=UTC)
+    try:
+        # In UTC: PostgreSQL refuses offsets Python accepts (up to 24 h), e.g. -20:11.
+        return moment.astimezone(UTC)
+    except OverflowError:
+        raise _invalid(param, f"{value!r} is out of the representable range", value) from None
