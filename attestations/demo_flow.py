@@ -79,6 +79,8 @@ class Outcome:
     certificate: str | None = None
     verified: bool | None = None
     files: dict[str, Path] = field(default_factory=dict)
+    #: claim name -> evidence level, as the platform computed them
+    claims: dict[str, str] = field(default_factory=dict)
     unavailable: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
@@ -435,6 +437,7 @@ class Flow:
         data = self.clients["auditor"].get(f"proofs/{self.outcome.proof_id}/claims/")
         by_evidence: dict[str, list[str]] = {}
         for claim in data.get("claims", []):
+            self.outcome.claims[str(claim.get("name"))] = str(claim.get("evidence"))
             if claim.get("name") == "limit_violations":
                 continue  # the last line below
             text = f"{claim.get('name')} {_claim_value(claim)}".rstrip()
