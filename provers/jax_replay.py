@@ -109,13 +109,19 @@ def exact_environment(root: dict[str, Any]) -> bool:
     """Whether this process replays on the backend, XLA build and core count the run recorded.
 
     XLA's CPU thread pool is sized by the core count, and its reductions may split
-    differently with another pool: the recorded ``cpu_count`` must match too.
+    differently with another pool: the recorded ``cpu_count`` must match too. A run
+    sharded over several devices or processes is never replayed exactly.
     """
     import jaxlib
 
     env = root.get("env") or {}
+    # The replay runs the exported program on one device: a run whose state was sharded
+    # over several devices (or processes) reduced in another order.
+    sharded = bool((root.get("schema") or {}).get("sharding"))
     return (
-        env.get("jax_platform") == jax.default_backend()
+        not sharded
+        and env.get("process_count", 1) == 1
+        and env.get("jax_platform") == jax.default_backend()
         and env.get("cpu_count") == (os.cpu_count() or 1)
         and env.get("jaxlib") == getattr(jaxlib, "__version__", "unknown")
         and env.get("devices") == sorted({device.device_kind for device in jax.devices()})

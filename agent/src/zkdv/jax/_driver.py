@@ -8,6 +8,14 @@ lays them out so a value the user also returns crosses the program boundary once
 hands a :class:`_Step` to the shared :class:`~zkdv.driver.Driver` pipeline, which
 commits it on its own thread. The design, the batch packing and the artifact format
 are documented in ``docs/jax.md``.
+
+Under ``jax.distributed`` (several processes, one SPMD program) process 0 owns the
+transcript; the others (followers) run the same program and learn over
+:class:`~zkdv.control.HostControl`, before each step, whether rank 0 may go on, so every
+process stops at the same step. The packed batch is all-gathered inside the step, so
+rank 0 commits the global batch without a separate collective, and the committed state
+must be replicated across processes (data parallelism; sharding within a process is
+free).
 """
 
 from __future__ import annotations
@@ -32,8 +40,15 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding
 from zkdv.batch import validate_window
 from zkdv.compilation import ResultSchema, jax_trees
 from zkdv.config import ZKDVConfig
+from zkdv.control import HostControl
 from zkdv.driver import Driver, Leaves, ReplayOutcome, Submission
-from zkdv.errors import ZKDVError, ZKDVVerificationError
+from zkdv.errors import (
+    CLOSED,
+    NOT_STARTED,
+    ZKDVError,
+    ZKDVPoisonedError,
+    ZKDVVerificationError,
+)
 from zkdv.jax import _context, _messages
 from zkdv.jax._tree import BatchLayout, index, leaf_paths
 from zkdv.jax.artifact import Artifact, dumps
@@ -108,6 +123,51 @@ def _to_host(leaf: Any) -> Any:
     if target is None:
         return jax.device_put(leaf, leaf.sharding, may_alias=False)
     return jax.device_put(leaf, target, may_alias=False)
+
+
+def _replicated_sharding(leaves: Sequence[Any]) -> NamedSharding:
+    """A fully replicated sharding on the mesh of the step's inputs (multi-process)."""
+    for leaf in leaves:
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return NamedSharding(sharding.mesh, PartitionSpec())  # type: ignore[no-untyped-call]
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("zkdv",))
+    return NamedSharding(mesh, PartitionSpec())  # type: ignore[no-untyped-call]
+
+
+def _layout(leaf: Any, default: Sharding) -> Sharding:
+    sharding = getattr(leaf, "sharding", None)
+    return sharding if isinstance(sharding, Sharding) else default
+
+
+def _pin(tree: Any, layouts: Sequence[Sharding], default: Sharding) -> Any:
+    """Constrain a traced PyTree's leaves to ``layouts`` (one per leaf, else ``default``)."""
+    flat, structure = jax.tree.flatten(tree)
+    if len(layouts) != len(flat):
+        layouts = [default] * len(flat)
+    return jax.tree.unflatten(
+        structure,
+        [_constrain(x, s) for x, s in zip(flat, layouts, strict=True)],
+    )
+
+
+def _constrain(value: Any, sharding: Sharding) -> Any:
+    # Explicit mesh axes make a layout part of the type: only reshard changes it there.
+    if isinstance(sharding, NamedSharding) and any(
+        kind == jax.sharding.AxisType.Explicit for kind in sharding.mesh.axis_types
+    ):
+        return jax.sharding.reshard(value, sharding)  # type: ignore[no-untyped-call]
+    return jax.lax.with_sharding_constraint(value, sharding)  # type: ignore[no-untyped-call]
+
+
+def _unreplicated(leaves: Sequence[Any], paths: Sequence[str]) -> list[str]:
+    """Paths of committed leaves that process 0 cannot read whole (multi-process)."""
+    return [
+        path
+        for path, leaf in zip(paths, leaves, strict=True)
+        if isinstance(leaf, jax.Array)
+        and not (leaf.is_fully_addressable or leaf.is_fully_replicated)
+    ]
 
 
 def _describe_sharding(leaf: Any) -> dict[str, Any] | None:
@@ -208,7 +268,7 @@ class JitFunction:
         from zkdv.jax.contrib import TrainState
 
         proof = self._proof
-        proof._require_running()
+        proof._require_step()
         values = list(self._signature.bind(*args, **kwargs))
         policy: Policy | None = None
         restore: Policy | None = None
@@ -320,6 +380,7 @@ class JitFunction:
         kept = tuple(i for i in range(count) if i not in donated_set)
         donated_t = tuple(donated)
         shardings = self._leaf_shardings(values, dynamic_positions, leaves)
+        gathered = _replicated_sharding(leaves) if jax.process_count() > 1 else None
         holder: dict[str, _Traced] = {}
         signature = self._signature
 
@@ -351,6 +412,18 @@ class JitFunction:
                 else jax.tree.leaves(traced.registration.batch)
             )
             packed = traced.layout.pack(batch_leaves)
+            if gathered is not None:
+                # Rank 0 commits the global batch: all-gather it inside the step. The
+                # committed state keeps its input layouts, which _install checked are
+                # whole on every process, so rank 0 reads it without a collective.
+                packed = _constrain(packed, gathered)
+                param_layouts = [_layout(leaves[i], gathered) for i in traced.param_positions]
+                opt_layouts = [_layout(leaves[i], gathered) for i in traced.opt_positions]
+                hidden = (
+                    _pin(hidden[0], param_layouts, gathered),
+                    _pin(hidden[1], param_layouts, gathered),
+                    _pin(hidden[2], opt_layouts, gathered),
+                )
             schema, flat = ResultSchema.build(
                 result, hidden, trees, delta_leaves=traced.delta_leaves, extra=[packed]
             )
@@ -731,6 +804,115 @@ class ZKDV(Driver):
         self._committed_through = -1
         self._last_outputs: list[weakref.ref[Any]] | None = None
         self._last_post_probe: list[np.ndarray] | None = None
+        # Multi-process runs (jax.distributed): rank 0 owns the tape.
+        self._control: HostControl | None = None
+        self._rank = 0
+        self._world_size = 1
+        self._entries = 0
+        self._shared_error: str | None = None
+        self._control_done = False
+        self._follower_error: str | None = None
+
+    # -- multi-process ------------------------------------------------------------------
+    @property
+    def follower(self) -> bool:
+        """True on a ``jax.distributed`` process other than 0: it trains, rank 0 records."""
+        return self._rank != 0
+
+    def start(self, rolling_window: int, probe_ratio: float = 0.01) -> None:
+        """Fix the rolling-hash window and probe ratio; call once before training.
+
+        Under ``jax.distributed`` every process must call it (it bootstraps rank 0's
+        :class:`~zkdv.control.HostControl` channel through JAX's own collectives); only
+        process 0 opens the transcript.
+        """
+        control = HostControl.for_backend("jax")
+        if control is not None:
+            self._control = control
+            self._rank, self._world_size = control.rank, control.size
+        if not self.follower:
+            super().start(rolling_window, probe_ratio)
+            return
+        if self._closed:
+            raise ZKDVError(CLOSED)
+        if isinstance(rolling_window, bool) or not isinstance(rolling_window, int):
+            raise ValueError(f"rolling_window={rolling_window!r} must be a positive integer")
+        self.rolling_window = rolling_window
+        self.probe_ratio = float(probe_ratio)
+        self._started = True
+
+    def _require_step(self) -> None:
+        if not self.follower:
+            try:
+                self._require_running()
+            except ZKDVPoisonedError as error:
+                self._announce_failure(error)
+                raise
+            return
+        if self._closed:
+            raise ZKDVError(CLOSED)
+        if not self._started:
+            raise ZKDVError(NOT_STARTED)
+        if self._shared_error is not None:
+            raise ZKDVPoisonedError(self._shared_error)
+
+    def _announce_failure(self, error: BaseException) -> None:
+        """Rank 0 failed before its step: tell the followers, who wait for that step."""
+        control = self._control
+        if control is None or self.follower or self._shared_error is not None:
+            return
+        self._shared_error = (
+            str(error)
+            if isinstance(error, ZKDVPoisonedError)
+            else f"rank 0 failed before step {self.steps}: {error}"
+        )
+        key = f"zkdv.step.{self._entries}"
+        self._entries += 1
+        with contextlib.suppress(Exception):
+            control.exchange(key, self._shared_error)
+
+    def _agree(self, policy: Policy, *, barrier: bool) -> Any:
+        """Every process learns, before the step's collectives, whether rank 0 goes on.
+
+        Rank 0 is admitted first (admission is where a failed check surfaces) and
+        publishes the outcome; followers wait for it. All processes therefore raise
+        :class:`ZKDVPoisonedError` at the same step instead of one leaving a collective
+        the others are blocked in. With ``barrier`` rank 0 also waits, before it
+        publishes, for the previous commitment to release the buffers this step donates:
+        once the followers are told to go on, rank 0 must dispatch the step.
+        """
+        control = self._control
+        assert control is not None
+        if self._shared_error is not None:
+            raise ZKDVPoisonedError(self._shared_error)
+        key = f"zkdv.step.{self._entries}"
+        self._entries += 1
+        admission = None
+        if self.follower:
+            decision = control.exchange(key)
+        else:
+            try:
+                admission = self._admit(policy)
+                if barrier and self._last is not None:
+                    self._barrier()
+            except ZKDVPoisonedError as error:
+                if admission is not None:
+                    admission.cancel()
+                    admission = None
+                decision = str(error)
+            else:
+                decision = None
+            decision = control.exchange(key, decision)
+        if decision is not None:
+            if admission is not None:
+                admission.cancel()
+            self._shared_error = str(decision)
+            raise ZKDVPoisonedError(
+                self._shared_error
+                if not self.follower
+                else f"rank 0's ZKDV transcript is poisoned: {decision}"
+            )
+        return admission
 
     # -- public API ---------------------------------------------------------------------
     def jit(self, fun: Callable[..., Any] | None = None, /, **options: Any) -> Any:
@@ -795,15 +977,52 @@ class ZKDV(Driver):
             ZKDVError: a TrainState was created with this proof but no proof.jit step
                 ran (the step still uses ``jax.jit``).
         """
+        if self.follower:
+            self._closed = True
+            control = self._control
+            if not self._control_done and control is not None:
+                self._control_done = True
+                try:
+                    outcome = control.exchange("zkdv.close")
+                finally:
+                    control.close()
+                self.digest = bytes.fromhex(outcome["digest"]) if outcome["digest"] else None
+                self._follower_error = outcome["error"]
+            if self._follower_error:
+                raise ZKDVPoisonedError(
+                    f"rank 0's ZKDV transcript is poisoned: {self._follower_error}"
+                )
+            return
         first = not self._closed
+        failure: BaseException | None = None
         try:
             super().close()
+        except ZKDVPoisonedError as error:
+            failure = error
         finally:
             with self._store_lock:
                 self._snapshots.clear()
                 self._batches.clear()
+            self._release_followers(failure)
+        if failure is not None:
+            raise failure
         if first and self._states_created and self.steps == 0:
             raise ZKDVError(_messages.NO_TRANSCRIPT_UPDATE)
+
+    def _release_followers(self, failure: BaseException | None) -> None:
+        """Rank 0: tell every follower the transcript digest and whether it is poisoned."""
+        control = self._control
+        if control is None or self._control_done:
+            return
+        self._control_done = True
+        outcome = {
+            "digest": self.digest.hex() if self.digest else None,
+            "error": None if failure is None else str(failure),
+        }
+        try:
+            control.exchange("zkdv.close", outcome)
+        finally:
+            control.close()
 
     @property
     def artifact(self) -> Artifact | None:
@@ -821,8 +1040,6 @@ class ZKDV(Driver):
         replay_builder: Callable[[_Traced], Callable[..., Any]],
     ) -> None:
         """Export and commit the attested program; fix the environment (first step)."""
-        if jax.process_count() > 1:
-            raise ZKDVError(_messages.MULTI_PROCESS.format(count=jax.process_count()))
         traced = program.traced
         validate = traced.layout
         try:
@@ -835,6 +1052,36 @@ class ZKDV(Driver):
             ) from None
         params = [leaves[i] for i in traced.param_positions]
         opt = [leaves[i] for i in traced.opt_positions]
+        if jax.process_count() > 1:
+            # Every process sees the same global shardings, so all raise here alike.
+            split = _unreplicated(params, traced.param_paths) + _unreplicated(opt, traced.opt_paths)
+            if split:
+                raise ZKDVError(
+                    _messages.MULTI_PROCESS_SHARDED.format(
+                        count=jax.process_count(), leaves=", ".join(split[:4])
+                    )
+                )
+        if self.follower:
+            # Rank 0 exports and commits the program; a follower only runs it.
+            self._program_owner = program
+            return
+        try:
+            self._export(program, params, opt, replay_builder)
+        except BaseException as error:
+            # Only rank 0 exports: the followers, already waiting for this step's
+            # decision, must learn that it will not come.
+            self._announce_failure(error)
+            raise
+
+    def _export(
+        self,
+        program: _Program,
+        params: list[Any],
+        opt: list[Any],
+        replay_builder: Callable[[_Traced], Callable[..., Any]],
+    ) -> None:
+        traced = program.traced
+        validate = traced.layout
         param_specs = tuple(_spec(jnp.shape(x), jnp.result_type(x)) for x in params)
         opt_specs = tuple(_spec(jnp.shape(x), jnp.result_type(x)) for x in opt)
         batch_spec = _spec((validate.rows, validate.cols), jnp.uint32)
@@ -903,7 +1150,17 @@ class ZKDV(Driver):
         state = [leaves[i] for i in traced.param_positions]
         nparams = len(state)
         state += [leaves[i] for i in traced.opt_positions]
-        with self._admit(policy) as admission:
+        if self._control is None:
+            admission = self._admit(policy)
+        else:
+            admission = self._agree(policy, barrier=bool(program.donated))
+            if admission is None:  # a follower: run the step, record nothing
+                outputs = program.jitted(
+                    tuple(leaves[i] for i in program.donated),
+                    tuple(leaves[i] for i in program.kept),
+                )
+                return traced.schema.user_result(outputs, program.trees)
+        with admission:
             index = self.steps
             host_pre = None
             if index == 0 or not self._continues(state):
@@ -921,7 +1178,7 @@ class ZKDV(Driver):
                     snapshot = (copied[:nparams], copied[nparams:])
                 with self._store_lock:
                     self._snapshots[index] = snapshot
-            if program.donated and self._last is not None:
+            if program.donated and self._last is not None and self._control is None:
                 # The previous commitment may still read host views of the buffers this
                 # step donates; with a live view JAX silently skips the donation.
                 self._barrier()

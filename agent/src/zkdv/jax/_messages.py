@@ -80,9 +80,10 @@ UNTRACKED_UPDATE = (
     "a zkdv.jax.contrib.TrainState created with a proof is being updated under jax.jit, "
     "so this update is not in the transcript; decorate the step with proof.jit"
 )
-MULTI_PROCESS = (
-    "zkdv.jax does not support multi-process JAX runs yet (jax.process_count() == {count}): "
-    "rank 0 owning the transcript through zkdv.control.HostControl is not implemented, and "
-    "every process would write its own transcript of the global state. Run one process "
-    "per host group, or use a single process with all local devices."
+MULTI_PROCESS_SHARDED = (
+    "zkdv.jax records multi-process runs (jax.process_count() == {count}) whose committed "
+    "state is replicated across processes: process 0 owns the transcript and must read "
+    "every parameter and optimizer-state leaf whole, but {leaves} are split across "
+    "processes. Replicate them across processes (data parallelism; sharding among one "
+    "process's devices is fine), or run one process with all devices."
 )
