@@ -11,4 +11,7 @@ class CursorPage(CursorPagination):
     page_size = 50
     max_page_size = 200
     page_size_query_param = "page_size"
-    ordering = "-created"
+    # The id breaks ties: rows created in the same instant must come back in one order
+    # on every page, or a cursor skips or repeats them (PostgreSQL's top-N sort is not
+    # stable).
+    ordering = ("-created", "-id")
