@@ -418,7 +418,7 @@ class ChallengePage(CursorPage):
 
     page_size = 100
     max_page_size = 500
-    ordering = ("step", "id")  # type: ignore[assignment]
+    ordering = ("step", "id")
 
 
 class ChallengeList(generics.ListAPIView[Challenge]):
