@@ -485,10 +485,31 @@ def test_a_transcript_of_another_experiment_is_refused_at_upload(
 # --- Over PostgreSQL, Redis and the real worker ----------------------------------------------
 
 
+def quiesce(timeout: float = 120.0) -> None:
+    """Wait until the session's worker has nothing queued, reserved or running.
+
+    A settled proof queues its certificate; the worker must be done writing it before
+    the test database is flushed, or the flush's TRUNCATE and its inserts deadlock.
+    """
+    from config.celery_app import app
+    from tests.conftest import WORKER_QUEUES
+
+    deadline, quiet = time.monotonic() + timeout, 0
+    while time.monotonic() < deadline and quiet < 2:
+        with app.connection_for_read() as connection:
+            channel: Any = connection.default_channel
+            queued = sum(channel.client.llen(queue) for queue in WORKER_QUEUES)
+        inspect = app.control.inspect(timeout=1.0)
+        busy = [*(inspect.active() or {}).values(), *(inspect.reserved() or {}).values()]
+        quiet = quiet + 1 if not queued and not any(busy) else 0
+        time.sleep(0.2)
+
+
 @pytest.fixture
-def services(transactional_db: None, celery_worker_process: Any) -> tuple[APIClient, Any]:
+def services(transactional_db: None, celery_worker_process: Any) -> Iterator[tuple[APIClient, Any]]:
     _, key = setup_org({"torch-run": TORCH_SPEC, "jax-run": JAX_SPEC})
-    return client_for(key), celery_worker_process
+    yield client_for(key), celery_worker_process
+    quiesce()
 
 
 @pytest.mark.services
