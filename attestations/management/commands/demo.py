@@ -342,7 +342,7 @@ class Command(BaseCommand):
             slug = ensure_demo_organization(username)
             accounts = ensure_demo_accounts(data_dir, (username, password))
             self.steps.note(f"organisations: {slug!r} (a lab), {REGULATOR_ORGANIZATION[0]!r}")
-            self.stdout.write(f"Admin account: user {username!r}, password {password!r}")
+            self.steps.note(f"admin account: user {username!r}, password {password!r}")
             self.steps.note(f"credentials and API keys: {data_dir / ACCOUNTS_FILE} (mode 0600)")
         return accounts
 
