@@ -667,6 +667,10 @@ def _empty_trees(proof: Proof, directory: Path) -> None:
             path.touch()
 
 
+class BlobCorruptError(RuntimeError):
+    """A stored blob no longer hashes to its address: storage damage, not a retry case."""
+
+
 def _materialise(target: Path, blob: Blob) -> None:
     if target.exists() and target.stat().st_size == blob.size:
         return
@@ -679,7 +683,10 @@ def _materialise(target: Path, blob: Blob) -> None:
                 digest.update(chunk)
                 out.write(chunk)
         if digest.hexdigest() != blob.sha256:
-            raise OSError(f"stored blob sha256:{blob.sha256} reads back as {digest.hexdigest()}")
+            raise BlobCorruptError(
+                f"{target.name}: stored blob sha256:{blob.sha256} reads back as "
+                f"sha256:{digest.hexdigest()}"
+            )
         os.replace(temporary, target)
     finally:
         temporary.unlink(missing_ok=True)

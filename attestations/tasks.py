@@ -91,6 +91,8 @@ def expire_uploads() -> int:
     acks_late=True,
     reject_on_worker_lost=True,
     max_retries=5,
+    time_limit=settings.CELERY_TASK_TIME_LIMIT,
+    soft_time_limit=settings.CELERY_TASK_SOFT_TIME_LIMIT,
 )
 def replay_challenge(self: Task, challenge_id: int) -> str | None:  # type: ignore[type-arg]
     """Replay one challenge and record its verdict (queue ``replay``).
@@ -119,6 +121,8 @@ def replay_challenge(self: Task, challenge_id: int) -> str | None:  # type: igno
         )
         verdict = replay.replay_one(challenge)
         replay.record_verdict(challenge, verdict)
+    except replay.BlobCorruptError as error:
+        replay.record_error(challenge_id, "blob_corrupt", str(error))
     except SoftTimeLimitExceeded:
         replay.record_error(
             challenge_id, "replay_timeout", "the replay ran past the task's soft time limit"

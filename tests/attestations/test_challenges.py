@@ -268,3 +268,31 @@ def test_the_proof_page_shows_challenges_and_a_timeline(
     assert "Rejected: <code>challenge_expired</code>" in html
     assert "<title>step 1: expired (challenge_expired)</title>" in html
     assert proof.challenge_seed in html  # revealed with the verdict
+
+
+def test_a_blob_damaged_in_storage_is_a_recorded_replay_error(
+    filed: tuple[APIClient, Proof, Path], django_capture_on_commit_callbacks: Any
+) -> None:
+    """Not the trainer's fault and not worth a retry: the challenge records why."""
+    from attestations.models import Blob
+
+    client, proof, run = filed
+    genesis = Challenge.objects.get(proof=proof, step=0)
+    files = _send(client, run, genesis.needed_files)
+    probes = next(f for f in files if f["name"] == "probes.bin")
+    blob = Blob.objects.get(sha256=probes["sha256"])
+    from django.core.files.storage import default_storage
+
+    damaged = bytes(blob.size)  # same size, other bytes
+    with default_storage.open(blob.storage_name, "wb") as handle:
+        handle.write(damaged)
+    with django_capture_on_commit_callbacks(execute=True):
+        response = client.post(
+            f"/api/v1/proofs/{proof.pk}/artifacts/", {"files": files}, format="json"
+        )
+    assert response.status_code == 201, response.content
+    genesis.refresh_from_db()
+    assert (genesis.status, genesis.reason, genesis.attempts) == ("error", "blob_corrupt", 1)
+    assert f"reads back as sha256:{sha256(damaged)}" in genesis.message
+    proof.refresh_from_db()
+    assert proof.status == ProofStatus.CHALLENGED  # the other challenges are still open
