@@ -32,14 +32,18 @@ Tree::
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.core.exceptions import ValidationError as DjangoValidationError
+from django.db import DataError
 from django.http import Http404
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
+
+log = logging.getLogger(__name__)
 
 
 class DVBenchError(exceptions.APIException):
@@ -162,6 +166,16 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         exc = NotFoundError()
     elif isinstance(exc, DjangoPermissionDenied):
         exc = exceptions.PermissionDenied()
+    elif isinstance(exc, DataError):
+        # The database refused a value taken from the request (a NUL character in text, a
+        # number out of a column's range) in a lookup no validator covered: the request's
+        # fault. The database's message is not echoed (it may quote SQL).
+        log.warning("database refused a request value: %s", exc)
+        exc = InvalidRequestError(
+            "A value in the request cannot be stored or looked up (NUL characters and "
+            "out-of-range numbers are not accepted).",
+            code="invalid_value",
+        )
     elif isinstance(exc, DjangoValidationError):
         # A model field refusing a value the URL or filter let through (a malformed UUID
         # in a path): the request is wrong, not the server.

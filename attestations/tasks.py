@@ -74,6 +74,30 @@ def ingest_proof(self: Task, proof_id: int) -> str | None:  # type: ignore[type-
     return proof.status
 
 
+@shared_task(name="attestations.tasks.requeue_stale_ingests", acks_late=True)
+def requeue_stale_ingests(older_than: float | None = None) -> int:
+    """Send ingest again for proofs still pending after ``older_than`` seconds (periodic).
+
+    A message can be lost where no retry reaches it: the broker was down when the web
+    process queued it, or a worker was killed between taking it and recording it as
+    unacknowledged. Ingest is idempotent, so a second message for a proof whose first is
+    merely late costs one claim that fails. Returns how many were sent again.
+    """
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    age = settings.DVBENCH_INGEST_REQUEUE_SECONDS if older_than is None else older_than
+    stale = Proof.objects.filter(
+        status=ProofStatus.PENDING, created__lte=timezone.now() - timedelta(seconds=age)
+    ).values_list("pk", flat=True)
+    count = 0
+    for proof_id in stale:
+        ingest_proof.delay(proof_id)
+        count += 1
+    return count
+
+
 @shared_task(name="attestations.tasks.expire_uploads", acks_late=True)
 def expire_uploads() -> int:
     """Remove the staged parts of uploads left open past their expiry (run periodically).

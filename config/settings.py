@@ -143,6 +143,8 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = False
 # broker redelivers finds the claim taken and returns. (Celery 6 flips this default.)
 CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = False
 CELERY_TASK_DEFAULT_QUEUE = "ingest"
+# A proof still pending this long after it was filed has lost its ingest message.
+DVBENCH_INGEST_REQUEUE_SECONDS = envint("DVBENCH_INGEST_REQUEUE_SECONDS", 900, minimum=0)
 CELERY_TASK_ROUTES = {"attestations.tasks.replay_*": {"queue": "replay"}}
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
@@ -153,6 +155,11 @@ CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 # Periodic tasks (celery beat): expire replay challenges left unanswered past their deadline.
 CELERY_BEAT_SCHEDULE = {
     "expire-challenges": {"task": "attestations.tasks.expire_challenges", "schedule": 300.0},
+    # Re-send ingest for proofs whose message was lost (attestations.tasks).
+    "requeue-stale-ingests": {
+        "task": "attestations.tasks.requeue_stale_ingests",
+        "schedule": 300.0,
+    },
 }
 
 # --- Storage --------------------------------------------------------------------------
@@ -208,6 +215,7 @@ class DVBenchSettings(TypedDict):
     DETECTION_TARGET: float
     FORGED_FRACTION: float
     CHALLENGE_TTL_SECONDS: int
+    REQUIRE_PROGRAM: bool
 
 
 DVBENCH: DVBenchSettings = {
@@ -223,6 +231,7 @@ DVBENCH: DVBenchSettings = {
     "DETECTION_TARGET": envfloat("DVBENCH_DETECTION_TARGET", 0.95, minimum=0.0, maximum=1.0),
     "FORGED_FRACTION": envfloat("DVBENCH_FORGED_FRACTION", 0.01, minimum=0.0, maximum=1.0),
     "CHALLENGE_TTL_SECONDS": envint("DVBENCH_CHALLENGE_TTL_SECONDS", 24 * 3600, minimum=60),
+    "REQUIRE_PROGRAM": envbool("DVBENCH_REQUIRE_PROGRAM", True),
 }
 # Request bodies (upload parts) are streamed, but Django still caps what it will read
 # into memory for ordinary forms.

@@ -121,3 +121,11 @@ def test_what_fuzzing_found_stays_fixed(world: World, api: Api, path: str) -> No
     if response.status_code >= 400:
         body = response.json()
         assert set(body) == {"error", "request_id"} and body["error"]["message"]
+
+
+def test_a_nul_in_a_related_lookup_is_a_400(world: World, api: Api) -> None:
+    # DRF's slug-related field passes the value to the database, which refuses NUL.
+    body = {"owner": "ac\x00me", "name": "x", "spec": world.experiment.current_spec.to_dict()}
+    response = api("admin").post("/api/v1/experiments/", body, format="json")
+    assert response.status_code == 400, response.content
+    assert response.json()["error"]["code"] in ("invalid_value", "null_characters_not_allowed")
