@@ -192,6 +192,8 @@ class Stack:
             # A claim is stale (its worker died) after this, and the broker redelivers an
             # unacknowledged message after twice this: short, so faults heal within a test.
             DVBENCH_TASK_TIME_LIMIT="10",
+            # The synthetic transcripts attest no program (nothing to replay).
+            DVBENCH_REQUIRE_PROGRAM="0",
             DVBENCH_LOG_LEVEL="INFO",
             DJANGO_SETTINGS_MODULE="config.settings",
             PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "agent" / "src")]),
