@@ -146,38 +146,3 @@ def test_ddp_batch_mutated_on_a_follower_poisons_every_rank(tmp_path: Path) -> N
     assert follower["closed"].startswith("poisoned"), follower
     report = verify_transcript(tmp_path / "proof")
     assert (report.ok, report.reason) == (False, "failed_check")
-
-
-FSDP = r"""
-import os, torch, torch.distributed as dist
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-import zkdv
-
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
-dist.init_process_group("gloo", rank=0, world_size=1)
-model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-proof = zkdv.torch.ZKDV(os.environ["PROOF"])
-proof.start(rolling_window=2)
-try:
-    proof.prepare(model)
-except ValueError as error:
-    print(error)
-proof.close()
-dist.destroy_process_group()
-"""
-
-
-def test_fsdp2_models_are_rejected_with_the_alternative(tmp_path: Path) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO_ROOT / "agent" / "src"), env.get("PYTHONPATH", "")]
-    )
-    env.update(PORT=str(_free_port()), PROOF=str(tmp_path / "proof"))
-    result = subprocess.run(
-        [sys.executable, "-c", FSDP], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "does not support FSDP2 (fully_shard)" in result.stdout

@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -50,11 +51,23 @@ NOT_ATTESTED = (
 NO_MODEL = "ZKDV has no prepared model; pass the root module through proof.prepare() first"
 NO_OPTIMIZER = "ZKDV has no prepared optimizer; pass it through proof.prepare() first"
 NO_STEP = "a ZKDV transaction must call optimizer.step() on the prepared optimizer exactly once"
-FSDP_UNSUPPORTED = (
-    "ZKDV does not support FSDP2 (fully_shard) models yet: a sampled check would need "
-    "the sharded gradient program; use DistributedDataParallel or a single process"
+FSDP_NO_STATES = (
+    "ZKDV under FSDP2 lost the gathered optimizer state of the step before snapshot "
+    "step {step}; the snapshot cannot be taken"
 )
 TWO_STEPS = "a ZKDV transaction may call optimizer.step() only once"
+
+
+#: HostControl key of rank 0's sealing outcome (the first transaction only).
+SEALED = "zkdv.sealed"
+
+
+@dataclass(frozen=True)
+class _FirstState:
+    """What every rank gathered on the first transaction (FSDP2: the full state)."""
+
+    parameters: tuple[torch.Tensor, ...] | None = None
+    states: list[dict[str, Any]] | None = None
 
 
 class _StepDroppedError(Exception):
@@ -119,6 +132,10 @@ class ZKDV(Driver):
         self._entries = 0
         self._probe_index: list[torch.Tensor | None] | None = None
         self._shared_error: str | None = None
+        #: FSDP2: the full optimizer state gathered at the previous step's end (or at the
+        #: first entry), kept on rank 0 only while the next step takes a replay snapshot.
+        self._full_states: list[dict[str, Any]] | None = None
+        self._opened = False
 
     # --- lifecycle ----------------------------------------------------------------------
     @property
@@ -277,8 +294,6 @@ class ZKDV(Driver):
                     "modules under that root"
                 )
             prepared = PreparedModel.bind(value)
-            if prepared.fsdp:
-                raise ValueError(FSDP_UNSUPPORTED)
             self._prepared_model = prepared
             self._bind()
             return value
@@ -326,6 +341,8 @@ class ZKDV(Driver):
         if self.follower:
             self._agree_to_continue(None)
             self._gather(self._batch_layout.pack(transaction.batch))
+            if self._gather_first_state() is not None:
+                self._await_sealing()
             return None
         if self._control is None:
             admission = self._admit(transaction.overlap)
@@ -337,8 +354,9 @@ class ZKDV(Driver):
             # caller mutates its tensors afterwards.
             words = self._gather(self._batch_layout.pack(transaction.batch))
             transaction.words = words
+            first = self._gather_first_state()
             if self._prepared_compiled is None:
-                self._seal(transaction)
+                self._seal_everywhere(transaction, first)
             assert self._checkpoint is not None
             self._checkpoint.keep_batch(transaction.index, words)
         except BaseException:
@@ -346,6 +364,54 @@ class ZKDV(Driver):
             raise
         transaction.admission = admission
         return admission
+
+    @property
+    def _fsdp(self) -> bool:
+        return self._prepared_model is not None and self._prepared_model.fsdp
+
+    def _gather_first_state(self) -> _FirstState | None:
+        """On the first transaction: FSDP2's full parameters and optimizer state.
+
+        Every rank takes part in the all-gathers; rank 0 seals the program on the full
+        shapes and snapshots step 0's optimizer state from them. Returns None after the
+        first transaction; on the first, the gathered state (empty without FSDP2).
+        """
+        if self._opened:
+            return None
+        self._opened = True
+        if not self._fsdp:
+            return _FirstState()
+        parameters = self._require_prepared_model().full_parameters()
+        states = self._bridge().full_states()
+        self._full_states = None if self.follower else states
+        return _FirstState(parameters, states)
+
+    def _seal_everywhere(self, transaction: EagerTransaction, first: _FirstState | None) -> None:
+        """Seal on rank 0 and tell every follower whether it worked.
+
+        A follower that went on after rank 0 failed to seal would block in the step's
+        first collective; instead it waits for the outcome and raises with rank 0's
+        message, and every later transaction raises on every rank.
+        """
+        control = self._control
+        try:
+            self._seal(transaction, first)
+        except BaseException as error:
+            if control is not None and first is not None:
+                self._shared_error = f"rank 0 could not seal the attested program: {error}"
+                control.exchange(SEALED, self._shared_error)
+            raise
+        if control is not None and first is not None:
+            control.exchange(SEALED, None)
+
+    def _await_sealing(self) -> None:
+        """Follower, first transaction: wait for rank 0's sealing outcome."""
+        control = self._control
+        assert control is not None
+        outcome = control.exchange(SEALED)
+        if outcome is not None:
+            self._shared_error = str(outcome)
+            raise ZKDVPoisonedError(self._shared_error)
 
     def _agree_to_continue(self, policy: Any) -> Any:
         """Under DDP: every rank learns, before the step's collectives, whether to go on.
@@ -403,6 +469,10 @@ class ZKDV(Driver):
         if transaction.stepped:
             raise RuntimeError(TWO_STEPS)
         optimizer.bridge.validate_configuration()
+        model = self._require_prepared_model()
+        # FSDP2: every rank gathers the live pre-update parameters (the probes' and the
+        # snapshot's pre-state), so a shard changed between steps is seen as in one process.
+        parameters = model.full_parameters()
         if self.follower:
             result = optimizer.optimizer.step(closure)
             transaction.stepped = True
@@ -410,14 +480,12 @@ class ZKDV(Driver):
         try:
             # The previous step's commitment may still be hashing the live state.
             self._barrier()
-            model = self._require_prepared_model()
-            parameters = model.parameters
             if self._snapshot_due(transaction.index):
                 assert self._checkpoint is not None
                 transaction.snapshot = self._checkpoint.take(
                     transaction.index,
                     parameters,
-                    optimizer.bridge.live_states(),
+                    self._pre_states(transaction.index),
                     transaction.buffers_before,
                     self._poison_check,
                 )
@@ -428,6 +496,21 @@ class ZKDV(Driver):
         result = optimizer.optimizer.step(closure)
         transaction.stepped = True
         return result
+
+    def _pre_states(self, index: int) -> list[dict[str, Any]]:
+        """The optimizer state before step ``index`` (rank 0, at the optimizer step).
+
+        Under FSDP2 it is the full state gathered at the previous step's end: the
+        optimizer state only changes inside ``optimizer.step()``, and gathering it again
+        here would cost a second all-gather of the state on every rank.
+        """
+        if not self._fsdp:
+            return self._bridge().live_states()
+        states = self._full_states
+        if states is None:
+            raise ZKDVError(FSDP_NO_STATES.format(step=index))
+        self._full_states = None
+        return states
 
     def _probe_rows(self, parameters: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         """Copies of the pre-update rows the probes read (at most 64 rows per leaf)."""
@@ -476,12 +559,18 @@ class ZKDV(Driver):
             if transaction.admission is not None:
                 transaction.admission.cancel()
             raise RuntimeError(NO_STEP)
+        model = self._require_prepared_model()
+        # FSDP2: the committed post-update state, gathered on every rank before any rank
+        # can leave (the owner's early returns below come after the collectives).
+        parameters = model.full_parameters()
+        states = self._bridge().full_states() if model.fsdp else None
         if self.follower:
             return
+        if states is not None and self._snapshot_due(transaction.index + 1):
+            self._full_states = states
         if transaction.dropped or (self._control is not None and self._queue.poisoned is not None):
             transaction.admission.cancel()
             return
-        model = self._require_prepared_model()
         layout = self._batch_layout
         assert layout is not None
         tokens = layout.tokens * self._world_size
@@ -496,7 +585,8 @@ class ZKDV(Driver):
         step = TorchStep(
             self,
             transaction,
-            parameters=model.parameters,
+            parameters=parameters,
+            states=states,
             post_buffers=[buffer.clone() for buffer in model.buffers],
             tokens=tokens,
             flops=flops,
@@ -524,7 +614,12 @@ class ZKDV(Driver):
             self._checkpoint.prune(oldest)
 
     # --- sealing and replay -------------------------------------------------------------
-    def _seal(self, transaction: EagerTransaction) -> None:
+    def _seal(
+        self,
+        transaction: EagerTransaction,
+        first: _FirstState | None,
+    ) -> None:
+        """Trace and lower the attested step on rank 0 (FSDP2: ``first``'s full state)."""
         started = time.perf_counter()
         model = self._require_prepared_model()
         optimizer = self._prepared_optimizer
@@ -532,7 +627,9 @@ class ZKDV(Driver):
         layout = self._batch_layout
         assert layout is not None
         bridge = optimizer.bridge
-        parameters = model.parameters
+        parameters, states = model.parameters, bridge.live_states()
+        if first is not None and first.parameters is not None and first.states is not None:
+            parameters, states = first.parameters, first.states
         self._parameter_count = sum(parameter.numel() for parameter in parameters)
         function, unused = gradient_function(
             self._attested_function,
@@ -550,7 +647,6 @@ class ZKDV(Driver):
         lowered = lower(function, arguments, kind=self.program_kind, unused=unused)
         self._lowered_program = lowered
         self._program_flops = count_flops(lowered.graph, arguments)
-        states = bridge.live_states()
         state_leaves = bridge.leaves(states, parameters)
         self._layout = Layout(
             model.parameter_names,
@@ -584,7 +680,9 @@ class ZKDV(Driver):
             "device": str(device),
             "device_kind": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "world_size": self._world_size,
-            "fsdp": model.fsdp,
+            # FSDP2: world size, device mesh and placements; the committed state is the
+            # full (gathered) state, and a replay of the full model is never bit-exact.
+            "fsdp": model.mesh,
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
             # How each step record's FLOPs were obtained (attestations/claims.py reads it).
             "flops": {

@@ -11,7 +11,8 @@ steps, the full pre-state into a replay snapshot instead), then runs the native
 ``torch.optim`` step. On exit
 the post-update buffers are cloned and the step is submitted; its commitment reads the
 live parameters and optimizer state on the commit thread while the next step's
-forward and backward run.
+forward and backward run. Under FSDP2 it reads instead the full parameters and optimizer
+state that every rank all-gathered on the training thread at the step's end.
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ class TorchStep(Submission):
         transaction: EagerTransaction,
         *,
         parameters: tuple[torch.Tensor, ...],
+        states: list[dict[str, Any]] | None = None,
         post_buffers: list[torch.Tensor],
         tokens: int,
         flops: float | None,
@@ -132,7 +134,8 @@ class TorchStep(Submission):
         # Pre-update values: the probed rows only, or the whole snapshot on snapshot steps.
         self.pre_rows = transaction.pre_rows
         self.parameters = parameters
-        self.states = proof._bridge().live_states()
+        # The live state, or under FSDP2 the full state gathered at the step's end.
+        self.states = proof._bridge().live_states() if states is None else states
         self.post_buffers = post_buffers
         self.buffers_before = transaction.buffers_before
         self.replay_snapshot = transaction.snapshot

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from zkdv.torch.model import full
 from zkdv.torch.optimizers.base import OptimizerContract
 from zkdv.torch.optimizers.buffers import pack_optimizer_state
 
@@ -145,6 +146,20 @@ class OptimizerBridge:
         """The live state of every parameter in canonical (model) order, uncopied."""
         return [
             {name: _local(value) for name, value in self.optimizer.state[parameter].items()}
+            for parameter in self._order
+        ]
+
+    def full_states(self) -> list[State]:
+        """Every parameter's whole state in canonical order (FSDP2: a collective).
+
+        Sharded (``DTensor``) entries are all-gathered, in canonical parameter order and
+        sorted entry order, so every rank issues the same collectives in the same order.
+        """
+        return [
+            {
+                name: full(value) if isinstance(value, torch.Tensor) else value
+                for name, value in sorted(self.optimizer.state[parameter].items())
+            }
             for parameter in self._order
         ]
 
