@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+from django.contrib.auth.models import User
+from django.db import DatabaseError, connection, transaction
 from rest_framework.test import APIClient
 
 from attestations.models import AppendOnlyError, AuditEvent
@@ -25,6 +27,54 @@ def test_events_cannot_be_changed_or_deleted(world: World) -> None:
     with pytest.raises(AppendOnlyError):
         AuditEvent.objects.all().delete()
     assert AuditEvent.objects.get(pk=event.pk).action == "test.thing"
+
+
+@pytest.mark.services
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "UPDATE attestations_auditevent SET action = 'rewritten' WHERE id = %s",
+        "UPDATE attestations_auditevent SET actor_name = '' WHERE id = %s",
+        "DELETE FROM attestations_auditevent WHERE id = %s",
+    ],
+)
+def test_raw_sql_cannot_change_or_delete_events_on_postgresql(world: World, sql: str) -> None:
+    """The Python guard is not the only one: a shell's raw SQL is refused by a trigger."""
+    if connection.vendor != "postgresql":
+        pytest.skip("the append-only trigger exists on PostgreSQL only")
+    event = AuditEvent.record("test.thing", actor=world.alice, organization=world.acme)
+    with (
+        pytest.raises(DatabaseError, match="append-only"),
+        transaction.atomic(),
+        connection.cursor() as cursor,
+    ):
+        cursor.execute(sql, [event.pk])
+    stored = AuditEvent.objects.get(pk=event.pk)
+    assert (stored.action, stored.actor_name) == ("test.thing", world.alice.username)
+
+
+@pytest.mark.services
+def test_deleting_a_user_unlinks_their_events_and_keeps_them(world: World) -> None:
+    """``on_delete=SET_NULL`` is the one update the trigger allows; the name stays."""
+    if connection.vendor != "postgresql":
+        pytest.skip("the append-only trigger exists on PostgreSQL only")
+    leaver = User.objects.create_user("leaver", password="x" * 20)
+    event = AuditEvent.record("test.thing", actor=leaver, organization=world.acme)
+    leaver.delete()
+    stored = AuditEvent.objects.get(pk=event.pk)
+    assert (stored.actor_id, stored.actor_name, stored.action) == (None, "leaver", "test.thing")
+    # Unlinking is no cover for a rewrite: clearing the actor while editing is refused.
+    other = AuditEvent.record("test.other", actor=world.alice)
+    with (
+        pytest.raises(DatabaseError, match="append-only"),
+        transaction.atomic(),
+        connection.cursor() as cursor,
+    ):
+        cursor.execute(
+            "UPDATE attestations_auditevent SET actor_id = NULL, action = 'x' WHERE id = %s",
+            [other.pk],
+        )
+    assert AuditEvent.objects.get(pk=other.pk).action == "test.other"
 
 
 def test_actions_are_recorded_with_actor_and_ip(world: World, api: Api) -> None:
