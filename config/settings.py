@@ -155,6 +155,7 @@ CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 # Periodic tasks (celery beat): expire replay challenges left unanswered past their deadline.
 CELERY_BEAT_SCHEDULE = {
     "expire-challenges": {"task": "attestations.tasks.expire_challenges", "schedule": 300.0},
+    "expire-uploads": {"task": "attestations.tasks.expire_uploads", "schedule": 3600.0},
     # Re-send ingest for proofs whose message was lost (attestations.tasks).
     "requeue-stale-ingests": {
         "task": "attestations.tasks.requeue_stale_ingests",

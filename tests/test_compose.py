@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import shlex
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from django.conf import settings
 REPO_ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((REPO_ROOT / "compose.yaml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
-EXPECTED = {"postgres", "redis", "web", "worker", "replay-worker", "minio"}
+EXPECTED = {"postgres", "redis", "web", "worker", "replay-worker", "beat", "minio"}
 
 
 def command_words(service: dict[str, Any]) -> list[str]:
@@ -65,12 +66,12 @@ def test_every_dependency_waits_until_healthy(name: str) -> None:
         assert rule["condition"] == "service_healthy", f"{name} -> {dependency}"
 
 
-@pytest.mark.parametrize("name", ["web", "worker", "replay-worker"])
+@pytest.mark.parametrize("name", ["web", "worker", "replay-worker", "beat"])
 def test_the_platform_services_wait_for_the_database_and_the_broker(name: str) -> None:
     assert {"postgres", "redis"} <= set(SERVICES[name]["depends_on"])
 
 
-@pytest.mark.parametrize("name", ["web", "worker", "replay-worker"])
+@pytest.mark.parametrize("name", ["web", "worker", "replay-worker", "beat"])
 def test_the_platform_image_is_built_from_platform(name: str) -> None:
     build = SERVICES[name]["build"]
     dockerfile = REPO_ROOT / build["context"] / build["dockerfile"]
@@ -106,6 +107,44 @@ def test_every_routed_queue_has_a_worker() -> None:
     for name in ("worker", "replay-worker"):
         consumed |= set(option(command_words(SERVICES[name]), "-Q", "--queues").split(","))
     assert routed_queues() <= consumed
+
+
+def test_replays_and_ingest_run_on_separate_workers() -> None:
+    """A long replay never holds up ingest: the two queues have their own services."""
+    ingest = option(command_words(SERVICES["worker"]), "-Q", "--queues").split(",")
+    replay = option(command_words(SERVICES["replay-worker"]), "-Q", "--queues").split(",")
+    assert (ingest, replay) == (["ingest"], ["replay"])
+
+
+def test_beat_sends_the_periodic_tasks_from_one_replica() -> None:
+    words = command_words(SERVICES["beat"])
+    assert words[:1] == ["celery"] and "beat" in words and "worker" not in words
+    app = find_app(option(words, "-A", "--app"))
+    assert isinstance(app, Celery) and app.main == "dvbench"
+    # Its schedule state lives on a mounted volume, so a restart keeps the last run times.
+    schedule = option(words, "-s", "--schedule")
+    mounts = [str(volume).split(":")[1] for volume in SERVICES["beat"]["volumes"]]
+    assert any(schedule.startswith(f"{mount}/") for mount in mounts), (schedule, mounts)
+    assert SERVICES["beat"]["deploy"]["replicas"] == 1  # two beats would send each task twice
+    tasks = {entry["task"] for entry in settings.CELERY_BEAT_SCHEDULE.values()}
+    assert {
+        "attestations.tasks.expire_uploads",
+        "attestations.tasks.expire_challenges",
+    } <= tasks
+    import attestations.tasks  # noqa: F401  (registers the tasks with the app)
+    from config.celery_app import app as platform_app
+
+    assert tasks <= set(platform_app.tasks), tasks - set(platform_app.tasks)
+    # Every task it sends lands on a queue some worker consumes.
+    consumed = set()
+    for name in ("worker", "replay-worker"):
+        consumed |= set(option(command_words(SERVICES[name]), "-Q", "--queues").split(","))
+    for task in tasks:
+        route = next(
+            (r for p, r in settings.CELERY_TASK_ROUTES.items() if fnmatch(task, p)),
+            {"queue": settings.CELERY_TASK_DEFAULT_QUEUE},
+        )
+        assert route["queue"] in consumed, task
 
 
 def test_the_replay_worker_reserves_a_gpu() -> None:
