@@ -25,11 +25,10 @@ from provers.torch_replay import exact_environment, verify_challenge
 from zkdv.config import DEFAULT_CHUNK_BYTES
 from zkdv.merkle import commit_state
 from zkdv.records import iter_records
+from zkdv.torch.model import plain_structure, refresh_structure
 from zkdv.verify import verify_transcript
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-
-pytestmark = pytest.mark.slow
 
 WORKER = r"""
 import json, os, sys
@@ -161,6 +160,7 @@ def _run(tmp_path: Path, mode: str) -> list[dict[str, Any]]:
     return [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
 
 
+@pytest.mark.slow
 def test_fsdp2_run_commits_the_full_state_and_replays_on_one_process(tmp_path: Path) -> None:
     owner, follower = _run(tmp_path, "clean")
     assert (owner["closed"], follower["closed"]) == ("ok", "ok")
@@ -202,6 +202,7 @@ def test_fsdp2_run_commits_the_full_state_and_replays_on_one_process(tmp_path: P
     assert [evidence.step for evidence in window.evidence] == [3, 4, 5]
 
 
+@pytest.mark.slow
 def test_fsdp2_shard_changed_outside_the_optimizer_poisons_every_rank(tmp_path: Path) -> None:
     owner, follower = _run(tmp_path, "tamper")
     failure = "sampled check of step 4 failed: parameter"
@@ -215,6 +216,7 @@ def test_fsdp2_shard_changed_outside_the_optimizer_poisons_every_rank(tmp_path: 
     assert not verdict.ok
 
 
+@pytest.mark.slow
 def test_fsdp2_sealing_failure_on_rank_0_reaches_every_rank(tmp_path: Path) -> None:
     owner, follower = _run(tmp_path, "unsealable")
     # Rank 0 raises the lowering's own message; the follower, instead of blocking in
@@ -224,3 +226,27 @@ def test_fsdp2_sealing_failure_on_rank_0_reaches_every_rank(tmp_path: Path) -> N
         "ZKDVPoisonedError: rank 0 could not seal the attested program: attested Torch "
         "code contains random operations"
     ), follower
+
+
+def test_the_traced_copy_has_no_hooks_keeps_ties_and_follows_the_live_mode() -> None:
+    """The module copy the program is traced on: FSDP2's hooks would issue collectives."""
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5), nn.Linear(3, 3))
+    model[2].weight = model[0].weight
+    calls: list[str] = []
+    model[0].register_forward_pre_hook(lambda *_: calls.append("hook"))
+    copy = plain_structure(model)
+    assert copy[0].weight is copy[2].weight and copy[0].weight.is_meta
+    assert copy[0] is not model[0] and type(copy[0]) is nn.Linear
+
+    model.eval()
+    refresh_structure(model, copy)
+    assert not copy[1].training
+    inputs = torch.randn(4, 3)
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    replayed = torch.func.functional_call(copy, state, (inputs,), tie_weights=True)
+    assert calls == []
+    assert torch.equal(replayed, model(inputs))
+    assert calls == ["hook"]

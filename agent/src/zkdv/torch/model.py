@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MethodType
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ __all__ = [
     "PreparedModel",
     "full",
     "plain_structure",
+    "refresh_structure",
     "unwrap",
 ]
 
@@ -105,6 +107,36 @@ def _plain_class(cls: type[nn.Module]) -> type[nn.Module]:
     return nn.Module  # pragma: no cover - FSDP2 always subclasses an nn.Module
 
 
+_STRUCTURE = frozenset({"_parameters", "_buffers", "_modules"})
+
+
+def _plain_attributes(node: nn.Module) -> dict[str, Any]:
+    """``node``'s own attributes without its state, hooks or per-instance bound methods.
+
+    Hook dictionaries are replaced by empty ones; a method bound to ``node`` itself
+    (FSDP2's ``register_fsdp_forward_method`` installs one) is dropped, so the class's
+    own method runs on the copy.
+    """
+    attributes: dict[str, Any] = {}
+    for name, value in node.__dict__.items():
+        if name in _STRUCTURE:
+            continue
+        if isinstance(value, MethodType) and value.__self__ is node:
+            continue
+        attributes[name] = type(value)() if _HOOKS in name and isinstance(value, dict) else value
+    return attributes
+
+
+def refresh_structure(live: nn.Module, copy: nn.Module) -> None:
+    """Carry attributes set on the live modules since binding (``train()``, options)."""
+    for (_, node), (_, copied) in zip(
+        live.named_modules(remove_duplicate=False),
+        copy.named_modules(remove_duplicate=False),
+        strict=True,
+    ):
+        copied.__dict__.update(_plain_attributes(node))
+
+
 def plain_structure(module: nn.Module) -> nn.Module:
     """A hook-free copy of ``module``'s structure with full-shape meta parameters.
 
@@ -118,10 +150,7 @@ def plain_structure(module: nn.Module) -> nn.Module:
 
     def copy(node: nn.Module) -> nn.Module:
         clone = object.__new__(_plain_class(type(node)))
-        attributes = dict(node.__dict__)
-        for name, value in node.__dict__.items():
-            if _HOOKS in name and isinstance(value, dict):
-                attributes[name] = type(value)()
+        attributes = _plain_attributes(node)
         parameters: dict[str, nn.Parameter | None] = {}
         for name, parameter in node._parameters.items():
             if parameter is None:
@@ -296,6 +325,8 @@ class PreparedModel:
     ) -> Any:
         """Call the module with ``model_state`` substituted for its own state."""
         parameters, buffers = model_state
+        if self.fsdp:
+            refresh_structure(self.target, self.functional)
         state = dict(zip(self.parameter_names, parameters, strict=True))
         state.update(zip(self.buffer_names, buffers, strict=True))
         return torch.func.functional_call(
