@@ -15,8 +15,12 @@ import json
 import logging
 import re
 import secrets
+import shutil
+import tempfile
+import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -779,6 +783,47 @@ class ProofStatus(models.TextChoices):
     ERROR = "error", "Verifier error"
 
 
+#: The verdict on a transcript that commits no program while one is required.
+NO_PROGRAM: tuple[str, str] = (
+    "no_program",
+    "the transcript commits no program artifact, so the platform cannot replay any step; "
+    "record the run with zkdv.jax or zkdv.torch",
+)
+
+
+#: The name of the probe file among a proof's artifacts (``zkdv.records.PROBES_FILE``).
+PROBES_ARTIFACT = "probes.bin"
+
+#: The fewest seconds between two progress writes of an ingest job: a few a second.
+INGEST_PROGRESS_INTERVAL = 0.25
+
+
+class IngestProgress:
+    """Record how far the verifier got (bytes of the transcript verified) on a job.
+
+    Called by ``zkdv.verify.verify_transcript`` every few hundred records; writes at
+    most one row update per ``INGEST_PROGRESS_INTERVAL`` seconds, only forward, and
+    stops short of 1.0, which :meth:`Job.finish` writes with the verdict.
+    """
+
+    def __init__(self, job: Job | None, total: int) -> None:
+        self.job_id = job.pk if job is not None else None
+        self.total = total
+        self.interval = INGEST_PROGRESS_INTERVAL
+        self.fraction = 0.0
+        self.written = float("-inf")
+
+    def __call__(self, done: int) -> None:
+        if self.job_id is None or self.total <= 0:
+            return
+        now = time.monotonic()
+        fraction = min(0.99, done / self.total)
+        if fraction <= self.fraction or now - self.written < self.interval:
+            return
+        self.fraction, self.written = fraction, now
+        Job.objects.filter(pk=self.job_id, status=JobStatus.RUNNING).update(progress=fraction)
+
+
 class Proof(models.Model):
     """A transcript filed against an experiment, and the verifier's verdict on it."""
 
@@ -911,9 +956,13 @@ class Proof(models.Model):
             return
         from django.core.files.storage import default_storage
 
+        progress = IngestProgress(job, self.transcript.size)
         try:
-            with default_storage.open(self.transcript.storage_name, "rb") as handle:
-                report = verify_transcript(handle)
+            with (
+                default_storage.open(self.transcript.storage_name, "rb") as handle,
+                self._probes_file() as probes,
+            ):
+                report = verify_transcript(handle, probes_path=probes, on_progress=progress)
         except Exception as error:
             # Not the transcript's fault (the verifier never raises for bad data): record
             # it where users see it rather than leave the proof "verifying" for ever.
@@ -949,11 +998,38 @@ class Proof(models.Model):
                 # The transcript is consistent; now the platform stops trusting the
                 # trainer: its challenges decide the verdict (attestations/replay.py).
                 replay.draw(self)
+            elif settings.DVBENCH.get("REQUIRE_PROGRAM", True):
+                # Without a program no step can be replayed, so accepting it would let a
+                # forger escape every challenge just by leaving the program out.
+                self._record(ProofStatus.REJECTED, *NO_PROGRAM, record=0, field="root.program")
             else:
-                # Nothing to replay (no attested program): the offline verdict stands.
+                # Opted out (DVBENCH_REQUIRE_PROGRAM=false): the offline verdict stands.
                 self._record(ProofStatus.VALID, "", "")
         if job is not None:
             job.finish(JobStatus.SUCCEEDED, self.reason)
+
+    @contextmanager
+    def _probes_file(self) -> Iterator[str | None]:
+        """A local copy of the attached ``probes.bin``, if any, for the verifier to check.
+
+        The SDK attaches it after filing the transcript, so at a first ingest it is
+        usually absent and the first replay checks it (``replay.check_probes``); when it
+        is here (a re-ingest), every probe is checked against the transcript's digests.
+        """
+        from django.core.files.storage import default_storage
+
+        artifact = self.artifacts.filter(name=PROBES_ARTIFACT).select_related("blob").first()
+        if artifact is None:
+            yield None
+            return
+        with tempfile.TemporaryDirectory(prefix="dvbench-probes-") as scratch:
+            path = f"{scratch}/{PROBES_ARTIFACT}"
+            with (
+                default_storage.open(artifact.blob.storage_name, "rb") as source,
+                open(path, "wb") as target,
+            ):
+                shutil.copyfileobj(source, target, 1024 * 1024)
+            yield path
 
     def _record(
         self, status: str, reason: str, message: str, *, record: int | None = None, field: str = ""

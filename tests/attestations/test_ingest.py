@@ -3,19 +3,58 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from django.core.files.base import ContentFile
+from django.core.files.storage import default_storage
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from rest_framework.test import APIClient
 
-from attestations.models import AuditEvent, Blob, Job, Proof, ProofStatus, Upload, UploadPart
+from attestations import models as attestation_models
+from attestations.models import (
+    AuditEvent,
+    Blob,
+    Job,
+    Proof,
+    ProofArtifact,
+    ProofStatus,
+    Upload,
+    UploadPart,
+)
 from attestations.tasks import ingest_proof
-from tests.attestations.base import SPEC, World, error_of, stored_files, upload_blob
+from tests.attestations.base import SPEC, World, error_of, sha256, stored_files, upload_blob
 from zkdv.testing import write_synthetic_transcript
 
 Api = Callable[[str | None], APIClient]
+
+# Synthetic transcripts (zkdv.testing) commit no program; the platform rejects those by
+# default (``no_program``), so these tests opt out, except where they say otherwise.
+pytestmark = pytest.mark.usefixtures("programless_transcripts")
+
+
+def proof_dir(
+    tmp_path: Path,
+    experiment: str,
+    spec_digest: str,
+    *,
+    steps: int = 4,
+    prover: str = "whitebox-jax",
+) -> Path:
+    return Path(
+        write_synthetic_transcript(
+            tmp_path / f"proof-{experiment.replace('/', '-')}-{spec_digest[:6]}-{steps}-{prover}",
+            steps=steps,
+            experiment=experiment,
+            spec_digest=spec_digest,
+            seed=0,
+            prover=prover,
+        )
+    )
 
 
 def transcript(
@@ -26,15 +65,23 @@ def transcript(
     steps: int = 4,
     prover: str = "whitebox-jax",
 ) -> bytes:
-    proof_dir = write_synthetic_transcript(
-        tmp_path / f"proof-{experiment.replace('/', '-')}-{spec_digest[:6]}-{steps}-{prover}",
-        steps=steps,
-        experiment=experiment,
-        spec_digest=spec_digest,
-        seed=0,
-        prover=prover,
+    folder = proof_dir(tmp_path, experiment, spec_digest, steps=steps, prover=prover)
+    return (folder / "records.cborl").read_bytes()
+
+
+def attach_probes(proof_id: int, data: bytes) -> None:
+    """Attach ``data`` as the proof's ``probes.bin``, as the SDK's artifact list does."""
+    digest = sha256(data)
+    name = default_storage.save(Blob.address(digest), ContentFile(data))
+    blob = Blob.objects.create(sha256=digest, size=len(data), storage_name=name)
+    ProofArtifact.objects.create(
+        proof_id=proof_id,
+        name="probes.bin",
+        kind="artifact",
+        blob=blob,
+        sha256=digest,
+        size=len(data),
     )
-    return (Path(proof_dir) / "records.cborl").read_bytes()
 
 
 def digest_of(world: World) -> str:
@@ -195,14 +242,35 @@ def test_ingest_through_a_real_worker(
         if proof.is_final:
             break
         time.sleep(0.2)
-    assert proof.status == ProofStatus.VALID, (
+    # The worker runs with the platform's defaults (its own environment, not this
+    # process's settings): a transcript without a program is rejected, not trusted.
+    assert (proof.status, proof.reason) == (ProofStatus.REJECTED, "no_program"), (
         proof.status,
         proof.reason,
         celery_worker_process.log()[-2000:],
     )
+    assert (proof.record_index, proof.field) == (0, "root.program")
     job = Job.objects.get(proof=proof)
     assert job.task_id and job.status == "succeeded"
     _ = os
+
+
+def test_a_transcript_without_a_program_is_rejected_by_default(
+    world: World, api: Api, tmp_path: Path, settings: Any, django_capture_on_commit_callbacks: Any
+) -> None:
+    """Leaving the program out must not dodge the challenges: no program, no verdict valid."""
+    settings.DVBENCH = {**settings.DVBENCH, "REQUIRE_PROGRAM": True}
+    data = transcript(tmp_path, "acme/run-1", digest_of(world))
+    with django_capture_on_commit_callbacks(execute=True):
+        response = upload_blob(api("alice"), data, kind="transcript", part_size=4096)
+    proof = Proof.objects.get(pk=response.json()["proof"])
+    assert (proof.status, proof.reason) == (ProofStatus.REJECTED, "no_program")
+    assert (proof.record_index, proof.field) == (0, "root.program")
+    assert "commits no program artifact" in proof.message
+    assert not proof.challenges.exists()
+    assert AuditEvent.objects.filter(action="proof.rejected", target_id=str(proof.pk)).exists()
+    body = api("bob").get(f"/api/v1/proofs/{proof.pk}/").json()
+    assert (body["status"], body["reason"]) == ("rejected", "no_program")
 
 
 def test_a_missing_transcript_is_an_error_verdict_not_a_stuck_proof(
@@ -215,3 +283,53 @@ def test_a_missing_transcript_is_an_error_verdict_not_a_stuck_proof(
     assert world.proof.reason == "verifier_failed"
     assert "FileNotFoundError" in world.proof.message
     assert Job.objects.get(pk=world.job.pk).status == "failed"
+
+
+@pytest.mark.parametrize("tamper", [False, True])
+def test_an_attached_probe_file_is_checked_against_the_probe_digests(
+    world: World, api: Api, tmp_path: Path, tamper: bool
+) -> None:
+    """Ingest verifies ``probes.bin`` when the proof has it; a flipped byte is named."""
+    folder = proof_dir(tmp_path, "acme/run-1", digest_of(world))
+    data = (folder / "records.cborl").read_bytes()
+    probes = bytearray((folder / "probes.bin").read_bytes())
+    if tamper:
+        probes[5] ^= 0x40  # inside the first step's probe range
+    response = upload_blob(api("alice"), data, kind="transcript", part_size=4096)  # not yet run
+    proof_id = response.json()["proof"]
+    attach_probes(proof_id, bytes(probes))
+    ingest_proof(proof_id)
+    proof = Proof.objects.get(pk=proof_id)
+    if not tamper:
+        assert proof.status == ProofStatus.VALID, (proof.reason, proof.message)
+        return
+    assert (proof.status, proof.reason) == (ProofStatus.REJECTED, "probe_digest")
+    assert proof.field == "probe.digest"
+    assert proof.message == "step 0 probe bytes do not match their committed digest"
+    assert proof.record_index is not None and proof.record_index > 0
+
+
+def test_ingest_reports_progress_that_rises_to_one(
+    world: World, api: Api, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long transcript moves its job forward while verifying, never backwards."""
+    monkeypatch.setattr(attestation_models, "INGEST_PROGRESS_INTERVAL", 0.0)  # every report
+    data = transcript(tmp_path, "acme/run-1", digest_of(world), steps=600)
+    response = upload_blob(api("alice"), data, kind="transcript", part_size=65536)
+    proof_id = response.json()["proof"]
+    with CaptureQueriesContext(connection) as queries:
+        assert ingest_proof(proof_id) == ProofStatus.VALID
+    written = [
+        float(match.group(1))
+        for query in queries.captured_queries
+        if (
+            match := re.search(
+                r'UPDATE "attestations_job" SET "progress" = ([0-9.e-]+)', query["sql"]
+            )
+        )
+    ]
+    assert len(written) >= 3, written
+    assert written == sorted(written) and len(set(written)) == len(written), written
+    assert written[0] > 0.0 and written[-1] < 1.0
+    job = Job.objects.get(proof_id=proof_id)
+    assert (job.status, job.progress) == ("succeeded", 1.0)

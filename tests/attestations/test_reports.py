@@ -216,7 +216,7 @@ def test_the_chart_scales_to_the_budget_and_marks_the_crossing() -> None:
 
 
 @pytest.fixture
-def certified(world: World, tmp_path: Path) -> Proof:
+def certified(world: World, tmp_path: Path, programless_transcripts: None) -> Proof:
     """A proof verified by the real verifier, with the certificate the platform issues."""
     from attestations.certificates import issue_certificate
 
