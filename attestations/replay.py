@@ -730,12 +730,62 @@ def _transition(proof: Proof, directory: Path) -> Any | None:
     return transition
 
 
+#: Probe files already checked against their transcript, by ``(transcript, probes)``
+#: SHA-256: the first replay of a proof checks the whole file, later ones reuse that.
+_PROBES_CHECKED: OrderedDict[tuple[str, str], dict[str, Any] | None] = OrderedDict()
+_PROBES_KEPT = 16
+
+
+def check_probes(proof: Proof, directory: Path) -> dict[str, Any] | None:
+    """Check the attached ``probes.bin`` against every probe digest of the transcript.
+
+    The trainer attaches the probe file after ingest, so the offline verifier could not
+    check it then; the first replay does, before trusting any probe it compares. Runs
+    the offline verifier over the proof directory (records and probes side by side).
+
+    Returns:
+        None when there is no probe file or it matches; else a failed verdict's dict
+        naming the verifier's reason (``probe_digest``, ``probe_missing``, ...), the
+        record and the field.
+    """
+    from zkdv.verify import verify_transcript
+
+    path = directory / PROBES
+    artifact = proof.artifacts.filter(name=PROBES).select_related("blob").first()
+    if artifact is None or not path.exists():
+        return None
+    key = (proof.transcript.sha256, artifact.sha256)
+    with _TRANSITIONS_LOCK:
+        if key in _PROBES_CHECKED:
+            return _PROBES_CHECKED[key]
+    report = verify_transcript(directory)
+    failure: dict[str, Any] | None = None
+    if not report.ok:
+        failure = {
+            "ok": False,
+            "step": None,
+            "reason": report.reason or "probe_mismatch",
+            "message": f"{PROBES}: {report.message}",
+            "record": report.record,
+            "field": report.field,
+            "evidence": [],
+        }
+    with _TRANSITIONS_LOCK:
+        _PROBES_CHECKED[key] = failure
+        while len(_PROBES_CHECKED) > _PROBES_KEPT:
+            _PROBES_CHECKED.popitem(last=False)
+    return failure
+
+
 def replay_one(challenge: Challenge) -> dict[str, Any]:
     """Materialise and replay one claimed challenge; returns the verdict's dict."""
     import provers
 
     proof = challenge.proof
     directory = proof_directory(proof, challenge.needed_files)
+    failure = check_probes(proof, directory)
+    if failure is not None:
+        return {**failure, "step": challenge.step}
     transition = _transition(proof, directory)
     verdict = provers.verify_challenge(
         directory, challenge.step, through=challenge.through, transition=transition

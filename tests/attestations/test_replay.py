@@ -435,6 +435,26 @@ def test_a_snapshot_that_does_not_hash_to_its_commitment_is_refused(
     assert body["challenge_plan"]["seed"] is not None
 
 
+def test_a_probe_file_that_does_not_match_the_transcript_fails_the_replay(
+    platform: APIClient, runs: dict[str, Path], django_capture_on_commit_callbacks: Any
+) -> None:
+    """``probes.bin`` arrives after ingest; the first replay checks all of it first."""
+    run = runs["honest"]
+    tampered = bytearray((run / "probes.bin").read_bytes())
+    tampered[5] ^= 0x40  # inside step 0's probe range
+    proof, attached = file_and_answer(
+        platform, run, django_capture_on_commit_callbacks, replace={"probes.bin": bytes(tampered)}
+    )
+    assert attached.status_code == 201, attached.content
+    assert (proof.status, proof.reason) == (ProofStatus.REJECTED, "probe_digest"), (
+        challenge_summary(proof)
+    )
+    failed = proof.challenges.filter(status=ChallengeStatus.FAILED).first()
+    assert failed is not None and failed.reason == "probe_digest"
+    assert "probes.bin: step 0 probe bytes do not match their committed digest" in failed.message
+    assert not proof.challenges.filter(status=ChallengeStatus.PASSED).exists()
+
+
 def test_a_rechained_transcript_with_an_edited_batch_commitment(
     platform: APIClient,
     runs: dict[str, Path],

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from pathlib import Path
@@ -535,17 +535,27 @@ class _Verifier:
         self.report.final = {name: root.hex() for name, root in zip(ROOTS, final, strict=True)}
 
 
+#: How often (in records) :func:`verify_transcript` reports progress.
+PROGRESS_RECORDS = 256
+
+
 def verify_transcript(
     source: str | os.PathLike[str] | bytes | bytearray | memoryview | IO[bytes],
     *,
     probes: bool = True,
+    probes_path: str | os.PathLike[str] | None = None,
+    on_progress: Callable[[int], None] | None = None,
 ) -> VerificationReport:
     """Verify a transcript offline; never raises for bad transcript data.
 
     Args:
         source: a proof directory, a ``records.cborl`` path, its bytes, or a binary file.
         probes: also check probe continuity (needs ``probes.bin`` beside the records;
-            only possible when ``source`` is a path).
+            only possible when ``source`` is a path, or with ``probes_path``).
+        probes_path: the probe file to check, wherever it is (a platform keeps it apart
+            from the transcript); overrides the file beside the records.
+        on_progress: called with the bytes of the transcript verified so far, every
+            ``PROGRESS_RECORDS`` records (a long verification can report how far it got).
 
     Returns:
         A :class:`VerificationReport`; ``ok`` is True only if every check passed.
@@ -553,11 +563,13 @@ def verify_transcript(
     import time
 
     started = time.perf_counter()
-    probes_path: Path | None = None
-    if probes and isinstance(source, (str, os.PathLike)):
+    probes_file: Path | None = None
+    if probes and probes_path is not None:
+        probes_file = Path(probes_path)
+    elif probes and isinstance(source, (str, os.PathLike)):
         path = Path(source)
-        probes_path = (path if path.is_dir() else path.parent) / PROBES_FILE
-    verifier = _Verifier(probes_path)
+        probes_file = (path if path.is_dir() else path.parent) / PROBES_FILE
+    verifier = _Verifier(probes_file)
     report = verifier.report
     prev = ZERO_DIGEST
     closed = False
@@ -566,6 +578,8 @@ def verify_transcript(
     try:
         for record in iter_records(source):
             last_index = record.index
+            if on_progress is not None and not record.index % PROGRESS_RECORDS:
+                on_progress(record.offset)
             if closed:
                 raise _fail("after_close", "records follow the close record", record.index)
             if record.index:
