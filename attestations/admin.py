@@ -11,12 +11,14 @@ from attestations.models import (
     ApiKey,
     AuditEvent,
     Blob,
+    Challenge,
     Experiment,
     ExperimentSpec,
     Job,
     Membership,
     Organization,
     Proof,
+    ProofArtifact,
     Upload,
 )
 
@@ -77,6 +79,28 @@ class ExperimentSpecAdmin(ReadOnlyAdmin):
 class ProofAdmin(ReadOnlyAdmin):
     list_display = ["pk", "experiment", "status", "reason", "created"]
     list_filter = ["status"]
+
+
+@admin.register(Challenge)
+class ChallengeAdmin(ReadOnlyAdmin):
+    """What the platform asked a proof to answer, and how each replay went."""
+
+    list_display = ["pk", "proof", "step", "through", "origin", "status", "reason", "created"]
+    list_filter = ["status", "origin"]
+    search_fields = ["reason", "message"]
+    list_select_related = ["proof"]
+    raw_id_fields = ["proof"]
+
+
+@admin.register(ProofArtifact)
+class ProofArtifactAdmin(ReadOnlyAdmin):
+    """Files attached to a proof: names and digests only; the bytes stay in storage."""
+
+    list_display = ["pk", "proof", "name", "kind", "size", "sha256", "created"]
+    list_filter = ["kind"]
+    search_fields = ["name", "sha256"]
+    list_select_related = ["proof"]
+    raw_id_fields = ["proof", "blob", "created_by"]
 
 
 @admin.register(Job)
