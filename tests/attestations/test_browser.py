@@ -124,7 +124,9 @@ def upload_transcript(base_url: str, key: str, experiment: str, tmp_path: Path) 
         return done.json()  # type: ignore[no-any-return]
 
 
-def test_trainer_journey(page: Any, live_server: Any, tmp_path: Path) -> None:
+def test_trainer_journey(
+    page: Any, live_server: Any, tmp_path: Path, programless_transcripts: None
+) -> None:
     page.goto("/")
     page.wait_for_url("**/login/?next=/")
     shot(page, "01-sign-in")
