@@ -1007,6 +1007,16 @@ class Proof(models.Model):
                 self._record(ProofStatus.VALID, "", "")
         if job is not None:
             job.finish(JobStatus.SUCCEEDED, self.reason)
+        if self.status in {ProofStatus.VALID, ProofStatus.REJECTED}:
+            # Final at ingest (no challenges to wait for): certify it now, as
+            # ``replay.settle`` does after the last challenge.
+            self._certify_on_commit()
+
+    def _certify_on_commit(self) -> None:
+        from attestations.certificate_tasks import issue_certificate
+
+        proof_id = self.pk
+        transaction.on_commit(lambda: issue_certificate.delay(proof_id))
 
     @contextmanager
     def _probes_file(self) -> Iterator[str | None]:

@@ -16,6 +16,7 @@ from django.test.utils import CaptureQueriesContext
 from rest_framework.test import APIClient
 
 from attestations import models as attestation_models
+from attestations.certificate_models import Certificate
 from attestations.models import (
     AuditEvent,
     Blob,
@@ -252,6 +253,13 @@ def test_ingest_through_a_real_worker(
     assert (proof.record_index, proof.field) == (0, "root.program")
     job = Job.objects.get(proof=proof)
     assert job.task_id and job.status == "succeeded"
+    # The worker then certifies the verdict (waiting for it also lets the worker go
+    # quiet before the database is flushed).
+    while time.monotonic() < deadline and not Certificate.objects.filter(proof=proof).exists():
+        time.sleep(0.2)
+    assert Certificate.objects.get(proof=proof).result == "FAILED", celery_worker_process.log()[
+        -2000:
+    ]
     _ = os
 
 
@@ -271,6 +279,8 @@ def test_a_transcript_without_a_program_is_rejected_by_default(
     assert AuditEvent.objects.filter(action="proof.rejected", target_id=str(proof.pk)).exists()
     body = api("bob").get(f"/api/v1/proofs/{proof.pk}/").json()
     assert (body["status"], body["reason"]) == ("rejected", "no_program")
+    certificate = Certificate.objects.get(proof=proof)  # issued once the verdict is final
+    assert certificate.result == "FAILED"
 
 
 def test_a_missing_transcript_is_an_error_verdict_not_a_stuck_proof(
