@@ -51,8 +51,10 @@ def test_sync_sends_only_the_challenged_files_and_the_proof_passes(
     local = {f"files/{p.name}" for p in (directory / "files").iterdir() if p.stat().st_size > 0}
     stored = set(Blob.objects.values_list("sha256", flat=True))
     sent = {name for name in local if sha256((directory / name).read_bytes()).hexdigest() in stored}
+    # Exactly the challenged files left the lab, the rest never did. How many that
+    # leaves behind depends on the platform's random draw: usually some, but a draw may
+    # challenge the last step of every window, which needs every batch file.
     assert sent == {name for name in needed if name.startswith("files/")}
-    assert sent < local  # the rest never left the lab
     assert result.challenged_files == len(needed)
     manifest = json.loads((directory / MANIFEST).read_text())
     assert manifest["synced"] and manifest["attached"] is True
