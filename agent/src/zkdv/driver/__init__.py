@@ -15,6 +15,12 @@ transcript (:class:`~zkdv.core.ZKDVCore`) and the pipeline
    fences admission as its policy says, and is replayed on the check stage; a failed
    check writes its record and poisons the driver, so the next call, ``join()`` or
    ``close()`` raises :class:`~zkdv.errors.ZKDVPoisonedError`.
+
+In a multi-process run (``jax.distributed`` or ``torch.distributed``) rank 0 owns the
+transcript and the other ranks (followers) only train. :meth:`Driver.start` joins rank
+0's :class:`~zkdv.control.HostControl` channel; before each step :meth:`Driver._agree`
+tells every rank whether rank 0 goes on, and :meth:`Driver.close` tells every follower
+the digest and whether the run was poisoned, so all ranks raise at the same point.
 """
 
 from __future__ import annotations
@@ -25,17 +31,19 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from zkdv.config import ZKDVConfig
+from zkdv.control import HostControl
 from zkdv.core import ProgramInfo, ZKDVCore
 from zkdv.errors import (
     ALREADY_STARTED,
     CLOSED,
     NOT_STARTED,
     ZKDVError,
+    ZKDVPoisonedError,
     ZKDVVerificationError,
 )
 from zkdv.files import TREES, batch_path, snapshot_path, write_batch, write_state
@@ -101,6 +109,22 @@ class Driver:
         # Snapshot and batch files for the platform's replay (zkdv.files); a run
         # without a platform may turn them off with ZKDV_KEEP_FILES=0.
         self._keep_files = os.environ.get("ZKDV_KEEP_FILES", "1") != "0"
+        # Multi-process runs: rank 0 owns the tape (see the module docstring).
+        self._control: HostControl | None = None
+        self._rank = 0
+        self._world_size = 1
+        self._entries = 0
+        self._shared_error: str | None = None
+        self._control_done = False
+        self._follower_error: str | None = None
+
+    #: Whether ``start()`` joins the backend's process group through HostControl.
+    distributed: ClassVar[bool] = False
+
+    @property
+    def follower(self) -> bool:
+        """True on a rank other than 0 of a multi-process run: it trains, rank 0 records."""
+        return self._rank != 0
 
     # --- public lifecycle ---------------------------------------------------------------
     @property
@@ -124,6 +148,12 @@ class Driver:
             probe_ratio: fraction of each parameter leaf's last dimension kept by its
                 orthonormal probe, fixed for the run.
         """
+        if self.distributed:
+            # Every process calls start(); rank 0 opens the channel, followers connect.
+            control = HostControl.for_backend(self._backend)
+            if control is not None:
+                self._control = control
+                self._rank, self._world_size = control.rank, control.size
         if self._closed:
             raise ZKDVError(CLOSED)
         if self._started:
@@ -138,6 +168,9 @@ class Driver:
             raise ValueError(f"probe_ratio={probe_ratio!r} must be in (0, 1]")
         self.rolling_window = rolling_window
         self.probe_ratio = float(probe_ratio)
+        if self.follower:
+            self._started = True
+            return
         self._core = ZKDVCore(
             self.path,
             self.config,
@@ -179,20 +212,105 @@ class Driver:
     def close(self) -> None:
         """Wait for all commitments and checks, flush the tape, release resources.
 
+        In a multi-process run rank 0 tells every follower the transcript digest and
+        whether the run was poisoned, so ``close()`` raises on every rank alike.
+
         Raises:
             ZKDVPoisonedError: an asynchronous commitment or sampled check failed
                 (again on every later call).
         """
-        if not self._closed:
+        if self.follower:
             self._closed = True
+            control = self._control
+            if not self._control_done and control is not None:
+                self._control_done = True
+                try:
+                    outcome = control.exchange("zkdv.close")
+                finally:
+                    control.close()
+                self.digest = bytes.fromhex(outcome["digest"]) if outcome["digest"] else None
+                self._follower_error = outcome["error"]
+            if self._follower_error:
+                raise ZKDVPoisonedError(
+                    f"rank 0's ZKDV transcript is poisoned: {self._follower_error}"
+                )
+            return
+        failure: BaseException | None = None
+        try:
+            if not self._closed:
+                self._closed = True
+                try:
+                    self._queue.join(raise_poison=False)
+                finally:
+                    self._queue.close()
+                    core = self._core
+                    if core is not None and core.opened:
+                        self.digest = core.close()
+            self._queue.check()
+        except ZKDVPoisonedError as error:
+            failure = error
+        finally:
+            self._release_followers(failure)
+        if failure is not None:
+            raise failure
+
+    def _release_followers(self, failure: BaseException | None) -> None:
+        """Rank 0: tell every follower the transcript digest and whether it is poisoned."""
+        control = self._control
+        if control is None or self._control_done:
+            return
+        self._control_done = True
+        outcome = {
+            "digest": self.digest.hex() if self.digest else None,
+            "error": None if failure is None else str(failure),
+        }
+        try:
+            control.exchange("zkdv.close", outcome)
+        finally:
+            control.close()
+
+    def _agree(self, policy: Any, *, barrier: bool = False) -> Admission | None:
+        """Every rank learns, before the step's collectives, whether rank 0 goes on.
+
+        Rank 0 is admitted first (admission is where a failed check surfaces) and
+        publishes the outcome over HostControl; followers wait for it. All ranks
+        therefore raise :class:`ZKDVPoisonedError` at the same step instead of one
+        leaving a collective the others are blocked in. With ``barrier`` rank 0 also
+        waits, before it publishes, for the previous commitment to release the state
+        this step donates: once the followers are told to go on, rank 0 must dispatch
+        the step.
+
+        Returns:
+            Rank 0's admission; None on a follower.
+        """
+        control = self._control
+        assert control is not None
+        if self._shared_error is not None:
+            raise ZKDVPoisonedError(self._shared_error)
+        key = f"zkdv.step.{self._entries}"
+        self._entries += 1
+        admission = None
+        if self.follower:
+            decision = control.exchange(key)
+        else:
             try:
-                self._queue.join(raise_poison=False)
-            finally:
-                self._queue.close()
-                core = self._core
-                if core is not None and core.opened:
-                    self.digest = core.close()
-        self._queue.check()
+                admission = self._admit(policy)
+                if barrier and self._last is not None:
+                    self._barrier()
+            except ZKDVPoisonedError as error:
+                if admission is not None:
+                    admission.cancel()
+                    admission = None
+                decision = str(error)
+            else:
+                decision = None
+            decision = control.exchange(key, decision)
+        if decision is not None:
+            if admission is not None:
+                admission.cancel()
+            self._shared_error = str(decision)
+            raise ZKDVPoisonedError(self._shared_error)
+        return admission
 
     def __enter__(self) -> Driver:
         return self

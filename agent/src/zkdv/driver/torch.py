@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from zkdv.config import ZKDVConfig
-from zkdv.control import HostControl
 from zkdv.driver import Driver, ReplayOutcome
 from zkdv.errors import CLOSED, NOT_STARTED, ZKDVError, ZKDVPoisonedError
 from zkdv.sampling import Challenge
@@ -92,6 +91,8 @@ class ZKDV(Driver):
             check replays at most N - 1 transitions before the challenged one.
     """
 
+    distributed = True
+
     def __init__(
         self,
         path: Any,
@@ -118,9 +119,6 @@ class ZKDV(Driver):
         self.program_kind = os.environ.get(PROGRAM_KIND_ENV, artifact.AOT_INDUCTOR)
         #: Seconds the first transaction spent sealing the program (one-time cost).
         self.sealing_seconds = 0.0
-        self._control: HostControl | None = None
-        self._rank = 0
-        self._world_size = 1
         #: FLOPs of one rank's gradient program (Torch's FLOP counter), set at sealing.
         self._program_flops: float | None = None
         self._batch_layout: BatchLayout | None = None
@@ -128,80 +126,11 @@ class ZKDV(Driver):
         self._checkpoint: ReplayCheckpoint | None = None
         self._unresolved: set[int] = set()
         self._resolution = threading.Lock()
-        self._control_done = False
-        self._entries = 0
         self._probe_index: list[torch.Tensor | None] | None = None
-        self._shared_error: str | None = None
         #: FSDP2: the full optimizer state gathered at the previous step's end (or at the
         #: first entry), kept on rank 0 only while the next step takes a replay snapshot.
         self._full_states: list[dict[str, Any]] | None = None
         self._opened = False
-
-    # --- lifecycle ----------------------------------------------------------------------
-    @property
-    def follower(self) -> bool:
-        """True on a DDP rank other than 0: it trains but rank 0 owns the tape."""
-        return self._rank != 0
-
-    def start(self, rolling_window: int, probe_ratio: float = 0.01) -> None:
-        """Fix the rolling-hash window and probe ratio; call once before training.
-
-        Under ``torch.distributed`` every rank must call it (it bootstraps rank 0's
-        :class:`~zkdv.control.HostControl` channel through the process group); only
-        rank 0 opens the transcript.
-        """
-        control = HostControl.for_backend("torch")
-        if control is not None:
-            self._control = control
-            self._rank, self._world_size = control.rank, control.size
-        if self.follower:
-            if self._closed:
-                raise ZKDVError(CLOSED)
-            self.rolling_window = rolling_window
-            self.probe_ratio = float(probe_ratio)
-            self._started = True
-            return
-        super().start(rolling_window, probe_ratio)
-
-    def close(self) -> None:
-        """Wait for all commitments and checks, flush the tape, release resources.
-
-        Under DDP rank 0 tells every follower the transcript digest and whether the
-        run was poisoned, so ``close()`` raises on every rank alike.
-
-        Raises:
-            ZKDVPoisonedError: an asynchronous commitment or sampled check failed.
-        """
-        if self.follower:
-            self._closed = True
-            if not self._control_done and self._control is not None:
-                self._control_done = True
-                outcome = self._control.exchange("zkdv.close")
-                self._control.close()
-                self.digest = bytes.fromhex(outcome["digest"]) if outcome["digest"] else None
-                self._follower_error = outcome["error"]
-            error = getattr(self, "_follower_error", None)
-            if error:
-                raise ZKDVPoisonedError(f"rank 0's ZKDV transcript is poisoned: {error}")
-            return
-        failure: BaseException | None = None
-        try:
-            super().close()
-        except ZKDVPoisonedError as error:
-            failure = error
-        finally:
-            if self._control is not None and not self._control_done:
-                self._control_done = True
-                outcome = {
-                    "digest": self.digest.hex() if self.digest else None,
-                    "error": None if failure is None else str(failure),
-                }
-                try:
-                    self._control.exchange("zkdv.close", outcome)
-                finally:
-                    self._control.close()
-        if failure is not None:
-            raise failure
 
     # --- public frontend API ------------------------------------------------------------
     def prepare(self, *values: Any) -> Any:
@@ -339,7 +268,7 @@ class ZKDV(Driver):
         if self._batch_layout is None:
             self._batch_layout = BatchLayout.of(transaction.batch, self.rolling_window)
         if self.follower:
-            self._agree_to_continue(None)
+            self._agree(None)
             self._gather(self._batch_layout.pack(transaction.batch))
             if self._gather_first_state() is not None:
                 self._await_sealing()
@@ -347,7 +276,9 @@ class ZKDV(Driver):
         if self._control is None:
             admission = self._admit(transaction.overlap)
         else:
-            admission = self._agree_to_continue(transaction.overlap)
+            agreed = self._agree(transaction.overlap)
+            assert agreed is not None  # followers returned above
+            admission = agreed
         try:
             transaction.index = self.steps
             # Copied now: the committed batch is what the step was given, even if the
@@ -412,38 +343,6 @@ class ZKDV(Driver):
         if outcome is not None:
             self._shared_error = str(outcome)
             raise ZKDVPoisonedError(self._shared_error)
-
-    def _agree_to_continue(self, policy: Any) -> Any:
-        """Under DDP: every rank learns, before the step's collectives, whether to go on.
-
-        Rank 0 is admitted first (admission is where a failed check surfaces), then
-        publishes the decision over :class:`~zkdv.control.HostControl`; followers wait for
-        it. All ranks therefore raise :class:`ZKDVPoisonedError` at the same step instead
-        of one rank leaving a collective the others are blocked in.
-        """
-        control = self._control
-        assert control is not None
-        if self._shared_error is not None:
-            raise ZKDVPoisonedError(self._shared_error)
-        key = f"zkdv.step.{self._entries}"
-        self._entries += 1
-        admission = None
-        if self.follower:
-            decision = control.exchange(key)
-        else:
-            try:
-                admission = self._admit(policy)
-            except ZKDVPoisonedError as error:
-                decision = str(error)
-            else:
-                decision = None
-            decision = control.exchange(key, decision)
-        if decision is not None:
-            if admission is not None:
-                admission.cancel()
-            self._shared_error = str(decision)
-            raise ZKDVPoisonedError(self._shared_error)
-        return admission
 
     def _gather(self, words: np.ndarray) -> np.ndarray:
         """Every rank's committed rows, concatenated in rank order (DDP)."""

@@ -40,7 +40,6 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding
 from zkdv.batch import validate_window
 from zkdv.compilation import ResultSchema, jax_trees
 from zkdv.config import ZKDVConfig
-from zkdv.control import HostControl
 from zkdv.driver import Driver, Leaves, ReplayOutcome, Submission
 from zkdv.errors import (
     CLOSED,
@@ -777,6 +776,8 @@ class ZKDV(Driver):
             replay starts at the latest snapshot and replays at most N - 1 transitions.
     """
 
+    distributed = True
+
     def __init__(
         self,
         path: Any,
@@ -804,43 +805,8 @@ class ZKDV(Driver):
         self._committed_through = -1
         self._last_outputs: list[weakref.ref[Any]] | None = None
         self._last_post_probe: list[np.ndarray] | None = None
-        # Multi-process runs (jax.distributed): rank 0 owns the tape.
-        self._control: HostControl | None = None
-        self._rank = 0
-        self._world_size = 1
-        self._entries = 0
-        self._shared_error: str | None = None
-        self._control_done = False
-        self._follower_error: str | None = None
 
-    # -- multi-process ------------------------------------------------------------------
-    @property
-    def follower(self) -> bool:
-        """True on a ``jax.distributed`` process other than 0: it trains, rank 0 records."""
-        return self._rank != 0
-
-    def start(self, rolling_window: int, probe_ratio: float = 0.01) -> None:
-        """Fix the rolling-hash window and probe ratio; call once before training.
-
-        Under ``jax.distributed`` every process must call it (it bootstraps rank 0's
-        :class:`~zkdv.control.HostControl` channel through JAX's own collectives); only
-        process 0 opens the transcript.
-        """
-        control = HostControl.for_backend("jax")
-        if control is not None:
-            self._control = control
-            self._rank, self._world_size = control.rank, control.size
-        if not self.follower:
-            super().start(rolling_window, probe_ratio)
-            return
-        if self._closed:
-            raise ZKDVError(CLOSED)
-        if isinstance(rolling_window, bool) or not isinstance(rolling_window, int):
-            raise ValueError(f"rolling_window={rolling_window!r} must be a positive integer")
-        self.rolling_window = rolling_window
-        self.probe_ratio = float(probe_ratio)
-        self._started = True
-
+    # -- multi-process (rank 0 owns the tape: zkdv.driver) -------------------------------
     def _require_step(self) -> None:
         if not self.follower:
             try:
@@ -870,49 +836,6 @@ class ZKDV(Driver):
         self._entries += 1
         with contextlib.suppress(Exception):
             control.exchange(key, self._shared_error)
-
-    def _agree(self, policy: Policy, *, barrier: bool) -> Any:
-        """Every process learns, before the step's collectives, whether rank 0 goes on.
-
-        Rank 0 is admitted first (admission is where a failed check surfaces) and
-        publishes the outcome; followers wait for it. All processes therefore raise
-        :class:`ZKDVPoisonedError` at the same step instead of one leaving a collective
-        the others are blocked in. With ``barrier`` rank 0 also waits, before it
-        publishes, for the previous commitment to release the buffers this step donates:
-        once the followers are told to go on, rank 0 must dispatch the step.
-        """
-        control = self._control
-        assert control is not None
-        if self._shared_error is not None:
-            raise ZKDVPoisonedError(self._shared_error)
-        key = f"zkdv.step.{self._entries}"
-        self._entries += 1
-        admission = None
-        if self.follower:
-            decision = control.exchange(key)
-        else:
-            try:
-                admission = self._admit(policy)
-                if barrier and self._last is not None:
-                    self._barrier()
-            except ZKDVPoisonedError as error:
-                if admission is not None:
-                    admission.cancel()
-                    admission = None
-                decision = str(error)
-            else:
-                decision = None
-            decision = control.exchange(key, decision)
-        if decision is not None:
-            if admission is not None:
-                admission.cancel()
-            self._shared_error = str(decision)
-            raise ZKDVPoisonedError(
-                self._shared_error
-                if not self.follower
-                else f"rank 0's ZKDV transcript is poisoned: {decision}"
-            )
-        return admission
 
     # -- public API ---------------------------------------------------------------------
     def jit(self, fun: Callable[..., Any] | None = None, /, **options: Any) -> Any:
@@ -977,52 +900,15 @@ class ZKDV(Driver):
             ZKDVError: a TrainState was created with this proof but no proof.jit step
                 ran (the step still uses ``jax.jit``).
         """
-        if self.follower:
-            self._closed = True
-            control = self._control
-            if not self._control_done and control is not None:
-                self._control_done = True
-                try:
-                    outcome = control.exchange("zkdv.close")
-                finally:
-                    control.close()
-                self.digest = bytes.fromhex(outcome["digest"]) if outcome["digest"] else None
-                self._follower_error = outcome["error"]
-            if self._follower_error:
-                raise ZKDVPoisonedError(
-                    f"rank 0's ZKDV transcript is poisoned: {self._follower_error}"
-                )
-            return
         first = not self._closed
-        failure: BaseException | None = None
         try:
             super().close()
-        except ZKDVPoisonedError as error:
-            failure = error
         finally:
             with self._store_lock:
                 self._snapshots.clear()
                 self._batches.clear()
-            self._release_followers(failure)
-        if failure is not None:
-            raise failure
-        if first and self._states_created and self.steps == 0:
+        if first and not self.follower and self._states_created and self.steps == 0:
             raise ZKDVError(_messages.NO_TRANSCRIPT_UPDATE)
-
-    def _release_followers(self, failure: BaseException | None) -> None:
-        """Rank 0: tell every follower the transcript digest and whether it is poisoned."""
-        control = self._control
-        if control is None or self._control_done:
-            return
-        self._control_done = True
-        outcome = {
-            "digest": self.digest.hex() if self.digest else None,
-            "error": None if failure is None else str(failure),
-        }
-        try:
-            control.exchange("zkdv.close", outcome)
-        finally:
-            control.close()
 
     @property
     def artifact(self) -> Artifact | None:
@@ -1153,13 +1039,14 @@ class ZKDV(Driver):
         if self._control is None:
             admission = self._admit(policy)
         else:
-            admission = self._agree(policy, barrier=bool(program.donated))
-            if admission is None:  # a follower: run the step, record nothing
+            agreed = self._agree(policy, barrier=bool(program.donated))
+            if agreed is None:  # a follower: run the step, record nothing
                 outputs = program.jitted(
                     tuple(leaves[i] for i in program.donated),
                     tuple(leaves[i] for i in program.kept),
                 )
                 return traced.schema.user_result(outputs, program.trees)
+            admission = agreed
         with admission:
             index = self.steps
             host_pre = None
