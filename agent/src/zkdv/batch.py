@@ -74,12 +74,15 @@ def window_fingerprints(rows: np.ndarray, rolling_window: int) -> np.ndarray:
         rows = rows.reshape(1, -1)
     validate_window(rolling_window, rows.shape[1])
     words = rows.astype(np.uint64) + np.uint64(1)  # so that zero words still contribute
+    count = words.shape[1] - rolling_window + 1
     with np.errstate(over="ignore"):
-        powers = np.ones(rolling_window, dtype=np.uint64)
-        for k in range(rolling_window - 2, -1, -1):
-            powers[k] = powers[k + 1] * _BASE
-        windows = np.lib.stride_tricks.sliding_window_view(words, rolling_window, axis=1)
-        acc: np.ndarray = np.asarray((windows * powers).sum(axis=2, dtype=np.uint64))
+        # Horner's rule over shifted column slices: sum_k words[:, j + k] * BASE^(w-1-k)
+        # for every window start j at once, in place, without a (rows, count, w) temporary
+        # (the rolling window is short; the batch is wide).
+        acc: np.ndarray = words[:, :count].copy()
+        for k in range(1, rolling_window):
+            acc *= _BASE
+            acc += words[:, k : k + count]
         acc ^= acc >> np.uint64(31)
         acc *= _MIX
         acc ^= acc >> np.uint64(29)
