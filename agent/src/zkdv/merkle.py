@@ -145,6 +145,9 @@ def _as_bytes(array: np.ndarray) -> memoryview:
     return contiguous.reshape(-1).view(np.uint8).data
 
 
+# Below this a state is hashed on the calling thread: the pool's hand-offs cost more than
+# they save (a 3.5 MiB state of 44 leaves: 1.2 ms serial, 1.7 ms through the pool).
+_PARALLEL_MIN_BYTES = 4 << 20
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = Lock()
 
@@ -167,6 +170,15 @@ def _hash_chunks(view: memoryview, chunk_bytes: int, start: int, stop: int) -> l
         h.update(view[index * chunk_bytes : (index + 1) * chunk_bytes])
         append(h.digest())
     return out
+
+
+def _hash_segments(
+    views: Sequence[memoryview], chunk_bytes: int, segments: Sequence[tuple[int, int, int]]
+) -> list[tuple[int, list[bytes]]]:
+    return [
+        (leaf, _hash_chunks(views[leaf], chunk_bytes, start, stop))
+        for leaf, start, stop in segments
+    ]
 
 
 def chunk_hashes(array: np.ndarray, chunk_bytes: int) -> list[bytes]:
@@ -212,28 +224,36 @@ def commit_state(
     specs = tuple(LeafSpec.of(path, array) for path, array in leaves)
     views = [_as_bytes(array) for _, array in leaves]
     counts = [max(1, -(-len(view) // chunk_bytes)) for view in views]
-    # Spread work evenly: split the global chunk list into one contiguous task per
-    # worker (plus small leaves batched together), never one task per tiny leaf.
-    tasks: list[tuple[int, int, int]] = []
-    total = sum(counts)
+    total_bytes = sum(len(view) for view in views)
     workers = _pool()._max_workers if parallel else 1
-    per_task = max(1, -(-total // (workers * 2)))
-    for leaf, count in enumerate(counts):
-        for start in range(0, count, per_task):
-            tasks.append((leaf, start, min(count, start + per_task)))
-    if parallel and len(tasks) > 1 and total * chunk_bytes >= 4 * chunk_bytes:
-        futures = [
-            _pool().submit(_hash_chunks, views[leaf], chunk_bytes, start, stop)
-            for leaf, start, stop in tasks
-        ]
-        results = [future.result() for future in futures]
-    else:
-        results = [
-            _hash_chunks(views[leaf], chunk_bytes, start, stop) for leaf, start, stop in tasks
-        ]
     per_leaf: list[list[bytes]] = [[] for _ in leaves]
-    for (leaf, _, _), hashes in zip(tasks, results, strict=True):
-        per_leaf[leaf].extend(hashes)
+    if workers == 1 or total_bytes < _PARALLEL_MIN_BYTES:
+        for leaf, view in enumerate(views):
+            per_leaf[leaf] = _hash_chunks(view, chunk_bytes, 0, counts[leaf])
+    else:
+        # Spread the bytes evenly: about two tasks per worker, each a run of chunk ranges
+        # that may span several leaves, so that a state of many small leaves costs a few
+        # pool submissions rather than one per leaf.
+        target = -(-total_bytes // (workers * 2))
+        tasks: list[list[tuple[int, int, int]]] = [[]]
+        filled = 0
+        for leaf, view in enumerate(views):
+            start = 0
+            while start < counts[leaf]:
+                room = max(1, -(-(target - filled) // chunk_bytes))
+                stop = min(counts[leaf], start + room)
+                tasks[-1].append((leaf, start, stop))
+                filled += min(len(view), stop * chunk_bytes) - start * chunk_bytes
+                start = stop
+                if filled >= target:
+                    tasks.append([])
+                    filled = 0
+        futures = [
+            _pool().submit(_hash_segments, views, chunk_bytes, task) for task in tasks if task
+        ]
+        for future in futures:
+            for leaf, hashes in future.result():
+                per_leaf[leaf].extend(hashes)
     chunk_roots = tuple(merkle_root(hashes) for hashes in per_leaf)
     digests = tuple(
         tensor_digest(spec, root) for spec, root in zip(specs, chunk_roots, strict=True)
