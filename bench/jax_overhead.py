@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _floor import floor_lines  # bench/ is on sys.path when this script runs
 from flax import linen as nn
 
 import zkdv
@@ -234,6 +235,13 @@ def run(name: str, workload: Any, args: argparse.Namespace, root: str) -> dict[s
         "cpu_ms": {label: statistics.median(v["cpu"]) * 1e3 for label, v in variants.items()},
         "rss_mib": {label: v["rss"].peak / 2**20 for label, v in variants.items()},
     }
+    ms = result["ms"]
+    result["floor"] = floor_lines(
+        flat,
+        plain_ms=ms["jax.jit"],
+        hash_ms=result["blake3_ms"],
+        added_ms=ms["proof.jit"] - ms["jax.jit"],
+    )
     return result
 
 
@@ -262,6 +270,8 @@ def report(result: dict[str, Any]) -> None:
         f"cpu; DEBUGCheckEvery(1) ratio {ms['check-every-1'] / base:.3f} wall, "
         f"{cpu['check-every-1'] / base_cpu:.3f} cpu"
     )
+    for line in result["floor"]:
+        print(line)
 
 
 def main() -> None:

@@ -47,6 +47,7 @@ from typing import Any
 import blake3
 import numpy as np
 import torch
+from _floor import floor_lines  # bench/ is on sys.path when this script runs
 from torch import nn
 from torch.nn import functional
 
@@ -228,6 +229,10 @@ def run(name: str, workload: Any, args: argparse.Namespace, root: str) -> dict[s
         hashes.append(time.perf_counter() - start)
         hash_cpu.append(time.process_time() - cpu)
     state_bytes = flat.nbytes
+    ms = {label: STATISTICS[args.stat](v["times"]) * 1e3 for label, v in variants.items()}
+    floor = floor_lines(
+        flat, plain_ms=ms["eager"], hash_ms=min(hashes) * 1e3, added_ms=ms["zkdv"] - ms["eager"]
+    )
     del flat
     checks = {}
     for label, v in variants.items():
@@ -244,7 +249,8 @@ def run(name: str, workload: Any, args: argparse.Namespace, root: str) -> dict[s
         "blake3_cpu_ms": min(hash_cpu) * 1e3,
         "cpu_ms": {label: STATISTICS[args.stat](v["cpu"]) * 1e3 for label, v in variants.items()},
         "load": os.getloadavg()[0],
-        "ms": {label: STATISTICS[args.stat](v["times"]) * 1e3 for label, v in variants.items()},
+        "ms": ms,
+        "floor": floor,
         "seal_s": {label: v["seal"] for label, v in variants.items() if v["proof"] is not None},
         "checks": checks,
         "steps": {label: v["i"] for label, v in variants.items()},
@@ -282,6 +288,8 @@ def report(result: dict[str, Any], program: str) -> None:
             f"  added process CPU time ({label}): {added_cpu:.1f} ms/step = "
             f"{added_cpu / result['blake3_cpu_ms']:.2f} x the CPU time of raw blake3"
         )
+    for line in result["floor"]:
+        print(line)
     seconds = result["seal_s"]["zkdv"]
     print(f"  one-time sealing ({program}) on the first transaction: {seconds:.1f} s")
 

@@ -1,0 +1,54 @@
+"""The least time ZKDV's default policy can add per step on the machine the benchmark runs on.
+
+Under the default policy (check probability p, a snapshot every N steps) every step must
+hash its whole post-update state, every N-th step copies the state to host memory, and a
+sampled check replays from the latest snapshot through the checked step: (N + 1) / 2
+training steps on average, so p (N + 1) / 2 steps of replay per step in expectation. When
+the training step already keeps every core busy (a CPU machine; a GPU whose checks replay
+on the GPU) none of this can hide behind the step, so their sum is a floor that no
+implementation of the protocol goes below on that machine:
+
+    floor = raw hash of the state + one state copy / N + p (N + 1) / 2 x the plain step
+
+Measured in the same run as the benchmark, so the printed floor and the measured overhead
+see the same machine.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+__all__ = ["floor_lines"]
+
+
+def _copy_ms(flat: np.ndarray) -> float:
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        flat.copy()  # a snapshot copies into fresh host memory
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def floor_lines(
+    flat: np.ndarray,
+    *,
+    plain_ms: float,
+    hash_ms: float,
+    added_ms: float,
+    probability: float = 0.01,
+    interval: int = 12,
+) -> list[str]:
+    """Report lines comparing the measured added time with the floor (see module doc)."""
+    copy_ms = _copy_ms(flat)
+    replay_ms = probability * (interval + 1) / 2 * plain_ms
+    floor = hash_ms + copy_ms / interval + replay_ms
+    return [
+        f"  floor of the default policy here: hash {hash_ms:.1f} + snapshot copy "
+        f"{copy_ms:.1f}/{interval} + expected check replay {probability:g} x "
+        f"{(interval + 1) / 2:g} steps = {replay_ms:.1f} -> {floor:.1f} ms/step = "
+        f"{floor / hash_ms:.2f} x raw blake3, step-time ratio {(plain_ms + floor) / plain_ms:.3f}",
+        f"  measured added {added_ms:.1f} ms/step = {added_ms / floor:.2f} x the floor",
+    ]
