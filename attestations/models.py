@@ -950,9 +950,10 @@ class Proof(models.Model):
         try:
             from zkdv.verify import verify_transcript
         except ImportError as error:
-            self._record(ProofStatus.ERROR, "verifier_unavailable", f"{error}")
-            if job is not None:
-                job.finish(JobStatus.FAILED, "verifier_unavailable")
+            with transaction.atomic():
+                self._record(ProofStatus.ERROR, "verifier_unavailable", f"{error}")
+                if job is not None:
+                    job.finish(JobStatus.FAILED, "verifier_unavailable")
             return
         from django.core.files.storage import default_storage
 
@@ -967,50 +968,58 @@ class Proof(models.Model):
             # Not the transcript's fault (the verifier never raises for bad data): record
             # it where users see it rather than leave the proof "verifying" for ever.
             log.exception("verifying proof %s failed", self.pk)
-            self._record(ProofStatus.ERROR, "verifier_failed", f"{type(error).__name__}: {error}")
-            if job is not None:
-                job.finish(JobStatus.FAILED, "verifier_failed")
+            with transaction.atomic():
+                self._record(
+                    ProofStatus.ERROR, "verifier_failed", f"{type(error).__name__}: {error}"
+                )
+                if job is not None:
+                    job.finish(JobStatus.FAILED, "verifier_failed")
             return
-        self.report = report.to_dict()
-        self.steps = report.steps
-        self.checks = report.checks
-        self.transcript_digest = report.digest or ""
-        root = report.root if isinstance(report.root, Mapping) else None
-        self.prover = str(root.get("prover", "")) if root else ""
-        if not report.ok:
-            self._record(
-                ProofStatus.REJECTED,
-                report.reason or "rejected",
-                report.message or "",
-                record=report.record,
-                field=report.field or "",
-            )
-        elif (mismatch := self.check_identity(root)) is not None:
-            self._record(
-                ProofStatus.REJECTED, mismatch[0], mismatch[1], record=0, field=mismatch[2]
-            )
-        else:
-            named = root["experiment"]  # type: ignore[index]
-            self.spec = self.experiment.specs.get(digest=named["spec_digest"])
-            from attestations import replay
-
-            if replay.replayable(root):
-                # The transcript is consistent; now the platform stops trusting the
-                # trainer: its challenges decide the verdict (attestations/replay.py).
-                replay.draw(self)
-            elif settings.DVBENCH.get("REQUIRE_PROGRAM", True):
-                # Without a program no step can be replayed, so accepting it would let a
-                # forger escape every challenge just by leaving the program out.
-                self._record(ProofStatus.REJECTED, *NO_PROGRAM, record=0, field="root.program")
+        # The verdict, its audit event, the challenges and the job's end are one
+        # transaction: a database lost between them (a restart mid-ingest) must not leave
+        # a final proof whose job runs for ever, or a verdict without its audit event;
+        # the task's retry then finds the proof to verify again.
+        with transaction.atomic():
+            self.report = report.to_dict()
+            self.steps = report.steps
+            self.checks = report.checks
+            self.transcript_digest = report.digest or ""
+            root = report.root if isinstance(report.root, Mapping) else None
+            self.prover = str(root.get("prover", "")) if root else ""
+            if not report.ok:
+                self._record(
+                    ProofStatus.REJECTED,
+                    report.reason or "rejected",
+                    report.message or "",
+                    record=report.record,
+                    field=report.field or "",
+                )
+            elif (mismatch := self.check_identity(root)) is not None:
+                self._record(
+                    ProofStatus.REJECTED, mismatch[0], mismatch[1], record=0, field=mismatch[2]
+                )
             else:
-                # Opted out (DVBENCH_REQUIRE_PROGRAM=false): the offline verdict stands.
-                self._record(ProofStatus.VALID, "", "")
-        if job is not None:
-            job.finish(JobStatus.SUCCEEDED, self.reason)
-        if self.status in {ProofStatus.VALID, ProofStatus.REJECTED}:
-            # Final at ingest (no challenges to wait for): certify it now, as
-            # ``replay.settle`` does after the last challenge.
-            self._certify_on_commit()
+                named = root["experiment"]  # type: ignore[index]
+                self.spec = self.experiment.specs.get(digest=named["spec_digest"])
+                from attestations import replay
+
+                if replay.replayable(root):
+                    # The transcript is consistent; now the platform stops trusting the
+                    # trainer: its challenges decide the verdict (attestations/replay.py).
+                    replay.draw(self)
+                elif settings.DVBENCH.get("REQUIRE_PROGRAM", True):
+                    # Without a program no step can be replayed, so accepting it would let a
+                    # forger escape every challenge just by leaving the program out.
+                    self._record(ProofStatus.REJECTED, *NO_PROGRAM, record=0, field="root.program")
+                else:
+                    # Opted out (DVBENCH_REQUIRE_PROGRAM=false): the offline verdict stands.
+                    self._record(ProofStatus.VALID, "", "")
+            if job is not None:
+                job.finish(JobStatus.SUCCEEDED, self.reason)
+            if self.status in {ProofStatus.VALID, ProofStatus.REJECTED}:
+                # Final at ingest (no challenges to wait for): certify it now, as
+                # ``replay.settle`` does after the last challenge.
+                self._certify_on_commit()
 
     def _certify_on_commit(self) -> None:
         from attestations.certificate_tasks import issue_certificate

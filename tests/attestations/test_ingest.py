@@ -205,6 +205,40 @@ def test_ingest_is_idempotent(world: World, api: Api, tmp_path: Path) -> None:
     assert AuditEvent.objects.filter(action="proof.valid", target_id=str(proof_id)).count() == 1
 
 
+def test_a_database_lost_mid_verdict_keeps_nothing_and_the_retry_completes(
+    world: World, api: Api, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The verdict, its audit event and the job's end commit together or not at all.
+
+    Seen in CI: PostgreSQL restarted between the verdict and the job's end left a valid
+    proof whose ingest job stayed ``running`` for ever (the retry found the proof final
+    and had nothing to do). The connection is cut here at the job's end, the last write.
+    """
+    from django.db import OperationalError
+
+    data = transcript(tmp_path, "acme/run-1", digest_of(world))
+    response = upload_blob(api("alice"), data, kind="transcript", part_size=4096)  # not yet run
+    proof_id = response.json()["proof"]
+    finish = Job.finish
+
+    def connection_lost(job: Job, status: str, reason: str = "") -> None:
+        raise OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(Job, "finish", connection_lost)
+    with pytest.raises(OperationalError):
+        ingest_proof(proof_id)  # called directly, the task's retry re-raises
+    proof = Proof.objects.get(pk=proof_id)
+    assert proof.status == ProofStatus.PENDING  # handed back for the retry
+    assert not AuditEvent.objects.filter(target_type="proof", target_id=str(proof_id)).filter(
+        action__in=["proof.valid", "proof.rejected", "proof.error"]
+    )
+    assert Job.objects.get(proof_id=proof_id).status != "succeeded"
+    monkeypatch.setattr(Job, "finish", finish)
+    assert ingest_proof(proof_id) == ProofStatus.VALID
+    assert Job.objects.get(proof_id=proof_id).status == "succeeded"
+    assert AuditEvent.objects.filter(action="proof.valid", target_id=str(proof_id)).count() == 1
+
+
 @pytest.mark.services
 def test_ingest_through_a_real_worker(
     transactional_db: None, celery_worker_process: Any, tmp_path: Path, settings: Any
