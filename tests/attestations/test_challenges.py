@@ -296,3 +296,86 @@ def test_a_blob_damaged_in_storage_is_a_recorded_replay_error(
     assert f"reads back as sha256:{sha256(damaged)}" in genesis.message
     proof.refresh_from_db()
     assert proof.status == ProofStatus.CHALLENGED  # the other challenges are still open
+
+
+def _flaky_replay(monkeypatch: pytest.MonkeyPatch, failures: int) -> list[tuple[int, int]]:
+    """Make the first ``failures`` replays meet a storage outage (an ``OSError``).
+
+    Fault injection, not a stand-in: after the outage the real replay runs. Returns
+    ``(challenge id, attempts)`` as each replay found them, faulted or not: a retry can
+    only claim the challenge again if the failed try gave its claim back.
+    """
+    from attestations import replay
+
+    real = replay.replay_one
+    hit: list[tuple[int, int]] = []
+
+    def replay_one(challenge: Challenge) -> Any:
+        hit.append((challenge.pk, challenge.attempts))
+        if len(hit) <= failures:
+            raise OSError(5, "Input/output error", "media/blobs")
+        return real(challenge)
+
+    monkeypatch.setattr(replay, "replay_one", replay_one)
+    return hit
+
+
+def _audit(challenge: Challenge, action: str) -> int:
+    return AuditEvent.objects.filter(
+        action=action, target_type="challenge", target_id=str(challenge.pk)
+    ).count()
+
+
+def _attach_unqueued(client: APIClient, proof: Proof, run: Path, challenge: Challenge) -> None:
+    """Attach a challenge's files without sending its replay: the test drives the task."""
+    files = _send(client, run, challenge.needed_files)
+    response = client.post(f"/api/v1/proofs/{proof.pk}/artifacts/", {"files": files}, format="json")
+    assert response.status_code == 201, response.content
+    challenge.refresh_from_db()
+    assert challenge.status == ChallengeStatus.READY
+
+
+def test_a_transient_storage_error_releases_the_claim_and_the_retry_replays(
+    filed: tuple[APIClient, Proof, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The retry path: the claim is given back, the retry claims it again and replays.
+
+    Applied in-process, Celery runs a retry at once rather than after its backoff.
+    """
+    from attestations.tasks import replay_challenge
+
+    client, proof, run = filed
+    genesis = Challenge.objects.get(proof=proof, step=0)
+    _attach_unqueued(client, proof, run, genesis)
+    hit = _flaky_replay(monkeypatch, failures=1)
+    result = replay_challenge.apply(args=[genesis.pk], throw=False)
+    assert (result.state, result.result) == ("SUCCESS", "passed")
+    assert hit == [(genesis.pk, 1), (genesis.pk, 2)]  # the retry took the claim again
+    genesis.refresh_from_db()
+    assert (genesis.status, genesis.reason, genesis.attempts) == ("passed", "", 2)
+    assert genesis.steps_replayed >= 1
+    assert _audit(genesis, "challenge.passed") == 1
+    assert _audit(genesis, "challenge.failed") == 0
+    assert replay_challenge.apply(args=[genesis.pk]).get() is None  # final: a no-op
+
+
+def test_a_storage_outage_past_every_retry_is_a_recorded_error(
+    filed: tuple[APIClient, Proof, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from attestations.tasks import replay_challenge
+
+    client, proof, run = filed
+    genesis = Challenge.objects.get(proof=proof, step=0)
+    _attach_unqueued(client, proof, run, genesis)
+    hit = _flaky_replay(monkeypatch, failures=1)
+    # The broker's last redelivery: Celery counts the retries already made.
+    retries = replay_challenge.max_retries
+    result = replay_challenge.apply(args=[genesis.pk], retries=retries, throw=False)
+    assert result.state == "FAILURE" and isinstance(result.result, OSError)
+    assert hit == [(genesis.pk, 1)]
+    genesis.refresh_from_db()
+    assert (genesis.status, genesis.reason) == ("error", "replay_unavailable")
+    assert "OSError" in genesis.message and "Input/output error" in genesis.message
+    assert _audit(genesis, "challenge.passed") == _audit(genesis, "challenge.failed") == 0
+    proof.refresh_from_db()
+    assert proof.status == ProofStatus.CHALLENGED  # the other challenges are still open
