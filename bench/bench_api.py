@@ -28,6 +28,7 @@ numbers are a lower bound for the server alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import http.client
 import json
@@ -40,7 +41,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_RPS = 300.0
@@ -95,6 +98,72 @@ with transaction.atomic():
     _, raw = ApiKey.issue(user, "bench")
 json.dump({"key": raw, "names": names}, sys.stdout)
 """
+
+
+class Served(NamedTuple):
+    port: int
+    key: str
+    names: list[str]
+    tmp: Path  # a scratch directory that lives as long as the server
+    data_dir: Path
+
+
+@contextlib.contextmanager
+def serve(
+    workers: int, part_mib: int, upload_mib: int, env_extra: dict[str, str] | None = None
+) -> Iterator[Served]:
+    """A migrated, flushed and seeded platform under gunicorn, in a throwaway directory."""
+    with tempfile.TemporaryDirectory(prefix="dvbench-bench-") as tmp:
+        data_dir = Path(tmp) / "data"
+        data_dir.mkdir()
+        env = django_env(data_dir, part_mib, upload_mib) | (env_extra or {})
+        python = sys.executable
+        subprocess.run([python, "manage.py", "migrate", "-v", "0"], cwd=ROOT, env=env, check=True)
+        subprocess.run(
+            [python, "manage.py", "flush", "--no-input", "-v", "0"], cwd=ROOT, env=env, check=True
+        )
+        seeded = json.loads(
+            subprocess.run(
+                [python, "-c", SEED], cwd=ROOT, env=env, check=True, capture_output=True
+            ).stdout
+        )
+        port = free_port()
+        server = subprocess.Popen(
+            [
+                python,
+                "-m",
+                "gunicorn",
+                "-c",
+                str(ROOT / "platform" / "gunicorn.conf.py"),
+                "--bind",
+                f"127.0.0.1:{port}",
+                "--workers",
+                str(workers),
+                "--access-logfile",
+                "/dev/null",
+                "--max-requests",
+                "0",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=1):
+                        break
+                except OSError:
+                    if server.poll() is not None or time.monotonic() > deadline:
+                        stderr = server.stderr.read().decode() if server.stderr else ""
+                        raise SystemExit(f"gunicorn did not start: {stderr}") from None
+                    time.sleep(0.2)
+            yield Served(port, seeded["key"], seeded["names"], Path(tmp), data_dir)
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
 
 
 def run_load(port: int, key: str, paths: list[str], total: int, clients: int) -> dict[str, float]:
@@ -257,151 +326,99 @@ def main() -> int:
     args = parser.parse_args()
 
     database = "PostgreSQL" if os.environ.get("DATABASE_URL") else "SQLite (DATABASE_URL unset)"
-    with tempfile.TemporaryDirectory(prefix="dvbench-bench-") as tmp:
-        data_dir = Path(tmp) / "data"
-        data_dir.mkdir()
-        env = django_env(data_dir, args.part_mib, args.upload_mib)
-        python = sys.executable
-        subprocess.run([python, "manage.py", "migrate", "-v", "0"], cwd=ROOT, env=env, check=True)
-        subprocess.run(
-            [python, "manage.py", "flush", "--no-input", "-v", "0"], cwd=ROOT, env=env, check=True
+    with serve(args.workers, args.part_mib, args.upload_mib) as served:
+        port, key, names, tmp, data_dir = served
+        # Warm every worker (imports, connections) before measuring.
+        run_load(port, key, ["/api/v1/experiments/?page_size=50"], args.workers * 20, args.workers)
+
+        print(
+            f"DVBench API bench: gunicorn x{args.workers} workers over {database}, "
+            f"{args.clients} concurrent clients, load generator on the same machine\n"
+            f"  machine: {machine()}"
         )
-        seeded = json.loads(
-            subprocess.run(
-                [python, "-c", SEED], cwd=ROOT, env=env, check=True, capture_output=True
-            ).stdout
-        )
-        key, names = seeded["key"], seeded["names"]
-        port = free_port()
-        server = subprocess.Popen(
-            [
-                python,
-                "-m",
-                "gunicorn",
-                "-c",
-                str(ROOT / "platform" / "gunicorn.conf.py"),
-                "--bind",
-                f"127.0.0.1:{port}",
-                "--workers",
-                str(args.workers),
-                "--access-logfile",
-                "/dev/null",
-                "--max-requests",
-                "0",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    with socket.create_connection(("127.0.0.1", port), timeout=1):
-                        break
-                except OSError:
-                    if server.poll() is not None or time.monotonic() > deadline:
-                        raise SystemExit(
-                            f"gunicorn did not start: {server.stderr.read().decode() if server.stderr else ''}"
-                        ) from None
-                    time.sleep(0.2)
-            # Warm every worker (imports, connections) before measuring.
-            run_load(
-                port, key, ["/api/v1/experiments/?page_size=50"], args.workers * 20, args.workers
+        results = {
+            "list (50 a page)": run_load(
+                port, key, ["/api/v1/experiments/?page_size=50"], args.requests, args.clients
+            ),
+            "detail": run_load(
+                port,
+                key,
+                [f"/api/v1/experiments/{name}/" for name in names],
+                args.requests,
+                args.clients,
+            ),
+        }
+        ok = True
+        for name, r in results.items():
+            passed = r["rps"] >= TARGET_RPS and r["p99_ms"] <= TARGET_P99_MS and not r["errors"]
+            ok &= passed
+            print(
+                f"  {name:<17} {r['requests']:>6.0f} req  {r['rps']:>7.1f} req/s  "
+                f"p50 {r['p50_ms']:6.1f} ms  p95 {r['p95_ms']:6.1f} ms  p99 {r['p99_ms']:6.1f} ms  "
+                f"errors {r['errors']:.0f}  "
+                f"(rps/target {r['rps'] / TARGET_RPS:.2f}, p99/target {r['p99_ms'] / TARGET_P99_MS:.2f}) "
+                f"{verdict(passed)}"
             )
 
-            print(
-                f"DVBench API bench: gunicorn x{args.workers} workers over {database}, "
-                f"{args.clients} concurrent clients, load generator on the same machine\n"
-                f"  machine: {machine()}"
-            )
-            results = {
-                "list (50 a page)": run_load(
-                    port, key, ["/api/v1/experiments/?page_size=50"], args.requests, args.clients
-                ),
-                "detail": run_load(
-                    port,
-                    key,
-                    [f"/api/v1/experiments/{name}/" for name in names],
-                    args.requests,
-                    args.clients,
-                ),
-            }
-            ok = True
-            for name, r in results.items():
-                passed = r["rps"] >= TARGET_RPS and r["p99_ms"] <= TARGET_P99_MS and not r["errors"]
-                ok &= passed
-                print(
-                    f"  {name:<17} {r['requests']:>6.0f} req  {r['rps']:>7.1f} req/s  "
-                    f"p50 {r['p50_ms']:6.1f} ms  p95 {r['p95_ms']:6.1f} ms  p99 {r['p99_ms']:6.1f} ms  "
-                    f"errors {r['errors']:.0f}  "
-                    f"(rps/target {r['rps'] / TARGET_RPS:.2f}, p99/target {r['p99_ms'] / TARGET_P99_MS:.2f}) "
-                    f"{verdict(passed)}"
-                )
-
-            source = Path(tmp) / "blob.bin"
-            with source.open("wb") as handle:
-                for _ in range(args.upload_mib):
-                    handle.write(os.urandom(1 << 20))
-            copy_target = data_dir / "copy.bin"
-            # Side by side, best of two each, alternating.
-            copies, durable, uploads = [], [], []
-            for _ in range(2):
-                start = time.perf_counter()
-                shutil.copyfile(source, copy_target)
-                copies.append(time.perf_counter() - start)
-                with copy_target.open("rb+") as handle:
-                    os.fsync(handle.fileno())
-                durable.append(time.perf_counter() - start)
-                copy_target.unlink()
-                uploads.append(upload(port, key, names[0], source, args.part_mib * 1024 * 1024))
-                # The second upload would be deduplicated: change the bytes.
-                with source.open("r+b") as handle:
-                    handle.write(os.urandom(32))
-            # One part holding the whole blob: the part's digest is the blob's, so
-            # completion renames it into place instead of reading it again.
-            single_bytes = min(args.upload_mib, args.part_mib) << 20
-            single_source = Path(tmp) / "single.bin"
-            with source.open("rb") as handle:
-                single_source.write_bytes(handle.read(single_bytes))
-            singles, single_copies = [], []
-            for _ in range(2):
-                start = time.perf_counter()
-                shutil.copyfile(single_source, copy_target)
-                single_copies.append(time.perf_counter() - start)
-                copy_target.unlink()
-                singles.append(upload(port, key, names[0], single_source, single_bytes))
-                with single_source.open("r+b") as handle:
-                    handle.write(os.urandom(32))
-            with source.open("rb") as handle:
-                hash_rate = sha256_rate(handle.read(single_bytes))
-            mib = float(args.upload_mib)
-            copy_rate, upload_rate = mib / min(copies), mib / min(uploads)
-            durable_rate = mib / min(durable)
-            ratio = upload_rate / copy_rate
-            ok &= ratio >= TARGET_UPLOAD_RATIO
-            single_mib = single_bytes / (1 << 20)
-            single_rate = single_mib / min(singles)
-            single_copy = single_mib / min(single_copies)
-            print(
-                f"  upload {single_mib:.0f} MiB as one part: {single_rate:7.1f} MiB/s, "
-                f"plain copy {single_copy:7.1f} MiB/s, upload/copy {single_rate / single_copy:.2f}\n"
-                f"  sha256 on this machine: {hash_rate:7.1f} MiB/s; the server must hash every byte "
-                f"once, so upload/copy cannot exceed {hash_rate / copy_rate:.2f} here"
-            )
-            # The upload fsyncs what it stores (an attestation platform must not lose an
-            # accepted artifact); the copy + fsync line is the like-for-like comparison.
-            print(
-                f"  upload {args.upload_mib} MiB in {args.part_mib} MiB parts: {upload_rate:7.1f} MiB/s\n"
-                f"    plain copy:         {copy_rate:7.1f} MiB/s   upload/copy {ratio:.2f} "
-                f"(target >= {TARGET_UPLOAD_RATIO}) {verdict(ratio >= TARGET_UPLOAD_RATIO)}\n"
-                f"    copy + fsync:       {durable_rate:7.1f} MiB/s   upload/durable copy "
-                f"{upload_rate / durable_rate:.2f}"
-            )
-        finally:
-            server.terminate()
-            server.wait(timeout=30)
+        source = tmp / "blob.bin"
+        with source.open("wb") as handle:
+            for _ in range(args.upload_mib):
+                handle.write(os.urandom(1 << 20))
+        copy_target = data_dir / "copy.bin"
+        # Side by side, best of two each, alternating.
+        copies, durable, uploads = [], [], []
+        for _ in range(2):
+            start = time.perf_counter()
+            shutil.copyfile(source, copy_target)
+            copies.append(time.perf_counter() - start)
+            with copy_target.open("rb+") as handle:
+                os.fsync(handle.fileno())
+            durable.append(time.perf_counter() - start)
+            copy_target.unlink()
+            uploads.append(upload(port, key, names[0], source, args.part_mib * 1024 * 1024))
+            # The second upload would be deduplicated: change the bytes.
+            with source.open("r+b") as handle:
+                handle.write(os.urandom(32))
+        # One part holding the whole blob: the part's digest is the blob's, so
+        # completion renames it into place instead of reading it again.
+        single_bytes = min(args.upload_mib, args.part_mib) << 20
+        single_source = tmp / "single.bin"
+        with source.open("rb") as handle:
+            single_source.write_bytes(handle.read(single_bytes))
+        singles, single_copies = [], []
+        for _ in range(2):
+            start = time.perf_counter()
+            shutil.copyfile(single_source, copy_target)
+            single_copies.append(time.perf_counter() - start)
+            copy_target.unlink()
+            singles.append(upload(port, key, names[0], single_source, single_bytes))
+            with single_source.open("r+b") as handle:
+                handle.write(os.urandom(32))
+        with source.open("rb") as handle:
+            hash_rate = sha256_rate(handle.read(single_bytes))
+        mib = float(args.upload_mib)
+        copy_rate, upload_rate = mib / min(copies), mib / min(uploads)
+        durable_rate = mib / min(durable)
+        ratio = upload_rate / copy_rate
+        ok &= ratio >= TARGET_UPLOAD_RATIO
+        single_mib = single_bytes / (1 << 20)
+        single_rate = single_mib / min(singles)
+        single_copy = single_mib / min(single_copies)
+        print(
+            f"  upload {single_mib:.0f} MiB as one part: {single_rate:7.1f} MiB/s, "
+            f"plain copy {single_copy:7.1f} MiB/s, upload/copy {single_rate / single_copy:.2f}\n"
+            f"  sha256 on this machine: {hash_rate:7.1f} MiB/s; the server must hash every byte "
+            f"once, so upload/copy cannot exceed {hash_rate / copy_rate:.2f} here"
+        )
+        # The upload fsyncs what it stores (an attestation platform must not lose an
+        # accepted artifact); the copy + fsync line is the like-for-like comparison.
+        print(
+            f"  upload {args.upload_mib} MiB in {args.part_mib} MiB parts: {upload_rate:7.1f} MiB/s\n"
+            f"    plain copy:         {copy_rate:7.1f} MiB/s   upload/copy {ratio:.2f} "
+            f"(target >= {TARGET_UPLOAD_RATIO}) {verdict(ratio >= TARGET_UPLOAD_RATIO)}\n"
+            f"    copy + fsync:       {durable_rate:7.1f} MiB/s   upload/durable copy "
+            f"{upload_rate / durable_rate:.2f}"
+        )
     return 0 if ok else 1
 
 

@@ -17,77 +17,15 @@ a trainer with an API key), in a throwaway data directory; the database named by
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import http.client
 import json
 import os
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
-from bench_api import ROOT, SEED, django_env, free_port, machine
-
-
-@contextlib.contextmanager
-def serve(workers: int, part_mib: int, upload_mib: int) -> Iterator[tuple[int, str, list[str]]]:
-    """A seeded platform under gunicorn; yields (port, api key, experiment names)."""
-    with tempfile.TemporaryDirectory(prefix="dvbench-load-") as tmp:
-        data_dir = Path(tmp) / "data"
-        data_dir.mkdir()
-        env = django_env(data_dir, part_mib, upload_mib)
-        env["DVBENCH_RATE_UPLOADS"] = "off"  # measuring the server, not its abuse limit
-        python = sys.executable
-        subprocess.run([python, "manage.py", "migrate", "-v", "0"], cwd=ROOT, env=env, check=True)
-        subprocess.run(
-            [python, "manage.py", "flush", "--no-input", "-v", "0"], cwd=ROOT, env=env, check=True
-        )
-        seeded = json.loads(
-            subprocess.run(
-                [python, "-c", SEED], cwd=ROOT, env=env, check=True, capture_output=True
-            ).stdout
-        )
-        port = free_port()
-        server = subprocess.Popen(
-            [
-                python,
-                "-m",
-                "gunicorn",
-                "-c",
-                str(ROOT / "platform" / "gunicorn.conf.py"),
-                "--bind",
-                f"127.0.0.1:{port}",
-                "--workers",
-                str(workers),
-                "--access-logfile",
-                "/dev/null",
-                "--max-requests",
-                "0",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    with socket.create_connection(("127.0.0.1", port), timeout=1):
-                        break
-                except OSError:
-                    if server.poll() is not None or time.monotonic() > deadline:
-                        raise SystemExit("gunicorn did not start") from None
-                    time.sleep(0.2)
-            yield port, seeded["key"], seeded["names"]
-        finally:
-            server.terminate()
-            server.wait(timeout=30)
+from bench_api import machine, serve
 
 
 def request(
@@ -168,8 +106,13 @@ def main() -> int:
     blobs = [os.urandom(blob_bytes) for _ in range(args.uploads)]
     database = "PostgreSQL" if os.environ.get("DATABASE_URL") else "SQLite (DATABASE_URL unset)"
     with serve(
-        args.workers, max(1, -(-part_bytes // (1 << 20))), max(1, -(-blob_bytes // (1 << 20)))
-    ) as (port, key, names):
+        args.workers,
+        max(1, -(-part_bytes // (1 << 20))),
+        max(1, -(-blob_bytes // (1 << 20))),
+        # Measuring the server, not its abuse limit.
+        env_extra={"DVBENCH_RATE_UPLOADS": "off"},
+    ) as served:
+        port, key, names = served.port, served.key, served.names
         timings: dict[str, list[float]] = {"create": [], "part": [], "complete": []}
         errors: list[str] = []
         lock = threading.Lock()
