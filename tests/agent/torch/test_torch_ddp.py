@@ -89,6 +89,9 @@ def worker(rank, world, port, directory, tamper):
         outcome["weight"] = model.module[3].weight.detach().reshape(-1).tolist()
     finally:
         Path(directory, f"rank-{rank}.json").write_text(json.dumps(outcome))
+        # Neither rank tears its gloo pairs down while the other may still be in a
+        # collective (once in CI rank 1 died of std::terminate while rank 0 still ran).
+        dist.barrier()
         dist.destroy_process_group()
 
 

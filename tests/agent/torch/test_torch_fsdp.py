@@ -126,6 +126,9 @@ def worker(rank, world, port, directory, mode):
         outcome["shapes"] = {name: list(p.shape) for name, p in model.named_parameters()}
     finally:
         Path(directory, f"rank-{rank}.json").write_text(json.dumps(outcome))
+        # Neither rank tears its gloo pairs down while the other may still be in a
+        # collective (once in CI rank 1 died of std::terminate while rank 0 still ran).
+        dist.barrier()
         dist.destroy_process_group()
 
 
