@@ -84,6 +84,12 @@ class Submission(abc.ABC):
     def release_views(self) -> None:  # noqa: B027 - optional hook
         """Drop host views of live state (they may alias buffers about to be donated)."""
 
+    def snapshot_written(self) -> None:  # noqa: B027 - optional hook
+        """The snapshot's file is written (or failed): its host copy may be reused.
+
+        Called on the snapshot stage, possibly after :meth:`retire`.
+        """
+
     @abc.abstractmethod
     def replay(self, challenge: Challenge) -> ReplayOutcome:
         """Recompute the challenged coordinates from the latest snapshot."""

@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn import functional
 
 import zkdv
-from zkdv.files import read_batch, read_state, snapshot_path
+from zkdv.files import TREES, read_batch, read_state, snapshot_path
 from zkdv.merkle import LeafSpec
 from zkdv.records import iter_records
 from zkdv.torch.packing import BatchLayout
@@ -115,6 +115,49 @@ def test_eager_transactions_commit_check_and_verify(tmp_path: Path) -> None:
     specs = [LeafSpec.from_dict(s) for s in root["schema"]["opt_state"]]
     _, commitment = read_state(snapshot_path(tmp_path / "proof", 0, "opt_state"), specs, 256)
     assert commitment.root == root["initial"]["o"]
+
+
+def test_snapshot_files_hash_to_their_roots_even_when_the_disk_is_slow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A snapshot's host slot is reused only after its file is written.
+
+    Seen in CI once direct I/O made snapshot writes slower: a slot that no replay needed
+    any more was refilled with a later step's state while its file was still being
+    written, so the file no longer hashed to the committed roots. A slow disk is
+    simulated here by delaying each state file's write.
+    """
+    import time
+
+    import zkdv.driver
+
+    write_state = zkdv.driver.write_state
+
+    def slow_write_state(path: Path, leaves: Any) -> int:
+        time.sleep(0.15)
+        return write_state(path, leaves)
+
+    monkeypatch.setattr(zkdv.driver, "write_state", slow_write_state)
+    commitments_only = zkdv.ZKDVConfig(
+        sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.0), chunk_bytes=256
+    )
+    proof = _proof(tmp_path, interval=1, config=commitments_only)
+    model = _model()
+    model, optimizer = proof.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _attest(proof)
+    _train(proof, model, optimizer, _batches(10))
+    proof.close()
+    report = _verified(tmp_path / "proof")
+    assert report.snapshots == list(range(10))
+    root = report.root
+    schema = {tree: [LeafSpec.from_dict(s) for s in root["schema"][tree]] for tree in TREES}
+    snaps = [r.data for r in iter_records(tmp_path / "proof") if r.data["t"] == "snap"]
+    assert [snap["i"] for snap in snaps] == list(range(10))
+    for snap in snaps:
+        for tree, key in zip(TREES, ("p", "o", "b"), strict=True):
+            file = snapshot_path(tmp_path / "proof", snap["i"], tree)
+            _, commitment = read_state(file, schema[tree], 256)
+            assert commitment.root == snap["roots"][key], (snap["i"], tree)
 
 
 def test_committed_batch_unpacks_to_the_step_inputs(tmp_path: Path) -> None:

@@ -372,9 +372,14 @@ class Driver:
         return pending
 
     # --- pipeline stages ----------------------------------------------------------------
-    def _write_snapshot(self, step: int, snapshot: tuple[Leaves, Leaves, Leaves]) -> None:
-        for tree, leaves in zip(TREES, snapshot, strict=True):
-            write_state(snapshot_path(self.path, step, tree), leaves)
+    def _write_snapshot(
+        self, step: int, snapshot: tuple[Leaves, Leaves, Leaves], sub: Submission
+    ) -> None:
+        try:
+            for tree, leaves in zip(TREES, snapshot, strict=True):
+                write_state(snapshot_path(self.path, step, tree), leaves)
+        finally:
+            sub.snapshot_written()
 
     def _commit(self, core: ZKDVCore, pending: PendingUpdate) -> None:
         sub = pending.submission
@@ -406,7 +411,7 @@ class Driver:
                 # the file needs no second hash; the platform recomputes them.
                 core.record_snapshot(pending.index, core.last_roots, {})
                 if self._keep_files:
-                    self._queue.submit_snapshot(self._write_snapshot, pending.index, snapshot)
+                    self._queue.submit_snapshot(self._write_snapshot, pending.index, snapshot, sub)
             params, opt_state, buffers = sub.post_state()
             assert core.probes is not None
             probes = sub.probes(core.probes)

@@ -559,6 +559,7 @@ class ZKDV(Driver):
             self.replay_snapshot_interval,
             capacity=self._max_in_flight + 2,
             pinned=device.type == "cuda",
+            files=self._keep_files,
         )
         self._prepared_compiled = Pipeline(
             lowered.program,

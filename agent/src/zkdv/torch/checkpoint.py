@@ -37,6 +37,8 @@ class Snapshot:
     parameters: list[torch.Tensor]
     states: list[State]
     buffers: list[torch.Tensor]
+    #: Set once nothing reads the host copy but replays: its file is written, or none is.
+    written: threading.Event = field(default_factory=threading.Event)
 
 
 def _host_like(tensor: torch.Tensor, pinned: bool) -> torch.Tensor:
@@ -71,11 +73,14 @@ class ReplayCheckpoint:
         interval: ``replay_snapshot_interval``.
         capacity: the most snapshots alive at once.
         pinned: allocate page-locked host memory (CUDA state).
+        files: each snapshot is also written to a file, from its host copy, on the
+            driver's snapshot stage; a slot is reused only after :meth:`Snapshot.written`.
     """
 
     interval: int
     capacity: int
     pinned: bool = False
+    files: bool = False
     snapshots: dict[int, Snapshot] = field(default_factory=dict)
     batches: dict[int, np.ndarray] = field(default_factory=dict)
     _free: list[Snapshot] = field(default_factory=list)
@@ -99,6 +104,9 @@ class ReplayCheckpoint:
                 self._lock.wait(_POLL_SECONDS)
                 check()
             slot = self._free.pop() if self._free else None
+        # A slot no replay needs any more may still be on its way to disk.
+        while slot is not None and not slot.written.wait(_POLL_SECONDS):
+            check()
         with torch.no_grad():
             if slot is not None and len(slot.parameters) == len(parameters):
                 host_parameters = slot.parameters
@@ -122,6 +130,8 @@ class ReplayCheckpoint:
             # threads, so wait here for them (a D2H copy of the state, once per window).
             torch.cuda.current_stream().synchronize()
         snapshot = Snapshot(step, host_parameters, host_states, host_buffers)
+        if not self.files:
+            snapshot.written.set()
         with self._lock:
             self.snapshots[step] = snapshot
         return snapshot

@@ -139,6 +139,8 @@ class TorchStep(Submission):
         self.post_buffers = post_buffers
         self.buffers_before = transaction.buffers_before
         self.replay_snapshot = transaction.snapshot
+        # Kept past retirement: the snapshot stage may still be writing its file.
+        self._snapshot_slot = transaction.snapshot
         self._state_leaves: list[torch.Tensor] | None = None
         self._committed_post = 0.0
         self._layout = proof._layout
@@ -206,6 +208,11 @@ class TorchStep(Submission):
         self.parameters = ()
         self.states = []
         self._state_leaves = None
+
+    def snapshot_written(self) -> None:
+        if self._snapshot_slot is not None:
+            self._snapshot_slot.written.set()
+            self._snapshot_slot = None
 
     def replay(self, challenge: Challenge) -> ReplayOutcome:
         return self.proof._replay(challenge, self._committed_post)
