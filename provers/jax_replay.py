@@ -88,8 +88,9 @@ def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
     opt_paths = [str(s["path"]) for s in schema["opt_state"]]
 
     def transition(
-        params: Leaves, opt_state: Leaves, buffers: Leaves, batch: np.ndarray
+        params: Leaves, opt_state: Leaves, buffers: Leaves, batch: np.ndarray, step: Any = None
     ) -> tuple[Leaves, Leaves, Leaves, Leaves]:
+        # Every input a JAX step reads is in the batch or the state: ``step`` is unused.
         deltas, params_after, opt_after = program(
             tuple(a for _, a in params),
             tuple(a for _, a in opt_state),

@@ -39,8 +39,12 @@ from zkdv.verify import verify_transcript
 __all__ = ["ReplayVerdict", "StepEvidence", "Transcript", "Transition", "replay"]
 
 Leaves = list[tuple[str, np.ndarray]]
-#: ``(params, opt_state, buffers, batch) -> (params, opt_state, buffers, deltas)``
-Transition = Callable[[Leaves, Leaves, Leaves, np.ndarray], tuple[Leaves, Leaves, Leaves, Leaves]]
+#: ``(params, opt_state, buffers, batch, step) -> (params, opt_state, buffers, deltas)``;
+#: ``step`` is the step's record: its index ``i`` and whatever else the transition reads
+#: from it (a Torch step's ``hp``: the optimizer options its schedulers set).
+Transition = Callable[
+    [Leaves, Leaves, Leaves, np.ndarray, dict[str, Any]], tuple[Leaves, Leaves, Leaves, Leaves]
+]
 ROOT_KEYS = ("p", "o", "b")
 
 
@@ -266,7 +270,9 @@ def replay(
                     f"batch file {file.name} does not hash to step {k}'s committed batch root",
                 )
             pre_params = params
-            params, opt_state, buffers, deltas = transition(params, opt_state, buffers, batch)
+            params, opt_state, buffers, deltas = transition(
+                params, opt_state, buffers, batch, record
+            )
             chunk = transcript.config.chunk_bytes
             replayed_roots = tuple(
                 commit_state(leaves, chunk).root for leaves in (params, opt_state, buffers)

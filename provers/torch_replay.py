@@ -45,6 +45,7 @@ from zkdv.torch.optimizers.bridge import OptimizerBridge
 from zkdv.torch.optimizers.registry import OptimizerRegistry
 from zkdv.torch.packing import PACKING_VERSION, BatchLayout, LeafLayout
 from zkdv.torch.pipeline import Pipeline
+from zkdv.torch.rng import RNG_VERSION
 
 __all__ = ["PROGRAM_KINDS", "PROVER", "exact_environment", "load_transition", "verify_challenge"]
 
@@ -52,6 +53,7 @@ PROVER = "whitebox-torch"
 PROGRAM_KINDS = (artifact.AOT_INDUCTOR, artifact.TORCH_EXPORT)
 
 State = dict[str, Any]
+_CPU_CAPABILITY = torch.backends.cpu.get_cpu_capability()
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -139,6 +141,24 @@ def _optimizer(env: dict[str, Any], parameters: dict[str, torch.nn.Parameter]) -
     return bridge
 
 
+def _run_seed(env: dict[str, Any]) -> int | None:
+    """The committed seed of the program's random operators (``env.rng``), if any."""
+    recorded = env.get("rng")
+    if recorded is None:
+        return None
+    if (
+        not isinstance(recorded, dict)
+        or recorded.get("derivation") != RNG_VERSION
+        or not isinstance(recorded.get("seed"), int)
+    ):
+        raise ReplayError(
+            "unsupported_program",
+            f"the root record's random-number seed {recorded!r} is not a "
+            f"{RNG_VERSION} seed this prover can replay",
+        )
+    return int(recorded["seed"])
+
+
 def _states(bridge: OptimizerBridge, leaves: list[torch.Tensor]) -> list[State]:
     """Per-parameter optimizer states from the committed leaves (the bridge's order)."""
     supply = iter(leaves)
@@ -206,6 +226,7 @@ def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
             "the recorded optimizer's state layout is not the committed optimizer-state schema",
         )
     unused_names = set((env.get("program") or {}).get("unused_gradients") or [])
+    run_seed = _run_seed(env)
     pipeline = Pipeline(
         program,
         [name in unused_names for name in names],
@@ -217,18 +238,34 @@ def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
         buffer_count=len(schema["buffers"]),
         device=torch.device("cpu"),
         world_size=int(env.get("world_size", 1)),
+        run_seed=run_seed,
     )
+    if program.random and run_seed is None:
+        raise ReplayError(
+            "program_mismatch",
+            "the program draws random numbers but the root record commits no seed (env.rng)",
+        )
 
     def transition(
-        params: Leaves, opt_state: Leaves, buffers: Leaves, batch: np.ndarray
+        params: Leaves,
+        opt_state: Leaves,
+        buffers: Leaves,
+        batch: np.ndarray,
+        step: dict[str, Any],
     ) -> tuple[Leaves, Leaves, Leaves, Leaves]:
         before = [_tensor(a) for _, a in params]
         states = _states(bridge, [_tensor(a) for _, a in opt_state])
+        hyperparameters = step.get("hp")
         with torch.no_grad():
             gradients, buffers_after = pipeline.gradients(
-                before, [_tensor(a) for _, a in buffers], np.asarray(batch)
+                before, [_tensor(a) for _, a in buffers], np.asarray(batch), int(step["i"])
             )
-            after, states_after = bridge.step(before, states, gradients)
+            try:
+                after, states_after = bridge.step(before, states, gradients, hyperparameters)
+            except (TypeError, ValueError) as error:
+                raise ReplayError(
+                    "invalid_transcript", f"step {step['i']}'s optimizer options (hp): {error}"
+                ) from None
             # The committed delta probe projects ``post - pre`` in float32.
             deltas = [a.float() - b.float() for a, b in zip(after, before, strict=True)]
         return (
@@ -248,8 +285,8 @@ def exact_environment(root: dict[str, Any]) -> bool:
     """Whether a replay here reproduces the committed roots bit for bit.
 
     True for a ``torch.export`` program (eager kernels, like training) on the recorded
-    Torch version and a CPU run; an AOT Inductor program never matches eager training,
-    and an FSDP2 run (``env["fsdp"]`` names its mesh) is never claimed bit-exact: its
+    Torch version, a CPU run and the same CPU kernel family (``env.cpu_capability``); an
+    AOT Inductor program never matches eager training, and an FSDP2 run (``env["fsdp"]`` names its mesh) is never claimed bit-exact: its
     reduce-scatter and sharded optimizer step may round differently from a full-model
     replay (on the two-process CPU test they agree; nothing guarantees it).
     """
@@ -259,6 +296,9 @@ def exact_environment(root: dict[str, Any]) -> bool:
         program.get("kind") == artifact.TORCH_EXPORT
         and env.get("torch") == torch.__version__
         and env.get("device_kind") == "cpu"
+        # The same kernels: Torch picks AVX2 or AVX512 code by the CPU, and they round
+        # reductions differently. (Transcripts from before it was recorded: assumed.)
+        and env.get("cpu_capability", _CPU_CAPABILITY) == _CPU_CAPABILITY
         and not env.get("fsdp")
     )
 

@@ -14,7 +14,7 @@ from zkdv.testing import LinearSGD, write_synthetic_transcript
 FEATURES = 6
 
 
-def transition(params, opt_state, buffers, batch):  # type: ignore[no-untyped-def]
+def transition(params, opt_state, buffers, batch, step=None):  # type: ignore[no-untyped-def]
     """The attested program of the synthetic runs, as a state transition."""
     model = LinearSGD(FEATURES)
     p, s = dict(params), dict(opt_state)
@@ -88,8 +88,8 @@ def test_replay_within_tolerance_when_not_bitwise(tmp_path: Path) -> None:
     # A transition that rounds differently (as compiled code does) is judged by probes.
     path = _run(tmp_path)
 
-    def noisy(params, opt_state, buffers, batch):  # type: ignore[no-untyped-def]
-        p, s, b, d = transition(params, opt_state, buffers, batch)
+    def noisy(params, opt_state, buffers, batch, step):  # type: ignore[no-untyped-def]
+        p, s, b, d = transition(params, opt_state, buffers, batch, step)
         nudge = lambda leaves: [(k, (v * np.float32(1 + 1e-6)).astype(v.dtype)) for k, v in leaves]  # noqa: E731
         return nudge(p), s, b, d
 

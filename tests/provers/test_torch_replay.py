@@ -51,7 +51,6 @@ def _train(
     kind: str = "torch.export",
     between: Between | None = None,
     inside: Callable[[torch.Tensor], None] | None = None,
-    bypass: bool = False,
 ) -> Path:
     torch.manual_seed(0)
     proof = zkdv.torch.ZKDV(
@@ -68,9 +67,6 @@ def _train(
         [{"params": weights}, {"params": biases, "weight_decay": 0.0}], lr=0.01
     )
     model, optimizer = proof.prepare(model, optimizer)
-    if bypass:
-        # A forger's SDK that no longer rejects changed optimizer options.
-        optimizer.bridge.validate_configuration = lambda: None
 
     @proof.attest
     def attested(model: nn.Module, optimizer: Any, batch: Any) -> None:
@@ -127,7 +123,25 @@ def _invisible(proof: Any, model: nn.Module, optimizer: Any) -> None:
 
 
 def _double_lr(proof: Any, model: nn.Module, optimizer: Any) -> None:
+    # What a scheduler does between steps: legitimate, committed from step 4 on.
     optimizer.param_groups[0]["lr"] *= 2
+
+
+def _hidden_lr(proof: Any, model: nn.Module, optimizer: Any) -> None:
+    """Step with twice the learning rate while the groups (and the record) say once."""
+
+    def double(native: Any, args: Any, kwargs: Any) -> None:
+        native.param_groups[0]["lr"] *= 2
+
+    def restore(native: Any, args: Any, kwargs: Any) -> None:
+        native.param_groups[0]["lr"] /= 2
+
+    optimizer.optimizer.register_step_pre_hook(double)
+    optimizer.optimizer.register_step_post_hook(restore)
+
+
+def _toggle_amsgrad(proof: Any, model: nn.Module, optimizer: Any) -> None:
+    optimizer.param_groups[0]["amsgrad"] = True
 
 
 def _trained_on_other_data(inputs: torch.Tensor) -> None:
@@ -142,7 +156,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "visible": _train(base / "visible", between=_bump),
         "racing": _train(base / "racing", between=_racing),
         "invisible": _train(base / "invisible", between=_invisible),
-        "lr": _train(base / "lr", between=_double_lr, bypass=True),
+        "lr": _train(base / "lr", between=_double_lr),
+        "hidden-lr": _train(base / "hidden-lr", between=_hidden_lr),
         "data": _train(base / "data", inside=_trained_on_other_data),
     }
 
@@ -202,13 +217,34 @@ def test_program_artifact_that_differs(honest_copy: Path) -> None:
     assert "does not hash to the program digest" in str(verdict.message)
 
 
-def test_frontend_rejects_a_learning_rate_changed_mid_run(tmp_path: Path) -> None:
+def test_frontend_rejects_a_static_option_changed_mid_run(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=OPTIONS_CHANGED):
-        _train(tmp_path / "lr", between=_double_lr)
+        _train(tmp_path / "amsgrad", between=_toggle_amsgrad)
 
 
-def test_learning_rate_changed_by_a_forger_fails_replay(runs: dict[str, Path]) -> None:
+def test_a_learning_rate_changed_between_steps_is_committed_and_replays(
+    runs: dict[str, Path],
+) -> None:
     path = runs["lr"]
+    steps = [r.data for r in iter_records(path) if r.data["t"] == "step"]
+    assert [step["hp"][0]["lr"] for step in steps] == [0.01] * FORGED_STEP + [0.02] * (
+        STEPS - FORGED_STEP
+    )
+    assert all(step["hp"][1]["lr"] == 0.01 for step in steps)
+    assert steps[0]["hp"][0] == {
+        "betas": [0.9, 0.999],
+        "eps": 1e-08,
+        "lr": 0.01,
+        "weight_decay": 0.01,
+    }
+    transition = torch_replay.load_transition(path)
+    for first, last in windows(Transcript.load(path)):
+        verdict = torch_replay.verify_challenge(path, first, through=last, transition=transition)
+        assert verdict.ok and all(e.exact for e in verdict.evidence), verdict.message
+
+
+def test_learning_rate_used_but_not_committed_fails_replay(runs: dict[str, Path]) -> None:
+    path = runs["hidden-lr"]
     assert verify_transcript(path).ok  # the transcript itself is consistent
     verdict = torch_replay.verify_challenge(path, 3, through=5)
     assert (verdict.ok, verdict.reason) == (False, "replay_mismatch")

@@ -209,11 +209,14 @@ class ZKDVCore:
         tokens: int | None = None,
         flops: float | None = None,
         started: float | None = None,
+        hyperparameters: list[dict[str, Any]] | None = None,
     ) -> StepResult:
         """Commit one step's batch and post-update state; decide its sampled check.
 
         Args:
             probes: ``(pre, post, delta)`` probe arrays per parameter leaf, or None.
+            hyperparameters: the step's ``hp`` (Torch: each optimizer group's dynamic
+                options as the step used them), or None.
         """
         writer = self._require_open()
         if step != self.steps:
@@ -239,6 +242,8 @@ class ZKDVCore:
             "flops": None if flops is None else float(flops),
             "time": [float(started or time.time()), time.time()],
         }
+        if hyperparameters is not None:
+            record["hp"] = hyperparameters
         with self._lock:
             if probes is not None:
                 packed = np.concatenate(

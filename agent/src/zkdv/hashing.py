@@ -1,7 +1,7 @@
 """Domain-separated BLAKE3 hashing for every use in the protocol.
 
 Each use (record, Merkle leaf, Merkle node, tensor, batch row, rolling window, sampling
-decision, probe seed, file) hashes with its own BLAKE3 key, derived once with BLAKE3's
+decision, probe seed, file, the seeds of random operators) hashes with its own BLAKE3 key, derived once with BLAKE3's
 ``derive_key`` mode from the context string ``"zkdv v1 <use>"``. A digest from one use
 can therefore never be replayed as a digest of another. Merkle leaves and nodes also
 carry RFC 6962's ``0x00``/``0x01`` prefixes.
@@ -30,8 +30,9 @@ class Domain:
     PROBE: Final = "probe"
     FILE: Final = "file"
     STATE: Final = "state"
+    RNG: Final = "rng"
 
-    ALL: Final = (RECORD, LEAF, NODE, TENSOR, BATCH, WINDOW, SAMPLE, PROBE, FILE, STATE)
+    ALL: Final = (RECORD, LEAF, NODE, TENSOR, BATCH, WINDOW, SAMPLE, PROBE, FILE, STATE, RNG)
 
 
 def _derive(use: str) -> bytes:

@@ -11,6 +11,7 @@ import abc
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -54,6 +55,8 @@ class Submission(abc.ABC):
     tokens: int | None = None
     flops: float | None = None
     started: float = 0.0
+    #: The step record's ``hp``: what a scheduler set for this step (Torch), or None.
+    hyperparameters: list[dict[str, Any]] | None = None
     #: Host copies of the pre-update (params, opt_state, buffers) when this step is a
     #: replay snapshot step (``Driver._snapshot_due``); the driver writes them to
     #: ``files/`` for the platform and records the snapshot in the transcript.

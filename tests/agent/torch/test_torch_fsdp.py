@@ -84,13 +84,15 @@ def worker(rank, world, port, directory, mode):
         model, optimizer = proof.prepare(
             model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
         )
+        stray = nn.Parameter(torch.ones(()))
 
         @proof.attest
         def attested_step(model, optimizer, batch):
             inputs, targets = batch
             logits = proof.forward(model, inputs)
             if mode == "unsealable":
-                logits = functional.dropout(logits, 0.5)
+                # State the proof never prepared: the lowering refuses to seal it.
+                logits = logits * stray
             loss = functional.cross_entropy(logits, targets)
             proof.backward(loss)
             optimizer.step()
@@ -224,10 +226,10 @@ def test_fsdp2_sealing_failure_on_rank_0_reaches_every_rank(tmp_path: Path) -> N
     owner, follower = _run(tmp_path, "unsealable")
     # Rank 0 raises the lowering's own message; the follower, instead of blocking in
     # FSDP2's first all-gather, raises with rank 0's message at the same transaction.
-    assert owner["raised"].startswith("RuntimeError: attested Torch code contains random")
+    assert owner["raised"].startswith("RuntimeError: attested Torch code captured unprepared")
     assert follower["raised"].startswith(
         "ZKDVPoisonedError: rank 0 could not seal the attested program: attested Torch "
-        "code contains random operations"
+        "code captured unprepared tensor state"
     ), follower
 
 

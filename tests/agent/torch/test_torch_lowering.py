@@ -64,15 +64,39 @@ def test_forward_of_an_unprepared_model_is_rejected(tmp_path: Path) -> None:
         _run(tmp_path, nn.Linear(3, 2), attested)
 
 
-def test_implicit_random_operators_are_rejected(tmp_path: Path) -> None:
+def test_random_operators_without_a_generator_are_rejected(tmp_path: Path) -> None:
+    # native_dropout draws from the global generator and takes none of its own, so a
+    # replay on another thread could not draw the same mask: refused.
+    def attested(proof, model, optimizer, batch):
+        hidden, _ = torch.native_dropout(proof.forward(model, batch[0]), 0.5, True)
+        proof.backward(functional.cross_entropy(hidden, batch[1]))
+        optimizer.step()
+
+    with pytest.raises(RuntimeError, match=r"contains random operations .*outside the transition"):
+        _run(tmp_path, nn.Linear(3, 2), attested)
+
+
+def test_a_compiled_program_refuses_random_operators(tmp_path: Path) -> None:
+    # Dropout is fine in the default eager-kernel program; compiled code would draw its
+    # mask with Inductor's own generator, unlike the eager step. Refused before compiling.
     model = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2))
 
     def attested(proof, model, optimizer, batch):
         proof.backward(functional.cross_entropy(proof.forward(model, batch[0]), batch[1]))
         optimizer.step()
 
-    with pytest.raises(RuntimeError, match=r"contains random operations .*outside the transition"):
-        _run(tmp_path, model, attested)
+    proof = zkdv.torch.ZKDV(tmp_path / "proof")
+    proof.start(rolling_window=2)
+    proof.program_kind = "aot-inductor"
+    model, _ = proof.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    proof.attest(lambda m, o, b: attested(proof, m, o, b))
+    batch = (torch.randn(4, 3), torch.randint(2, (4,)))
+    with (
+        pytest.raises(RuntimeError, match=r"random operations .*compiled \(aot-inductor\)"),
+        proof.transaction(batch=batch),
+    ):
+        pass
+    proof.close()
 
 
 def test_literal_tensors_and_stateless_modules_pass_through(tmp_path: Path) -> None:

@@ -146,7 +146,9 @@ def test_tensor_valued_options_are_rejected(proof) -> None:
 
 
 def test_an_optimizer_over_other_parameters_is_rejected(proof) -> None:
-    with pytest.raises(ValueError, match="exactly cover the prepared model"):
+    with pytest.raises(
+        ValueError, match="holds tensors that are not parameters of the prepared model"
+    ):
         proof.prepare(nn.Linear(3, 2), torch.optim.SGD(nn.Linear(3, 2).parameters(), lr=0.1))
 
 

@@ -163,7 +163,9 @@ def test_snapshot_files_hash_to_their_roots_even_when_the_disk_is_slow(
 def test_committed_batch_unpacks_to_the_step_inputs(tmp_path: Path) -> None:
     proof = _proof(tmp_path)
     # An optimizer over another model's parameters must not be bound to this model.
-    with pytest.raises(ValueError, match="exactly cover the prepared model"):
+    with pytest.raises(
+        ValueError, match="holds tensors that are not parameters of the prepared model"
+    ):
         proof.prepare(_model(), torch.optim.SGD(_model().parameters(), lr=0.1))
     proof.close()
     batch = (torch.randn(4, 3, dtype=torch.float64), torch.arange(4), torch.ones(4, 2).bool())
@@ -270,18 +272,30 @@ def test_a_batch_mutated_after_commitment_is_caught(tmp_path: Path) -> None:
     assert any(f"step {step} failed" in str(error.__cause__) for step in (1, 2, 3, 4, 5))
 
 
-def test_options_changed_after_attestation_are_rejected(tmp_path: Path) -> None:
+def test_static_options_changed_after_attestation_are_rejected(tmp_path: Path) -> None:
     proof = _proof(tmp_path)
     model = _model()
     model, optimizer = proof.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     _attest(proof)
     batches = _batches(2)
     _train(proof, model, optimizer, batches[:1])
-    optimizer.param_groups[0]["lr"] = 0.2
+    optimizer.param_groups[0]["maximize"] = True
     with pytest.raises(RuntimeError, match="prepared optimizer options changed after attestation"):
         _train(proof, model, optimizer, batches[1:])
     proof.close()
     _verified(tmp_path / "proof")
+
+
+def test_tensor_options_set_after_attestation_are_rejected(tmp_path: Path) -> None:
+    proof = _proof(tmp_path)
+    model = _model()
+    model, optimizer = proof.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    _attest(proof)
+    _train(proof, model, optimizer, _batches(1))
+    optimizer.param_groups[0]["lr"] = torch.tensor(0.05)
+    with pytest.raises(RuntimeError, match=r"requires static optimizer options, but \('lr',\)"):
+        _train(proof, model, optimizer, _batches(1))
+    proof.close()
 
 
 def test_nested_transactions_are_rejected(tmp_path: Path) -> None:

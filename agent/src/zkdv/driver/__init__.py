@@ -425,6 +425,7 @@ class Driver:
                 tokens=sub.tokens,
                 flops=sub.flops,
                 started=sub.started,
+                hyperparameters=sub.hyperparameters,
             )
             pending.result = result
             challenge = result.challenge

@@ -24,9 +24,9 @@ from zkdv.config import ZKDVConfig
 from zkdv.driver import Driver, ReplayOutcome
 from zkdv.errors import CLOSED, NOT_STARTED, ZKDVError, ZKDVPoisonedError
 from zkdv.sampling import Challenge
-from zkdv.torch import artifact
+from zkdv.torch import artifact, rng
 from zkdv.torch.capture import current_capture
-from zkdv.torch.checkpoint import ReplayCheckpoint
+from zkdv.torch.checkpoint import ReplayCheckpoint, StepInputs
 from zkdv.torch.eager import EagerTransaction, Layout, TorchStep
 from zkdv.torch.lowering import LoweredProgram, count_flops, gradient_function, lower
 from zkdv.torch.model import UNPREPARED_MODEL, PreparedModel
@@ -59,6 +59,13 @@ TWO_STEPS = "a ZKDV transaction may call optimizer.step() only once"
 
 #: HostControl key of rank 0's sealing outcome (the first transaction only).
 SEALED = "zkdv.sealed"
+#: HostControl key of the committed run seed (the first transaction only).
+RUN_SEED = "zkdv.rng"
+FROZEN_CHANGED = (
+    "parameters that require gradients changed after attestation ({names}); the attested "
+    "program differentiates exactly the parameters that required gradients when it was "
+    "sealed, so create a new proof for the new set of trained parameters"
+)
 
 
 @dataclass(frozen=True)
@@ -116,7 +123,7 @@ class ZKDV(Driver):
         self._optimizer_registry = OptimizerRegistry()
         self._prepared_compiled: Pipeline | None = None
         #: Sealed program kind; set before the first transaction to override.
-        self.program_kind = os.environ.get(PROGRAM_KIND_ENV, artifact.AOT_INDUCTOR)
+        self.program_kind = os.environ.get(PROGRAM_KIND_ENV) or artifact.TORCH_EXPORT
         #: Seconds the first transaction spent sealing the program (one-time cost).
         self.sealing_seconds = 0.0
         #: FLOPs of one rank's gradient program (Torch's FLOP counter), set at sealing.
@@ -131,6 +138,12 @@ class ZKDV(Driver):
         #: first entry), kept on rank 0 only while the next step takes a replay snapshot.
         self._full_states: list[dict[str, Any]] | None = None
         self._opened = False
+        #: The committed run seed of a program with random operators (every rank).
+        self._run_seed: int | None = None
+        #: Transactions opened on this rank (the step index, followers included).
+        self._transactions = 0
+        #: Per parameter, whether it required gradients when the program was sealed.
+        self._requires_grad: tuple[bool, ...] | None = None
 
     # --- public frontend API ------------------------------------------------------------
     def prepare(self, *values: Any) -> Any:
@@ -272,6 +285,7 @@ class ZKDV(Driver):
             self._gather(self._batch_layout.pack(transaction.batch))
             if self._gather_first_state() is not None:
                 self._await_sealing()
+            self._seed_step(transaction, self._transactions)
             return None
         if self._control is None:
             admission = self._admit(transaction.overlap)
@@ -294,7 +308,18 @@ class ZKDV(Driver):
             admission.cancel()
             raise
         transaction.admission = admission
+        self._seed_step(transaction, transaction.index)
         return admission
+
+    def _seed_step(self, transaction: EagerTransaction, index: int) -> None:
+        """Give step ``index``'s random operators their committed seed (this rank's)."""
+        self._transactions += 1
+        if self._run_seed is None:
+            return
+        devices = {parameter.device for parameter in self._require_prepared_model().parameters}
+        generators = rng.StepGenerators(rng.step_seed(self._run_seed, index, self._rank), devices)
+        # Entered here, left when the transaction closes (EagerTransaction.__exit__).
+        transaction.generators = generators.__enter__()
 
     @property
     def _fsdp(self) -> bool:
@@ -334,6 +359,7 @@ class ZKDV(Driver):
             raise
         if control is not None and first is not None:
             control.exchange(SEALED, None)
+            control.exchange(RUN_SEED, self._run_seed)
 
     def _await_sealing(self) -> None:
         """Follower, first transaction: wait for rank 0's sealing outcome."""
@@ -343,6 +369,8 @@ class ZKDV(Driver):
         if outcome is not None:
             self._shared_error = str(outcome)
             raise ZKDVPoisonedError(self._shared_error)
+        seed = control.exchange(RUN_SEED)
+        self._run_seed = None if seed is None else int(seed)
 
     def _gather(self, words: np.ndarray) -> np.ndarray:
         """Every rank's committed rows, concatenated in rank order (DDP)."""
@@ -369,6 +397,7 @@ class ZKDV(Driver):
             raise RuntimeError(TWO_STEPS)
         optimizer.bridge.validate_configuration()
         model = self._require_prepared_model()
+        self._validate_frozen(model)
         # FSDP2: every rank gathers the live pre-update parameters (the probes' and the
         # snapshot's pre-state), so a shard changed between steps is seen as in one process.
         parameters = model.full_parameters()
@@ -390,11 +419,31 @@ class ZKDV(Driver):
                 )
             else:
                 transaction.pre_rows = self._probe_rows(parameters)
+            # What the schedulers set for this step: committed, and replayed with it.
+            transaction.hyperparameters = optimizer.bridge.hyperparameters()
+            assert self._checkpoint is not None and transaction.words is not None
+            self._checkpoint.keep_inputs(
+                transaction.index, StepInputs(transaction.words, transaction.hyperparameters)
+            )
         except _StepDroppedError:
             transaction.dropped = True
         result = optimizer.optimizer.step(closure)
         transaction.stepped = True
         return result
+
+    def _validate_frozen(self, model: PreparedModel) -> None:
+        """Refuse a change of which parameters require gradients since sealing."""
+        sealed = self._requires_grad
+        if sealed is None:
+            return
+        now = tuple(parameter.requires_grad for parameter in model.state_parameters)
+        if now != sealed:
+            names = ", ".join(
+                f"{name}: {before} -> {after}"
+                for name, before, after in zip(model.parameter_names, sealed, now, strict=True)
+                if before != after
+            )
+            raise RuntimeError(FROZEN_CHANGED.format(names=names))
 
     def _pre_states(self, index: int) -> list[dict[str, Any]]:
         """The optimizer state before step ``index`` (rank 0, at the optimizer step).
@@ -537,14 +586,21 @@ class ZKDV(Driver):
             layout.rebuild,
             len(parameters),
             len(model.buffer_names),
+            world_size=self._world_size,
         )
+        self._requires_grad = tuple(p.requires_grad for p in model.state_parameters)
         arguments = (
             *parameters,
             *(buffer.clone() for buffer in transaction.buffers_before),
             *(tensor.detach() for tensor in layout.tensor_leaves(transaction.batch)),
         )
-        lowered = lower(function, arguments, kind=self.program_kind, unused=unused)
+        devices = {parameter.device for parameter in parameters}
+        # Tracing runs the step once for real: its random draws must not advance the
+        # caller's generators.
+        with rng.StepGenerators(0, devices):
+            lowered = lower(function, arguments, kind=self.program_kind, unused=unused)
         self._lowered_program = lowered
+        self._run_seed = rng.run_seed() if lowered.program.random else None
         self._program_flops = count_flops(lowered.graph, arguments)
         state_leaves = bridge.leaves(states, parameters)
         self._layout = Layout(
@@ -572,6 +628,7 @@ class ZKDV(Driver):
             buffer_count=len(model.buffer_names),
             device=device,
             world_size=self._world_size,
+            run_seed=self._run_seed,
         )
         self._set_program(lowered.kind, lowered.material)
         self._env = {
@@ -579,6 +636,9 @@ class ZKDV(Driver):
             "threads": torch.get_num_threads(),
             "device": str(device),
             "device_kind": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            # The CPU kernels Torch dispatches to (AVX2, AVX512...): a replay on another
+            # instruction set may round differently, so exactness is claimed only on this.
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "world_size": self._world_size,
             # FSDP2: world size, device mesh and placements; the committed state is the
             # full (gathered) state, and a replay of the full model is never bit-exact.
@@ -597,7 +657,13 @@ class ZKDV(Driver):
                 "contract": bridge.contract.name,
                 "groups": bridge.options(),
                 "group_parameters": _group_parameters(model, optimizer),
+                # Per group, the options every step record's ``hp`` carries.
+                "dynamic": [list(names) for names in bridge.dynamic],
             },
+            # The seed of the step's random operators (dropout), when it has any.
+            "rng": None
+            if self._run_seed is None
+            else {"seed": self._run_seed, "derivation": rng.RNG_VERSION},
             "batch": layout.to_dict(),
             "program": {
                 "kind": lowered.kind,

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from zkdv.torch import rng
+
 __all__ = ["AOT_INDUCTOR", "TORCH_EXPORT", "export_roundtrip", "load", "roundtrip"]
 
 AOT_INDUCTOR = "aot-inductor"
@@ -32,15 +34,34 @@ TORCH_EXPORT = "torch.export"
 
 
 class LoadedProgram:
-    """A loaded program artifact: call it with the flat inputs, get the flat outputs."""
+    """A loaded program artifact: call it with the flat inputs, get the flat outputs.
+
+    A ``torch.export`` program that draws random numbers (dropout) has every random
+    operator bound to a private generator (:func:`zkdv.torch.rng.bind_generator`); each
+    call then needs the step's ``seed``.
+    """
 
     def __init__(self, kind: str, runner: Any, directory: Any = None) -> None:
         self.kind = kind
         self._runner = runner
         # AOT Inductor maps the package's shared library; keep its files alive.
         self._directory = directory
+        self.random = kind == TORCH_EXPORT and rng.bind_generator(runner)
+        self._generators: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, *arguments: torch.Tensor) -> list[torch.Tensor]:
+    def __call__(self, *arguments: torch.Tensor, seed: int | None = None) -> list[torch.Tensor]:
+        if self.random:
+            if seed is None:
+                raise ValueError("this program draws random numbers; run it with its step's seed")
+            device = next(
+                (a.device for a in arguments if isinstance(a, torch.Tensor)),
+                torch.device("cpu"),
+            )
+            generator = self._generators.get(device)
+            if generator is None:
+                generator = self._generators[device] = torch.Generator(device=device)
+            generator.manual_seed(seed)
+            setattr(self._runner, rng.GENERATOR_ATTRIBUTE, generator)
         with torch.no_grad():
             outputs = self._runner(*arguments)
         return list(outputs)

@@ -1,15 +1,21 @@
 """Proof-aware execution context for lowering an attested Torch transition.
 
 While an :class:`AttestationCapture` is active (only while ZKDV traces the attested
-function), ``proof.forward`` calls the prepared module with the capture's tensors,
-``proof.backward`` computes gradients with respect to them, and the prepared
-optimizer's ``step()`` marks the optimizer transition, which is then applied by the
-optimizer's functional contract. Outside a capture these calls are ordinary eager
-Torch.
+function), ``proof.forward`` calls the prepared module with the capture's tensors and
+``proof.backward`` differentiates the loss with respect to them, as ``loss.backward()``
+would: each gradient lands in the live parameter's ``.grad`` (added to what is already
+there, so several micro-batches accumulate). Whatever the function then does to the
+gradients before ``optimizer.step()`` (``torch.nn.utils.clip_grad_norm_``,
+``clip_grad_value_``, a ``GradScaler``'s unscaling, a hand-written scaling) runs on the
+traced gradients and is recorded with them. The prepared optimizer's ``step()`` marks
+the transition: the gradients it reads are the parameters' ``.grad`` at that moment.
+When the capture ends, every parameter's ``.grad`` is restored to what it was before.
+Outside a capture these calls are ordinary eager Torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextvars import ContextVar, Token
 from typing import Any
 
@@ -18,6 +24,13 @@ import torch
 __all__ = ["AttestationCapture", "current_capture"]
 
 _CURRENT: ContextVar[AttestationCapture | None] = ContextVar("zkdv_torch_capture", default=None)
+
+NO_BACKWARD = "call proof.backward(loss) before optimizer.step()"
+TWO_STEPS = "an attested Torch step may call optimizer.step() once"
+FOREIGN_OPTIMIZER = (
+    "the attested function stepped an optimizer that was not prepared with this proof; "
+    "pass it through proof.prepare() first"
+)
 
 
 def current_capture() -> AttestationCapture | None:
@@ -34,7 +47,11 @@ class AttestationCapture:
             the buffers are cloned, so in-place buffer updates (BatchNorm running
             statistics) land on the capture's copies.
         optimizer: the prepared optimizer whose ``step()`` the function calls.
-        optimizer_state: the optimizer state standing in for the live one, or None.
+        live: the module's own parameters, in the order of ``model_state``'s: their
+            ``.grad`` carries the traced gradients while the capture is active.
+        gradients_on_live: route gradients through ``live[i].grad`` (False under FSDP2,
+            whose live parameters are shards of another shape: gradients are then only
+            values, and nothing may modify them before the step).
     """
 
     def __init__(
@@ -42,31 +59,70 @@ class AttestationCapture:
         model: Any,
         model_state: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]],
         optimizer: Any,
-        optimizer_state: Any,
+        live: Sequence[torch.Tensor],
+        *,
+        gradients_on_live: bool = True,
     ) -> None:
         self.model = model
-        self._buffers_before = model_state[1]
         self.model_state = (
             model_state[0],
             tuple(buffer.clone() for buffer in model_state[1]),
         )
         self.optimizer = optimizer
-        self.optimizer_state = optimizer_state
+        self.live = tuple(live)
+        self._on_live = gradients_on_live
+        self._saved: list[torch.Tensor | None] = []
+        #: The gradients as the last ``proof.backward`` left them (before any clipping).
+        self.raw: list[torch.Tensor | None] | None = None
+        self.raw_versions: list[int | None] = []
+        self._values: list[torch.Tensor | None] | None = None
+        #: The gradients ``optimizer.step()`` read, in model parameter order.
         self.gradients: list[torch.Tensor | None] | None = None
         self.transition: Any = None
+        self.backward_calls = 0
         self._token: Token[AttestationCapture | None] | None = None
 
     def backward(self, loss: torch.Tensor, gradient: Any = None) -> None:
-        """Accumulate ``d loss / d parameters`` as ``loss.backward()`` would."""
+        """Add ``d loss / d parameters`` to the parameters' gradients, as backward does."""
         parameters = self.model_state[0]
-        gradients = torch.autograd.grad(loss, parameters, grad_outputs=gradient, allow_unused=True)
-        if self.gradients is None:
-            self.gradients = list(gradients)
+        wanted = [index for index, p in enumerate(parameters) if p.requires_grad]
+        found: Sequence[torch.Tensor | None] = torch.autograd.grad(
+            loss, [parameters[index] for index in wanted], grad_outputs=gradient, allow_unused=True
+        )
+        current = self._current()
+        for index, new in zip(wanted, found, strict=True):
+            if new is None:
+                continue
+            old = current[index]
+            current[index] = new if old is None else old + new
+        self._store(current)
+        self.raw = list(current)
+        self.raw_versions = [None if g is None else g._version for g in current]
+        self.backward_calls += 1
+
+    def _current(self) -> list[torch.Tensor | None]:
+        if self._on_live:
+            return [parameter.grad for parameter in self.live]
+        return list(self._values or [None] * len(self.live))
+
+    def _store(self, gradients: list[torch.Tensor | None]) -> None:
+        if not self._on_live:
+            self._values = gradients
             return
-        self.gradients = [
-            new if old is None else old if new is None else old + new
-            for old, new in zip(self.gradients, gradients, strict=True)
-        ]
+        for parameter, value in zip(self.live, gradients, strict=True):
+            parameter.grad = value
+
+    def modified(self) -> bool:
+        """Whether the gradients the step read differ from what the last backward left.
+
+        True when a gradient was replaced or changed in place (clipping, unscaling).
+        """
+        if self.raw is None or self.gradients is None:
+            return True
+        return any(
+            a is not b or (a is not None and a._version != version)
+            for a, b, version in zip(self.raw, self.gradients, self.raw_versions, strict=True)
+        )
 
     def step(self, optimizer: Any) -> None:
         """Mark the optimizer transition; it must follow a backward pass.
@@ -75,17 +131,19 @@ class AttestationCapture:
             RuntimeError: a second step, a step of another optimizer, or no gradients.
         """
         if self.transition is not None:
-            raise RuntimeError("an attested Torch step may call optimizer.step() once")
+            raise RuntimeError(TWO_STEPS)
         if optimizer is not self.optimizer:
-            raise RuntimeError(
-                "the attested function stepped an optimizer that was not prepared with "
-                "this proof; pass it through proof.prepare() first"
-            )
-        if self.gradients is None:
-            raise RuntimeError("call proof.backward(loss) before optimizer.step()")
+            raise RuntimeError(FOREIGN_OPTIMIZER)
+        if not self.backward_calls:
+            raise RuntimeError(NO_BACKWARD)
+        self.gradients = self._current()
         self.transition = optimizer
 
     def __enter__(self) -> AttestationCapture:
+        if self._on_live:
+            self._saved = [parameter.grad for parameter in self.live]
+            for parameter in self.live:
+                parameter.grad = None
         self._token = _CURRENT.set(self)
         return self
 
@@ -93,3 +151,7 @@ class AttestationCapture:
         if self._token is not None:
             _CURRENT.reset(self._token)
             self._token = None
+        if self._on_live:
+            for parameter, saved in zip(self.live, self._saved, strict=True):
+                parameter.grad = saved
+            self._saved = []

@@ -23,10 +23,23 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["ReplayCheckpoint", "Snapshot"]
+__all__ = ["ReplayCheckpoint", "Snapshot", "StepInputs"]
 
 State = dict[str, Any]
 _POLL_SECONDS = 0.05
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What one step's transition reads besides the state: all of it committed.
+
+    Attributes:
+        words: the committed batch (every rank's rows).
+        hyperparameters: the step's dynamic optimizer options (the record's ``hp``).
+    """
+
+    words: np.ndarray
+    hyperparameters: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -82,7 +95,7 @@ class ReplayCheckpoint:
     pinned: bool = False
     files: bool = False
     snapshots: dict[int, Snapshot] = field(default_factory=dict)
-    batches: dict[int, np.ndarray] = field(default_factory=dict)
+    batches: dict[int, StepInputs] = field(default_factory=dict)
     _free: list[Snapshot] = field(default_factory=list)
     _lock: threading.Condition = field(default_factory=threading.Condition)
 
@@ -137,11 +150,16 @@ class ReplayCheckpoint:
         return snapshot
 
     def keep_batch(self, step: int, batch: np.ndarray) -> None:
+        """Keep a step's committed batch (its other inputs come with :meth:`keep_inputs`)."""
         with self._lock:
-            self.batches[step] = batch
+            self.batches[step] = StepInputs(batch)
 
-    def get(self, step: int) -> tuple[Snapshot, list[np.ndarray]]:
-        """The snapshot preceding ``step`` and the batches from it through ``step``.
+    def keep_inputs(self, step: int, inputs: StepInputs) -> None:
+        with self._lock:
+            self.batches[step] = inputs
+
+    def get(self, step: int) -> tuple[Snapshot, list[StepInputs]]:
+        """The snapshot preceding ``step`` and the step inputs from it through ``step``.
 
         Raises:
             RuntimeError: they were already dropped (a bug in retirement tracking).

@@ -90,6 +90,10 @@ class EagerTransaction:
         self.index = -1
         self.pre_rows: list[torch.Tensor] | None = None
         self.snapshot: Any = None
+        #: The dynamic optimizer options ``optimizer.step()`` used (the record's ``hp``).
+        self.hyperparameters: list[dict[str, Any]] | None = None
+        #: Seeds the default generators for the step's random operators, if it has any.
+        self.generators: Any = None
         self.pending = proof._open_prepared_transaction(self)
         self._token: Token[EagerTransaction | None] | None = _CURRENT.set(self)
         self._complete = False
@@ -101,6 +105,9 @@ class EagerTransaction:
         if self._token is not None:
             _CURRENT.reset(self._token)
             self._token = None
+        if self.generators is not None:
+            self.generators.__exit__(kind, error, traceback)
+            self.generators = None
         if self._complete:
             return
         self._complete = True
@@ -129,6 +136,7 @@ class TorchStep(Submission):
         self.policy = transaction.overlap
         self.tokens = tokens
         self.flops = flops
+        self.hyperparameters = transaction.hyperparameters
         assert transaction.words is not None
         self.words = transaction.words
         # Pre-update values: the probed rows only, or the whole snapshot on snapshot steps.

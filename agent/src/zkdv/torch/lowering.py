@@ -10,17 +10,25 @@ autograd natively.) The result is a state-free graph::
 
     (parameters..., buffers..., batch tensors...) -> (gradients..., buffers after...)
 
+The gradients are the ones ``optimizer.step()`` reads: ``proof.backward`` leaves them in
+the parameters' ``.grad`` (several calls accumulate micro-batches), and whatever the
+function does to them before the step (``clip_grad_norm_``, ``clip_grad_value_``,
+unscaling) is traced with them (:mod:`zkdv.torch.capture`). Parameters that do not
+require gradients get none, as in eager training.
+
 Two properties are then enforced on the graph:
 
 * no **captured unprepared state**: a tensor the function reads without receiving it
   (the parameters of a module outside the prepared root) appears as a graph constant;
   constants that are only literal tensors created inside the function are allowed;
-* no **implicit random operators** (dropout, ``torch.rand``...): a replay must
-  recompute the same deterministic transition.
+* no **unreplayable randomness**: random operators must take a generator, which the
+  replay binds to one seeded from the committed run seed (:mod:`zkdv.torch.rng`); a
+  compiled program may hold none.
 
 The optimizer's transition is not part of the graph: the prepared optimizer's step
 marks the gradient boundary, and its functional contract (``torch.optim``'s own
-functional core) applies the update in replay, as the platform's replay does.
+functional core) applies the update in replay, with the step's committed options, as
+the platform's replay does.
 """
 
 from __future__ import annotations
@@ -35,8 +43,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from zkdv.torch import artifact
 from zkdv.torch.capture import AttestationCapture
+from zkdv.torch.rng import SEEDABLE, UNSEEDABLE, random_kind
 
 __all__ = [
+    "COMPILED_RANDOM",
+    "DISTRIBUTED_GRADIENT_PROCESSING",
     "NO_OPTIMIZER_STEP",
     "RANDOM_OPERATIONS",
     "UNPREPARED_STATE",
@@ -55,20 +66,23 @@ RANDOM_OPERATIONS = (
     "attested Torch code contains random operations {operations}; generate randomness "
     "outside the transition and include it in the prepared transaction batch"
 )
+COMPILED_RANDOM = (
+    "attested Torch code contains random operations {operations}, which a compiled "
+    "(aot-inductor) program draws differently from eager training; use the default "
+    "torch.export program, or generate randomness outside the transition and include it "
+    "in the prepared transaction batch"
+)
+DISTRIBUTED_GRADIENT_PROCESSING = (
+    "the attested step modifies gradients between proof.backward() and optimizer.step() "
+    "(clipping, unscaling); under DDP or FSDP2 ZKDV replays each rank's backward "
+    "separately and cannot yet apply that processing to the averaged gradients, so it "
+    "is supported in single-process runs only"
+)
 NO_OPTIMIZER_STEP = (
     "the attested Torch function must compute a loss, call proof.backward(loss) and "
     "then optimizer.step() on the prepared optimizer"
 )
 
-_RANDOM_MARKERS = (
-    "bernoulli",
-    "dropout",
-    "exponential",
-    "multinomial",
-    "normal",
-    "rand",
-    "uniform",
-)
 # Literal tensors created inside the traced function become constants that only feed
 # these operators; anything else reading a constant is captured external state.
 _LITERAL_USERS = frozenset({"aten::lift_fresh_copy", "aten::lift_fresh", "aten::detach"})
@@ -87,7 +101,7 @@ class LoweredProgram:
         graph: the traced graph module.
     """
 
-    program: Callable[..., list[torch.Tensor]]
+    program: artifact.LoadedProgram
     material: bytearray
     kind: str
     unused: tuple[bool, ...]
@@ -101,28 +115,49 @@ def gradient_function(
     rebuild_batch: Callable[[list[torch.Tensor]], Any],
     parameter_count: int,
     buffer_count: int,
+    *,
+    world_size: int = 1,
 ) -> tuple[Callable[..., list[torch.Tensor]], list[bool]]:
     """Wrap the attested ``function(model, optimizer, batch)`` as a flat tensor function.
+
+    The flat function differentiates with respect to the parameters that require
+    gradients (frozen ones get none, as in eager training), runs everything the
+    function does to the gradients before ``optimizer.step()`` (clipping, unscaling) and
+    returns the gradients the step reads, then the buffers after the forward.
 
     Returns:
         The flat function and a list that the first call fills with the per-parameter
         "no gradient" flags.
+
+    Raises:
+        RuntimeError: (when called) no optimizer step, or, in a multi-process run,
+            gradients modified between ``proof.backward`` and ``optimizer.step()``.
     """
     unused: list[bool] = []
+    requires = tuple(parameter.requires_grad for parameter in model.state_parameters)
 
     def flat(*tensors: torch.Tensor) -> list[torch.Tensor]:
         parameters = tuple(
-            tensor.detach().requires_grad_(True) for tensor in tensors[:parameter_count]
+            tensor.detach().requires_grad_(wanted)
+            for tensor, wanted in zip(tensors[:parameter_count], requires, strict=True)
         )
         buffers = tuple(tensors[parameter_count : parameter_count + buffer_count])
         batch = rebuild_batch(list(tensors[parameter_count + buffer_count :]))
         with (
             torch.enable_grad(),
-            AttestationCapture(model, (parameters, buffers), optimizer, None) as capture,
+            AttestationCapture(
+                model,
+                (parameters, buffers),
+                optimizer,
+                model.state_parameters,
+                gradients_on_live=not model.fsdp,
+            ) as capture,
         ):
             function(model.public, optimizer, batch)
         if capture.transition is None or capture.gradients is None:
             raise RuntimeError(NO_OPTIMIZER_STEP)
+        if world_size > 1 and capture.modified():
+            raise RuntimeError(DISTRIBUTED_GRADIENT_PROCESSING)
         unused[:] = [gradient is None for gradient in capture.gradients]
         gradients = [
             torch.zeros_like(parameter) if gradient is None else gradient
@@ -133,8 +168,19 @@ def gradient_function(
     return flat, unused
 
 
-def trace(function: Callable[..., Any], arguments: tuple[torch.Tensor, ...]) -> fx.GraphModule:
-    """Capture ``function`` once and reject unprepared state and random operators.
+def trace(
+    function: Callable[..., Any],
+    arguments: tuple[torch.Tensor, ...],
+    *,
+    kind: str = artifact.TORCH_EXPORT,
+) -> fx.GraphModule:
+    """Capture ``function`` once and reject unprepared state and unreplayable randomness.
+
+    Random operators that take a generator (dropout's ``bernoulli_``, ``rand``,
+    ``normal``...) are allowed in an eager-kernel (``torch.export``) program: ZKDV draws
+    them from a generator it seeds per step (:mod:`zkdv.torch.rng`). Random operators
+    without a generator argument, and any random operator in a compiled program, are
+    refused.
 
     Raises:
         RuntimeError: with :data:`UNPREPARED_STATE` or :data:`RANDOM_OPERATIONS`.
@@ -154,13 +200,15 @@ def trace(function: Callable[..., Any], arguments: tuple[torch.Tensor, ...]) -> 
             )
     if captured:
         raise RuntimeError(UNPREPARED_STATE.format(names=", ".join(captured)))
-    random_operations = tuple(
-        name
-        for name in (_schema_name(node) for node in graph.graph.nodes)
-        if name is not None and any(marker in name for marker in _RANDOM_MARKERS)
+    refused = tuple(
+        _schema_name(node)
+        for node in graph.graph.nodes
+        if random_kind(node) == UNSEEDABLE
+        or (random_kind(node) == SEEDABLE and kind != artifact.TORCH_EXPORT)
     )
-    if random_operations:
-        raise RuntimeError(RANDOM_OPERATIONS.format(operations=random_operations))
+    if refused:
+        message = RANDOM_OPERATIONS if kind == artifact.TORCH_EXPORT else COMPILED_RANDOM
+        raise RuntimeError(message.format(operations=refused))
     return graph
 
 
@@ -220,7 +268,7 @@ def lower(
             f"unknown ZKDV Torch program kind {kind!r}; use "
             f"{artifact.AOT_INDUCTOR!r} or {artifact.TORCH_EXPORT!r}"
         )
-    graph = trace(function, arguments)
+    graph = trace(function, arguments, kind=kind)
     flags = tuple(unused or ())
     detached = tuple(argument.detach() for argument in arguments)
     if kind == artifact.AOT_INDUCTOR:

@@ -7,8 +7,8 @@ the :class:`~zkdv.torch.checkpoint.ReplayCheckpoint`. :meth:`Pipeline.replay`
 recomputes one challenged step from the snapshot that precedes it:
 
     for each step k from the snapshot to the challenged step t:
-        gradients, buffers' = program(parameters, buffers, batch_k)
-        parameters', state' = contract(parameters, state, gradients)
+        gradients, buffers' = program(parameters, buffers, batch_k; seed_k)
+        parameters', state' = contract(parameters, state, gradients; options_k)
 
 and returns the challenged update coordinate ``parameters'[i] - parameters[i]`` and
 post-update optimizer-state coordinate of step t. Under DDP the committed batch holds
@@ -30,6 +30,7 @@ from zkdv.sampling import Challenge
 from zkdv.torch.checkpoint import ReplayCheckpoint
 from zkdv.torch.optimizers.bridge import OptimizerBridge
 from zkdv.torch.packing import BatchLayout
+from zkdv.torch.rng import step_seed
 
 __all__ = ["FlatIndex", "Pipeline"]
 
@@ -75,6 +76,8 @@ class Pipeline:
         checkpoint: snapshots and committed batches.
         device: where the replay runs (the parameters' device).
         world_size: DDP replicas whose rows the committed batch holds.
+        run_seed: the committed run seed (``env.rng``) of a program with random
+            operators, else None.
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class Pipeline:
         buffer_count: int,
         device: torch.device,
         world_size: int = 1,
+        run_seed: int | None = None,
     ) -> None:
         self.program = program
         self.unused = tuple(unused)
@@ -101,14 +105,20 @@ class Pipeline:
         self.buffer_count = buffer_count
         self.device = device
         self.world_size = world_size
+        self.run_seed = run_seed
 
     def gradients(
         self,
         parameters: Sequence[torch.Tensor],
         buffers: Sequence[torch.Tensor],
         words: np.ndarray,
+        step: int,
     ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
-        """Run the sealed program on one committed batch (every rank's rows)."""
+        """Run the sealed program on step ``step``'s committed batch (every rank's rows).
+
+        Rank ``r``'s random operators draw from ``step_seed(run_seed, step, r)``, as that
+        rank's eager step did.
+        """
         rows = self.layout.rows
         total: list[torch.Tensor] | None = None
         buffers_after: list[torch.Tensor] = list(buffers)
@@ -116,7 +126,8 @@ class Pipeline:
         for rank in range(self.world_size):
             batch = self.layout.unpack(words[rank * rows : (rank + 1) * rows], self.device)
             tensors = self.layout.tensor_leaves(batch)
-            outputs = self.program(*parameters, *buffers, *tensors)
+            seed = None if self.run_seed is None else step_seed(self.run_seed, step, rank)
+            outputs = self.program(*parameters, *buffers, *tensors, seed=seed)
             gradients = outputs[:count]
             if rank == 0:
                 # DDP broadcasts rank 0's buffers: its forward's running stats are kept.
@@ -142,7 +153,7 @@ class Pipeline:
                 coordinate; the committed update is formed against the replayed
                 pre-update value (exact at a snapshot step, within replay drift after).
         """
-        snapshot, batches = self.checkpoint.get(challenge.step)
+        snapshot, inputs = self.checkpoint.get(challenge.step)
         device = self.device
         parameters = [p.to(device, copy=True) for p in snapshot.parameters]
         # Each state tensor goes where torch.optim keeps the live one (a non-capturable
@@ -160,9 +171,13 @@ class Pipeline:
         ]
         buffers = [b.to(device, copy=True) for b in snapshot.buffers]
         start = snapshot.step
-        for offset, words in enumerate(batches):
-            gradients, buffers_after = self.gradients(parameters, buffers, words)
-            after, states_after = self.bridge.step(parameters, states, gradients)
+        for offset, step in enumerate(inputs):
+            gradients, buffers_after = self.gradients(
+                parameters, buffers, step.words, start + offset
+            )
+            after, states_after = self.bridge.step(
+                parameters, states, gradients, step.hyperparameters
+            )
             if start + offset == challenge.step:
                 before = element(parameters, self.parameter_index, challenge.param_index)
                 delta = element(after, self.parameter_index, challenge.param_index) - before

@@ -11,6 +11,7 @@ momentum buffer before its first step) is committed as zeros; a Python number
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from zkdv.torch.model import full
-from zkdv.torch.optimizers.base import OptimizerContract
+from zkdv.torch.optimizers.base import TENSOR_OPTIONS_UNSUPPORTED, OptimizerContract
 from zkdv.torch.optimizers.buffers import pack_optimizer_state
 
 __all__ = ["OPTIONS_CHANGED", "OptimizerBridge", "clone_state"]
@@ -46,6 +47,17 @@ def _local(value: Any) -> Any:
 class OptimizerBridge:
     """Own the canonical state layout for one prepared optimizer.
 
+    Options fall in two kinds. A *dynamic* option is a number or a tuple of numbers
+    (``lr``, ``betas``, ``momentum``, ``weight_decay``, ...): what a learning-rate or
+    momentum scheduler writes between steps. Its value at each step is an input of that
+    step's transition, read by :meth:`hyperparameters` when ``optimizer.step()`` runs,
+    committed in the step record (``hp``) and used by every replay. Everything else
+    (flags such as ``amsgrad``, ``nesterov`` or ``foreach``, which parameters each group
+    holds) is *static*: fixed at attestation, and a change is refused
+    (:data:`OPTIONS_CHANGED`). Only the keys of the optimizer's ``defaults`` are
+    options; keys a scheduler adds to a group for its own bookkeeping (``initial_lr``,
+    ``max_lr``, ``base_momentum``, ...) are not.
+
     Args:
         optimizer: the user's eager optimizer; its lazily created state is created
             now through ``contract.initialize`` so the layout is fixed from step 0.
@@ -70,9 +82,14 @@ class OptimizerBridge:
             positions.append(tuple(range(start, start + len(group["params"]))))
             start += len(group["params"])
         self._group_positions = tuple(positions)
+        #: Per group, the names of its dynamic options (fixed at attestation).
+        self.dynamic: tuple[tuple[str, ...], ...] = tuple(
+            tuple(name for name in sorted(self._option_names(group)) if _dynamic(group[name]))
+            for group in optimizer.param_groups
+        )
         self._configuration = self._current_configuration()
         # The attested options, frozen: a replay runs on another thread, possibly after
-        # the caller changed a group (which the next step then rejects).
+        # the caller changed a group. Dynamic options are overridden per step.
         self._groups = tuple(
             {name: copy.deepcopy(value) for name, value in group.items() if name != "params"}
             for group in optimizer.param_groups
@@ -83,45 +100,100 @@ class OptimizerBridge:
             tuple(sorted(optimizer.state[parameter])) for parameter in self.parameters
         )
         self._order: tuple[torch.Tensor, ...] = self.parameters
+        self._held: tuple[bool, ...] = (True,) * len(self.parameters)
 
     # --- layout -------------------------------------------------------------------------
     def bind(self, parameters: tuple[torch.Tensor, ...]) -> None:
         """Bind optimizer groups to a model's canonical parameter order.
 
+        The optimizer may hold a subset of the model's parameters (a fine-tune that
+        trains adapters only): the others have no optimizer state and no update.
+
         Raises:
-            ValueError: the optimizer does not hold exactly the model's parameters.
+            ValueError: the optimizer holds a tensor that is not a model parameter.
         """
         positions = {id(parameter): index for index, parameter in enumerate(parameters)}
-        if len(positions) != len(parameters) or set(positions) != {
-            id(parameter) for parameter in self.parameters
-        }:
-            raise ValueError("prepared optimizer parameters must exactly cover the prepared model")
+        strangers = [
+            index
+            for index, parameter in enumerate(self.parameters)
+            if id(parameter) not in positions
+        ]
+        if len(positions) != len(parameters) or strangers:
+            raise ValueError(
+                "the prepared optimizer holds tensors that are not parameters of the prepared "
+                "model; optimize only the prepared model's parameters"
+            )
         self._group_positions = tuple(
             tuple(positions[id(parameter)] for parameter in group["params"])
             for group in self.optimizer.param_groups
         )
         self._order = tuple(parameters)
+        held = {id(parameter) for parameter in self.parameters}
+        self._held = tuple(id(parameter) in held for parameter in parameters)
         self.state_names = tuple(
-            tuple(sorted(self.optimizer.state[parameter])) for parameter in parameters
+            tuple(sorted(self.optimizer.state[parameter])) if id(parameter) in held else ()
+            for parameter in parameters
         )
+
+    @property
+    def held(self) -> tuple[bool, ...]:
+        """Per model parameter (canonical order), whether the optimizer updates it."""
+        return self._held
 
     def validate_configuration(self) -> None:
         """Reject optimizer semantics that changed after attestation.
 
+        Dynamic options may change between steps (schedulers), as long as they stay
+        numbers of the same shape; everything else must not.
+
         Raises:
-            RuntimeError: an option, or the parameter grouping, changed.
+            RuntimeError: a static option, the parameter grouping, or the kind of a
+                dynamic option changed.
         """
+        for group, names in zip(self.optimizer.param_groups, self.dynamic, strict=True):
+            tensors = tuple(name for name in names if _holds_tensor(group[name]))
+            if tensors:
+                raise RuntimeError(TENSOR_OPTIONS_UNSUPPORTED.format(names=tensors))
         if self._current_configuration() != self._configuration:
             raise RuntimeError(OPTIONS_CHANGED)
+        for group, names in zip(self.optimizer.param_groups, self.dynamic, strict=True):
+            for name in names:
+                if not _finite(group[name]):
+                    raise RuntimeError(
+                        f"optimizer option {name}={group[name]!r} is not a finite number; "
+                        "ZKDV commits every step's options as numbers"
+                    )
 
     def options(self) -> list[dict[str, Any]]:
-        """Every group's static options (JSON-able), for the transcript's root record."""
-        return [self.contract.options(group) for group in self.optimizer.param_groups]
+        """Every group's options at attestation (JSON-able), for the root record."""
+        return [
+            self.contract.options({name: group[name] for name in self._option_names(group)})
+            for group in self.optimizer.param_groups
+        ]
+
+    def hyperparameters(self) -> list[dict[str, Any]]:
+        """Every group's dynamic options now: one step's ``hp`` (numbers and lists)."""
+        return [
+            {name: _number(group[name]) for name in names}
+            for group, names in zip(self.optimizer.param_groups, self.dynamic, strict=True)
+        ]
+
+    def _option_names(self, group: dict[str, Any]) -> list[str]:
+        known = self.optimizer.defaults
+        return [name for name in group if name != "params" and name in known]
 
     def _current_configuration(self) -> tuple[Any, ...]:
         return tuple(
-            (tuple(id(parameter) for parameter in group["params"]), self.contract.options(group))
-            for group in self.optimizer.param_groups
+            (
+                tuple(id(parameter) for parameter in group["params"]),
+                self.contract.options(
+                    {
+                        name: group[name] if name not in dynamic else _shape(group[name])
+                        for name in self._option_names(group)
+                    }
+                ),
+            )
+            for group, dynamic in zip(self.optimizer.param_groups, self.dynamic, strict=True)
         )
 
     def _initialize(self) -> None:
@@ -132,21 +204,16 @@ class OptimizerBridge:
                     state.update(self.contract.initialize(parameter.detach(), group))
 
     # --- state --------------------------------------------------------------------------
-    def pack_state(self) -> tuple[tuple[dict[str, Any], ...], ...]:
-        """Return the live optimizer state per group without copying its tensors."""
-        return tuple(
-            tuple(
-                {name: _local(value) for name, value in self.optimizer.state[parameter].items()}
-                for parameter in group["params"]
-            )
-            for group in self.optimizer.param_groups
-        )
-
     def live_states(self) -> list[State]:
-        """The live state of every parameter in canonical (model) order, uncopied."""
+        """The live state of every parameter in canonical (model) order, uncopied.
+
+        A parameter the optimizer does not hold has an empty state.
+        """
         return [
             {name: _local(value) for name, value in self.optimizer.state[parameter].items()}
-            for parameter in self._order
+            if held
+            else {}
+            for parameter, held in zip(self._order, self._held, strict=True)
         ]
 
     def full_states(self) -> list[State]:
@@ -160,7 +227,9 @@ class OptimizerBridge:
                 name: full(value) if isinstance(value, torch.Tensor) else value
                 for name, value in sorted(self.optimizer.state[parameter].items())
             }
-            for parameter in self._order
+            if held
+            else {}
+            for parameter, held in zip(self._order, self._held, strict=True)
         ]
 
     def leaf_paths(self, names: Sequence[str]) -> list[str]:
@@ -185,11 +254,37 @@ class OptimizerBridge:
         return [clone_state(state) for state in states]
 
     # --- functional transition ----------------------------------------------------------
+    def groups(self, hyperparameters: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
+        """The attested group options with one step's dynamic options applied.
+
+        Raises:
+            ValueError: ``hyperparameters`` does not match the groups' dynamic options.
+        """
+        if hyperparameters is None:
+            return [dict(group) for group in self._groups]
+        if len(hyperparameters) != len(self._groups):
+            raise ValueError(
+                f"a step's hyperparameters name {len(hyperparameters)} optimizer groups; "
+                f"the optimizer has {len(self._groups)}"
+            )
+        out = []
+        for index, (group, names, values) in enumerate(
+            zip(self._groups, self.dynamic, hyperparameters, strict=True)
+        ):
+            if set(values) != set(names):
+                raise ValueError(
+                    f"a step's hyperparameters of optimizer group {index} name "
+                    f"{sorted(values)}; the group's dynamic options are {sorted(names)}"
+                )
+            out.append({**group, **{name: _option(values[name]) for name in names}})
+        return out
+
     def step(
         self,
         parameters: Sequence[torch.Tensor],
         states: Sequence[State],
         gradients: Sequence[torch.Tensor | None],
+        hyperparameters: Sequence[dict[str, Any]] | None = None,
     ) -> tuple[list[torch.Tensor], list[State]]:
         """One functional optimizer step on copies; the inputs are left unchanged.
 
@@ -197,6 +292,8 @@ class OptimizerBridge:
             parameters: pre-update parameters in canonical order.
             states: their optimizer states in canonical order.
             gradients: their gradients; ``None`` skips a parameter as torch.optim does.
+            hyperparameters: the step's dynamic options (:meth:`hyperparameters`, as
+                committed in its step record); None keeps the attested ones.
 
         Returns:
             ``(parameters after, states after)``, both in canonical order.
@@ -204,7 +301,9 @@ class OptimizerBridge:
         updated = [parameter.detach().clone() for parameter in parameters]
         updated_states = [clone_state(state) for state in states]
         with torch.no_grad():
-            for group, positions in zip(self._groups, self._group_positions, strict=True):
+            for group, positions in zip(
+                self.groups(hyperparameters), self._group_positions, strict=True
+            ):
                 active = [position for position in positions if gradients[position] is not None]
                 if not active:
                     continue
@@ -216,28 +315,52 @@ class OptimizerBridge:
                 )
         return updated, updated_states
 
-    def transition(
-        self,
-        parameters: tuple[torch.Tensor, ...],
-        state: tuple[tuple[dict[str, Any], ...], ...],
-        gradients: tuple[torch.Tensor | None, ...],
-    ) -> tuple[tuple[torch.Tensor, ...], tuple[tuple[dict[str, Any], ...], ...]]:
-        """Compute deltas and next optimizer state without changing the inputs.
 
-        ``state`` is grouped as :meth:`pack_state` returns it; ``parameters`` and
-        ``gradients`` are in canonical order.
-        """
-        flat: list[State] = [{} for _ in parameters]
-        for positions, group_state in zip(self._group_positions, state, strict=True):
-            for position, entry in zip(positions, group_state, strict=True):
-                flat[position] = entry
-        after, states_after = self.step(parameters, flat, gradients)
-        deltas = tuple(a - b for a, b in zip(after, parameters, strict=True))
-        grouped = tuple(
-            tuple(states_after[position] for position in positions)
-            for positions in self._group_positions
-        )
-        return deltas, grouped
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _dynamic(value: Any) -> bool:
+    """A number, or a non-empty tuple of numbers: what a scheduler may change."""
+    if _real(value):
+        return True
+    return isinstance(value, (tuple, list)) and bool(value) and all(_real(v) for v in value)
+
+
+def _shape(value: Any) -> Any:
+    """What must stay fixed of a dynamic option: a number, or a tuple of its length."""
+    if isinstance(value, (tuple, list)):
+        return ("tuple", len(value))
+    if isinstance(value, torch.Tensor):
+        return "tensor"
+    return "number" if _real(value) else repr(value)
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    return isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value)
+
+
+def _finite(value: Any) -> bool:
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return all(_real(v) and math.isfinite(v) for v in values)
+
+
+def _number(value: Any) -> Any:
+    """A dynamic option as committed: a number, or a list of numbers."""
+    if isinstance(value, (tuple, list)):
+        return [_number(v) for v in value]
+    return int(value) if isinstance(value, int) else float(value)
+
+
+def _option(value: Any) -> Any:
+    """A committed dynamic option as the optimizer reads it (lists back to tuples)."""
+    if isinstance(value, (tuple, list)):
+        return tuple(_option(v) for v in value)
+    if not _real(value):
+        raise ValueError(f"a committed optimizer option must be a number, got {value!r}")
+    return value
 
 
 def _as_leaf(value: Any, parameter: torch.Tensor) -> torch.Tensor:
