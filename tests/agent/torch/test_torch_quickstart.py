@@ -33,7 +33,6 @@ def _env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.aot
 @pytest.mark.slow
 def test_quick_start_runs_on_cpu_with_the_device_changed(tmp_path: Path) -> None:
     code = _quick_start()
@@ -42,21 +41,20 @@ def test_quick_start_runs_on_cpu_with_the_device_changed(tmp_path: Path) -> None
     script = tmp_path / "quick_start.py"
     script.write_text(code)
     env = _env()
-    env.pop("ZKDV_TORCH_PROGRAM", None)  # the documented default: an AOT Inductor seal
+    env.pop("ZKDV_TORCH_PROGRAM", None)  # the documented default: eager kernels
     result = subprocess.run(
         [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr[-4000:]
     report = verify_transcript(tmp_path / "proof")
     assert report.ok, report.summary()
-    assert report.root["program"]["kind"] == "aot-inductor"
+    assert report.root["program"]["kind"] == "torch.export"
     assert report.root["prover"] == "whitebox-torch"
 
 
 @pytest.mark.slow
 def test_commented_example_runs(tmp_path: Path) -> None:
     env = _env()
-    env["ZKDV_TORCH_PROGRAM"] = "torch.export"  # the example's AOT seal is tested above
     result = subprocess.run(
         [sys.executable, str(REPO_ROOT / "examples" / "torch" / "basic_training.py"), "proof"],
         cwd=tmp_path,

@@ -287,6 +287,16 @@ class ZKDV(Driver):
                 self._await_sealing()
             self._seed_step(transaction, self._transactions)
             return None
+        lowered = self._lowered_program
+        if lowered is not None and self._world_size == 1:
+            # Before anything is committed: a batch the sealed program does not compute.
+            lowered.guards.check(
+                (
+                    *self._require_prepared_model().parameters,
+                    *transaction.buffers_before,
+                    *self._batch_layout.tensor_leaves(transaction.batch),
+                )
+            )
         if self._control is None:
             admission = self._admit(transaction.overlap)
         else:
@@ -598,7 +608,13 @@ class ZKDV(Driver):
         # Tracing runs the step once for real: its random draws must not advance the
         # caller's generators.
         with rng.StepGenerators(0, devices):
-            lowered = lower(function, arguments, kind=self.program_kind, unused=unused)
+            lowered = lower(
+                function,
+                arguments,
+                kind=self.program_kind,
+                unused=unused,
+                first_batch=len(parameters) + len(model.buffer_names),
+            )
         self._lowered_program = lowered
         self._run_seed = rng.run_seed() if lowered.program.random else None
         self._program_flops = count_flops(lowered.graph, arguments)
@@ -674,6 +690,9 @@ class ZKDV(Driver):
                     for name, skip in zip(model.parameter_names, lowered.unused, strict=True)
                     if skip
                 ],
+                # Values read from the batch that the program branched on at sealing;
+                # every later batch is checked to read the same (zkdv.torch.guards).
+                "guards": lowered.guards.to_record(),
             },
         }
         self.sealing_seconds = time.perf_counter() - started

@@ -43,6 +43,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from zkdv.torch import artifact
 from zkdv.torch.capture import AttestationCapture
+from zkdv.torch.guards import Guards, extract
 from zkdv.torch.rng import SEEDABLE, UNSEEDABLE, random_kind
 
 __all__ = [
@@ -99,6 +100,7 @@ class LoweredProgram:
         unused: per parameter, True when the attested step gives it no gradient (the
             optimizer skips it, as ``torch.optim`` skips a parameter whose grad is None).
         graph: the traced graph module.
+        guards: the batch-dependent branches the program assumes.
     """
 
     program: artifact.LoadedProgram
@@ -106,6 +108,7 @@ class LoweredProgram:
     kind: str
     unused: tuple[bool, ...]
     graph: fx.GraphModule
+    guards: Guards
 
 
 def gradient_function(
@@ -185,7 +188,9 @@ def trace(
     Raises:
         RuntimeError: with :data:`UNPREPARED_STATE` or :data:`RANDOM_OPERATIONS`.
     """
-    graph = make_fx(function, tracing_mode="real")(*arguments)
+    # Reads of tensor values (``if mask.all():``) are allowed: the trace keeps the branch
+    # taken, and the batch-dependent ones become guards (zkdv.torch.guards).
+    graph = make_fx(function, tracing_mode="real", _error_on_data_dependent_ops=False)(*arguments)
     captured = []
     for node in graph.graph.nodes:
         if node.op != "get_attr":
@@ -248,16 +253,19 @@ def lower(
     function: Callable[..., list[torch.Tensor]],
     arguments: tuple[torch.Tensor, ...],
     *,
-    kind: str = artifact.AOT_INDUCTOR,
+    kind: str = artifact.TORCH_EXPORT,
     unused: list[bool] | None = None,
+    first_batch: int | None = None,
 ) -> LoweredProgram:
     """Capture once and seal a state-free program of the given kind.
 
     Args:
         function: the flat function (see :func:`gradient_function`).
         arguments: example flat inputs (the first transaction's).
-        kind: ``"aot-inductor"`` (compiled, the default) or ``"torch.export"``.
+        kind: ``"torch.export"`` (eager kernels, the default) or ``"aot-inductor"``.
         unused: the flags list :func:`gradient_function` fills while tracing.
+        first_batch: the index of the first batch tensor among ``arguments`` (reads of
+            values computed from batch tensors alone become guards); default: none.
 
     Raises:
         RuntimeError: the function captures unprepared state or random operators.
@@ -269,10 +277,11 @@ def lower(
             f"{artifact.AOT_INDUCTOR!r} or {artifact.TORCH_EXPORT!r}"
         )
     graph = trace(function, arguments, kind=kind)
+    guards = extract(graph, arguments, len(arguments) if first_batch is None else first_batch)
     flags = tuple(unused or ())
     detached = tuple(argument.detach() for argument in arguments)
     if kind == artifact.AOT_INDUCTOR:
         program, material = artifact.roundtrip(graph, detached)
     else:
         program, material = artifact.export_roundtrip(graph, detached)
-    return LoweredProgram(program, material, kind, flags, graph)
+    return LoweredProgram(program, material, kind, flags, graph, guards)
