@@ -75,7 +75,7 @@ CLAIM_NAMES = (
 UNDECLARED_DATASET = "0" * 64
 #: Points kept in the cumulative series a chart draws (a long run is downsampled).
 SERIES_POINTS = 400
-_CACHE_PREFIX = "dvbench:claims:v2"
+_CACHE_PREFIX = "dvbench:claims:v3"
 _CACHE_SECONDS = 7 * 24 * 3600
 
 
@@ -129,6 +129,9 @@ class Series:
     flops: tuple[float, ...] = ()
     tokens: tuple[int, ...] = ()
     gpu_hours: tuple[float, ...] = ()
+    #: Per kept step, each optimizer group's learning rate as the step record commits it
+    #: (``hp``: what the run's schedulers set); empty for runs that commit none (JAX).
+    learning_rate: tuple[tuple[float | None, ...], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -136,6 +139,7 @@ class Series:
             "flops": list(self.flops),
             "tokens": list(self.tokens),
             "gpu_hours": list(self.gpu_hours),
+            "learning_rate": [list(rates) for rates in self.learning_rate],
         }
 
     @classmethod
@@ -145,6 +149,10 @@ class Series:
             tuple(float(x) for x in data["flops"]),
             tuple(int(x) for x in data["tokens"]),
             tuple(float(x) for x in data["gpu_hours"]),
+            tuple(
+                tuple(None if x is None else float(x) for x in rates)
+                for rates in data.get("learning_rate", ())
+            ),
         )
 
 
@@ -223,6 +231,8 @@ class RunFacts:
     start: list[float] = field(default_factory=list)
     end: list[float] = field(default_factory=list)
     batch_roots: list[bytes] = field(default_factory=list)
+    #: Per step, each optimizer group's committed ``lr`` (``hp``), or None without ``hp``.
+    learning_rates: list[tuple[float | None, ...] | None] = field(default_factory=list)
     checked_steps: list[int] = field(default_factory=list)
     failed_checks: list[int] = field(default_factory=list)
     snapshot_steps: list[int] = field(default_factory=list)
@@ -254,6 +264,20 @@ def _hex(value: Any) -> str | None:
     return value.hex() if isinstance(value, bytes | bytearray) else None
 
 
+def _learning_rates(hyperparameters: Any) -> tuple[float | None, ...] | None:
+    """Each group's ``lr`` from a step's ``hp`` (a group without one: None)."""
+    if not isinstance(hyperparameters, list):
+        return None
+    rates: list[float | None] = []
+    for group in hyperparameters:
+        value = group.get("lr") if isinstance(group, dict) else None
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            rates.append(float(value) if np.isfinite(value) else None)
+        else:
+            rates.append(None)
+    return tuple(rates)
+
+
 def _take(facts: RunFacts, data: dict[str, Any]) -> None:
     kind = data.get("t")
     if kind == "step":
@@ -275,6 +299,7 @@ def _take(facts: RunFacts, data: dict[str, Any]) -> None:
             if isinstance(batch, dict) and isinstance(batch.get("root"), bytes)
             else b""
         )
+        facts.learning_rates.append(_learning_rates(data.get("hp")))
         if isinstance(data.get("post"), dict):
             facts.last_post = data["post"]
         program = data.get("program")
@@ -747,19 +772,22 @@ def _final_root_part(facts: RunFacts) -> _Part:
     return _Part(Claim("final_parameter_root", _hex(root_bytes), Evidence.COMMITTED), details)
 
 
-def _series(totals: _Totals, violations: Sequence[Violation]) -> Series:
+def _series(facts: RunFacts, totals: _Totals, violations: Sequence[Violation]) -> Series:
     steps = totals.steps
     keep = [
         int(np.nonzero(steps == v.step)[0][0])
         for v in violations
         if v.step is not None and bool((steps == v.step).any())
     ]
+    rates = facts.learning_rates
     picks = _downsample(int(steps.size), keep)
+    groups = max((len(rate) for rate in rates if rate is not None), default=0)
     return Series(
         tuple(int(steps[i]) for i in picks),
         tuple(float(totals.flops[i]) for i in picks),
         tuple(int(totals.tokens[i]) for i in picks),
         tuple(round(float(totals.hours[i]), 9) for i in picks),
+        tuple(rates[i] or (None,) * groups for i in picks) if groups else (),
     )
 
 
@@ -805,7 +833,7 @@ def evaluate(facts: RunFacts, limits: Limits, replay: ReplayFacts | None = None)
         claims=tuple(part.claim for part in parts),
         violations=violations,
         details={part.claim.name: part.details for part in parts},
-        series=_series(totals, violations),
+        series=_series(facts, totals, violations),
         timeline=_timeline(facts, replay),
         transcript_error=facts.error,
     )

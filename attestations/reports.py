@@ -43,8 +43,10 @@ __all__ = [
     "ClaimRow",
     "compute_chart_svg",
     "human_number",
+    "learning_rate_svg",
     "render_report_html",
     "render_report_pdf",
+    "report_claims",
     "report_context",
     "svg_data_uri",
     "timeline_svg",
@@ -78,6 +80,9 @@ CLAIM_LIMITS = {
 PLURALS = {"step": "steps", "token": "tokens", "FLOP": "FLOPs"}
 CHART_WIDTH, CHART_HEIGHT = 720, 300
 TIMELINE_WIDTH, TIMELINE_HEIGHT = 720, 120
+RATE_WIDTH, RATE_HEIGHT = 720, 200
+#: One colour per optimizer group in the learning-rate chart (cycled).
+GROUP_COLORS = ("#2456d6", "#b7791f", "#1b7f3b", "#8e44ad", "#c62828", "#5b6675")
 FONT = "Helvetica, Arial, sans-serif"
 COLORS = {
     "line": "#2456d6",
@@ -290,6 +295,60 @@ def compute_chart_svg(
     return _svg(CHART_WIDTH, CHART_HEIGHT, "Cumulative compute against the declared budget", body)
 
 
+def learning_rate_svg(series: Series) -> str:
+    """Each optimizer group's learning rate by step, as the step records commit it.
+
+    Returns:
+        The SVG, or "" when the run commits no per-step learning rate (a JAX run, whose
+        schedule is part of its program).
+    """
+    steps, rates = series.steps, series.learning_rate
+    if not steps or not rates:
+        return ""
+    groups = len(rates[0])
+    left, right, top, bottom = 78, 20, 28, 40
+    plot_w, plot_h = RATE_WIDTH - left - right, RATE_HEIGHT - top - bottom
+    last_step = max(steps[-1], 1)
+    values = [rate for row in rates for rate in row if rate is not None]
+    ymax = 4 * nice_ceiling(max([*values, 0.0]) * 1.04 / 4) if values else 1.0
+
+    def x(step: float) -> float:
+        return left + plot_w * step / last_step
+
+    def y(value: float) -> float:
+        return top + plot_h * (1 - value / ymax)
+
+    body = [f'<rect x="0" y="0" width="{RATE_WIDTH}" height="{RATE_HEIGHT}" fill="#ffffff"/>']
+    for k in range(5):
+        value = ymax * k / 4
+        body.append(_line(left, y(value), left + plot_w, y(value), COLORS["grid"]))
+        body.append(_text(left - 6, y(value) + 4, f"{value:.3g}", size=10, anchor="end"))
+    for k in range(5):
+        step = round(last_step * k / 4)
+        body.append(_text(x(step), top + plot_h + 16, f"{step:,}", size=10, anchor="middle"))
+    body.append(_line(left, top, left, top + plot_h, COLORS["axis"]))
+    body.append(_line(left, top + plot_h, left + plot_w, top + plot_h, COLORS["axis"]))
+    body.append(_text(left + plot_w / 2, RATE_HEIGHT - 6, "Step", size=11, anchor="middle"))
+    body.append(_text(left, 16, "Learning rate (committed per step)", size=12, fill="#1f2933"))
+    for group in range(groups):
+        color = GROUP_COLORS[group % len(GROUP_COLORS)]
+        points = " ".join(
+            f"{x(step):.1f},{y(rate):.1f}"
+            for step, row in zip(steps, rates, strict=True)
+            if group < len(row) and (rate := row[group]) is not None
+        )
+        if points:
+            body.append(
+                f'<polyline points="{points}" fill="none" stroke="{color}" stroke-width="2"/>'
+            )
+        if groups > 1:
+            label = f"group {group}"
+            body.append(
+                _text(left + plot_w - 70 * (groups - group), 16, label, size=11, fill=color)
+            )
+    return _svg(RATE_WIDTH, RATE_HEIGHT, "Learning rate by step", body)
+
+
 @dataclass(frozen=True)
 class _Mark:
     step: int
@@ -422,6 +481,11 @@ def _limits(proof: Proof) -> dict[str, Any]:
     }
 
 
+def report_claims(proof: Proof) -> ClaimSet | None:
+    """The proof's claims, or None when they cannot be computed (logged)."""
+    return _claims(proof)[0]
+
+
 def _claims(proof: Proof) -> tuple[ClaimSet | None, str | None]:
     try:
         return compute_claims(proof), None
@@ -435,8 +499,9 @@ def report_context(proof: Proof, *, pdf: bool = False) -> dict[str, Any]:
     claims, claims_error = _claims(proof)
     limits = _limits(proof)
     challenges = _challenges(proof)
-    chart = timeline = ""
+    chart = timeline = rates = ""
     if claims is not None:
+        rates = learning_rate_svg(claims.series)
         flop_violation = next((v for v in claims.violations if v.limit == "max_flops"), None)
         chart = compute_chart_svg(
             claims.series,
@@ -465,6 +530,8 @@ def report_context(proof: Proof, *, pdf: bool = False) -> dict[str, Any]:
         "chart_uri": svg_data_uri(chart) if chart else "",
         "timeline_svg": timeline,
         "timeline_uri": svg_data_uri(timeline) if timeline else "",
+        "rate_svg": rates,
+        "rate_uri": svg_data_uri(rates) if rates else "",
         "challenges": challenges,
         "certificate": certificate_info(proof),
         "bundle_url": _url("api:proof-bundle", proof.pk),

@@ -239,8 +239,19 @@ def proof_detail(request: HttpRequest, pk: int) -> HttpResponse:
             "can_artifacts": access.can(Capability.ARTIFACTS, proof.experiment.owner_id),
             "challenges": challenges,
             "timeline": challenge_timeline(proof, challenges),
+            "rate_svg": _learning_rates(proof),
         },
     )
+
+
+def _learning_rates(proof: Proof) -> str:
+    """The learning-rate chart of a verified run that commits one per step (Torch)."""
+    if proof.verified is None or proof.prover != "whitebox-torch":
+        return ""
+    from attestations.reports import learning_rate_svg, report_claims
+
+    claims = report_claims(proof)
+    return "" if claims is None else learning_rate_svg(claims.series)
 
 
 def challenge_timeline(proof: Proof, challenges: list[Challenge]) -> dict[str, Any]:

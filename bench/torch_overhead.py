@@ -1,8 +1,8 @@
 """ZKDV's Torch overhead: a plain eager step versus the ZKDV transaction, side by side.
 
-    python bench/torch_overhead.py [--quick] [--rounds 3] [--steps 12] [--only lm|mlp] [--stat min]
-                                   [--checked] [--program aot-inductor|torch.export]
-                                   [--chunk-bytes N]
+    python bench/torch_overhead.py [--quick] [--rounds 3] [--steps 12] [--only lm|mlp]
+                                   [--recipe lm] [--stat min] [--checked]
+                                   [--program torch.export|aot-inductor] [--chunk-bytes N]
 
 Two workloads, each trained with ``torch.optim.Adam`` in eager mode:
 
@@ -11,6 +11,12 @@ Two workloads, each trained with ``torch.optim.Adam`` in eager mode:
 * ``mlp``: a 10M-parameter MLP at batch 64, the state-heavy worst case (target: the time
   ZKDV adds per step <= 1.2 x what raw ``blake3`` with all threads needs to hash the same
   state bytes once, measured here; the plain ratio is printed too).
+
+``--recipe lm`` runs the LM recipe of ``examples/torch/lm.py`` instead, the loop LLM
+teams write: tied embedding and head, dropout, AdamW with decay / no-decay groups, a
+warmup + cosine ``LambdaLR`` stepped after every step, two accumulated micro-batches of
+8 x 256 tokens, ``clip_grad_norm_(1.0)`` and a bf16-autocast forward (4,096 predicted
+tokens per step).
 
 For each workload the same step runs as plain eager code, inside ``proof.transaction``
 with the default policy (p = 0.01, N = 12), inside ``proof.transaction`` with checks off
@@ -25,9 +31,9 @@ its steps happened to draw (printed). A proof's block ends with
 ``proof.join()``, so its commitments (and checks) are inside the timing. Each variant has
 its own identical copy of the model and optimizer. The median block time per step is
 reported (``--stat min``: the fastest block, which estimates the unloaded time on a
-machine shared with other work). The one-time sealing cost (tracing plus the AOT Inductor compile of the
-attested step, paid by the first transaction) is reported separately and is not in the
-step times.
+machine shared with other work). The one-time sealing cost (tracing and exporting the attested step, plus
+the AOT Inductor compile with ``--program aot-inductor``, paid by the first transaction)
+is reported separately and is not in the step times.
 
 On a shared machine wall-clock times swing with other processes' load (printed), so the
 process CPU time per step is reported too: the work ZKDV adds, whoever else runs.
@@ -39,9 +45,12 @@ import argparse
 import copy
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import blake3
@@ -53,6 +62,9 @@ from torch.nn import functional
 
 import zkdv
 from zkdv.verify import verify_transcript
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "torch"))
+import lm as lm_recipe  # examples/torch/lm.py
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # ``min`` estimates the unloaded time on a shared machine: other processes only add time.
@@ -91,6 +103,40 @@ class LM(nn.Module):
         return self.head(self.norm(x))
 
 
+Forward = Callable[..., Any]
+Backward = Callable[[torch.Tensor], None]
+
+
+@dataclass
+class Workload:
+    """One benchmarked training step.
+
+    ``step(model, optimizer, batch, forward, backward)`` is the whole step: eager code
+    with ``model(...)`` and ``loss.backward()``, or the attested step with
+    ``proof.forward`` and ``proof.backward``; ``schedule(optimizer)`` makes the learning
+    rate schedule stepped after every step, if the workload has one.
+    """
+
+    model: nn.Module
+    step: Callable[[nn.Module, Any, Any, Forward, Backward], None]
+    batch: Callable[[int], Any]
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+    schedule: Callable[[Any], Any] | None = None
+
+
+def _adam(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def _plain_step(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., None]:
+    def step(model: nn.Module, optimizer: Any, data: Any, forward: Forward, backward: Backward):
+        backward(loss_fn(model, data, forward))
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step
+
+
 def lm_loss(model: nn.Module, batch: Any, forward: Callable[..., Any]) -> torch.Tensor:
     (tokens,) = batch
     logits = forward(model, tokens[:, :-1])
@@ -102,17 +148,17 @@ def mlp_loss(model: nn.Module, batch: Any, forward: Callable[..., Any]) -> torch
     return functional.cross_entropy(forward(model, inputs), targets)
 
 
-def lm_workload() -> tuple[nn.Module, Callable[..., Any], Callable[[int], Any]]:
+def lm_workload() -> Workload:
     generator = torch.Generator().manual_seed(1)
 
     def batch(_: int) -> tuple[torch.Tensor]:
         # 16 x 513 tokens: 8,192 predicted tokens per step.
         return (torch.randint(256, (16, 513), generator=generator).to(DEVICE),)
 
-    return LM().to(DEVICE), lm_loss, batch
+    return Workload(LM().to(DEVICE), _plain_step(lm_loss), batch, _adam)
 
 
-def mlp_workload() -> tuple[nn.Module, Callable[..., Any], Callable[[int], Any]]:
+def mlp_workload() -> Workload:
     generator = torch.Generator().manual_seed(2)
     model = nn.Sequential(
         nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
@@ -123,11 +169,50 @@ def mlp_workload() -> tuple[nn.Module, Callable[..., Any], Callable[[int], Any]]
         inputs = torch.randn(64, 512, generator=generator)
         return inputs.to(DEVICE), torch.randint(512, (64,), generator=generator).to(DEVICE)
 
-    return model.to(DEVICE), mlp_loss, batch
+    return Workload(model.to(DEVICE), _plain_step(mlp_loss), batch, _adam)
+
+
+RECIPE_LM = lm_recipe.LMConfig(vocab=256, width=128, heads=4, layers=2, context=256)
+
+
+def recipe_lm_workload() -> Workload:
+    config = RECIPE_LM
+    batches = lm_recipe.token_batches(config, steps=10**6, micro_batches=2, rows=8, seed=3)
+
+    def step(model: nn.Module, optimizer: Any, batch: Any, forward: Forward, backward: Backward):
+        for micro in batch.unbind(0):
+            with torch.autocast(device_type=DEVICE.type, dtype=torch.bfloat16):
+                logits = forward(model, micro[:, :-1])
+            loss = functional.cross_entropy(
+                logits.float().reshape(-1, config.vocab), micro[:, 1:].reshape(-1)
+            )
+            backward(loss / batch.shape[0])
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+        groups = lm_recipe.parameter_groups(model, 0.1)
+        return torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95))
+
+    def schedule(optimizer: Any) -> Any:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lm_recipe.warmup_cosine(10, 1000))
+
+    return Workload(
+        lm_recipe.TinyLM(config).to(DEVICE),
+        step,
+        lambda _: next(batches).to(DEVICE),
+        optimizer,
+        schedule,
+    )
 
 
 def _call(model: nn.Module, *args: Any) -> Any:
     return model(*args)
+
+
+def _backward(loss: torch.Tensor) -> None:
+    loss.backward()
 
 
 def _sync() -> None:
@@ -135,13 +220,16 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def run(name: str, workload: Any, args: argparse.Namespace, root: str) -> dict[str, Any]:
-    template, loss_fn, batch = workload()
+def run(
+    name: str, factory: Callable[[], Workload], args: argparse.Namespace, root: str
+) -> dict[str, Any]:
+    workload = factory()
+    template, batch = workload.model, workload.batch
     variants: dict[str, dict[str, Any]] = {}
 
     def make(label: str, policy: zkdv.SamplingPolicy | None) -> None:
         model = copy.deepcopy(template)
-        optimizer: Any = torch.optim.Adam(model.parameters(), lr=1e-3)
+        optimizer: Any = workload.optimizer(model)
         proof = None
         if policy is not None:
             proof = zkdv.torch.ZKDV(
@@ -158,14 +246,13 @@ def run(name: str, workload: Any, args: argparse.Namespace, root: str) -> dict[s
 
             @proof.attest
             def attested_step(model: nn.Module, optimizer: Any, data: Any) -> None:
-                proof.backward(loss_fn(model, data, proof.forward))
-                optimizer.step()
-                optimizer.zero_grad()
+                workload.step(model, optimizer, data, proof.forward, proof.backward)
 
         variants[label] = {
             "proof": proof,
             "model": model,
             "optimizer": optimizer,
+            "schedule": None if workload.schedule is None else workload.schedule(optimizer),
             "times": [],
             "cpu": [],
             "i": 0,
@@ -187,16 +274,12 @@ def run(name: str, workload: Any, args: argparse.Namespace, root: str) -> dict[s
         start = time.perf_counter()
         for item in data:
             if proof is None:
-                loss = loss_fn(model, item, _call)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
+                workload.step(model, optimizer, item, _call, _backward)
             else:
                 with proof.transaction(batch=item):
-                    loss = loss_fn(model, item, _call)
-                    proof.backward(loss)
-                    optimizer.step()
-                    optimizer.zero_grad()
+                    workload.step(model, optimizer, item, _call, proof.backward)
+            if v["schedule"] is not None:
+                v["schedule"].step()
             v["i"] += 1
         _sync()
         if proof is not None:
@@ -300,12 +383,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--only", choices=("lm", "mlp"))
+    parser.add_argument(
+        "--recipe", choices=("lm",), help="run the LM recipe of examples/torch/lm.py instead"
+    )
     parser.add_argument("--checked", action="store_true", help="add DEBUGCheckEvery(1)")
     parser.add_argument(
         "--program",
         choices=("aot-inductor", "torch.export"),
-        default=os.environ.get("ZKDV_TORCH_PROGRAM", "aot-inductor"),
-        help="the sealed program kind (default: the product default, aot-inductor)",
+        default=os.environ.get("ZKDV_TORCH_PROGRAM") or "torch.export",
+        help="the sealed program kind (default: the product default, torch.export)",
     )
     parser.add_argument(
         "--stat",
@@ -328,6 +414,10 @@ def main() -> None:
         f"Merkle chunks of {args.chunk_bytes} bytes"
     )
     with tempfile.TemporaryDirectory(prefix="zkdv-bench-") as root:
+        if args.recipe == "lm":
+            torch.manual_seed(0)
+            report(run("recipe lm", recipe_lm_workload, args, root), args.program)
+            return
         for name, workload in (("lm", lm_workload), ("mlp", mlp_workload)):
             if args.only in (None, name):
                 torch.manual_seed(0)

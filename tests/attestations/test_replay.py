@@ -70,10 +70,13 @@ def spec_digest(name: str, spec: dict[str, Any]) -> str:
 def train_torch(path: Path, name: str, *, forge: str | None = None) -> Path:
     """8 steps of a small MLP with AdamW through zkdv.torch, bound to ``acme/<name>``.
 
+    The learning rate halves every three steps (``StepLR``, created after ``prepare()``):
+    each step record commits the rate its step used, and the replay applies it.
+
     ``forge``: ``invisible`` changes a weight between steps 3 and 4 along directions the
-    probes cannot see; ``lr`` doubles the learning rate before step 4 (with the SDK's
-    own check disabled, as a forger would); ``data`` trains step 4 on other inputs than
-    the transaction committed.
+    probes cannot see; ``lr`` steps with twice the learning rate from step 4 on while the
+    groups, and so the step records, say once (optimizer hooks); ``data`` trains step 4
+    on other inputs than the transaction committed.
     """
     import numpy as np
     import torch
@@ -98,8 +101,7 @@ def train_torch(path: Path, name: str, *, forge: str | None = None) -> Path:
     groups: list[dict[str, Any]] = [{"params": weights}, {"params": biases, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=0.01)
     model, optimizer = proof.prepare(model, optimizer)
-    if forge == "lr":
-        optimizer.bridge.validate_configuration = lambda: None
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
 
     @proof.attest
     def attested(model: nn.Module, optimizer: Any, batch: Any) -> None:
@@ -124,7 +126,13 @@ def train_torch(path: Path, name: str, *, forge: str | None = None) -> Path:
                 with torch.no_grad():
                     model[0].weight.add_(torch.from_numpy(change).float())
             if index == FORGED_STEP and forge == "lr":
-                optimizer.param_groups[0]["lr"] *= 2
+                native = optimizer.optimizer
+                native.register_step_pre_hook(
+                    lambda o, *_: o.param_groups[0].update(lr=2 * o.param_groups[0]["lr"])
+                )
+                native.register_step_post_hook(
+                    lambda o, *_: o.param_groups[0].update(lr=o.param_groups[0]["lr"] / 2)
+                )
             with proof.transaction(batch=(inputs, targets)):
                 if index == FORGED_STEP and forge == "data":
                     inputs.mul_(-1)  # after the transaction committed the batch
@@ -132,6 +140,7 @@ def train_torch(path: Path, name: str, *, forge: str | None = None) -> Path:
                 proof.backward(loss)
                 optimizer.step()
                 optimizer.zero_grad()
+            schedule.step()
     finally:
         proof.close()
     return path
@@ -361,6 +370,18 @@ def test_an_honest_torch_run_passes_every_challenge(
     evidence: Any = proof.challenges.get(step=5).evidence
     assert [e["step"] for e in evidence["evidence"]] == [3, 4, 5]
     assert all(e["exact"] for e in evidence["evidence"])
+    # The schedule the replay applied, shown to auditors on the proof page and report.
+    from attestations.reports import learning_rate_svg, report_claims
+    from attestations.views import _learning_rates
+
+    claims = report_claims(proof)
+    assert claims is not None
+    assert [rates[0] for rates in claims.series.learning_rate] == [
+        0.01 * 0.5 ** (step // 3) for step in range(STEPS)
+    ]
+    chart = learning_rate_svg(claims.series)
+    assert "<polyline" in chart and "Learning rate" in chart
+    assert _learning_rates(proof) == chart
 
 
 def test_the_seed_stays_secret_while_challenges_are_pending(
@@ -389,7 +410,7 @@ def test_the_seed_stays_secret_while_challenges_are_pending(
     ("run", "reason", "step"),
     [
         ("invisible", "replay_mismatch", FORGED_STEP),  # parameters changed outside the optimizer
-        ("lr", "replay_mismatch", FORGED_STEP),  # hyperparameters changed mid-run
+        ("lr", "replay_mismatch", FORGED_STEP),  # a learning rate used but not committed
         ("data", "replay_mismatch", FORGED_STEP),  # trained on other batches than committed
     ],
 )
