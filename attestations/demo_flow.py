@@ -258,10 +258,6 @@ class Flow:
             "PYTHONUNBUFFERED": "1",
         }
         environment.pop("DVBENCH_MODE", None)
-        if self.framework == "torch":
-            # A serialized torch.export program seals in about a second; an AOT
-            # Inductor package takes 40-60 s to compile on two cores.
-            environment.setdefault("ZKDV_TORCH_PROGRAM", "torch.export")
         self.steps.note(f"{script.relative_to(REPO_ROOT)} (log: {log_path})")
         with log_path.open("w") as log:
             finished = subprocess.run(

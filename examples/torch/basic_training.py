@@ -6,9 +6,9 @@ Run it with::
 
 It trains a small classifier for 24 steps on CUDA when a device is present, else on
 the CPU, and then verifies the transcript offline exactly as ``python -m zkdv verify
-PROOF_DIR`` does. The first transaction seals the attested step as an AOT Inductor
-artifact (a cold compile takes tens of seconds on a small machine); set
-``ZKDV_TORCH_PROGRAM=torch.export`` for a quicker demonstration seal.
+PROOF_DIR`` does. The first transaction seals the attested step as a ``torch.export``
+program, which a sampled check (and the platform) runs with Torch's eager kernels, the
+ones this loop trains with.
 """
 
 from __future__ import annotations

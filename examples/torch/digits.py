@@ -6,12 +6,11 @@ shipped inside the package, so nothing is downloaded)::
 
     export DVBENCH_BASE_URL=http://127.0.0.1:8000
     export DVBENCH_API_KEY=dvb_...          # a trainer's key
-    ZKDV_TORCH_PROGRAM=torch.export python examples/torch/digits.py your-org/digits-torch
+    python examples/torch/digits.py your-org/digits-torch
 
-Runs on CUDA when there is a device, else on the CPU. Without ``ZKDV_TORCH_PROGRAM``
-the first transaction seals an AOT Inductor package (a cold compile takes 40-60 s on two
-CPU cores); ``torch.export`` seals a serialized exported program in about a second,
-replayed by Torch's eager kernels. Knobs: ``DIGITS_PROOF_DIR`` (keep
+Runs on CUDA when there is a device, else on the CPU. The first transaction seals a
+serialized ``torch.export`` program in a few seconds, replayed by Torch's eager
+kernels. Knobs: ``DIGITS_PROOF_DIR`` (keep
 the proof there, e.g. to check a report's transcript digest later; default: a temporary
 directory removed once uploaded), ``DIGITS_STEPS`` (default 60),
 ``DIGITS_BATCH`` (rows per step, default 50). The last line printed is JSON (proof id,

@@ -6,9 +6,8 @@ Start a platform, create an API key in its web UI (API keys), then::
     export DVBENCH_API_KEY=dvb_...
     python examples/torch/proof_training.py your-org/torch-linear
 
-Runs on CUDA when there is a device, else on the CPU. The first transaction seals an
-AOT Inductor artifact (a cold compile takes tens of seconds on a small machine; set
-``ZKDV_TORCH_PROGRAM=torch.export`` for a quick demo). With ``DVBENCH_MODE=offline``
+Runs on CUDA when there is a device, else on the CPU. The first transaction seals the
+attested step as a ``torch.export`` program in a few seconds. With ``DVBENCH_MODE=offline``
 nothing is sent and the script prints the ``dvbench sync`` command that uploads it later.
 """
 

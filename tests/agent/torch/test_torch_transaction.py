@@ -367,3 +367,75 @@ def test_random_sampling_policy_writes_a_valid_transcript(tmp_path: Path) -> Non
     assert report.steps == 10 and report.checks == len(report.sampled)
     # Everything a finished window needed was dropped; only the last window remains.
     assert proof._checkpoint is not None and set(proof._checkpoint.snapshots) <= {8}
+
+
+class _Masked(nn.Module):
+    """Branches on its batch's values, as transformers' attention does on its mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(10, 2)
+
+    def forward(self, inputs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if mask.all():  # no masking needed: a cheaper path
+            return self.linear(inputs)
+        return self.linear(inputs * mask[:, None])
+
+
+def test_a_batch_that_takes_another_branch_is_refused_before_commitment(
+    tmp_path: Path,
+) -> None:
+    proof = _proof(tmp_path)
+    model = _Masked()
+    model, optimizer = proof.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @proof.attest
+    def attested_step(model, optimizer, batch):
+        inputs, mask, targets = batch
+        proof.backward(functional.cross_entropy(proof.forward(model, inputs, mask), targets))
+        optimizer.step()
+        optimizer.zero_grad()
+
+    (inputs, targets), (more, labels) = _batches(2)
+    unmasked = (inputs, torch.ones(8), targets)
+    with proof.transaction(batch=unmasked):
+        attested_step(model, optimizer, unmasked)
+    masked = (more, (torch.arange(8) % 2).float(), labels)
+    with (
+        pytest.raises(
+            RuntimeError, match=r"another branch .* was True when the program was sealed"
+        ),
+        proof.transaction(batch=masked),
+    ):
+        pass
+    # The same kind of batch as the first goes on.
+    again = (more, torch.ones(8), labels)
+    with proof.transaction(batch=again):
+        attested_step(model, optimizer, again)
+    proof.close()
+    report = _verified(tmp_path / "proof")
+    assert report.steps == 2 and report.checks == 2
+    guards = report.root["env"]["program"]["guards"]
+    assert [guard["value"] for guard in guards] == [True]
+
+
+def test_unfreezing_a_parameter_after_attestation_is_refused(tmp_path: Path) -> None:
+    proof = _proof(tmp_path)
+    model = _model()
+    model[0].requires_grad_(False)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    model, optimizer = proof.prepare(model, torch.optim.SGD(trained, lr=0.1))
+    _attest(proof)
+    batches = _batches(2)
+    _train(proof, model, optimizer, batches[:1])
+    model[0].weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"require gradients changed .*0\.weight: False -> True"):
+        _train(proof, model, optimizer, batches[1:])
+    proof.close()
+    _verified(tmp_path / "proof")
+
+
+def test_a_grad_scaler_is_refused_with_the_alternative() -> None:
+    proof = zkdv.torch.ZKDV("unused")
+    with pytest.raises(ValueError, match=r"GradScaler yet.*dtype=torch\.bfloat16"):
+        proof.prepare(torch.amp.GradScaler("cpu"))

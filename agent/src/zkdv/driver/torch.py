@@ -55,6 +55,11 @@ FSDP_NO_STATES = (
     "step {step}; the snapshot cannot be taken"
 )
 TWO_STEPS = "a ZKDV transaction may call optimizer.step() only once"
+GRAD_SCALER = (
+    "ZKDV does not support torch.amp.GradScaler yet: its loss scale is state outside the "
+    "prepared model and optimizer, and the steps it skips have no transaction; use "
+    "torch.autocast with dtype=torch.bfloat16, which needs no loss scaling"
+)
 
 
 #: HostControl key of rank 0's sealing outcome (the first transaction only).
@@ -220,6 +225,8 @@ class ZKDV(Driver):
 
     # --- preparation --------------------------------------------------------------------
     def _prepare(self, value: Any) -> Any:
+        if isinstance(value, torch.amp.GradScaler):
+            raise ValueError(GRAD_SCALER)
         if isinstance(value, PreparedOptimizer):
             if value.proof is not self:
                 raise ValueError("this optimizer was prepared by another ZKDV proof")
