@@ -41,7 +41,7 @@ from provers.replay import Leaves, ReplayError, ReplayVerdict, Transcript, Trans
 from zkdv.torch import artifact
 from zkdv.torch.checkpoint import ReplayCheckpoint
 from zkdv.torch.eager import host_array
-from zkdv.torch.optimizers.bridge import OptimizerBridge
+from zkdv.torch.optimizers.bridge import SCALER_ENTRIES, OptimizerBridge
 from zkdv.torch.optimizers.registry import OptimizerRegistry
 from zkdv.torch.packing import PACKING_VERSION, BatchLayout, LeafLayout
 from zkdv.torch.pipeline import Pipeline
@@ -163,7 +163,8 @@ def _states(bridge: OptimizerBridge, leaves: list[torch.Tensor]) -> list[State]:
     """Per-parameter optimizer states from the committed leaves (the bridge's order)."""
     supply = iter(leaves)
     states = []
-    for template, entries in zip(bridge.live_states(), bridge.state_names, strict=True):
+    templates = bridge.live_states()[: len(bridge.state_names)]
+    for template, entries in zip(templates, bridge.state_names, strict=True):
         state: State = {}
         for entry in entries:
             leaf = next(supply)
@@ -179,6 +180,8 @@ def _states(bridge: OptimizerBridge, leaves: list[torch.Tensor]) -> list[State]:
             else:
                 state[entry] = float(leaf.item())
         states.append(state)
+    if bridge.scaled:  # a GradScaler's state follows, its leaves in sorted entry order
+        states.append({entry: next(supply) for entry in SCALER_ENTRIES})
     return states
 
 
@@ -219,6 +222,11 @@ def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
         for spec in schema["params"]
     }
     bridge = _optimizer(env, placeholders)
+    scaler_options = env.get("grad_scaler")
+    if scaler_options is not None:
+        if not isinstance(scaler_options, dict):
+            raise ReplayError("unsupported_program", "the root's env.grad_scaler is malformed")
+        bridge.bind_scaler(None, scaler_options)
     state_paths = [str(spec["path"]) for spec in schema["opt_state"]]
     if bridge.leaf_paths(names) != state_paths:
         raise ReplayError(
@@ -257,11 +265,17 @@ def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
         states = _states(bridge, [_tensor(a) for _, a in opt_state])
         hyperparameters = step.get("hp")
         with torch.no_grad():
-            gradients, buffers_after = pipeline.gradients(
-                before, [_tensor(a) for _, a in buffers], np.asarray(batch), int(step["i"])
+            gradients, buffers_after, scaler = pipeline.gradients(
+                before,
+                [_tensor(a) for _, a in buffers],
+                np.asarray(batch),
+                int(step["i"]),
+                states[-1] if bridge.scaled else None,
             )
             try:
-                after, states_after = bridge.step(before, states, gradients, hyperparameters)
+                after, states_after = bridge.step(
+                    before, states, gradients, hyperparameters, scaler=scaler
+                )
             except (TypeError, ValueError) as error:
                 raise ReplayError(
                     "invalid_transcript", f"step {step['i']}'s optimizer options (hp): {error}"

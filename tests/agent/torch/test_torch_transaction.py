@@ -433,9 +433,3 @@ def test_unfreezing_a_parameter_after_attestation_is_refused(tmp_path: Path) -> 
         _train(proof, model, optimizer, batches[1:])
     proof.close()
     _verified(tmp_path / "proof")
-
-
-def test_a_grad_scaler_is_refused_with_the_alternative() -> None:
-    proof = zkdv.torch.ZKDV("unused")
-    with pytest.raises(ValueError, match=r"GradScaler yet.*dtype=torch\.bfloat16"):
-        proof.prepare(torch.amp.GradScaler("cpu"))

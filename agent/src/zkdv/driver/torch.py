@@ -27,7 +27,7 @@ from zkdv.sampling import Challenge
 from zkdv.torch import artifact, rng
 from zkdv.torch.capture import current_capture
 from zkdv.torch.checkpoint import ReplayCheckpoint, StepInputs
-from zkdv.torch.eager import EagerTransaction, Layout, TorchStep
+from zkdv.torch.eager import EagerTransaction, Layout, TorchStep, current_transaction
 from zkdv.torch.lowering import LoweredProgram, count_flops, gradient_function, lower
 from zkdv.torch.model import UNPREPARED_MODEL, PreparedModel
 from zkdv.torch.optimizers.base import OptimizerContract
@@ -36,6 +36,7 @@ from zkdv.torch.optimizers.registry import OptimizerRegistry
 from zkdv.torch.packing import BatchLayout
 from zkdv.torch.pipeline import Pipeline
 from zkdv.torch.prepared import PreparedOptimizer
+from zkdv.torch.scaler import PreparedGradScaler
 
 __all__ = ["PROGRAM_KIND_ENV", "ZKDV"]
 
@@ -55,10 +56,10 @@ FSDP_NO_STATES = (
     "step {step}; the snapshot cannot be taken"
 )
 TWO_STEPS = "a ZKDV transaction may call optimizer.step() only once"
-GRAD_SCALER = (
-    "ZKDV does not support torch.amp.GradScaler yet: its loss scale is state outside the "
-    "prepared model and optimizer, and the steps it skips have no transaction; use "
-    "torch.autocast with dtype=torch.bfloat16, which needs no loss scaling"
+DISTRIBUTED_SCALER = (
+    "ZKDV supports a GradScaler in single-process runs only: under DDP or FSDP2 the replay "
+    "averages each rank's gradients after the program, where the scaler's unscaling and "
+    "overflow check would have to run"
 )
 
 
@@ -125,6 +126,7 @@ class ZKDV(Driver):
         self._lowered_program: LoweredProgram | None = None
         self._prepared_model: PreparedModel | None = None
         self._prepared_optimizer: PreparedOptimizer | None = None
+        self._prepared_scaler: PreparedGradScaler | None = None
         self._optimizer_registry = OptimizerRegistry()
         self._prepared_compiled: Pipeline | None = None
         #: Sealed program kind; set before the first transaction to override.
@@ -225,8 +227,12 @@ class ZKDV(Driver):
 
     # --- preparation --------------------------------------------------------------------
     def _prepare(self, value: Any) -> Any:
+        if isinstance(value, PreparedGradScaler):
+            if value.proof is not self:
+                raise ValueError("this GradScaler was prepared by another ZKDV proof")
+            return value
         if isinstance(value, torch.amp.GradScaler):
-            raise ValueError(GRAD_SCALER)
+            return self._prepare_scaler(value)
         if isinstance(value, PreparedOptimizer):
             if value.proof is not self:
                 raise ValueError("this optimizer was prepared by another ZKDV proof")
@@ -258,9 +264,29 @@ class ZKDV(Driver):
             return self._prepared_optimizer
         return value
 
+    def _prepare_scaler(self, scaler: torch.amp.GradScaler) -> Any:
+        """Commit a GradScaler's state and steps (an disabled one passes through)."""
+        if not scaler.is_enabled():
+            return scaler  # scale() and unscale_() do nothing; step() is the optimizer's
+        if self._pipeline_ready():
+            raise ZKDVError("the attested program is fixed by the first transaction")
+        current = self._prepared_scaler
+        if current is not None:
+            if current.scaler is scaler:
+                return current
+            raise ValueError("ZKDV prepares one GradScaler per proof")
+        model = self._prepared_model
+        device = model.parameters[0].device if model is not None else torch.device(scaler._device)
+        self._prepared_scaler = PreparedGradScaler(self, scaler, device)
+        self._bind()
+        return self._prepared_scaler
+
     def _bind(self) -> None:
         if self._prepared_model is not None and self._prepared_optimizer is not None:
             self._prepared_optimizer.bridge.bind(self._prepared_model.state_parameters)
+        scaler = self._prepared_scaler
+        if scaler is not None and self._prepared_optimizer is not None:
+            self._prepared_optimizer.bridge.bind_scaler(scaler.live_state, scaler.options)
 
     def _require_prepared_model(self) -> PreparedModel:
         if self._prepared_model is None:
@@ -422,6 +448,36 @@ class ZKDV(Driver):
             result = optimizer.optimizer.step(closure)
             transaction.stepped = True
             return result
+        self._before_update(transaction, optimizer, parameters)
+        result = optimizer.optimizer.step(closure)
+        transaction.stepped = True
+        return result
+
+    def _skipped_by_scaler(self, optimizer: Any) -> None:
+        """After a prepared GradScaler's step: one it skipped (an overflow) still counts.
+
+        Its transaction commits the step with the parameters and optimizer state
+        unchanged, and the scaler's state as its update leaves it.
+        """
+        transaction = current_transaction()
+        if transaction is None or transaction.proof is not self or transaction.stepped:
+            return
+        prepared = self._prepared_optimizer
+        if prepared is None or optimizer is not prepared:
+            raise RuntimeError("the transaction stepped an optimizer this proof did not prepare")
+        prepared.bridge.validate_configuration()
+        model = self._require_prepared_model()
+        self._validate_frozen(model)
+        self._before_update(transaction, prepared, model.full_parameters())
+        transaction.stepped = True
+
+    def _before_update(
+        self,
+        transaction: EagerTransaction,
+        optimizer: PreparedOptimizer,
+        parameters: tuple[torch.Tensor, ...],
+    ) -> None:
+        """Owner: wait for the previous commitment, copy the pre-state, fix the options."""
         try:
             # The previous step's commitment may still be hashing the live state.
             self._barrier()
@@ -444,9 +500,6 @@ class ZKDV(Driver):
             )
         except _StepDroppedError:
             transaction.dropped = True
-        result = optimizer.optimizer.step(closure)
-        transaction.stepped = True
-        return result
 
     def _validate_frozen(self, model: PreparedModel) -> None:
         """Refuse a change of which parameters require gradients since sealing."""
@@ -604,11 +657,17 @@ class ZKDV(Driver):
             len(parameters),
             len(model.buffer_names),
             world_size=self._world_size,
+            held=bridge.held,
+            scaler=bridge.scaled,
         )
+        if bridge.scaled and self._world_size > 1:
+            raise RuntimeError(DISTRIBUTED_SCALER)
         self._requires_grad = tuple(p.requires_grad for p in model.state_parameters)
+        scaler_state = states[-1] if bridge.scaled else {}
         arguments = (
             *parameters,
             *(buffer.clone() for buffer in transaction.buffers_before),
+            *(scaler_state[entry].clone() for entry in sorted(scaler_state)),
             *(tensor.detach() for tensor in layout.tensor_leaves(transaction.batch)),
         )
         devices = {parameter.device for parameter in parameters}
@@ -620,7 +679,7 @@ class ZKDV(Driver):
                 arguments,
                 kind=self.program_kind,
                 unused=unused,
-                first_batch=len(parameters) + len(model.buffer_names),
+                first_batch=len(parameters) + len(model.buffer_names) + len(scaler_state),
             )
         self._lowered_program = lowered
         self._run_seed = rng.run_seed() if lowered.program.random else None
@@ -683,6 +742,8 @@ class ZKDV(Driver):
                 # Per group, the options every step record's ``hp`` carries.
                 "dynamic": [list(names) for names in bridge.dynamic],
             },
+            # A GradScaler's options; its state is committed with the optimizer's.
+            "grad_scaler": bridge.scaler_options,
             # The seed of the step's random operators (dropout), when it has any.
             "rng": None
             if self._run_seed is None

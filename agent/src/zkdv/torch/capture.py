@@ -62,6 +62,8 @@ class AttestationCapture:
         live: Sequence[torch.Tensor],
         *,
         gradients_on_live: bool = True,
+        held: Sequence[bool] | None = None,
+        scaler_state: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.model = model
         self.model_state = (
@@ -71,6 +73,12 @@ class AttestationCapture:
         self.optimizer = optimizer
         self.live = tuple(live)
         self._on_live = gradients_on_live
+        #: Per parameter, whether the optimizer holds it (a GradScaler unscales those).
+        self.held = tuple(held) if held is not None else (True,) * len(self.live)
+        #: A prepared GradScaler's traced state (scale, growth tracker), updated in place.
+        self.scaler_state = scaler_state
+        #: Whether the gradients overflowed, once a prepared GradScaler unscaled them.
+        self.found_inf: torch.Tensor | None = None
         self._saved: list[torch.Tensor | None] = []
         #: The gradients as the last ``proof.backward`` left them (before any clipping).
         self.raw: list[torch.Tensor | None] | None = None
@@ -99,6 +107,10 @@ class AttestationCapture:
         self.raw = list(current)
         self.raw_versions = [None if g is None else g._version for g in current]
         self.backward_calls += 1
+
+    def current_gradients(self) -> list[torch.Tensor | None]:
+        """The gradients of the parameters the optimizer holds, as they are now."""
+        return [g if held else None for g, held in zip(self._current(), self.held, strict=True)]
 
     def _current(self) -> list[torch.Tensor | None]:
         if self._on_live:

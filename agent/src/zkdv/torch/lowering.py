@@ -120,13 +120,18 @@ def gradient_function(
     buffer_count: int,
     *,
     world_size: int = 1,
+    held: tuple[bool, ...] | None = None,
+    scaler: bool = False,
 ) -> tuple[Callable[..., list[torch.Tensor]], list[bool]]:
     """Wrap the attested ``function(model, optimizer, batch)`` as a flat tensor function.
 
     The flat function differentiates with respect to the parameters that require
     gradients (frozen ones get none, as in eager training), runs everything the
     function does to the gradients before ``optimizer.step()`` (clipping, unscaling) and
-    returns the gradients the step reads, then the buffers after the forward.
+    returns the gradients the step reads, then the buffers after the forward. With a
+    prepared GradScaler (``scaler``) its scale and growth tracker are inputs after the
+    buffers, and ``found_inf`` and the scale and growth tracker after the step are
+    outputs after the buffers (:mod:`zkdv.torch.scaler`).
 
     Returns:
         The flat function and a list that the first call fills with the per-parameter
@@ -145,7 +150,16 @@ def gradient_function(
             for tensor, wanted in zip(tensors[:parameter_count], requires, strict=True)
         )
         buffers = tuple(tensors[parameter_count : parameter_count + buffer_count])
-        batch = rebuild_batch(list(tensors[parameter_count + buffer_count :]))
+        rest = parameter_count + buffer_count
+        scaler_state = None
+        if scaler:
+            # Copies: the scaler's update changes them in place.
+            scaler_state = {
+                "growth_tracker": tensors[rest].clone(),
+                "scale": tensors[rest + 1].clone(),
+            }
+            rest += 2
+        batch = rebuild_batch(list(tensors[rest:]))
         with (
             torch.enable_grad(),
             AttestationCapture(
@@ -154,6 +168,8 @@ def gradient_function(
                 optimizer,
                 model.state_parameters,
                 gradients_on_live=not model.fsdp,
+                held=held,
+                scaler_state=scaler_state,
             ) as capture,
         ):
             function(model.public, optimizer, batch)
@@ -166,7 +182,13 @@ def gradient_function(
             torch.zeros_like(parameter) if gradient is None else gradient
             for parameter, gradient in zip(parameters, capture.gradients, strict=True)
         ]
-        return [*gradients, *capture.model_state[1]]
+        outputs = [*gradients, *capture.model_state[1]]
+        if scaler_state is not None:
+            found_inf = capture.found_inf
+            if found_inf is None:  # the step never unscaled: nothing can have overflowed
+                found_inf = torch.zeros((), dtype=torch.float32)
+            outputs += [found_inf, scaler_state["growth_tracker"], scaler_state["scale"]]
+        return outputs
 
     return flat, unused
 

@@ -34,6 +34,8 @@ from zkdv.torch.rng import step_seed
 
 __all__ = ["FlatIndex", "Pipeline"]
 
+State = dict[str, Any]
+
 
 @dataclass(frozen=True)
 class FlatIndex:
@@ -113,25 +115,37 @@ class Pipeline:
         buffers: Sequence[torch.Tensor],
         words: np.ndarray,
         step: int,
-    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+        scaler: State | None = None,
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor], list[torch.Tensor] | None]:
         """Run the sealed program on step ``step``'s committed batch (every rank's rows).
 
         Rank ``r``'s random operators draw from ``step_seed(run_seed, step, r)``, as that
         rank's eager step did.
+
+        Args:
+            scaler: a GradScaler's state before the step (``growth_tracker``, ``scale``).
+
+        Returns:
+            The gradients, the buffers after the step, and with a GradScaler the
+            program's ``(found_inf, growth_tracker, scale)``.
         """
         rows = self.layout.rows
         total: list[torch.Tensor] | None = None
         buffers_after: list[torch.Tensor] = list(buffers)
+        scaler_after: list[torch.Tensor] | None = None
         count = len(parameters)
+        extra = [] if scaler is None else [scaler["growth_tracker"], scaler["scale"]]
         for rank in range(self.world_size):
             batch = self.layout.unpack(words[rank * rows : (rank + 1) * rows], self.device)
             tensors = self.layout.tensor_leaves(batch)
             seed = None if self.run_seed is None else step_seed(self.run_seed, step, rank)
-            outputs = self.program(*parameters, *buffers, *tensors, seed=seed)
+            outputs = self.program(*parameters, *buffers, *extra, *tensors, seed=seed)
             gradients = outputs[:count]
             if rank == 0:
                 # DDP broadcasts rank 0's buffers: its forward's running stats are kept.
-                buffers_after = list(outputs[count:])
+                buffers_after = list(outputs[count : count + len(buffers)])
+                if scaler is not None:
+                    scaler_after = list(outputs[count + len(buffers) :])
             if self.world_size > 1:
                 gradients = [gradient / self.world_size for gradient in gradients]
             total = (
@@ -140,9 +154,8 @@ class Pipeline:
                 else [a + b for a, b in zip(total, gradients, strict=True)]
             )
         assert total is not None
-        return [None if skip else g for skip, g in zip(self.unused, total, strict=True)], (
-            buffers_after
-        )
+        gradients_out = [None if skip else g for skip, g in zip(self.unused, total, strict=True)]
+        return gradients_out, buffers_after, scaler_after
 
     def replay(self, challenge: Challenge, committed_post: float) -> ReplayOutcome:
         """Recompute the challenged coordinates from the snapshot preceding the step.
@@ -172,11 +185,15 @@ class Pipeline:
         buffers = [b.to(device, copy=True) for b in snapshot.buffers]
         start = snapshot.step
         for offset, step in enumerate(inputs):
-            gradients, buffers_after = self.gradients(
-                parameters, buffers, step.words, start + offset
+            gradients, buffers_after, scaler = self.gradients(
+                parameters,
+                buffers,
+                step.words,
+                start + offset,
+                states[-1] if self.bridge.scaled else None,
             )
             after, states_after = self.bridge.step(
-                parameters, states, gradients, step.hyperparameters
+                parameters, states, gradients, step.hyperparameters, scaler=scaler
             )
             if start + offset == challenge.step:
                 before = element(parameters, self.parameter_index, challenge.param_index)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +21,9 @@ from torch.distributed.tensor import DTensor
 from zkdv.torch.model import full
 from zkdv.torch.optimizers.base import TENSOR_OPTIONS_UNSUPPORTED, OptimizerContract
 from zkdv.torch.optimizers.buffers import pack_optimizer_state
+
+SCALER = "grad_scaler"
+SCALER_ENTRIES = ("growth_tracker", "scale")
 
 __all__ = ["OPTIONS_CHANGED", "OptimizerBridge", "clone_state"]
 
@@ -101,6 +104,25 @@ class OptimizerBridge:
         )
         self._order: tuple[torch.Tensor, ...] = self.parameters
         self._held: tuple[bool, ...] = (True,) * len(self.parameters)
+        #: A prepared GradScaler's live state (None: no loss scaling), and its options.
+        self._scaler_state: Callable[[], State] | None = None
+        self.scaler_options: dict[str, Any] | None = None
+
+    def bind_scaler(self, live: Callable[[], State] | None, options: dict[str, Any]) -> None:
+        """Commit a GradScaler's state after every parameter's optimizer state.
+
+        Args:
+            live: returns the scaler's live state (``{"growth_tracker", "scale"}``), or
+                None where there is no live scaler (a replay builds it from leaves).
+            options: its growth and backoff options.
+        """
+        self._scaler_state = live or (lambda: {})
+        self.scaler_options = dict(options)
+
+    @property
+    def scaled(self) -> bool:
+        """Whether a GradScaler's state follows the parameters' states."""
+        return self.scaler_options is not None
 
     # --- layout -------------------------------------------------------------------------
     def bind(self, parameters: tuple[torch.Tensor, ...]) -> None:
@@ -209,12 +231,15 @@ class OptimizerBridge:
 
         A parameter the optimizer does not hold has an empty state.
         """
-        return [
+        states = [
             {name: _local(value) for name, value in self.optimizer.state[parameter].items()}
             if held
             else {}
             for parameter, held in zip(self._order, self._held, strict=True)
         ]
+        if self._scaler_state is not None:
+            states.append(self._scaler_state())
+        return states
 
     def full_states(self) -> list[State]:
         """Every parameter's whole state in canonical order (FSDP2: a collective).
@@ -230,24 +255,36 @@ class OptimizerBridge:
             if held
             else {}
             for parameter, held in zip(self._order, self._held, strict=True)
-        ]
+        ] + ([self._scaler_state()] if self._scaler_state is not None else [])
 
     def leaf_paths(self, names: Sequence[str]) -> list[str]:
         """Committed leaf paths, given the model's parameter names in canonical order."""
-        return [
+        paths = [
             f"{name}.{entry}"
             for name, entries in zip(names, self.state_names, strict=True)
             for entry in entries
         ]
+        if self.scaled:
+            paths += [f"{SCALER}.{entry}" for entry in SCALER_ENTRIES]
+        return paths
 
     def leaves(
         self, states: Sequence[State], parameters: Sequence[torch.Tensor]
     ) -> list[torch.Tensor]:
-        """Committed leaf tensors of per-parameter ``states`` in canonical order."""
+        """Committed leaf tensors of per-parameter ``states`` in canonical order.
+
+        With a GradScaler, ``states`` ends with its state, whose leaves come last.
+        """
+        per_parameter = states[: len(self.state_names)]
         out: list[torch.Tensor] = []
-        for entries, state, parameter in zip(self.state_names, states, parameters, strict=True):
+        for entries, state, parameter in zip(
+            self.state_names, per_parameter, parameters, strict=True
+        ):
             for entry in entries:
                 out.append(_as_leaf(state.get(entry), parameter))
+        if self.scaled:
+            scaler = states[len(self.state_names)]
+            out += [scaler[entry].detach() for entry in SCALER_ENTRIES]
         return out
 
     def clone_states(self, states: Sequence[State]) -> list[State]:
@@ -285,21 +322,36 @@ class OptimizerBridge:
         states: Sequence[State],
         gradients: Sequence[torch.Tensor | None],
         hyperparameters: Sequence[dict[str, Any]] | None = None,
+        *,
+        scaler: Sequence[torch.Tensor] | None = None,
     ) -> tuple[list[torch.Tensor], list[State]]:
         """One functional optimizer step on copies; the inputs are left unchanged.
 
         Args:
             parameters: pre-update parameters in canonical order.
-            states: their optimizer states in canonical order.
+            states: their optimizer states in canonical order (then a GradScaler's).
             gradients: their gradients; ``None`` skips a parameter as torch.optim does.
             hyperparameters: the step's dynamic options (:meth:`hyperparameters`, as
                 committed in its step record); None keeps the attested ones.
+            scaler: with a GradScaler, the program's ``(found_inf, growth_tracker,
+                scale)`` after the step: an overflow skips the update, as the scaler's
+                step does, and the scaler's state becomes the one given.
 
         Returns:
             ``(parameters after, states after)``, both in canonical order.
         """
         updated = [parameter.detach().clone() for parameter in parameters]
         updated_states = [clone_state(state) for state in states]
+        if self.scaled:
+            if scaler is None:
+                raise ValueError("a step with a GradScaler needs the program's scaler outputs")
+            found_inf, growth_tracker, scale = scaler
+            updated_states[-1] = {
+                "growth_tracker": growth_tracker.detach().clone(),
+                "scale": scale.detach().clone(),
+            }
+            if bool(found_inf.item()):  # the scaler skipped the optimizer step
+                return updated, updated_states
         with torch.no_grad():
             for group, positions in zip(
                 self.groups(hyperparameters), self._group_positions, strict=True
