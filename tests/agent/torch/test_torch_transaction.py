@@ -433,3 +433,44 @@ def test_unfreezing_a_parameter_after_attestation_is_refused(tmp_path: Path) -> 
         _train(proof, model, optimizer, batches[1:])
     proof.close()
     _verified(tmp_path / "proof")
+
+
+CLIPPINGS = {
+    "norm 2": lambda p: torch.nn.utils.clip_grad_norm_(p, 0.05),
+    "norm inf": lambda p: torch.nn.utils.clip_grad_norm_(p, 0.01, norm_type=float("inf")),
+    "norm 1, foreach": lambda p: torch.nn.utils.clip_grad_norm_(p, 0.1, norm_type=1, foreach=True),
+    "error if nonfinite": lambda p: torch.nn.utils.clip_grad_norm_(
+        p, 0.05, error_if_nonfinite=True
+    ),
+    "value": lambda p: torch.nn.utils.clip_grad_value_(p, 0.01),
+}
+
+
+@pytest.mark.parametrize("clipping", sorted(CLIPPINGS))
+def test_gradient_clipping_is_part_of_the_checked_and_replayed_step(
+    clipping: str, tmp_path: Path
+) -> None:
+    from provers import torch_replay
+
+    clip = CLIPPINGS[clipping]
+    proof = _proof(tmp_path)
+    model = _model()
+    model, optimizer = proof.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.05))
+
+    @proof.attest
+    def attested_step(model, optimizer, batch):
+        inputs, targets = batch
+        proof.backward(functional.cross_entropy(proof.forward(model, inputs), targets))
+        clip(model.parameters())
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for batch in _batches(5):
+        with proof.transaction(batch=batch):
+            attested_step(model, optimizer, batch)
+    proof.close()
+    report = _verified(tmp_path / "proof")
+    assert report.checks == 5
+    for step in range(5):
+        verdict = torch_replay.verify_challenge(tmp_path / "proof", step)
+        assert verdict.ok and all(e.exact for e in verdict.evidence), verdict.message

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,14 @@ FSDP_NO_STATES = (
     "step {step}; the snapshot cannot be taken"
 )
 TWO_STEPS = "a ZKDV transaction may call optimizer.step() only once"
+CUDA_NONDETERMINISTIC = (
+    "ZKDV on CUDA without torch.use_deterministic_algorithms(True): kernels that add with "
+    "atomics (embedding and scatter backward, some cuBLAS paths) round differently on "
+    "every run, so a sampled check can differ from training in the last bits, which Adam "
+    "turns into a sign flip for coordinates whose gradient is rounding noise. Call "
+    "torch.use_deterministic_algorithms(True) and set CUBLAS_WORKSPACE_CONFIG=:4096:8 "
+    "before CUDA starts"
+)
 DISTRIBUTED_SCALER = (
     "ZKDV supports a GradScaler in single-process runs only: under DDP or FSDP2 the replay "
     "averages each rank's gradients after the program, where the scaler's unscaling and "
@@ -693,6 +702,8 @@ class ZKDV(Driver):
             [leaf.numel() for leaf in state_leaves],
         )
         device = parameters[0].device
+        if device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
+            warnings.warn(CUDA_NONDETERMINISTIC, RuntimeWarning, stacklevel=4)
         self._checkpoint = ReplayCheckpoint(
             self.replay_snapshot_interval,
             capacity=self._max_in_flight + 2,
@@ -726,6 +737,7 @@ class ZKDV(Driver):
             # full (gathered) state, and a replay of the full model is never bit-exact.
             "fsdp": model.mesh,
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
             # How each step record's FLOPs were obtained (attestations/claims.py reads it).
             "flops": {
                 "method": "torch.utils.flop_counter"
