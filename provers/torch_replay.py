@@ -38,7 +38,7 @@ from torch.utils import _pytree as pytree
 
 from provers import program_material, require_exact, root_record
 from provers.replay import Leaves, ReplayError, ReplayVerdict, Transcript, Transition, replay
-from zkdv.torch import artifact
+from zkdv.torch import artifact, strides
 from zkdv.torch.checkpoint import ReplayCheckpoint
 from zkdv.torch.eager import host_array
 from zkdv.torch.optimizers.bridge import SCALER_ENTRIES, OptimizerBridge
@@ -92,7 +92,17 @@ def _batch_layout(env: dict[str, Any]) -> BatchLayout:
         shape = tuple(int(n) for n in leaf["shape"])
         numel = int(np.prod(shape, dtype=np.int64))
         row_bytes = numel // rows * torch.empty((), dtype=dtype).element_size()
-        leaves.append(LeafLayout(dtype, shape, int(leaf["offset"]), int(leaf["words"]), row_bytes))
+        order = leaf.get("dim_order")
+        leaves.append(
+            LeafLayout(
+                dtype,
+                shape,
+                int(leaf["offset"]),
+                int(leaf["words"]),
+                row_bytes,
+                None if order is None else tuple(int(d) for d in order),
+            )
+        )
     spec = pytree.tree_flatten([0] * len(leaves))[1]
     return BatchLayout(spec, rows, int(batch["cols"]), tuple(leaves), (None,) * len(leaves), 0)
 
@@ -235,6 +245,13 @@ def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
         )
     unused_names = set((env.get("program") or {}).get("unused_gradients") or [])
     run_seed = _run_seed(env)
+    orders = env.get("dim_orders") or {}
+
+    def laid_out(tree: str, leaves: Leaves) -> list[torch.Tensor]:
+        """The leaves as tensors, each in the memory format training kept it in."""
+        recorded = orders.get(tree) or {}
+        return [strides.in_order(_tensor(array), recorded.get(name)) for name, array in leaves]
+
     pipeline = Pipeline(
         program,
         [name in unused_names for name in names],
@@ -261,13 +278,13 @@ def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
         batch: np.ndarray,
         step: dict[str, Any],
     ) -> tuple[Leaves, Leaves, Leaves, Leaves]:
-        before = [_tensor(a) for _, a in params]
-        states = _states(bridge, [_tensor(a) for _, a in opt_state])
+        before = laid_out("params", params)
+        states = _states(bridge, laid_out("opt_state", opt_state))
         hyperparameters = step.get("hp")
         with torch.no_grad():
             gradients, buffers_after, scaler = pipeline.gradients(
                 before,
-                [_tensor(a) for _, a in buffers],
+                laid_out("buffers", buffers),
                 np.asarray(batch),
                 int(step["i"]),
                 states[-1] if bridge.scaled else None,

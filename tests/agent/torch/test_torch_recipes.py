@@ -1,6 +1,6 @@
 """The training loops people run, proved: zero false alarms on honest runs, forgeries caught.
 
-Three recipes, each the loop its users write:
+Four recipes, each the loop its users write:
 
 * ``lm``: ``examples/torch/lm.py``, a GPT-style LM with tied weights, SDPA, dropout,
   AdamW with decay / no-decay groups, warmup + cosine ``LambdaLR``, two accumulated
@@ -11,7 +11,9 @@ Three recipes, each the loop its users write:
 * ``bn``: a BatchNorm classifier on scikit-learn's digits with AdamW in two groups, the
   run that raised false alarms at random before the check replayed eager kernels (the
   bias in front of the BatchNorm has a zero true gradient: its update is rounding noise
-  that Adam normalises to +-lr, so any difference from training flips its sign).
+  that Adam normalises to +-lr, so any difference from training flips its sign);
+* ``cnn``: a ``channels_last`` convolutional net with BatchNorm, whose kernels depend on
+  the memory format a replay rebuilds its tensors in.
 
 Every honest run checks every step (``DEBUGCheckEvery(1)``) and is then replayed step by
 step by the platform's prover, which demands the committed roots bit for bit. Each
@@ -118,7 +120,45 @@ def _lm(path: Path, *, seed: int, zkdv_config: zkdv.ZKDVConfig, steps: int = STE
     )
 
 
-RECIPES: dict[str, Callable[..., None]] = {"lm": _lm, "hf": _hf, "bn": _bn}
+def _cnn(path: Path, *, seed: int, zkdv_config: zkdv.ZKDVConfig, steps: int = STEPS) -> None:
+    """A channels_last convolutional net with BatchNorm, as vision training runs it.
+
+    Convolutions pick their kernel by memory format, so a replay that rebuilt weights or
+    images contiguous would compute something else than training did.
+    """
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),  # a bias in front of BatchNorm: rounding noise
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    ).to(memory_format=torch.channels_last)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    proof = zkdv.torch.ZKDV(path, zkdv_config, replay_snapshot_interval=4)
+    proof.start(rolling_window=8, probe_ratio=0.25)
+    model, optimizer = proof.prepare(model, optimizer)
+
+    @proof.attest
+    def train_step(model: nn.Module, optimizer: Any, batch: Any) -> None:
+        images, labels = batch
+        proof.backward(functional.cross_entropy(proof.forward(model, images), labels))
+        optimizer.step()
+        optimizer.zero_grad()
+
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        images = torch.randn(8, 3, 12, 12, generator=generator)
+        labels = torch.randint(4, (8,), generator=generator)
+        batch = (images.to(memory_format=torch.channels_last), labels)
+        with proof.transaction(batch=batch):
+            train_step(model, optimizer, batch)
+    proof.close()
+
+
+RECIPES: dict[str, Callable[..., None]] = {"lm": _lm, "hf": _hf, "bn": _bn, "cnn": _cnn}
 
 
 def _replays_every_step_exactly(path: Path) -> None:

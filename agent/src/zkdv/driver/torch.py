@@ -25,7 +25,7 @@ from zkdv.config import ZKDVConfig
 from zkdv.driver import Driver, ReplayOutcome
 from zkdv.errors import CLOSED, NOT_STARTED, ZKDVError, ZKDVPoisonedError
 from zkdv.sampling import Challenge
-from zkdv.torch import artifact, rng
+from zkdv.torch import artifact, rng, strides
 from zkdv.torch.capture import current_capture
 from zkdv.torch.checkpoint import ReplayCheckpoint, StepInputs
 from zkdv.torch.eager import EagerTransaction, Layout, TorchStep, current_transaction
@@ -761,6 +761,13 @@ class ZKDV(Driver):
             if self._run_seed is None
             else {"seed": self._run_seed, "derivation": rng.RNG_VERSION},
             "batch": layout.to_dict(),
+            # Leaves whose memory format is not C order (channels_last): every replay
+            # rebuilds them so, or its kernels would differ from training's.
+            "dim_orders": {
+                "params": strides.orders(model.parameter_names, parameters),
+                "opt_state": strides.orders(self._layout.state_paths, state_leaves),
+                "buffers": strides.orders(model.buffer_names, transaction.buffers_before),
+            },
             "program": {
                 "kind": lowered.kind,
                 "inputs": ["parameters", "buffers", "batch tensors"],

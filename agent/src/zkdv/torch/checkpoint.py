@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from zkdv.torch.strides import dim_order, empty_in_order
+
 __all__ = ["ReplayCheckpoint", "Snapshot", "StepInputs"]
 
 State = dict[str, Any]
@@ -55,8 +57,14 @@ class Snapshot:
 
 
 def _host_like(tensor: torch.Tensor, pinned: bool) -> torch.Tensor:
-    return torch.empty(
-        tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned and tensor.is_cuda
+    # In the tensor's own memory format: a replay from a contiguous copy of channels_last
+    # weights would run other kernels than training did.
+    return empty_in_order(
+        tensor.shape,
+        dim_order(tensor),
+        dtype=tensor.dtype,
+        device="cpu",
+        pin_memory=pinned and tensor.is_cuda,
     )
 
 
@@ -69,6 +77,7 @@ def _copy_state(state: State, slot: State | None, pinned: bool) -> State:
                 not isinstance(target, torch.Tensor)
                 or target.shape != value.shape
                 or target.dtype != value.dtype
+                or target.stride() != value.stride()
             ):
                 target = _host_like(value, pinned)
             target.copy_(value.detach(), non_blocking=pinned)
@@ -76,6 +85,13 @@ def _copy_state(state: State, slot: State | None, pinned: bool) -> State:
         else:
             out[name] = value
     return out
+
+
+def _same_layouts(slots: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> bool:
+    return len(slots) == len(tensors) and all(
+        a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
+        for a, b in zip(slots, tensors, strict=True)
+    )
 
 
 @dataclass
@@ -121,7 +137,7 @@ class ReplayCheckpoint:
         while slot is not None and not slot.written.wait(_POLL_SECONDS):
             check()
         with torch.no_grad():
-            if slot is not None and len(slot.parameters) == len(parameters):
+            if slot is not None and _same_layouts(slot.parameters, parameters):
                 host_parameters = slot.parameters
             else:
                 host_parameters = [_host_like(p, self.pinned) for p in parameters]
@@ -132,7 +148,7 @@ class ReplayCheckpoint:
                 _copy_state(state, old, self.pinned)
                 for state, old in zip(states, old_states, strict=True)
             ]
-            if slot is not None and len(slot.buffers) == len(buffers):
+            if slot is not None and _same_layouts(slot.buffers, buffers):
                 host_buffers = slot.buffers
             else:
                 host_buffers = [_host_like(b, self.pinned) for b in buffers]

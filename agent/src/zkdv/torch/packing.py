@@ -33,6 +33,8 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
+from zkdv.torch.strides import dim_order, in_order
+
 __all__ = ["BatchLayout", "LeafLayout"]
 
 PACKING_VERSION = 1
@@ -51,14 +53,20 @@ class LeafLayout:
     offset: int
     words: int
     row_bytes: int
+    #: The tensor's dimension order when it is not C order (``channels_last`` images),
+    #: which the unpacked tensor takes again (:mod:`zkdv.torch.strides`).
+    dim_order: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "dtype": str(self.dtype).removeprefix("torch."),
             "shape": list(self.shape),
             "offset": self.offset,
             "words": self.words,
         }
+        if self.dim_order is not None:
+            out["dim_order"] = list(self.dim_order)
+        return out
 
 
 @dataclass(frozen=True)
@@ -116,7 +124,17 @@ class BatchLayout:
             itemsize = value.element_size()
             row_bytes = value.numel() // rows * itemsize
             words = math.ceil(row_bytes / 4)
-            leaves.append(LeafLayout(value.dtype, tuple(value.shape), offset, words, row_bytes))
+            order = dim_order(value)
+            leaves.append(
+                LeafLayout(
+                    value.dtype,
+                    tuple(value.shape),
+                    offset,
+                    words,
+                    row_bytes,
+                    None if order is None else tuple(order),
+                )
+            )
             statics.append(None)
             offset += words
             if tokens is None and value.dtype in _INTEGER_DTYPES:
@@ -189,8 +207,8 @@ class BatchLayout:
             # A copy, not ascontiguousarray: a one-row slice counts as contiguous to numpy
             # yet keeps the full row stride, which Tensor.view(dtype) rejects.
             raw = as_bytes[:, start : start + leaf.row_bytes].copy()
-            tensor = torch.from_numpy(raw).view(leaf.dtype)
-            values.append(tensor.reshape(leaf.shape).to(device))
+            tensor = torch.from_numpy(raw).view(leaf.dtype).reshape(leaf.shape)
+            values.append(in_order(tensor, leaf.dim_order).to(device))
         return pytree.tree_unflatten(values, self.spec)
 
     def tensor_leaves(self, batch: Any) -> list[torch.Tensor]:
