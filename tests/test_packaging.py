@@ -123,4 +123,4 @@ def test_the_environment_matches_the_lock() -> None:
 def test_bootstrap_installs_through_the_lock() -> None:
     script = (REPO_ROOT / "scripts" / "bootstrap").read_text()
     assert "-c constraints.txt" in script
-    assert "./agent[jax,torch]" in script
+    assert "./agent[jax,torch,hf]" in script

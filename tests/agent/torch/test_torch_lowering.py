@@ -41,13 +41,20 @@ def test_a_stateful_module_outside_the_prepared_root_is_rejected(tmp_path: Path)
         _run(tmp_path, nn.Linear(3, 2), attested)
 
 
-def test_calling_the_module_directly_is_captured_state(tmp_path: Path) -> None:
+def test_calling_the_prepared_module_directly_traces_its_state(tmp_path: Path) -> None:
+    # The traced state stays in place for the whole attested step (activation
+    # checkpointing recomputes in the backward pass), so model(x) computes with it, as
+    # proof.forward(model, x) does: the program's gradients are the step's.
+    from provers import torch_replay
+
     def attested(proof, model, optimizer, batch):
         proof.backward(functional.cross_entropy(model(batch[0]), batch[1]))
         optimizer.step()
 
-    with pytest.raises(RuntimeError, match="captured unprepared tensor state"):
-        _run(tmp_path, nn.Linear(3, 2), attested)
+    _run(tmp_path, nn.Linear(3, 2), attested)
+    assert verify_transcript(tmp_path / "proof").ok
+    verdict = torch_replay.verify_challenge(tmp_path / "proof", 0)
+    assert verdict.ok and all(e.exact for e in verdict.evidence), verdict.message
 
 
 def test_forward_of_an_unprepared_model_is_rejected(tmp_path: Path) -> None:

@@ -474,3 +474,46 @@ def test_gradient_clipping_is_part_of_the_checked_and_replayed_step(
     for step in range(5):
         verdict = torch_replay.verify_challenge(tmp_path / "proof", step)
         assert verdict.ok and all(e.exact for e in verdict.evidence), verdict.message
+
+
+class _Checkpointed(nn.Module):
+    """A block recomputed in the backward pass (activation checkpointing)."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(10, 32)
+        self.out = nn.Linear(32, 2)
+        self.dropout = nn.Dropout(dropout)
+
+    def block(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.dropout(torch.tanh(self.hidden(inputs)))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return self.out(checkpoint(self.block, inputs, use_reentrant=False))
+
+
+def test_activation_checkpointing_is_checked_and_replayed(tmp_path: Path) -> None:
+    from provers import torch_replay
+
+    proof = _proof(tmp_path)
+    model = _Checkpointed(dropout=0.0)
+    model, optimizer = proof.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.05))
+    _attest(proof)
+    _train(proof, model, optimizer, _batches(4))
+    proof.close()
+    assert _verified(tmp_path / "proof").checks == 4
+    for step in range(4):
+        verdict = torch_replay.verify_challenge(tmp_path / "proof", step)
+        assert verdict.ok and all(e.exact for e in verdict.evidence), verdict.message
+
+
+def test_checkpointing_that_redraws_dropout_is_refused(tmp_path: Path) -> None:
+    proof = _proof(tmp_path)
+    model = _Checkpointed(dropout=0.2)
+    model, optimizer = proof.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.05))
+    _attest(proof)
+    with pytest.raises(RuntimeError, match=r"sets a random generator's state back"):
+        _train(proof, model, optimizer, _batches(1))
+    proof.close()

@@ -210,7 +210,7 @@ class ZKDV(Driver):
         prepared = self._require_prepared_model()
         if model is not prepared.public:
             raise RuntimeError(UNPREPARED_MODEL)
-        return prepared.forward(capture.model_state, args, kwargs)
+        return prepared.call(args, kwargs)
 
     def backward(self, loss: torch.Tensor, gradient: Any = None) -> None:
         """Lower backward in attestation and use eager autograd in training."""
@@ -690,6 +690,9 @@ class ZKDV(Driver):
                 unused=unused,
                 first_batch=len(parameters) + len(model.buffer_names) + len(scaler_state),
             )
+        restores = getattr(function, "rng_restores", [])
+        if lowered.program.random and restores:
+            raise RuntimeError(rng.RESTORED.format(where=", ".join(sorted(set(restores)))))
         self._lowered_program = lowered
         self._run_seed = rng.run_seed() if lowered.program.random else None
         self._program_flops = count_flops(lowered.graph, arguments)

@@ -114,15 +114,18 @@ class AttestationCapture:
 
     def _current(self) -> list[torch.Tensor | None]:
         if self._on_live:
-            return [parameter.grad for parameter in self.live]
+            # The traced parameters' .grad: what model.parameters() yields in the step
+            # (the live parameters' .grad holds the same tensors, for optimizer views).
+            return [parameter.grad for parameter in self.model_state[0]]
         return list(self._values or [None] * len(self.live))
 
     def _store(self, gradients: list[torch.Tensor | None]) -> None:
         if not self._on_live:
             self._values = gradients
             return
-        for parameter, value in zip(self.live, gradients, strict=True):
-            parameter.grad = value
+        for live, traced, value in zip(self.live, self.model_state[0], gradients, strict=True):
+            live.grad = value
+            traced.grad = value
 
     def modified(self) -> bool:
         """Whether the gradients the step read differ from what the last backward left.

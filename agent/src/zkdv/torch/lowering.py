@@ -41,7 +41,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from zkdv.torch import artifact
+from zkdv.torch import artifact, rng
 from zkdv.torch.capture import AttestationCapture
 from zkdv.torch.guards import Guards, extract
 from zkdv.torch.rng import SEEDABLE, UNSEEDABLE, random_kind
@@ -142,6 +142,8 @@ def gradient_function(
             gradients modified between ``proof.backward`` and ``optimizer.step()``.
     """
     unused: list[bool] = []
+    #: Where the traced step set a generator's state back (activation checkpointing).
+    restores: list[str] = []
     requires = tuple(parameter.requires_grad for parameter in model.state_parameters)
 
     def flat(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -171,6 +173,8 @@ def gradient_function(
                 held=held,
                 scaler_state=scaler_state,
             ) as capture,
+            model.substituted(capture.model_state),
+            rng.watch_restores(restores),
         ):
             function(model.public, optimizer, batch)
         if capture.transition is None or capture.gradients is None:
@@ -190,6 +194,7 @@ def gradient_function(
             outputs += [found_inf, scaler_state["growth_tracker"], scaler_state["scale"]]
         return outputs
 
+    flat.rng_restores = restores  # type: ignore[attr-defined]
     return flat, unused
 
 

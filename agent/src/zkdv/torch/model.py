@@ -13,7 +13,8 @@ replay runs FSDP2's hooks, which would issue collectives.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import MethodType
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.utils.stateless import _reparametrize_module
 
 __all__ = [
     "FSDP_DIVIDE",
@@ -316,6 +318,31 @@ class PreparedModel:
         """
         named = dict(self.target.named_buffers())
         return tuple(_local(named[name]).detach() for name in self.buffer_names)
+
+    @contextlib.contextmanager
+    def substituted(
+        self, model_state: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]
+    ) -> Iterator[None]:
+        """``model_state`` in place of the module's own state until the block ends.
+
+        The attested step is traced inside this block, so the substitution lasts through
+        the backward pass too: activation checkpointing (``torch.utils.checkpoint``)
+        recomputes forward parts there, and must see the traced parameters, not the live
+        ones. Inside, ``model.parameters()`` yields the traced parameters.
+        """
+        parameters, buffers = model_state
+        if self.fsdp:
+            refresh_structure(self.target, self.functional)
+        state = dict(zip(self.parameter_names, parameters, strict=True))
+        state.update(zip(self.buffer_names, buffers, strict=True))
+        with _reparametrize_module(self.functional, state, tie_weights=True, strict=False):
+            yield
+
+    def call(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+        """Call the module inside :meth:`substituted` (the traced state is in place)."""
+        if self.fsdp:
+            refresh_structure(self.target, self.functional)
+        return self.functional(*args, **kwargs)
 
     def forward(
         self,

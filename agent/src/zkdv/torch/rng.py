@@ -26,8 +26,9 @@ refused at sealing (:func:`random_kind`).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from zkdv.hashing import Domain, hash_bytes
 __all__ = [
     "DETERMINISTIC",
     "GENERATOR_ATTRIBUTE",
+    "RESTORED",
     "RNG_VERSION",
     "SEEDABLE",
     "UNSEEDABLE",
@@ -46,6 +48,7 @@ __all__ = [
     "random_kind",
     "run_seed",
     "step_seed",
+    "watch_restores",
 ]
 
 #: ``env.rng.derivation`` of :func:`step_seed`.
@@ -140,6 +143,38 @@ class StepGenerators:
         for index, state in zip(self.cuda, cuda_states, strict=True):
             torch.cuda.set_rng_state(state, index)
         self._saved = None
+
+
+RESTORED = (
+    "the attested step sets a random generator's state back while it draws random "
+    "numbers ({where}); activation checkpointing does so to redraw dropout's masks when it "
+    "recomputes, which a replay drawing every random operator from one seeded stream "
+    "cannot reproduce. Turn dropout off in checkpointed blocks, or do not checkpoint"
+)
+
+
+@contextlib.contextmanager
+def watch_restores(found: list[str]) -> Iterator[None]:
+    """Note in ``found`` every ``set_rng_state`` call inside the block (during tracing)."""
+    modules = [(torch, "set_rng_state"), (torch.random, "set_rng_state")]
+    if torch.cuda.is_available():
+        modules.append((torch.cuda, "set_rng_state"))
+    originals = [(module, name, getattr(module, name)) for module, name in modules]
+
+    def noting(original: Any, where: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            found.append(where)
+            return original(*args, **kwargs)
+
+        return call
+
+    for module, name, original in originals:
+        setattr(module, name, noting(original, f"{module.__name__}.{name}"))
+    try:
+        yield
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)
 
 
 def bind_generator(module: fx.GraphModule) -> bool:
