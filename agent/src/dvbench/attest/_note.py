@@ -71,7 +71,7 @@ def parse_note_verifier_key(
     """
     if not isinstance(text, str):
         raise MalformedInputError(f"{what} must be a string, got {type(text).__name__}")
-    parts = text.split("+")
+    parts = text.split("+", 2)  # base64 may hold "+" too
     if len(parts) != 3 or _NAME.fullmatch(parts[0]) is None or _HASH.fullmatch(parts[1]) is None:
         raise MalformedInputError(
             f"{what} must be '<name>+<8 lowercase hex digits>+<base64 key>', got {text!r:.120}"
