@@ -180,7 +180,7 @@ def check_signature(artifacts: Mapping[str, tuple[str, int]], model: str) -> tup
             model_signing.verifying.Config().use_elliptic_key_verifier(
                 public_key=folder / PUBLIC_KEY_FILE
             ).verify(folder / Path(model).name, folder / SIGNATURE_FILE)
-        except Exception as error:  # model_signing raises ValueError and friends
+        except Exception as error:  # noqa: BLE001 - model_signing raises ValueError, InvalidSignature, KeyError, ... on bad input
             raise ValueError(
                 f"{signature} does not verify {model} with {public} (model_signing: {error})"
             ) from None
