@@ -10,10 +10,10 @@ cannot be understood raises ``ImproperlyConfigured`` naming the variable.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import secrets
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -233,7 +233,8 @@ def regulatory_thresholds(name: str = "DVBENCH_REGULATORY_THRESHOLDS") -> list[d
     if raw is None or not raw.strip():
         return DEFAULT_REGULATORY_THRESHOLDS
     try:
-        items = json.loads(raw)
+        # Decimal: 1e25 must mean exactly 10**25, which no binary float is.
+        items = json.loads(raw, parse_float=Decimal)
     except ValueError as error:
         raise ImproperlyConfigured(f"{name} is not JSON: {error}") from None
     if not isinstance(items, list):
@@ -250,10 +251,10 @@ def regulatory_thresholds(name: str = "DVBENCH_REGULATORY_THRESHOLDS") -> list[d
         if slug in seen:
             raise ImproperlyConfigured(f"{where}.name={slug!r} is given twice")
         seen.add(slug)
-        if isinstance(flops, bool) or not isinstance(flops, int | float) or not flops > 0:
+        if isinstance(flops, bool) or not isinstance(flops, int | Decimal) or not flops > 0:
             raise ImproperlyConfigured(f"{where}.flops={flops!r} must be a positive number")
-        if isinstance(flops, float) and not math.isfinite(flops):
-            raise ImproperlyConfigured(f"{where}.flops={flops!r} must be finite")
+        if isinstance(flops, Decimal) and (not flops.is_finite() or flops != int(flops)):
+            raise ImproperlyConfigured(f"{where}.flops={flops} must be a whole number of FLOPs")
         parsed.append(
             {"name": slug, "flops": int(flops), "description": str(item.get("description", ""))}
         )

@@ -172,7 +172,9 @@ def _rekor_keyring(key: SigningKey) -> Any:
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     )
     return RekorKeyring(
-        Keyring([PublicKey(raw_bytes=base64.b64encode(der), key_details=PublicKeyDetails.PKIX_ED25519)])
+        Keyring(
+            [PublicKey(raw_bytes=base64.b64encode(der), key_details=PublicKeyDetails.PKIX_ED25519)]
+        )
     )
 
 
