@@ -541,9 +541,10 @@ class Flow:
         if "sigstore" not in files or "model" not in files:
             return
         model = files["model"].parent.relative_to(folder)
-        sigstore = ("verify-report", files["sigstore"].name, "--trust-root")
+        sigstore: tuple[str, ...] = ("verify-report", files["sigstore"].name, "--trust-root")
         sigstore += (files["trust root"].name, "--model", str(model))
-        signature = ("verify", "key", str(model / "model.safetensors"), "--signature")
+        signature: tuple[str, ...] = ("verify", "key", str(model / "model.safetensors"))
+        signature += ("--signature",)
         signature += (str(model / "model.sig"), "--public_key", str(model / "model-signing.pub"))
         tool = Path(sys.executable).parent / "model_signing"
         checks = [

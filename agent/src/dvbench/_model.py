@@ -367,9 +367,9 @@ def sign_model(path: Path, *, key_file: str | os.PathLike[str] | None = None) ->
                     )
                 )
             public_key = fresh.public_key()
-        model_signing.signing.Config().use_elliptic_key_signer(private_key=key_path).sign(
-            path, signature
-        )
+        model_signing.signing.Config().use_elliptic_key_signer(  # type: ignore[no-untyped-call]
+            private_key=key_path
+        ).sign(path, signature)
     public.write_bytes(
         public_key.public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo

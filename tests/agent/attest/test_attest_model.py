@@ -70,7 +70,7 @@ def test_other_tensors_are_named_precisely(tmp_path: Path) -> None:
         _check(renamed.read_bytes())
     widened = tmp_path / "widened.safetensors"
     write_safetensors(widened, [(LEAVES[0][0], LEAVES[0][1].astype(np.float64)), LEAVES[1]])
-    with pytest.raises(ModelMismatchError, match="float64.*commits float32"):
+    with pytest.raises(ModelMismatchError, match=r"float64.*commits float32"):
         _check(widened.read_bytes())
 
 

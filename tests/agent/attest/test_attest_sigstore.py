@@ -229,7 +229,7 @@ def test_model_signing_key_verification_takes_no_ed25519_key(
 
     public = tmp_path / "platform.pub"
     public.write_text(key.public_pem)
-    with pytest.raises((ValueError, AttributeError), match="curve|elliptic"):
+    with pytest.raises((ValueError, AttributeError), match=r"curve|elliptic"):
         model_signing.verifying.Config().use_elliptic_key_verifier(public_key=public)
 
 
