@@ -277,9 +277,9 @@ def test_a_budget_far_above_the_run_gets_a_log_axis() -> None:
     series = Series(
         steps=(0, 1, 2, 3), flops=(1e6, 2e6, 3e6, 4e6), tokens=(1, 2, 3, 4), gpu_hours=(0, 0, 0, 0)
     )
-    svg = compute_chart_svg(series, Decimal(4e8))
+    svg = compute_chart_svg(series, Decimal(400_000_000))
     assert "(log scale)" in svg and "1% of the declared budget" in svg
-    linear = compute_chart_svg(series, Decimal(8e6))
+    linear = compute_chart_svg(series, Decimal(8_000_000))
     assert "(log scale)" not in linear and "50% of the declared budget" in linear
 
 
