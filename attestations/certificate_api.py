@@ -2,11 +2,12 @@
 
 Who may read what:
 
-* ``trust-root/``, ``log/checkpoint/`` and the two ``log/proof/`` endpoints are public:
+* ``trust-root/``, ``log/checkpoint/``, ``log/verifier-key/`` and the two ``log/proof/``
+  endpoints are public:
   they carry public keys and hashes only, and monitors, witnesses and offline verifiers
   need them without an account.
-* ``log/entries/{index}/``, ``proofs/{id}/certificate/``, ``proofs/{id}/bundle/`` and
-  ``certificates/`` carry certificates (claims): members of the proof's organisation
+* ``log/entries/{index}/``, ``proofs/{id}/certificate/``, ``proofs/{id}/bundle/``,
+  ``proofs/{id}/sigstore-bundle/`` and ``certificates/`` carry certificates (claims): members of the proof's organisation
   read them, regulators read those of every organisation (never artifacts), and for
   everyone else they do not exist (404).
 """
@@ -27,7 +28,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from attestations import certificates
+from attestations import certificate_subjects, certificates
 from attestations.certificate_models import (
     Certificate,
     CertificateResult,
@@ -78,6 +79,11 @@ class CertificateSerializer(serializers.Serializer[Certificate]):
     transcript_digest = serializers.CharField()
     final_parameter_root = serializers.CharField()
     log_index = serializers.IntegerField()
+    regulatory_thresholds = serializers.ListField(
+        child=serializers.DictField(),
+        help_text="the signed regulatory_thresholds claim: {name, threshold, stays_below, "
+        "description} per threshold (empty for certificates issued before it existed)",
+    )
     envelope = EnvelopeSerializer(help_text="the DSSE envelope, as signed and logged")
 
     def to_representation(self, instance: Certificate) -> dict[str, Any]:
@@ -261,6 +267,34 @@ class LogCheckpointView(APIView):
         return Response(checkpoint.to_dict())
 
 
+class VerifierKeySerializer(serializers.Serializer[Any]):
+    origin = serializers.CharField(help_text="the log's name: checkpoints' first line")
+    verifier_key = serializers.CharField(
+        allow_null=True, help_text="the current key: <origin>+<key hash hex>+<base64(0x01 || key)>"
+    )
+    keys = serializers.ListField(
+        child=serializers.DictField(),
+        help_text="every key: {keyid, note_verifier_key, not_before, not_after}",
+    )
+
+
+class LogVerifierKeyView(APIView):
+    """The log's keys in C2SP signed-note verifier-key format (public)."""
+
+    permission_classes = [AllowAny]
+    authentication_classes: list[type[Any]] = []
+
+    @extend_schema(
+        responses=VerifierKeySerializer,
+        description="The checkpoint keys as signed-note verifier keys "
+        "(`<origin>+<key hash hex>+<base64(0x01 || Ed25519 key)>`), which note-compatible "
+        "tools (Go's golang.org/x/mod/sumdb/note.NewVerifier, witnesses) take as is. The "
+        "trust root carries the same strings (`note_verifier_key` of each key). Public.",
+    )
+    def get(self, request: Request) -> Response:
+        return Response(certificates.verifier_keys())
+
+
 class LogEntryView(APIView):
     """One log entry: its envelope and leaf hash (the certificate's readers only)."""
 
@@ -400,6 +434,36 @@ class ProofBundleView(APIView):
         return response
 
 
+class ProofSigstoreBundleView(APIView):
+    """The proof's certificate as a Sigstore bundle v0.3 (``dvbench download-report --sigstore-out``)."""
+
+    permission_classes = [HasCapability]
+
+    @extend_schema(
+        responses={
+            200: OpenApiResponse(
+                OpenApiTypes.OBJECT,
+                description="media type application/vnd.dev.sigstore.bundle.v0.3+json: "
+                "dsseEnvelope, verificationMaterial.publicKey.hint and one tlogEntries item "
+                "with its inclusion proof and signed checkpoint. Verify offline with "
+                "`dvbench verify-report BUNDLE --trust-root FILE`; docs/certificates.md says "
+                "what Sigstore's own tools check of it.",
+            )
+        }
+    )
+    def get(self, request: Request, pk: int) -> HttpResponse:
+        certificate = _visible_certificate(request, pk)
+        bundle = certificates.sigstore_bundle_for(certificate)
+        response = HttpResponse(
+            json.dumps(bundle, indent=2, sort_keys=True) + "\n", content_type="application/json"
+        )
+        name = certificate.experiment.replace("/", "-")
+        response["Content-Disposition"] = (
+            f'attachment; filename="{name}-proof-{certificate.proof_id}.sigstore.json"'
+        )
+        return response
+
+
 class CertificatePage(CursorPage):
     # Many certificates can share a second; the id makes the order total, so the
     # cursor's offset within one second always counts the same rows.
@@ -432,9 +496,52 @@ class CertificateList(generics.ListAPIView[Certificate]):
 
     def get_queryset(self) -> QuerySet[Certificate]:
         access = get_access(self.request)
-        return Certificate.objects.filter(access.orgs(Capability.READ)).select_related(
+        queryset = Certificate.objects.filter(access.orgs(Capability.READ)).select_related(
             "organization", "log_entry"
         )
+        return _by_threshold(self.request, queryset)
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter(
+                "below_threshold",
+                str,
+                description="A configured regulatory threshold's name (e.g. "
+                "eu-ai-act-systemic-risk): certificates whose claimed compute is at or below it.",
+            ),
+            OpenApiParameter(
+                "above_threshold",
+                str,
+                description="A threshold's name: certificates whose claimed compute exceeds it.",
+            ),
+        ]
+    )
+    def get(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        return super().get(request, *args, **kwargs)
+
+
+def _by_threshold(request: Request, queryset: QuerySet[Certificate]) -> QuerySet[Certificate]:
+    """``below_threshold`` / ``above_threshold``: by a configured threshold's name.
+
+    A certificate whose compute is undetermined matches neither. The comparison is on the
+    certificate's signed FLOPs against the threshold as configured now; each certificate
+    also states the thresholds in force when it was signed (``regulatory_thresholds``).
+    """
+    known = {threshold.name: threshold.flops for threshold in certificate_subjects.thresholds()}
+    for param, lookup in (("below_threshold", "flops__lte"), ("above_threshold", "flops__gt")):
+        value = request.query_params.get(param)
+        if value is None or value == "":
+            continue
+        if value not in known:
+            raise InvalidRequestError(
+                f"{param}: {value!r} is not a configured threshold; one of "
+                f"{', '.join(sorted(known))}",
+                code="invalid_filter",
+                field=param,
+                detail={"allowed": sorted(known), "got": value[:100]},
+            )
+        queryset = queryset.filter(**{lookup: known[value]})
+    return queryset
 
 
 class CertificateDetail(generics.RetrieveAPIView[Certificate]):

@@ -271,5 +271,13 @@ class Certificate(AppendOnlyModel):
             "transcript_digest": self.transcript_digest,
             "final_parameter_root": self.final_parameter_root,
             "log_index": self.log_index,
+            "regulatory_thresholds": self.claim_value("regulatory_thresholds") or [],
             "envelope": self.envelope,
         }
+
+    def claim_value(self, name: str) -> Any:
+        """The signed value of the claim ``name`` (None when the certificate has none)."""
+        for claim in self.claims():
+            if claim.get("name") == name:
+                return claim.get("value")
+        return None

@@ -28,7 +28,7 @@ import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -48,6 +48,13 @@ from attestations.certificate_models import (
     LogEntry,
     PlatformKey,
     TrustRootVersion,
+)
+from attestations.certificate_subjects import (
+    check_model,
+    file_subjects,
+    guarantee_claim,
+    model_claim,
+    threshold_claim,
 )
 from attestations.claims import compute_claims
 from attestations.models import AuditEvent, Challenge, Proof, ProofStatus
@@ -71,12 +78,14 @@ from dvbench.attest import (
     leaf_hash,
     load_signing_key,
     make_bundle,
+    make_sigstore_bundle,
+    note_verifier_key,
     sign_certificate,
     sign_checkpoint,
     verify_certificate,
     verify_checkpoint,
 )
-from dvbench.attest._encoding import to_seconds
+from dvbench.attest._encoding import format_time, to_seconds
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +105,8 @@ __all__ = [
     "log_origin",
     "rotate_key",
     "signing_key",
+    "sigstore_bundle_for",
+    "verifier_keys",
     "verify_log",
 ]
 
@@ -259,7 +270,7 @@ def _latest_root_row() -> TrustRootVersion | None:
 
 
 def _register_initial(key: SigningKey, source: str, *, at: datetime) -> TrustRootVersion:
-    root = TrustRoot.initial(key.public_key, not_before=at)
+    root = TrustRoot.initial(key.public_key, not_before=at, log_origin=log_origin())
     PlatformKey.objects.create(
         keyid=key.keyid, public_key=key.public_pem, not_before=at, source=source
     )
@@ -291,6 +302,11 @@ def _ensure_current(key: SigningKey, source: str) -> TrustRootVersion:
             "the current key or rotate to a new one"
         )
     assert root is not None, "a registered key always has a trust root"
+    published = root.trust_root()
+    if published.log_origin is None:
+        # Published before trust roots named the log: the next version carries every
+        # key's signed-note verifier key too (same keys, same windows).
+        return _publish(published.with_log_origin(log_origin()))
     return root
 
 
@@ -409,7 +425,10 @@ def _rotate_rows(incoming: SigningKey, source: str) -> Rotation:
         return Rotation(old_keyid=None, new_keyid=incoming.keyid, at=at, trust_root=published)
     current = PlatformKey.objects.filter(not_after__isnull=True).first()
     try:
-        root = root_row.trust_root().rotate(incoming.public_key, at=at)
+        previous = root_row.trust_root()
+        if previous.log_origin is None:
+            previous = replace(previous, log_origin=log_origin())
+        root = previous.rotate(incoming.public_key, at=at)
     except ValueError as error:
         raise KeyConfigurationError(f"cannot rotate: {error}") from None
     PlatformKey.objects.filter(not_after__isnull=True).update(not_after=at)
@@ -523,7 +542,9 @@ def issue_certificate(proof_id: int) -> Certificate:
             if existing is not None:
                 return existing
             return _issue(
-                Proof.objects.select_related("experiment__owner", "spec").get(pk=proof_id)
+                Proof.objects.select_related("experiment__owner", "spec", "transcript").get(
+                    pk=proof_id
+                )
             )
     except IntegrityError:
         # Another process won a race the lock should have prevented (e.g. SQLite in a
@@ -556,6 +577,15 @@ def _issue(proof: Proof) -> Certificate:
     window.check_valid_at(moment, "certificate")
     claim_set = _claims(proof)
     passed = proof.status == ProofStatus.VALID and not claim_set.violations
+    replay = _replay_evidence(proof)
+    model = check_model(proof)
+    # Statements beside the run's claims (attestations/certificate_subjects.py).
+    stated = (
+        model_claim(model),
+        threshold_claim(claim_set.claims),
+        guarantee_claim(proof, replay.tolerance),
+    )
+    claims = (*claim_set.claims, *(claim for claim in stated if claim is not None))
     index = LogEntry.objects.count()
     origin = log_origin()
     certificate = TrainingCertificate(
@@ -566,12 +596,13 @@ def _issue(proof: Proof) -> Certificate:
         issued_at=moment,
         policy_digest=proof.spec.digest,
         result=Result.PASSED if passed else Result.FAILED,
-        claims=claim_set.claims,
-        replay=_replay_evidence(proof),
+        claims=claims,
+        replay=replay,
         log=LogEntryRef(origin=origin, index=index),
         trust_root_version=root_row.version,
         trust_root_digest=root_row.digest,
         experiment=proof.experiment.full_name,
+        extra_subjects=file_subjects(proof, model),
     )
     envelope = sign_certificate(certificate, key)
     leaf = envelope_leaf(envelope)
@@ -679,6 +710,64 @@ def consistency(first: int, second: int) -> tuple[list[bytes], bytes, bytes]:
         return tree.consistency_proof(first, second), tree.root(first), tree.root(second)
 
 
+def _log_proof(certificate: Certificate) -> tuple[LogCheckpoint, list[bytes]]:
+    """The checkpoint signed at the certificate's append and the entry's path to it."""
+    size = certificate.log_index + 1
+    checkpoint = LogCheckpoint.objects.filter(tree_size=size).first()
+    if checkpoint is None:
+        raise LogCorruptError(f"the checkpoint at size {size} is missing")
+    with _tree() as tree:
+        if tree.size < size or tree.root(size).hex() != checkpoint.root_hash:
+            raise LogCorruptError(f"checkpoint at size {size} does not match the stored log")
+        return checkpoint, tree.inclusion_proof(certificate.log_index, size)
+
+
+def sigstore_bundle_for(certificate: Certificate) -> dict[str, Any]:
+    """The certificate as a Sigstore bundle v0.3 (``dvbench.attest._sigstore``).
+
+    The same envelope, log entry and checkpoint as :func:`bundle_for`, so it is the
+    same bytes at every download; the trust root is the auditor's own copy.
+
+    Raises:
+        LogCorruptError: the stored checkpoint's root is not the stored leaves' root.
+    """
+    checkpoint, path = _log_proof(certificate)
+    row = PlatformKey.objects.get(keyid=checkpoint.keyid)
+    return make_sigstore_bundle(
+        certificate.envelope,
+        log_index=certificate.log_index,
+        inclusion_proof=path,
+        checkpoint=checkpoint.note,
+        public_key=_trusted(row).public_key,
+    )
+
+
+def verifier_keys() -> dict[str, Any]:
+    """The log's keys as signed-note verifier keys (``<origin>+<hash>+<base64 key>``).
+
+    Returns:
+        ``{origin, verifier_key, keys}``: the current key's verifier key (None before the
+        first key exists) and every key's, with its validity window.
+    """
+    origin = log_origin()
+    keys = []
+    current = None
+    for row in PlatformKey.objects.order_by("not_before"):
+        trusted = _trusted(row)
+        vkey = note_verifier_key(origin, trusted.public_key)
+        if row.not_after is None:
+            current = vkey
+        keys.append(
+            {
+                "keyid": row.keyid,
+                "note_verifier_key": vkey,
+                "not_before": format_time(trusted.not_before),
+                "not_after": None if trusted.not_after is None else format_time(trusted.not_after),
+            }
+        )
+    return {"origin": origin, "verifier_key": current, "keys": keys}
+
+
 def bundle_for(certificate: Certificate) -> dict[str, Any]:
     """The offline report bundle: envelope, inclusion proof, checkpoint, trust root.
 
@@ -692,13 +781,7 @@ def bundle_for(certificate: Certificate) -> dict[str, Any]:
         LogCorruptError: the stored checkpoint's root is not the stored leaves' root.
     """
     size = certificate.log_index + 1
-    checkpoint = LogCheckpoint.objects.filter(tree_size=size).first()
-    if checkpoint is None:
-        raise LogCorruptError(f"the checkpoint at size {size} is missing")
-    with _tree() as tree:
-        if tree.size < size or tree.root(size).hex() != checkpoint.root_hash:
-            raise LogCorruptError(f"checkpoint at size {size} does not match the stored log")
-        path = tree.inclusion_proof(certificate.log_index, size)
+    checkpoint, path = _log_proof(certificate)
     root = TrustRootVersion.objects.get(version=certificate.trust_root_version).trust_root()
     return make_bundle(
         certificate.envelope,

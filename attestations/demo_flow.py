@@ -255,6 +255,8 @@ class Flow:
             "DVBENCH_API_KEY": self.accounts["trainer"].api_key,
             "DVBENCH_CACHE_DIR": str(self.outcome.report_dir / "cache"),
             "DIGITS_PROOF_DIR": str(self.proof_dir),
+            # The final weights, signed with model_signing; uploaded with the proof.
+            "DIGITS_MODEL_DIR": str(self.outcome.report_dir / "model"),
             "PYTHONUNBUFFERED": "1",
         }
         environment.pop("DVBENCH_MODE", None)
@@ -453,8 +455,9 @@ class Flow:
         bundle, trust_root = folder / "bundle.json", folder / "trust-root.json"
         # The auditor's download, with the CLI: the bundle and the trust root to pin.
         # Run in the report folder with relative names: the line shown can be pasted.
+        sigstore = folder / "certificate.sigstore.json"
         command: tuple[str, ...] = ("download-report", str(proof), "-o", bundle.name)
-        command += ("--trust-root-out", trust_root.name)
+        command += ("--trust-root-out", trust_root.name, "--sigstore-out", sigstore.name)
         downloaded = subprocess.run(
             _dvbench(*command),
             cwd=folder,
@@ -474,7 +477,11 @@ class Flow:
         if downloaded.returncode != 0:
             raise StepFailedError(f"dvbench download-report: {output}")
         self.steps.note(f"$ cd {folder} && dvbench {' '.join(command)}")
-        self.outcome.files.update({"bundle": bundle, "trust root": trust_root})
+        self.outcome.files.update(
+            {"bundle": bundle, "trust root": trust_root, "sigstore": sigstore}
+        )
+        if (folder / "model" / "model.safetensors").is_file():
+            self.outcome.files["model"] = folder / "model" / "model.safetensors"
         for what, path, filename in (
             ("html", f"proofs/{proof}/report.html", "report.html"),
             ("pdf", f"proofs/{proof}/report.pdf", "report.pdf"),
@@ -526,6 +533,43 @@ class Flow:
         self.outcome.verified = checked.returncode == 0
         if not self.outcome.verified:
             raise StepFailedError(f"dvbench verify-report exited with status {checked.returncode}")
+        self.verify_model(folder, environment)
+
+    def verify_model(self, folder: Path, environment: Mapping[str, str]) -> None:
+        """The Sigstore bundle and the final model, as an auditor checks them."""
+        files = self.outcome.files
+        if "sigstore" not in files or "model" not in files:
+            return
+        model = files["model"].parent.relative_to(folder)
+        sigstore: tuple[str, ...] = ("verify-report", files["sigstore"].name, "--trust-root")
+        sigstore += (files["trust root"].name, "--model", str(model))
+        signature: tuple[str, ...] = ("verify", "key", str(model / "model.safetensors"))
+        signature += ("--signature",)
+        signature += (str(model / "model.sig"), "--public_key", str(model / "model-signing.pub"))
+        tool = Path(sys.executable).parent / "model_signing"
+        checks = [
+            ("dvbench " + " ".join(sigstore), _dvbench(*sigstore)),
+            ("model_signing " + " ".join(signature), [str(tool), *signature]),
+        ]
+        for shown, command in checks:
+            if not Path(command[0]).exists():
+                self.outcome.unavailable.append(f"{shown.split()[0]} is not installed")
+                continue
+            done = subprocess.run(
+                command,
+                cwd=folder,
+                env=dict(environment),
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+            self.steps.note(f"$ {shown}")
+            for line in (done.stdout + done.stderr).strip().splitlines():
+                self.steps.note(f"  {line}")
+            if done.returncode != 0:
+                self.outcome.verified = False
+                raise StepFailedError(f"{shown.split()[0]} exited with status {done.returncode}")
 
 
 def _pending(challenge: Mapping[str, Any]) -> bool:

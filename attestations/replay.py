@@ -352,6 +352,10 @@ def _in_layout(name: str, kind: str) -> bool:
         return in_files and base.startswith("snapshot-") and base.endswith(".bin")
     if kind == ArtifactKind.BATCH:
         return in_files and base.startswith("batch-") and base.endswith(".u32")
+    from attestations.certificate_subjects import model_names
+
+    if model_names(name):
+        return True  # the final model (dvbench's proof.save_model), bound by the certificate
     return "/" not in name and (name == PROBES or name.startswith("program."))
 
 
@@ -512,6 +516,20 @@ def attach(
                     detail={"attached": known.sha256, "got": claim.sha256},
                 )
             continue
+        if claim.name.endswith(".safetensors"):
+            from attestations.certificate_subjects import check_weights
+
+            # The final weights must be the transcript's final parameters (checked again
+            # when the certificate is issued, should the proof not be verified yet).
+            problem_text = check_weights(proof, claim.name, blob.storage_name, blob.size)
+            if problem_text is not None:
+                raise ArtifactRejectedError(
+                    "model_mismatch",
+                    f"files[{position}]: {problem_text}",
+                    field=f"files[{position}].sha256",
+                    status=422,
+                    detail={"file": claim.name},
+                )
         if claim.name in needed or claim.name.startswith("program."):
             if index is None:
                 index = TranscriptIndex.of(proof)

@@ -223,10 +223,20 @@ def _line(
     )
 
 
+#: Above this ratio of budget to total the chart switches to a log axis: on a linear one
+#: the run would lie flat along the bottom of the plot.
+LOG_AXIS_RATIO = 10.0
+
+
 def compute_chart_svg(
     series: Series, budget: Decimal | float | None, *, violation_step: int | None = None
 ) -> str:
     """Cumulative FLOPs by step, with the declared budget as a dashed line.
+
+    When the budget exceeds the run's total more than :data:`LOG_AXIS_RATIO` times, the
+    FLOP axis is logarithmic (decades from the first step's compute to the budget), so
+    the curve and the budget line are both readable; the title says how much of the
+    budget was used.
 
     Args:
         series: the claims' cumulative series.
@@ -237,29 +247,50 @@ def compute_chart_svg(
     plot_w, plot_h = CHART_WIDTH - left - right, CHART_HEIGHT - top - bottom
     steps, flops = series.steps, series.flops
     last_step = max(steps[-1] if steps else 0, 1)
-    peak = max([*flops, float(budget) if budget is not None else 0.0, 1.0])
-    ymax = 4 * nice_ceiling(peak * 1.04 / 4)  # four gridlines at round numbers
+    total = flops[-1] if flops else 0.0
+    limit = float(budget) if budget is not None else None
+    logarithmic = bool(limit and total > 0 and limit / total > LOG_AXIS_RATIO)
+    if logarithmic:
+        assert limit is not None
+        smallest = min((value for value in flops if value > 0), default=1.0)
+        low = math.floor(math.log10(smallest))
+        high = math.ceil(math.log10(max(limit, total) * 1.0001))
+        high = max(high, low + 1)
+
+        def y(value: float) -> float:
+            position = (math.log10(max(value, 10.0**low)) - low) / (high - low)
+            return top + plot_h * (1 - position)
+
+        ticks = [(10.0**k, human_number(10.0**k)) for k in range(low, high + 1)]
+        if len(ticks) > 9:  # at most about eight labelled decades
+            stride = math.ceil(len(ticks) / 8)
+            ticks = ticks[::stride]
+    else:
+        peak = max([*flops, limit or 0.0, 1.0])
+        ymax = 4 * nice_ceiling(peak * 1.04 / 4)  # four gridlines at round numbers
+
+        def y(value: float) -> float:
+            return top + plot_h * (1 - value / ymax)
+
+        ticks = [(ymax * k / 4, human_number(ymax * k / 4)) for k in range(5)]
 
     def x(step: float) -> float:
         return left + plot_w * step / last_step
 
-    def y(value: float) -> float:
-        return top + plot_h * (1 - value / ymax)
-
     body = [f'<rect x="0" y="0" width="{CHART_WIDTH}" height="{CHART_HEIGHT}" fill="#ffffff"/>']
-    for k in range(5):
-        value = ymax * k / 4
+    for value, label in ticks:
         body.append(_line(left, y(value), left + plot_w, y(value), COLORS["grid"]))
-        body.append(_text(left - 6, y(value) + 4, human_number(value), size=10, anchor="end"))
+        body.append(_text(left - 6, y(value) + 4, label, size=10, anchor="end"))
     for k in range(5):
         step = round(last_step * k / 4)
         body.append(_text(x(step), top + plot_h + 16, f"{step:,}", size=10, anchor="middle"))
     body.append(_line(left, top, left, top + plot_h, COLORS["axis"]))
     body.append(_line(left, top + plot_h, left + plot_w, top + plot_h, COLORS["axis"]))
     body.append(_text(left + plot_w / 2, CHART_HEIGHT - 8, "Step", size=11, anchor="middle"))
-    body.append(_text(left, 16, "Cumulative FLOPs", size=12, fill="#1f2933"))
-    if budget is not None:
-        level = y(float(budget))
+    title = "Cumulative FLOPs" + (" (log scale)" if logarithmic else "")
+    body.append(_text(left, 16, title, size=12, fill="#1f2933"))
+    if limit is not None:
+        level = y(limit)
         body.append(
             _line(left, level, left + plot_w, level, COLORS["budget"], width=1.5, dash="6 4")
         )
@@ -280,8 +311,10 @@ def compute_chart_svg(
         body.append(
             f'<polyline points="{points}" fill="none" stroke="{COLORS["line"]}" stroke-width="2"/>'
         )
-        total = f"Total {human_number(flops[-1])} FLOP at step {steps[-1]:,}"
-        body.append(_text(left + 8, top + 14, total, size=11, fill=COLORS["line"]))
+        total_text = f"Total {human_number(total)} FLOP at step {steps[-1]:,}"
+        if limit:
+            total_text += f": {_percent(total / limit)} of the declared budget"
+        body.append(_text(left + 8, top + plot_h - 10, total_text, size=11, fill=COLORS["line"]))
     if violation_step is not None and violation_step in steps:
         at = steps.index(violation_step)
         cx, cy = x(steps[at]), y(flops[at])
@@ -293,6 +326,12 @@ def compute_chart_svg(
             _text(cx + offset, cy + 16, label, size=11, fill=COLORS["budget"], anchor=anchor)
         )
     return _svg(CHART_WIDTH, CHART_HEIGHT, "Cumulative compute against the declared budget", body)
+
+
+def _percent(fraction: float) -> str:
+    """``3.4%``, ``0.0021%``, ``250%``: two significant digits below 10 %."""
+    value = fraction * 100
+    return f"{value:.2g}%" if value < 10 else f"{value:,.0f}%"
 
 
 def learning_rate_svg(series: Series) -> str:
@@ -436,13 +475,36 @@ def _url(name: str, pk: int) -> str | None:
 
 
 def certificate_info(proof: Proof) -> dict[str, Any] | None:
-    """What the report says about the proof's certificate, or None when it has none."""
+    """What the report says about the proof's certificate, or None when it has none.
+
+    Besides the searchable columns, what the signed statement says that an auditor
+    checks by hand: the sha256 subjects, the challenge seed and tolerance, the detection
+    guarantee, the regulatory thresholds and the final model.
+    """
     # A missing related row raises an AttributeError subclass, so getattr covers it (and
     # a platform without the certificate models).
     certificate = getattr(proof, "certificate", None)
     if certificate is None:
         return None
+    try:
+        statement = certificate.statement()
+    except (AttributeError, ValueError, KeyError):
+        statement = {}
+    predicate = statement.get("predicate") or {}
+    claims = {claim.get("name"): claim for claim in predicate.get("claims") or []}
+    replay = predicate.get("replay") or {}
+    subjects = [
+        {"name": subject.get("name"), "sha256": (subject.get("digest") or {}).get("sha256")}
+        for subject in statement.get("subject") or []
+        if (subject.get("digest") or {}).get("sha256")
+    ]
     return {
+        "subjects": subjects,
+        "challenge_seed": replay.get("challengeSeed"),
+        "tolerance": replay.get("tolerance") or {},
+        "guarantee": (claims.get("detection_guarantee") or {}).get("value"),
+        "thresholds": _threshold_rows(claims.get("regulatory_thresholds")),
+        "model": (claims.get("final_model") or {}).get("value"),
         "result": getattr(certificate, "result", ""),
         "issued": getattr(certificate, "issued", None),
         "keyid": getattr(certificate, "keyid", ""),
@@ -450,6 +512,35 @@ def certificate_info(proof: Proof) -> dict[str, Any] | None:
         "trust_root_version": getattr(certificate, "trust_root_version", None),
         "transcript_digest": getattr(certificate, "transcript_digest", ""),
         "final_parameter_root": getattr(certificate, "final_parameter_root", ""),
+    }
+
+
+def _threshold_rows(claim: dict[str, Any] | None) -> list[dict[str, Any]]:
+    if not claim:
+        return []
+    evidence = claim.get("evidence")
+    return [
+        {
+            **row,
+            "threshold_text": human_number(row.get("threshold"), "FLOP"),
+            "evidence": evidence,
+            "evidence_label": EVIDENCE_LABELS.get(Evidence(evidence), evidence)
+            if evidence in {level.value for level in Evidence}
+            else evidence,
+        }
+        for row in claim.get("value") or []
+        if isinstance(row, dict)
+    ]
+
+
+def _replay_facts(proof: Proof) -> dict[str, Any]:
+    """The challenge seed (once revealed) and the transcript's comparison tolerance."""
+    report = proof.report or {}
+    config = (report.get("root") or {}).get("config") or {}
+    return {
+        "seed": proof.revealed_seed,
+        "seed_commitment": proof.challenge_seed_commitment or None,
+        "tolerance": config.get("tolerance") or {},
     }
 
 
@@ -534,7 +625,9 @@ def report_context(proof: Proof, *, pdf: bool = False) -> dict[str, Any]:
         "rate_uri": svg_data_uri(rates) if rates else "",
         "challenges": challenges,
         "certificate": certificate_info(proof),
+        "replay_facts": _replay_facts(proof),
         "bundle_url": _url("api:proof-bundle", proof.pk),
+        "sigstore_url": _url("api:proof-sigstore-bundle", proof.pk),
         "certificate_url": _url("api:proof-certificate", proof.pk),
         "trust_root_url": _trust_root_url(),
         "claims_url": _url("api:proof-claims", proof.pk),

@@ -9,10 +9,13 @@ cannot be understood raises ``ImproperlyConfigured`` naming the variable.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import secrets
+from decimal import Decimal
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -201,6 +204,63 @@ WHITENOISE_USE_FINDERS = True
 
 
 # --- DVBench --------------------------------------------------------------------------
+#: Compute thresholds every certificate states its run against (at or below, or above).
+#: The EU AI Act presumes a model general-purpose above 10^23 FLOP of training compute
+#: (the Commission's guidelines, 2025) and of systemic risk above 10^25 FLOP (Art. 51(2)).
+DEFAULT_REGULATORY_THRESHOLDS: list[dict[str, Any]] = [
+    {
+        "name": "eu-ai-act-gpai",
+        "flops": 10**23,
+        "description": "EU AI Act: general-purpose AI model presumption (training compute "
+        "above 10^23 FLOP)",
+    },
+    {
+        "name": "eu-ai-act-systemic-risk",
+        "flops": 10**25,
+        "description": "EU AI Act Art. 51(2): systemic-risk presumption (training compute "
+        "above 10^25 FLOP)",
+    },
+]
+
+
+def regulatory_thresholds(name: str = "DVBENCH_REGULATORY_THRESHOLDS") -> list[dict[str, Any]]:
+    """The thresholds from a JSON list of ``{"name", "flops", "description"}``, else the default.
+
+    Names are lowercase slugs (the regulator API filters by them), unique; ``flops`` is a
+    positive number of FLOPs (``1e25`` or ``10000000000000000000000000``).
+    """
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return DEFAULT_REGULATORY_THRESHOLDS
+    try:
+        # Decimal: 1e25 must mean exactly 10**25, which no binary float is.
+        items = json.loads(raw, parse_float=Decimal)
+    except ValueError as error:
+        raise ImproperlyConfigured(f"{name} is not JSON: {error}") from None
+    if not isinstance(items, list):
+        raise ImproperlyConfigured(f'{name} must be a JSON list of {{"name", "flops"}} objects')
+    seen: set[str] = set()
+    parsed: list[dict[str, Any]] = []
+    for index, item in enumerate(items):
+        where = f"{name}[{index}]"
+        if not isinstance(item, dict) or not set(item) <= {"name", "flops", "description"}:
+            raise ImproperlyConfigured(f"{where} must be an object with name, flops, description")
+        slug, flops = item.get("name"), item.get("flops")
+        if not isinstance(slug, str) or not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", slug):
+            raise ImproperlyConfigured(f"{where}.name={slug!r} must be a lowercase slug")
+        if slug in seen:
+            raise ImproperlyConfigured(f"{where}.name={slug!r} is given twice")
+        seen.add(slug)
+        if isinstance(flops, bool) or not isinstance(flops, int | Decimal) or not flops > 0:
+            raise ImproperlyConfigured(f"{where}.flops={flops!r} must be a positive number")
+        if isinstance(flops, Decimal) and (not flops.is_finite() or flops != int(flops)):
+            raise ImproperlyConfigured(f"{where}.flops={flops} must be a whole number of FLOPs")
+        parsed.append(
+            {"name": slug, "flops": int(flops), "description": str(item.get("description", ""))}
+        )
+    return parsed
+
+
 class DVBenchSettings(TypedDict):
     """The platform's own knobs, read as ``settings.DVBENCH["NAME"]`` with these types."""
 
@@ -217,6 +277,7 @@ class DVBenchSettings(TypedDict):
     FORGED_FRACTION: float
     CHALLENGE_TTL_SECONDS: int
     REQUIRE_PROGRAM: bool
+    REGULATORY_THRESHOLDS: list[dict[str, Any]]
 
 
 DVBENCH: DVBenchSettings = {
@@ -233,6 +294,7 @@ DVBENCH: DVBenchSettings = {
     "FORGED_FRACTION": envfloat("DVBENCH_FORGED_FRACTION", 0.01, minimum=0.0, maximum=1.0),
     "CHALLENGE_TTL_SECONDS": envint("DVBENCH_CHALLENGE_TTL_SECONDS", 24 * 3600, minimum=60),
     "REQUIRE_PROGRAM": envbool("DVBENCH_REQUIRE_PROGRAM", True),
+    "REGULATORY_THRESHOLDS": regulatory_thresholds(),
 }
 # Request bodies (upload parts) are streamed, but Django still caps what it will read
 # into memory for ordinary forms.

@@ -13,7 +13,9 @@ register it first with declared limits (``dvbench experiments create NAME --spec
 to have them checked. With ``DVBENCH_MODE=offline`` nothing is sent: the proof stays on
 disk and ``dvbench sync`` uploads it later. Knobs: ``DIGITS_PROOF_DIR`` (keep
 the proof there, e.g. to check a report's transcript digest later; default: a temporary
-directory removed once uploaded), ``DIGITS_STEPS`` (default 60),
+directory removed once uploaded), ``DIGITS_MODEL_DIR`` (save the final weights there as
+``model.safetensors``, signed in the OpenSSF model-signing format, and have the
+certificate bind them), ``DIGITS_STEPS`` (default 60),
 ``DIGITS_BATCH`` (rows per step, default 50). The last line printed is JSON (proof id,
 test accuracy, steps) for scripts that drive this one.
 
@@ -131,6 +133,11 @@ def train_step(state, batch):
 
 for batch in batches(train):
     state = train_step(state, jnp.asarray(batch))
+
+# The final weights, signed; finish() uploads them and the certificate binds them.
+if os.environ.get("DIGITS_MODEL_DIR"):
+    saved = proof.save_model(state.params, os.environ["DIGITS_MODEL_DIR"])
+    print(f"final model: {saved.copies[0]} sha256 {saved.sha256} (signed: {saved.signature.name})")
 
 # Close (wait for commitments and sampled checks), upload, answer what the platform asks.
 result = proof.finish()

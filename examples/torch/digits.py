@@ -13,7 +13,9 @@ serialized ``torch.export`` program in a few seconds, replayed by Torch's eager
 kernels. Knobs: ``DIGITS_PROOF_DIR`` (keep
 the proof there, e.g. to check a report's transcript digest later; default: a temporary
 directory removed once uploaded), ``DIGITS_STEPS`` (default 60),
-``DIGITS_BATCH`` (rows per step, default 50). The last line printed is JSON (proof id,
+``DIGITS_BATCH`` (rows per step, default 50), ``DIGITS_MODEL_DIR`` (save the final weights
+there as ``model.safetensors``, signed in the OpenSSF model-signing format, and have the
+certificate bind them). The last line printed is JSON (proof id,
 test accuracy, steps) for scripts that drive this one.
 
 ``python examples/torch/digits.py --dataset-commitment`` prints the data set commitment
@@ -122,6 +124,11 @@ for pixels, labels in batches(train_pixels, train_labels):
         proof.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
+
+# The final weights, signed; finish() uploads them and the certificate binds them.
+if os.environ.get("DIGITS_MODEL_DIR"):
+    saved = proof.save_model(model, os.environ["DIGITS_MODEL_DIR"])
+    print(f"final model: {saved.copies[0]} sha256 {saved.sha256} (signed: {saved.signature.name})")
 
 # Close (wait for commitments and sampled checks), upload, answer what the platform asks.
 result = proof.finish()

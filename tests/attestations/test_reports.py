@@ -241,3 +241,54 @@ def test_the_report_and_panel_show_the_certificate(world: World, certified: Proo
     assert f"transparency log entry {certificate.log_index}" in panel
     text = pdf_text(client.get(f"/proofs/{certified.pk}/report.pdf").content)
     assert "verify-report" in text and certificate.result in text
+
+
+def test_html_and_pdf_state_the_same_certificate_facts(world: World, certified: Proof) -> None:
+    """Seed, tolerance, guarantee, thresholds, sha256 subjects and the Replayed column's
+    meaning, in the HTML page and the PDF alike; digests grouped in the PDF only."""
+    certificate = certified.certificate
+    statement = certificate.statement()
+    tolerance = statement["predicate"]["replay"]["tolerance"]
+    client = browser(world, "carol")
+    page = client.get(f"/proofs/{certified.pk}/report/").content.decode()
+    text = pdf_text(client.get(f"/proofs/{certified.pk}/report.pdf").content)
+    flat = " ".join(text.split())
+    for phrase in (
+        "Challenges and what they guarantee",
+        "Comparison tolerance",
+        "abs = ",
+        f"rel = {tolerance['rel']}",
+        "Detection probability",
+        "Regulatory compute thresholds",
+        "eu-ai-act-systemic-risk",
+        "Transitions replayed k/n",
+        "SHA-256 of records.cborl",
+    ):
+        assert phrase in page, phrase
+        assert phrase in flat, phrase
+    transcript_sha = certified.transcript.sha256
+    assert transcript_sha in page  # one token to copy in HTML
+    grouped = " ".join(transcript_sha[i : i + 16] for i in range(0, 64, 16))
+    assert grouped in flat  # wraps only between groups in the PDF
+    assert f"/api/v1/proofs/{certified.pk}/sigstore-bundle" in page
+
+
+def test_a_budget_far_above_the_run_gets_a_log_axis() -> None:
+    series = Series(
+        steps=(0, 1, 2, 3), flops=(1e6, 2e6, 3e6, 4e6), tokens=(1, 2, 3, 4), gpu_hours=(0, 0, 0, 0)
+    )
+    svg = compute_chart_svg(series, Decimal(400_000_000))
+    assert "(log scale)" in svg and "1% of the declared budget" in svg
+    linear = compute_chart_svg(series, Decimal(8_000_000))
+    assert "(log scale)" not in linear and "50% of the declared budget" in linear
+
+
+def test_hexgroups_groups_only_digests() -> None:
+    from attestations.templatetags.report_format import hexgroups
+
+    digest = "ab" * 32
+    assert hexgroups(f"batch {digest} (matches)") == (
+        f"batch {digest[:16]} {digest[16:32]} {digest[32:48]} {digest[48:]} (matches)"
+    )
+    assert hexgroups("pretraining; 1 program phase(s)") == "pretraining; 1 program phase(s)"
+    assert hexgroups(digest, False) == digest

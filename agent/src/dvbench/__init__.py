@@ -9,6 +9,7 @@ Three lines in a training script::
     proof = experiment.proof(backend="jax")  # a zkdv.jax.ZKDV driver
     proof.start(rolling_window=4, probe_ratio=0.01)
     ...                                      # train with proof.jit
+    proof.save_model(state.params)           # optional: signed weights the certificate binds
     proof.finish()                           # close, upload, clean up
 
 Errors are documented in ``dvbench._exceptions`` and exported here. This package never
@@ -33,6 +34,7 @@ from dvbench._exceptions import (
     UploadError,
 )
 from dvbench._experiment import Experiment, default_spec
+from dvbench._model import ModelMismatchError, SavedModel
 from dvbench._proof import DVBenchProof
 from dvbench._sync import SyncResult
 
@@ -49,10 +51,12 @@ __all__ = [
     "DVBenchError",
     "DVBenchProof",
     "Experiment",
+    "ModelMismatchError",
     "NetworkError",
     "NotFoundError",
     "PermissionDeniedError",
     "RateLimitError",
+    "SavedModel",
     "ServerError",
     "SyncResult",
     "UploadError",

@@ -189,9 +189,13 @@ def cmd_download_report(args: argparse.Namespace) -> int:
             _err("DVBENCH_MODE=offline: unset it to download reports")
             return 1
         bundle = client.download_report(args.proof_id)
+        sigstore = client.download_sigstore_bundle(args.proof_id) if args.sigstore_out else None
         trust_root = client.trust_root() if args.trust_root_out else None
     output.write_bytes(bundle)
     _out(f"saved the report bundle of proof {args.proof_id} to {output}")
+    if sigstore is not None:
+        Path(args.sigstore_out).write_bytes(sigstore)
+        _out(f"saved the certificate as a Sigstore bundle v0.3 to {args.sigstore_out}")
     if trust_root is not None:
         Path(args.trust_root_out).write_bytes(trust_root)
         _out(
@@ -286,6 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--trust-root-out",
         metavar="FILE",
         help="also save the platform's current trust root (pin it; verify-report needs one)",
+    )
+    download.add_argument(
+        "--sigstore-out",
+        metavar="FILE",
+        help="also save the certificate as a Sigstore bundle v0.3 (e.g. proof.sigstore.json)",
     )
     download.set_defaults(handler=cmd_download_report)
 

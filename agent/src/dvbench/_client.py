@@ -438,6 +438,17 @@ class Client:
         """
         return self.request("GET", f"proofs/{int(proof_id)}/bundle/").content
 
+    def download_sigstore_bundle(self, proof_id: int) -> bytes:
+        """The same certificate as a Sigstore bundle v0.3 (JSON bytes).
+
+        ``dvbench verify-report`` verifies it too; see ``docs/certificates.md`` for what
+        Sigstore's own tools can check of it.
+
+        Raises:
+            NotFoundError: as :meth:`download_report`.
+        """
+        return self.request("GET", f"proofs/{int(proof_id)}/sigstore-bundle/").content
+
     def trust_root(self, version: int | None = None) -> bytes:
         """The platform's published trust root (JSON bytes), latest or a given ``version``.
 

@@ -4,7 +4,8 @@ The returned object's class is created once per backend driver class as
 ``type(name, (DVBenchProof, zkdv.jax.ZKDV), {})``: it *is* a ``zkdv.jax.ZKDV`` (every
 method, ``isinstance`` check and TrainState identity check behaves as documented), and
 :class:`DVBenchProof` only adds :meth:`~DVBenchProof.finish`, a background uploader
-started by ``start()``, and the binding of the transcript to the experiment.
+started by ``start()``, :meth:`~DVBenchProof.save_model` for the final weights, and the
+binding of the transcript to the experiment.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dvbench._sync import TRANSCRIPT, Manifest, SyncResult, Uploader, release
 
 if TYPE_CHECKING:
     from dvbench._experiment import Experiment
+    from dvbench._model import SavedModel
     from zkdv.config import ZKDVConfig
 
 __all__ = ["DVBenchProof", "create_proof", "runs_dir"]
@@ -160,6 +162,108 @@ class DVBenchProof:
         # owns the tape and uploads it.
         return bool(getattr(self, "follower", False))
 
+    def _close_transcript(self) -> None:
+        """Close the driver once (waiting for every commitment) and mark the manifest."""
+        state = self._dvbench
+        if state.closed:
+            return
+        try:
+            self.close()
+        finally:
+            # Stopped before the manifest changes hands: from here on only this thread
+            # writes it.
+            state.stop_background()
+        state.closed = True
+        state.manifest.update(
+            finished=True,
+            steps=self.steps,
+            digest=self.digest.hex() if self.digest else None,
+        )
+
+    def save_model(
+        self, params: Any, directory: str | os.PathLike[str] | None = None
+    ) -> SavedModel | None:
+        """Save the final parameters as safetensors, signed in the OpenSSF format; before finish().
+
+        Closes the transcript (as ``finish()`` would: it waits for every commitment),
+        then writes ``model/model.safetensors`` into the proof directory with the
+        tensors named and ordered as the transcript's parameter schema, checks that they
+        commit to the close record's final parameter root, and signs the file with
+        ``model_signing`` (``model/model.sig``, ``model/model-signing.pub``; see
+        :mod:`dvbench._model`). ``finish()`` then uploads the three with the proof, and
+        the certificate binds the file's SHA-256 and the signed manifest's digest.
+
+        Args:
+            params: the final parameters: a JAX PyTree (``state.params``) or a
+                ``torch.nn.Module`` (its ``named_parameters()``), as trained.
+            directory: also copy the three files there (what you publish).
+
+        Returns:
+            What was written; None on a follower rank of a multi-process run (rank 0
+            saves the model).
+
+        Raises:
+            ModelMismatchError: ``params`` are not the parameters the transcript's final
+                state commits (another tree, or values changed after the last step).
+            ImportError: ``model_signing`` is not installed (``dvbench[signing]``).
+        """
+        from dvbench._model import (
+            MODEL_DIR,
+            MODEL_FILE,
+            ModelMismatchError,
+            SavedModel,
+            check_final_parameters,
+            copy_model,
+            sign_model,
+            write_safetensors,
+        )
+        from dvbench._sync import sha256_file
+        from dvbench.attest import model_signature_subject
+
+        if self._dvbench_follower:
+            return None
+        with self._dvbench.lock:
+            self._close_transcript()
+        root, close = _root_and_close(self.directory / TRANSCRIPT)
+        specs = list((root.get("schema") or {}).get("params") or [])
+        arrays = _parameter_arrays(params, str(self._dvbench.manifest.data.get("backend")))
+        if len(arrays) != len(specs):
+            raise ModelMismatchError(
+                f"params has {len(arrays)} leaves; the transcript's parameter schema has "
+                f"{len(specs)} ({', '.join(str(s.get('path')) for s in specs[:4])}, ...)"
+            )
+        value = (close.get("final") or {}).get("p")
+        final = value.hex() if isinstance(value, bytes) else str(value or "")
+        path = self.directory / MODEL_DIR / MODEL_FILE
+        write_safetensors(
+            path,
+            [(str(spec["path"]), array) for spec, array in zip(specs, arrays, strict=True)],
+            metadata={
+                "zkdv.experiment": self.experiment.name,
+                "zkdv.transcript_digest": self.digest.hex() if self.digest else "",
+                "zkdv.final_parameter_root": final,
+            },
+        )
+        from zkdv.config import ZKDVConfig
+
+        chunk = ZKDVConfig.from_dict(root["config"]).chunk_bytes
+        try:
+            with open(path, "rb") as handle:
+                check_final_parameters(
+                    handle, path.stat().st_size, specs=specs, chunk_bytes=chunk, final_root=final
+                )
+        except ModelMismatchError:
+            path.unlink(missing_ok=True)
+            raise
+        signature, public_key = sign_model(path)
+        _, manifest = model_signature_subject(signature.read_bytes())
+        saved = SavedModel(path, signature, public_key, sha256_file(path), manifest)
+        if directory is not None:
+            saved = SavedModel(
+                path, signature, public_key, saved.sha256, manifest, copy_model(saved, directory)
+            )
+        return saved
+
     def finish(self) -> SyncResult:
         """Close the driver, upload the proof, release temporary storage.
 
@@ -184,19 +288,7 @@ class DVBenchProof:
         with state.lock:
             if state.result is not None and (state.result.complete or state.result.offline):
                 return state.result
-            if not state.closed:
-                try:
-                    self.close()
-                finally:
-                    # Stopped before the manifest changes hands: from here on only this
-                    # thread writes it.
-                    state.stop_background()
-                state.closed = True
-                state.manifest.update(
-                    finished=True,
-                    steps=self.steps,
-                    digest=self.digest.hex() if self.digest else None,
-                )
+            self._close_transcript()
             state.stop_background()
             directory = self.directory
             if not (directory / TRANSCRIPT).exists():
@@ -254,6 +346,39 @@ class DVBenchProof:
             self.close()
         except Exception:
             log.warning("dvbench: closing the proof after an error failed too", exc_info=True)
+
+
+def _root_and_close(records: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The transcript's root and close records."""
+    from zkdv.records import iter_records
+
+    root: dict[str, Any] = {}
+    close: dict[str, Any] = {}
+    for record in iter_records(records):
+        data = record.data
+        if data.get("t") == "root":
+            root = data
+        elif data.get("t") == "close":
+            close = data
+    if not root or not close:
+        raise DVBenchError(f"{records} has no root or close record; the run did not finish")
+    return root, close
+
+
+def _parameter_arrays(params: Any, backend: str) -> list[Any]:
+    """Host arrays of the parameters, in the order the frontend commits them."""
+    import numpy as np
+
+    if backend == "torch" or hasattr(params, "named_parameters"):
+        from zkdv.torch.eager import host_array
+
+        if not hasattr(params, "named_parameters"):
+            raise TypeError("with backend='torch', save_model takes the torch.nn.Module trained")
+        # zkdv.torch commits named_parameters() order, tied parameters once (as it lists them).
+        return [host_array(parameter) for _, parameter in params.named_parameters()]
+    import jax
+
+    return [np.asarray(jax.device_get(leaf)) for leaf in jax.tree.leaves(params)]
 
 
 _CLASSES: dict[type[Any], type[Any]] = {}

@@ -99,6 +99,10 @@ def kind_of(relative: str) -> str | None:
         return None
     if relative == "probes.bin" or name.startswith("program."):
         return "artifact"
+    # The final model (DVBenchProof.save_model): weights, signature, public key.
+    model_file = name.endswith(".safetensors") or name in ("model.sig", "model-signing.pub")
+    if relative.startswith("model/") and relative.count("/") == 1 and model_file:
+        return "artifact"
     return None
 
 
@@ -344,6 +348,9 @@ class Uploader:
             found += sorted(
                 p.name for p in self.directory.iterdir() if p.is_file() and p.name != TRANSCRIPT
             )
+            model_dir = self.directory / "model"
+            if model_dir.is_dir():
+                found += sorted(f"model/{p.name}" for p in model_dir.iterdir() if p.is_file())
             if (self.directory / TRANSCRIPT).is_file():
                 found.append(TRANSCRIPT)
         return [name for name in found if kind_of(name) is not None]

@@ -15,6 +15,9 @@ EXPECTED = {
     "DIGEST_TRANSCRIPT", "EMPTY_ROOT", "ENV_SIGNING_KEY", "MAX_CLOCK_SKEW",
     "PAYLOAD_TYPE_INTOTO", "PREDICATE_TYPE_TRAINING", "STATEMENT_TYPE",
     "SUBJECT_PARAMETERS", "SUBJECT_TRANSCRIPT", "TRUST_ROOT_SCHEMA",
+    "DIGEST_SHA256", "MODEL_SIGNATURE_FILE", "PREDICATE_TYPE_MODEL_SIGNING",
+    "SIGSTORE_BUNDLE_MEDIA_TYPE", "SIGSTORE_ENTRY_KIND", "SUBJECT_MODEL_SIGNING_PREFIX",
+    "SUBJECT_TRANSCRIPT_FILE",
     # errors
     "AttestationError", "BundleMismatchError", "InvalidProofError", "InvalidSignatureError",
     "KeyConfigurationError", "KeyNotValidError", "MalformedInputError",
@@ -23,16 +26,16 @@ EXPECTED = {
     "Envelope", "EnvelopeSignature", "pae", "sign_envelope", "verify_envelope",
     # in-toto
     "Claim", "Evidence", "LogEntryRef", "ReplayEvidence", "Result", "Statement", "Subject",
-    "TrainingCertificate",
+    "TrainingCertificate", "model_signature_subject",
     # keys
     "Signer", "SigningKey", "TrustRoot", "TrustedKey", "key_id", "load_signing_key",
     # log
     "Checkpoint", "MerkleTree", "consistency_proof", "inclusion_proof", "leaf_hash",
     "node_hash", "root_hash", "sign_checkpoint", "verify_checkpoint", "verify_consistency",
-    "verify_inclusion",
+    "verify_inclusion", "note_key_id", "note_verifier_key", "parse_note_verifier_key",
     # bundle
     "BundleVerification", "envelope_leaf", "envelope_leaf_hash", "make_bundle",
-    "sign_certificate", "verify_bundle", "verify_certificate",
+    "sign_certificate", "verify_bundle", "verify_certificate", "make_sigstore_bundle",
 }  # fmt: skip
 
 

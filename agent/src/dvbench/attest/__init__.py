@@ -9,7 +9,10 @@ with it and ``dvbench verify-report`` checks with it, on a laptop with no networ
 * Ed25519 keys with SPKI key ids and a versioned :class:`TrustRoot` whose keys rotate
   with validity windows, judged at the signed time;
 * the RFC 9162 transparency log's Merkle math and C2SP-style signed checkpoints;
-* the offline report bundle (:func:`make_bundle`, :func:`verify_bundle`).
+* the offline report bundle (:func:`make_bundle`, :func:`verify_bundle`), and the same
+  certificate as a Sigstore bundle v0.3 (:func:`make_sigstore_bundle`; ``verify_bundle``
+  reads both);
+* the log key as a C2SP signed-note verifier key (:func:`note_verifier_key`).
 
 A round trip::
 
@@ -58,12 +61,17 @@ from dvbench.attest._errors import (
     UnknownKeyError,
 )
 from dvbench.attest._intoto import (
+    DIGEST_SHA256,
     DIGEST_STATE_ROOT,
     DIGEST_TRANSCRIPT,
+    MODEL_SIGNATURE_FILE,
+    PREDICATE_TYPE_MODEL_SIGNING,
     PREDICATE_TYPE_TRAINING,
     STATEMENT_TYPE,
+    SUBJECT_MODEL_SIGNING_PREFIX,
     SUBJECT_PARAMETERS,
     SUBJECT_TRANSCRIPT,
+    SUBJECT_TRANSCRIPT_FILE,
     Claim,
     Evidence,
     LogEntryRef,
@@ -72,6 +80,7 @@ from dvbench.attest._intoto import (
     Statement,
     Subject,
     TrainingCertificate,
+    model_signature_subject,
 )
 from dvbench.attest._keys import (
     ALGORITHM_ED25519,
@@ -84,6 +93,12 @@ from dvbench.attest._keys import (
     TrustRoot,
     key_id,
     load_signing_key,
+)
+from dvbench.attest._note import note_key_id, note_verifier_key, parse_note_verifier_key
+from dvbench.attest._sigstore import (
+    SIGSTORE_BUNDLE_MEDIA_TYPE,
+    SIGSTORE_ENTRY_KIND,
+    make_sigstore_bundle,
 )
 from dvbench.attest._translog import (
     EMPTY_ROOT,
@@ -104,16 +119,23 @@ __all__ = [
     "ALGORITHM_ED25519",
     "BUNDLE_FORMAT",
     "DEFAULT_KEY_FILENAME",
+    "DIGEST_SHA256",
     "DIGEST_STATE_ROOT",
     "DIGEST_TRANSCRIPT",
     "EMPTY_ROOT",
     "ENV_SIGNING_KEY",
     "MAX_CLOCK_SKEW",
+    "MODEL_SIGNATURE_FILE",
     "PAYLOAD_TYPE_INTOTO",
+    "PREDICATE_TYPE_MODEL_SIGNING",
     "PREDICATE_TYPE_TRAINING",
+    "SIGSTORE_BUNDLE_MEDIA_TYPE",
+    "SIGSTORE_ENTRY_KIND",
     "STATEMENT_TYPE",
+    "SUBJECT_MODEL_SIGNING_PREFIX",
     "SUBJECT_PARAMETERS",
     "SUBJECT_TRANSCRIPT",
+    "SUBJECT_TRANSCRIPT_FILE",
     "TRUST_ROOT_SCHEMA",
     "AttestationError",
     "BundleMismatchError",
@@ -149,8 +171,13 @@ __all__ = [
     "leaf_hash",
     "load_signing_key",
     "make_bundle",
+    "make_sigstore_bundle",
+    "model_signature_subject",
     "node_hash",
+    "note_key_id",
+    "note_verifier_key",
     "pae",
+    "parse_note_verifier_key",
     "root_hash",
     "sign_certificate",
     "sign_checkpoint",

@@ -25,6 +25,7 @@ root and optionally the transcript file; it never touches the network.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -50,8 +51,18 @@ from dvbench.attest._errors import (
     SubjectMismatchError,
     UnknownKeyError,
 )
-from dvbench.attest._intoto import Statement, TrainingCertificate, certificate_time
+from dvbench.attest._intoto import (
+    MODEL_SIGNATURE_FILE,
+    SUBJECT_MODEL_SIGNING_PREFIX,
+    SUBJECT_TRANSCRIPT_FILE,
+    Statement,
+    TrainingCertificate,
+    certificate_time,
+    model_signature_subject,
+)
 from dvbench.attest._keys import Signer, TrustedKey, TrustRoot
+from dvbench.attest._note import note_key_id
+from dvbench.attest._sigstore import read_sigstore_bundle
 from dvbench.attest._translog import Checkpoint, leaf_hash, verify_checkpoint, verify_inclusion
 
 __all__ = [
@@ -187,6 +198,7 @@ class BundleVerification:
     checkpoint: Checkpoint | None = None
     keyid: str | None = None
     transcript_checked: bool = False
+    model_checked: tuple[str, ...] = ()
 
     def summary(self) -> str:
         """One line for people."""
@@ -201,6 +213,8 @@ class BundleVerification:
         )
         if self.transcript_checked:
             text += " (matches the local transcript)"
+        if self.model_checked:
+            text += "; model: " + ", ".join(self.model_checked)
         return text
 
     def to_dict(self) -> dict[str, Any]:
@@ -212,6 +226,7 @@ class BundleVerification:
             "message": self.message,
             "keyid": self.keyid,
             "transcript_checked": self.transcript_checked,
+            "model_checked": list(self.model_checked),
             "statement": None if certificate is None else certificate.to_statement().to_dict(),
             "checkpoint": None
             if self.checkpoint is None
@@ -268,117 +283,271 @@ def _transcript_digest(path: str | os.PathLike[str]) -> str:
     return report.digest
 
 
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _check_transcript(certificate: TrainingCertificate, path: str | os.PathLike[str]) -> None:
+    digest = _transcript_digest(path)
+    if digest != certificate.transcript_digest:
+        raise SubjectMismatchError(
+            f"transcript {path} has digest {digest}, the certificate's subject is "
+            f"{certificate.transcript_digest}"
+        )
+    signed = certificate.sha256_subject(SUBJECT_TRANSCRIPT_FILE)
+    if signed is None:
+        return  # certificates issued before the sha256 subject existed
+    location = Path(path)
+    records = location / SUBJECT_TRANSCRIPT_FILE if location.is_dir() else location
+    actual = _sha256_file(records)
+    if actual != signed:
+        raise SubjectMismatchError(
+            f"{records} has sha256 {actual}, the certificate's {SUBJECT_TRANSCRIPT_FILE} "
+            f"subject is {signed}"
+        )
+
+
+def _check_model(certificate: TrainingCertificate, path: str | os.PathLike[str]) -> list[str]:
+    """Check a model file (or a folder of them, with ``model.sig``) against the subjects.
+
+    Returns:
+        What was checked, one line each.
+    """
+    location = Path(path)
+    if not location.exists():
+        raise SubjectMismatchError(f"model {location} does not exist")
+    folder = location if location.is_dir() else location.parent
+    files = (
+        sorted(p for p in location.iterdir() if p.suffix == ".safetensors")
+        if location.is_dir()
+        else [location]
+    )
+    if not files:
+        raise SubjectMismatchError(f"{location} holds no .safetensors file")
+    checked: list[str] = []
+    for file in files:
+        signed = certificate.sha256_subject(file.name)
+        if signed is None:
+            raise SubjectMismatchError(
+                f"the certificate binds no model file named {file.name!r} (its subjects: "
+                f"{', '.join(s.name for s in certificate.extra_subjects) or 'none'})"
+            )
+        actual = _sha256_file(file)
+        if actual != signed:
+            raise SubjectMismatchError(
+                f"{file} has sha256 {actual}, the certificate's subject {file.name!r} is {signed}"
+            )
+        checked.append(f"{file.name} sha256 {actual}")
+    signature = folder / MODEL_SIGNATURE_FILE
+    if signature.is_file():
+        name, manifest = model_signature_subject(signature.read_bytes())
+        signed = certificate.sha256_subject(f"{SUBJECT_MODEL_SIGNING_PREFIX}{name}")
+        if signed is None or signed != manifest:
+            raise SubjectMismatchError(
+                f"{signature} signs the model_signing manifest sha256 {manifest} of {name!r}; "
+                f"the certificate binds {signed or 'no model_signing manifest of that name'}"
+            )
+        checked.append(f"{signature.name} manifest sha256 {manifest}")
+    return checked
+
+
+def _check_log(
+    certificate: TrainingCertificate,
+    envelope: object,
+    *,
+    log_index: int,
+    tree_size: int,
+    hashes: Sequence[bytes],
+    checkpoint: Checkpoint,
+    moment: datetime,
+) -> None:
+    """Checks 8-10 of the module docstring: the log entry proves this certificate."""
+    if checkpoint.origin != certificate.log.origin:
+        raise BundleMismatchError(
+            f"checkpoint is from log {checkpoint.origin!r}, the certificate from {certificate.log.origin!r}"
+        )
+    if log_index != certificate.log.index:
+        raise BundleMismatchError(
+            f"inclusion proof is for log index {log_index}, the certificate is entry {certificate.log.index}"
+        )
+    if tree_size != checkpoint.tree_size:
+        raise BundleMismatchError(
+            f"inclusion proof is for tree size {tree_size}, the checkpoint for {checkpoint.tree_size}"
+        )
+    for position, value in enumerate(hashes):
+        if len(value) != 32:
+            raise MalformedInputError(f"inclusion proof hash {position} is not 32 bytes")
+    verify_inclusion(
+        envelope_leaf_hash(envelope),  # type: ignore[arg-type]
+        log_index,
+        tree_size,
+        hashes,
+        checkpoint.root_hash,
+    )
+    if certificate.issued_at > checkpoint.timestamp:
+        raise BundleMismatchError(
+            f"certificate issued {format_time(certificate.issued_at)} after the checkpoint that "
+            f"includes it ({format_time(checkpoint.timestamp)})"
+        )
+    if checkpoint.timestamp > moment + MAX_CLOCK_SKEW:
+        raise BundleMismatchError(
+            f"checkpoint time {format_time(checkpoint.timestamp)} is in the future "
+            f"(now {format_time(moment)})"
+        )
+
+
+def _report_bundle(
+    document: Mapping[str, Any], trust_root: TrustRoot, moment: datetime, state: dict[str, Any]
+) -> TrainingCertificate:
+    document = obj(
+        document,
+        "bundle",
+        required=("format", "envelope", "inclusion_proof", "checkpoint", "trust_root"),
+    )
+    if document["format"] != BUNDLE_FORMAT:
+        raise MalformedInputError(
+            f"bundle.format must be {BUNDLE_FORMAT!r}, got {document['format']!r:.80}"
+        )
+    proof = obj(
+        document["inclusion_proof"],
+        "bundle.inclusion_proof",
+        required=("log_index", "tree_size", "hashes"),
+    )
+    log_index = integer(proof["log_index"], "bundle.inclusion_proof.log_index")
+    tree_size = integer(proof["tree_size"], "bundle.inclusion_proof.tree_size")
+    hashes = [
+        hex_decode(value, f"bundle.inclusion_proof.hashes[{index}]", size=32)
+        for index, value in enumerate(array(proof["hashes"], "bundle.inclusion_proof.hashes"))
+    ]
+    certificate, key = _verify_certificate(document["envelope"], trust_root)
+    state.update(certificate=certificate, keyid=key.keyid)
+    _check_trust_root_copy(document["trust_root"], certificate, trust_root)
+    checkpoint = verify_checkpoint(document["checkpoint"], trust_root)
+    state["checkpoint"] = checkpoint
+    _check_log(
+        certificate,
+        document["envelope"],
+        log_index=log_index,
+        tree_size=tree_size,
+        hashes=hashes,
+        checkpoint=checkpoint,
+        moment=moment,
+    )
+    return certificate
+
+
+def _sigstore_bundle(
+    document: Mapping[str, Any], trust_root: TrustRoot, moment: datetime, state: dict[str, Any]
+) -> TrainingCertificate:
+    envelope, entry = read_sigstore_bundle(document)
+    certificate, key = _verify_certificate(envelope, trust_root)
+    state.update(certificate=certificate, keyid=key.keyid)
+    if entry.hint != key.keyid:
+        raise BundleMismatchError(
+            f"verificationMaterial.publicKey.hint names key {entry.hint:.80}, the envelope is "
+            f"signed by {key.keyid}"
+        )
+    checkpoint = verify_checkpoint(entry.checkpoint, trust_root)
+    state["checkpoint"] = checkpoint
+    if entry.body != envelope_leaf(envelope):  # type: ignore[arg-type]
+        raise BundleMismatchError(
+            "tlogEntries[0].canonicalizedBody is not the canonical JSON of the bundle's "
+            "dsseEnvelope (the log leaf)"
+        )
+    if entry.log_id != note_key_id(checkpoint.origin, key.public_key):
+        raise BundleMismatchError(
+            "tlogEntries[0].logId.keyId is not the signed-note key ID of the log's key "
+            f"(SHA-256 of {checkpoint.origin!r}, 0x0A, 0x01 and key {key.keyid})"
+        )
+    if entry.root_hash != checkpoint.root_hash:
+        raise BundleMismatchError(
+            "tlogEntries[0].inclusionProof.rootHash is not the signed checkpoint's root hash"
+        )
+    if entry.integrated_time != checkpoint.timestamp:
+        raise BundleMismatchError(
+            f"tlogEntries[0].integratedTime ({format_time(entry.integrated_time)}) is not the "
+            f"signed checkpoint's time ({format_time(checkpoint.timestamp)})"
+        )
+    _check_log(
+        certificate,
+        envelope,
+        log_index=entry.log_index,
+        tree_size=entry.tree_size,
+        hashes=entry.hashes,
+        checkpoint=checkpoint,
+        moment=moment,
+    )
+    return certificate
+
+
 def verify_bundle(
     bundle: Mapping[str, Any] | bytes | str,
     trust_root: TrustRoot,
     *,
     transcript_path: str | os.PathLike[str] | None = None,
+    model_path: str | os.PathLike[str] | None = None,
     now: datetime | None = None,
 ) -> BundleVerification:
-    """Verify an offline report bundle; never raises for bad bundle data.
+    """Verify a report bundle or a Sigstore bundle offline; never raises for bad data.
 
+    The format is read from the document: a ``mediaType`` field makes it a Sigstore
+    bundle (``dvbench.attest._sigstore``), anything else is read as a report bundle.
     Checks, in order: the bundle's shape; the certificate's DSSE signature by a key of
     ``trust_root``, valid at the certificate's signed ``issuedOn``; the certificate's
-    schema; that the bundle's trust root is the one the certificate names and agrees
-    with ``trust_root``; the checkpoint's signature, by a key valid at its timestamp;
-    that checkpoint and certificate name the same log and the proof the same entry; the
-    inclusion of the envelope's leaf under the checkpoint's root; that the certificate
-    precedes the checkpoint and neither lies in the future; and, with
-    ``transcript_path``, that the transcript verifies and its digest is the subject's.
+    schema; (report bundles) that the bundle's trust root is the one the certificate
+    names and agrees with ``trust_root``; (Sigstore bundles) that the key hint, the log
+    leaf, the log id, the root hash and the integrated time agree with the verified
+    envelope and checkpoint; the checkpoint's signature, by a key valid at its
+    timestamp; that checkpoint and certificate name the same log and the proof the same
+    entry; the inclusion of the envelope's leaf under the checkpoint's root; that the
+    certificate precedes the checkpoint and neither lies in the future; with
+    ``transcript_path``, that the transcript verifies and its digest (and the file's
+    SHA-256, when the certificate binds one) is the subject's; with ``model_path``, that
+    each model file's SHA-256 and the ``model.sig`` beside it are what the certificate binds.
 
     Args:
         bundle: the bundle as parsed JSON, or its JSON bytes or text.
         trust_root: the auditor's trust root (never the bundle's own copy).
         transcript_path: a proof directory or ``records.cborl`` to compare.
+        model_path: a model file, or a folder of ``.safetensors`` files and ``model.sig``.
         now: the verifier's clock (default: the system clock).
 
     Returns:
         The outcome, with the reason for a failure.
     """
     moment = to_seconds(now if now is not None else datetime.now(UTC))
-    certificate: TrainingCertificate | None = None
-    checkpoint: Checkpoint | None = None
-    keyid: str | None = None
+    state: dict[str, Any] = {}
+    checked = False
+    model_checked: list[str] = []
     try:
         data = parse_json(bundle, "bundle") if isinstance(bundle, bytes | str) else bundle
-        document = obj(
-            data,
-            "bundle",
-            required=("format", "envelope", "inclusion_proof", "checkpoint", "trust_root"),
-        )
-        if document["format"] != BUNDLE_FORMAT:
-            raise MalformedInputError(
-                f"bundle.format must be {BUNDLE_FORMAT!r}, got {document['format']!r:.80}"
-            )
-        proof = obj(
-            document["inclusion_proof"],
-            "bundle.inclusion_proof",
-            required=("log_index", "tree_size", "hashes"),
-        )
-        log_index = integer(proof["log_index"], "bundle.inclusion_proof.log_index")
-        tree_size = integer(proof["tree_size"], "bundle.inclusion_proof.tree_size")
-        hashes = [
-            hex_decode(value, f"bundle.inclusion_proof.hashes[{index}]", size=32)
-            for index, value in enumerate(array(proof["hashes"], "bundle.inclusion_proof.hashes"))
-        ]
-
-        certificate, key = _verify_certificate(document["envelope"], trust_root)
-        keyid = key.keyid
-        _check_trust_root_copy(document["trust_root"], certificate, trust_root)
-        checkpoint = verify_checkpoint(document["checkpoint"], trust_root)
-
-        if checkpoint.origin != certificate.log.origin:
-            raise BundleMismatchError(
-                f"checkpoint is from log {checkpoint.origin!r}, the certificate from {certificate.log.origin!r}"
-            )
-        if log_index != certificate.log.index:
-            raise BundleMismatchError(
-                f"inclusion proof is for log index {log_index}, the certificate is entry {certificate.log.index}"
-            )
-        if tree_size != checkpoint.tree_size:
-            raise BundleMismatchError(
-                f"inclusion proof is for tree size {tree_size}, the checkpoint for {checkpoint.tree_size}"
-            )
-        verify_inclusion(
-            envelope_leaf_hash(document["envelope"]),
-            log_index,
-            tree_size,
-            hashes,
-            checkpoint.root_hash,
-        )
-        if certificate.issued_at > checkpoint.timestamp:
-            raise BundleMismatchError(
-                f"certificate issued {format_time(certificate.issued_at)} after the checkpoint that "
-                f"includes it ({format_time(checkpoint.timestamp)})"
-            )
-        if checkpoint.timestamp > moment + MAX_CLOCK_SKEW:
-            raise BundleMismatchError(
-                f"checkpoint time {format_time(checkpoint.timestamp)} is in the future "
-                f"(now {format_time(moment)})"
-            )
-
-        checked = False
+        if isinstance(data, Mapping) and "mediaType" in data:
+            certificate = _sigstore_bundle(data, trust_root, moment, state)
+        else:
+            certificate = _report_bundle(data, trust_root, moment, state)
         if transcript_path is not None:
-            digest = _transcript_digest(transcript_path)
-            if digest != certificate.transcript_digest:
-                raise SubjectMismatchError(
-                    f"transcript {transcript_path} has digest {digest}, the certificate's subject is "
-                    f"{certificate.transcript_digest}"
-                )
+            _check_transcript(certificate, transcript_path)
             checked = True
+        if model_path is not None:
+            model_checked = _check_model(certificate, model_path)
     except AttestationError as error:
         return BundleVerification(
             ok=False,
             reason=error.reason,
             message=error.message,
-            certificate=certificate,
-            checkpoint=checkpoint,
-            keyid=keyid,
+            certificate=state.get("certificate"),
+            checkpoint=state.get("checkpoint"),
+            keyid=state.get("keyid"),
         )
     return BundleVerification(
         ok=True,
         certificate=certificate,
-        checkpoint=checkpoint,
-        keyid=keyid,
+        checkpoint=state["checkpoint"],
+        keyid=state["keyid"],
         transcript_checked=checked,
+        model_checked=tuple(model_checked),
     )

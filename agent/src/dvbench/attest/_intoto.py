@@ -11,8 +11,12 @@ binds a predicate to subjects identified by digests::
 A DVBench certificate's subjects are the transcript (digest ``zkdv-transcript``: the
 ZKDV BLAKE3 hash of the last record, which chains every record before it) and the final
 parameters (digest ``zkdv-state-root``: the Merkle root of the parameter tree in the
-close record). Its predicate, of type :data:`PREDICATE_TYPE_TRAINING`, is documented
-field by field in ``docs/certificates.md``.
+close record). Further subjects carry plain ``sha256`` digests for tools that match
+files by SHA-256: the transcript file as uploaded (:data:`SUBJECT_TRANSCRIPT_FILE`), the
+final model's files when the trainer uploaded them (named as the files), and the
+OpenSSF model-signing manifest of the model (``model_signing/<model name>``). Its
+predicate, of type :data:`PREDICATE_TYPE_TRAINING`, is documented field by field in
+``docs/certificates.md``.
 """
 
 from __future__ import annotations
@@ -39,12 +43,16 @@ from dvbench.attest._encoding import (
 from dvbench.attest._errors import MalformedInputError
 
 __all__ = [
+    "DIGEST_SHA256",
     "DIGEST_STATE_ROOT",
     "DIGEST_TRANSCRIPT",
+    "MODEL_SIGNATURE_FILE",
     "PREDICATE_TYPE_TRAINING",
     "STATEMENT_TYPE",
+    "SUBJECT_MODEL_SIGNING_PREFIX",
     "SUBJECT_PARAMETERS",
     "SUBJECT_TRANSCRIPT",
+    "SUBJECT_TRANSCRIPT_FILE",
     "Claim",
     "Evidence",
     "LogEntryRef",
@@ -61,6 +69,15 @@ SUBJECT_TRANSCRIPT: Final = "zkdv/transcript"
 SUBJECT_PARAMETERS: Final = "zkdv/final-parameters"
 DIGEST_TRANSCRIPT: Final = "zkdv-transcript"
 DIGEST_STATE_ROOT: Final = "zkdv-state-root"
+DIGEST_SHA256: Final = "sha256"
+#: The sha256 subject of the transcript file exactly as uploaded.
+SUBJECT_TRANSCRIPT_FILE: Final = "records.cborl"
+#: ``model_signing/<model name>``: the sha256 subject of an OpenSSF model-signing manifest.
+SUBJECT_MODEL_SIGNING_PREFIX: Final = "model_signing/"
+#: Where the SDK writes the model's OpenSSF model-signing signature, beside the weights.
+MODEL_SIGNATURE_FILE: Final = "model.sig"
+#: The predicate type of an OpenSSF model-signing (``model_signing`` 1.x) statement.
+PREDICATE_TYPE_MODEL_SIGNING: Final = "https://model_signing/signature/v1.0"
 
 _ALGORITHM = re.compile(r"[a-z0-9][a-z0-9-]*")
 _HEX_DIGEST = re.compile(r"(?:[0-9a-f]{2})+")
@@ -259,7 +276,8 @@ class ReplayEvidence:
     Attributes:
         challenge_seed: the revealed 32-byte seed (hex) from which the steps derive.
         challenged_steps: the replayed step indices, ascending.
-        tolerance: the float tolerance replays were held to, e.g. ``{"rtol": .., "atol": ..}``.
+        tolerance: the float tolerance replays were held to, the transcript's own
+            ``{"abs": .., "rel": ..}``: ``|replayed - committed| <= abs + rel * |committed|``.
     """
 
     challenge_seed: str
@@ -384,6 +402,14 @@ class TrainingCertificate:
             },
         }
 
+    def sha256_subject(self, name: str) -> str | None:
+        """The ``sha256`` digest of the further subject called ``name``, if there is one."""
+        for subject in self.extra_subjects:
+            if subject.name == name:
+                value = subject.digest.get(DIGEST_SHA256)
+                return value if isinstance(value, str) else None
+        return None
+
     def to_statement(self) -> Statement:
         """The in-toto Statement carrying this certificate."""
         subjects = (
@@ -470,6 +496,36 @@ def _single_digest(subject: Subject, algorithm: str) -> str:
     if value is None:
         raise MalformedInputError(f"subject {subject.name!r} has no {algorithm!r} digest")
     return _sha256(value, f"subject {subject.name!r} digest {algorithm}")
+
+
+def model_signature_subject(signature: bytes) -> tuple[str, str]:
+    """The model name and manifest digest an OpenSSF model signature (``model.sig``) signs.
+
+    Reads the in-toto statement inside the signature's Sigstore bundle without checking
+    its signature: that is ``model_signing verify``'s job; the certificate binds the
+    manifest digest, so a signature over another manifest does not match it.
+
+    Raises:
+        SubjectMismatchError: the file is not a model_signing signature.
+    """
+    import base64
+    import json
+
+    from dvbench.attest._errors import SubjectMismatchError
+
+    try:
+        bundle = json.loads(signature)
+        payload = base64.b64decode(bundle["dsseEnvelope"]["payload"], validate=True)
+        statement = json.loads(payload)
+        if statement.get("predicateType") != PREDICATE_TYPE_MODEL_SIGNING:
+            raise ValueError(f"predicateType {statement.get('predicateType')!r}")
+        (subject,) = statement["subject"]
+        name, digest = subject["name"], subject["digest"][DIGEST_SHA256]
+        if not isinstance(name, str) or not isinstance(digest, str):
+            raise ValueError("subject name or digest is not a string")
+    except (ValueError, KeyError, TypeError) as error:
+        raise SubjectMismatchError(f"not an OpenSSF model_signing signature: {error}") from None
+    return name, digest
 
 
 def certificate_time(payload: bytes) -> datetime:

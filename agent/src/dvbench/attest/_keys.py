@@ -64,6 +64,7 @@ from dvbench.attest._errors import (
     MalformedInputError,
     UnknownKeyError,
 )
+from dvbench.attest._note import note_verifier_key, parse_note_verifier_key
 
 __all__ = [
     "ALGORITHM_ED25519",
@@ -396,10 +397,14 @@ class TrustRoot:
     Attributes:
         version: increases by one with every change (rotation, retirement).
         keys: the keys, oldest first.
+        log_origin: the transparency log's name. When set, every key is also given in
+            signed-note's verifier-key format under that name (``note_verifier_key``),
+            for note-compatible tools; None in trust roots published before it existed.
     """
 
     version: int
     keys: tuple[TrustedKey, ...]
+    log_origin: str | None = None
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
@@ -409,9 +414,31 @@ class TrustRoot:
             seen.add(key.keyid)
 
     @classmethod
-    def initial(cls, public_key: Ed25519PublicKey, *, not_before: datetime) -> TrustRoot:
+    def initial(
+        cls, public_key: Ed25519PublicKey, *, not_before: datetime, log_origin: str | None = None
+    ) -> TrustRoot:
         """Version 1, holding one current key."""
-        return cls(version=1, keys=(TrustedKey.from_public_key(public_key, not_before=not_before),))
+        return cls(
+            version=1,
+            keys=(TrustedKey.from_public_key(public_key, not_before=not_before),),
+            log_origin=log_origin,
+        )
+
+    def note_verifier_key(self, keyid: str) -> str:
+        """Key ``keyid`` as a signed-note verifier key named after the log.
+
+        Raises:
+            UnknownKeyError: the trust root does not list the key.
+            ValueError: the trust root names no log origin.
+        """
+        if self.log_origin is None:
+            raise ValueError(f"trust root version {self.version} names no log origin")
+        return note_verifier_key(self.log_origin, self.key(keyid).public_key)
+
+    def with_log_origin(self, origin: str) -> TrustRoot:
+        """The next version, naming ``origin`` as the log (same keys and windows)."""
+        note_verifier_key(origin, self.keys[0].public_key)  # validates the name
+        return replace(self, version=self.version + 1, log_origin=origin)
 
     def key(self, keyid: str) -> TrustedKey:
         """The entry for ``keyid``.
@@ -451,14 +478,14 @@ class TrustRoot:
                 key = replace(key, not_after=moment)
             keys.append(key)
         keys.append(incoming)
-        return TrustRoot(version=self.version + 1, keys=tuple(keys))
+        return TrustRoot(version=self.version + 1, keys=tuple(keys), log_origin=self.log_origin)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema": TRUST_ROOT_SCHEMA,
-            "version": self.version,
-            "keys": [key.to_dict() for key in self.keys],
-        }
+        keys = [key.to_dict() for key in self.keys]
+        if self.log_origin is not None:
+            for entry, key in zip(keys, self.keys, strict=True):
+                entry["note_verifier_key"] = note_verifier_key(self.log_origin, key.public_key)
+        return {"schema": TRUST_ROOT_SCHEMA, "version": self.version, "keys": keys}
 
     def to_json(self) -> bytes:
         """The canonical JSON bytes (what :meth:`digest` hashes)."""
@@ -484,11 +511,27 @@ class TrustRoot:
         entries = array(document["keys"], f"{what}.keys")
         if not entries:
             raise MalformedInputError(f"{what}.keys is empty")
-        keys = tuple(
-            TrustedKey.from_dict(entry, f"{what}.keys[{index}]")
-            for index, entry in enumerate(entries)
-        )
-        return cls(version=version, keys=keys)
+        keys: list[TrustedKey] = []
+        names: set[str | None] = set()
+        for index, entry in enumerate(entries):
+            where = f"{what}.keys[{index}]"
+            plain = dict(entry) if isinstance(entry, Mapping) else entry
+            vkey = plain.pop("note_verifier_key", None) if isinstance(plain, dict) else None
+            key = TrustedKey.from_dict(plain, where)
+            name: str | None = None
+            if vkey is not None:
+                name, public_key = parse_note_verifier_key(vkey, f"{where}.note_verifier_key")
+                if key_id(public_key) != key.keyid:
+                    raise MalformedInputError(
+                        f"{where}.note_verifier_key is another key than {where}.public_key"
+                    )
+            names.add(name)
+            keys.append(key)
+        if len(names) != 1:
+            raise MalformedInputError(
+                f"{what}: every key or none must carry a note_verifier_key, all under one log name"
+            )
+        return cls(version=version, keys=tuple(keys), log_origin=names.pop())
 
     @classmethod
     def from_json(cls, data: bytes | str) -> TrustRoot:

@@ -18,7 +18,15 @@ Checkpoints follow the C2SP ``tlog-checkpoint`` and ``signed-note`` formats
 
 The signature is Ed25519 over the body (the four lines, each ending in a newline). The
 4-byte key hash is ``SHA-256(key name || 0x0A || 0x01 || raw public key)[:4]`` as in
-signed-note for Ed25519; the key name must equal the origin.
+signed-note for Ed25519; the key name must equal the origin, and the trust root spells
+each key as a signed-note verifier key (``dvbench.attest._note``).
+
+Why the ``timestamp`` extension line stays: keys rotate with validity windows, and a
+checkpoint's signature is judged at the time it was signed, which must therefore be
+signed too; it also bounds a certificate's ``issuedOn`` from above (the checkpoint that
+includes it cannot precede it). C2SP tlog-checkpoint allows extension lines after the
+root hash and tells clients to treat unknown ones as opaque, so note and checkpoint
+tools (Go's ``sumdb/note`` and ``sumdb/tlog``, sigstore-python) accept it unchanged.
 """
 
 from __future__ import annotations
@@ -30,7 +38,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Final
 
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from dvbench.attest._encoding import b64decode, b64encode, format_time, parse_time, to_seconds
@@ -43,6 +50,7 @@ from dvbench.attest._errors import (
     UnknownKeyError,
 )
 from dvbench.attest._keys import Signer, TrustRoot
+from dvbench.attest._note import note_key_id
 
 __all__ = [
     "EMPTY_ROOT",
@@ -409,8 +417,7 @@ class Checkpoint:
 
 def _note_key_hash(name: str, public_key: Ed25519PublicKey) -> bytes:
     # C2SP signed-note: key ID = SHA-256(key name || 0x0A || signature type 0x01 || key)[:4].
-    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return hashlib.sha256(name.encode("utf-8") + b"\n\x01" + raw).digest()[:4]
+    return note_key_id(name, public_key)[:4]
 
 
 def sign_checkpoint(checkpoint: Checkpoint, signer: Signer) -> str:

@@ -2,7 +2,10 @@
 
 Usage::
 
-    dvbench verify-report BUNDLE --trust-root FILE [--transcript PATH] [--json]
+    dvbench verify-report BUNDLE --trust-root FILE [--transcript PATH] [--model PATH] [--json]
+
+BUNDLE is the report bundle (``*.bundle.json``) or the same certificate as a Sigstore
+bundle v0.3 (``*.sigstore.json``); the format is read from the file.
 
 Exit status: 0 when every check passes, 1 when the bundle is rejected (the reason is
 printed), 2 for a usage error. Nothing here opens a network connection: the trust root
@@ -30,11 +33,12 @@ def build_parser(prog: str = "dvbench verify-report") -> argparse.ArgumentParser
     """The argument parser, for embedding as a subcommand's help."""
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="Verify a DVBench report bundle offline: the certificate's signature, "
-        "its key's validity at signing time, the transparency-log inclusion against the "
-        "signed checkpoint, and optionally the transcript's digest.",
+        description="Verify a DVBench report bundle or Sigstore bundle offline: the "
+        "certificate's signature, its key's validity at signing time, the transparency-log "
+        "inclusion against the signed checkpoint, and optionally the transcript's digests "
+        "and the final model's files.",
     )
-    parser.add_argument("bundle", type=Path, help="the report bundle (JSON)")
+    parser.add_argument("bundle", type=Path, help="the report bundle or the Sigstore bundle (JSON)")
     parser.add_argument(
         "--trust-root",
         type=Path,
@@ -45,6 +49,12 @@ def build_parser(prog: str = "dvbench verify-report") -> argparse.ArgumentParser
         "--transcript",
         type=Path,
         help="a proof directory or records.cborl whose digest must equal the certificate's subject",
+    )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        help="the final model: a .safetensors file, or a folder of them with model.sig; "
+        "their SHA-256 and the model_signing manifest must be the certificate's subjects",
     )
     parser.add_argument(
         "--require-passed",
@@ -78,7 +88,9 @@ def verify_report_main(argv: Sequence[str] | None = None) -> int:
         )
     except OSError as error:
         return _report_failure(args.json, "malformed", f"cannot read bundle {args.bundle}: {error}")
-    result = verify_bundle(bundle, trust_root, transcript_path=args.transcript)
+    result = verify_bundle(
+        bundle, trust_root, transcript_path=args.transcript, model_path=args.model
+    )
     if args.json:
         print(json.dumps(result.to_dict(), indent=2, sort_keys=True))
     else:
