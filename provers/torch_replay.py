@@ -335,15 +335,23 @@ def exact_environment(root: dict[str, Any]) -> bool:
 
 
 @contextlib.contextmanager
-def _threads(count: Any) -> Iterator[None]:
-    """Run with the training's intra-op thread count: CPU reductions depend on it."""
+def _threads(count: Any, precision: Any = None) -> Iterator[None]:
+    """Run with the training's intra-op thread count and float32 matmul precision.
+
+    CPU reductions are split by the thread count, and a lower matmul precision lets
+    oneDNN use reduced-precision kernels: both change the bits.
+    """
     previous = torch.get_num_threads()
+    previous_precision = torch.get_float32_matmul_precision()
     wanted = count if isinstance(count, int) and count > 0 else previous
     torch.set_num_threads(wanted)
+    if precision in ("highest", "high", "medium"):
+        torch.set_float32_matmul_precision(precision)
     try:
         yield
     finally:
         torch.set_num_threads(previous)
+        torch.set_float32_matmul_precision(previous_precision)
 
 
 def verify_challenge(
@@ -374,7 +382,8 @@ def verify_challenge(
             transition = load_transition(proof_dir)
     except ReplayError as error:
         return ReplayVerdict(ok=False, step=step, reason=error.reason, message=error.message)
-    with _threads((transcript.root.get("env") or {}).get("threads")):
+    env = transcript.root.get("env") or {}
+    with _threads(env.get("threads"), env.get("float32_matmul_precision")):
         verdict = replay(transcript, step=step, through=through, transition=transition)
     if exact if exact is not None else exact_environment(transcript.root):
         verdict = require_exact(verdict)

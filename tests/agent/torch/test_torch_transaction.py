@@ -517,3 +517,28 @@ def test_checkpointing_that_redraws_dropout_is_refused(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=r"sets a random generator's state back"):
         _train(proof, model, optimizer, _batches(1))
     proof.close()
+
+
+def test_a_step_in_eval_mode_or_on_other_threads_is_refused(tmp_path: Path) -> None:
+    # A validation pass between steps must give training mode back, and the thread count
+    # the program was sealed with stays: a replay applies both.
+    proof = _proof(tmp_path)
+    model = _model()
+    model, optimizer = proof.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    _attest(proof)
+    batches = _batches(3)
+    _train(proof, model, optimizer, batches[:1])
+    model.eval()
+    with pytest.raises(RuntimeError, match=r"other settings .* the model is in eval mode"):
+        _train(proof, model, optimizer, batches[1:2])
+    model.train()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        with pytest.raises(RuntimeError, match=rf"threads is {threads + 1}, was {threads}"):
+            _train(proof, model, optimizer, batches[1:2])
+    finally:
+        torch.set_num_threads(threads)
+    _train(proof, model, optimizer, batches[1:])
+    proof.close()
+    assert _verified(tmp_path / "proof").steps == 3

@@ -76,6 +76,11 @@ DISTRIBUTED_SCALER = (
 SEALED = "zkdv.sealed"
 #: HostControl key of the committed run seed (the first transaction only).
 RUN_SEED = "zkdv.rng"
+SETTINGS_CHANGED = (
+    "this step would run under other settings than the sealed attested program, so its "
+    "replay would compute something else: {what}. Keep the settings of the first "
+    "transaction for the whole run"
+)
 FROZEN_CHANGED = (
     "parameters that require gradients changed after attestation ({names}); the attested "
     "program differentiates exactly the parameters that required gradients when it was "
@@ -160,6 +165,8 @@ class ZKDV(Driver):
         self._transactions = 0
         #: Per parameter, whether it required gradients when the program was sealed.
         self._requires_grad: tuple[bool, ...] | None = None
+        #: Threads, matmul precision and train/eval flags when the program was sealed.
+        self._sealed_settings: dict[str, Any] = {}
 
     # --- public frontend API ------------------------------------------------------------
     def prepare(self, *values: Any) -> Any:
@@ -330,6 +337,8 @@ class ZKDV(Driver):
             self._seed_step(transaction, self._transactions)
             return None
         lowered = self._lowered_program
+        if lowered is not None:
+            self._check_settings()
         if lowered is not None and self._world_size == 1:
             # Before anything is committed: a batch the sealed program does not compute.
             lowered.guards.check(
@@ -362,6 +371,40 @@ class ZKDV(Driver):
         transaction.admission = admission
         self._seed_step(transaction, transaction.index)
         return admission
+
+    def _settings(self) -> dict[str, Any]:
+        """What changes the bits the step computes, besides its inputs.
+
+        The thread count (CPU reductions split by it), float32 matmul precision, and
+        every module's training flag (dropout and BatchNorm behave otherwise in eval
+        mode): all fixed by the sealed program and applied by every replay.
+        """
+        model = self._require_prepared_model()
+        return {
+            "threads": torch.get_num_threads(),
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "training": [module.training for module in model.target.modules()],
+        }
+
+    def _check_settings(self) -> None:
+        """Refuse a step that would run under other settings than the sealed program.
+
+        Raises:
+            RuntimeError: :data:`SETTINGS_CHANGED`, naming the setting.
+        """
+        sealed = self._sealed_settings
+        now = self._settings()
+        for name, value in now.items():
+            if value != sealed.get(name):
+                if name == "training":
+                    what = (
+                        "the model is in eval mode; call model.train() after evaluating"
+                        if not any(value)
+                        else "a module's train/eval mode differs from sealing"
+                    )
+                else:
+                    what = f"{name} is {value!r}, was {sealed.get(name)!r}"
+                raise RuntimeError(SETTINGS_CHANGED.format(what=what))
 
     def _seed_step(self, transaction: EagerTransaction, index: int) -> None:
         """Give step ``index``'s random operators their committed seed (this rank's)."""
@@ -694,6 +737,7 @@ class ZKDV(Driver):
         if lowered.program.random and restores:
             raise RuntimeError(rng.RESTORED.format(where=", ".join(sorted(set(restores)))))
         self._lowered_program = lowered
+        self._sealed_settings = self._settings()
         self._run_seed = rng.run_seed() if lowered.program.random else None
         self._program_flops = count_flops(lowered.graph, arguments)
         state_leaves = bridge.leaves(states, parameters)
@@ -730,6 +774,7 @@ class ZKDV(Driver):
         self._env = {
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
             "device": str(device),
             "device_kind": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             # The CPU kernels Torch dispatches to (AVX2, AVX512...): a replay on another
