@@ -219,6 +219,15 @@ class ProbeSet:
         # Half-precision leaves are upcast (exactly); wider ones are rounded to float32.
         return _project(values.astype(np.float32, copy=False), self.matrices[leaf])
 
+    def project_rows(self, leaf: int, rows: np.ndarray) -> np.ndarray:
+        """The probe of already selected float32 rows of ``leaf`` (``(rows, d)``).
+
+        For a frontend that keeps only the probed rows of a pre-update state (and
+        projects ``post_rows - pre_rows`` as the delta): the same arithmetic as
+        :meth:`project`.
+        """
+        return _project(np.asarray(rows, dtype=np.float32), self.matrices[leaf])
+
     def project_all(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         return [self.project(i, array) for i, array in enumerate(arrays)]
 

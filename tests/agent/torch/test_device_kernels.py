@@ -106,3 +106,21 @@ def test_device_probes_are_the_host_probes_bit_for_bit() -> None:
     assert flat.size == probes.floats == device.floats
     for leaf, (want, got) in enumerate(zip(host, device.split(flat), strict=True)):
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), leaf
+
+
+def test_delta_probes_of_kept_rows_match_the_host() -> None:
+    # The Torch driver keeps the pre-update rows (the optimizer steps in place) and
+    # commits the probe of post_rows - pre_rows as the delta.
+    generator = torch.Generator().manual_seed(4)
+    before = [torch.randn(100, 40, generator=generator), torch.randn(9, generator=generator)]
+    after = [t + 1e-3 * torch.randn(t.shape, generator=generator) for t in before]
+    specs = [LeafSpec.of(str(i), t.numpy()) for i, t in enumerate(before)]
+    probes = ProbeSet.create(specs, 0.1, b"seed" * 4)
+    device = DeviceProbes(probes, DEVICE)
+    pre = device.select([t.to(DEVICE) for t in before])
+    post = device.select([t.to(DEVICE) for t in after])
+    flat = device.project_rows([b - a for a, b in zip(pre, post, strict=True)]).cpu().numpy()
+    for leaf, got in enumerate(device.split(flat)):
+        rows = [r.cpu().numpy() for r in (pre[leaf], post[leaf])]
+        want = probes.project_rows(leaf, rows[1] - rows[0])
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), leaf

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,17 +49,25 @@ class TransferLog:
 
     Kinds: ``"batch"``, ``"roots"``, ``"probes"``, ``"values"`` (challenged
     coordinates), ``"snapshot"`` (a replay snapshot's copy) and, on the host path,
-    ``"state"`` (the post-update state and deltas read for hashing).
+    ``"state"`` (the post-update state and deltas read for hashing). The last
+    ``keep`` steps are kept individually; :meth:`totals` covers the whole run.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keep: int = 4096) -> None:
         self._lock = threading.Lock()
-        self._steps: dict[int, dict[str, int]] = {}
+        self._keep = keep
+        self._steps: OrderedDict[int, dict[str, int]] = OrderedDict()
+        self._totals: dict[str, int] = {}
 
     def add(self, step: int, kind: str, nbytes: int) -> None:
         with self._lock:
-            kinds = self._steps.setdefault(step, {})
+            kinds = self._steps.get(step)
+            if kinds is None:
+                kinds = self._steps[step] = {}
+                while len(self._steps) > self._keep:
+                    self._steps.popitem(last=False)
             kinds[kind] = kinds.get(kind, 0) + int(nbytes)
+            self._totals[kind] = self._totals.get(kind, 0) + int(nbytes)
 
     def fetch(self, step: int, kind: str, value: Any) -> Any:
         """``jax.device_get(value)``, counted. An explicit read: allowed under a
@@ -68,12 +77,17 @@ class TransferLog:
         return host
 
     def step(self, step: int) -> dict[str, int]:
-        """``{kind: bytes}`` read for ``step``."""
+        """``{kind: bytes}`` read for ``step`` (one of the last ``keep`` steps)."""
         with self._lock:
             return dict(self._steps.get(step, {}))
 
     def total(self, step: int) -> int:
         return sum(self.step(step).values())
+
+    def totals(self) -> dict[str, int]:
+        """``{kind: bytes}`` over the whole run."""
+        with self._lock:
+            return dict(self._totals)
 
 
 class DeviceCommitter:
@@ -81,13 +95,16 @@ class DeviceCommitter:
 
     Args:
         chunk_bytes: the run's Merkle chunk size.
+        log: where reads back to the host are counted.
         schedule: layout of the hashing program; by backend when None.
     """
 
-    def __init__(self, chunk_bytes: int, schedule: Schedule | None = None) -> None:
+    def __init__(
+        self, chunk_bytes: int, log: TransferLog, schedule: Schedule | None = None
+    ) -> None:
         self.chunk_bytes = chunk_bytes
         self.schedule = schedule
-        self.log = TransferLog()
+        self.log = log
         self._probes: DeviceProbes | None = None
 
     @staticmethod
@@ -178,11 +195,9 @@ class SnapshotPool:
             return list(source)
 
         self._allocate: Callable[[], list[Any]] = jax.jit(empty, out_shardings=host)
-        self._copy = (
-            jax.jit(copy, donate_argnums=(1,), out_shardings=host, keep_unused=True)
-            .lower(list(leaves), self._allocate())
-            .compile()
-        )
+        self._copy = jax.jit(copy, donate_argnums=(1,), out_shardings=host, keep_unused=True)
+        # Compiled now, before training; a later layout change recompiles, like jax.jit.
+        self._copy.lower(list(leaves), self._allocate()).compile()
         self._lock = threading.Lock()
         self._free = [self._allocate() for _ in range(slots)]
         jax.block_until_ready(self._free)  # type: ignore[no-untyped-call]

@@ -52,6 +52,7 @@ from zkdv.jax import _context, _messages
 from zkdv.jax._device import DeviceCommitter, SnapshotPool, TransferLog, host_shardings, leaf_specs
 from zkdv.jax._tree import BatchLayout, index, leaf_paths
 from zkdv.jax.artifact import Artifact, dumps
+from zkdv.jax.device_merkle import default_schedule
 from zkdv.merkle import StateCommitment
 from zkdv.overlap import Policy
 from zkdv.pipeline import State
@@ -1302,21 +1303,23 @@ class ZKDV(Driver):
         arrays = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in state]
         unsupported = DeviceCommitter.unsupported(paths, arrays)
         processes = jax.process_count()
+        platforms = {d.platform for x in arrays for d in x.devices()}
         if wanted == "device":
             if processes > 1:
                 raise ZKDVError(_messages.DEVICE_MULTI_PROCESS.format(count=processes))
             if unsupported:
                 raise ZKDVError(_messages.DEVICE_DTYPES.format(leaves=", ".join(unsupported[:4])))
         elif wanted == "auto":
-            platforms = {d.platform for x in arrays for d in x.devices()}
             # Native BLAKE3 on every core beats XLA's CPU code; on an accelerator the
             # state would otherwise cross PCIe every step.
             accelerated = bool(platforms) and "cpu" not in platforms
             wanted = "device" if accelerated and processes == 1 and not unsupported else "host"
         self._path = wanted
         if wanted == "device":
-            self._device = DeviceCommitter(self.config.chunk_bytes)
-            self._device.log = self._log
+            backend = "cpu" if "cpu" in platforms else "accelerator"
+            self._device = DeviceCommitter(
+                self.config.chunk_bytes, self._log, default_schedule(backend)
+            )
         return self._device
 
     def _snapshot_copy(self, index: int, state: list[Any]) -> list[Any]:
@@ -1419,6 +1422,7 @@ class ZKDV(Driver):
             batches = [self._batches[step] for step in range(start, challenge.step + 1)]
         artifact = self._artifact
         assert artifact is not None
+        params, opt = jax.device_get((list(params), list(opt)))
         delta, state = artifact.replay(
             [np.asarray(leaf) for leaf in params],
             [np.asarray(leaf) for leaf in opt],

@@ -76,20 +76,37 @@ class DeviceProbes:
     def floats(self) -> int:
         return sum(r * k for _, (r, k) in self.shapes)
 
-    def __call__(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The probes of one parameter tree, leaf after leaf, as one float32 vector."""
-        parts = []
+    def select(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The rows each leaf's probe reads, as float32 copies (at most 64 rows a leaf).
+
+        Take them before an in-place optimizer step to keep the pre-update rows.
+        """
+        out = []
         with torch.no_grad():
-            for tensor, ((count, last), _), selected, matrix in zip(
-                tensors, self.shapes, self.rows, self.matrices, strict=True
+            for tensor, ((count, last), _), selected in zip(
+                tensors, self.shapes, self.rows, strict=True
             ):
                 values = tensor.detach().reshape(count, last)
                 if selected is not None:
                     values = values.index_select(0, selected)
-                parts.append(project(values.to(torch.float32), matrix).reshape(-1))
+                out.append(values.to(torch.float32, copy=True))
+        return out
+
+    def project_rows(self, rows: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The probes of selected float32 rows (:meth:`select`, or ``post - pre`` rows for
+        the delta), leaf after leaf, as one float32 vector on the device."""
+        with torch.no_grad():
+            parts = [
+                project(values, matrix).reshape(-1)
+                for values, matrix in zip(rows, self.matrices, strict=True)
+            ]
         if not parts:
             return torch.zeros(0, dtype=torch.float32, device=self.device)
         return torch.cat(parts)
+
+    def __call__(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The probes of one parameter tree, leaf after leaf, as one float32 vector."""
+        return self.project_rows(self.select(tensors))
 
     def split(self, flat: np.ndarray) -> list[np.ndarray]:
         """A host copy of :meth:`__call__`'s result as one ``(rows, k)`` array per leaf."""
