@@ -137,12 +137,6 @@ def test_auto_commits_on_the_host_on_cpu_and_on_the_device_elsewhere(make_proof)
     assert proof.commitments == ("host" if jax.default_backend() == "cpu" else "device")
 
 
-def test_the_choice_is_not_in_the_transcript() -> None:
-    assert zkdv.ZKDVConfig(commitments="device").to_dict() == zkdv.ZKDVConfig().to_dict()
-    with pytest.raises(ValueError, match="commitments='gpu' must be one of 'auto', 'host'"):
-        zkdv.ZKDVConfig(commitments="gpu")
-
-
 def _sizes(proof: zkdv.jax.ZKDV) -> tuple[int, int]:
     assert proof._program_owner is not None
     state = proof._core
