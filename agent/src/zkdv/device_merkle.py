@@ -127,6 +127,9 @@ class Ops(Protocol):
     def rounds(
         self, count: int, body: Callable[[list[Any]], list[Any]], init: list[Any]
     ) -> list[Any]: ...
+    def loop(
+        self, count: int, body: Callable[[Any, list[Any]], list[Any]], init: list[Any]
+    ) -> list[Any]: ...
 
 
 def compress(
@@ -610,7 +613,9 @@ def _reduce(
         pairs = hash_pairs(_take(ops, x, left), _take(ops, x, right), roots)
         return _take(ops, _cat(ops, pairs, x), order)
 
-    x = ops.fori(tree.levels, level, x)
+    # A real loop on every schedule: the tables have one shape, and these levels (a few
+    # per Merkle chunk of the state) are too little work to be worth a larger program.
+    x = ops.loop(tree.levels, level, x)
     return _take(ops, x, tree.finals)
 
 
@@ -708,6 +713,8 @@ class NumpyOps:
         for _ in range(count):
             state = body(state)
         return state
+
+    loop = fori
 
 
 def numpy_words(array: np.ndarray) -> np.ndarray:

@@ -160,6 +160,11 @@ class JaxOps:
             return state
         return list(lax.fori_loop(0, count, lambda j, s: tuple(body(j, list(s))), tuple(init)))
 
+    def loop(
+        self, count: int, body: Callable[[Any, list[Any]], list[Any]], init: list[Any]
+    ) -> list[Any]:
+        return list(lax.fori_loop(0, count, lambda j, s: tuple(body(j, list(s))), tuple(init)))
+
     def rounds(
         self, count: int, body: Callable[[list[Any]], list[Any]], init: list[Any]
     ) -> list[Any]:

@@ -134,6 +134,8 @@ class TorchOps:
             state = body(state)
         return state
 
+    loop = fori
+
 
 def leaf_words(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes (C order, little endian) as 1-D int32 words, zero-padded."""
