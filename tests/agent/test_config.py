@@ -77,3 +77,11 @@ def test_public_api_is_a_deliberate_list() -> None:
     assert issubclass(zkdv.ZKDVPoisonedError, zkdv.ZKDVError)
     assert issubclass(zkdv.ZKDVError, RuntimeError)
     assert [p.name for p in zkdv.overlap.Policy] == ["ALWAYS", "UNCHECKED", "NEVER"]
+
+
+def test_the_commitment_path_is_validated_and_not_in_the_transcript() -> None:
+    # The transcript is byte-identical on both paths, so the choice is not recorded.
+    assert zkdv.ZKDVConfig(commitments="device").to_dict() == zkdv.ZKDVConfig().to_dict()
+    assert zkdv.ZKDVConfig().commitments == "auto"
+    with pytest.raises(ValueError, match="commitments='gpu' must be one of 'auto', 'host'"):
+        zkdv.ZKDVConfig(commitments="gpu")

@@ -1,11 +1,20 @@
-"""Probes are seeded, orthonormal and linear."""
+"""Probes are seeded, orthonormal, linear, and exact in any summation order."""
 
 from __future__ import annotations
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zkdv.merkle import LeafSpec
-from zkdv.probes import MAX_PROBE_ROWS, ProbeSet
+from zkdv.probes import (
+    MAX_PROBE_ROWS,
+    ProbeSet,
+    exact_finish,
+    exact_matrix,
+    exact_rows,
+    slice_width,
+)
 
 
 def test_probe_matrices_are_orthonormal_and_seeded() -> None:
@@ -35,3 +44,81 @@ def test_probes_are_linear_and_bounded_in_rows() -> None:
     assert p_pre.shape == (MAX_PROBE_ROWS, 7)
     np.testing.assert_allclose(p_post, p_pre + p_delta, rtol=1e-4, atol=1e-5)
     assert probes.floats == MAX_PROBE_ROWS * 7
+
+
+def _wide_rows(rng: np.random.Generator, rows: int, d: int) -> np.ndarray:
+    """Rows whose elements span many binades, with zeros, subnormals and huge values."""
+    values = rng.standard_normal((rows, d)) * np.exp2(rng.integers(-40, 40, (rows, d)))
+    values = values.astype(np.float32)
+    values[0, : d // 3] = 0.0
+    if rows > 1:
+        values[1] = np.float32(1e-40) * rng.standard_normal(d).astype(np.float32)
+    if rows > 2:
+        values[2, 0] = np.float32(3e38)
+    return values
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 3000), st.integers(1, 5), st.integers(0, 2**32 - 1))
+def test_probe_sums_are_exact_in_any_order(d: int, k: int, seed: int) -> None:
+    # The reason device and host probes agree to the bit: every float64 GEMM of the
+    # slices is exact, so permuting the summation order (here: the order of the d
+    # terms) cannot change a bit of the probe.
+    rng = np.random.default_rng(seed)
+    values = _wide_rows(rng, 4, d)
+    matrix = exact_matrix(rng.standard_normal((d, k)).astype(np.float32) / np.sqrt(d))
+    split, scale, bad = exact_rows(values)
+    products = split @ matrix.astype(np.float64)
+    order = rng.permutation(d)
+    permuted = split[:, order] @ matrix[order].astype(np.float64)
+    assert np.array_equal(products, permuted)
+    blocked = sum(
+        split[:, i : i + 7] @ matrix[i : i + 7].astype(np.float64) for i in range(0, d, 7)
+    )
+    assert np.array_equal(products, blocked)
+    width = slice_width(d)
+    first = exact_finish(products, scale, width, bad)
+    again = exact_finish(permuted, scale, width, bad)
+    assert np.array_equal(first.view(np.uint32), again.view(np.uint32))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 400), st.integers(0, 2**32 - 1))
+def test_probe_slices_are_integers_whose_products_fit_float64(d: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    values = _wide_rows(rng, 3, d)
+    split, _, _ = exact_rows(values)
+    width = slice_width(d)
+    assert np.array_equal(split, np.trunc(split))
+    assert np.abs(split).max(initial=0) < 2.0**width
+    matrix = exact_matrix(rng.standard_normal((d, 2)).astype(np.float32))
+    _, top = np.frexp(np.abs(matrix).max(axis=0))
+    units = matrix.astype(np.float64) * np.ldexp(1.0, width - top)
+    assert np.array_equal(units, np.trunc(units))
+    # Exact integer arithmetic agrees with the float64 GEMM.
+    exact = [
+        [sum(int(a) * int(b) for a, b in zip(row, col, strict=True)) for col in units.T]
+        for row in split
+    ]
+    assert np.array_equal(split @ units, np.array(exact, dtype=np.float64))
+
+
+def test_probes_are_close_to_float64_projection() -> None:
+    rng = np.random.default_rng(3)
+    spec = LeafSpec("w", "float32", (100, 512))
+    probes = ProbeSet.create([spec], 0.02, bytes(16))
+    values = rng.standard_normal((100, 512)).astype(np.float32)
+    got = probes.project(0, values)
+    want = values[probes.rows[0]].astype(np.float64) @ probes.matrices[0].astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=2**-23, atol=1e-30)
+
+
+def test_special_values_are_canonical() -> None:
+    spec = LeafSpec("w", "float32", (4, 3))
+    probes = ProbeSet.create([spec], 1.0, bytes(16))
+    values = np.array(
+        [[np.inf, 1, 2], [np.nan, 0, 0], [-0.0, -0.0, -0.0], [1e-40, -1e-41, 0]], np.float32
+    )
+    bits = probes.project(0, values).view(np.uint32)
+    assert (bits[:2] == 0x7FC00000).all()
+    assert (bits[2:] == 0).all()

@@ -7,13 +7,16 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FloatTolerance", "SamplingPolicy", "ZKDVConfig"]
+__all__ = ["COMMITMENT_PATHS", "FloatTolerance", "SamplingPolicy", "ZKDVConfig"]
 
 STATE_CHECK_SENTINEL = -1.0
 # 1 MiB: opening one coordinate discloses one chunk, and smaller chunks cost Python
 # overhead per chunk that drops commitment throughput below 0.85 of raw BLAKE3 on two
 # cores (bench/commit_throughput.py: 0.62 at 64 KiB, 0.78 at 256 KiB, 0.90 at 1 MiB).
 DEFAULT_CHUNK_BYTES = 1 << 20
+
+#: Where state commitments, probes and challenged values are computed (ZKDVConfig).
+COMMITMENT_PATHS = ("auto", "host", "device")
 
 STATE_CHECK_DEPRECATED = (
     "SamplingPolicy(state_check_probability=...) is deprecated and has no separate "
@@ -134,12 +137,22 @@ class ZKDVConfig:
         tolerance: how replayed floats are compared with committed ones.
         chunk_bytes: size of a Merkle leaf chunk; one coordinate is opened by
             disclosing one chunk and a logarithmic path.
+        commitments: where the state is hashed and probed. ``"host"``: the state is
+            read to host memory after every step and hashed there (native BLAKE3 on
+            all cores). ``"device"``: chunk hashes, probes and challenged values are
+            computed on the accelerator that holds the state, and the state leaves it
+            only at replay snapshots. ``"auto"`` (default): the device on GPU and TPU
+            backends, the host on CPU backends, where native BLAKE3 is faster. The
+            transcript is byte-identical either way, so this is an execution setting
+            and is not recorded in it. Honoured by ``zkdv.jax``; ``zkdv.torch``
+            commits on the host for now.
     """
 
     name: str = "default"
     sampling_policy: SamplingPolicy = field(default_factory=SamplingPolicy)
     tolerance: FloatTolerance = field(default_factory=FloatTolerance)
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    commitments: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -151,8 +164,14 @@ class ZKDVConfig:
         chunk = self.chunk_bytes
         if chunk < 64 or chunk & (chunk - 1):
             raise ValueError(f"ZKDVConfig chunk_bytes={chunk} must be a power of two >= 64")
+        if self.commitments not in COMMITMENT_PATHS:
+            raise ValueError(
+                f"ZKDVConfig commitments={self.commitments!r} must be one of "
+                f"{', '.join(map(repr, COMMITMENT_PATHS))}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
+        # ``commitments`` is left out on purpose: the transcript does not depend on it.
         return {
             "name": self.name,
             "sampling": self.sampling_policy.to_dict(),

@@ -1,7 +1,9 @@
 """The tape owner: one transcript's commitments, written in order, framework-free.
 
-Frontends hand :class:`ZKDVCore` host (numpy) views of states and batches; it computes
-the commitments, writes the records and decides sampled checks. It is used from the
+Frontends hand :class:`ZKDVCore` host (numpy) views of states and batches, or the
+:class:`~zkdv.merkle.StateCommitment` of a state they hashed on its device
+(:mod:`zkdv.device_merkle`); it computes the remaining commitments, writes the records
+and decides sampled checks. It is used from the
 pipeline's single commit thread for steps, and from the check thread for check
 records, so appends are serialised by a lock.
 """
@@ -13,7 +15,7 @@ import secrets
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,8 @@ from zkdv.sampling import Challenge, Sampler
 __all__ = ["ProgramInfo", "StateRoots", "StepResult", "ZKDVCore", "file_digest"]
 
 Leaves = Sequence[tuple[str, np.ndarray]]
+#: A state as host leaves, or already committed (hashed on its device).
+State = Leaves | StateCommitment
 
 
 @dataclass(frozen=True)
@@ -131,20 +135,38 @@ class ZKDVCore:
         self.last_roots: StateRoots | None = None
         self.batch_cols = 0
         self.digest: bytes | None = None
+        # The run's probe seed and clock. Drawn and read here so that a test can fix
+        # both and compare two runs' transcripts byte for byte.
+        self.probe_seed = secrets.token_bytes(16)
+        self.clock: Callable[[], float] = time.time
+        self._probe_lock = threading.Lock()
 
     @property
     def opened(self) -> bool:
         return self._writer is not None
 
-    def commit(self, leaves: Leaves, *, parallel: bool = True) -> StateCommitment:
+    def commit(self, leaves: State, *, parallel: bool = True) -> StateCommitment:
+        if isinstance(leaves, StateCommitment):
+            return leaves
         return commit_state(leaves, self.config.chunk_bytes, parallel=parallel)
+
+    def probe_set(self, specs: Sequence[LeafSpec]) -> ProbeSet:
+        """The run's probes for parameters of ``specs`` (created once, from the probe seed).
+
+        A device path needs them before the first step is committed; :meth:`open` uses
+        the same set.
+        """
+        with self._probe_lock:
+            if self.probes is None or self.probes.specs != tuple(specs):
+                self.probes = ProbeSet.create(specs, self.probe_ratio, self.probe_seed)
+            return self.probes
 
     def open(
         self,
         *,
-        params: Leaves,
-        opt_state: Leaves,
-        buffers: Leaves,
+        params: State,
+        opt_state: State,
+        buffers: State,
         batch_cols: int,
         program: ProgramInfo | None,
         env: dict[str, Any] | None = None,
@@ -159,8 +181,8 @@ class ZKDVCore:
         roots = StateRoots(*(c.root for c in committed))
         self.param_specs, self.state_specs = committed[0].specs, committed[1].specs
         self.param_count, self.state_count = committed[0].size, committed[1].size
-        probe_seed = secrets.token_bytes(16)
-        self.probes = ProbeSet.create(self.param_specs, self.probe_ratio, probe_seed)
+        probe_seed = self.probe_seed
+        self.probe_set(self.param_specs)
         self._sampler = Sampler(
             self.config.sampling_policy, param_count=self.param_count, state_count=self.state_count
         )
@@ -189,7 +211,7 @@ class ZKDVCore:
             "env": environment(self.prover, env),
             "experiment": self.experiment,
             "probe_seed": probe_seed,
-            "created": time.time(),
+            "created": self.clock(),
         }
         self._writer = TranscriptWriter(self.path)
         with self._lock:
@@ -202,9 +224,9 @@ class ZKDVCore:
         step: int,
         *,
         batch: Any,
-        params: Leaves,
-        opt_state: Leaves,
-        buffers: Leaves,
+        params: State,
+        opt_state: State,
+        buffers: State,
         probes: tuple[Sequence[np.ndarray], Sequence[np.ndarray], Sequence[np.ndarray]] | None,
         tokens: int | None = None,
         flops: float | None = None,
@@ -240,7 +262,7 @@ class ZKDVCore:
             "probe": None,
             "tokens": int(array.size if tokens is None else tokens),
             "flops": None if flops is None else float(flops),
-            "time": [float(started or time.time()), time.time()],
+            "time": [float(started or self.clock()), self.clock()],
         }
         if hyperparameters is not None:
             record["hp"] = hyperparameters

@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from zkdv.core import StepResult
+from zkdv.core import State, StepResult
 from zkdv.overlap import Policy
 from zkdv.probes import ProbeSet
 from zkdv.sampling import Challenge
 
-__all__ = ["Leaves", "PendingUpdate", "ReplayOutcome", "Submission"]
+__all__ = ["Leaves", "PendingUpdate", "ReplayOutcome", "State", "Submission"]
 
 Leaves = Sequence[tuple[str, np.ndarray]]
 
@@ -62,8 +62,9 @@ class Submission(abc.ABC):
     #: ``files/`` for the platform and records the snapshot in the transcript.
     snapshot: tuple[Leaves, Leaves, Leaves] | None = None
 
-    def initial_state(self) -> tuple[Leaves, Leaves, Leaves]:
-        """Host views of the pre-update (params, opt_state, buffers) of the first step."""
+    def initial_state(self) -> tuple[State, State, State]:
+        """The pre-update (params, opt_state, buffers) of the first step: host views, or
+        their commitments when the frontend hashed them on the device."""
         raise NotImplementedError
 
     @abc.abstractmethod
@@ -71,8 +72,9 @@ class Submission(abc.ABC):
         """The committed batch as a 2-D uint32 host array."""
 
     @abc.abstractmethod
-    def post_state(self) -> tuple[Leaves, Leaves, Leaves]:
-        """Host views of the post-update (params, opt_state, buffers); may block."""
+    def post_state(self) -> tuple[State, State, State]:
+        """The post-update (params, opt_state, buffers): host views, or their commitments
+        when the frontend hashed them on the device; may block."""
 
     def probes(
         self, probes: ProbeSet

@@ -24,7 +24,9 @@ SCRIPT = textwrap.dedent(
     assert jax.device_count() == 4, jax.devices()
     mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.{axis},) * 2)
     shard = lambda *spec: NamedSharding(mesh, P(*spec))
-    config = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy.DEBUGCheckEvery(1))
+    config = zkdv.ZKDVConfig(
+        sampling_policy=zkdv.SamplingPolicy.DEBUGCheckEvery(1), commitments="{commitments}"
+    )
     proof = zkdv.jax.ZKDV(sys.argv[1], config, replay_snapshot_interval=2)
     proof.start(rolling_window=2)
 
@@ -60,6 +62,7 @@ SCRIPT = textwrap.dedent(
         for leaf, layout in zip(jax.tree.leaves(state.opt_state), opt_layouts):
             assert leaf.sharding.is_equivalent_to(layout, leaf.ndim), leaf.sharding
     proof.close()
+    assert proof.commitments == ("host" if "{commitments}" == "auto" else "{commitments}")
     report = verify_transcript(sys.argv[1])
     assert report.ok, report.summary()
     assert (report.steps, report.checks) == (4, 4)
@@ -71,16 +74,18 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("commitments", ["auto", "device"])
 def test_named_shardings_are_preserved_and_one_logical_update_is_committed(
-    tmp_path: Path,
+    tmp_path: Path, commitments: str
 ) -> None:
+    # "device": the chunk roots, probes and snapshots of sharded leaves, on the mesh.
     # Auto (GSPMD) mesh axes: the exported replay program is traced without a mesh, so
     # model code written for explicit-axis meshes (out_sharding=...) is out of scope.
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     env["PYTHONPATH"] = str(ROOT / "agent" / "src")
     script = tmp_path / "multidevice.py"
-    script.write_text(SCRIPT.format(axis="Auto"))
+    script.write_text(SCRIPT.format(axis="Auto", commitments=commitments))
     result = subprocess.run(
         [sys.executable, str(script), str(tmp_path / "proof")],
         env=env,

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -360,7 +359,7 @@ class Driver:
         pending = PendingUpdate(self._next_index, submission)
         self._next_index += 1
         if not submission.started:
-            submission.started = time.time()
+            submission.started = core.clock()
         admission.register(pending.retired)
         self._last = pending
         try:

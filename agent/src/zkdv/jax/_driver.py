@@ -49,9 +49,13 @@ from zkdv.errors import (
     ZKDVVerificationError,
 )
 from zkdv.jax import _context, _messages
+from zkdv.jax._device import DeviceCommitter, SnapshotPool, TransferLog, host_shardings, leaf_specs
 from zkdv.jax._tree import BatchLayout, index, leaf_paths
 from zkdv.jax.artifact import Artifact, dumps
+from zkdv.jax.device_merkle import default_schedule
+from zkdv.merkle import StateCommitment
 from zkdv.overlap import Policy
+from zkdv.pipeline import State
 from zkdv.probes import ProbeSet
 from zkdv.sampling import Challenge
 from zkdv.signature import FunctionSignature
@@ -122,6 +126,10 @@ def _to_host(leaf: Any) -> Any:
     if target is None:
         return jax.device_put(leaf, leaf.sharding, may_alias=False)
     return jax.device_put(leaf, target, may_alias=False)
+
+
+def _nbytes(leaf: Any) -> int:
+    return int(np.prod(np.shape(leaf), dtype=np.int64)) * np.dtype(jnp.result_type(leaf)).itemsize
 
 
 def _replicated_sharding(leaves: Sequence[Any]) -> NamedSharding:
@@ -691,9 +699,14 @@ class _Step(Submission):
 
     @snapshot.setter
     def snapshot(self, value: Any) -> None:
+        if value is None and self._snapshot_source is not None and not self.proof._keep_files:
+            self.proof._snapshot_done(self.index)
         self._snapshot_source = None if value is None else self._snapshot_source
 
-    def initial_state(self) -> tuple[Leaves, Leaves, Leaves]:
+    def snapshot_written(self) -> None:
+        self.proof._snapshot_done(self.index)
+
+    def initial_state(self) -> tuple[State, State, State]:
         assert self._host_pre is not None
         traced = self.program.traced
         params, opt = self._host_pre
@@ -705,20 +718,23 @@ class _Step(Submission):
 
     def batch(self) -> np.ndarray:
         if self._batch is None:
-            self._batch = np.asarray(self._packed)
+            self._batch = np.asarray(self.proof._log.fetch(self.index, "batch", self._packed))
             self._packed = None
             self.proof._keep_batch(self.index, self._batch)
             if self._host_pre is not None and self.index > 0:
                 self.proof._verify_continuity(self.index, self._host_pre)
         return self._batch
 
-    def post_state(self) -> tuple[Leaves, Leaves, Leaves]:
+    def post_state(self) -> tuple[State, State, State]:
         assert self._params is not None and self._opt is not None and self._deltas is not None
         traced = self.program.traced
         params = [np.asarray(leaf) for leaf in self._params]
         opt = [np.asarray(leaf) for leaf in self._opt]
         deltas = [np.asarray(leaf) for leaf in self._deltas]
         self._views = (params, opt, deltas)
+        self.proof._log.add(
+            self.index, "state", sum(a.nbytes for tree in self._views for a in tree)
+        )
         return (
             list(zip(traced.param_paths, params, strict=True)),
             list(zip(traced.opt_paths, opt, strict=True)),
@@ -764,6 +780,115 @@ class _Step(Submission):
         self.proof._retired(self.index)
 
 
+class _DeviceStep(_Step):
+    """A step whose commitments were dispatched on the device (``commitments='device'``).
+
+    The training thread dispatched the chunk roots and probes of the post-update state
+    (and, when the inputs do not continue the previous step, of the pre-update state)
+    right after the step; the commit stage reads back only those digests and probes,
+    the batch, and the two challenged values. The state itself reaches the host only
+    through replay snapshots (:class:`~zkdv.jax._device.SnapshotPool`).
+    """
+
+    def __init__(
+        self,
+        proof: ZKDV,
+        program: _Program,
+        index: int,
+        policy: Policy,
+        outputs: Sequence[Any],
+        snapshot: tuple[list[Any], list[Any]] | None,
+        pre: tuple[Any, Any, Any, tuple[Any, Any]] | None,
+        post: tuple[Any, Any, Any, Any, tuple[Any, Any]],
+    ) -> None:
+        super().__init__(proof, program, index, policy, outputs, None, snapshot)
+        self._pre = pre
+        self._post: tuple[Any, Any, Any, Any, tuple[Any, Any]] | None = post
+
+    @property
+    def snapshot(self) -> tuple[Leaves, Leaves, Leaves] | None:
+        source = self._snapshot_source
+        if source is None:
+            return None
+        traced = self.program.traced
+        # Host-memory arrays: an explicit read, and no device transfer (counted when
+        # the copy was launched).
+        params, opt = jax.device_get((source[0], source[1]))
+        return (
+            list(zip(traced.param_paths, [np.asarray(a) for a in params], strict=True)),
+            list(zip(traced.opt_paths, [np.asarray(a) for a in opt], strict=True)),
+            [],
+        )
+
+    @snapshot.setter
+    def snapshot(self, value: Any) -> None:
+        _Step.snapshot.fset(self, value)  # type: ignore[attr-defined]
+
+    def _device(self) -> DeviceCommitter:
+        device = self.proof._device
+        assert device is not None
+        return device
+
+    def initial_state(self) -> tuple[StateCommitment, StateCommitment, Leaves]:
+        assert self._pre is not None
+        params, opt, _, (param_specs, opt_specs) = self._pre
+        device = self._device()
+        return (
+            device.commitment(self.index, param_specs, params),
+            device.commitment(self.index, opt_specs, opt),
+            [],
+        )
+
+    def batch(self) -> np.ndarray:
+        if self._batch is None:
+            self._batch = np.asarray(self.proof._log.fetch(self.index, "batch", self._packed))
+            self._packed = None
+            self.proof._keep_batch(self.index, self._batch)
+            if self._pre is not None and self.index > 0:
+                params, opt, _ = self.initial_state()
+                self.proof._check_continuity(self.index, params.root, opt.root)
+        return self._batch
+
+    def post_state(self) -> tuple[StateCommitment, StateCommitment, Leaves]:
+        assert self._post is not None
+        params, opt, _, _, (param_specs, opt_specs) = self._post
+        device = self._device()
+        return (
+            device.commitment(self.index, param_specs, params),
+            device.commitment(self.index, opt_specs, opt),
+            [],
+        )
+
+    def probes(
+        self, probes: ProbeSet
+    ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+        assert self._post is not None
+        device = self._device()
+        post = device.probe_values(self.index, self._post[2])
+        delta = device.probe_values(self.index, self._post[3])
+        if self._pre is not None:
+            pre = device.probe_values(self.index, self._pre[2])
+        else:
+            previous = self.proof._last_post_probe
+            assert previous is not None
+            pre = previous
+        self.proof._last_post_probe = post
+        return pre, post, delta
+
+    def capture(self, challenge: Challenge) -> tuple[float, float]:
+        assert self._deltas is not None and self._opt is not None
+        self.proof._expect_check(challenge.step)
+        device = self._device()
+        return (
+            device.element(self.index, self._deltas, challenge.param_index),
+            device.element(self.index, self._opt, challenge.state_index),
+        )
+
+    def release_views(self) -> None:
+        self._pre = self._post = None
+        super().release_views()
+
+
 class ZKDV(Driver):
     """The JAX transcript driver (``zkdv.jax.ZKDV``).
 
@@ -805,6 +930,14 @@ class ZKDV(Driver):
         self._committed_through = -1
         self._last_outputs: list[weakref.ref[Any]] | None = None
         self._last_post_probe: list[np.ndarray] | None = None
+        self._log = TransferLog()
+        self._path: str | None = None
+        self._device: DeviceCommitter | None = None
+        self._pool: SnapshotPool | None = None
+        # Pool slots in use by snapshots, and the two events that free them: the
+        # snapshot is no longer needed for a replay, and its file is written.
+        self._slots: dict[int, list[Any]] = {}
+        self._slot_pending: dict[int, int] = {}
 
     # -- multi-process (rank 0 owns the tape: zkdv.driver) -------------------------------
     def _require_step(self) -> None:
@@ -907,6 +1040,10 @@ class ZKDV(Driver):
             with self._store_lock:
                 self._snapshots.clear()
                 self._batches.clear()
+                self._slots.clear()
+                pool, self._pool = self._pool, None
+            if pool is not None:
+                pool.close()
         if first and not self.follower and self._states_created and self.steps == 0:
             raise ZKDVError(_messages.NO_TRANSCRIPT_UPDATE)
 
@@ -914,6 +1051,17 @@ class ZKDV(Driver):
     def artifact(self) -> Artifact | None:
         """The committed program artifact (after the first step)."""
         return self._artifact
+
+    @property
+    def commitments(self) -> str | None:
+        """Where this run's commitments are computed, ``"host"`` or ``"device"``: the
+        resolved ``ZKDVConfig.commitments`` (None before the first step)."""
+        return self._path
+
+    @property
+    def transfers(self) -> TransferLog:
+        """Bytes this proof read from the device to the host, per step and kind."""
+        return self._log
 
     # -- frontend internals ----------------------------------------------------------------
     def _note_state(self) -> None:
@@ -1049,6 +1197,9 @@ class ZKDV(Driver):
             admission = agreed
         with admission:
             index = self.steps
+            device = self._resolve(program, state)
+            if device is not None:
+                return self._device_step(program, leaves, state, nparams, policy, admission)
             host_pre = None
             if index == 0 or not self._continues(state):
                 # The first step's pre-state is the transcript's initial state; a later
@@ -1056,12 +1207,13 @@ class ZKDV(Driver):
                 # Either way it is read now, before donation can reuse its buffers.
                 copies = _host_copy(state)
                 host_pre = (copies[:nparams], copies[nparams:])
+                self._log.add(index, "state", sum(a.nbytes for a in copies))
             snapshot = None
             if self._snapshot_due(index):
                 if host_pre is not None:
                     snapshot = host_pre
                 else:
-                    copied = [_to_host(leaf) for leaf in state]
+                    copied = self._snapshot_copy(index, state)
                     snapshot = (copied[:nparams], copied[nparams:])
                 with self._store_lock:
                     self._snapshots[index] = snapshot
@@ -1081,6 +1233,129 @@ class ZKDV(Driver):
             self._submit(admission, step)
         return result
 
+    def _device_step(
+        self,
+        program: _Program,
+        leaves: list[Any],
+        state: list[Any],
+        nparams: int,
+        policy: Policy,
+        admission: Any,
+    ) -> Any:
+        """Dispatch one step and its device-side commitments; nothing waits for them.
+
+        No mutation barrier: the commit stage holds no host view of the state, and JAX
+        orders every program that reads a buffer before a later one that donates it.
+        """
+        traced = program.traced
+        device = self._device
+        assert device is not None
+        index = self.steps
+        state = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in state]
+        params, opt = state[:nparams], state[nparams:]
+        pre = None
+        if index == 0 or not self._continues(state):
+            specs = (leaf_specs(traced.param_paths, params), leaf_specs(traced.opt_paths, opt))
+            if index == 0:
+                core = self._core
+                assert core is not None
+                device.start_probes(core.probe_set(specs[0]))
+            pre = (device.roots(params), device.roots(opt), device.project(params), specs)
+        snapshot = None
+        if self._snapshot_due(index):
+            copied = self._snapshot_copy(index, state)
+            snapshot = (copied[:nparams], copied[nparams:])
+            with self._store_lock:
+                self._snapshots[index] = snapshot
+        outputs = program.jitted(
+            tuple(leaves[i] for i in program.donated),
+            tuple(leaves[i] for i in program.kept),
+        )
+        schema = traced.schema
+        result = schema.user_result(outputs, program.trees)
+        hidden = outputs[traced.delta_leaves : schema.hidden_leaves]
+        self._last_outputs = [weakref.ref(leaf) for leaf in hidden]
+        nd = traced.delta_leaves
+        deltas = list(outputs[:nd])
+        params_after = list(outputs[nd : nd + nparams])
+        opt_after = list(outputs[nd + nparams : schema.hidden_leaves])
+        post = (
+            device.roots(params_after),
+            device.roots(opt_after),
+            device.project(params_after),
+            device.project(deltas),
+            (
+                leaf_specs(traced.param_paths, params_after),
+                leaf_specs(traced.opt_paths, opt_after),
+            ),
+        )
+        step = _DeviceStep(self, program, index, policy, outputs, snapshot, pre, post)
+        self._submit(admission, step)
+        return result
+
+    def _resolve(self, program: _Program, state: list[Any]) -> DeviceCommitter | None:
+        """Decide, at the first step, where this run's commitments are computed."""
+        if self._path is not None:
+            return self._device
+        wanted = self.config.commitments
+        traced = program.traced
+        paths = [*traced.param_paths, *traced.opt_paths]
+        arrays = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in state]
+        unsupported = DeviceCommitter.unsupported(paths, arrays)
+        processes = jax.process_count()
+        platforms = {d.platform for x in arrays for d in x.devices()}
+        if wanted == "device":
+            if processes > 1:
+                raise ZKDVError(_messages.DEVICE_MULTI_PROCESS.format(count=processes))
+            if unsupported:
+                raise ZKDVError(_messages.DEVICE_DTYPES.format(leaves=", ".join(unsupported[:4])))
+        elif wanted == "auto":
+            # Native BLAKE3 on every core beats XLA's CPU code; on an accelerator the
+            # state would otherwise cross PCIe every step.
+            accelerated = bool(platforms) and "cpu" not in platforms
+            wanted = "device" if accelerated and processes == 1 and not unsupported else "host"
+        self._path = wanted
+        if wanted == "device":
+            backend = "cpu" if "cpu" in platforms else "accelerator"
+            self._device = DeviceCommitter(
+                self.config.chunk_bytes, self._log, default_schedule(backend)
+            )
+        return self._device
+
+    def _snapshot_copy(self, index: int, state: list[Any]) -> list[Any]:
+        """Launch the asynchronous host copy of a replay snapshot (before donation)."""
+        self._log.add(index, "snapshot", sum(_nbytes(x) for x in state))
+        pool = self._pool
+        if pool is None and jax.process_count() == 1:
+            arrays = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in state]
+            shardings = host_shardings(arrays)
+            if shardings is not None:
+                pool = self._pool = SnapshotPool(arrays, shardings)
+        if pool is None:
+            return [_to_host(leaf) for leaf in state]
+        copied = pool.copy([x if isinstance(x, jax.Array) else jnp.asarray(x) for x in state])
+        with self._store_lock:
+            self._slots[index] = copied
+            self._slot_pending[index] = 2  # still needed for replay; file not written
+        return copied
+
+    def _snapshot_done(self, index: int) -> None:
+        """The snapshot file of ``index`` is written (or not kept): one use less."""
+        with self._store_lock:
+            self._release_slot(index)
+
+    def _release_slot(self, index: int) -> None:
+        # Called under _store_lock.
+        if index not in self._slots:
+            return
+        self._slot_pending[index] -= 1
+        if self._slot_pending[index] > 0:
+            return
+        del self._slot_pending[index]
+        arrays = self._slots.pop(index)
+        if self._pool is not None:
+            self._pool.release(arrays)
+
     def _keep_batch(self, index: int, batch: np.ndarray) -> None:
         with self._store_lock:
             self._batches[index] = batch
@@ -1093,12 +1368,17 @@ class ZKDV(Driver):
         traced = self._program_owner.traced if self._program_owner else None
         assert traced is not None
         params = core.commit(list(zip(traced.param_paths, host_pre[0], strict=True)))
-        if params.root != core.last_roots.params:
+        opt = core.commit(list(zip(traced.opt_paths, host_pre[1], strict=True)))
+        self._check_continuity(index, params.root, opt.root)
+
+    def _check_continuity(self, index: int, params: bytes, opt: bytes) -> None:
+        core = self._core
+        assert core is not None and core.last_roots is not None
+        if params != core.last_roots.params:
             raise ZKDVVerificationError(
                 _messages.MODIFIED_OUTSIDE.format(tree="parameters", step=index, previous=index - 1)
             )
-        opt = core.commit(list(zip(traced.opt_paths, host_pre[1], strict=True)))
-        if opt.root != core.last_roots.opt_state:
+        if opt != core.last_roots.opt_state:
             raise ZKDVVerificationError(
                 _messages.MODIFIED_OUTSIDE.format(
                     tree="optimizer state", step=index, previous=index - 1
@@ -1130,6 +1410,7 @@ class ZKDV(Driver):
             if any(start <= step < following for step in self._checks_pending):
                 continue
             del self._snapshots[start]
+            self._release_slot(start)
             for step in range(start, following):
                 self._batches.pop(step, None)
 
@@ -1141,6 +1422,7 @@ class ZKDV(Driver):
             batches = [self._batches[step] for step in range(start, challenge.step + 1)]
         artifact = self._artifact
         assert artifact is not None
+        params, opt = jax.device_get((list(params), list(opt)))
         delta, state = artifact.replay(
             [np.asarray(leaf) for leaf in params],
             [np.asarray(leaf) for leaf in opt],

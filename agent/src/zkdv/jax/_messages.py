@@ -87,3 +87,14 @@ MULTI_PROCESS_SHARDED = (
     "processes. Replicate them across processes (data parallelism; sharding among one "
     "process's devices is fine), or run one process with all devices."
 )
+
+DEVICE_MULTI_PROCESS = (
+    "ZKDVConfig(commitments='device') is not available in a multi-process run "
+    "(jax.process_count() == {count}): process 0 alone commits, and a device program "
+    "over global arrays would need every process. Use commitments='auto' or 'host'."
+)
+
+DEVICE_DTYPES = (
+    "ZKDVConfig(commitments='device') cannot hash {leaves} on the device (sub-byte or "
+    "non-numeric dtypes); use commitments='auto' or 'host' for this state."
+)

@@ -212,6 +212,8 @@ class Artifact:
                 np.uint64(param_index),
                 np.uint64(state_index),
             )
+            # An explicit read: allowed where implicit device-to-host transfers are not.
+            delta, state = jax.device_get((delta, state))
             return float(delta), float(state)
 
     def replay(

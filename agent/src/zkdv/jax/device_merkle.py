@@ -1,0 +1,231 @@
+"""``zkdv.merkle`` chunk roots computed by XLA on the device that holds the state.
+
+:func:`chunk_roots` runs the algorithm of :mod:`zkdv.device_merkle` (BLAKE3 and the
+RFC 6962 chunk tree) as ``jax.numpy`` uint32 code inside one jitted program, so the
+only bytes that leave the device are 32 per leaf; :func:`zkdv.device_merkle.
+state_commitment` finishes the state root on the host. The roots are bit-identical to
+:func:`zkdv.merkle.commit_state` for every dtype JAX holds as whole bytes (floats of
+8 to 64 bits, integers, bool).
+
+Compression runs block by block over all chunks of the state at once. A
+:class:`Schedule` says how the program is laid out, never what it computes: BLAKE3's
+rounds and blocks unrolled (large fused kernels that keep the state in registers: what
+accelerators want) or as ``lax.fori_loop`` s (a small program: XLA's CPU compiler takes
+minutes over the unrolled form), and the bulk subtrees' levels at their exact sizes or
+as one fixed-shape loop. Every schedule gives the same bits; :func:`default_schedule`
+picks per backend.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from zkdv.device_merkle import HashPlan
+from zkdv.device_merkle import chunk_roots as _chunk_roots
+
+__all__ = [
+    "COMPACT",
+    "FUSED",
+    "JaxOps",
+    "Schedule",
+    "chunk_roots",
+    "default_schedule",
+    "leaf_words",
+    "supported",
+]
+
+
+def supported(dtype: Any) -> bool:
+    """Whether leaves of ``dtype`` can be hashed on the device (whole-byte dtypes)."""
+    dtype = np.dtype(dtype)
+    # ml_dtypes' types (bfloat16, float8_*) are numpy kind "V"; complex, strings,
+    # objects and datetimes are not state.
+    if dtype.itemsize not in (1, 2, 4, 8) or dtype.kind in "cOSUMm":
+        return False
+    # Sub-byte types (int4, float4_e2m1fn, ...) may be packed on the device.
+    return not dtype.name.startswith(_SUB_BYTE)
+
+
+_SUB_BYTE = ("int2", "uint2", "int4", "uint4", "float4", "float6")
+
+
+class Schedule(NamedTuple):
+    """How the hashing program is laid out (the result is the same for every schedule).
+
+    Attributes:
+        unroll: unroll BLAKE3's 7 rounds and each chunk's 16 blocks.
+        exact_levels: hash each level of the bulk subtrees at its exact size (one
+            program per level) rather than in one fixed-shape loop (about
+            ``log2(chunk_bytes / 1024) / 2`` times the parent-node work).
+    """
+
+    unroll: bool
+    exact_levels: bool
+
+
+COMPACT = Schedule(unroll=False, exact_levels=False)
+FUSED = Schedule(unroll=True, exact_levels=True)
+
+
+def default_schedule(backend: str | None = None) -> Schedule:
+    """:data:`FUSED` on accelerators, :data:`COMPACT` on CPU (compile time)."""
+    return COMPACT if (backend or jax.default_backend()) == "cpu" else FUSED
+
+
+class JaxOps:
+    """:class:`zkdv.device_merkle.Ops` over ``jax.numpy`` uint32 arrays."""
+
+    def __init__(self, *, unroll: bool, exact_levels: bool | None = None) -> None:
+        self.unroll = unroll
+        self.exact_levels = unroll if exact_levels is None else exact_levels
+
+    def const(self, value: int) -> Any:
+        return jnp.uint32(value)
+
+    def full(self, count: int, value: int) -> Any:
+        return jnp.full((count,), value, jnp.uint32)
+
+    def array(self, values: np.ndarray) -> Any:
+        return jnp.asarray(values)
+
+    def shr(self, x: Any, n: int) -> Any:
+        return lax.shift_right_logical(x, jnp.uint32(n))
+
+    def shl(self, x: Any, n: int) -> Any:
+        return lax.shift_left(x, jnp.uint32(n))
+
+    def rotr(self, x: Any, n: int) -> Any:
+        return lax.shift_right_logical(x, jnp.uint32(n)) | lax.shift_left(x, jnp.uint32(32 - n))
+
+    def batch_shape(self, items: Sequence[Any]) -> tuple[int, ...]:
+        return tuple(jnp.broadcast_shapes(*(jnp.shape(x) for x in items)))
+
+    def stack(self, items: Sequence[Any], shape: tuple[int, ...]) -> Any:
+        return jnp.stack([jnp.broadcast_to(jnp.asarray(x, jnp.uint32), shape) for x in items])
+
+    def unstack(self, x: Any) -> list[Any]:
+        return [x[i] for i in range(x.shape[0])]
+
+    def rows(self, x: Any, index: Sequence[int]) -> Any:
+        return jnp.stack([x[i] for i in index])
+
+    def roll(self, x: Any, shift: int) -> Any:
+        return jnp.concatenate([x[shift:], x[:shift]])
+
+    def concat(self, parts: Sequence[Any], axis: int = 0) -> Any:
+        return jnp.concatenate(list(parts), axis=axis)
+
+    def take(self, x: Any, index: np.ndarray) -> Any:
+        return jnp.take(x, jnp.asarray(index), axis=0, indices_are_sorted=False, mode="clip")
+
+    def select(self, mask: Any, a: Any, b: Any) -> Any:
+        return jnp.where(mask, a, b)
+
+    def zeros(self, shape: tuple[int, ...]) -> Any:
+        return jnp.zeros(shape, jnp.uint32)
+
+    def pad_to(self, x: Any, width: int) -> Any:
+        pad = [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])]
+        return jnp.pad(x, pad)
+
+    def column(self, x: Any, index: Any) -> Any:
+        if isinstance(index, int):
+            return x[:, index]
+        return lax.dynamic_index_in_dim(x, index, axis=1, keepdims=False)
+
+    def row(self, table: Any, index: Any) -> Any:
+        if isinstance(index, int):
+            return table[index]
+        return lax.dynamic_index_in_dim(table, index, axis=0, keepdims=False)
+
+    def flag(self, condition: Any, value: int) -> Any:
+        if isinstance(condition, bool):
+            return jnp.uint32(value if condition else 0)
+        return jnp.where(condition, jnp.uint32(value), jnp.uint32(0))
+
+    def fori(
+        self, count: int, body: Callable[[Any, list[Any]], list[Any]], init: list[Any]
+    ) -> list[Any]:
+        if self.unroll:
+            state = init
+            for j in range(count):
+                state = body(j, state)
+            return state
+        return list(lax.fori_loop(0, count, lambda j, s: tuple(body(j, list(s))), tuple(init)))
+
+    def loop(
+        self, count: int, body: Callable[[Any, list[Any]], list[Any]], init: list[Any]
+    ) -> list[Any]:
+        return list(lax.fori_loop(0, count, lambda j, s: tuple(body(j, list(s))), tuple(init)))
+
+    def rounds(
+        self, count: int, body: Callable[[list[Any]], list[Any]], init: list[Any]
+    ) -> list[Any]:
+        if self.unroll:
+            state = init
+            for _ in range(count):
+                state = body(state)
+            return state
+        return list(lax.fori_loop(0, count, lambda _, s: tuple(body(list(s))), tuple(init)))
+
+
+def leaf_words(leaf: Any) -> Any:
+    """A leaf's bytes (C order, little endian) as 1-D uint32 words, the last zero-padded."""
+    x = jnp.ravel(leaf)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    size = x.dtype.itemsize
+    if size == 4:
+        return lax.bitcast_convert_type(x, jnp.uint32)
+    if size == 8:
+        return lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
+    narrow = jnp.uint16 if size == 2 else jnp.uint8
+    per = 4 // size
+    x = lax.bitcast_convert_type(x, narrow)
+    x = jnp.pad(x, (0, -x.size % per))
+    return lax.bitcast_convert_type(x.reshape(-1, per), jnp.uint32)
+
+
+def _roots(plan: HashPlan, schedule: Schedule, leaves: Sequence[Any]) -> Any:
+    words = [leaf_words(leaf) for leaf in leaves]
+    ops = JaxOps(unroll=schedule.unroll, exact_levels=schedule.exact_levels)
+    roots = _chunk_roots(ops, plan, words)
+    return jnp.stack(roots, axis=1)
+
+
+@functools.lru_cache(maxsize=64)
+def _program(nbytes: tuple[int, ...], chunk_bytes: int, schedule: Schedule) -> Any:
+    plan = HashPlan.build(nbytes, chunk_bytes)
+    return jax.jit(functools.partial(_roots, plan, schedule))
+
+
+def _nbytes(leaf: Any) -> int:
+    return int(np.prod(jnp.shape(leaf), dtype=np.int64)) * np.dtype(jnp.result_type(leaf)).itemsize
+
+
+def chunk_roots(
+    leaves: Sequence[Any], chunk_bytes: int, *, schedule: Schedule | None = None
+) -> jax.Array:
+    """The chunk root of every leaf as a ``(len(leaves), 8)`` uint32 device array.
+
+    Dispatches asynchronously (one cached jitted program per layout); read the result
+    with :func:`jax.device_get` and :func:`zkdv.device_merkle.roots_to_bytes`.
+
+    Args:
+        leaves: the state's leaves in canonical order (JAX arrays on one device, or
+            anything ``jnp.asarray`` accepts).
+        chunk_bytes: the run's Merkle chunk size.
+        schedule: the program's layout; :func:`default_schedule` when None.
+    """
+    if schedule is None:
+        schedule = default_schedule()
+    nbytes = tuple(_nbytes(leaf) for leaf in leaves)
+    result: jax.Array = _program(nbytes, chunk_bytes, schedule)(list(leaves))
+    return result

@@ -1,0 +1,163 @@
+"""Device kernels of the JAX frontend: chunk roots and probes, bit for bit the host's.
+
+``zkdv.jax.device_merkle`` hashes on the device (here XLA:CPU) what ``zkdv.merkle``
+hashes on the host, and ``zkdv.jax.device_probes`` projects what ``ProbeSet.project``
+projects. Each distinct layout is one XLA compile (a few seconds), so the tests put many
+boundary cases into one state rather than one compile per case.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from zkdv.device_merkle import roots_to_bytes, state_commitment
+from zkdv.jax.device_merkle import COMPACT, FUSED, Schedule, chunk_roots, supported
+from zkdv.jax.device_probes import DeviceProbes
+from zkdv.merkle import LeafSpec, commit_state
+from zkdv.probes import ProbeSet
+
+# Byte lengths around block (64), BLAKE3 chunk (1024) and Merkle chunk boundaries.
+LENGTHS = (0, 1, 3, 63, 64, 65, 1023, 1024, 1025, 2047, 2048, 2049, 4095, 4096, 4097, 9000)
+DTYPES = (
+    np.float32,
+    ml_dtypes.bfloat16,
+    np.float16,
+    np.float64,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.bool_,
+)
+
+
+def _array(rng: np.random.Generator, dtype: Any, count: int) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return rng.random(count) < 0.5
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, count, dtype=dtype, endpoint=True)
+    return (rng.standard_normal(count) * 100).astype(dtype)
+
+
+def _state(seed: int) -> list[tuple[str, np.ndarray]]:
+    """Every committed dtype at every boundary length (rounded down to whole items)."""
+    rng = np.random.default_rng(seed)
+    leaves = []
+    for i, dtype in enumerate(DTYPES):
+        for j, length in enumerate(LENGTHS):
+            if (i + j) % 3:  # a third of the grid keeps the one compile small
+                continue
+            count = length // np.dtype(dtype).itemsize
+            leaves.append((f"{np.dtype(dtype).name}/{length}", _array(rng, dtype, count)))
+    leaves.append(("matrix", rng.standard_normal((40, 33)).astype(np.float32)))
+    leaves.append(("step", np.array(7, np.int32)))
+    return leaves
+
+
+def _device_roots(
+    leaves: list[tuple[str, np.ndarray]], chunk_bytes: int, schedule: Schedule = COMPACT
+) -> list[bytes]:
+    arrays = [jnp.asarray(a) for _, a in leaves]
+    return roots_to_bytes(jax.device_get(chunk_roots(arrays, chunk_bytes, schedule=schedule)))
+
+
+@pytest.mark.parametrize(
+    ("chunk_bytes", "schedule"),
+    [(64, COMPACT), (1024, COMPACT), (4096, COMPACT), (4096, Schedule(False, True))],
+)
+def test_roots_match_the_host_for_every_dtype_and_length(
+    chunk_bytes: int, schedule: Schedule
+) -> None:
+    with jax.enable_x64(True):
+        leaves = _state(chunk_bytes)
+        expected = commit_state(leaves, chunk_bytes)
+        roots = _device_roots(leaves, chunk_bytes, schedule)
+    assert roots == list(expected.chunk_roots)
+    assert state_commitment(expected.specs, roots) == expected
+
+
+def test_roots_match_with_the_default_chunk_size() -> None:
+    # 1 MiB chunks: bulk BLAKE3 chunks, ten levels of perfect subtrees, one-byte tails,
+    # and a partial last chunk.
+    rng = np.random.default_rng(1)
+    leaves = [
+        ("big", rng.standard_normal((5 << 17) + 5).astype(np.float32)),
+        ("exact", rng.standard_normal(1 << 18).astype(np.float32)),
+        ("small", rng.standard_normal(300).astype(ml_dtypes.bfloat16)),
+    ]
+    assert _device_roots(leaves, 1 << 20) == list(commit_state(leaves, 1 << 20).chunk_roots)
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(st.binary(min_size=4003, max_size=4003), st.binary(min_size=17, max_size=17))
+def test_any_bytes_hash_like_the_host(first: bytes, second: bytes) -> None:
+    # One layout (compiled once), any contents.
+    leaves = [
+        ("a", np.frombuffer(first, np.uint8)),
+        ("b", np.frombuffer(second, np.int8)),
+        ("c", np.frombuffer(first[:4000], np.float32).reshape(40, 25)),
+    ]
+    assert _device_roots(leaves, 1024) == list(commit_state(leaves, 1024).chunk_roots)
+
+
+@pytest.mark.slow
+def test_the_fused_schedule_gives_the_same_roots() -> None:
+    # FUSED (unrolled rounds and blocks) is the accelerator default; XLA:CPU compiles it
+    # slowly (~20 s here), so this checks it on the smallest layout that reaches every
+    # part of the program: odd chunks, a Merkle level, a carried node.
+    leaves = [("a", np.arange(25, dtype=np.float32)), ("b", np.arange(3, dtype=np.int8))]
+    assert _device_roots(leaves, 64, FUSED) == list(commit_state(leaves, 64).chunk_roots)
+
+
+def test_unsupported_dtypes_are_reported() -> None:
+    assert supported(np.float32) and supported(ml_dtypes.bfloat16) and supported(np.bool_)
+    assert not supported(ml_dtypes.int4)
+    assert not supported(np.complex64)
+
+
+def _probe_leaves(rng: np.random.Generator) -> list[np.ndarray]:
+    wide = rng.standard_normal((300, 257)) * np.exp2(rng.integers(-60, 60, (300, 257)))
+    first = wide.astype(np.float32)
+    first[3, 5] = np.inf
+    first[12, :5] = np.nan
+    first[11] = np.float32(1e-40)
+    first[10] = 0.0
+    return [
+        first,
+        rng.standard_normal(7).astype(np.float32),
+        np.array(2.5, np.float32),
+        rng.standard_normal((70, 33)).astype(ml_dtypes.bfloat16),
+        rng.standard_normal((65, 8)).astype(np.float16),
+        np.zeros((5, 0), np.float32),
+        rng.standard_normal((3, 1024)).astype(np.float64),
+    ]
+
+
+def test_device_probes_are_the_host_probes_bit_for_bit() -> None:
+    rng = np.random.default_rng(5)
+    with jax.enable_x64(True):
+        arrays = _probe_leaves(rng)
+        specs = [LeafSpec.of(str(i), a) for i, a in enumerate(arrays)]
+        probes = ProbeSet.create(specs, 0.05, b"seed" * 4)
+        host = probes.project_all(arrays)
+        device = DeviceProbes(probes)
+        flat = jax.device_get(device([jnp.asarray(a) for a in arrays]))
+    assert flat.dtype == np.float32 and flat.size == probes.floats
+    for leaf, (want, got) in enumerate(zip(host, device.split(flat), strict=True)):
+        assert got.shape == want.shape, leaf
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), leaf
