@@ -144,8 +144,8 @@ class ZKDVConfig:
             only at replay snapshots. ``"auto"`` (default): the device on GPU and TPU
             backends, the host on CPU backends, where native BLAKE3 is faster. The
             transcript is byte-identical either way, so this is an execution setting
-            and is not recorded in it. Honoured by ``zkdv.jax``; ``zkdv.torch``
-            commits on the host for now.
+            and is not recorded in it. Both frontends honour it (single-process runs;
+            ``zkdv.torch``: CUDA parameters).
     """
 
     name: str = "default"

@@ -28,6 +28,8 @@ from zkdv.sampling import Challenge
 from zkdv.torch import artifact, rng, strides
 from zkdv.torch.capture import current_capture
 from zkdv.torch.checkpoint import ReplayCheckpoint, StepInputs
+from zkdv.torch.device import DeviceCommitter
+from zkdv.torch.device_merkle import leaf_spec
 from zkdv.torch.eager import EagerTransaction, Layout, TorchStep, current_transaction
 from zkdv.torch.lowering import LoweredProgram, count_flops, gradient_function, lower
 from zkdv.torch.model import UNPREPARED_MODEL, PreparedModel
@@ -38,6 +40,7 @@ from zkdv.torch.packing import BatchLayout
 from zkdv.torch.pipeline import Pipeline
 from zkdv.torch.prepared import PreparedOptimizer
 from zkdv.torch.scaler import PreparedGradScaler
+from zkdv.transfers import TransferLog
 
 __all__ = ["PROGRAM_KIND_ENV", "ZKDV"]
 
@@ -76,6 +79,10 @@ DISTRIBUTED_SCALER = (
 SEALED = "zkdv.sealed"
 #: HostControl key of the committed run seed (the first transaction only).
 RUN_SEED = "zkdv.rng"
+DEVICE_PATH_SINGLE_PROCESS = (
+    "ZKDVConfig(commitments='device') needs a single-process run without FSDP2: "
+    "commitments of a multi-process run are computed by rank 0 from the whole state"
+)
 SETTINGS_CHANGED = (
     "this step would run under other settings than the sealed attested program, so its "
     "replay would compute something else: {what}. Keep the settings of the first "
@@ -167,6 +174,10 @@ class ZKDV(Driver):
         self._requires_grad: tuple[bool, ...] | None = None
         #: Threads, matmul precision and train/eval flags when the program was sealed.
         self._sealed_settings: dict[str, Any] = {}
+        #: Where commitments are computed ("host" or "device"), resolved at sealing.
+        self._path: str | None = None
+        self._device_committer: DeviceCommitter | None = None
+        self._transfers = TransferLog()
 
     # --- public frontend API ------------------------------------------------------------
     def prepare(self, *values: Any) -> Any:
@@ -240,6 +251,17 @@ class ZKDV(Driver):
 
             overlap = overlap_policy.UNCHECKED
         return EagerTransaction(self, batch, overlap)
+
+    @property
+    def commitments(self) -> str | None:
+        """Where this run's commitments are computed, ``"host"`` or ``"device"``: the
+        resolved ``ZKDVConfig.commitments`` (None before the first transaction)."""
+        return self._path
+
+    @property
+    def transfers(self) -> TransferLog:
+        """Bytes read from the device to the host, per step and kind (``docs/torch.md``)."""
+        return self._transfers
 
     # --- preparation --------------------------------------------------------------------
     def _prepare(self, value: Any) -> Any:
@@ -360,6 +382,7 @@ class ZKDV(Driver):
             # caller mutates its tensors afterwards.
             words = self._gather(self._batch_layout.pack(transaction.batch))
             transaction.words = words
+            self._transfers.add(transaction.index, "batch", words.nbytes)
             first = self._gather_first_state()
             if self._prepared_compiled is None:
                 self._seal_everywhere(transaction, first)
@@ -542,7 +565,11 @@ class ZKDV(Driver):
                     transaction.buffers_before,
                     self._poison_check,
                 )
-            else:
+            committer = self._device_committer
+            if committer is not None:
+                # On the device: the rows the probes read, before the update overwrites them.
+                transaction.pre_rows = committer.select(parameters)
+            elif transaction.snapshot is None:
                 transaction.pre_rows = self._probe_rows(parameters)
             # What the schedulers set for this step: committed, and replayed with it.
             transaction.hyperparameters = optimizer.bridge.hyperparameters()
@@ -652,14 +679,32 @@ class ZKDV(Driver):
             if self._program_flops is not None
             else 6.0 * self._parameter_count * tokens
         )
+        post_buffers = [buffer.clone() for buffer in model.buffers]
+        device = None
+        committer = self._device_committer
+        if committer is not None and transaction.pre_rows is not None:
+            # Dispatched now, on the training stream: they read the state before the next
+            # step's in-place update, and only 32 bytes a leaf and the probes come back.
+            bridge = self._bridge()
+            names = self._layout
+            state_leaves = bridge.leaves(bridge.live_states(), parameters)
+            device = (
+                (
+                    committer.roots(list(zip(names.parameter_names, parameters, strict=True))),
+                    committer.roots(list(zip(names.state_paths, state_leaves, strict=True))),
+                    committer.roots(list(zip(names.buffer_names, post_buffers, strict=True))),
+                ),
+                committer.probe(transaction.pre_rows, parameters),
+            )
         step = TorchStep(
             self,
             transaction,
             parameters=parameters,
             states=states,
-            post_buffers=[buffer.clone() for buffer in model.buffers],
+            post_buffers=post_buffers,
             tokens=tokens,
             flops=flops,
+            device=device,
         )
         with self._resolution:
             self._unresolved.add(transaction.index)
@@ -749,6 +794,7 @@ class ZKDV(Driver):
             [leaf.numel() for leaf in state_leaves],
         )
         device = parameters[0].device
+        self._resolve_path(model, device, parameters)
         if device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
             warnings.warn(CUDA_NONDETERMINISTIC, RuntimeWarning, stacklevel=4)
         self._checkpoint = ReplayCheckpoint(
@@ -831,6 +877,37 @@ class ZKDV(Driver):
             },
         }
         self.sealing_seconds = time.perf_counter() - started
+
+    def _resolve_path(
+        self, model: PreparedModel, device: torch.device, parameters: tuple[torch.Tensor, ...]
+    ) -> None:
+        """Decide where commitments are computed (``ZKDVConfig.commitments``).
+
+        ``auto``: on the device when the parameters are on CUDA in a single-process,
+        unsharded run (native BLAKE3 on every CPU core beats tensor code on a CPU);
+        ``device`` forces it (a CPU run then hashes with tensor code: slow, for tests).
+
+        Raises:
+            ZKDVError: ``device`` asked for a multi-process or FSDP2 run.
+        """
+        wanted = self.config.commitments
+        possible = self._world_size == 1 and not model.fsdp
+        if wanted == "device" and not possible:
+            raise ZKDVError(DEVICE_PATH_SINGLE_PROCESS)
+        if wanted == "auto":
+            wanted = "device" if device.type == "cuda" and possible else "host"
+        self._path = wanted
+        if wanted != "device":
+            return
+        core = self._core
+        assert core is not None
+        specs = tuple(
+            leaf_spec(name, parameter)
+            for name, parameter in zip(model.parameter_names, parameters, strict=True)
+        )
+        self._device_committer = DeviceCommitter(
+            device, self.config.chunk_bytes, core.probe_set(specs), self._transfers
+        )
 
     def _replay(self, challenge: Challenge, committed_post: float) -> ReplayOutcome:
         pipeline = self._prepared_compiled

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zkdv import transfers
 from zkdv.device_merkle import roots_to_bytes, state_commitment
 from zkdv.jax.device_merkle import Schedule, chunk_roots, supported
 from zkdv.jax.device_probes import DeviceProbes
@@ -44,30 +44,8 @@ def leaf_specs(paths: Sequence[str], leaves: Sequence[Any]) -> tuple[LeafSpec, .
     )
 
 
-class TransferLog:
-    """Bytes read from the device to the host, per step and kind (thread-safe).
-
-    Kinds: ``"batch"``, ``"roots"``, ``"probes"``, ``"values"`` (challenged
-    coordinates), ``"snapshot"`` (a replay snapshot's copy) and, on the host path,
-    ``"state"`` (the post-update state and deltas read for hashing). The last
-    ``keep`` steps are kept individually; :meth:`totals` covers the whole run.
-    """
-
-    def __init__(self, keep: int = 4096) -> None:
-        self._lock = threading.Lock()
-        self._keep = keep
-        self._steps: OrderedDict[int, dict[str, int]] = OrderedDict()
-        self._totals: dict[str, int] = {}
-
-    def add(self, step: int, kind: str, nbytes: int) -> None:
-        with self._lock:
-            kinds = self._steps.get(step)
-            if kinds is None:
-                kinds = self._steps[step] = {}
-                while len(self._steps) > self._keep:
-                    self._steps.popitem(last=False)
-            kinds[kind] = kinds.get(kind, 0) + int(nbytes)
-            self._totals[kind] = self._totals.get(kind, 0) + int(nbytes)
+class TransferLog(transfers.TransferLog):
+    """:class:`zkdv.transfers.TransferLog` with JAX's explicit, counted read."""
 
     def fetch(self, step: int, kind: str, value: Any) -> Any:
         """``jax.device_get(value)``, counted. An explicit read: allowed under a
@@ -75,19 +53,6 @@ class TransferLog:
         host = jax.device_get(value)
         self.add(step, kind, sum(np.asarray(x).nbytes for x in jax.tree.leaves(host)))
         return host
-
-    def step(self, step: int) -> dict[str, int]:
-        """``{kind: bytes}`` read for ``step`` (one of the last ``keep`` steps)."""
-        with self._lock:
-            return dict(self._steps.get(step, {}))
-
-    def total(self, step: int) -> int:
-        return sum(self.step(step).values())
-
-    def totals(self) -> dict[str, int]:
-        """``{kind: bytes}`` over the whole run."""
-        with self._lock:
-            return dict(self._totals)
 
 
 class DeviceCommitter:

@@ -17,9 +17,11 @@ eager kernels.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,7 @@ import torch
 
 from zkdv.torch import rng
 
-__all__ = ["AOT_INDUCTOR", "TORCH_EXPORT", "export_roundtrip", "load", "roundtrip"]
+__all__ = ["AOT_INDUCTOR", "TORCH_EXPORT", "export_roundtrip", "load", "reproducible", "roundtrip"]
 
 AOT_INDUCTOR = "aot-inductor"
 TORCH_EXPORT = "torch.export"
@@ -86,10 +88,53 @@ def roundtrip(function: Any, arguments: tuple[Any, ...]) -> tuple[LoadedProgram,
 def export_roundtrip(function: Any, arguments: tuple[Any, ...]) -> tuple[LoadedProgram, bytearray]:
     """Serialize and reload one ``torch.export`` program (no native compilation)."""
     exported = _export(function, arguments)
+    _strip_provenance(exported)
     buffer = io.BytesIO()
     torch.export.save(exported, buffer)
-    material = bytearray(buffer.getvalue())
+    material = bytearray(reproducible(buffer.getvalue()))
     return load(material, TORCH_EXPORT), material
+
+
+#: Node metadata a replay needs: the example values' shapes and dtypes. The rest is
+#: provenance for debugging: object ids that change every run (``from_node``) and the
+#: lab's source paths and lines (``stack_trace``, module stacks), which the platform
+#: does not need to see.
+_KEPT_METADATA = frozenset({"val", "tensor_meta"})
+
+
+def _strip_provenance(exported: torch.export.ExportedProgram) -> None:
+    for node in exported.graph.nodes:
+        for key in [key for key in node.meta if key not in _KEPT_METADATA]:
+            del node.meta[key]
+
+
+#: The member Torch's archive writer fills with a fresh random id on every save.
+_SERIALIZATION_ID = ".data/serialization_id"
+
+
+def reproducible(archive: bytes) -> bytes:
+    """The same archive with its random serialization id replaced by a content hash.
+
+    Torch writes a new random id into every archive it saves, so sealing the same step
+    twice gave two program digests. Rewritten (stored, entries in their order, fixed
+    dates, the id a SHA-256 of every other member), the same program always has the
+    same bytes: a trainer can reproduce the committed digest, and the two commitment
+    paths write byte-identical transcripts.
+    """
+    source = zipfile.ZipFile(io.BytesIO(archive))
+    members = [(info, source.read(info)) for info in source.infolist()]
+    digest = hashlib.sha256()
+    for info, body in members:
+        if not info.filename.endswith(_SERIALIZATION_ID):
+            digest.update(info.filename.encode() + b"\0" + body)
+    identity = str(int.from_bytes(digest.digest()[:16], "big")).zfill(40)[:40].encode()
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as target:
+        for info, body in members:
+            entry = zipfile.ZipInfo(info.filename, date_time=info.date_time)
+            entry.compress_type = zipfile.ZIP_STORED
+            target.writestr(entry, identity if info.filename.endswith(_SERIALIZATION_ID) else body)
+    return out.getvalue()
 
 
 def load(material: bytes | bytearray, kind: str = AOT_INDUCTOR) -> LoadedProgram:

@@ -130,6 +130,7 @@ class TorchStep(Submission):
         post_buffers: list[torch.Tensor],
         tokens: int,
         flops: float | None,
+        device: Any = None,
     ) -> None:
         self.proof = proof
         self.index = transaction.index
@@ -152,6 +153,9 @@ class TorchStep(Submission):
         self._state_leaves: list[torch.Tensor] | None = None
         self._committed_post = 0.0
         self._layout = proof._layout
+        #: On the device path: ``(roots of each tree, probes)`` dispatched on the device,
+        #: read back by the commit stage (:mod:`zkdv.torch.device`); None on the host path.
+        self.device = device
         if transaction.snapshot is not None:
             snap = transaction.snapshot
             self.snapshot = self._leaves(snap.parameters, snap.states, snap.buffers)
@@ -178,13 +182,29 @@ class TorchStep(Submission):
     def batch(self) -> np.ndarray:
         return self.words
 
-    def post_state(self) -> tuple[Leaves, Leaves, Leaves]:
+    def post_state(self) -> tuple[Any, Any, Any]:
         self._state_leaves = self.proof._bridge().leaves(self.states, self.parameters)
-        return self._leaves(self.parameters, self.states, self.post_buffers)
+        committer = self.proof._device_committer
+        if self.device is not None and committer is not None:
+            (params, opt_state, buffers), _ = self.device
+            return (
+                committer.commitment(self.index, params),
+                committer.commitment(self.index, opt_state),
+                committer.commitment(self.index, buffers),
+            )
+        leaves = self._leaves(self.parameters, self.states, self.post_buffers)
+        self.proof.transfers.add(
+            self.index, "state", sum(array.nbytes for tree in leaves for _, array in tree)
+        )
+        return leaves
 
     def probes(
         self, probes: ProbeSet
     ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]] | None:
+        committer = self.proof._device_committer
+        if self.device is not None and committer is not None:
+            _, pending = self.device
+            return committer.read_probes(self.index, pending)
         pre, post, delta = [], [], []
         snapshot = self.replay_snapshot
         for leaf, after in enumerate(self.parameters):
@@ -194,10 +214,10 @@ class TorchStep(Submission):
                 assert snapshot is not None
                 rows_before = _probe_rows(probes, leaf, host_array(snapshot.parameters[leaf]))
             rows_after = _probe_rows(probes, leaf, host_array(after))
-            matrix = probes.matrices[leaf]
-            pre.append(_project(rows_before, matrix))
-            post.append(_project(rows_after, matrix))
-            delta.append(_project(rows_after - rows_before, matrix))
+            # The exact probe arithmetic (zkdv.probes): the device path writes these bits.
+            pre.append(probes.project_rows(leaf, rows_before))
+            post.append(probes.project_rows(leaf, rows_after))
+            delta.append(probes.project_rows(leaf, rows_after - rows_before))
         return pre, post, delta
 
     def capture(self, challenge: Challenge) -> tuple[float, float]:
@@ -209,6 +229,7 @@ class TorchStep(Submission):
             self.parameters, self._layout.parameter_index, challenge.param_index
         )
         state = element(self._state_leaves, self._layout.state_index, challenge.state_index)
+        self.proof.transfers.add(self.index, "values", 16)
         return self._committed_post, state
 
     def release_views(self) -> None:
@@ -216,6 +237,7 @@ class TorchStep(Submission):
         self.parameters = ()
         self.states = []
         self._state_leaves = None
+        self.device = None
 
     def snapshot_written(self) -> None:
         if self._snapshot_slot is not None:
@@ -230,21 +252,6 @@ class TorchStep(Submission):
         self.replay_snapshot = None
         self.post_buffers = []
         self.buffers_before = ()
-
-
-# OpenBLAS runs a GEMM single-threaded below m * n * k = 65536 * 4; above, it wakes every
-# BLAS thread, which costs tens of milliseconds per leaf while training and hashing own
-# the cores (measured: ~90 ms per step for a 10M-parameter MLP on 2 cores). A probe is
-# tiny, so it is computed in row blocks under the threshold.
-_SINGLE_THREAD_GEMM = 65536 * 4 - 1
-
-
-def _project(values: np.ndarray, matrix: np.ndarray) -> np.ndarray:
-    rows = max(1, _SINGLE_THREAD_GEMM // max(1, matrix.shape[0] * matrix.shape[1]))
-    out = np.empty((len(values), matrix.shape[1]), dtype=np.float32)
-    for start in range(0, len(values), rows):
-        np.matmul(values[start : start + rows], matrix, out=out[start : start + rows])
-    return out
 
 
 def probe_view(probes: ProbeSet, leaf: int, tensor: Any) -> Any:
