@@ -263,3 +263,14 @@ def test_nnx_errors_say_what_to_do(make_proof) -> None:
 
     with pytest.raises(zkdv.ZKDVError, match="inside a JAX transformation"):
         in_a_scan(model, optimizer, jnp.stack(_batches(2)))
+
+    fourth = make_proof(name="fourth")
+
+    @fourth.jit
+    def twice(model: MLP, same: MLP, optimizer: nnx.Optimizer, batch: jax.Array) -> Any:
+        grads = nnx.grad(lambda m: jnp.mean(m(batch[:, :6]) ** 2))(model)
+        optimizer.update(model, grads)
+        return jnp.zeros(())
+
+    with pytest.raises(zkdv.ZKDVError, match=r"'model' and 'same' of this proof\.jit step share"):
+        twice(model, model, optimizer, _batches(1)[0])

@@ -146,3 +146,8 @@ NNX_STRUCTURE_CHANGED = (
     "removed a variable or submodule); the committed program fixes it at the first step, "
     "so create every variable before training"
 )
+NNX_SHARED = (
+    "the Flax NNX arguments {first!r} and {second!r} of this proof.jit step share "
+    "variables (the same object passed twice, or a model also held by an "
+    "nnx.ModelAndOptimizer); pass each object once"
+)

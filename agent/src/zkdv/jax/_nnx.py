@@ -213,6 +213,7 @@ class GraphFunction:
         if not self._discovered:
             with self._lock:
                 if not self._discovered:
+                    self._check_shared(nodes)
                     self._discover(values, nodes)
                     self._discovered = True
         result, states = self.inner(*values)
@@ -230,6 +231,21 @@ class GraphFunction:
             nnx.update(node, jax.tree.unflatten(structure, restored))
         self._keys = keys
         return result
+
+    def _check_shared(self, nodes: dict[int, Any]) -> None:
+        """Each argument is split on its own, so no two may share a variable."""
+        owners: dict[int, int] = {}
+        for position, node in nodes.items():
+            for _, value in nnx.iter_graph(node):
+                if not isinstance(value, nnx.Variable):
+                    continue
+                owner = owners.setdefault(id(value), position)
+                if owner != position:
+                    raise ZKDVError(
+                        _messages.NNX_SHARED.format(
+                            first=self._names[owner], second=self._names[position]
+                        )
+                    )
 
     def _discover(self, values: list[Any], nodes: dict[int, Any]) -> None:
         """Find the parameter leaves of donated NNX arguments (one abstract trace).
