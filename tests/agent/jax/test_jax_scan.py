@@ -126,6 +126,22 @@ def test_every_update_inside_the_scan_is_a_checked_step(
     assert provers.verify_challenge(proof.path, k * CALLS - 1).ok
 
 
+@pytest.mark.parametrize(
+    ("policy", "bound"),
+    [(zkdv.overlap.NEVER, 1), (zkdv.overlap.UNCHECKED, 2), (zkdv.overlap.ALWAYS, 2)],
+)
+def test_a_call_is_one_generation_under_every_overlap_policy(
+    make_proof, policy: zkdv.overlap.Policy, bound: int
+) -> None:
+    proof = make_proof(zkdv.SamplingPolicy.DEBUGCheckEvery(2), interval=4)
+    state = _train(proof, 3, zkdv_overlap=policy)
+    assert state.zkdv_overlap is policy
+    # The K updates of a call hold one admission, retired with the last of them.
+    assert 1 <= proof._queue.max_live <= bound
+    report = assert_verifies(proof.path)
+    assert (report.steps, report.checks) == (12, 6)
+
+
 def test_each_update_commits_its_own_batch_slice(make_proof) -> None:
     k = 3
     proof = make_proof(zkdv.SamplingPolicy(update_check_probability=0.0), interval=4)

@@ -329,34 +329,24 @@ class GraphFunction:
                 any(id(leaf) in ids for leaf in jax.tree.leaves(graphs[i])) for i in holders
             ):
                 raise ZKDVError(_messages.NNX_MODEL_NOT_AN_INPUT)
-            position = {
-                id(leaf): (i, k)
+            # Each leaf of the state arguments before the step, and the same leaf after.
+            successor = {
+                id(leaf): new
                 for i in holders
-                for k, leaf in enumerate(jax.tree.leaves(graphs[i]))
+                for leaf, new in zip(
+                    jax.tree.leaves(graphs[i]), jax.tree.leaves(after[i]), strict=True
+                )
             }
-            missing = [leaf for leaf in jax.tree.leaves(params_before) if id(leaf) not in position]
-            if missing:
+            if any(id(leaf) not in successor for leaf in jax.tree.leaves(params_before)):
                 raise ZKDVError(_messages.NNX_MODEL_NOT_AN_INPUT)
-            params_after = jax.tree.map(
-                lambda leaf: jax.tree.leaves(after[position[id(leaf)][0]])[position[id(leaf)][1]],
-                params_before,
-            )
+            params_after = jax.tree.map(lambda leaf: successor[id(leaf)], params_before)
             opt_before = {
                 names[i]: _filtered(
                     nnx.to_pure_dict(graphs[i].state), lambda leaf: id(leaf) not in ids
                 )
                 for i in holders
             }
-            before_leaves = [jax.tree.leaves(graphs[i]) for i in holders]
-            after_leaves = [jax.tree.leaves(after[i]) for i in holders]
-            index = {
-                id(leaf): (h, k)
-                for h, leaves in enumerate(before_leaves)
-                for k, leaf in enumerate(leaves)
-            }
-            opt_after = jax.tree.map(
-                lambda leaf: after_leaves[index[id(leaf)][0]][index[id(leaf)][1]], opt_before
-            )
+            opt_after = jax.tree.map(lambda leaf: successor[id(leaf)], opt_before)
             deltas = jax.tree.map(_delta, params_before, params_after)
             if context.mode == "replay":
                 raise _context.Boundary((deltas, params_after, opt_after))
