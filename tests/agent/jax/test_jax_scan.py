@@ -303,6 +303,19 @@ def test_scan_errors_say_what_to_do(make_proof) -> None:
     third = make_proof(name="third")
     with pytest.raises(zkdv.ZKDVError, match="must return the state that apply_gradients"):
         third.jit(not_returned)(_state(third), xs)
+
+    def explicit(params: Any, opt_state: Any, xs: jax.Array) -> Any:
+        def body(carry: Any, batch: jax.Array) -> Any:
+            params, opt_state = carry
+            zkdv.jax.Transaction(batch=batch, params=params, opt_state=opt_state)
+            return carry, None
+
+        return zkdv.jax.scan(body, (params, opt_state), xs)[0]
+
+    fourth = make_proof(name="fourth")
+    with pytest.raises(zkdv.ZKDVError, match=r"declared with zkdv\.jax\.Transaction inside a scan"):
+        fourth.jit(explicit)(init_params(), optax.adam(0.1).init(init_params()), xs)
+    fourth.close()
     for made in (proof, other, third):
         with pytest.raises(zkdv.ZKDVError, match="No transcript update"):
             made.close()

@@ -164,6 +164,8 @@ class Transaction:
         self.overlap = None if overlap is None else Policy(overlap)
         self._registration: Registration | None = None
         context = current()
+        if context is not None and context.mode == "scan":
+            raise ZKDVError(_messages.SCAN_NOT_TRAIN_STATE)
         if context is not None and context.mode == "production":
             if context.nested():
                 raise ZKDVError(_messages.NESTED_UPDATE)

@@ -117,8 +117,7 @@ SCAN_STATE_NOT_RETURNED = (
 )
 SCAN_NOT_TRAIN_STATE = (
     "zkdv.jax.scan commits updates declared by zkdv.jax.contrib.TrainState.apply_gradients(); "
-    "an update declared with zkdv.jax.Transaction or a Flax NNX optimizer inside a scan is "
-    "not supported"
+    "an update declared with zkdv.jax.Transaction inside a scan is not supported"
 )
 SCAN_MULTI_PROCESS = (
     "zkdv.jax.scan with updates inside is not supported in multi-process runs "
