@@ -183,6 +183,41 @@ def test_a_sampled_check_replays_an_update_inside_a_call(make_proof) -> None:
     assert all(c["ok"] for c in checks)
 
 
+def test_python_scalars_in_the_carry_are_committed_per_update(make_proof) -> None:
+    proof = make_proof(interval=3)
+
+    @proof.jit(donate_argnums=(0,))
+    def steps(state: Any, xs: jax.Array) -> Any:
+        def body(carry: Any, batch: jax.Array) -> Any:
+            state, total = carry
+            value, grads = jax.value_and_grad(lambda p: loss(state, p, batch))(state.params)
+            return (state.apply_gradients(grads=grads), total + value), value
+
+        (state, _), losses = zkdv.jax.scan(body, (state, 0.0), xs)
+        return state, losses
+
+    state = _state(proof)
+    losses = []
+    for xs in _calls(2, 3):
+        state, values = steps(state, xs)
+        losses.extend(np.asarray(values).tolist())
+    proof.close()
+    report = assert_verifies(proof.path)
+    assert (report.steps, report.checks) == (6, 6)
+    layout = proof.artifact.layout  # type: ignore[union-attr]
+    assert [(leaf.path, leaf.dtype) for leaf in layout.leaves][1] == ("carry[1]", "float32")
+    # Each update's batch holds the running total it started from: 0 for the first
+    # update of a call, the first update's loss for the second.
+    started = [
+        np.asarray(read_batch(batch_path(proof.path, step)))[:, FEATURES + 1].view(np.float32)
+        for step in range(6)
+    ]
+    for step, column in enumerate(started):
+        expected = 0.0 if step % 2 == 0 else losses[step - 1]
+        np.testing.assert_allclose(column, np.full(4, expected, np.float32), rtol=1e-6)
+    _replay_every_window(proof.path)
+
+
 def test_attest_apply_fn_replaces_apply_fn_in_the_replayed_update(make_proof) -> None:
     def portable(variables: dict[str, Any], batch: jax.Array) -> jax.Array:
         params = variables["params"]

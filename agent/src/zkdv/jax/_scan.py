@@ -114,8 +114,9 @@ def scan(
     replay_update = replay.update
     assert replay_update is not None
     init_leaves = jax.tree.leaves(init)
-    x_leaves = [] if xs is None else [x[0] for x in jax.tree.leaves(xs)]
-    carried = [init_leaves[i] for i in update.other_positions]
+    # Arrays with the types the loop sees (a Python scalar in the carry is a weak array).
+    x_leaves = [] if xs is None else [jnp.asarray(x)[0] for x in jax.tree.leaves(xs)]
+    carried = [jnp.asarray(init_leaves[i]) for i in update.other_positions]
     hoisted = [replay.closed.consts[i] for i in replay.hoisted]
     paths = (
         ([] if xs is None else leaf_paths(xs, "xs"))
