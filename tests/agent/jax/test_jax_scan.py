@@ -142,6 +142,22 @@ def test_a_call_is_one_generation_under_every_overlap_policy(
     assert (report.steps, report.checks) == (12, 6)
 
 
+def test_a_donated_state_donates_only_its_parameters(make_proof) -> None:
+    proof = make_proof(zkdv.SamplingPolicy(update_check_probability=0.0), interval=4)
+    step = proof.jit(_steps, donate_argnums=(0,))
+    state, key, scale = _state(proof), jax.random.key(3), jnp.float32(1.5)
+    for call, xs in enumerate(_calls(3)):
+        previous = state
+        state, key, _ = step(state, xs, key, scale)
+        if call > 0:
+            # No commitment reads a call's final state (only its stacked outputs), so
+            # the next call donates it without waiting for the commitments.
+            assert all(leaf.is_deleted() for leaf in jax.tree.leaves(previous.params))
+            assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(previous.opt_state))
+    proof.close()
+    assert_verifies(proof.path)
+
+
 def test_each_update_commits_its_own_batch_slice(make_proof) -> None:
     k = 3
     proof = make_proof(zkdv.SamplingPolicy(update_check_probability=0.0), interval=4)

@@ -1241,9 +1241,16 @@ class ZKDV(Driver):
                     snapshot = (copied[:nparams], copied[nparams:])
                 with self._store_lock:
                     self._snapshots[index] = snapshot
-            if program.donated and self._last is not None and self._control is None:
+            if (
+                program.donated
+                and self._last is not None
+                and self._control is None
+                and traced.registration.scan is None
+            ):
                 # The previous commitment may still read host views of the buffers this
-                # step donates; with a live view JAX silently skips the donation.
+                # step donates; with a live view JAX silently skips the donation. (A
+                # zkdv.jax.scan call's commitments read only its stacked outputs, never
+                # the final state the next call donates.)
                 self._barrier()
             outputs = program.jitted(
                 tuple(leaves[i] for i in program.donated),

@@ -55,7 +55,7 @@ from zkdv.compilation import jax_trees
 from zkdv.errors import ZKDVError
 from zkdv.flowcontrol import Admission
 from zkdv.jax import _context, _messages
-from zkdv.jax._driver import ZKDV, _Program, _Step, _to_host
+from zkdv.jax._driver import ZKDV, _Program, _Step
 from zkdv.jax._tree import BatchLayout, leaf_paths
 from zkdv.overlap import Policy
 from zkdv.transaction import bind_input
@@ -402,14 +402,9 @@ class ScanUpdates:
         stack = _Stack(deltas, stacked[:nparams], stacked[nparams:], packed, self.count)
         flops = None if program.flops is None else program.flops / self.per_loop
         for j in range(self.count):
-            step_snapshot = snapshot if j == 0 else None
-            if j > 0 and proof._snapshot_due(index + j):
-                # The pre-state of update j is the post-state of update j - 1.
-                previous = self.row(j - 1)
-                copied = [_to_host(leaf[previous]) for leaf in stacked]
-                step_snapshot = (copied[:nparams], copied[nparams:])
-                with proof._store_lock:
-                    proof._snapshots[index + j] = step_snapshot
+            # The pre-state of update j > 0 is the post-state of update j - 1: a due
+            # snapshot is copied from the call's host views on the commit thread.
+            due = j > 0 and proof._snapshot_due(index + j)
             step = _ScanStep(
                 proof,
                 program,
@@ -417,10 +412,11 @@ class ScanUpdates:
                 policy,
                 outputs,
                 host_pre if j == 0 else None,
-                step_snapshot,
+                snapshot if j == 0 else None,
                 stack,
                 self.row(j),
                 flops,
+                self.row(j - 1) if due else None,
             )
             last = j == self.count - 1
             proof._submit(admission if last else cast(Admission, _Unregistered()), step)
@@ -491,16 +487,39 @@ class _ScanStep(_Step):
         stack: _Stack,
         row: int,
         flops: float | None,
+        snapshot_row: int | None = None,
     ) -> None:
         super().__init__(proof, program, index, policy, outputs, host_pre, snapshot)
         self.flops = flops
         self._stack = stack
         self._row = row
+        self._snapshot_row = snapshot_row
         self._released = False
         # The base class took the stacked arrays; this step reads its row on the commit
         # thread instead.
         self._deltas = self._params = self._opt = []
         self._packed = None
+
+    # The driver reads the snapshot on the commit thread, before the step's commitment
+    # and so before any check that replays from it.
+    @property
+    def snapshot(self) -> Any:
+        row = self._snapshot_row
+        if row is not None:
+            self._snapshot_row = None
+            _, params, opt, _ = self._stack.views()
+            copied = (
+                [np.array(leaf[row]) for leaf in params],
+                [np.array(leaf[row]) for leaf in opt],
+            )
+            with self.proof._store_lock:
+                self.proof._snapshots[self.index] = copied
+            self._snapshot_source = copied
+        return _Step.snapshot.fget(self)  # type: ignore[attr-defined]
+
+    @snapshot.setter
+    def snapshot(self, value: Any) -> None:
+        _Step.snapshot.fset(self, value)  # type: ignore[attr-defined]
 
     def batch(self) -> np.ndarray:
         if self._batch is None:
