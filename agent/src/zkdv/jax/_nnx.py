@@ -75,6 +75,9 @@ class Graph:
         self.keys = keys
         # Leaves a donated argument may donate (its parameters); host-side only.
         self.donatable: list[Any] = []
+        # The object's own Variables, in leaf order, when every leaf is one (host-side:
+        # nnx.split hands out the object's Variables, so setting them updates it).
+        self.variables: list[Any] | None = None
 
     def tree_flatten(self) -> tuple[tuple[Any], tuple[Any, tuple[str | None, ...]]]:
         return (self.state,), (self.graphdef, self.keys)
@@ -114,7 +117,11 @@ def _split(node: Any, known: dict[int, tuple[Any, Any]] | None = None) -> Graph:
         else:
             keys.append(None)
             converted.append(leaf)
-    return Graph(graphdef, jax.tree.unflatten(structure, converted), tuple(keys))
+    graph = Graph(graphdef, jax.tree.unflatten(structure, converted), tuple(keys))
+    variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    if len(variables) == len(leaves) and all(isinstance(v, nnx.Variable) for v in variables):
+        graph.variables = variables
+    return graph
 
 
 @dataclass
@@ -199,8 +206,10 @@ class GraphFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         values = list(self._signature.bind(*args, **kwargs))
         nodes = {i: value for i, value in enumerate(values) if is_graph_node(value)}
+        inputs: list[Graph] = []
         for position, node in nodes.items():
             graph = _split(node, self._keys)
+            inputs.append(graph)
             first = self._graphdefs.setdefault(position, graph.graphdef)
             if graph.graphdef != first:
                 raise ZKDVError(
@@ -218,7 +227,7 @@ class GraphFunction:
                     self._discovered = True
         result, states = self.inner(*values)
         keys: dict[int, tuple[Any, Any]] = {}
-        for node, graph in zip(nodes.values(), states, strict=True):
+        for node, before, graph in zip(nodes.values(), inputs, states, strict=True):
             leaves, structure = jax.tree.flatten(graph.state)
             restored = []
             for leaf, impl in zip(leaves, graph.keys, strict=True):
@@ -228,7 +237,13 @@ class GraphFunction:
                 key = jax.random.wrap_key_data(leaf, impl=impl)
                 keys[id(key)] = (key, leaf)
                 restored.append(key)
-            nnx.update(node, jax.tree.unflatten(structure, restored))
+            if before.variables is not None:
+                # The structure is the one split before the call: set the object's own
+                # Variables (what nnx.update does, without walking the graph again).
+                for variable, value in zip(before.variables, restored, strict=True):
+                    variable.set_value(value)
+            else:
+                nnx.update(node, jax.tree.unflatten(structure, restored))
         self._keys = keys
         return result
 
