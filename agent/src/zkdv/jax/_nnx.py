@@ -10,7 +10,7 @@ metrics) and mutates them in place; ``nnx.jit`` lifts it over ``nnx.split`` and
   streams are committed as uint32 words), wrapped in a :class:`Graph` pytree;
 * the staged function merges them back, calls the user's step, splits the objects
   again and returns their new state beside the user's result; the caller's objects are
-  updated in place afterwards (``nnx.update``), as ``nnx.jit`` does;
+  updated in place afterwards (their own ``Variable``s are set), as ``nnx.jit`` does;
 * the transaction is ``optimizer.update(model, grads)``: while the step runs, every
   ``nnx.Optimizer`` among the arguments has its ``tx`` wrapped, so the call reveals the
   parameters (``nnx.state(model, wrt)``, the optimizer's ``wrt`` filter) by identity.
