@@ -274,3 +274,19 @@ def test_nnx_errors_say_what_to_do(make_proof) -> None:
 
     with pytest.raises(zkdv.ZKDVError, match=r"'model' and 'same' of this proof\.jit step share"):
         twice(model, model, optimizer, _batches(1)[0])
+
+
+def test_an_nnx_step_commits_on_the_device_path_too(make_proof) -> None:
+    """The device commitment path (issue 18) hashes the same NNX state leaves."""
+    proof = make_proof(interval=2, commitments="device")
+    model, optimizer, metrics = _objects()
+    step = proof.jit(train_step, donate_argnames=("model", "optimizer"))
+    for batch in _batches(3):
+        step(model, optimizer, metrics, batch)
+    proof.close()
+    assert proof.commitments == "device"
+    report = assert_verifies(proof.path)
+    assert (report.steps, report.checks) == (3, 3)
+    transcript = Transcript.load(proof.path)
+    for first, last in windows(transcript):
+        assert jax_replay.verify_challenge(proof.path, first, through=last).ok

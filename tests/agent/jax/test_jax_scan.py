@@ -363,6 +363,12 @@ def test_scan_errors_say_what_to_do(make_proof) -> None:
 
         return zkdv.jax.scan(body, (params, opt_state), xs)[0]
 
+    device = make_proof(name="device", commitments="device")
+    with pytest.raises(zkdv.ZKDVError, match=r"does not commit zkdv\.jax\.scan updates yet"):
+        device.jit(_steps)(_state(device), xs, jax.random.key(0), jnp.float32(1.0))
+    with pytest.raises(zkdv.ZKDVError, match="No transcript update"):
+        device.close()
+
     fourth = make_proof(name="fourth")
     with pytest.raises(zkdv.ZKDVError, match=r"declared with zkdv\.jax\.Transaction inside a scan"):
         fourth.jit(explicit)(init_params(), optax.adam(0.1).init(init_params()), xs)

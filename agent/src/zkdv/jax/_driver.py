@@ -1339,7 +1339,11 @@ class ZKDV(Driver):
         unsupported = DeviceCommitter.unsupported(paths, arrays)
         processes = jax.process_count()
         platforms = {d.platform for x in arrays for d in x.devices()}
+        # zkdv.jax.scan returns its updates' states stacked; they are hashed on the host.
+        scan = traced.registration.scan is not None
         if wanted == "device":
+            if scan:
+                raise ZKDVError(_messages.SCAN_DEVICE)
             if processes > 1:
                 raise ZKDVError(_messages.DEVICE_MULTI_PROCESS.format(count=processes))
             if unsupported:
@@ -1348,7 +1352,11 @@ class ZKDV(Driver):
             # Native BLAKE3 on every core beats XLA's CPU code; on an accelerator the
             # state would otherwise cross PCIe every step.
             accelerated = bool(platforms) and "cpu" not in platforms
-            wanted = "device" if accelerated and processes == 1 and not unsupported else "host"
+            wanted = (
+                "device"
+                if accelerated and processes == 1 and not unsupported and not scan
+                else "host"
+            )
         self._path = wanted
         if wanted == "device":
             backend = "cpu" if "cpu" in platforms else "accelerator"

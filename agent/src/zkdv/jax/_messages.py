@@ -123,6 +123,11 @@ SCAN_MULTI_PROCESS = (
     "zkdv.jax.scan with updates inside is not supported in multi-process runs "
     "(jax.process_count() == {count}); run one update per proof.jit call there"
 )
+SCAN_DEVICE = (
+    "ZKDVConfig(commitments='device') does not commit zkdv.jax.scan updates yet: the loop "
+    "returns every update's state stacked and the host hashes them; use "
+    "commitments='auto' (which chooses 'host' for such a step) or 'host'"
+)
 SCAN_TWICE = (
     "a proof.jit step may contain one zkdv.jax.scan whose body updates the state; this "
     "step already declared its updates"

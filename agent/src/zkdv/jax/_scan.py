@@ -454,7 +454,9 @@ class _Stack:
         with self._lock:
             if self._host is None:
                 assert self._device is not None
-                deltas, params, opt, packed = self._device
+                # One explicit read of the call's outputs; each step's record of the
+                # transfer log counts its own rows (_Step.post_state, _Step.batch).
+                deltas, params, opt, packed = jax.device_get(self._device)
                 self._host = (
                     [np.asarray(leaf) for leaf in deltas],
                     [np.asarray(leaf) for leaf in params],
@@ -514,6 +516,8 @@ class _ScanStep(_Step):
             )
             with self.proof._store_lock:
                 self.proof._snapshots[self.index] = copied
+            nbytes = sum(a.nbytes for tree in copied for a in tree)
+            self.proof._log.add(self.index, "snapshot", nbytes)
             self._snapshot_source = copied
         return _Step.snapshot.fget(self)  # type: ignore[attr-defined]
 
