@@ -8,6 +8,11 @@ the root record's program digest, decodes it with :class:`zkdv.jax.artifact.Arti
 (the SDK's own reader) and wraps ``transition`` as a :data:`provers.replay.Transition`;
 :func:`verify_challenge` hands it to the framework-neutral :func:`provers.replay.replay`.
 
+The transition is always *one* update: for a run that made several updates per call
+(``zkdv.jax.scan``) it is one iteration of the scan body, and each update has its own
+step record and batch file, so windows replay step by step as for any run; a Flax NNX
+run's transition is its whole step, over the same flat schema.
+
 Exactness: the training step and the exported transition are different XLA programs,
 but XLA compiles the same arithmetic for both on the same backend, so a replay on the
 platform, library versions and core count the run recorded (``env.jax_platform``,

@@ -249,3 +249,51 @@ def test_dispatch_imports_only_the_framework_it_needs() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+def _scan_run(path: Path) -> Path:
+    """Four calls of ``zkdv.jax.scan`` with two updates each: steps 0-7, snapshots 0, 3, 6."""
+    proof = zkdv.jax.ZKDV(
+        path,
+        zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.0)),
+        replay_snapshot_interval=3,
+    )
+    proof.start(rolling_window=2, probe_ratio=0.5)
+    model = MLP()
+    state = TrainState.create(
+        proof=proof,
+        apply_fn=model.apply,
+        params=model.init(jax.random.key(0), jnp.ones((4, 6)))["params"],
+        tx=optax.adamw(LEARNING_RATE),
+    )
+
+    @proof.jit(donate_argnums=(0,))
+    def steps(state: Any, batches: jax.Array) -> Any:
+        return zkdv.jax.scan(lambda state, batch: (_step(state, batch), None), state, batches)[0]
+
+    rng = np.random.default_rng(1)
+    for _ in range(STEPS // 2):
+        state = steps(state, jnp.asarray(rng.standard_normal((2, 4, 7)), jnp.float32))
+    proof.close()
+    return path
+
+
+def test_updates_inside_a_scan_replay_as_steps(tmp_path: Path) -> None:
+    path = _scan_run(tmp_path / "scan")
+    transcript = Transcript.load(path)
+    assert sorted(transcript.steps) == list(range(STEPS))
+    # Windows start where the interval says, inside calls of two updates too.
+    assert windows(transcript) == [(0, 2), (3, 5), (6, 7)]
+    transition = jax_replay.load_transition(path)
+    for first, last in windows(transcript):
+        verdict = jax_replay.verify_challenge(path, first, through=last, transition=transition)
+        assert verdict.ok, verdict.message
+        assert all(e.exact and e.batch_ok for e in verdict.evidence)
+    # Step 4 is the second update of a call: its own batch file is what it is held to.
+    file = batch_path(path, 4)
+    data = bytearray(file.read_bytes())
+    data[-1] ^= 1
+    file.write_bytes(bytes(data))
+    verdict = jax_replay.verify_challenge(path, 3, through=5, transition=transition)
+    assert (verdict.ok, verdict.reason) == (False, "batch_mismatch")
+    assert "does not hash to step 4's committed batch root" in str(verdict.message)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from zkdv.jax import artifact, contrib
 from zkdv.jax._context import Transaction
 from zkdv.jax._driver import ZKDV
+from zkdv.jax._scan import scan
 from zkdv.jax._tree import index
 
-__all__ = ["ZKDV", "Transaction", "artifact", "contrib", "index"]
+__all__ = ["ZKDV", "Transaction", "artifact", "contrib", "index", "scan"]

@@ -15,7 +15,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from jax.extend import core as jax_core
+
 from zkdv.errors import ZKDVError
+from zkdv.jax import _messages
 from zkdv.overlap import Policy
 
 __all__ = ["Boundary", "Registration", "TraceContext", "Transaction", "collector", "current"]
@@ -47,6 +50,8 @@ class Registration:
     opt_after: Any = None
     state: Any = None
     completed: bool = False
+    #: Several updates in one call (``zkdv.jax.scan``): a ``zkdv.jax._scan.ScanUpdates``.
+    scan: Any = None
 
 
 class Boundary(BaseException):
@@ -76,11 +81,23 @@ class TraceContext:
     inputs: list[Any]
     registration: Registration | None = None
     params_identity: tuple[int, ...] = field(default_factory=tuple)
+    # The JAX trace the context was opened in: an update registered from another one
+    # (inside jax.lax.scan, cond, vmap or a nested jit) cannot reach the step's outputs.
+    trace: Any = field(default_factory=lambda: trace_state())
 
     def open(self, registration: Registration) -> None:
         if self.registration is not None:
             raise ZKDVError(ONE_TRANSACTION)
         self.registration = registration
+
+    def nested(self) -> bool:
+        """Whether the caller runs inside a JAX transformation of this context's trace."""
+        return bool(trace_state() != self.trace)
+
+
+def trace_state() -> Any:
+    """The current JAX trace, opaque; equal only within one trace."""
+    return jax_core.get_opaque_trace_state()  # type: ignore[no-untyped-call]
 
 
 def current() -> TraceContext | None:
@@ -147,7 +164,11 @@ class Transaction:
         self.overlap = None if overlap is None else Policy(overlap)
         self._registration: Registration | None = None
         context = current()
+        if context is not None and context.mode == "scan":
+            raise ZKDVError(_messages.SCAN_NOT_TRAIN_STATE)
         if context is not None and context.mode == "production":
+            if context.nested():
+                raise ZKDVError(_messages.NESTED_UPDATE)
             self._registration = Registration("transaction", params, opt_state, batch, self.overlap)
             context.open(self._registration)
 

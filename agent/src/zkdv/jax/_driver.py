@@ -81,6 +81,8 @@ JIT_OPTIONS = frozenset(
 # Options forwarded to jax.jit unchanged (the others are resolved by the wrapper).
 _PASSTHROUGH = ("keep_unused", "device", "backend", "inline", "compiler_options")
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
+# The artifact's ``source``: what declared the transaction whose program is generated.
+_SOURCES = {"train_state": "zkdv.jax.contrib.TrainState", "nnx": "flax.nnx.Optimizer"}
 
 
 def _annotation(name: str) -> contextlib.AbstractContextManager[Any]:
@@ -269,11 +271,19 @@ class JitFunction:
         self._policies: dict[int, Policy] = {}
         self._program: _Program | None = None
         self._lock = threading.Lock()
+        self._graphs: Any = None  # the zkdv.jax._nnx.GraphFunction of a Flax NNX step
 
     # -- call ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from zkdv.jax import _nnx
         from zkdv.jax.contrib import TrainState
 
+        if self._graphs is not None or _nnx.has_graph_nodes(args, kwargs):
+            # Flax NNX objects: split, run as a pure function, updated in place.
+            with self._lock:
+                if self._graphs is None:
+                    self._graphs = _nnx.GraphFunction(self)
+            return self._graphs(*args, **kwargs)
         proof = self._proof
         proof._require_step()
         values = list(self._signature.bind(*args, **kwargs))
@@ -322,7 +332,7 @@ class JitFunction:
     ) -> None:
         if static_key != program.static_key:
             names = [self._signature.names[i] for i in sorted(self._static)]
-            if program.traced.registration.source == "train_state":
+            if program.traced.registration.source != "transaction":
                 raise ZKDVError(
                     _messages.STATIC_ARGUMENT.format(
                         names=names, old=program.static_key, new=static_key
@@ -354,8 +364,6 @@ class JitFunction:
         in_tree: Any,
         static_key: Any,
     ) -> _Program:
-        from zkdv.jax.contrib import TrainState
-
         proof = self._proof
         if proof._program_owner is not None:
             raise ZKDVError(
@@ -376,9 +384,11 @@ class JitFunction:
             size = len(jax.tree.leaves(value))
             ranges[position] = (start, start + size)
             if position in self._donate:
-                if isinstance(value, TrainState):
-                    # A donated TrainState lowers to parameter-only donation.
-                    ids = {id(leaf) for leaf in jax.tree.leaves(value.params)}
+                donatable = getattr(value, "_zkdv_donatable", None)
+                if donatable is not None:
+                    # A donated TrainState (or Flax NNX object) lowers to parameter-only
+                    # donation.
+                    ids = {id(leaf) for leaf in donatable()}
                     donated.extend(i for i in range(start, start + size) if id(leaves[i]) in ids)
                 else:
                     donated.extend(range(start, start + size))
@@ -413,12 +423,17 @@ class JitFunction:
                 traced.registration.params_after,
                 traced.registration.opt_after,
             )
-            batch_leaves = (
-                [leaf_values[i] for i in traced.batch_positions]
-                if traced.registration.source == "train_state"
-                else jax.tree.leaves(traced.registration.batch)
-            )
-            packed = traced.layout.pack(batch_leaves)
+            scan = traced.registration.scan
+            if scan is not None:
+                # Several updates (zkdv.jax.scan): their batches were packed in the loop.
+                packed = scan.packed
+            else:
+                batch_leaves = (
+                    [leaf_values[i] for i in traced.batch_positions]
+                    if traced.registration.source != "transaction"
+                    else jax.tree.leaves(traced.registration.batch)
+                )
+                packed = traced.layout.pack(batch_leaves)
             if gathered is not None:
                 # Rank 0 commits the global batch: all-gather it inside the step. The
                 # committed state keeps its input layouts, which _install checked are
@@ -431,8 +446,9 @@ class JitFunction:
                     _pin(hidden[1], param_layouts, gathered),
                     _pin(hidden[2], opt_layouts, gathered),
                 )
+            extra = [packed] if scan is None else [packed, *scan.stacked]
             schema, flat = ResultSchema.build(
-                result, hidden, trees, delta_leaves=traced.delta_leaves, extra=[packed]
+                result, hidden, trees, delta_leaves=traced.delta_leaves, extra=extra
             )
             traced.schema = schema
             holder["traced"] = traced
@@ -556,18 +572,22 @@ class JitFunction:
                     _messages.STRUCTURE.format(name=name, like=like, got=got, want=want)
                 )
         state_positions = set(params.leaves) | set(opt.leaves)
-        if registration.source == "train_state":
+        batch_positions: tuple[int, ...] = ()
+        batch_tree = None
+        if registration.scan is not None:
+            # zkdv.jax.scan packed each update's batch inside the loop.
+            layout = registration.scan.layout
+        elif registration.source != "transaction":
             batch_positions = tuple(i for i in range(len(leaf_values)) if i not in state_positions)
             paths = leaf_paths(jax.tree.unflatten(in_tree, list(range(len(leaf_values)))), "args")
-            batch_paths = [paths[i] for i in batch_positions]
-            batch_leaves = [leaf_values[i] for i in batch_positions]
-            batch_tree = None
+            layout = BatchLayout.of(
+                [paths[i] for i in batch_positions], [leaf_values[i] for i in batch_positions]
+            )
         else:
-            batch_positions = ()
-            batch_paths = leaf_paths(registration.batch, "batch")
-            batch_leaves = jax.tree.leaves(registration.batch)
             batch_tree = jax.tree.structure(registration.batch)
-        layout = BatchLayout.of(batch_paths, batch_leaves)
+            layout = BatchLayout.of(
+                leaf_paths(registration.batch, "batch"), jax.tree.leaves(registration.batch)
+            )
         return _Traced(
             registration=registration,
             schema=None,  # type: ignore[arg-type]  # set right after
@@ -1120,14 +1140,18 @@ class ZKDV(Driver):
         opt_specs = tuple(_spec(jnp.shape(x), jnp.result_type(x)) for x in opt)
         batch_spec = _spec((validate.rows, validate.cols), jnp.uint32)
         index_spec = _spec((), jnp.uint64)
-        if traced.registration.source == "train_state":
+        registration = traced.registration
+        if registration.source != "transaction":
             if self._attested is not None:
                 raise ZKDVError(_messages.ATTEST_REGISTERED)
-            generated = replay_builder(traced)
+            # zkdv.jax.scan brings its one-update transition; otherwise the staged
+            # function is replayed up to its update boundary.
+            scan = registration.scan
+            generated = scan.transition if scan is not None else replay_builder(traced)
             transition: Callable[..., Any] | None = generated
             attest = _attest_from_transition(generated)
             options: dict[str, Any] = {}
-            source = "zkdv.jax.contrib.TrainState"
+            source = _SOURCES[registration.source] + (" in zkdv.jax.scan" if scan else "")
         else:
             if self._attested is None:
                 raise ZKDVError(_messages.NO_ATTEST)
@@ -1217,9 +1241,16 @@ class ZKDV(Driver):
                     snapshot = (copied[:nparams], copied[nparams:])
                 with self._store_lock:
                     self._snapshots[index] = snapshot
-            if program.donated and self._last is not None and self._control is None:
+            if (
+                program.donated
+                and self._last is not None
+                and self._control is None
+                and traced.registration.scan is None
+            ):
                 # The previous commitment may still read host views of the buffers this
-                # step donates; with a live view JAX silently skips the donation.
+                # step donates; with a live view JAX silently skips the donation. (A
+                # zkdv.jax.scan call's commitments read only its stacked outputs, never
+                # the final state the next call donates.)
                 self._barrier()
             outputs = program.jitted(
                 tuple(leaves[i] for i in program.donated),
@@ -1229,8 +1260,12 @@ class ZKDV(Driver):
             result = schema.user_result(outputs, program.trees)
             hidden = outputs[traced.delta_leaves : schema.hidden_leaves]
             self._last_outputs = [weakref.ref(leaf) for leaf in hidden]
-            step = _Step(self, program, index, policy, outputs, host_pre, snapshot)
-            self._submit(admission, step)
+            scan = traced.registration.scan
+            if scan is None:
+                step = _Step(self, program, index, policy, outputs, host_pre, snapshot)
+                self._submit(admission, step)
+            else:
+                scan.submit(self, program, index, policy, outputs, host_pre, snapshot, admission)
         return result
 
     def _device_step(
@@ -1304,7 +1339,11 @@ class ZKDV(Driver):
         unsupported = DeviceCommitter.unsupported(paths, arrays)
         processes = jax.process_count()
         platforms = {d.platform for x in arrays for d in x.devices()}
+        # zkdv.jax.scan returns its updates' states stacked; they are hashed on the host.
+        scan = traced.registration.scan is not None
         if wanted == "device":
+            if scan:
+                raise ZKDVError(_messages.SCAN_DEVICE)
             if processes > 1:
                 raise ZKDVError(_messages.DEVICE_MULTI_PROCESS.format(count=processes))
             if unsupported:
@@ -1313,7 +1352,11 @@ class ZKDV(Driver):
             # Native BLAKE3 on every core beats XLA's CPU code; on an accelerator the
             # state would otherwise cross PCIe every step.
             accelerated = bool(platforms) and "cpu" not in platforms
-            wanted = "device" if accelerated and processes == 1 and not unsupported else "host"
+            wanted = (
+                "device"
+                if accelerated and processes == 1 and not unsupported and not scan
+                else "host"
+            )
         self._path = wanted
         if wanted == "device":
             backend = "cpu" if "cpu" in platforms else "accelerator"

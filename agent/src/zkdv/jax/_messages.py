@@ -98,3 +98,60 @@ DEVICE_DTYPES = (
     "ZKDVConfig(commitments='device') cannot hash {leaves} on the device (sub-byte or "
     "non-numeric dtypes); use commitments='auto' or 'host' for this state."
 )
+NESTED_UPDATE = (
+    "the training update was declared inside a JAX transformation of the proof.jit step "
+    "(jax.lax.scan, fori_loop, cond, vmap or a nested jit), where ZKDV cannot reach its "
+    "values. For several updates per compiled call, replace jax.lax.scan with "
+    "zkdv.jax.scan (same arguments): every update inside it is committed as its own step. "
+    "Otherwise declare the update once, at the top level of the step."
+)
+SCAN_STATE_NOT_CARRY = (
+    "zkdv.jax.scan: the state whose apply_gradients() the scan body calls must be part of "
+    "the scan's carry, unmodified before the update (body(carry, x) with carry = state, or "
+    "a tuple holding it)"
+)
+SCAN_STATE_NOT_RETURNED = (
+    "zkdv.jax.scan: the scan body must return the state that apply_gradients() returned "
+    "in the same place of its carry (return new_state, y), so that each update starts "
+    "from the state the previous one committed"
+)
+SCAN_NOT_TRAIN_STATE = (
+    "zkdv.jax.scan commits updates declared by zkdv.jax.contrib.TrainState.apply_gradients(); "
+    "an update declared with zkdv.jax.Transaction inside a scan is not supported"
+)
+SCAN_MULTI_PROCESS = (
+    "zkdv.jax.scan with updates inside is not supported in multi-process runs "
+    "(jax.process_count() == {count}); run one update per proof.jit call there"
+)
+SCAN_DEVICE = (
+    "ZKDVConfig(commitments='device') does not commit zkdv.jax.scan updates yet: the loop "
+    "returns every update's state stacked and the host hashes them; use "
+    "commitments='auto' (which chooses 'host' for such a step) or 'host'"
+)
+SCAN_TWICE = (
+    "a proof.jit step may contain one zkdv.jax.scan whose body updates the state; this "
+    "step already declared its updates"
+)
+NNX_NO_UPDATE = (
+    "the proof.jit function declared no update: call optimizer.update(model, grads) on "
+    "the nnx.Optimizer passed to it (or apply_gradients() on a zkdv.jax.contrib.TrainState)"
+)
+NNX_MODEL_NOT_AN_INPUT = (
+    "optimizer.update(model, grads) inside a proof.jit step must update a model passed to "
+    "the step as an argument, unmodified before the update; its parameters are not among "
+    "the step's inputs"
+)
+NNX_RETURNED_OBJECT = (
+    "a proof.jit step with Flax NNX arguments returns arrays (a loss, metrics' values), not "
+    "NNX objects: the objects passed in are updated in place, as under nnx.jit"
+)
+NNX_STRUCTURE_CHANGED = (
+    "the proof.jit step changed the structure of the Flax NNX argument {name!r} (added or "
+    "removed a variable or submodule); the committed program fixes it at the first step, "
+    "so create every variable before training"
+)
+NNX_SHARED = (
+    "the Flax NNX arguments {first!r} and {second!r} of this proof.jit step share "
+    "variables (the same object passed twice, or a model also held by an "
+    "nnx.ModelAndOptimizer); pass each object once"
+)

@@ -102,6 +102,11 @@ class TrainState(train_state.TrainState):
             note()
         return state
 
+    def _zkdv_donatable(self) -> list[Any]:
+        # Donating the state donates only its parameters: a sampled check may still
+        # need the pre-update optimizer state.
+        return list(jax.tree.leaves(self.params))
+
     def apply_gradients(self, *, grads: Any, **kwargs: Any) -> Any:
         """Apply the Optax update, increment ``step``, replace ``kwargs`` fields.
 
@@ -119,6 +124,8 @@ class TrainState(train_state.TrainState):
         if self.proof is not context.proof:
             owner = "no proof" if self.proof is None else "a different proof object"
             raise ZKDVError(_messages.PROOF_IDENTITY.format(owner=owner))
+        if context.nested():
+            raise ZKDVError(_messages.NESTED_UPDATE)
         overwrite = isinstance(grads, Mapping) and OVERWRITE_WITH_GRADIENT in grads
         if overwrite:
             grads_with_opt, params_with_opt = grads["params"], self.params["params"]

@@ -1,0 +1,548 @@
+"""``zkdv.jax.scan``: several training updates per compiled call, each its own step.
+
+A TPU-style training loop runs several updates per compiled call::
+
+    @proof.jit(donate_argnums=(0,))
+    def train_steps(state, batches):  # batches: (K, batch, ...)
+        def body(state, batch):
+            grads = jax.grad(loss)(state.params, batch)
+            return state.apply_gradients(grads=grads), None
+
+        state, _ = zkdv.jax.scan(body, state, batches)
+        return state
+
+The protocol is one step record per update (``shared/DESIGN.md`` section 4), so every
+update inside the scan is a committed step with its own batch, and the attested
+``transition`` is *one* update, which the SDK's checks and the platform's replay apply
+step by step as for any run. How:
+
+1. The body is traced once to a jaxpr (``jax.make_jaxpr``) under an *iteration*
+   context, where ``apply_gradients`` registers its update: the state's leaves must be
+   carry leaves and the body must return the updated state in the same place of its
+   carry. Values the body closes over that the step computed (JAX tracers of the
+   step's trace: a learning rate, a PRNG key, a teacher's output) are the jaxpr's
+   traced constants.
+2. The per-update *batch* is everything one update reads besides the state: its slice
+   of ``xs``, the carry leaves that are not the state (a PRNG key carried through the
+   loop, an accumulator) and the traced constants, packed with
+   :class:`~zkdv.jax._tree.BatchLayout` inside the scan, one row block per update.
+3. The production program is ``lax.scan`` over that jaxpr; besides the user's outputs it
+   returns, stacked over the K updates, the deltas, the post-update parameters and
+   continuity state, and the packed batches. The driver submits K steps per call.
+4. The transition (``(params, opt_state, batch) -> (deltas, params_after,
+   opt_state_after)``) evaluates the same jaxpr for one update: the carry is rebuilt
+   from the state and the batch's carry leaves, the traced constants from the batch.
+
+Outside a ``proof.jit`` trace (``jax.jit``, eager) ``zkdv.jax.scan`` is ``jax.lax.scan``;
+a scan whose body declares no update (gradient accumulation over microbatches, the
+update after it) is one too.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jax_core
+
+from zkdv.compilation import jax_trees
+from zkdv.errors import ZKDVError
+from zkdv.flowcontrol import Admission
+from zkdv.jax import _context, _messages
+from zkdv.jax._driver import ZKDV, _Program, _Step
+from zkdv.jax._tree import BatchLayout, leaf_paths
+from zkdv.overlap import Policy
+from zkdv.transaction import bind_input
+
+__all__ = ["ScanUpdates", "scan"]
+
+
+def scan(
+    f: Callable[[Any, Any], tuple[Any, Any]],
+    init: Any,
+    xs: Any = None,
+    length: int | None = None,
+    reverse: bool = False,
+    unroll: int | bool = 1,
+    _split_transpose: bool = False,
+) -> tuple[Any, Any]:
+    """``jax.lax.scan`` whose body may update the training state: one step per update.
+
+    Same arguments and result as :func:`jax.lax.scan`. Inside a ``proof.jit`` step, a
+    body that calls ``apply_gradients()`` on a ``zkdv.jax.contrib.TrainState`` carried
+    through the scan makes every iteration a committed transcript step, with its own
+    batch: its slice of ``xs``, the carry leaves that are not the state and the step
+    values the body closes over. The state passed in must be the step's input state.
+    Anywhere else (and for a body without an update) it is ``jax.lax.scan``.
+
+    Raises:
+        ZKDVError: the body updates a state that is not its carry, does not return the
+            updated state in its carry, updates twice, or declares the update with
+            another API; in a multi-process run.
+    """
+    options: dict[str, Any] = {
+        "length": length,
+        "reverse": reverse,
+        "unroll": unroll,
+        "_split_transpose": _split_transpose,
+    }
+    context = _context.current()
+    if context is None or context.mode != "production" or context.nested():
+        return lax.scan(f, init, xs, **options)
+    x_example = None if xs is None else jax.tree.map(_slice_spec, xs)
+    trace = _trace_body(context.proof, f, init, x_example)
+    if trace.update is None:
+        # No update inside (gradient accumulation over microbatches): a plain scan of
+        # the traced body.
+        def plain(carry: Any, x: Any) -> tuple[Any, Any]:
+            outputs = trace.call(carry, x)
+            return outputs[0], outputs[1]
+
+        return lax.scan(plain, init, xs, **options)
+    if jax.process_count() > 1:
+        raise ZKDVError(_messages.SCAN_MULTI_PROCESS.format(count=jax.process_count()))
+    if context.registration is not None:
+        raise ZKDVError(_messages.SCAN_TWICE)
+    update = trace.update
+    replay = _replay_trace(context.proof, f, init, x_example, trace)
+    replay_update = replay.update
+    assert replay_update is not None
+    init_leaves = jax.tree.leaves(init)
+    # Arrays with the types the loop sees (a Python scalar in the carry is a weak array).
+    x_leaves = [] if xs is None else [jnp.asarray(x)[0] for x in jax.tree.leaves(xs)]
+    carried = [jnp.asarray(init_leaves[i]) for i in update.other_positions]
+    hoisted = [replay.closed.consts[i] for i in replay.hoisted]
+    paths = (
+        ([] if xs is None else leaf_paths(xs, "xs"))
+        + [update.carry_paths[i] for i in update.other_positions]
+        + [f"closure[{i}]" for i in range(len(hoisted))]
+    )
+    layout = BatchLayout.of(paths, [*x_leaves, *carried, *hoisted])
+    counts = (len(update.param_positions), len(update.opt_positions))
+
+    def body(carry: Any, x: Any) -> tuple[Any, Any]:
+        outputs = trace.call(carry, x)
+        carry_leaves = jax.tree.leaves(carry)
+        packed = layout.pack(
+            [
+                *([] if x is None else jax.tree.leaves(x)),
+                *(carry_leaves[i] for i in update.other_positions),
+                *hoisted,
+            ]
+        )
+        return outputs[0], (outputs[1], outputs[2], packed)
+
+    final, (ys, hidden, packed) = lax.scan(body, init, xs, **options)
+    deltas, params_stacked, opt_stacked = hidden
+    final_leaves = jax.tree.leaves(final)
+    count = int(packed.shape[0])
+    registration = _context.Registration(
+        "train_state",
+        jax.tree.unflatten(update.param_tree, [init_leaves[i] for i in update.param_positions]),
+        jax.tree.unflatten(update.opt_tree, [init_leaves[i] for i in update.opt_positions]),
+        None,
+        None,
+        deltas=jax.tree.unflatten(update.param_tree, list(deltas)),
+        params_after=jax.tree.unflatten(
+            update.param_tree, [final_leaves[i] for i in update.param_positions]
+        ),
+        opt_after=jax.tree.unflatten(
+            update.opt_tree, [final_leaves[i] for i in update.opt_positions]
+        ),
+        completed=True,
+        scan=ScanUpdates(
+            count=count,
+            reverse=bool(reverse),
+            per_loop=count if unroll is True else max(1, min(int(unroll), count)),
+            layout=layout,
+            packed=packed,
+            stacked=[*params_stacked, *opt_stacked],
+            counts=counts,
+            transition=_transition(replay, replay_update, layout),
+        ),
+    )
+    context.open(registration)
+    return final, ys
+
+
+def _slice_spec(x: Any) -> Any:
+    shape = jnp.shape(x)
+    if not shape:
+        raise ValueError("zkdv.jax.scan: every leaf of xs needs a leading axis to scan over")
+    return jax.ShapeDtypeStruct(shape[1:], x.dtype)  # type: ignore[no-untyped-call]
+
+
+@dataclass
+class _Update:
+    """Where the update of one traced iteration sits in the body's inputs and outputs."""
+
+    param_positions: tuple[int, ...]
+    opt_positions: tuple[int, ...]
+    other_positions: tuple[int, ...]
+    param_tree: Any
+    opt_tree: Any
+    carry_paths: list[str]
+
+
+@dataclass
+class _Trace:
+    """The body traced once: ``(carry, x) -> (carry, y, (deltas, params, opt_state))``."""
+
+    closed: Any
+    carry_tree: Any
+    y_tree: Any
+    update: _Update | None
+    hoisted: tuple[int, ...]  # indices of the jaxpr's traced (step-computed) constants
+
+    def call(self, carry: Any, x: Any, consts: Sequence[Any] | None = None) -> Any:
+        """Evaluate the traced body; returns ``(carry, y, hidden leaves)``.
+
+        ``x`` may be any tree with the leaves of the scanned slice (the jaxpr takes flat
+        leaves); ``consts`` replaces the jaxpr's constants.
+        """
+        closed = self.closed
+        if consts is not None:
+            closed = jax_core.ClosedJaxpr(closed.jaxpr, list(consts))
+        leaves = [*jax.tree.leaves(carry), *jax.tree.leaves(x)]
+        flat = jax_core.jaxpr_as_fun(closed)(*leaves)
+        ncarry = self.carry_tree.num_leaves
+        ny = self.y_tree.num_leaves
+        carry_out = jax.tree.unflatten(self.carry_tree, flat[:ncarry])
+        y = jax.tree.unflatten(self.y_tree, flat[ncarry : ncarry + ny])
+        hidden = flat[ncarry + ny :]
+        if self.update is None:
+            return carry_out, y, ()
+        nparams = len(self.update.param_positions)
+        return (
+            carry_out,
+            y,
+            (hidden[:nparams], hidden[nparams : 2 * nparams], hidden[2 * nparams :]),
+        )
+
+
+def _trace_body(proof: Any, f: Callable[..., Any], init: Any, x_example: Any) -> _Trace:
+    found: dict[str, Any] = {}
+
+    def iteration(carry: Any, x: Any) -> Any:
+        carry_leaves, carry_tree_ = jax.tree.flatten(carry)
+        carry_tree: Any = carry_tree_
+        inner = _context.TraceContext(proof, "scan", carry_leaves)
+        with _context.active(inner):
+            result = f(carry, x)
+        if not isinstance(result, tuple | list) or len(result) != 2:
+            raise TypeError(
+                "zkdv.jax.scan body must return a pair (carry, y), as jax.lax.scan's does"
+            )
+        carry_out, y = result
+        out_leaves, out_tree = jax.tree.flatten(carry_out)
+        same_structure = bool(out_tree == carry_tree)
+        registration = inner.registration
+        found["tree"] = carry_tree
+        if registration is None:
+            return carry_out, y, ()
+        if registration.source != "train_state" or registration.scan is not None:
+            raise ZKDVError(_messages.SCAN_NOT_TRAIN_STATE)
+        try:
+            params = bind_input(carry_leaves, registration.params_before, "params", jax_trees())
+            opt = bind_input(carry_leaves, registration.opt_before, "opt_state", jax_trees())
+        except ValueError:
+            raise ZKDVError(_messages.SCAN_STATE_NOT_CARRY) from None
+        if not same_structure:
+            raise ZKDVError(_messages.SCAN_STATE_NOT_RETURNED)
+        for positions, value in (
+            (params.leaves, registration.params_after),
+            (opt.leaves, registration.opt_after),
+        ):
+            after = jax.tree.leaves(value)
+            if any(out_leaves[i] is not leaf for i, leaf in zip(positions, after, strict=True)):
+                raise ZKDVError(_messages.SCAN_STATE_NOT_RETURNED)
+        state = set(params.leaves) | set(opt.leaves)
+        found["update"] = _Update(
+            param_positions=params.leaves,
+            opt_positions=opt.leaves,
+            other_positions=tuple(i for i in range(len(carry_leaves)) if i not in state),
+            param_tree=jax.tree.structure(registration.params_before),
+            opt_tree=jax.tree.structure(registration.opt_before),
+            carry_paths=leaf_paths(carry, "carry"),
+        )
+        hidden = (
+            jax.tree.leaves(registration.deltas),
+            jax.tree.leaves(registration.params_after),
+            jax.tree.leaves(registration.opt_after),
+        )
+        return carry_out, y, hidden
+
+    closed, shapes = jax.make_jaxpr(iteration, return_shape=True)(init, x_example)
+    _, y_shape, _ = shapes
+    hoisted = tuple(i for i, c in enumerate(closed.consts) if isinstance(c, jax.core.Tracer))
+    return _Trace(
+        closed=closed,
+        carry_tree=found["tree"],
+        y_tree=jax.tree.structure(y_shape),
+        update=found.get("update"),
+        hoisted=hoisted,
+    )
+
+
+def _replay_trace(
+    proof: Any, f: Callable[..., Any], init: Any, x_example: Any, production: _Trace
+) -> _Trace:
+    """The body as sampled replays run it: ``attest_apply_fn`` in place of ``apply_fn``."""
+    from zkdv.jax.contrib import TrainState
+
+    def substitute(node: Any) -> Any:
+        if isinstance(node, TrainState) and node.attest_apply_fn is not None:
+            return node.replace(apply_fn=node.attest_apply_fn)
+        return node
+
+    def is_state(node: Any) -> bool:
+        return isinstance(node, TrainState)
+
+    states = [node for node in jax.tree.leaves(init, is_leaf=is_state) if is_state(node)]
+    if not any(state.attest_apply_fn is not None for state in states):
+        return production
+    replay = _trace_body(proof, f, jax.tree.map(substitute, init, is_leaf=is_state), x_example)
+    if replay.update is None:
+        raise ZKDVError("zkdv.jax.scan: the body with attest_apply_fn declared no update")
+    return replay
+
+
+def _transition(replay: _Trace, update: _Update, layout: BatchLayout) -> Callable[..., Any]:
+    """One update of the scan as a state transition over flat leaves (the artifact's)."""
+    nother = len(update.other_positions)
+    consts = list(replay.closed.consts)
+    ncarry = replay.carry_tree.num_leaves
+
+    def transition(
+        params: tuple[Any, ...], opt_state: tuple[Any, ...], batch: Any
+    ) -> tuple[Any, Any, Any]:
+        values = layout.unpack(batch)
+        nx = len(values) - nother - len(replay.hoisted)
+        x_leaves, rest = values[:nx], values[nx:]
+        carry: list[Any] = [None] * ncarry
+        for positions, leaves in (
+            (update.param_positions, params),
+            (update.opt_positions, opt_state),
+            (update.other_positions, rest[:nother]),
+        ):
+            for position, leaf in zip(positions, leaves, strict=True):
+                carry[position] = leaf
+        filled = list(consts)
+        for index, value in zip(replay.hoisted, rest[nother:], strict=True):
+            filled[index] = value
+        carry_tree = jax.tree.unflatten(replay.carry_tree, carry)
+        _, _, hidden = replay.call(carry_tree, x_leaves, filled)
+        deltas, params_after, opt_after = hidden
+        return tuple(deltas), tuple(params_after), tuple(opt_after)
+
+    return transition
+
+
+@dataclass
+class ScanUpdates:
+    """The K updates of one ``zkdv.jax.scan``, as the production trace declared them.
+
+    Attributes:
+        count: updates per call (the scan's length).
+        reverse: the scan ran backwards (update j's outputs are in row K - 1 - j).
+        per_loop: updates in one iteration of the compiled loop (``unroll``): XLA's
+            cost analysis counts a loop body once.
+        layout: the packed per-update batch.
+        packed: the stacked packed batches, ``(K, rows, cols)`` uint32.
+        stacked: stacked post-update parameter leaves, then continuity leaves.
+        counts: number of parameter and continuity leaves.
+        transition: one update as ``(params, opt_state, batch) -> (deltas, params_after,
+            opt_state_after)`` over flat leaves.
+    """
+
+    count: int
+    reverse: bool
+    per_loop: int
+    layout: BatchLayout
+    packed: Any
+    stacked: list[Any]
+    counts: tuple[int, int]
+    transition: Callable[..., Any]
+
+    @property
+    def extra(self) -> list[Any]:
+        """The production program's extra outputs: packed batches, then stacked state."""
+        return [self.packed, *self.stacked]
+
+    def row(self, j: int) -> int:
+        return self.count - 1 - j if self.reverse else j
+
+    def submit(
+        self,
+        proof: ZKDV,
+        program: _Program,
+        index: int,
+        policy: Policy,
+        outputs: Sequence[Any],
+        host_pre: Any,
+        snapshot: Any,
+        admission: Any,
+    ) -> None:
+        """Submit the call's K updates as steps ``index .. index + K - 1``.
+
+        The call holds one admission (one generation of device buffers): it retires
+        with the last of its steps; the others register nothing.
+        """
+        schema = program.traced.schema
+        nparams, _ = self.counts
+        deltas = list(outputs[: program.traced.delta_leaves])
+        extra = list(outputs[schema.hidden_leaves : schema.hidden_leaves + schema.extra_leaves])
+        packed, stacked = extra[0], extra[1:]
+        stack = _Stack(deltas, stacked[:nparams], stacked[nparams:], packed, self.count)
+        flops = None if program.flops is None else program.flops / self.per_loop
+        for j in range(self.count):
+            # The pre-state of update j > 0 is the post-state of update j - 1: a due
+            # snapshot is copied from the call's host views on the commit thread.
+            due = j > 0 and proof._snapshot_due(index + j)
+            step = _ScanStep(
+                proof,
+                program,
+                index + j,
+                policy,
+                outputs,
+                host_pre if j == 0 else None,
+                snapshot if j == 0 else None,
+                stack,
+                self.row(j),
+                flops,
+                self.row(j - 1) if due else None,
+            )
+            last = j == self.count - 1
+            proof._submit(admission if last else cast(Admission, _Unregistered()), step)
+
+
+class _Unregistered:
+    """The admission of an update that is not the last of its call: the call's one
+    admission retires with its last update."""
+
+    def register(self, retirement: threading.Event) -> None:
+        del retirement
+
+
+class _Stack:
+    """Host views of one call's stacked outputs, shared by its K steps.
+
+    Read once (a D2H copy off the CPU backend), on the commit thread, when the first of
+    the call's steps is committed; dropped once every step has released its views.
+    """
+
+    def __init__(
+        self, deltas: list[Any], params: list[Any], opt: list[Any], packed: Any, count: int
+    ) -> None:
+        self._lock = threading.Lock()
+        self._device: tuple[list[Any], list[Any], list[Any], Any] | None = (
+            deltas,
+            params,
+            opt,
+            packed,
+        )
+        self._host: tuple[list[np.ndarray], ...] | None = None
+        self._open = count
+
+    def views(self) -> tuple[list[np.ndarray], ...]:
+        with self._lock:
+            if self._host is None:
+                assert self._device is not None
+                # One explicit read of the call's outputs; each step's record of the
+                # transfer log counts its own rows (_Step.post_state, _Step.batch).
+                deltas, params, opt, packed = jax.device_get(self._device)
+                self._host = (
+                    [np.asarray(leaf) for leaf in deltas],
+                    [np.asarray(leaf) for leaf in params],
+                    [np.asarray(leaf) for leaf in opt],
+                    [np.asarray(packed)],
+                )
+                self._device = None
+            return self._host
+
+    def release(self) -> None:
+        with self._lock:
+            self._open -= 1
+            if self._open == 0:
+                self._host = None
+                self._device = None
+
+
+class _ScanStep(_Step):
+    """One update of a ``zkdv.jax.scan`` call: its row of the call's stacked outputs."""
+
+    def __init__(
+        self,
+        proof: ZKDV,
+        program: _Program,
+        index: int,
+        policy: Policy,
+        outputs: Sequence[Any],
+        host_pre: Any,
+        snapshot: Any,
+        stack: _Stack,
+        row: int,
+        flops: float | None,
+        snapshot_row: int | None = None,
+    ) -> None:
+        super().__init__(proof, program, index, policy, outputs, host_pre, snapshot)
+        self.flops = flops
+        self._stack = stack
+        self._row = row
+        self._snapshot_row = snapshot_row
+        self._released = False
+        # The base class took the stacked arrays; this step reads its row on the commit
+        # thread instead.
+        self._deltas = self._params = self._opt = []
+        self._packed = None
+
+    # The driver reads the snapshot on the commit thread, before the step's commitment
+    # and so before any check that replays from it.
+    @property
+    def snapshot(self) -> Any:
+        row = self._snapshot_row
+        if row is not None:
+            self._snapshot_row = None
+            _, params, opt, _ = self._stack.views()
+            copied = (
+                [np.array(leaf[row]) for leaf in params],
+                [np.array(leaf[row]) for leaf in opt],
+            )
+            with self.proof._store_lock:
+                self.proof._snapshots[self.index] = copied
+            nbytes = sum(a.nbytes for tree in copied for a in tree)
+            self.proof._log.add(self.index, "snapshot", nbytes)
+            self._snapshot_source = copied
+        return _Step.snapshot.fget(self)  # type: ignore[attr-defined]
+
+    @snapshot.setter
+    def snapshot(self, value: Any) -> None:
+        _Step.snapshot.fset(self, value)  # type: ignore[attr-defined]
+
+    def batch(self) -> np.ndarray:
+        if self._batch is None:
+            packed = self._stack.views()[3][0]
+            # A copy: the batch is kept for replays after the call's views are dropped.
+            self._packed = np.array(packed[self._row])
+        batch: np.ndarray = super().batch()
+        return batch
+
+    def post_state(self) -> Any:
+        deltas, params, opt, _ = self._stack.views()
+        row = self._row
+        self._deltas = [leaf[row] for leaf in deltas]
+        self._params = [leaf[row] for leaf in params]
+        self._opt = [leaf[row] for leaf in opt]
+        return super().post_state()
+
+    def release_views(self) -> None:
+        super().release_views()
+        if not self._released:
+            self._released = True
+            self._stack.release()
