@@ -567,6 +567,11 @@ def _issue(proof: Proof) -> Certificate:
             f"proof {proof.pk} is {proof.status!r}; certificates are issued for "
             f"{sorted(CERTIFIED_STATUSES)} only"
         )
+    if proof.is_duplicate:
+        raise CertificateNotIssuableError(
+            f"proof {proof.pk} repeats a transcript already filed for "
+            f"{proof.experiment.full_name}; that proof's certificate covers it"
+        )
     transcript_digest, parameter_root = _subjects(proof)
     key, source = signing_key()
     root_row = _ensure_current(key, source)

@@ -35,12 +35,52 @@ ERROR_SCHEMA: dict[str, Any] = {
 }
 
 
+#: What every free-text input string is held to: PostgreSQL text cannot hold NUL, and DRF
+#: refuses it everywhere; the schema says so, so that a client's validator agrees.
+NO_NUL = "^[^\\u0000]*$"
+
+#: Request bodies that take no other properties than their own: registration by id
+#: (``owner/name``) must not also name an ``owner`` it could contradict.
+CLOSED_REQUESTS = ("ExperimentByIdRequest",)
+
+
+def _hold_free_strings(schema: Any) -> None:
+    """Give every free string (no pattern, enum or format) in ``schema`` the NO_NUL pattern."""
+    stack = [schema]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+            continue
+        if not isinstance(item, dict):
+            continue
+        free = not ({"pattern", "enum", "format", "readOnly"} & set(item))
+        if item.get("type") == "string" and free:
+            item["pattern"] = NO_NUL
+        stack.extend(value for key, value in item.items() if key != "example")
+
+
 def add_error_responses(
     result: dict[str, Any], generator: Any, request: Any, public: bool
 ) -> dict[str, Any]:
-    """Add the ``Error`` component and a ``4XX`` response to every operation."""
+    """Add the ``Error`` component and a ``4XX`` response to every operation.
+
+    Also: free input strings refuse NUL (:data:`NO_NUL`), and :data:`CLOSED_REQUESTS`
+    take no additional properties.
+    """
     # The default hook (named enum components) runs first, as it would without ours.
     result = postprocess_schema_enums(result, generator)  # type: ignore[no-untyped-call]
+    schemas = result.setdefault("components", {}).setdefault("schemas", {})
+    for name, component in schemas.items():
+        if name.endswith("Request"):
+            _hold_free_strings(component)
+        if name in CLOSED_REQUESTS:
+            component["additionalProperties"] = False
+    for path in result.get("paths", {}).values():
+        for operation in path.values():
+            if isinstance(operation, dict):
+                for parameter in operation.get("parameters", []):
+                    _hold_free_strings(parameter.get("schema"))
     result.setdefault("components", {}).setdefault("schemas", {})["Error"] = ERROR_SCHEMA
     response = {
         "description": "Error, in the one format every error has.",

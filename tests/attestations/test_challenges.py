@@ -20,6 +20,7 @@ from attestations.models import (
     ChallengeStatus,
     Membership,
     Organization,
+    OrganizationKind,
     Proof,
     ProofArtifact,
     ProofStatus,
@@ -196,7 +197,9 @@ def test_roles_on_challenges_and_artifacts(filed: tuple[APIClient, Proof, Path])
     client, proof, run = filed
     acme = Organization.objects.get(slug=ORG)
     evil = Organization.objects.create(slug="evil", name="Evil")
-    office = Organization.objects.create(slug="eu-office", name="EU AI Office")
+    office = Organization.objects.create(
+        slug="eu-office", name="EU AI Office", kind=OrganizationKind.AGENCY
+    )
     auditor = _member("bob", acme, Role.AUDITOR)
     regulator = _member("carol", office, Role.REGULATOR)
     outsider = _member("mallory", evil, Role.TRAINER)
