@@ -322,16 +322,27 @@ class ApiKeyList(generics.ListCreateAPIView[ApiKey]):
         return Response(data, status=status.HTTP_201_CREATED)
 
 
-class ApiKeyDetail(generics.RetrieveDestroyAPIView[ApiKey]):
-    """One of the caller's keys; DELETE revokes it (the row is kept for the audit trail)."""
+class ApiKeyDetail(generics.RetrieveAPIView[ApiKey]):
+    """One of the caller's keys (revoked ones too: the row is kept for the audit trail)."""
 
     serializer_class = ApiKeySerializer
 
     def get_queryset(self) -> QuerySet[ApiKey]:
         return ApiKey.objects.filter(user=self.request.user)  # type: ignore[misc]
 
-    def perform_destroy(self, instance: ApiKey) -> None:
-        instance.revoke(actor=_user(self.request), ip=client_ip(self.request.META))
+
+class ApiKeyRevoke(APIView):
+    @extend_schema(request=None, responses={200: ApiKeySerializer})
+    def post(self, request: Request, pk: int) -> Response:
+        """Revoke one of the caller's keys at once; revoking it again changes nothing.
+
+        The key stays readable, with ``revoked`` set: it is revoked, not deleted.
+        """
+        key = ApiKey.objects.filter(user=_user(request), pk=pk).first()
+        if key is None:
+            raise NotFoundError(f"No key {pk}.")
+        key.revoke(actor=_user(request), ip=client_ip(request.META))
+        return Response(ApiKeySerializer(key).data)
 
 
 # --- Experiments ------------------------------------------------------------------------
@@ -793,9 +804,16 @@ class UploadDetail(APIView):
         """The upload's state and the parts received so far (to resume after a failure)."""
         return Response(UploadSerializer(_upload(request, pk, Capability.ARTIFACTS)).data)
 
-    @extend_schema(responses=UploadSerializer)
-    def delete(self, request: Request, pk: Any) -> Response:
-        """Abort: remove every staged part. Aborting an aborted upload is harmless."""
+
+class UploadAbort(APIView):
+    permission_classes = [HasCapability]
+
+    @extend_schema(request=None, responses={200: UploadSerializer})
+    def post(self, request: Request, pk: Any) -> Response:
+        """Abort: remove every staged part. Aborting an aborted upload is harmless.
+
+        The upload stays readable, with status ``aborted``.
+        """
         upload = _upload(request, pk, Capability.WRITE)
         uploads.abort(upload, user=request.user, ip=client_ip(request.META))  # type: ignore[arg-type]
         return Response(UploadSerializer(upload).data)
@@ -810,12 +828,18 @@ class UploadPartView(APIView):
         request={"application/octet-stream": OpenApiTypes.BINARY},
         parameters=[
             OpenApiParameter(
+                "number",
+                {"type": "integer", "minimum": 1, "maximum": uploads.MAX_PARTS},
+                OpenApiParameter.PATH,
+                description=f"The part's number, 1 to {uploads.MAX_PARTS}.",
+            ),
+            OpenApiParameter(
                 uploads.PART_DIGEST_HEADER,
-                str,
+                {"type": "string", "pattern": "^[0-9a-fA-F]{64}$"},
                 OpenApiParameter.HEADER,
                 required=True,
                 description="SHA-256 (hex) of this part's bytes.",
-            )
+            ),
         ],
         responses=inline_serializer(
             "UploadPartResult",

@@ -17,7 +17,7 @@ DELETE  organizations/{slug}/invitations/{id}/           revoke an invitation (a
 GET     invitations/                                     invitations waiting for me
 POST    invitations/{id}/accept/ · …/decline/            join, or say no
 GET     keys/ · POST keys/                               my API keys; create (shown once)
-GET     keys/{id}/ · DELETE keys/{id}/                   one key; revoke
+GET     keys/{id}/ · POST keys/{id}/revoke/              one key; revoke it (kept, revoked)
 GET     experiments/ · POST experiments/                 list; register (trainer, admin)
 GET     experiments/{owner}/{name}/                      one experiment, spec, spec_digest
 GET     experiments/{owner}/{name}/specs/                spec versions
@@ -36,7 +36,7 @@ GET     uploads/ · POST uploads/                         upload sessions; open 
 GET     uploads/{id}/                                    state and parts received (resume)
 PUT     uploads/{id}/parts/{n}/                          part n, header X-Part-SHA256
 POST    uploads/{id}/complete/                           verify, store, file a transcript
-DELETE  uploads/{id}/                                    abort
+POST    uploads/{id}/abort/                              abort (kept, aborted)
 GET     schema/ · docs/ · redoc/                         OpenAPI document, Swagger, ReDoc
 ======  ===============================================  =================================
 """
@@ -82,6 +82,7 @@ urlpatterns = [
     re_path(rf"^invitations/{UUID}/decline/?$", api.InvitationDecline.as_view(), name="decline"),
     re_path(r"^keys/?$", api.ApiKeyList.as_view(), name="keys"),
     re_path(r"^keys/(?P<pk>[0-9]{1,18})/?$", api.ApiKeyDetail.as_view(), name="key"),
+    re_path(r"^keys/(?P<pk>[0-9]{1,18})/revoke/?$", api.ApiKeyRevoke.as_view(), name="revoke"),
     re_path(r"^experiments/?$", api.ExperimentList.as_view(), name="experiments"),
     re_path(rf"^experiments/{NAME}/?$", api.ExperimentDetail.as_view(), name="experiment"),
     re_path(rf"^experiments/{NAME}/specs/?$", api.SpecList.as_view(), name="specs"),
@@ -114,6 +115,7 @@ urlpatterns = [
         name="part",
     ),
     re_path(rf"^uploads/{UUID}/complete/?$", api.UploadComplete.as_view(), name="complete"),
+    re_path(rf"^uploads/{UUID}/abort/?$", api.UploadAbort.as_view(), name="abort"),
     path("", include("attestations.certificate_urls")),
     path("", include("attestations.report_api_urls")),
     path("schema/", SpectacularAPIView.as_view(), name="schema"),

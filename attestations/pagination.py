@@ -82,9 +82,11 @@ class CursorPage(CursorPagination):
         field = model._meta.get_field(name) if model is not None else None
         if isinstance(field, models.DateTimeField):
             try:
-                valid = parse_datetime(position) is not None
+                moment = parse_datetime(position)
             except ValueError:
-                valid = False
+                moment = None
+            # The cursors this API issues carry an offset (+00:00); a naive one is forged.
+            valid = moment is not None and moment.tzinfo is not None
             if not valid:
                 raise _invalid_cursor(f"its position {position!r:.40} is not a date-time")
         elif isinstance(field, models.IntegerField | models.AutoField) and (

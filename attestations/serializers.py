@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from decimal import Decimal
 from typing import Any
@@ -155,14 +156,14 @@ class GpuHoursField(serializers.Field):  # type: ignore[type-arg]
                 self.fail("invalid")
             return Decimal(data)
         if isinstance(data, float):
-            if data != data or data in (float("inf"), float("-inf")):
+            if not math.isfinite(data):
                 self.fail("invalid")
-            # "A multiple of 0.001" as JSON Schema's multipleOf reads it for a double (the
-            # quotient is a whole number), and the decimal that multiple stands for.
-            quotient = data / 0.001
-            if quotient != int(quotient):
+            # A double is the nearest one to what the client wrote (1200.5), or the product
+            # of some arithmetic (227700 * 0.001 == 227.70000000000002): take the decimal
+            # of 3 places it stands for, if it is within a few units of the last place.
+            value = Decimal(repr(data)).quantize(Decimal("0.001"))
+            if abs(float(value) - data) > 4 * math.ulp(data):
                 self.fail("invalid")
-            value = Decimal(int(quotient)).scaleb(-3)
         else:
             value = Decimal(data)
         if value < 0 or value >= Decimal("100000000000"):

@@ -138,7 +138,8 @@ def create(
     """
     limit = max_blob_bytes()
     if size > limit:
-        raise PayloadTooLargeError(
+        # A 400, not a 413: the declaration is what is wrong, and it is small.
+        raise InvalidRequestError(
             f"size: declared {size} bytes exceeds the limit of {limit} bytes",
             code="blob_too_large",
             field="size",
@@ -224,7 +225,8 @@ def put_part(
         DigestMismatchError: the body does not hash to the declared digest.
         SizeExceededError: the parts would exceed the upload's declared size (409).
     """
-    _require_open(upload)
+    # The request's own shape first (number, digest header, length), then the upload's
+    # state: a malformed request is a 400 whatever state the upload is in.
     if not 1 <= number <= MAX_PARTS:
         raise InvalidRequestError(
             f"part number must be between 1 and {MAX_PARTS}, got {number}",
@@ -249,6 +251,7 @@ def put_part(
             field="Content-Length",
             detail={"limit": limit, "got": content_length},
         )
+    _require_open(upload)
     with _temporary_path(".part") as path:
         size, got = _stream_to_file(stream, path, limit, number)
         if size == 0:

@@ -365,8 +365,10 @@ SPECTACULAR_SETTINGS = {
 }
 
 # --- Cache (rate-limit counters) -------------------------------------------------------
-# Redis when configured, so every gunicorn worker and host counts against one limit;
-# process-local memory for the embedded default (one process serves everything there).
+# Redis when configured, so every gunicorn worker and host counts against one limit.
+# Without Redis, files under the data directory with an flock around every counter update
+# (attestations/cache.py): every worker on this host shares them, so a limit is the limit
+# whatever the number of workers. Several hosts need Redis.
 if _redis_url:
     CACHES = {
         "default": {
@@ -376,7 +378,13 @@ if _redis_url:
         }
     }
 else:
-    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+    CACHES = {
+        "default": {
+            "BACKEND": "attestations.cache.SharedFileCache",
+            "LOCATION": str(DATA_DIR / "cache"),
+            "KEY_PREFIX": "dvbench",
+        }
+    }
 
 # --- Security -------------------------------------------------------------------------
 SECURE_SSL_REDIRECT = envbool("DVBENCH_SSL_REDIRECT", False)

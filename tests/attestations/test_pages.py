@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -245,3 +246,56 @@ def test_upload_sessions_show_to_trainers_not_auditors(world: World) -> None:
         "<h2>Uploads</h2>"
         not in browser(world, "carol").get("/experiments/acme/run-1/").content.decode()
     )
+
+
+INLINE_SCRIPT = re.compile(r"<script(?![^>]*\bsrc=)(?![^>]*type=\"application/json\")[^>]*>", re.I)
+INLINE_HANDLER = re.compile(r"<[^>]+\son[a-z]+\s*=", re.I)
+
+
+def test_no_page_carries_an_inline_script_or_handler(world: World) -> None:
+    """The CSP allows scripts from files only; no page may depend on anything inline.
+
+    (The browser test sees violations as they happen; this sees every handler attribute,
+    including those whose event never fires in that test.)
+    """
+    from django.contrib.auth.models import User
+
+    User.objects.create_superuser("root", "root@example.org", PASSWORD)
+    Invitation.offer(world.acme, world.mallory, "auditor", actor=world.admin)
+    pages = {
+        "admin": [
+            "/",
+            "/experiments/",
+            "/experiments/new/",
+            "/experiments/acme/run-1/",
+            "/experiments/acme/run-1/spec/",
+            f"/proofs/{world.proof.pk}/",
+            f"/proofs/{world.proof.pk}/report/",
+            "/keys/",
+            "/audit/",
+            "/orgs/acme/",
+            "/api/v1/docs/",
+            "/api/v1/redoc/",
+            "/api/v1/experiments/?format=api",
+        ],
+        "mallory": ["/"],  # with an invitation to answer
+        "root": [
+            "/admin/",
+            "/admin/attestations/organization/",
+            f"/admin/attestations/organization/{world.acme.pk}/change/",
+            "/admin/attestations/proof/",
+        ],
+        None: ["/login/"],
+    }
+    for actor, paths in pages.items():
+        client = browser(world, actor)
+        for path in paths:
+            response = client.get(path)
+            assert response.status_code == 200, (actor, path, response.status_code)
+            html = response.content.decode()
+            assert not INLINE_SCRIPT.findall(html), (path, INLINE_SCRIPT.findall(html))
+            assert not INLINE_HANDLER.findall(html), (path, INLINE_HANDLER.findall(html)[:3])
+    # The page that shows a new key once.
+    created = browser(world, "alice").post("/keys/", {"name": "laptop", "days": 30})
+    assert "dvb_" in created.content.decode()
+    assert not INLINE_HANDLER.findall(created.content.decode())
