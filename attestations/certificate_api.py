@@ -21,7 +21,12 @@ from typing import Any
 from django.db.models import QuerySet
 from django.http import HttpResponse
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from drf_spectacular.utils import (
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+    inline_serializer,
+)
 from rest_framework import generics, serializers
 from rest_framework.permissions import AllowAny
 from rest_framework.request import Request
@@ -83,6 +88,28 @@ class CertificateSerializer(serializers.Serializer[Certificate]):
         child=serializers.DictField(),
         help_text="the signed regulatory_thresholds claim: {name, threshold, stays_below, "
         "description} per threshold (empty for certificates issued before it existed)",
+    )
+    filings = inline_serializer(
+        "CertificateFilings",
+        {
+            "count": serializers.IntegerField(),
+            "proofs": inline_serializer(
+                "CertificateFiling",
+                {
+                    "proof": serializers.IntegerField(),
+                    "transcriptSha256": serializers.CharField(),
+                    "transcriptDigest": serializers.CharField(allow_null=True),
+                    "status": serializers.CharField(),
+                    "reason": serializers.CharField(allow_blank=True),
+                    "filedOn": serializers.DateTimeField(),
+                    "challengeFiling": serializers.IntegerField(allow_null=True),
+                },
+                many=True,
+            ),
+        },
+        allow_null=True,
+        help_text="Every proof filed for the experiment when it was signed (from the signed "
+        "statement; null for certificates signed before filings were recorded)",
     )
     envelope = EnvelopeSerializer(help_text="the DSSE envelope, as signed and logged")
 

@@ -156,8 +156,13 @@ def experiment_new(request: HttpRequest) -> HttpResponse:
 def experiment_detail(request: HttpRequest, owner: str, name: str) -> HttpResponse:
     experiment = _experiment(request, owner, name)
     access = get_access(request)
+    # Every proof ever filed, whatever its verdict (rejected, abandoned, still open): a lab
+    # cannot re-file until a draw suits it without auditors seeing each try. Bounded by
+    # DVBENCH_MAX_PROOFS_PER_EXPERIMENT (verifier errors aside).
     proofs = list(
-        experiment.proofs.select_related("spec").prefetch_related("jobs").order_by("-created")[:50]
+        experiment.proofs.select_related("spec", "transcript")
+        .prefetch_related("jobs", "refilings")
+        .order_by("-created")
     )
     for proof in proofs:
         jobs = sorted(proof.jobs.all(), key=lambda job: job.created, reverse=True)
@@ -235,6 +240,7 @@ def proof_detail(request: HttpRequest, pk: int) -> HttpResponse:
         proof.refresh_from_db()
     job = Job.objects.filter(proof=proof).order_by("-created").first()
     challenges = list(proof.challenges.order_by("step", "through"))
+    filings = list(proof.experiment.proofs.order_by("pk").values_list("pk", flat=True))
     return render(
         request,
         "attestations/proof_detail.html",
@@ -246,6 +252,8 @@ def proof_detail(request: HttpRequest, pk: int) -> HttpResponse:
             "challenges": challenges,
             "timeline": challenge_timeline(proof, challenges),
             "rate_svg": _learning_rates(proof),
+            "filings": filings,
+            "filing_number": filings.index(proof.pk) + 1,
         },
     )
 
