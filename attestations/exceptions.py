@@ -28,6 +28,7 @@ Tree::
         │   ├── SizeExceededError            size_exceeded
         │   ├── LastAdminError               last_admin
         │   ├── RegulatorConflictError       regulator_conflict
+        │   ├── AgencyMembersError           agency_members
         │   ├── InvitationRequiredError      invitation_required
         │   ├── AlreadyMemberError           already_member
         │   ├── InvitationClosedError        invitation_closed
@@ -147,6 +148,12 @@ class RegulatorConflictError(ConflictError):
     """A regulator joining a lab, or a lab member an agency."""
 
     default_code = "regulator_conflict"
+
+
+class AgencyMembersError(ConflictError):
+    """An agency's membership is changed through the API (only the operator changes it)."""
+
+    default_code = "agency_members"
 
 
 class InvitationRequiredError(ConflictError):

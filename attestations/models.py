@@ -244,6 +244,7 @@ class Membership(models.Model):
         """
         from attestations.exceptions import InvitationRequiredError
 
+        _not_an_agency(organization)
         with transaction.atomic():
             check_role(organization, user, role, joining=False)
             membership = (
@@ -382,6 +383,18 @@ def check_role(organization: Organization, user: User, role: str, *, joining: bo
             )
 
 
+def _not_an_agency(organization: Organization) -> None:
+    """Agencies are not managed through invitations or role changes: the operator's alone."""
+    from attestations.exceptions import AgencyMembersError
+
+    if organization.is_agency:
+        raise AgencyMembersError(
+            f"{organization.slug} is an agency: its members are regulators, whom only the "
+            "platform's operator appoints (manage.py agency grant)",
+            field="username",
+        )
+
+
 def _keep_an_admin(organization: Organization, *, leaving: Membership) -> None:
     """Refuse to demote or remove a lab's last admin (the lab could never be managed again)."""
     from attestations.exceptions import LastAdminError
@@ -482,6 +495,7 @@ class Invitation(models.Model):
         from attestations.exceptions import AlreadyMemberError
 
         ttl = timedelta(days=dvbench_int("INVITATION_TTL_DAYS"))
+        _not_an_agency(organization)
         with transaction.atomic():
             check_role(organization, user, role)
             if Membership.objects.filter(organization=organization, user=user).exists():

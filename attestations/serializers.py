@@ -731,8 +731,9 @@ class ArtifactListSerializer(serializers.Serializer[Any]):
 
 class AuditEventSerializer(serializers.ModelSerializer[AuditEvent]):
     actor = serializers.CharField(source="actor_name", read_only=True)
+    # Null for an event of no organisation (an API key created or revoked).
     organization: serializers.SlugRelatedField[Organization] = serializers.SlugRelatedField(
-        slug_field="slug", read_only=True
+        slug_field="slug", read_only=True, allow_null=True
     )
 
     class Meta:

@@ -281,3 +281,17 @@ def test_members_are_listed_a_page_at_a_time(world: World, api: Api) -> None:
     assert [m["username"] for m in page["results"]] == ["alice", "bob"]
     rest = api("admin").get(page["next"]).json()
     assert [m["username"] for m in rest["results"]] == ["admin"]
+
+
+def test_an_agency_is_not_managed_through_the_api(world: World, api: Api) -> None:
+    # Not even by a superuser: an agency's regulators are appointed with manage.py agency.
+    world.users["root"] = make_user("root", superuser=True)
+    for path, body in (
+        ("/api/v1/organizations/eu-office/members/", {"username": "carol", "role": "admin"}),
+        ("/api/v1/organizations/eu-office/invitations/", {"username": "bob", "role": "auditor"}),
+    ):
+        response = api("root").post(path, body, format="json")
+        assert response.status_code == 409, response.content
+        assert error_of(response)["code"] == "agency_members"
+    # Lab admins do not even see the agency.
+    assert api("admin").get("/api/v1/organizations/eu-office/members/").status_code == 404
