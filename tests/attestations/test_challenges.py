@@ -268,7 +268,7 @@ def test_the_proof_page_shows_challenges_and_a_timeline(
     Proof.objects.filter(pk=proof.pk).update(challenge_deadline=proof.created)
     html = page.get(f"/proofs/{proof.pk}/").content.decode()
     assert 'http-equiv="refresh"' not in html
-    assert "Rejected: <code>challenge_expired</code>" in html
+    assert "Abandoned: <code>challenge_expired</code>" in html
     assert "<title>step 1: expired (challenge_expired)</title>" in html
     assert proof.challenge_seed in html  # revealed with the verdict
 

@@ -306,3 +306,14 @@ def test_the_cursors_the_api_issues_still_work(world: World, api: Api) -> None:
     assert second["results"] and second["previous"]
     back = client.get(second["previous"]).json()
     assert [k["id"] for k in back["results"]] == [k["id"] for k in first["results"]]
+
+
+@pytest.mark.parametrize(
+    "hours", [1e300, -1e300, 1e11, -0.001, 99999999999.9995, 2**80, float("1e-300"), "1e5", "x"]
+)
+def test_gpu_hours_out_of_range_is_a_400(world: World, api: Api, hours: Any) -> None:
+    # Found by schemathesis on PostgreSQL: 1e300 reached Decimal.quantize (InvalidOperation).
+    spec = {**world.experiment.current_spec.to_dict(), "max_gpu_hours": hours}
+    response = api("admin").post("/api/v1/experiments/acme/run-1/specs/", spec, format="json")
+    assert response.status_code == 400, response.content[:300]
+    assert error_of(response)["field"] == "max_gpu_hours"
