@@ -29,7 +29,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from rest_framework.test import APIClient
 
-from attestations.parsers import MAX_DEPTH
+from attestations.parsers import MAX_DEPTH, nesting_depth
 from tests.attestations.base import World, error_of
 from tests.reliability.fuzz import budget
 
@@ -91,13 +91,13 @@ def _call(client: APIClient, method: str, url: str, body: str | None = None) -> 
 
 
 def nested(depth: int, shape: str) -> str:
-    """JSON nested ``depth`` levels deep, written as text (json.dumps would recurse)."""
+    """JSON nested at least ``depth`` levels deep, as text (json.dumps would recurse)."""
     if shape == "array":
         return "[" * depth + "]" * depth
     if shape == "object":
         return '{"a":' * depth + "0" + "}" * depth
-    half = depth // 2
-    return '{"a":[' * half + "1" + "]}" * half
+    pairs = (depth + 1) // 2  # an object and an array per pair
+    return '{"a":[' * pairs + "1" + "]}" * pairs
 
 
 depths = st.one_of(
@@ -166,6 +166,9 @@ def test_deep_nesting_anywhere_in_a_body_is_a_400(
 
 def test_nesting_within_the_limit_is_judged_on_its_merits(world: World, api: Api) -> None:
     # MAX_DEPTH levels pass the parser and reach validation, which names the field.
+    assert nesting_depth(json.loads(nested(MAX_DEPTH - 1, "array"))) == MAX_DEPTH - 1
+    for shape in ("array", "object", "mixed"):
+        assert nesting_depth(json.loads(nested(MAX_DEPTH + 1, shape))) >= MAX_DEPTH + 1
     body = '{"spec":' + nested(MAX_DEPTH - 1, "array") + ',"name":"acme/deep"}'
     response = _call(api("admin"), "post", "/api/v1/experiments/", body)
     assert response.status_code == 400
