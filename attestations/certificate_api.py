@@ -565,8 +565,9 @@ def _by_threshold(request: Request, queryset: QuerySet[Certificate]) -> QuerySet
     known = {threshold.name: threshold.flops for threshold in certificate_subjects.thresholds()}
     for param, lookup in (("below_threshold", "flops__lte"), ("above_threshold", "flops__gt")):
         value = request.query_params.get(param)
-        if value is None or value == "":
+        if value is None:
             continue
+        # An empty name is no threshold either (the schema's enum says so).
         if value not in known:
             raise InvalidRequestError(
                 f"{param}: {value!r} is not a configured threshold; one of "

@@ -43,6 +43,9 @@ NO_NUL = "^[^\\u0000]*$"
 ID_PATTERN = "^[0-9]{1,18}$"
 ID_MAX = 10**18 - 1
 
+#: Certificate filters that take the name of a configured regulatory threshold.
+THRESHOLD_FILTERS = ("below_threshold", "above_threshold")
+
 #: Request bodies that take no other properties than their own: registration by id
 #: (``owner/name``) must not also name an ``owner`` it could contradict.
 CLOSED_REQUESTS = ("ExperimentByIdRequest",)
@@ -91,6 +94,14 @@ def add_error_responses(
             if not isinstance(operation, dict):
                 continue
             for parameter in operation.get("parameters", []):
+                if parameter.get("name") in THRESHOLD_FILTERS and parameter.get("in") == "query":
+                    # The names configured now (DVBENCH_REGULATORY_THRESHOLDS): anything else
+                    # is a 400 invalid_filter.
+                    from attestations.certificate_subjects import thresholds
+
+                    names = sorted(threshold.name for threshold in thresholds())
+                    if names:
+                        parameter["schema"] = {"type": "string", "enum": names}
                 if parameter.get("schema") == {"type": "string", "pattern": ID_PATTERN}:
                     # A numeric id in a path routes only with 1-18 digits (below 2**63).
                     parameter["schema"] = {"type": "integer", "minimum": 0, "maximum": ID_MAX}
