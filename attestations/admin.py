@@ -1,4 +1,10 @@
-"""Django admin: operators manage organisations and memberships; records are read-only."""
+"""Django admin: operators manage organisations and memberships; records are read-only.
+
+The admin site is the operator's (staff accounts): it is one of the two places an agency
+is made and the regulator role granted (the other is ``manage.py agency``). The rules of
+``Membership.clean`` and ``Organization.clean`` hold here too: a regulator only in an
+agency, nobody in both a lab and an agency.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from attestations.models import (
     Challenge,
     Experiment,
     ExperimentSpec,
+    Invitation,
     Job,
     Membership,
     Organization,
@@ -40,8 +47,10 @@ class MembershipInline(_TabularInline):
 
 @admin.register(Organization)
 class OrganizationAdmin(_ModelAdmin):
-    list_display = ["slug", "name", "created"]
+    list_display = ["slug", "name", "kind", "created"]
+    list_filter = ["kind"]
     search_fields = ["slug", "name"]
+    fields = ["slug", "name", "kind", "created"]
     inlines = [MembershipInline]
 
 
@@ -63,6 +72,12 @@ class ReadOnlyAdmin(_ModelAdmin):
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+
+@admin.register(Invitation)
+class InvitationAdmin(ReadOnlyAdmin):
+    list_display = ["organization", "user", "role", "status", "invited_by", "created", "expires"]
+    list_filter = ["status"]
 
 
 @admin.register(Experiment)

@@ -10,15 +10,21 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
 from django.core.files.storage import default_storage
 from django.db import IntegrityError, transaction
 from django.db.models import Prefetch, QuerySet
 from django.http import FileResponse
+from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
+from drf_spectacular.utils import (
+    OpenApiParameter,
+    PolymorphicProxySerializer,
+    extend_schema,
+    inline_serializer,
+)
 from rest_framework import generics, serializers, status
+from rest_framework.exceptions import PermissionDenied
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -26,11 +32,10 @@ from rest_framework.views import APIView
 from attestations import replay, uploads
 from attestations.exceptions import (
     ConflictError,
-    InvalidRequestError,
     LengthRequiredError,
     NotFoundError,
 )
-from attestations.filters import QueryFilters
+from attestations.filters import BigInt, QueryFilters
 from attestations.models import (
     ApiKey,
     ArtifactKind,
@@ -42,6 +47,8 @@ from attestations.models import (
     Experiment,
     ExperimentSpec,
     Framework,
+    Invitation,
+    InvitationStatus,
     Job,
     JobStatus,
     Membership,
@@ -59,8 +66,13 @@ from attestations.serializers import (
     ArtifactListSerializer,
     AuditEventSerializer,
     ChallengeSerializer,
+    ExperimentByIdSerializer,
+    ExperimentByOwnerSerializer,
+    ExperimentRegistration,
     ExperimentSerializer,
+    InvitationSerializer,
     JobSerializer,
+    MemberOutSerializer,
     MembershipSerializer,
     MeSerializer,
     NewApiKeySerializer,
@@ -69,6 +81,7 @@ from attestations.serializers import (
     ProofSerializer,
     SpecSerializer,
     UploadSerializer,
+    active_user,
 )
 
 #: A proof's jobs, with what their serializer reads, in one query per page.
@@ -125,33 +138,47 @@ def _organization(request: Request, slug: str, capability: str) -> Organization:
     return org
 
 
+class MemberPage(CursorPage):
+    """Members, oldest first."""
+
+    ordering = ("created", "id")
+
+
 class MemberList(generics.GenericAPIView[Membership]):
-    """Members of an organisation; admins add members or change roles with POST."""
+    """Members of an organisation; admins change a member's role with POST.
+
+    Nobody becomes a member by an admin's say-so: a new member is invited
+    (``invitations/``) and joins by accepting. Regulators exist only in agencies, where
+    the platform's operator grants the role.
+    """
 
     serializer_class = MembershipSerializer
+    pagination_class = MemberPage
 
-    # Scope and role are checked per organisation by _organization().
+    @extend_schema(responses=MemberOutSerializer(many=True))
     def get(self, request: Request, slug: str) -> Response:
+        """The organisation's members (its trainers, auditors and admins)."""
         org = _organization(request, slug, Capability.AUDIT)
         rows = Membership.objects.filter(organization=org).select_related("user")
-        return Response(MembershipSerializer(rows, many=True).data)
+        page = self.paginate_queryset(rows)
+        assert page is not None
+        return self.get_paginated_response(MembershipSerializer(page, many=True).data)
 
+    @extend_schema(request=MembershipSerializer, responses={200: MemberOutSerializer})
     def post(self, request: Request, slug: str) -> Response:
+        """Change a member's role (admins). A lab always keeps one admin (409 last_admin)."""
         org = _organization(request, slug, Capability.MANAGE)
         serializer = MembershipSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        user = get_user_model().objects.get(username=serializer.validated_data["user"]["username"])
-        membership, created = Membership.assign(
+        user = active_user(serializer.validated_data["user"]["username"])
+        membership = Membership.change_role(
             org,
             user,
             serializer.validated_data["role"],
             actor=_user(request),
             ip=client_ip(request.META),
         )
-        return Response(
-            MembershipSerializer(membership).data,
-            status=status.HTTP_201_CREATED if created else status.HTTP_200_OK,
-        )
+        return Response(MembershipSerializer(membership).data)
 
 
 class MemberDetail(APIView):
@@ -159,13 +186,116 @@ class MemberDetail(APIView):
 
     @extend_schema(responses={204: None})
     def delete(self, request: Request, slug: str, username: str) -> Response:
-        """Remove a member (admins only)."""
-        org = _organization(request, slug, Capability.MANAGE)
-        membership = Membership.objects.filter(organization=org, user__username=username).first()
+        """Remove a member (admins), or leave (any member, for themselves).
+
+        The last admin of a lab can do neither (409 ``last_admin``).
+        """
+        leaving = username == request.user.get_username()
+        org = _organization(request, slug, Capability.READ if leaving else Capability.MANAGE)
+        membership = (
+            Membership.objects.filter(organization=org, user__username=username)
+            .select_related("user", "organization")
+            .first()
+        )
         if membership is None:
             raise NotFoundError(f"{username!r} is not a member of {slug}.")
         membership.remove(actor=_user(request), ip=client_ip(request.META))
         return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class OrganizationInvitationList(generics.GenericAPIView[Invitation]):
+    """Invitations of one lab: its admins offer them; the invitee accepts or declines."""
+
+    serializer_class = InvitationSerializer
+    pagination_class = CursorPage
+
+    @extend_schema(responses=InvitationSerializer(many=True))
+    def get(self, request: Request, slug: str) -> Response:
+        """The lab's pending invitations (admins)."""
+        org = _organization(request, slug, Capability.MANAGE)
+        rows = Invitation.objects.filter(
+            organization=org, status=InvitationStatus.PENDING, expires__gt=timezone.now()
+        ).select_related("organization", "user", "invited_by")
+        page = self.paginate_queryset(rows)
+        assert page is not None
+        return self.get_paginated_response(InvitationSerializer(page, many=True).data)
+
+    @extend_schema(
+        request=InvitationSerializer,
+        responses={201: InvitationSerializer, 200: InvitationSerializer},
+    )
+    def post(self, request: Request, slug: str) -> Response:
+        """Invite a user with a role (201), or change the role of a pending invitation (200).
+
+        The user joins only by accepting it (``POST /invitations/{id}/accept/``). A member
+        already is 409 ``already_member``; a regulator cannot be invited to a lab (409
+        ``regulator_conflict``).
+        """
+        org = _organization(request, slug, Capability.MANAGE)
+        serializer = InvitationSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        user = active_user(serializer.validated_data["user"]["username"])
+        invitation, created = Invitation.offer(
+            org,
+            user,
+            serializer.validated_data["role"],
+            actor=_user(request),
+            ip=client_ip(request.META),
+        )
+        return Response(
+            InvitationSerializer(invitation).data,
+            status=status.HTTP_201_CREATED if created else status.HTTP_200_OK,
+        )
+
+
+class OrganizationInvitationDetail(APIView):
+    @extend_schema(responses={204: None})
+    def delete(self, request: Request, slug: str, pk: Any) -> Response:
+        """Revoke a pending invitation (admins)."""
+        org = _organization(request, slug, Capability.MANAGE)
+        invitation = Invitation.objects.filter(organization=org, pk=pk).first()
+        if invitation is None:
+            raise NotFoundError(f"No invitation {pk} in {slug}.")
+        invitation.revoke(actor=_user(request), ip=client_ip(request.META))
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class MyInvitationList(generics.ListAPIView[Invitation]):
+    """Invitations waiting for the caller's answer."""
+
+    serializer_class = InvitationSerializer
+    pagination_class = CursorPage
+
+    def get_queryset(self) -> QuerySet[Invitation]:
+        return Invitation.pending_for(_user(self.request)).select_related("user")
+
+
+def _my_invitation(request: Request, pk: Any) -> Invitation:
+    invitation = (
+        Invitation.objects.filter(user=_user(request), pk=pk)
+        .select_related("organization", "user", "invited_by")
+        .first()
+    )
+    if invitation is None:
+        raise NotFoundError(f"No invitation {pk} for you.")
+    return invitation
+
+
+class InvitationAccept(APIView):
+    @extend_schema(request=None, responses={200: MemberOutSerializer})
+    def post(self, request: Request, pk: Any) -> Response:
+        """Accept an invitation: the caller becomes a member with the offered role."""
+        membership = _my_invitation(request, pk).accept(ip=client_ip(request.META))
+        return Response(MembershipSerializer(membership).data)
+
+
+class InvitationDecline(APIView):
+    @extend_schema(request=None, responses={200: InvitationSerializer})
+    def post(self, request: Request, pk: Any) -> Response:
+        """Decline an invitation."""
+        invitation = _my_invitation(request, pk)
+        invitation.decline(ip=client_ip(request.META))
+        return Response(InvitationSerializer(invitation).data)
 
 
 class ApiKeyList(generics.ListCreateAPIView[ApiKey]):
@@ -192,16 +322,27 @@ class ApiKeyList(generics.ListCreateAPIView[ApiKey]):
         return Response(data, status=status.HTTP_201_CREATED)
 
 
-class ApiKeyDetail(generics.RetrieveDestroyAPIView[ApiKey]):
-    """One of the caller's keys; DELETE revokes it (the row is kept for the audit trail)."""
+class ApiKeyDetail(generics.RetrieveAPIView[ApiKey]):
+    """One of the caller's keys (revoked ones too: the row is kept for the audit trail)."""
 
     serializer_class = ApiKeySerializer
 
     def get_queryset(self) -> QuerySet[ApiKey]:
         return ApiKey.objects.filter(user=self.request.user)  # type: ignore[misc]
 
-    def perform_destroy(self, instance: ApiKey) -> None:
-        instance.revoke(actor=_user(self.request), ip=client_ip(self.request.META))
+
+class ApiKeyRevoke(APIView):
+    @extend_schema(request=None, responses={200: ApiKeySerializer})
+    def post(self, request: Request, pk: int) -> Response:
+        """Revoke one of the caller's keys at once; revoking it again changes nothing.
+
+        The key stays readable, with ``revoked`` set: it is revoked, not deleted.
+        """
+        key = ApiKey.objects.filter(user=_user(request), pk=pk).first()
+        if key is None:
+            raise NotFoundError(f"No key {pk}.")
+        key.revoke(actor=_user(request), ip=client_ip(request.META))
+        return Response(ApiKeySerializer(key).data)
 
 
 # --- Experiments ------------------------------------------------------------------------
@@ -217,7 +358,7 @@ class ExperimentList(generics.ListCreateAPIView[Experiment]):
     query_filters = {
         "owner": ("owner__slug", None),
         "framework": ("current_spec__framework", frozenset(Framework.values)),
-        "declared_flops_at_least": ("current_spec__max_flops__gte", int),
+        "declared_flops_at_least": ("current_spec__max_flops__gte", BigInt),
         "created_after": ("created__gte", datetime),
         "created_before": ("created__lt", datetime),
     }
@@ -238,16 +379,31 @@ class ExperimentList(generics.ListCreateAPIView[Experiment]):
         queryset = Experiment.objects.visible_to(get_access(self.request)).with_summary()
         return queryset
 
-    def perform_create(self, serializer: serializers.BaseSerializer[Experiment]) -> None:
-        data = serializer.validated_data
+    @extend_schema(
+        request=PolymorphicProxySerializer(
+            component_name="ExperimentRegistration",
+            serializers=[ExperimentByOwnerSerializer, ExperimentByIdSerializer],
+            resource_type_field_name=None,
+        ),
+        responses={201: ExperimentSerializer},
+    )
+    def post(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        """Register an experiment (trainers and admins of its owner).
+
+        An owner that does not exist or is out of sight is one 404 (``does_not_exist``);
+        a name already registered is 409 ``exists``.
+        """
+        registration = ExperimentRegistration(data=request.data, context={"request": request})
+        registration.is_valid(raise_exception=True)
+        data = registration.validated_data
         try:
             with transaction.atomic():
-                serializer.instance = Experiment.register(
+                experiment = Experiment.register(
                     data["owner"],
                     data["name"],
-                    data["current_spec"],
-                    user=_user(self.request),
-                    ip=client_ip(self.request.META),
+                    data["spec"],
+                    user=_user(request),
+                    ip=client_ip(request.META),
                 )
         except IntegrityError:
             # Lost a race with a concurrent registration of the same name.
@@ -256,6 +412,8 @@ class ExperimentList(generics.ListCreateAPIView[Experiment]):
                 code="exists",
                 field="name",
             ) from None
+        Experiment.summarize([experiment])
+        return Response(experiment.to_dict(), status=status.HTTP_201_CREATED)
 
 
 def _experiment(request: Request, owner: str, name: str) -> Experiment:
@@ -579,17 +737,24 @@ class UploadList(generics.ListCreateAPIView[Upload]):
         )
 
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
-        """Open an upload: declare experiment, kind, total size and whole-blob SHA-256."""
+        """Open an upload: declare experiment, kind, total size and whole-blob SHA-256.
+
+        An experiment that does not exist and one out of sight are one 404
+        (``does_not_exist``, field ``experiment``).
+        """
         serializer = self.get_serializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
-        experiment: Experiment = data["experiment"]["full_name"]
-        access = get_access(request)
-        if not access.can_see(experiment.owner_id):
-            raise InvalidRequestError(
-                f"experiment: No experiment {experiment.full_name!r}.",
-                code="does_not_exist",
-                field="experiment",
+        full_name = data["experiment"]["full_name"]
+        experiment = (
+            Experiment.objects.visible_to(get_access(request))
+            .by_full_name(full_name)
+            .select_related("owner", "current_spec")
+            .first()
+        )
+        if experiment is None:
+            raise NotFoundError(
+                f"No experiment {full_name!r}.", code="does_not_exist", field="experiment"
             )
         require(request, Capability.WRITE, experiment.owner_id)
         upload = uploads.create(
@@ -605,6 +770,11 @@ class UploadList(generics.ListCreateAPIView[Upload]):
 
 
 def _upload(request: Request, pk: Any, capability: str) -> Upload:
+    """An upload the caller may read (404 otherwise) and act on with ``capability``.
+
+    Changing an upload (parts, completion, abort) is for its creator and the lab's
+    admins: another trainer of the lab sees it but may not touch it (403).
+    """
     access = get_access(request)
     upload = (
         Upload.objects.filter(access.orgs(Capability.READ))
@@ -615,6 +785,14 @@ def _upload(request: Request, pk: Any, capability: str) -> Upload:
     if upload is None:
         raise NotFoundError(f"No upload {pk}.")
     require(request, capability, upload.organization_id)
+    if capability == Capability.WRITE and not (
+        upload.created_by_id == request.user.pk
+        or access.can(Capability.MANAGE, upload.organization_id)
+    ):
+        raise PermissionDenied(
+            f"Upload {pk} was opened by another member; only they and the organisation's "
+            "admins may send its parts, complete or abort it."
+        )
     return upload
 
 
@@ -626,9 +804,16 @@ class UploadDetail(APIView):
         """The upload's state and the parts received so far (to resume after a failure)."""
         return Response(UploadSerializer(_upload(request, pk, Capability.ARTIFACTS)).data)
 
-    @extend_schema(responses=UploadSerializer)
-    def delete(self, request: Request, pk: Any) -> Response:
-        """Abort: remove every staged part. Aborting an aborted upload is harmless."""
+
+class UploadAbort(APIView):
+    permission_classes = [HasCapability]
+
+    @extend_schema(request=None, responses={200: UploadSerializer})
+    def post(self, request: Request, pk: Any) -> Response:
+        """Abort: remove every staged part. Aborting an aborted upload is harmless.
+
+        The upload stays readable, with status ``aborted``.
+        """
         upload = _upload(request, pk, Capability.WRITE)
         uploads.abort(upload, user=request.user, ip=client_ip(request.META))  # type: ignore[arg-type]
         return Response(UploadSerializer(upload).data)
@@ -643,12 +828,18 @@ class UploadPartView(APIView):
         request={"application/octet-stream": OpenApiTypes.BINARY},
         parameters=[
             OpenApiParameter(
+                "number",
+                {"type": "integer", "minimum": 1, "maximum": uploads.MAX_PARTS},
+                OpenApiParameter.PATH,
+                description=f"The part's number, 1 to {uploads.MAX_PARTS}.",
+            ),
+            OpenApiParameter(
                 uploads.PART_DIGEST_HEADER,
-                str,
+                {"type": "string", "pattern": "^[0-9a-fA-F]{64}$"},
                 OpenApiParameter.HEADER,
                 required=True,
                 description="SHA-256 (hex) of this part's bytes.",
-            )
+            ),
         ],
         responses=inline_serializer(
             "UploadPartResult",

@@ -21,7 +21,12 @@ from typing import Any
 from django.db.models import QuerySet
 from django.http import HttpResponse
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from drf_spectacular.utils import (
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+    inline_serializer,
+)
 from rest_framework import generics, serializers
 from rest_framework.permissions import AllowAny
 from rest_framework.request import Request
@@ -37,7 +42,7 @@ from attestations.certificate_models import (
     TrustRootVersion,
 )
 from attestations.exceptions import DVBenchError, InvalidRequestError, NotFoundError
-from attestations.filters import QueryFilters
+from attestations.filters import BigInt, QueryFilters
 from attestations.models import Capability, Proof, api_datetime
 from attestations.pagination import CursorPage
 from attestations.permissions import HasCapability, get_access
@@ -83,6 +88,28 @@ class CertificateSerializer(serializers.Serializer[Certificate]):
         child=serializers.DictField(),
         help_text="the signed regulatory_thresholds claim: {name, threshold, stays_below, "
         "description} per threshold (empty for certificates issued before it existed)",
+    )
+    filings = inline_serializer(
+        "CertificateFilings",
+        {
+            "count": serializers.IntegerField(),
+            "proofs": inline_serializer(
+                "CertificateFiling",
+                {
+                    "proof": serializers.IntegerField(),
+                    "transcriptSha256": serializers.CharField(),
+                    "transcriptDigest": serializers.CharField(allow_null=True),
+                    "status": serializers.CharField(),
+                    "reason": serializers.CharField(allow_blank=True),
+                    "filedOn": serializers.DateTimeField(),
+                    "challengeFiling": serializers.IntegerField(allow_null=True),
+                },
+                many=True,
+            ),
+        },
+        allow_null=True,
+        help_text="Every proof filed for the experiment when it was signed (from the signed "
+        "statement; null for certificates signed before filings were recorded)",
     )
     envelope = EnvelopeSerializer(help_text="the DSSE envelope, as signed and logged")
 
@@ -132,17 +159,22 @@ class ConsistencyProofSerializer(serializers.Serializer[Any]):
 # --- helpers --------------------------------------------------------------------------
 
 
+#: A log index, tree size or version: what a 64-bit column holds.
+WHOLE_MAX = 2**63 - 1
+WHOLE: dict[str, Any] = {"type": "integer", "minimum": 0, "maximum": WHOLE_MAX}
+
+
 def _integer(request: Request, name: str, *, required: bool = True) -> int | None:
     raw = request.query_params.get(name)
-    if raw is None or raw == "":
+    if raw is None:
         if required:
             raise InvalidRequestError(
                 f"{name}: this query parameter is required", code="required", field=name
             )
         return None
-    if not raw.isdigit():
+    if not (raw.isascii() and raw.isdigit()) or int(raw) > WHOLE_MAX:
         raise InvalidRequestError(
-            f"{name}: expected a whole number, got {raw!r}",
+            f"{name}: expected a whole number from 0 to {WHOLE_MAX}, got {raw!r}",
             code="invalid_parameter",
             field=name,
             detail={"got": raw},
@@ -150,8 +182,9 @@ def _integer(request: Request, name: str, *, required: bool = True) -> int | Non
     return int(raw)
 
 
-def _out_of_range(error: certificates.LogRangeError) -> InvalidRequestError:
-    return InvalidRequestError(str(error), code="out_of_range", field=error.field)
+def _out_of_range(error: certificates.LogRangeError) -> NotFoundError:
+    # A well-formed request for a leaf or tree size the log does not have (yet).
+    return NotFoundError(str(error), code="out_of_range", field=error.field)
 
 
 def _note(size: int) -> str | None:
@@ -192,7 +225,9 @@ class TrustRootView(APIView):
 
     @extend_schema(
         parameters=[
-            OpenApiParameter("version", int, description="an earlier version (default: the latest)")
+            OpenApiParameter(
+                "version", WHOLE, description="an earlier version (default: the latest)"
+            )
         ],
         responses={200: OpenApiTypes.OBJECT},
         description="The trust root document (schema https://dvbench.dev/trust-root/v1), "
@@ -328,9 +363,9 @@ class InclusionProofView(APIView):
 
     @extend_schema(
         parameters=[
-            OpenApiParameter("index", int, required=True, description="the leaf index"),
+            OpenApiParameter("index", WHOLE, required=True, description="the leaf index"),
             OpenApiParameter(
-                "tree_size", int, description="default: the latest checkpoint's tree size"
+                "tree_size", WHOLE, description="default: the latest checkpoint's tree size"
             ),
         ],
         responses=InclusionProofSerializer,
@@ -367,8 +402,8 @@ class ConsistencyProofView(APIView):
 
     @extend_schema(
         parameters=[
-            OpenApiParameter("first", int, required=True, description="the older tree size"),
-            OpenApiParameter("second", int, required=True, description="the newer tree size"),
+            OpenApiParameter("first", WHOLE, required=True, description="the older tree size"),
+            OpenApiParameter("second", WHOLE, required=True, description="the newer tree size"),
         ],
         responses=ConsistencyProofSerializer,
     )
@@ -482,7 +517,7 @@ class CertificateList(generics.ListAPIView[Certificate]):
         "experiment": ("experiment", None),
         "issued_after": ("issued__gte", datetime),
         "issued_before": ("issued__lt", datetime),
-        "flops_min": ("flops__gte", int),
+        "flops_min": ("flops__gte", BigInt),
         "result": ("result", frozenset(CertificateResult.values)),
     }
     query_filter_help = {
@@ -530,8 +565,9 @@ def _by_threshold(request: Request, queryset: QuerySet[Certificate]) -> QuerySet
     known = {threshold.name: threshold.flops for threshold in certificate_subjects.thresholds()}
     for param, lookup in (("below_threshold", "flops__lte"), ("above_threshold", "flops__gt")):
         value = request.query_params.get(param)
-        if value is None or value == "":
+        if value is None:
             continue
+        # An empty name is no threshold either (the schema's enum says so).
         if value not in known:
             raise InvalidRequestError(
                 f"{param}: {value!r} is not a configured threshold; one of "

@@ -272,6 +272,7 @@ class Certificate(AppendOnlyModel):
             "final_parameter_root": self.final_parameter_root,
             "log_index": self.log_index,
             "regulatory_thresholds": self.claim_value("regulatory_thresholds") or [],
+            "filings": self.filings(),
             "envelope": self.envelope,
         }
 
@@ -281,3 +282,8 @@ class Certificate(AppendOnlyModel):
             if claim.get("name") == name:
                 return claim.get("value")
         return None
+
+    def filings(self) -> dict[str, Any] | None:
+        """The signed record of every proof filed for the experiment (None before it existed)."""
+        filings: dict[str, Any] | None = self.statement()["predicate"].get("filings")
+        return filings

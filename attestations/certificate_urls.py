@@ -32,7 +32,9 @@ urlpatterns: list[URLPattern] = [
     ),
     re_path(r"^log/checkpoint/?$", views.LogCheckpointView.as_view(), name="log-checkpoint"),
     re_path(r"^log/verifier-key/?$", views.LogVerifierKeyView.as_view(), name="log-verifier-key"),
-    re_path(r"^log/entries/(?P<index>[0-9]+)/?$", views.LogEntryView.as_view(), name="log-entry"),
+    re_path(
+        r"^log/entries/(?P<index>[0-9]{1,18})/?$", views.LogEntryView.as_view(), name="log-entry"
+    ),
     re_path(r"^log/proof/inclusion/?$", views.InclusionProofView.as_view(), name="log-inclusion"),
     re_path(
         r"^log/proof/consistency/?$",
@@ -40,21 +42,23 @@ urlpatterns: list[URLPattern] = [
         name="log-consistency",
     ),
     re_path(
-        r"^proofs/(?P<pk>[0-9]+)/certificate/?$",
+        r"^proofs/(?P<pk>[0-9]{1,18})/certificate/?$",
         views.ProofCertificateView.as_view(),
         name="proof-certificate",
     ),
     re_path(
-        r"^proofs/(?P<pk>[0-9]+)/bundle/?$", views.ProofBundleView.as_view(), name="proof-bundle"
+        r"^proofs/(?P<pk>[0-9]{1,18})/bundle/?$",
+        views.ProofBundleView.as_view(),
+        name="proof-bundle",
     ),
     re_path(
-        r"^proofs/(?P<pk>[0-9]+)/sigstore-bundle/?$",
+        r"^proofs/(?P<pk>[0-9]{1,18})/sigstore-bundle/?$",
         views.ProofSigstoreBundleView.as_view(),
         name="proof-sigstore-bundle",
     ),
     re_path(r"^certificates/?$", views.CertificateList.as_view(), name="certificates"),
     re_path(
-        r"^certificates/(?P<pk>[0-9]+)/?$",
+        r"^certificates/(?P<pk>[0-9]{1,18})/?$",
         views.CertificateDetail.as_view(),
         name="certificate",
     ),

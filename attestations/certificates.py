@@ -57,7 +57,7 @@ from attestations.certificate_subjects import (
     threshold_claim,
 )
 from attestations.claims import compute_claims
-from attestations.models import AuditEvent, Challenge, Proof, ProofStatus
+from attestations.models import SHA256_HEX, AuditEvent, Challenge, Proof, ProofStatus
 from dvbench.attest import (
     DEFAULT_KEY_FILENAME,
     ENV_SIGNING_KEY,
@@ -65,6 +65,8 @@ from dvbench.attest import (
     Checkpoint,
     Claim,
     Evidence,
+    Filing,
+    Filings,
     KeyConfigurationError,
     LogEntryRef,
     MerkleTree,
@@ -506,6 +508,34 @@ def _replay_evidence(proof: Proof) -> ReplayEvidence:
     return ReplayEvidence(seed, tuple(sorted(steps)), tolerance)
 
 
+def _filings(proof: Proof) -> Filings:
+    """Every proof filed for the proof's experiment now, oldest first, as it stands.
+
+    Signed into the certificate: a run re-filed until a draw missed its forged steps
+    would show every abandoned or rejected try beside the one certified.
+    """
+    rows = (
+        Proof.objects.filter(experiment_id=proof.experiment_id)
+        .select_related("transcript")
+        .order_by("pk")
+    )
+    filings = tuple(
+        Filing(
+            proof=row.pk,
+            transcript_sha256=row.transcript.sha256,
+            transcript_digest=row.transcript_digest
+            if SHA256_HEX.match(row.transcript_digest)
+            else None,
+            status=str(row.status),
+            reason=row.reason,
+            filed_on=row.created,
+            challenge_filing=row.challenge_filing,
+        )
+        for row in rows
+    )
+    return Filings(count=len(filings), proofs=filings)
+
+
 def _subjects(proof: Proof) -> tuple[str, str]:
     report: Mapping[str, Any] = proof.report or {}
     digest = proof.transcript_digest or report.get("digest") or ""
@@ -567,6 +597,11 @@ def _issue(proof: Proof) -> Certificate:
             f"proof {proof.pk} is {proof.status!r}; certificates are issued for "
             f"{sorted(CERTIFIED_STATUSES)} only"
         )
+    if proof.is_duplicate:
+        raise CertificateNotIssuableError(
+            f"proof {proof.pk} repeats a transcript already filed for "
+            f"{proof.experiment.full_name}; that proof's certificate covers it"
+        )
     transcript_digest, parameter_root = _subjects(proof)
     key, source = signing_key()
     root_row = _ensure_current(key, source)
@@ -603,6 +638,7 @@ def _issue(proof: Proof) -> Certificate:
         trust_root_digest=root_row.digest,
         experiment=proof.experiment.full_name,
         extra_subjects=file_subjects(proof, model),
+        filings=_filings(proof),
     )
     envelope = sign_certificate(certificate, key)
     leaf = envelope_leaf(envelope)

@@ -19,11 +19,20 @@ Tree::
     └── DVBenchError
         ├── InvalidRequestError (400)        invalid, invalid_filter, empty_part, …
         │   ├── DigestMismatchError          part_digest_mismatch / blob_digest_mismatch
-        │   ├── SizeMismatchError            size_mismatch / size_exceeded
-        │   └── MissingPartsError            missing_parts
-        ├── NotFoundError (404)              not_found
+        │   ├── RoleNotAllowedError          role_not_allowed
+        │   └── TooDeepError                 too_deep
+        ├── NotFoundError (404)              not_found, does_not_exist
         ├── ConflictError (409)
-        │   └── UploadNotOpenError           upload_not_open
+        │   ├── UploadNotOpenError           upload_not_open
+        │   ├── MissingPartsError            missing_parts / size_mismatch (at completion)
+        │   ├── SizeExceededError            size_exceeded
+        │   ├── LastAdminError               last_admin
+        │   ├── RegulatorConflictError       regulator_conflict
+        │   ├── AgencyMembersError           agency_members
+        │   ├── InvitationRequiredError      invitation_required
+        │   ├── AlreadyMemberError           already_member
+        │   ├── InvitationClosedError        invitation_closed
+        │   └── TooManyProofsError           too_many_proofs
         ├── LengthRequiredError (411)        length_required
         ├── PayloadTooLargeError (413)       part_too_large / blob_too_large
         └── TranscriptRejectedError (422)    experiment_mismatch / spec_mismatch /
@@ -91,12 +100,16 @@ class DigestMismatchError(InvalidRequestError):
         )
 
 
-class SizeMismatchError(InvalidRequestError):
-    default_code = "size_mismatch"
+class RoleNotAllowedError(InvalidRequestError):
+    """A role the organisation's kind does not have (regulator in a lab, say)."""
+
+    default_code = "role_not_allowed"
 
 
-class MissingPartsError(InvalidRequestError):
-    default_code = "missing_parts"
+class TooDeepError(InvalidRequestError):
+    """JSON nested deeper than any request of this API needs."""
+
+    default_code = "too_deep"
 
 
 class NotFoundError(DVBenchError):
@@ -113,6 +126,56 @@ class ConflictError(DVBenchError):
 
 class UploadNotOpenError(ConflictError):
     default_code = "upload_not_open"
+
+
+class MissingPartsError(ConflictError):
+    """Completion of an upload whose parts are not all there yet: send them, then retry."""
+
+    default_code = "missing_parts"
+
+
+class SizeExceededError(ConflictError):
+    """A part that would make the upload larger than its declared size."""
+
+    default_code = "size_exceeded"
+
+
+class LastAdminError(ConflictError):
+    default_code = "last_admin"
+
+
+class RegulatorConflictError(ConflictError):
+    """A regulator joining a lab, or a lab member an agency."""
+
+    default_code = "regulator_conflict"
+
+
+class AgencyMembersError(ConflictError):
+    """An agency's membership is changed through the API (only the operator changes it)."""
+
+    default_code = "agency_members"
+
+
+class InvitationRequiredError(ConflictError):
+    """Someone who is not a member joins only by accepting an invitation."""
+
+    default_code = "invitation_required"
+
+
+class AlreadyMemberError(ConflictError):
+    default_code = "already_member"
+
+
+class InvitationClosedError(ConflictError):
+    """An invitation already accepted, declined, revoked or expired."""
+
+    default_code = "invitation_closed"
+
+
+class TooManyProofsError(ConflictError):
+    """The experiment holds as many proofs as ``DVBENCH_MAX_PROOFS_PER_EXPERIMENT`` allows."""
+
+    default_code = "too_many_proofs"
 
 
 class LengthRequiredError(DVBenchError):
@@ -174,6 +237,20 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         exc = InvalidRequestError(
             "A value in the request cannot be stored or looked up (NUL characters and "
             "out-of-range numbers are not accepted).",
+            code="invalid_value",
+        )
+    elif isinstance(exc, RecursionError):
+        # Input nested deeper than anything walking it expected; the parser bounds JSON
+        # bodies, this catches any other path (a query value decoded into a structure).
+        exc = TooDeepError(
+            "A value in the request is nested too deeply to be processed.", field="body"
+        )
+    elif isinstance(exc, OverflowError):
+        # A number past what the database can bind (SQLite: 2**63) in a lookup no validator
+        # bounded: the request's fault, like DataError above.
+        log.warning("a request value overflowed: %s", exc)
+        exc = InvalidRequestError(
+            "A number in the request is out of the range that can be stored or looked up.",
             code="invalid_value",
         )
     elif isinstance(exc, DjangoValidationError):

@@ -13,9 +13,17 @@ from rest_framework.request import Request
 
 from attestations.exceptions import InvalidRequestError
 
-#: A filter's kind of value: a set of allowed strings, ``int``, ``datetime`` (an ISO 8601
-#: date or date-time), or None for any string.
-Choices = frozenset[str] | type[int] | type[datetime] | None
+
+class BigInt(int):
+    """Marks a filter on a 40-digit decimal column (FLOPs): whole numbers up to 10**40 - 1."""
+
+
+#: A filter's kind of value: a set of allowed strings, ``int`` (a 64-bit id or count),
+#: ``BigInt``, ``datetime`` (an ISO 8601 date or date-time), or None for any string.
+Choices = frozenset[str] | type[int] | type[BigInt] | type[datetime] | None
+
+#: The range of each kind of whole-number filter: what the column can hold.
+INT_RANGES: dict[type[int], tuple[int, int]] = {int: (0, 2**63 - 1), BigInt: (0, 10**40 - 1)}
 
 
 class QueryFilters(BaseFilterBackend):
@@ -34,15 +42,23 @@ class QueryFilters(BaseFilterBackend):
         filters: dict[str, tuple[str, Choices]] = getattr(view, "query_filters", {})
         for param, (lookup, choices) in filters.items():
             value = request.query_params.get(param)
-            if value is None or value == "":
+            if value is None or (value == "" and choices is None):
+                # An empty free-text filter filters nothing; an empty number, date or
+                # choice is not one (400 below), as the schema says.
                 continue
             parsed: Any = value
             if "\x00" in value:
                 # PostgreSQL text cannot hold NUL; the query would fail, not match nothing.
                 raise _invalid(param, "must not contain a NUL character", value)
-            if choices is int:
-                if not (value.isascii() and value.isdigit()) or len(value) > 40:
-                    raise _invalid(param, f"expected a whole number, got {value!r}", value)
+            if choices in INT_RANGES:
+                low, high = INT_RANGES[choices]
+                # Checked before the database sees it: SQLite cannot even bind an integer
+                # past 2**63 (OverflowError), PostgreSQL refuses it.
+                if not (value.isascii() and value.isdigit()) or not low <= int(value) <= high:
+                    raise _invalid(
+                        param, f"expected a whole number from {low} to {high}, got {value!r}", value
+                    )
+                parsed = int(value)
             elif choices is datetime:
                 parsed = _moment(param, value)
             elif isinstance(choices, frozenset) and value not in choices:
@@ -66,8 +82,9 @@ class QueryFilters(BaseFilterBackend):
         parameters = []
         for param, (lookup, choices) in filters.items():
             schema: dict[str, Any] = {"type": "string"}
-            if choices is int:
-                schema = {"type": "integer"}
+            if choices in INT_RANGES:
+                low, high = INT_RANGES[choices]
+                schema = {"type": "integer", "minimum": low, "maximum": high}
             elif choices is datetime:
                 schema["format"] = "date-time"
             elif isinstance(choices, frozenset):

@@ -10,11 +10,11 @@ from django.contrib.auth.models import User
 from django.core.validators import MinValueValidator
 
 from attestations.models import (
+    LAB_ROLE_CHOICES,
     Experiment,
     Framework,
     Organization,
     Regime,
-    Role,
     experiment_name_validator,
     sha256_validator,
 )
@@ -110,17 +110,27 @@ class ExperimentForm(SpecForm):
         return data
 
 
-class MemberForm(forms.Form):
-    """Add a member to an organisation, or change an existing member's role."""
+class InviteForm(forms.Form):
+    """Invite a user to the lab with a role; they join when they accept.
+
+    The regulator role is not offered: it exists only in agencies, and only the
+    platform's operator grants it.
+    """
 
     username = forms.CharField(max_length=150)
-    role = forms.ChoiceField(choices=Role.choices)
+    role = forms.ChoiceField(choices=LAB_ROLE_CHOICES)
 
     def clean_username(self) -> str:
         username = str(self.cleaned_data["username"]).strip()
         if not User.objects.filter(username=username, is_active=True).exists():
             raise forms.ValidationError(f"No active user named {username!r}.", code="unknown_user")
         return username
+
+
+class RoleForm(forms.Form):
+    """Change an existing member's role."""
+
+    role = forms.ChoiceField(choices=LAB_ROLE_CHOICES)
 
 
 class ApiKeyForm(forms.Form):

@@ -74,18 +74,65 @@ SPEC_SCHEMA = "dvbench.spec/v1"
 # --- Organisations and roles ------------------------------------------------------------
 
 
+class OrganizationKind(models.TextChoices):
+    """A lab trains and files proofs; an agency holds regulators, who read every lab."""
+
+    LAB = "lab", "Lab"
+    AGENCY = "agency", "Agency (regulators)"
+
+
 class Organization(models.Model):
-    """A lab or agency. Its slug is the ``owner`` half of ``owner/name`` experiment ids."""
+    """A lab or agency. Its slug is the ``owner`` half of ``owner/name`` experiment ids.
+
+    Only the platform's operator creates organisations and decides their kind (the Django
+    admin, ``manage.py agency``): an agency's members are regulators, and a regulator
+    reads the claims of every organisation, so that power never comes from a lab.
+    """
 
     slug = models.CharField(max_length=50, unique=True, validators=[slug_validator])
     name = models.CharField(max_length=200)
+    kind = models.CharField(
+        max_length=8, choices=OrganizationKind.choices, default=OrganizationKind.LAB
+    )
     created = models.DateTimeField(default=timezone.now)
+    #: The key the challenge seeds of this organisation's proofs derive from
+    #: (``attestations.replay.draw``): hex, made on first use, never shown.
+    challenge_key = models.CharField(max_length=64, blank=True, editable=False)
 
     class Meta:
         ordering = ["slug"]
 
     def __str__(self) -> str:
         return self.slug
+
+    @property
+    def is_agency(self) -> bool:
+        return self.kind == OrganizationKind.AGENCY
+
+    def roles_allowed(self) -> frozenset[str]:
+        """The roles a member of this organisation may hold."""
+        return AGENCY_ROLES if self.is_agency else LAB_ROLES
+
+    def clean(self) -> None:
+        """Refuse a change of kind that would leave members with roles the kind forbids."""
+        from django.core.exceptions import ValidationError
+
+        if self._state.adding:
+            return
+        wrong = self.memberships.exclude(role__in=self.roles_allowed())
+        if wrong.exists():
+            roles = sorted(set(wrong.values_list("role", flat=True)))
+            raise ValidationError(
+                {
+                    "kind": f"{self.slug} has members with the role(s) {', '.join(roles)}, "
+                    f"which a{'n agency' if self.is_agency else ' lab'} cannot hold; "
+                    "remove them first"
+                }
+            )
+        if self.is_agency and self.experiments.exists():
+            raise ValidationError(
+                {"kind": f"{self.slug} owns experiments; an agency cannot own experiments"}
+            )
 
 
 class Role(models.TextChoices):
@@ -120,9 +167,31 @@ ROLE_CAPABILITIES: Mapping[str, frozenset[str]] = {
     Role.REGULATOR: frozenset({"read"}),
 }
 
+#: Roles a lab's members hold; its admins grant them (with the member's consent).
+LAB_ROLES: frozenset[str] = frozenset({Role.TRAINER, Role.AUDITOR, Role.ADMIN})
+#: The lab roles as form and serializer choices, in the order of ``Role``.
+LAB_ROLE_CHOICES: list[tuple[str, str]] = [
+    (role, label) for role, label in Role.choices if role in LAB_ROLES
+]
+#: The only role in an agency; granted by the platform's operator alone.
+AGENCY_ROLES: frozenset[str] = frozenset({Role.REGULATOR})
+
+
+def _lock_user(user: User) -> None:
+    """Serialise membership changes of one user (the lab/agency rule spans their rows)."""
+    User.objects.select_for_update().filter(pk=user.pk).exists()
+
 
 class Membership(models.Model):
-    """A user's role in one organisation."""
+    """A user's role in one organisation.
+
+    The rules every path enforces (API, web, Django admin, ``manage.py agency``):
+
+    * a lab's members are trainers, auditors or admins; an agency's are regulators;
+    * nobody is both: a regulator belongs to no lab, a lab member to no agency;
+    * nobody joins a lab without consenting (an :class:`Invitation` they accept);
+    * a lab keeps at least one admin.
+    """
 
     user = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships"
@@ -142,8 +211,21 @@ class Membership(models.Model):
     def __str__(self) -> str:
         return f"{self.user} {self.role} in {self.organization}"
 
+    def clean(self) -> None:
+        """Model validation (the Django admin's path): the role and lab/agency rules."""
+        from django.core.exceptions import ValidationError
+
+        from attestations.exceptions import DVBenchError
+
+        if not (self.organization_id and self.user_id):
+            return  # Django reports the missing field itself
+        try:
+            check_role(self.organization, self.user, self.role)
+        except DVBenchError as error:
+            raise ValidationError({"role": str(error.detail)}) from None
+
     @classmethod
-    def assign(
+    def change_role(
         cls,
         organization: Organization,
         user: User,
@@ -151,32 +233,355 @@ class Membership(models.Model):
         *,
         actor: User,
         ip: str | None = None,
-    ) -> tuple[Membership, bool]:
-        """Add ``user`` with ``role``, or change their role; recorded in the audit trail."""
-        membership, created = cls.objects.update_or_create(
-            user=user, organization=organization, defaults={"role": role}
-        )
-        AuditEvent.record(
-            "membership.added" if created else "membership.changed",
-            actor=actor,
-            organization=organization,
-            target=membership,
-            detail={"username": user.get_username(), "role": role},
-            ip=ip,
-        )
-        return membership, created
+    ) -> Membership:
+        """Change an existing member's role; recorded as ``membership.changed``.
 
-    def remove(self, *, actor: User, ip: str | None = None) -> None:
-        """Delete the membership, recording ``membership.removed`` first."""
+        Raises:
+            InvitationRequiredError: ``user`` is not a member (they join by accepting an
+                invitation, never by an admin's say-so).
+            RoleNotAllowedError: the role is not one this organisation's members hold.
+            LastAdminError: the change would leave the lab with no admin.
+        """
+        from attestations.exceptions import InvitationRequiredError
+
+        _not_an_agency(organization)
+        with transaction.atomic():
+            check_role(organization, user, role, joining=False)
+            membership = (
+                cls.objects.select_for_update().filter(organization=organization, user=user).first()
+            )
+            if membership is None:
+                raise InvitationRequiredError(
+                    f"{user.get_username()} is not a member of {organization.slug}: invite "
+                    f"them (POST /api/v1/organizations/{organization.slug}/invitations/); "
+                    "they join when they accept",
+                    field="username",
+                    detail={"username": user.get_username()},
+                )
+            if membership.role == role:
+                return membership
+            if membership.role == Role.ADMIN:
+                _keep_an_admin(organization, leaving=membership)
+            previous, membership.role = membership.role, role
+            membership.save(update_fields=["role"])
+            AuditEvent.record(
+                "membership.changed",
+                actor=actor,
+                organization=organization,
+                target=membership,
+                detail={"username": user.get_username(), "role": role, "previous": previous},
+                ip=ip,
+            )
+        return membership
+
+    @classmethod
+    def join(
+        cls,
+        organization: Organization,
+        user: User,
+        role: str,
+        *,
+        actor: User | None,
+        ip: str | None = None,
+        detail: Mapping[str, Any] | None = None,
+    ) -> Membership:
+        """Make ``user`` a member: only for an accepted invitation or the operator's command.
+
+        Raises:
+            RoleNotAllowedError, RegulatorConflictError: see :func:`check_role`.
+            AlreadyMemberError: ``user`` is a member already.
+        """
+        from attestations.exceptions import AlreadyMemberError
+
+        with transaction.atomic():
+            _lock_user(user)
+            check_role(organization, user, role)
+            if cls.objects.filter(organization=organization, user=user).exists():
+                raise AlreadyMemberError(
+                    f"{user.get_username()} is already a member of {organization.slug}",
+                    field="username",
+                )
+            membership = cls.objects.create(user=user, organization=organization, role=role)
+            AuditEvent.record(
+                "membership.added",
+                actor=actor,
+                organization=organization,
+                target=membership,
+                detail={"username": user.get_username(), "role": role, **dict(detail or {})},
+                ip=ip,
+            )
+        return membership
+
+    def remove(self, *, actor: User | None, ip: str | None = None) -> None:
+        """Delete the membership, recording ``membership.removed`` first.
+
+        Raises:
+            LastAdminError: this is the lab's last admin.
+        """
+        with transaction.atomic():
+            if self.role == Role.ADMIN:
+                _keep_an_admin(self.organization, leaving=self)
+            AuditEvent.record(
+                "membership.removed",
+                actor=actor,
+                organization=self.organization,
+                target=self,
+                detail={"username": self.user.get_username(), "role": self.role},
+                ip=ip,
+            )
+            self.delete()
+
+
+def check_role(organization: Organization, user: User, role: str, *, joining: bool = True) -> None:
+    """Refuse a role the organisation's kind forbids, or a user on both sides of the line.
+
+    Raises:
+        RoleNotAllowedError: a regulator in a lab, or anything but a regulator in an agency.
+        RegulatorConflictError: a regulator joining a lab, or a lab member an agency.
+    """
+    from attestations.exceptions import RegulatorConflictError, RoleNotAllowedError
+
+    allowed = organization.roles_allowed()
+    if role not in allowed:
+        if role == Role.REGULATOR:
+            message = (
+                f"{organization.slug} is a lab; the regulator role exists only in an agency "
+                "organisation, and only the platform's operator grants it (manage.py agency)"
+            )
+        else:
+            message = (
+                f"{organization.slug} is an agency: its members are regulators, granted by "
+                "the platform's operator"
+            )
+        raise RoleNotAllowedError(
+            message, field="role", detail={"allowed": sorted(allowed), "got": role}
+        )
+    if not joining:
+        return
+    others = Membership.objects.filter(user=user).exclude(organization=organization)
+    if organization.is_agency:
+        clash = others.filter(organization__kind=OrganizationKind.LAB).select_related(
+            "organization"
+        )
+        if (first := clash.first()) is not None:
+            raise RegulatorConflictError(
+                f"{user.get_username()} is a member of the lab {first.organization.slug}; a "
+                "regulator reads every lab, so they must leave their labs first",
+                field="username",
+                detail={"lab": first.organization.slug},
+            )
+    else:
+        clash = others.filter(organization__kind=OrganizationKind.AGENCY).select_related(
+            "organization"
+        )
+        if (first := clash.first()) is not None:
+            raise RegulatorConflictError(
+                f"{user.get_username()} is a regulator (agency {first.organization.slug}); a "
+                "regulator cannot be a member of a lab",
+                field="username",
+                detail={"agency": first.organization.slug},
+            )
+
+
+def _not_an_agency(organization: Organization) -> None:
+    """Agencies are not managed through invitations or role changes: the operator's alone."""
+    from attestations.exceptions import AgencyMembersError
+
+    if organization.is_agency:
+        raise AgencyMembersError(
+            f"{organization.slug} is an agency: its members are regulators, whom only the "
+            "platform's operator appoints (manage.py agency grant)",
+            field="username",
+        )
+
+
+def _keep_an_admin(organization: Organization, *, leaving: Membership) -> None:
+    """Refuse to demote or remove a lab's last admin (the lab could never be managed again)."""
+    from attestations.exceptions import LastAdminError
+
+    if organization.is_agency:
+        return
+    # Locked, so two admins demoting each other at once cannot both succeed.
+    admins = list(
+        Membership.objects.select_for_update()
+        .filter(organization=organization, role=Role.ADMIN)
+        .exclude(pk=leaving.pk)
+        .values_list("pk", flat=True)
+    )
+    if not admins:
+        raise LastAdminError(
+            f"{leaving.user.get_username()} is the last admin of {organization.slug}; make "
+            "another member admin first, so the organisation can still be managed",
+            field="username",
+            detail={"username": leaving.user.get_username()},
+        )
+
+
+class InvitationStatus(models.TextChoices):
+    PENDING = "pending", "Pending"
+    ACCEPTED = "accepted", "Accepted"
+    DECLINED = "declined", "Declined"
+    REVOKED = "revoked", "Revoked"
+    EXPIRED = "expired", "Expired"
+
+
+class Invitation(models.Model):
+    """An admin's offer of a role in a lab; the user becomes a member only by accepting it.
+
+    Nobody is put in an organisation without consenting: membership gives the member's
+    own API keys power in that lab, and shows them its data.
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    organization = models.ForeignKey(
+        Organization, on_delete=models.CASCADE, related_name="invitations"
+    )
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="invitations"
+    )
+    role = models.CharField(max_length=16, choices=Role.choices)
+    status = models.CharField(
+        max_length=16, choices=InvitationStatus.choices, default=InvitationStatus.PENDING
+    )
+    invited_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+"
+    )
+    created = models.DateTimeField(default=timezone.now)
+    expires = models.DateTimeField()
+    responded = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["organization", "user"],
+                condition=Q(status="pending"),
+                name="one_pending_invitation",
+            )
+        ]
+        ordering = ["-created"]
+
+    def __str__(self) -> str:
+        return f"invitation of {self.user} to {self.organization} as {self.role} ({self.status})"
+
+    @property
+    def is_pending(self) -> bool:
+        return self.status == InvitationStatus.PENDING and self.expires > timezone.now()
+
+    @classmethod
+    def pending_for(cls, user: User) -> models.QuerySet[Invitation]:
+        return cls.objects.filter(
+            user=user, status=InvitationStatus.PENDING, expires__gt=timezone.now()
+        ).select_related("organization", "invited_by")
+
+    @classmethod
+    def offer(
+        cls,
+        organization: Organization,
+        user: User,
+        role: str,
+        *,
+        actor: User,
+        ip: str | None = None,
+    ) -> tuple[Invitation, bool]:
+        """Invite ``user`` to a lab with ``role``, or change the role a pending one offers.
+
+        Returns:
+            The invitation and whether it is new.
+
+        Raises:
+            RoleNotAllowedError, RegulatorConflictError: see :func:`check_role`.
+            AlreadyMemberError: ``user`` is a member already (change their role instead).
+        """
+        from attestations.exceptions import AlreadyMemberError
+
+        ttl = timedelta(days=dvbench_int("INVITATION_TTL_DAYS"))
+        _not_an_agency(organization)
+        with transaction.atomic():
+            check_role(organization, user, role)
+            if Membership.objects.filter(organization=organization, user=user).exists():
+                raise AlreadyMemberError(
+                    f"{user.get_username()} is already a member of {organization.slug}; "
+                    f"change their role with POST /api/v1/organizations/{organization.slug}"
+                    "/members/",
+                    field="username",
+                )
+            now = timezone.now()
+            cls.objects.filter(
+                organization=organization,
+                user=user,
+                status=InvitationStatus.PENDING,
+                expires__lte=now,
+            ).update(status=InvitationStatus.EXPIRED)
+            invitation = (
+                cls.objects.select_for_update()
+                .filter(organization=organization, user=user, status=InvitationStatus.PENDING)
+                .first()
+            )
+            created = invitation is None
+            if invitation is None:
+                invitation = cls.objects.create(
+                    organization=organization,
+                    user=user,
+                    role=role,
+                    invited_by=actor,
+                    expires=now + ttl,
+                )
+            else:
+                invitation.role, invitation.invited_by = role, actor
+                invitation.expires = now + ttl
+                invitation.save(update_fields=["role", "invited_by", "expires"])
+            AuditEvent.record(
+                "invitation.created" if created else "invitation.changed",
+                actor=actor,
+                organization=organization,
+                target=invitation,
+                detail={"username": user.get_username(), "role": role},
+                ip=ip,
+            )
+        return invitation, created
+
+    def _respond(self, status: str, *, actor: User | None, ip: str | None) -> None:
+        from attestations.exceptions import InvitationClosedError
+
+        updated = Invitation.objects.filter(
+            pk=self.pk, status=InvitationStatus.PENDING, expires__gt=timezone.now()
+        ).update(status=status, responded=timezone.now())
+        if not updated:
+            self.refresh_from_db()
+            state = self.status if self.status != InvitationStatus.PENDING else "expired"
+            raise InvitationClosedError(
+                f"this invitation to {self.organization.slug} is {state}",
+                detail={"status": state},
+            )
+        self.refresh_from_db()
         AuditEvent.record(
-            "membership.removed",
+            f"invitation.{status}",
             actor=actor,
             organization=self.organization,
             target=self,
             detail={"username": self.user.get_username(), "role": self.role},
             ip=ip,
         )
-        self.delete()
+
+    def accept(self, *, ip: str | None = None) -> Membership:
+        """The invitee joins with the offered role (the rules are checked again now)."""
+        with transaction.atomic():
+            self._respond(InvitationStatus.ACCEPTED, actor=self.user, ip=ip)
+            invited_by = self.invited_by.get_username() if self.invited_by else None
+            return Membership.join(
+                self.organization,
+                self.user,
+                self.role,
+                actor=self.user,
+                ip=ip,
+                detail={"invitation": str(self.pk), "invited_by": invited_by},
+            )
+
+    def decline(self, *, ip: str | None = None) -> None:
+        self._respond(InvitationStatus.DECLINED, actor=self.user, ip=ip)
+
+    def revoke(self, *, actor: User, ip: str | None = None) -> None:
+        self._respond(InvitationStatus.REVOKED, actor=actor, ip=ip)
 
 
 @dataclass(frozen=True)
@@ -190,20 +595,28 @@ class Access:
     roles: Mapping[int, str]
     read_all: bool
     superuser: bool = False
+    regulator: bool = False
 
     @classmethod
     def for_user(cls, user: AbstractBaseUser | AnonymousUser) -> Access:
         if not isinstance(user, User) or not user.is_authenticated:
             return cls(roles={}, read_all=False)
         # order_by(): the model's default ordering would join two tables for nothing.
-        roles = dict(
-            Membership.objects.filter(user=user).order_by().values_list("organization_id", "role")
-        )
+        rows = Membership.objects.filter(user=user).order_by()
+        roles: dict[int, str] = {}
+        regulator = False
+        for org, role, kind in rows.values_list("organization_id", "role", "organization__kind"):
+            roles[org] = role
+            # Cross-organisation reading comes only from the operator: a regulator role
+            # held in an agency. A "regulator" row in a lab (left from before agencies
+            # existed) reads that lab only.
+            regulator = regulator or (role == Role.REGULATOR and kind == OrganizationKind.AGENCY)
         superuser = bool(getattr(user, "is_superuser", False))
         return cls(
             roles=roles,
-            read_all=superuser or Role.REGULATOR in roles.values(),
+            read_all=superuser or regulator,
             superuser=superuser,
+            regulator=regulator,
         )
 
     def can(self, capability: str, organization_id: int) -> bool:
@@ -234,7 +647,7 @@ class Access:
 
     @property
     def is_regulator(self) -> bool:
-        return Role.REGULATOR in self.roles.values()
+        return self.regulator
 
 
 # --- API keys ---------------------------------------------------------------------------
@@ -726,12 +1139,25 @@ class Upload(models.Model):
     created = models.DateTimeField(default=timezone.now)
     expires = models.DateTimeField()
     completed = models.DateTimeField(null=True, blank=True)
+    #: A transcript already filed for the experiment: completing this upload filed nothing
+    #: new, and this is the proof it is (``uploads.file_proof``).
+    duplicate_of = models.ForeignKey(
+        "Proof", on_delete=models.SET_NULL, null=True, blank=True, related_name="refilings"
+    )
 
     class Meta:
         ordering = ["-created"]
 
     def __str__(self) -> str:
         return f"upload {self.id} ({self.kind}, {self.status})"
+
+    @property
+    def filed_proof_id(self) -> int | None:
+        """The proof this transcript upload filed, or the earlier one it duplicates."""
+        try:
+            return self.proof.pk
+        except Proof.DoesNotExist:
+            return self.duplicate_of_id
 
     @property
     def staging_prefix(self) -> str:
@@ -790,6 +1216,9 @@ NO_PROGRAM: tuple[str, str] = (
     "record the run with zkdv.jax or zkdv.torch",
 )
 
+
+#: The reason of a proof whose transcript already has a challenge plan in its experiment.
+DUPLICATE_TRANSCRIPT = "duplicate_transcript"
 
 #: The name of the probe file among a proof's artifacts (``zkdv.records.PROBES_FILE``).
 PROBES_ARTIFACT = "probes.bin"
@@ -861,12 +1290,41 @@ class Proof(models.Model):
     challenge_forged_fraction = models.FloatField(null=True, blank=True)
     challenges_drawn = models.DateTimeField(null=True, blank=True)
     challenge_deadline = models.DateTimeField(null=True, blank=True)
+    #: This proof's place among the experiment's proofs that were challenged (1, 2, ...):
+    #: each later one is drawn against half the miss probability (docs/provers.md).
+    challenge_filing = models.PositiveIntegerField(null=True, blank=True)
+    #: SHA-256 over what the run computed (program, initial state, every step's batch and
+    #: post-state roots): the same committed run always gets the same seed.
+    challenge_run_digest = models.CharField(max_length=64, blank=True)
 
     class Meta:
         ordering = ["-created"]
+        constraints = [
+            # One challenge plan per transcript per experiment: filing the same transcript
+            # again never draws again. (Plans drawn before filings were numbered carry no
+            # index and are left as they are: a database may hold the duplicates that
+            # this rule was written against, and they stay on the record.)
+            models.UniqueConstraint(
+                fields=["experiment", "transcript_digest"],
+                condition=Q(challenge_filing__isnull=False),
+                name="one_plan_per_transcript",
+            ),
+            models.UniqueConstraint(
+                fields=["experiment", "challenge_filing"],
+                condition=Q(challenge_filing__isnull=False),
+                name="one_proof_per_filing_index",
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"proof {self.pk} of {self.experiment_id} ({self.status})"
+
+    @property
+    def verdict_label(self) -> str:
+        """The verdict as auditors read it: an unanswered challenge is an abandoned proof."""
+        if self.status == ProofStatus.REJECTED and self.reason == "challenge_expired":
+            return "abandoned"
+        return str(self.status)
 
     @property
     def revealed_seed(self) -> str | None:
@@ -880,6 +1338,11 @@ class Proof(models.Model):
     @property
     def is_final(self) -> bool:
         return self.status in {ProofStatus.VALID, ProofStatus.REJECTED, ProofStatus.ERROR}
+
+    @property
+    def is_duplicate(self) -> bool:
+        """Rejected because the same transcript already has a plan in this experiment."""
+        return self.status == ProofStatus.REJECTED and self.reason == DUPLICATE_TRANSCRIPT
 
     @classmethod
     def claim(cls, proof_id: int) -> bool:
@@ -1016,9 +1479,10 @@ class Proof(models.Model):
                     self._record(ProofStatus.VALID, "", "")
             if job is not None:
                 job.finish(JobStatus.SUCCEEDED, self.reason)
-            if self.status in {ProofStatus.VALID, ProofStatus.REJECTED}:
+            if self.status in {ProofStatus.VALID, ProofStatus.REJECTED} and not self.is_duplicate:
                 # Final at ingest (no challenges to wait for): certify it now, as
-                # ``replay.settle`` does after the last challenge.
+                # ``replay.settle`` does after the last challenge. A duplicate is certified
+                # by the proof it repeats.
                 self._certify_on_commit()
 
     def _certify_on_commit(self) -> None:
@@ -1309,10 +1773,13 @@ __all__ = [
     "Experiment",
     "ExperimentSpec",
     "Framework",
+    "Invitation",
+    "InvitationStatus",
     "Job",
     "JobStatus",
     "Membership",
     "Organization",
+    "OrganizationKind",
     "Proof",
     "ProofArtifact",
     "ProofStatus",

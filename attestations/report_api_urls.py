@@ -18,20 +18,22 @@ from attestations import report_views as views
 
 urlpatterns: list[URLPattern] = [
     re_path(
-        r"^proofs/(?P<pk>[0-9]+)/claims/?$", views.ProofClaimsView.as_view(), name="proof-claims"
+        r"^proofs/(?P<pk>[0-9]{1,18})/claims/?$",
+        views.ProofClaimsView.as_view(),
+        name="proof-claims",
     ),
     re_path(
-        r"^proofs/(?P<pk>[0-9]+)/data-queries/?$",
+        r"^proofs/(?P<pk>[0-9]{1,18})/data-queries/?$",
         views.ProofDataQueryView.as_view(),
         name="proof-data-queries",
     ),
     re_path(
-        r"^proofs/(?P<pk>[0-9]+)/report\.html$",
+        r"^proofs/(?P<pk>[0-9]{1,18})/report\.html$",
         views.ProofReportHtmlView.as_view(),
         name="proof-report-html",
     ),
     re_path(
-        r"^proofs/(?P<pk>[0-9]+)/report\.pdf$",
+        r"^proofs/(?P<pk>[0-9]{1,18})/report\.pdf$",
         views.ProofReportPdfView.as_view(),
         name="proof-report-pdf",
     ),

@@ -31,6 +31,7 @@ from attestations.claims import compute_claims
 from attestations.exceptions import NotFoundError
 from attestations.models import Access, Capability, Proof, client_ip
 from attestations.permissions import HasCapability, get_access, require
+from attestations.serializers import StrictIntegerField
 
 __all__ = [
     "ProofClaimsView",
@@ -152,8 +153,9 @@ class ProofReportPdfView(_ProofView):
 
 class DataQuerySerializer(serializers.Serializer[Any]):
     window = serializers.ListField(
-        child=serializers.IntegerField(min_value=0, max_value=data_queries.UINT32_MAX),
+        child=StrictIntegerField(min_value=0, max_value=data_queries.UINT32_MAX),
         allow_empty=False,
+        min_length=1,
         max_length=1 << 16,
         help_text="uint32 tokens, exactly the proof's committed rolling-window length",
     )

@@ -512,6 +512,7 @@ def certificate_info(proof: Proof) -> dict[str, Any] | None:
         "trust_root_version": getattr(certificate, "trust_root_version", None),
         "transcript_digest": getattr(certificate, "transcript_digest", ""),
         "final_parameter_root": getattr(certificate, "final_parameter_root", ""),
+        "filings": predicate.get("filings"),
     }
 
 

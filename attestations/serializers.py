@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import re
 from decimal import Decimal
 from typing import Any
 
 from django.contrib.auth import get_user_model
-from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import extend_schema_field, inline_serializer
+from drf_spectacular.utils import extend_schema_field, extend_schema_serializer, inline_serializer
 from rest_framework import serializers
 
 from attestations.models import (
+    LAB_ROLE_CHOICES,
     SHA256_HEX,
     ApiKey,
     ArtifactKind,
@@ -21,6 +22,7 @@ from attestations.models import (
     Experiment,
     ExperimentSpec,
     Framework,
+    Invitation,
     Job,
     Membership,
     Organization,
@@ -31,13 +33,59 @@ from attestations.models import (
     Upload,
     UploadPart,
     api_datetime,
-    experiment_name_validator,
 )
 from attestations.permissions import require
 from attestations.uploads import max_part_bytes
 
+#: The largest value a 64-bit signed integer column (ids, counts) holds.
+INT64_MAX = 2**63 - 1
 
-@extend_schema_field(OpenApiTypes.INT)
+
+class StrictCharField(serializers.CharField):
+    """A JSON string, and only a string: DRF's CharField would turn ``0`` into ``"0"``.
+
+    Whitespace is kept as sent (trimming would turn ``" "`` into a blank the schema
+    allows); a NUL character is refused, as the schema says (``attestations/schema.py``).
+    """
+
+    default_error_messages = {"invalid": "Enter a string (a JSON string, not a number)."}
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("trim_whitespace", False)
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data: Any) -> str:
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return str(super().to_internal_value(data))
+
+
+class StrictIntegerField(serializers.IntegerField):
+    """A JSON integer, and only an integer (DRF's accepts ``"5"``, ``5.0`` and ``true``)."""
+
+    default_error_messages = {"invalid": "Enter a whole number (a JSON integer)."}
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("max_value", INT64_MAX)
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data: Any) -> int:
+        if isinstance(data, bool) or not isinstance(data, int):
+            self.fail("invalid")
+        return int(super().to_internal_value(data))
+
+
+def _big_integer_schema(max_digits: int) -> dict[str, Any]:
+    return {
+        "oneOf": [
+            {"type": "integer", "minimum": 0, "maximum": 10**max_digits - 1},
+            {"type": "string", "pattern": f"^[0-9]{{1,{max_digits}}}$"},
+        ],
+        "nullable": True,
+        "description": "A whole number; as a JSON integer or a string of digits.",
+    }
+
+
 class BigIntegerField(serializers.Field):  # type: ignore[type-arg]
     """A non-negative integer of any size (FLOPs exceed 64 bits), as a JSON integer.
 
@@ -57,7 +105,7 @@ class BigIntegerField(serializers.Field):  # type: ignore[type-arg]
     def to_internal_value(self, data: Any) -> Decimal:
         if isinstance(data, bool) or not isinstance(data, (int, str)):
             self.fail("invalid")
-        text = str(data).strip()
+        text = str(data)
         if not re.fullmatch(r"[0-9]+", text):
             self.fail("invalid")
         if len(text.lstrip("0")) > self.max_digits:
@@ -68,7 +116,69 @@ class BigIntegerField(serializers.Field):  # type: ignore[type-arg]
         return int(value)
 
 
-class Sha256Field(serializers.CharField):
+@extend_schema_field(_big_integer_schema(40))
+class FlopsField(BigIntegerField):
+    pass
+
+
+@extend_schema_field(_big_integer_schema(30))
+class TokensField(BigIntegerField):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(max_digits=30, **kwargs)
+
+
+GPU_HOURS_TEXT = re.compile(r"[0-9]{1,11}(?:\.[0-9]{1,3})?")
+
+
+@extend_schema_field(
+    {
+        "oneOf": [
+            {"type": "number", "minimum": 0, "maximum": 99999999999.999, "multipleOf": 0.001},
+            {"type": "string", "pattern": r"^[0-9]{1,11}(\.[0-9]{1,3})?$"},
+        ],
+        "nullable": True,
+        "description": "Non-negative, at most 3 decimal places; a JSON number or a string.",
+    }
+)
+class GpuHoursField(serializers.Field):  # type: ignore[type-arg]
+    """GPU-hours: up to 11 integer digits and 3 decimal places, as a number or a string."""
+
+    default_error_messages = {
+        "invalid": "Enter a non-negative number with at most 3 decimal places and 11 digits "
+        'before the point (a JSON number or a string such as "1200.5").',
+    }
+
+    def to_internal_value(self, data: Any) -> Decimal:
+        if isinstance(data, bool) or not isinstance(data, (int, float, str)):
+            self.fail("invalid")
+        if isinstance(data, str):
+            if not GPU_HOURS_TEXT.fullmatch(data):
+                self.fail("invalid")
+            return Decimal(data)
+        if not 0 <= data < 100_000_000_000:
+            # Before any decimal arithmetic: 1e300 cannot even be quantized (a 500 once).
+            self.fail("invalid")
+        if isinstance(data, float):
+            if not math.isfinite(data):
+                self.fail("invalid")
+            # A double is the nearest one to what the client wrote (1200.5), or the product
+            # of some arithmetic (227700 * 0.001 == 227.70000000000002): take the decimal
+            # of 3 places it stands for, if it is within a few units of the last place.
+            value = Decimal(repr(data)).quantize(Decimal("0.001"))
+            if abs(float(value) - data) > 4 * math.ulp(data):
+                self.fail("invalid")
+        else:
+            value = Decimal(data)
+        if value < 0 or value >= Decimal("100000000000"):
+            self.fail("invalid")
+        return value.quantize(Decimal("0.001"))
+
+    def to_representation(self, value: Any) -> float:
+        return float(value)
+
+
+@extend_schema_field({"type": "string", "pattern": "^[0-9a-fA-F]{64}$"})
+class Sha256Field(StrictCharField):
     """A SHA-256 hex digest; upper-case input is normalised to lower case."""
 
     def to_internal_value(self, data: Any) -> str:
@@ -91,28 +201,109 @@ class OrganizationSerializer(serializers.ModelSerializer[Organization]):
 
     class Meta:
         model = Organization
-        fields = ["slug", "name", "created", "role"]
+        fields = ["slug", "name", "kind", "created", "role"]
 
+    @extend_schema_field(serializers.ChoiceField(choices=Role.choices, allow_null=True))
     def get_role(self, org: Organization) -> str | None:
         access = self.context.get("access")
         return access.roles.get(org.pk) if access is not None else None
 
 
+#: Django's username rule (``UnicodeUsernameValidator``), for the schema and the fields.
+USERNAME_PATTERN = r"^[\w.@+-]{1,150}$"
+
+
+@extend_schema_field({"type": "string", "pattern": USERNAME_PATTERN, "maxLength": 150})
+class UsernameField(StrictCharField):
+    """An active user's name; one that names nobody is a 404 (``unknown_user``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("max_length", 150)
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data: Any) -> str:
+        value = super().to_internal_value(data)
+        if not re.fullmatch(USERNAME_PATTERN, value):
+            raise serializers.ValidationError(
+                "Enter a username: letters, digits and @ . + - _ only.", code="invalid"
+            )
+        return value
+
+
+def active_user(username: str) -> Any:
+    """The active user named ``username``.
+
+    Raises:
+        NotFoundError: nobody by that name (404 ``unknown_user``, field ``username``).
+    """
+    from attestations.exceptions import NotFoundError
+
+    user = get_user_model().objects.filter(username=username, is_active=True).first()
+    if user is None:
+        raise NotFoundError(
+            f"No active user named {username!r}.", code="unknown_user", field="username"
+        )
+    return user
+
+
 class MembershipSerializer(serializers.ModelSerializer[Membership]):
-    username = serializers.CharField(source="user.username")
-    role = serializers.ChoiceField(choices=Role.choices)
+    """A member and their role. POST changes an existing member's role."""
+
+    username = UsernameField(source="user.username")
+    role = serializers.ChoiceField(
+        choices=LAB_ROLE_CHOICES,
+        help_text="A lab's roles. Regulators exist only in agencies, granted by the operator.",
+    )
 
     class Meta:
         model = Membership
         fields = ["username", "role", "created"]
         read_only_fields = ["created"]
 
-    def validate_username(self, value: str) -> str:
-        if not get_user_model().objects.filter(username=value, is_active=True).exists():
-            raise serializers.ValidationError(
-                f"No active user named {value!r}.", code="unknown_user"
-            )
-        return value
+    def to_representation(self, instance: Membership) -> dict[str, Any]:
+        # Agency members are regulators, a role this serializer does not accept as input.
+        return {
+            "username": instance.user.get_username(),
+            "role": instance.role,
+            "created": api_datetime(instance.created),
+        }
+
+
+@extend_schema_serializer(component_name="Member")
+class MemberOutSerializer(serializers.Serializer[Membership]):
+    """How a member is shown (an agency's members are regulators)."""
+
+    username = serializers.CharField()
+    role = serializers.ChoiceField(choices=Role.choices)
+    created = serializers.DateTimeField()
+
+
+class InvitationSerializer(serializers.ModelSerializer[Invitation]):
+    """An invitation to join a lab: POST offers one (admins); the invitee accepts it."""
+
+    username = UsernameField(source="user.username", help_text="Who is invited.")
+    role = serializers.ChoiceField(choices=LAB_ROLE_CHOICES)
+    organization: serializers.SlugRelatedField[Organization] = serializers.SlugRelatedField(
+        slug_field="slug", read_only=True
+    )
+    invited_by: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
+        slug_field="username", read_only=True, allow_null=True, help_text="The admin who invited."
+    )
+
+    class Meta:
+        model = Invitation
+        fields = [
+            "id",
+            "organization",
+            "username",
+            "role",
+            "status",
+            "invited_by",
+            "created",
+            "expires",
+            "responded",
+        ]
+        read_only_fields = ["id", "status", "created", "expires", "responded"]
 
 
 class MeSerializer(serializers.Serializer[Any]):
@@ -124,7 +315,8 @@ class MeSerializer(serializers.Serializer[Any]):
 class ApiKeySerializer(serializers.ModelSerializer[ApiKey]):
     prefix = serializers.CharField(read_only=True)
     is_active = serializers.BooleanField(read_only=True)
-    days = serializers.IntegerField(
+    name = StrictCharField(max_length=100, help_text="Where the key will live, e.g. 'ci'.")
+    days = StrictIntegerField(
         write_only=True, required=False, min_value=1, max_value=365, help_text="Lifetime in days."
     )
 
@@ -158,24 +350,19 @@ class SpecSerializer(serializers.ModelSerializer[ExperimentSpec]):
     """A declared spec. Limits left null are undeclared (and so unbounded)."""
 
     framework = serializers.ChoiceField(choices=Framework.choices)
-    model_description = serializers.CharField(max_length=2000)
-    optimizer = serializers.CharField(max_length=500)
+    model_description = StrictCharField(max_length=2000)
+    optimizer = StrictCharField(max_length=500)
     dataset_commitment = Sha256Field(
         help_text="SHA-256 (hex) commitment to the training dataset manifest."
     )
-    max_flops = BigIntegerField(required=False, allow_null=True, default=None)
-    max_tokens = BigIntegerField(max_digits=30, required=False, allow_null=True, default=None)
-    max_gpu_hours = serializers.DecimalField(
-        max_digits=14,
-        decimal_places=3,
-        min_value=Decimal(0),
-        required=False,
-        allow_null=True,
-        default=None,
-        coerce_to_string=False,
-    )
+    max_flops = FlopsField(required=False, allow_null=True, default=None)
+    max_tokens = TokensField(required=False, allow_null=True, default=None)
+    max_gpu_hours = GpuHoursField(required=False, allow_null=True, default=None)
     allowed_regimes = serializers.ListField(
-        child=serializers.ChoiceField(choices=Regime.choices), allow_empty=True, default=list
+        child=serializers.ChoiceField(choices=Regime.choices),
+        allow_empty=True,
+        default=list,
+        max_length=len(Regime.choices),
     )
     frozen = serializers.BooleanField(source="is_frozen", read_only=True)
 
@@ -198,16 +385,63 @@ class SpecSerializer(serializers.ModelSerializer[ExperimentSpec]):
         read_only_fields = ["version", "digest", "created"]
 
 
+#: An organisation slug and an experiment name (``models.SLUG``, ``EXPERIMENT_NAME``).
+SLUG_PATTERN = r"^[a-z0-9](?:[a-z0-9-]{0,48}[a-z0-9])?$"
+NAME_PATTERN = r"^[a-z0-9](?:[a-z0-9._-]{0,98}[a-z0-9])?$"
+FULL_NAME_PATTERN = r"^[a-z0-9](?:[a-z0-9-]{0,48}[a-z0-9])?/[a-z0-9](?:[a-z0-9._-]{0,98}[a-z0-9])?$"
+
+
+def _patterned(pattern: str, what: str) -> type[StrictCharField]:
+    @extend_schema_field({"type": "string", "pattern": pattern})
+    class Patterned(StrictCharField):
+        def to_internal_value(self, data: Any) -> str:
+            value = super().to_internal_value(data)
+            if not re.fullmatch(pattern, value):
+                raise serializers.ValidationError(f"Enter {what}.", code="invalid")
+            return value
+
+    Patterned.__name__ = f"Patterned{what.title().replace(' ', '')}"
+    return Patterned
+
+
+SlugField = _patterned(
+    SLUG_PATTERN, "an organisation slug: 1-50 lowercase letters, digits or hyphens"
+)
+ExperimentNameField = _patterned(
+    NAME_PATTERN, "an experiment name: 1-100 lowercase letters, digits, '.', '_' or '-'"
+)
+FullNameField = _patterned(FULL_NAME_PATTERN, "an experiment id of the form owner/name")
+
+
+def visible_organization(request: Any, slug: str, capability: str) -> Organization:
+    """The organisation ``slug`` where the caller holds ``capability``.
+
+    One that does not exist and one the caller cannot see are the same 404
+    (``does_not_exist``, field ``owner``): a body names nothing an id could not.
+
+    Raises:
+        NotFoundError: no such organisation, or out of sight.
+        PermissionDenied: visible, but the role lacks ``capability`` (403).
+    """
+    from attestations.exceptions import NotFoundError
+    from attestations.permissions import get_access
+
+    organization = Organization.objects.filter(slug=slug).first()
+    if organization is None or not get_access(request).can_see(organization.pk):
+        raise NotFoundError(f"No organisation {slug!r}.", code="does_not_exist", field="owner")
+    require(request, capability, organization.pk)
+    return organization
+
+
 class ExperimentSerializer(serializers.ModelSerializer[Experiment]):
     """An experiment with its current spec.
 
-    To register, send ``owner`` and ``name``, or ``name`` as ``owner/name``, and ``spec``.
+    To register, send ``owner`` and ``name``, or ``name`` as ``owner/name`` (and no
+    ``owner``), and ``spec``.
     """
 
     id = serializers.CharField(source="full_name", read_only=True, help_text="owner/name")
-    owner = serializers.SlugRelatedField(
-        slug_field="slug", queryset=Organization.objects.all(), required=False
-    )
+    owner = serializers.CharField(source="owner.slug", required=False)
     name = serializers.CharField(max_length=151)
     spec = SpecSerializer(source="current_spec")
     spec_digest = serializers.CharField(source="current_spec.digest", read_only=True)
@@ -224,6 +458,13 @@ class ExperimentSerializer(serializers.ModelSerializer[Experiment]):
         # "owner/name" accepted in `name`; DRF's generated validator would demand both.
         validators: list[Any] = []
 
+    @extend_schema_field(
+        {
+            "type": "object",
+            "additionalProperties": {"type": "integer"},
+            "description": "How many proofs were filed, by status (statuses with none left out).",
+        }
+    )
     def get_proofs(self, experiment: Experiment) -> dict[str, int]:
         return experiment.proof_counts()
 
@@ -233,38 +474,45 @@ class ExperimentSerializer(serializers.ModelSerializer[Experiment]):
             instance.current_spec._frozen = frozen  # type: ignore[attr-defined]
         return super().to_representation(instance)
 
-    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
-        name = attrs["name"]
-        if "/" in name:
-            owner_slug, _, name = name.partition("/")
-            if "owner" in attrs and attrs["owner"].slug != owner_slug:
-                raise serializers.ValidationError(
-                    {"name": [f"names owner {owner_slug!r} but owner is {attrs['owner'].slug!r}."]}
-                )
-            owner = Organization.objects.filter(slug=owner_slug).first()
-            if owner is None:
-                raise serializers.ValidationError(
-                    {"owner": [f"No organisation {owner_slug!r}."]}, code="does_not_exist"
-                )
-            attrs["owner"] = owner
+
+class ExperimentByOwnerSerializer(serializers.Serializer[Any]):
+    """Register an experiment: the owner's slug and the experiment's name."""
+
+    owner = SlugField(help_text="The organisation's slug.")
+    name = ExperimentNameField()
+    spec = SpecSerializer()
+
+
+class ExperimentByIdSerializer(serializers.Serializer[Any]):
+    """Register an experiment by its id, ``owner/name`` (no separate ``owner``)."""
+
+    name = FullNameField(help_text="owner/name")
+    spec = SpecSerializer()
+
+
+class ExperimentRegistration(serializers.Serializer[Any]):
+    """A registration in either form; checks scope and uniqueness after the shape."""
+
+    def to_internal_value(self, data: Any) -> dict[str, Any]:
+        if isinstance(data, dict) and "owner" not in data and "/" in str(data.get("name", "")):
+            form: serializers.Serializer[Any] = ExperimentByIdSerializer(data=data)
+        else:
+            form = ExperimentByOwnerSerializer(data=data)
+        form.is_valid(raise_exception=True)
+        attrs = dict(form.validated_data)
         if "owner" not in attrs:
-            raise serializers.ValidationError(
-                {"owner": ["Give the owner, or a name of the form owner/name."]}, code="required"
-            )
-        try:
-            experiment_name_validator(name)
-        except Exception as error:  # noqa: BLE001 - Django's ValidationError, re-raised as DRF's
-            raise serializers.ValidationError(
-                {"name": [str(getattr(error, "message", error))]}
-            ) from None
-        attrs["name"] = name
-        request = self.context.get("request")
-        if request is not None:
-            # Scope before existence: an outsider learns nothing about the owner's names.
-            require(request, Capability.WRITE, attrs["owner"].pk)
-        if Experiment.objects.filter(owner=attrs["owner"], name=name).exists():
-            raise serializers.ValidationError(
-                {"name": [f"{attrs['owner'].slug}/{name} is already registered."]}, code="exists"
+            attrs["owner"], _, attrs["name"] = attrs["name"].partition("/")
+        request = self.context["request"]
+        # Scope before existence: an outsider learns nothing about the owner's names, and
+        # an organisation out of sight is the same 404 as one that does not exist.
+        attrs["owner"] = visible_organization(request, attrs["owner"], Capability.WRITE)
+        if Experiment.objects.filter(owner=attrs["owner"], name=attrs["name"]).exists():
+            from attestations.exceptions import ConflictError
+
+            raise ConflictError(
+                f"{attrs['owner'].slug}/{attrs['name']} is already registered.",
+                code="exists",
+                field="name",
             )
         return attrs
 
@@ -333,8 +581,19 @@ class ProofSerializer(serializers.ModelSerializer[Proof]):
             {
                 "seed_commitment": serializers.CharField(),
                 "seed": serializers.CharField(allow_null=True),
-                "target": serializers.FloatField(),
+                "target": serializers.FloatField(
+                    help_text="The probability this filing catches a run with the forged "
+                    "fraction (the policy's target, tightened for later filings)"
+                ),
                 "forged_fraction": serializers.FloatField(),
+                "filing": serializers.IntegerField(
+                    allow_null=True,
+                    help_text="This proof's place among the experiment's challenged proofs",
+                ),
+                "run_digest": serializers.CharField(
+                    allow_null=True,
+                    help_text="SHA-256 of the committed run the seed and steps derive from",
+                ),
                 "drawn": serializers.DateTimeField(),
                 "deadline": serializers.DateTimeField(),
             },
@@ -350,6 +609,8 @@ class ProofSerializer(serializers.ModelSerializer[Proof]):
             "seed": proof.revealed_seed,
             "target": proof.challenge_target,
             "forged_fraction": proof.challenge_forged_fraction,
+            "filing": proof.challenge_filing,
+            "run_digest": proof.challenge_run_digest or None,
             "drawn": api_datetime(proof.challenges_drawn),
             "deadline": api_datetime(proof.challenge_deadline),
         }
@@ -368,13 +629,13 @@ class UploadPartSerializer(serializers.ModelSerializer[UploadPart]):
 
 
 class UploadSerializer(serializers.ModelSerializer[Upload]):
-    experiment = serializers.CharField(
+    experiment = FullNameField(
         source="experiment.full_name", help_text="The experiment, as owner/name."
     )
     kind = serializers.ChoiceField(choices=ArtifactKind.choices)
-    size = serializers.IntegerField(min_value=1, help_text="Total size of the blob in bytes.")
+    size = StrictIntegerField(min_value=1, help_text="Total size of the blob in bytes.")
     sha256 = Sha256Field(help_text="SHA-256 (hex) of the whole blob.")
-    name = serializers.CharField(
+    name = StrictCharField(
         max_length=255,
         required=False,
         allow_blank=True,
@@ -409,22 +670,18 @@ class UploadSerializer(serializers.ModelSerializer[Upload]):
         ]
         read_only_fields = ["id", "status", "reason", "created", "expires", "completed"]
 
+    @extend_schema_field(
+        serializers.IntegerField(
+            allow_null=True,
+            help_text="The proof a completed transcript upload filed, or the proof it repeats "
+            "(a transcript already filed for the experiment is not filed twice)",
+        )
+    )
     def get_proof(self, upload: Upload) -> int | None:
-        try:
-            return upload.proof.pk
-        except Proof.DoesNotExist:
-            return None
+        return upload.filed_proof_id
 
     def get_max_part_bytes(self, upload: Upload) -> int:
         return max_part_bytes()
-
-    def validate_experiment(self, value: str) -> Experiment:
-        experiment = (
-            Experiment.objects.by_full_name(value).select_related("owner", "current_spec").first()
-        )
-        if experiment is None:
-            raise serializers.ValidationError(f"No experiment {value!r}.", code="does_not_exist")
-        return experiment
 
 
 class ChallengeSerializer(serializers.ModelSerializer[Challenge]):
@@ -463,10 +720,10 @@ class ProofArtifactSerializer(serializers.ModelSerializer[ProofArtifact]):
 class ArtifactClaimSerializer(serializers.Serializer[Any]):
     """One file of ``POST proofs/{id}/artifacts/``: an uploaded blob and its name."""
 
-    name = serializers.CharField(max_length=255, trim_whitespace=False)
+    name = StrictCharField(max_length=255)
     kind = serializers.ChoiceField(choices=ArtifactKind.choices)
     sha256 = Sha256Field()
-    size = serializers.IntegerField(min_value=1)
+    size = StrictIntegerField(min_value=1)
 
 
 class ArtifactListSerializer(serializers.Serializer[Any]):
@@ -477,8 +734,9 @@ class ArtifactListSerializer(serializers.Serializer[Any]):
 
 class AuditEventSerializer(serializers.ModelSerializer[AuditEvent]):
     actor = serializers.CharField(source="actor_name", read_only=True)
+    # Null for an event of no organisation (an API key created or revoked).
     organization: serializers.SlugRelatedField[Organization] = serializers.SlugRelatedField(
-        slug_field="slug", read_only=True
+        slug_field="slug", read_only=True, allow_null=True
     )
 
     class Meta:

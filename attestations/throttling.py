@@ -36,7 +36,7 @@ from attestations.models import client_ip
 _PERIODS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 #: The upload endpoints, by URL name in the ``api`` namespace (attestations/api_urls.py).
-UPLOAD_URL_NAMES = frozenset({"uploads", "upload", "part", "complete"})
+UPLOAD_URL_NAMES = frozenset({"uploads", "upload", "part", "complete", "abort"})
 
 
 def parse_rate(rate: str | None) -> tuple[int, int] | None:

@@ -42,7 +42,8 @@ from attestations.exceptions import (
     InvalidRequestError,
     MissingPartsError,
     PayloadTooLargeError,
-    SizeMismatchError,
+    SizeExceededError,
+    TooManyProofsError,
     TranscriptRejectedError,
     UploadNotOpenError,
 )
@@ -53,6 +54,7 @@ from attestations.models import (
     Experiment,
     Job,
     Proof,
+    ProofStatus,
     Upload,
     UploadPart,
     UploadStatus,
@@ -136,12 +138,16 @@ def create(
     """
     limit = max_blob_bytes()
     if size > limit:
-        raise PayloadTooLargeError(
+        # A 400, not a 413: the declaration is what is wrong, and it is small.
+        raise InvalidRequestError(
             f"size: declared {size} bytes exceeds the limit of {limit} bytes",
             code="blob_too_large",
             field="size",
             detail={"limit": limit, "got": size},
         )
+    if kind == ArtifactKind.TRANSCRIPT and not _filed(experiment, sha256):
+        # Said before the lab sends gigabytes, and again at completion.
+        check_proof_room(experiment)
     ttl = dvbench_int("UPLOAD_TTL_SECONDS")
     upload = Upload.objects.create(
         organization=experiment.owner,
@@ -217,9 +223,10 @@ def put_part(
         InvalidRequestError: bad part number or missing/malformed digest header.
         PayloadTooLargeError: the body exceeds ``MAX_PART_BYTES``.
         DigestMismatchError: the body does not hash to the declared digest.
-        SizeMismatchError: the parts would exceed the upload's declared size.
+        SizeExceededError: the parts would exceed the upload's declared size (409).
     """
-    _require_open(upload)
+    # The request's own shape first (number, digest header, length), then the upload's
+    # state: a malformed request is a 400 whatever state the upload is in.
     if not 1 <= number <= MAX_PARTS:
         raise InvalidRequestError(
             f"part number must be between 1 and {MAX_PARTS}, got {number}",
@@ -244,6 +251,7 @@ def put_part(
             field="Content-Length",
             detail={"limit": limit, "got": content_length},
         )
+    _require_open(upload)
     with _temporary_path(".part") as path:
         size, got = _stream_to_file(stream, path, limit, number)
         if size == 0:
@@ -262,7 +270,7 @@ def put_part(
             )
         others = int(sum(upload.parts.exclude(number=number).values_list("size", flat=True)) or 0)
         if others + size > upload.size:
-            raise SizeMismatchError(
+            raise SizeExceededError(
                 f"part {number}: the parts would hold {others + size} bytes, more than the "
                 f"declared size of {upload.size}",
                 code="size_exceeded",
@@ -312,8 +320,9 @@ def _check_parts(upload: Upload) -> list[UploadPart]:
         )
     received = sum(part.size for part in parts)
     if received != upload.size:
-        raise SizeMismatchError(
+        raise MissingPartsError(
             f"size: expected {upload.size} bytes, got {received} bytes in {len(parts)} part(s)",
+            code="size_mismatch",
             field="size",
             detail={"expected": upload.size, "got": received},
         )
@@ -460,8 +469,9 @@ def complete(upload: Upload, *, user: User, ip: str | None = None) -> Upload:
     Completing an already completed upload returns it unchanged (a retried request).
 
     Raises:
-        MissingPartsError, SizeMismatchError: parts missing or of the wrong total size;
-            the upload stays open so the client can send what is missing.
+        MissingPartsError: parts missing or of the wrong total size (409 ``missing_parts``
+            or ``size_mismatch``); the upload stays open so the client can send what is
+            missing.
         DigestMismatchError: the assembled bytes do not hash to the declared digest; the
             upload fails and its parts are removed.
         TranscriptRejectedError: the transcript names another experiment or spec.
@@ -471,6 +481,8 @@ def complete(upload: Upload, *, user: User, ip: str | None = None) -> Upload:
         return upload
     _require_open(upload)
     parts = _check_parts(upload)
+    if upload.kind == ArtifactKind.TRANSCRIPT and not _is_refiling(upload):
+        check_proof_room(upload.experiment)
     claimed = Upload.objects.filter(pk=upload.pk, status=UploadStatus.OPEN).update(
         status=UploadStatus.COMPLETING
     )
@@ -509,6 +521,32 @@ def complete(upload: Upload, *, user: User, ip: str | None = None) -> Upload:
         # Anything unexpected (storage down): the session may be completed again.
         Upload.objects.filter(pk=upload.pk).update(status=UploadStatus.OPEN)
         raise
+    try:
+        _record_completion(upload, blob, user=user, ip=ip)
+    except TooManyProofsError as error:
+        # Another transcript took the experiment's last place since the check above.
+        _discard(upload, UploadStatus.FAILED, error.error_code)
+        raise
+    for part in parts:
+        _delete_quietly(part.storage_name)
+    upload.parts.all().delete()
+    return upload
+
+
+def _is_refiling(upload: Upload) -> bool:
+    """Whether the upload declares a transcript already filed for its experiment."""
+    return _filed(upload.experiment, upload.sha256)
+
+
+def _filed(experiment: Experiment, sha256: str) -> bool:
+    return (
+        experiment.proofs.filter(transcript__sha256=sha256)
+        .exclude(status=ProofStatus.ERROR)
+        .exists()
+    )
+
+
+def _record_completion(upload: Upload, blob: Blob, *, user: User, ip: str | None) -> None:
     with transaction.atomic():
         upload.status, upload.blob, upload.completed = UploadStatus.COMPLETE, blob, timezone.now()
         upload.save(update_fields=["status", "blob", "completed"])
@@ -527,18 +565,67 @@ def complete(upload: Upload, *, user: User, ip: str | None = None) -> Upload:
         )
         if upload.kind == ArtifactKind.TRANSCRIPT:
             file_proof(upload, user=user, ip=ip)
-    for part in parts:
-        _delete_quietly(part.storage_name)
-    upload.parts.all().delete()
-    return upload
+
+
+def check_proof_room(experiment: Experiment) -> None:
+    """Refuse a transcript for an experiment that holds as many proofs as allowed.
+
+    Verifier errors (the platform's fault, not a filing the lab chose) do not count.
+
+    Raises:
+        TooManyProofsError: 409 ``too_many_proofs``.
+    """
+    limit = dvbench_int("MAX_PROOFS_PER_EXPERIMENT")
+    filed = experiment.proofs.exclude(status=ProofStatus.ERROR).count()
+    if filed >= limit:
+        raise TooManyProofsError(
+            f"{experiment.full_name} already holds {filed} proofs, the most one experiment "
+            f"may hold (DVBENCH_MAX_PROOFS_PER_EXPERIMENT={limit}); every one stays on its "
+            "record. Register a new experiment for a new run.",
+            field="experiment",
+            detail={"limit": limit, "filed": filed},
+        )
 
 
 def file_proof(upload: Upload, *, user: User | None, ip: str | None = None) -> Proof:
-    """Create the proof for a completed transcript upload and queue its ingest."""
+    """Create the proof for a completed transcript upload and queue its ingest.
+
+    A transcript already filed for the experiment (the same bytes) is not filed again:
+    the upload records the proof it duplicates, and that proof is returned, its
+    challenges unchanged. A proof the platform failed to verify (``error``) is filed anew.
+
+    Raises:
+        TooManyProofsError: the experiment holds as many proofs as allowed.
+    """
     from attestations.tasks import ingest_proof
 
     experiment = upload.experiment
     assert upload.blob is not None and experiment.current_spec is not None
+    # Filings of one experiment are counted and compared one at a time.
+    Experiment.objects.select_for_update().filter(pk=experiment.pk).exists()
+    existing = (
+        experiment.proofs.filter(transcript=upload.blob)
+        .exclude(status=ProofStatus.ERROR)
+        .order_by("pk")
+        .first()
+    )
+    if existing is not None:
+        upload.duplicate_of = existing
+        upload.save(update_fields=["duplicate_of"])
+        AuditEvent.record(
+            "proof.refiled",
+            actor=user,
+            organization=experiment.owner,
+            target=existing,
+            detail={
+                "experiment": experiment.full_name,
+                "transcript": upload.blob.sha256,
+                "upload": str(upload.pk),
+            },
+            ip=ip,
+        )
+        return existing
+    check_proof_room(experiment)
     proof = Proof.objects.create(
         experiment=experiment,
         spec=experiment.current_spec,

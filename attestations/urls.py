@@ -31,4 +31,19 @@ urlpatterns = [
         views.organization_remove,
         name="organization-remove",
     ),
+    path(
+        "orgs/<slug:slug>/members/<str:username>/role/",
+        views.organization_role,
+        name="organization-role",
+    ),
+    path(
+        "orgs/<slug:slug>/invitations/<uuid:pk>/revoke/",
+        views.invitation_revoke,
+        name="invitation-revoke",
+    ),
+    path(
+        "invitations/<uuid:pk>/<str:answer>/",
+        views.invitation_answer,
+        name="invitation-answer",
+    ),
 ]

@@ -15,18 +15,23 @@ from django.core.exceptions import PermissionDenied
 from django.db.models import Count, Q
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_http_methods, require_POST
 
 from attestations import replay
-from attestations.forms import ApiKeyForm, ExperimentForm, MemberForm, SpecForm
+from attestations.exceptions import DVBenchError
+from attestations.forms import ApiKeyForm, ExperimentForm, InviteForm, RoleForm, SpecForm
 from attestations.models import (
+    LAB_ROLE_CHOICES,
     Access,
     ApiKey,
     AuditEvent,
     Capability,
     Challenge,
     Experiment,
+    Invitation,
+    InvitationStatus,
     Job,
     Membership,
     Organization,
@@ -79,6 +84,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
             "counts": {status: counts.get(status, 0) for status in ProofStatus.values},
             "events": events[:10] if access.any(Capability.AUDIT) else None,
             "can_write": access.any(Capability.WRITE),
+            "invitations": Invitation.pending_for(_user(request)),
         },
     )
 
@@ -150,8 +156,13 @@ def experiment_new(request: HttpRequest) -> HttpResponse:
 def experiment_detail(request: HttpRequest, owner: str, name: str) -> HttpResponse:
     experiment = _experiment(request, owner, name)
     access = get_access(request)
+    # Every proof ever filed, whatever its verdict (rejected, abandoned, still open): a lab
+    # cannot re-file until a draw suits it without auditors seeing each try. Bounded by
+    # DVBENCH_MAX_PROOFS_PER_EXPERIMENT (verifier errors aside).
     proofs = list(
-        experiment.proofs.select_related("spec").prefetch_related("jobs").order_by("-created")[:50]
+        experiment.proofs.select_related("spec", "transcript")
+        .prefetch_related("jobs", "refilings")
+        .order_by("-created")
     )
     for proof in proofs:
         jobs = sorted(proof.jobs.all(), key=lambda job: job.created, reverse=True)
@@ -229,6 +240,7 @@ def proof_detail(request: HttpRequest, pk: int) -> HttpResponse:
         proof.refresh_from_db()
     job = Job.objects.filter(proof=proof).order_by("-created").first()
     challenges = list(proof.challenges.order_by("step", "through"))
+    filings = list(proof.experiment.proofs.order_by("pk").values_list("pk", flat=True))
     return render(
         request,
         "attestations/proof_detail.html",
@@ -240,6 +252,8 @@ def proof_detail(request: HttpRequest, pk: int) -> HttpResponse:
             "challenges": challenges,
             "timeline": challenge_timeline(proof, challenges),
             "rate_svg": _learning_rates(proof),
+            "filings": filings,
+            "filing_number": filings.index(proof.pk) + 1,
         },
     )
 
@@ -331,33 +345,59 @@ def audit_log(request: HttpRequest) -> HttpResponse:
     return render(request, "attestations/audit.html", {"events": events[:200], "action": action})
 
 
+def _manage(request: HttpRequest, slug: str) -> Organization:
+    org = get_object_or_404(Organization, slug=slug)
+    _require(get_access(request), Capability.MANAGE, org.pk)
+    return org
+
+
 @login_required
 @require_http_methods(["GET", "POST"])
 def organization(request: HttpRequest, slug: str) -> HttpResponse:
-    """Members and roles of one organisation; its admins add, change and remove members."""
+    """Members and roles of one organisation; its admins invite, change roles and remove.
+
+    A new member is invited and joins by accepting (from their dashboard); nobody is put
+    in a lab without consenting. The regulator role is not offered: agencies and their
+    regulators are the platform operator's (``manage.py agency``).
+    """
     access = get_access(request)
     org = get_object_or_404(Organization, slug=slug)
     _require(access, Capability.AUDIT, org.pk)
     can_manage = access.can(Capability.MANAGE, org.pk)
-    form = MemberForm(request.POST or None)
+    form = InviteForm(request.POST or None)
     if request.method == "POST":
         if not can_manage:
             raise PermissionDenied("Only the organisation's admins manage its members.")
         if form.is_valid():
             user = User.objects.get(username=form.cleaned_data["username"])
-            membership, _ = Membership.assign(
-                org,
-                user,
-                form.cleaned_data["role"],
-                actor=_user(request),
-                ip=client_ip(request.META),
-            )
-            messages.success(
-                request, f"{user.get_username()} is now {membership.role} in {org.slug}."
-            )
-            return redirect("organization", slug=slug)
+            try:
+                invitation, created = Invitation.offer(
+                    org,
+                    user,
+                    form.cleaned_data["role"],
+                    actor=_user(request),
+                    ip=client_ip(request.META),
+                )
+            except DVBenchError as error:
+                form.add_error("role" if error.field == "role" else "username", str(error.detail))
+            else:
+                messages.success(
+                    request,
+                    f"Invited {user.get_username()} as {invitation.role}; they join "
+                    f"{org.slug} when they accept."
+                    if created
+                    else f"The invitation of {user.get_username()} now offers {invitation.role}.",
+                )
+                return redirect("organization", slug=slug)
     members = Membership.objects.filter(organization=org).select_related("user")
     experiments = Experiment.objects.filter(owner=org).select_related("current_spec")[:50]
+    invitations = (
+        Invitation.objects.filter(
+            organization=org, status=InvitationStatus.PENDING, expires__gt=timezone.now()
+        ).select_related("user", "invited_by")
+        if can_manage
+        else None
+    )
     return render(
         request,
         "attestations/organization.html",
@@ -366,18 +406,90 @@ def organization(request: HttpRequest, slug: str) -> HttpResponse:
             "members": members,
             "experiments": experiments,
             "form": form,
-            "can_manage": can_manage,
+            "invitations": invitations,
+            "roles": LAB_ROLE_CHOICES,
+            "can_manage": can_manage and not org.is_agency,
         },
     )
 
 
 @login_required
 @require_POST
+def organization_role(request: HttpRequest, slug: str, username: str) -> HttpResponse:
+    org = _manage(request, slug)
+    membership = get_object_or_404(Membership, organization=org, user__username=username)
+    form = RoleForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, "Choose one of the roles offered.")
+        return redirect("organization", slug=slug)
+    try:
+        Membership.change_role(
+            org,
+            membership.user,
+            form.cleaned_data["role"],
+            actor=_user(request),
+            ip=client_ip(request.META),
+        )
+    except DVBenchError as error:
+        messages.error(request, str(error.detail))
+    else:
+        messages.success(request, f"{username} is now {form.cleaned_data['role']} in {org.slug}.")
+    return redirect("organization", slug=slug)
+
+
+@login_required
+@require_POST
 def organization_remove(request: HttpRequest, slug: str, username: str) -> HttpResponse:
+    """Remove a member (admins), or leave (a member, for themselves)."""
+    leaving = username == request.user.get_username()
     access = get_access(request)
     org = get_object_or_404(Organization, slug=slug)
-    _require(access, Capability.MANAGE, org.pk)
+    _require(access, Capability.READ if leaving else Capability.MANAGE, org.pk)
     membership = get_object_or_404(Membership, organization=org, user__username=username)
-    membership.remove(actor=_user(request), ip=client_ip(request.META))
+    try:
+        membership.remove(actor=_user(request), ip=client_ip(request.META))
+    except DVBenchError as error:
+        messages.error(request, str(error.detail))
+        return redirect("organization", slug=slug)
+    if leaving:
+        messages.success(request, f"You left {org.slug}.")
+        return redirect("dashboard")
     messages.success(request, f"Removed {username} from {org.slug}.")
     return redirect("organization", slug=slug)
+
+
+@login_required
+@require_POST
+def invitation_revoke(request: HttpRequest, slug: str, pk: str) -> HttpResponse:
+    org = _manage(request, slug)
+    invitation = get_object_or_404(Invitation, organization=org, pk=pk)
+    try:
+        invitation.revoke(actor=_user(request), ip=client_ip(request.META))
+    except DVBenchError as error:
+        messages.error(request, str(error.detail))
+    else:
+        messages.success(request, f"Revoked the invitation of {invitation.user.get_username()}.")
+    return redirect("organization", slug=slug)
+
+
+@login_required
+@require_POST
+def invitation_answer(request: HttpRequest, pk: str, answer: str) -> HttpResponse:
+    """The invitee accepts or declines (only theirs exist for them: 404 otherwise)."""
+    if answer not in ("accept", "decline"):
+        raise Http404
+    invitation = get_object_or_404(
+        Invitation.objects.select_related("organization"), pk=pk, user=request.user
+    )
+    try:
+        if answer == "accept":
+            membership = invitation.accept(ip=client_ip(request.META))
+            messages.success(
+                request, f"You joined {invitation.organization.slug} as {membership.role}."
+            )
+        else:
+            invitation.decline(ip=client_ip(request.META))
+            messages.info(request, f"You declined to join {invitation.organization.slug}.")
+    except DVBenchError as error:
+        messages.error(request, str(error.detail))
+    return redirect("dashboard")

@@ -278,6 +278,8 @@ class DVBenchSettings(TypedDict):
     CHALLENGE_TTL_SECONDS: int
     REQUIRE_PROGRAM: bool
     REGULATORY_THRESHOLDS: list[dict[str, Any]]
+    MAX_PROOFS_PER_EXPERIMENT: int
+    INVITATION_TTL_DAYS: int
 
 
 DVBENCH: DVBenchSettings = {
@@ -295,6 +297,10 @@ DVBENCH: DVBenchSettings = {
     "CHALLENGE_TTL_SECONDS": envint("DVBENCH_CHALLENGE_TTL_SECONDS", 24 * 3600, minimum=60),
     "REQUIRE_PROGRAM": envbool("DVBENCH_REQUIRE_PROGRAM", True),
     "REGULATORY_THRESHOLDS": regulatory_thresholds(),
+    # Every transcript filed for an experiment stays on its record; past this many (not
+    # counting the platform's own verifier errors) a new one is refused (docs/provers.md).
+    "MAX_PROOFS_PER_EXPERIMENT": envint("DVBENCH_MAX_PROOFS_PER_EXPERIMENT", 10, minimum=1),
+    "INVITATION_TTL_DAYS": envint("DVBENCH_INVITATION_TTL_DAYS", 14, minimum=1),
 }
 # Request bodies (upload parts) are streamed, but Django still caps what it will read
 # into memory for ordinary forms.
@@ -324,7 +330,8 @@ REST_FRAMEWORK = {
         "rest_framework.renderers.JSONRenderer",
         "rest_framework.renderers.BrowsableAPIRenderer",
     ],
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    # DRF's JSON parser with a bound on nesting (a 100,000-deep body is a 400, not a 500).
+    "DEFAULT_PARSER_CLASSES": ["attestations.parsers.JSONParser"],
     "EXCEPTION_HANDLER": "attestations.exceptions.exception_handler",
     "PAGE_SIZE": 50,
     # Limits only the upload endpoints (it ignores every other view); rates below.
@@ -349,11 +356,19 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "POSTPROCESSING_HOOKS": ["attestations.schema.add_error_responses"],
+    "ENUM_NAME_OVERRIDES": {
+        "RoleEnum": "attestations.models.Role",
+        "LabRoleEnum": "attestations.models.LAB_ROLE_CHOICES",
+        "ArtifactKindEnum": "attestations.models.ArtifactKind",
+        "OrganizationKindEnum": "attestations.models.OrganizationKind",
+    },
 }
 
 # --- Cache (rate-limit counters) -------------------------------------------------------
-# Redis when configured, so every gunicorn worker and host counts against one limit;
-# process-local memory for the embedded default (one process serves everything there).
+# Redis when configured, so every gunicorn worker and host counts against one limit.
+# Without Redis, files under the data directory with an flock around every counter update
+# (attestations/cache.py): every worker on this host shares them, so a limit is the limit
+# whatever the number of workers. Several hosts need Redis.
 if _redis_url:
     CACHES = {
         "default": {
@@ -363,7 +378,13 @@ if _redis_url:
         }
     }
 else:
-    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+    CACHES = {
+        "default": {
+            "BACKEND": "attestations.cache.SharedFileCache",
+            "LOCATION": str(DATA_DIR / "cache"),
+            "KEY_PREFIX": "dvbench",
+        }
+    }
 
 # --- Security -------------------------------------------------------------------------
 SECURE_SSL_REDIRECT = envbool("DVBENCH_SSL_REDIRECT", False)
@@ -392,11 +413,15 @@ SECURE_CONTENT_TYPE_NOSNIFF = True
 SECURE_REFERRER_POLICY = "same-origin"
 SECURE_CROSS_ORIGIN_OPENER_POLICY = "same-origin"
 X_FRAME_OPTIONS = "DENY"
-# Set by attestations.middleware.SecurityHeadersMiddleware. Swagger UI and ReDoc need
-# inline scripts and styles and blob: workers; everything still comes from this origin.
+# Set by attestations.middleware.SecurityHeadersMiddleware. Scripts come only from files
+# of this origin: no page has an inline script or event handler (app.js binds behaviour
+# from data- attributes; Swagger UI's start-up script is served as a file, ReDoc starts
+# from its element), so an injected <script> or onclick= never runs. Styles keep
+# 'unsafe-inline': progress bars set their width inline and ReDoc injects <style>
+# elements; CSS cannot run script. ReDoc needs blob: workers.
 DVBENCH_CONTENT_SECURITY_POLICY = envstr(
     "DVBENCH_CONTENT_SECURITY_POLICY",
-    "default-src 'self'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline'; "
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
     "img-src 'self' data:; worker-src 'self' blob:; object-src 'none'; base-uri 'self'; "
     "form-action 'self'; frame-ancestors 'none'",
 )

@@ -32,6 +32,7 @@ from attestations.models import (
     Job,
     Membership,
     Organization,
+    OrganizationKind,
     Proof,
     ProofStatus,
     Role,
@@ -112,7 +113,9 @@ def world(db: None, storage: Path, settings: Any) -> World:
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
     acme = Organization.objects.create(slug="acme", name="Acme Labs")
     evil = Organization.objects.create(slug="evil", name="Evil Corp")
-    office = Organization.objects.create(slug="eu-office", name="EU AI Office")
+    office = Organization.objects.create(
+        slug="eu-office", name="EU AI Office", kind=OrganizationKind.AGENCY
+    )
     users = {name: make_user(name) for name in ROLES}
     Membership.objects.create(user=users["alice"], organization=acme, role=Role.TRAINER)
     Membership.objects.create(user=users["bob"], organization=acme, role=Role.AUDITOR)

@@ -51,14 +51,14 @@ def test_it_expires(world: World) -> None:
 def test_it_can_be_revoked(world: World, api: Api) -> None:
     key, raw = ApiKey.issue(world.alice, "ci")
     assert bearer(raw).get("/api/v1/me/").status_code == 200
-    assert api("alice").delete(f"/api/v1/keys/{key.pk}/").status_code == 204
+    assert api("alice").post(f"/api/v1/keys/{key.pk}/revoke/").status_code == 200
     assert bearer(raw).get("/api/v1/me/").status_code == 401
     assert AuditEvent.objects.filter(action="api_key.revoked", target_id=str(key.pk)).count() == 1
 
 
 def test_it_validates_ownership(world: World, api: Api) -> None:
     key, raw = ApiKey.issue(world.alice, "ci")
-    assert api("mallory").delete(f"/api/v1/keys/{key.pk}/").status_code == 404
+    assert api("mallory").post(f"/api/v1/keys/{key.pk}/revoke/").status_code == 404
     assert api("bob").get(f"/api/v1/keys/{key.pk}/").status_code == 404
     assert bearer(raw).get("/api/v1/me/").status_code == 200
 

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 from rest_framework.test import APIClient
 
-from tests.attestations.base import SPEC, World, error_of, sha256
+from attestations.models import Invitation, Membership, Organization
+from tests.attestations.base import SPEC, World, error_of, make_user, sha256
 
 ACTORS = ("alice", "bob", "carol", "mallory", "admin", None)
 
@@ -53,17 +54,80 @@ CASES = [
     Case("organizations", "get", "/api/v1/organizations/", ALL),
     Case("members", "get", "/api/v1/organizations/acme/members/", codes(200, 200, 403, 404, 200)),
     Case(
-        "add member",
+        "change role",
         "post",
         "/api/v1/organizations/acme/members/",
+        codes(403, 403, 403, 404, 200),
+        body=lambda w: {"username": "bob", "role": "trainer"},
+    ),
+    Case(
+        # Nobody grants the regulator role through the API, not even a lab's admin.
+        "grant regulator",
+        "post",
+        "/api/v1/organizations/acme/members/",
+        codes(403, 403, 403, 404, 400),
+        body=lambda w: {"username": "bob", "role": "regulator"},
+    ),
+    Case(
+        # A non-member joins only by accepting an invitation.
+        "add a member directly",
+        "post",
+        "/api/v1/organizations/acme/members/",
+        codes(403, 403, 403, 404, 409),
+        body=lambda w: {"username": "mallory", "role": "auditor"},
+    ),
+    Case(
+        # bob may leave acme himself; only admins remove others.
+        "remove member",
+        "delete",
+        "/api/v1/organizations/acme/members/bob/",
+        codes(403, 204, 403, 404, 204),
+    ),
+    Case(
+        "remove the last admin",
+        "delete",
+        "/api/v1/organizations/acme/members/admin/",
+        codes(403, 403, 403, 404, 409),
+    ),
+    Case(
+        "invitations",
+        "get",
+        "/api/v1/organizations/acme/invitations/",
+        codes(403, 403, 403, 404, 200),
+    ),
+    Case(
+        "invite",
+        "post",
+        "/api/v1/organizations/acme/invitations/",
         codes(403, 403, 403, 404, 201),
         body=lambda w: {"username": "mallory", "role": "auditor"},
     ),
     Case(
-        "remove member",
-        "delete",
-        "/api/v1/organizations/acme/members/bob/",
-        codes(403, 403, 403, 404, 204),
+        "invite a regulator",
+        "post",
+        "/api/v1/organizations/acme/invitations/",
+        codes(403, 403, 403, 404, 409),
+        body=lambda w: {"username": "carol", "role": "auditor"},
+    ),
+    Case(
+        "invite as regulator",
+        "post",
+        "/api/v1/organizations/acme/invitations/",
+        codes(403, 403, 403, 404, 400),
+        body=lambda w: {"username": "mallory", "role": "regulator"},
+    ),
+    Case("my invitations", "get", "/api/v1/invitations/", ALL),
+    Case(
+        "accept another's invitation",
+        "post",
+        "/api/v1/invitations/{invitation}/accept/",
+        codes(404, 404, 404, 200, 404),
+    ),
+    Case(
+        "decline another's invitation",
+        "post",
+        "/api/v1/invitations/{invitation}/decline/",
+        codes(404, 404, 404, 200, 404),
     ),
     Case("keys", "get", "/api/v1/keys/", ALL),
     Case(
@@ -102,7 +166,7 @@ CASES = [
         "create upload",
         "post",
         "/api/v1/uploads/",
-        codes(201, 403, 403, 400, 201),
+        codes(201, 403, 403, 404, 201),
         body=lambda w: {
             "experiment": "acme/run-1",
             "kind": "artifact",
@@ -120,19 +184,31 @@ CASES = [
         raw=b"hello",
     ),
     Case(
+        # Missing parts: the upload's state conflicts with completion.
         "complete upload",
         "post",
         "/api/v1/uploads/{upload}/complete/",
-        codes(400, 403, 403, 404, 400),
+        codes(409, 403, 403, 404, 409),
     ),
-    Case("abort upload", "delete", "/api/v1/uploads/{upload}/", ARTIFACT_WRITE),
+    Case("abort upload", "post", "/api/v1/uploads/{upload}/abort/", ARTIFACT_WRITE),
     Case("schema", "get", "/api/v1/schema/", codes(200, 200, 200, 200, 200, 200)),
     Case("docs", "get", "/api/v1/docs/", codes(200, 200, 200, 200, 200, 200)),
 ]
 
 
 def _call(client: APIClient, case: Case, world: World) -> Any:
-    url = case.url.format(proof=world.proof.pk, job=world.job.pk, upload=world.upload.pk)
+    invitation = None
+    if "{invitation}" in case.url:
+        # mallory's own invitation (to a second lab of hers): only she may answer it.
+        second = Organization.objects.create(slug="evil-2", name="Evil Two")
+        Membership.objects.create(user=world.admin, organization=second, role="admin")
+        invitation, _ = Invitation.offer(second, world.mallory, "auditor", actor=world.admin)
+    url = case.url.format(
+        proof=world.proof.pk,
+        job=world.job.pk,
+        upload=world.upload.pk,
+        invitation=invitation.pk if invitation else None,
+    )
     method = getattr(client, case.method)
     extra = dict(case.headers or {})
     if case.raw is not None:
@@ -188,3 +264,59 @@ def test_bad_key_is_401_not_anonymous_fallback(world: World) -> None:
     response = client.get("/api/v1/me/")
     assert response.status_code == 401
     assert error_of(response)["code"] == "invalid_api_key"
+
+
+def test_only_the_creator_and_admins_change_an_open_upload(
+    world: World, api: Callable[[str | None], APIClient]
+) -> None:
+    # dave is a trainer of acme too, but alice opened the upload.
+    world.users["dave"] = make_user("dave")
+    Membership.objects.create(user=world.users["dave"], organization=world.acme, role="trainer")
+    url = f"/api/v1/uploads/{world.upload.pk}/"
+    dave = api("dave")
+    assert dave.get(url).status_code == 200  # he sees it (artifacts), but may not touch it
+    part = dave.put(
+        f"{url}parts/1/",
+        data=b"hello",
+        content_type="application/octet-stream",
+        HTTP_X_PART_SHA256=sha256(b"hello"),
+    )
+    assert part.status_code == 403
+    assert "opened by another member" in error_of(part)["message"]
+    assert dave.post(f"{url}complete/").status_code == 403
+    assert dave.post(f"{url}abort/").status_code == 403
+    world.upload.refresh_from_db()
+    assert world.upload.status == "open" and world.upload.parts.count() == 0
+    # The lab's admin may abort it (a stuck upload of someone who left).
+    assert api("admin").post(f"{url}abort/").status_code == 200
+
+
+def _error_without_name(response: Any, name: str) -> tuple[int, dict[str, Any]]:
+    error = error_of(response)
+    return response.status_code, {**error, "message": error["message"].replace(name, "<name>")}
+
+
+def test_an_invisible_experiment_is_answered_like_a_missing_one(
+    world: World, api: Callable[[str | None], APIClient]
+) -> None:
+    body = {"kind": "artifact", "size": 3, "sha256": sha256(b"abc")}
+    client = api("mallory")
+    hidden = client.post("/api/v1/uploads/", {**body, "experiment": "acme/run-1"}, format="json")
+    missing = client.post("/api/v1/uploads/", {**body, "experiment": "acme/run-0"}, format="json")
+    assert _error_without_name(hidden, "acme/run-1") == _error_without_name(missing, "acme/run-0")
+    assert hidden.status_code == 404 and error_of(hidden)["field"] == "experiment"
+
+
+def test_an_organisation_one_is_not_in_is_answered_like_a_missing_one(
+    world: World, api: Callable[[str | None], APIClient]
+) -> None:
+    client = api("mallory")
+    hidden = client.post("/api/v1/experiments/", {"name": "acme/x", "spec": SPEC}, format="json")
+    missing = client.post("/api/v1/experiments/", {"name": "acmf/x", "spec": SPEC}, format="json")
+    assert _error_without_name(hidden, "acme") == _error_without_name(missing, "acmf")
+    assert hidden.status_code == 404 and error_of(hidden)["code"] == "does_not_exist"
+    # The form with a separate owner answers the same.
+    separate = client.post(
+        "/api/v1/experiments/", {"owner": "acme", "name": "x", "spec": SPEC}, format="json"
+    )
+    assert _error_without_name(separate, "acme") == _error_without_name(hidden, "acme")

@@ -10,7 +10,7 @@ from django.db import DatabaseError, connection, transaction
 from rest_framework.test import APIClient
 
 from attestations.models import AppendOnlyError, AuditEvent
-from tests.attestations.base import SPEC, World
+from tests.attestations.base import SPEC, World, make_user
 
 Api = Callable[[str | None], APIClient]
 
@@ -79,14 +79,30 @@ def test_deleting_a_user_unlinks_their_events_and_keeps_them(world: World) -> No
 
 def test_actions_are_recorded_with_actor_and_ip(world: World, api: Api) -> None:
     api("alice").post("/api/v1/experiments/", {"name": "acme/run-2", "spec": SPEC}, format="json")
-    api("admin").post(
-        "/api/v1/organizations/acme/members/",
-        {"username": "carol", "role": "auditor"},
+    world.users["dave"] = make_user("dave")
+    invited = api("admin").post(
+        "/api/v1/organizations/acme/invitations/",
+        {"username": "dave", "role": "auditor"},
         format="json",
+    )
+    api("dave").post(f"/api/v1/invitations/{invited.json()['id']}/accept/")
+    api("admin").post(
+        "/api/v1/organizations/acme/members/", {"username": "bob", "role": "trainer"}, format="json"
     )
     api("admin").delete("/api/v1/organizations/acme/members/bob/")
     events = {e.action: e for e in AuditEvent.objects.filter(organization=world.acme)}
-    assert {"experiment.registered", "membership.added", "membership.removed"} <= set(events)
+    assert {
+        "experiment.registered",
+        "invitation.created",
+        "invitation.accepted",
+        "membership.added",
+        "membership.changed",
+        "membership.removed",
+    } <= set(events)
+    assert events["invitation.created"].actor_name == "admin"
+    # The invitee joins by their own act; the event says who invited them.
+    assert events["membership.added"].actor_name == "dave"
+    assert events["membership.added"].detail["invited_by"] == "admin"
     registered = AuditEvent.objects.get(
         action="experiment.registered", detail__experiment="acme/run-2"
     )

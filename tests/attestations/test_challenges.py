@@ -20,6 +20,7 @@ from attestations.models import (
     ChallengeStatus,
     Membership,
     Organization,
+    OrganizationKind,
     Proof,
     ProofArtifact,
     ProofStatus,
@@ -196,7 +197,9 @@ def test_roles_on_challenges_and_artifacts(filed: tuple[APIClient, Proof, Path])
     client, proof, run = filed
     acme = Organization.objects.get(slug=ORG)
     evil = Organization.objects.create(slug="evil", name="Evil")
-    office = Organization.objects.create(slug="eu-office", name="EU AI Office")
+    office = Organization.objects.create(
+        slug="eu-office", name="EU AI Office", kind=OrganizationKind.AGENCY
+    )
     auditor = _member("bob", acme, Role.AUDITOR)
     regulator = _member("carol", office, Role.REGULATOR)
     outsider = _member("mallory", evil, Role.TRAINER)
@@ -265,7 +268,7 @@ def test_the_proof_page_shows_challenges_and_a_timeline(
     Proof.objects.filter(pk=proof.pk).update(challenge_deadline=proof.created)
     html = page.get(f"/proofs/{proof.pk}/").content.decode()
     assert 'http-equiv="refresh"' not in html
-    assert "Rejected: <code>challenge_expired</code>" in html
+    assert "Abandoned: <code>challenge_expired</code>" in html
     assert "<title>step 1: expired (challenge_expired)</title>" in html
     assert proof.challenge_seed in html  # revealed with the verdict
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from django.test import Client
 
-from attestations.models import ApiKey, AuditEvent, Experiment
+from attestations.models import ApiKey, AuditEvent, Experiment, Invitation
 from tests.attestations.base import PASSWORD, SPEC, World
 
 ACTORS = ("alice", "bob", "carol", "mallory", "admin", None)
@@ -74,17 +75,25 @@ PAGES: list[
     ("audit", "get", "/audit/", codes(200, 200, 403, 200, 200), None),
     ("organisation", "get", "/orgs/acme/", codes(200, 200, 403, 404, 200), None),
     (
-        "add member",
+        "invite member",
         "post",
         "/orgs/acme/",
         codes(403, 403, 403, 404, 302),
-        lambda w: {"username": "carol", "role": "auditor"},
+        lambda w: {"username": "mallory", "role": "auditor"},
     ),
     (
+        "change role",
+        "post",
+        "/orgs/acme/members/bob/role/",
+        codes(403, 403, 403, 404, 302),
+        lambda w: {"role": "trainer"},
+    ),
+    (
+        # bob may leave; only admins remove others.
         "remove member",
         "post",
         "/orgs/acme/members/bob/remove/",
-        codes(403, 403, 403, 404, 302),
+        codes(403, 302, 403, 404, 302),
         None,
     ),
 ]
@@ -174,16 +183,49 @@ def test_keys_of_others_cannot_be_revoked(world: World) -> None:
 def test_admins_manage_members_and_it_is_audited(world: World) -> None:
     client = browser(world, "admin")
     client.post("/orgs/acme/", {"username": "mallory", "role": "auditor"})
+    # An invitation, not a membership: mallory has not said yes.
+    assert not world.mallory.memberships.filter(organization=world.acme).exists()
+    invitation = Invitation.objects.get(user=world.mallory, organization=world.acme)
+    invitee = browser(world, "mallory")
+    dashboard = invitee.get("/").content.decode()
+    assert "Acme Labs" in dashboard and "invites you as" in dashboard
+    assert invitee.post(f"/invitations/{invitation.pk}/accept/").status_code == 302
     assert world.mallory.memberships.get(organization=world.acme).role == "auditor"
-    client.post("/orgs/acme/", {"username": "mallory", "role": "trainer"})
+    client.post("/orgs/acme/members/mallory/role/", {"role": "trainer"})
+    assert world.mallory.memberships.get(organization=world.acme).role == "trainer"
     client.post("/orgs/acme/members/mallory/remove/")
     assert not world.mallory.memberships.filter(organization=world.acme).exists()
     actions = list(
-        AuditEvent.objects.filter(action__startswith="membership.")
+        AuditEvent.objects.filter(action__regex=r"^(membership|invitation)\.")
         .order_by("created")
         .values_list("action", flat=True)
     )
-    assert actions == ["membership.added", "membership.changed", "membership.removed"]
+    assert actions == [
+        "invitation.created",
+        "invitation.accepted",
+        "membership.added",
+        "membership.changed",
+        "membership.removed",
+    ]
+
+
+def test_the_member_form_never_offers_the_regulator_role(world: World) -> None:
+    page = browser(world, "admin").get("/orgs/acme/").content.decode()
+    assert 'value="auditor"' in page
+    assert 'value="regulator"' not in page
+    response = browser(world, "admin").post("/orgs/acme/", {"username": "bob", "role": "regulator"})
+    assert response.status_code == 200
+    assert "Select a valid choice" in response.content.decode()
+    assert world.bob.memberships.get(organization=world.acme).role == "auditor"
+
+
+def test_the_last_admin_cannot_leave_or_demote_themselves(world: World) -> None:
+    client = browser(world, "admin")
+    left = client.post("/orgs/acme/members/admin/remove/", follow=True)
+    assert "last admin" in left.content.decode()
+    demoted = client.post("/orgs/acme/members/admin/role/", {"role": "auditor"}, follow=True)
+    assert "last admin" in demoted.content.decode()
+    assert world.admin.memberships.get(organization=world.acme).role == "admin"
 
 
 def test_an_unknown_user_is_named_inline(world: World) -> None:
@@ -204,3 +246,56 @@ def test_upload_sessions_show_to_trainers_not_auditors(world: World) -> None:
         "<h2>Uploads</h2>"
         not in browser(world, "carol").get("/experiments/acme/run-1/").content.decode()
     )
+
+
+INLINE_SCRIPT = re.compile(r"<script(?![^>]*\bsrc=)(?![^>]*type=\"application/json\")[^>]*>", re.I)
+INLINE_HANDLER = re.compile(r"<[^>]+\son[a-z]+\s*=", re.I)
+
+
+def test_no_page_carries_an_inline_script_or_handler(world: World) -> None:
+    """The CSP allows scripts from files only; no page may depend on anything inline.
+
+    (The browser test sees violations as they happen; this sees every handler attribute,
+    including those whose event never fires in that test.)
+    """
+    from django.contrib.auth.models import User
+
+    User.objects.create_superuser("root", "root@example.org", PASSWORD)
+    Invitation.offer(world.acme, world.mallory, "auditor", actor=world.admin)
+    pages = {
+        "admin": [
+            "/",
+            "/experiments/",
+            "/experiments/new/",
+            "/experiments/acme/run-1/",
+            "/experiments/acme/run-1/spec/",
+            f"/proofs/{world.proof.pk}/",
+            f"/proofs/{world.proof.pk}/report/",
+            "/keys/",
+            "/audit/",
+            "/orgs/acme/",
+            "/api/v1/docs/",
+            "/api/v1/redoc/",
+            "/api/v1/experiments/?format=api",
+        ],
+        "mallory": ["/"],  # with an invitation to answer
+        "root": [
+            "/admin/",
+            "/admin/attestations/organization/",
+            f"/admin/attestations/organization/{world.acme.pk}/change/",
+            "/admin/attestations/proof/",
+        ],
+        None: ["/login/"],
+    }
+    for actor, paths in pages.items():
+        client = browser(world, actor)
+        for path in paths:
+            response = client.get(path)
+            assert response.status_code == 200, (actor, path, response.status_code)
+            html = response.content.decode()
+            assert not INLINE_SCRIPT.findall(html), (path, INLINE_SCRIPT.findall(html))
+            assert not INLINE_HANDLER.findall(html), (path, INLINE_HANDLER.findall(html)[:3])
+    # The page that shows a new key once.
+    created = browser(world, "alice").post("/keys/", {"name": "laptop", "days": 30})
+    assert "dvb_" in created.content.decode()
+    assert not INLINE_HANDLER.findall(created.content.decode())

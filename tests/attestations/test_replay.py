@@ -357,13 +357,21 @@ def test_an_honest_torch_run_passes_every_challenge(
     seed = bytes.fromhex(proof.challenge_seed)
     assert proof.revealed_seed == proof.challenge_seed
     assert seed_commitment(seed) == proof.challenge_seed_commitment
+    # The draw is bound to the committed run (attestations.replay.run_digest), whose digest
+    # the challenge plan publishes beside the seed.
     plan = draw_challenges(
-        steps=STEPS, transcript_digest=proof.transcript_digest, seed=seed, self_checked=[]
+        steps=STEPS,
+        transcript_digest=proof.challenge_run_digest,
+        seed=seed,
+        self_checked=[],
+        target=proof.challenge_target,
     )
     assert list(plan.steps) == [c.step for c in proof.challenges.all()]
     body = platform.get(f"/api/v1/proofs/{proof.pk}/").json()
     assert body["status"] == "valid"
     assert body["challenge_plan"]["seed"] == proof.challenge_seed
+    assert body["challenge_plan"]["run_digest"] == proof.challenge_run_digest
+    assert body["challenge_plan"]["filing"] == 1
     assert body["job"]["kind"] == "replay" and body["job"]["progress"] == 1.0
     assert body["job"]["steps_done"] == body["job"]["steps_total"] > STEPS
     # Replayed windows hold the evidence of every step.

@@ -104,7 +104,8 @@ def test_a_duplicate_name_is_refused(world: World, api: Api) -> None:
     response = api("alice").post(
         "/api/v1/experiments/", {"name": "acme/run-1", "spec": SPEC}, format="json"
     )
-    assert response.status_code == 400
+    assert response.status_code == 409
+    assert error_of(response)["code"] == "exists"
     assert error_of(response)["field"] == "name"
 
 

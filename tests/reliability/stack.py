@@ -194,6 +194,8 @@ class Stack:
             DVBENCH_TASK_TIME_LIMIT="10",
             # The synthetic transcripts attest no program (nothing to replay).
             DVBENCH_REQUIRE_PROGRAM="0",
+            # Each test files its dozen transcripts into one experiment.
+            DVBENCH_MAX_PROOFS_PER_EXPERIMENT="100",
             DVBENCH_LOG_LEVEL="INFO",
             DJANGO_SETTINGS_MODULE="config.settings",
             PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "agent" / "src")]),

@@ -263,7 +263,7 @@ def test_the_disk_filling_during_an_upload_is_507_and_leaves_nothing_partial(
     assert keep.read_bytes() == b"stored before the disk filled"
     # Completing now is refused for the missing part, and never stores a blob.
     complete = client.post(f"/api/v1/uploads/{created['id']}/complete/")
-    assert complete.status_code == 400
+    assert complete.status_code == 409
     assert error_of(complete)["code"] in ("missing_parts", "size_mismatch")
     assert Upload.objects.get(pk=created["id"]).blob is None
     # Space comes back: the upload resumes where it stopped and completes whole.

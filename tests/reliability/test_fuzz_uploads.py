@@ -237,7 +237,7 @@ def test_complete_and_abort_reject_hostile_ids_clearly(
     if action == "complete":
         response = client.post(f"/api/v1/uploads/{upload_id}/complete/")
     elif action == "abort":
-        response = client.delete(f"/api/v1/uploads/{upload_id}/")
+        response = client.post(f"/api/v1/uploads/{upload_id}/abort/")
     else:
         response = client.get(f"/api/v1/uploads/{upload_id}/")
     clear_rejection(response, 200, 400, 404, 409)
@@ -264,7 +264,7 @@ def test_other_roles_and_outsiders_are_refused_in_the_error_format(
             HTTP_X_PART_SHA256=sha256(b"hello"),
         ),
         client.post(f"{upload}/complete/"),
-        client.delete(f"{upload}/"),
+        client.post(f"{upload}/abort/"),
     ):
         clear_rejection(response, 400, 401, 403, 404)
     check_storage(storage, world)

@@ -239,7 +239,8 @@ def test_api_key_failures_are_limited_per_address(world: World, api: Api, settin
 
 def test_upload_endpoints_are_limited_per_user(world: World, api: Api, settings: Any) -> None:
     settings.DVBENCH_RATE_LIMITS = {**settings.DVBENCH_RATE_LIMITS, "uploads": "3/hour"}
-    # User ids restart with each test database; a Redis counter may outlive it.
+    # User ids restart with each test database, and the counters (Redis, or the shared
+    # file cache) outlive it and are seen by parallel test processes: a fresh key.
     cache.delete(FixedWindow("uploads", f"user:{world.admin.pk}").key)
     client = api("admin")
     body = {"experiment": "acme/run-1", "kind": "artifact", "size": 5, "sha256": sha256(b"hello")}
@@ -253,6 +254,42 @@ def test_upload_endpoints_are_limited_per_user(world: World, api: Api, settings:
     assert client.get("/api/v1/uploads/").status_code == 200
     assert client.get("/api/v1/experiments/").status_code == 200
     assert api("alice").post("/api/v1/uploads/", body, format="json").status_code == 201
+
+
+def test_without_redis_every_worker_process_shares_the_counters(tmp_path: Any) -> None:
+    # Gunicorn runs several worker processes. Process-local counters would let each worker
+    # count alone (a limit of 10 becomes 10 per worker); the embedded default's cache is
+    # files with an flock (attestations/cache.py), so four processes hitting one counter
+    # at once must add up exactly.
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("DVBENCH_", "DJANGO_"))}
+    for name in ("REDIS_URL", "DATABASE_URL"):
+        environment.pop(name, None)
+    environment.update(
+        DJANGO_SETTINGS_MODULE="config.settings",
+        DVBENCH_DATA_DIR=str(tmp_path),
+        DVBENCH_RATE_UPLOADS="1000000/day",
+    )
+    hits = 150
+    code = (
+        "import django; django.setup(); from attestations.throttling import FixedWindow; "
+        f"[FixedWindow('uploads', 'shared').hit() for _ in range({hits})]"
+    )
+    workers = [
+        subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=environment) for _ in range(4)
+    ]
+    assert [worker.wait(timeout=120) for worker in workers] == [0, 0, 0, 0]
+    read = (
+        "import django; django.setup(); from django.conf import settings; "
+        "from django.core.cache import cache; from attestations.throttling import FixedWindow; "
+        "print(settings.CACHES['default']['BACKEND'], cache.get(FixedWindow('uploads', 'shared').key))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", read], cwd=REPO, env=environment, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    backend, count = result.stdout.split()
+    assert backend == "attestations.cache.SharedFileCache"
+    assert int(count) == 4 * hits
 
 
 # --- API keys -----------------------------------------------------------------------------
@@ -303,17 +340,25 @@ def test_every_privileged_api_action_is_audited(world: World, api: Api) -> None:
         ("api_key.created", lambda: alice.post("/api/v1/keys/", {"name": "x"}, format="json")),
         (
             "api_key.revoked",
-            lambda: alice.delete(f"/api/v1/keys/{ApiKey.objects.get(name='x').pk}/"),
+            lambda: alice.post(f"/api/v1/keys/{ApiKey.objects.get(name='x').pk}/revoke/"),
         ),
         (
-            "membership.",
+            "invitation.created",
             lambda: admin.post(
-                "/api/v1/organizations/acme/members/",
-                {"username": "carol", "role": "auditor"},
+                "/api/v1/organizations/acme/invitations/",
+                {"username": "mallory", "role": "auditor"},
                 format="json",
             ),
         ),
-        ("membership.", lambda: admin.delete("/api/v1/organizations/acme/members/carol/")),
+        (
+            "membership.changed",
+            lambda: admin.post(
+                "/api/v1/organizations/acme/members/",
+                {"username": "bob", "role": "trainer"},
+                format="json",
+            ),
+        ),
+        ("membership.removed", lambda: admin.delete("/api/v1/organizations/acme/members/bob/")),
         (
             "experiment.registered",
             lambda: alice.post(
@@ -327,7 +372,7 @@ def test_every_privileged_api_action_is_audited(world: World, api: Api) -> None:
             ),
         ),
         ("upload.created", lambda: open_upload(alice, b"hello")),
-        ("upload.aborted", lambda: alice.delete(f"/api/v1/uploads/{world.upload.id}/")),
+        ("upload.aborted", lambda: alice.post(f"/api/v1/uploads/{world.upload.id}/abort/")),
         ("upload.completed", lambda: upload_blob(alice, b"some artifact bytes")),
     ]
     for action, step in steps:

@@ -377,8 +377,9 @@ class Client:
         """Register ``owner/name`` with ``spec`` (the default spec for ``framework`` if None).
 
         Raises:
-            BadRequestError: already registered, or the spec is invalid (``field`` says
-                which part).
+            BadRequestError: the spec is invalid (``field`` says which part).
+            ConflictError: already registered (``exists``).
+            NotFoundError: no organisation by that slug that this key can see.
             PermissionDeniedError: this key's role may not register experiments there.
         """
         from dvbench._experiment import Experiment, check_name, default_spec

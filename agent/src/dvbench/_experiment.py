@@ -224,16 +224,9 @@ class Experiment:
             return
         try:
             created = self._client.create_experiment(self.name, spec)
-        except (NotFoundError, PermissionDeniedError) as error:
-            error.message = (
-                f"{self.name} is not registered, or not visible to this key, and the key may "
-                f"not register it in {self.owner!r} ({error.message}). Check the name; ask an "
-                f"admin of {self.owner!r} to register it or to give you the trainer role; "
-                "or use a key of a member of that organisation."
-            )
-            error.args = (f"{error.status_code} {error.code}: {error.message}",)
-            raise
         except DVBenchError as error:
+            # The platform answers one way for an organisation that does not exist and one
+            # this key cannot see (404 does_not_exist; a 400 from older platforms).
             if getattr(error, "code", None) == "does_not_exist":
                 raise NotFoundError(
                     f"no organisation {self.owner!r}: create it on the platform first, or "
@@ -243,6 +236,15 @@ class Experiment:
                     field="owner",
                     request_id=getattr(error, "request_id", None),
                 ) from error
+            if not isinstance(error, NotFoundError | PermissionDeniedError):
+                raise
+            error.message = (
+                f"{self.name} is not registered, or not visible to this key, and the key may "
+                f"not register it in {self.owner!r} ({error.message}). Check the name; ask an "
+                f"admin of {self.owner!r} to register it or to give you the trainer role; "
+                "or use a key of a member of that organisation."
+            )
+            error.args = (f"{error.status_code} {error.code}: {error.message}",)
             raise
         self.data = created.data
         self.registered = True

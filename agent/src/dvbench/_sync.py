@@ -520,13 +520,15 @@ class Uploader:
         while True:
             try:
                 done = self.client.post(f"uploads/{upload_id}/complete/", timeout=COMPLETE_TIMEOUT)
-            except BadRequestError as error:
+            except (BadRequestError, ConflictError) as error:
+                # Missing parts are a 409 (the upload's state is at fault, not the request);
+                # older platforms answered 400.
                 if error.code in ("missing_parts", "size_mismatch"):
                     log.warning(
                         "dvbench: %s: %s; sending the missing parts", relative, error.message
                     )
                     return False
-                if error.code == "blob_digest_mismatch":
+                if isinstance(error, BadRequestError) and error.code == "blob_digest_mismatch":
                     # The platform discarded the parts; if the file changed meanwhile its
                     # new digest starts a new upload, else the bytes were corrupted in
                     # transit and a fresh attempt resends them.
@@ -534,8 +536,8 @@ class Uploader:
                         entry, drop=("upload_id",), parts={}, status="pending", mtime_ns=None
                     )
                     return False
-                raise
-            except ConflictError as error:
+                if isinstance(error, BadRequestError):
+                    raise
                 state = (
                     (error.detail or {}).get("status") if isinstance(error.detail, dict) else None
                 )

@@ -43,7 +43,7 @@ from attestations.demo_flow import Account, Outcome, Steps
 ADMIN_USERNAME = "admin"
 DEMO_ORGANIZATION = ("demo", "Demo lab")
 #: Regulators read claims and certificates of every organisation; the demo's belongs to
-#: an agency of its own, as it would in life.
+#: an agency the operator made (``manage.py agency``), as it would in life.
 REGULATOR_ORGANIZATION = ("agency", "Demo regulator")
 #: (role, username, organisation slug) of the accounts besides the admin.
 DEMO_USERS = (
@@ -147,6 +147,7 @@ def ensure_demo_accounts(data_dir: Path, admin: tuple[str, str]) -> dict[str, Ac
     kept while they still work, so a second run prints the same credentials. A key
     that expired or was revoked, or a changed password, is replaced.
     """
+    from attestations.management.commands.agency import create_agency, grant_regulator
     from attestations.models import ApiKey, Membership, Organization
 
     path = data_dir / ACCOUNTS_FILE
@@ -156,7 +157,8 @@ def ensure_demo_accounts(data_dir: Path, admin: tuple[str, str]) -> dict[str, Ac
         stored = {}
     user_model = get_user_model()
     agency_slug, agency_name = REGULATOR_ORGANIZATION
-    Organization.objects.get_or_create(slug=agency_slug, defaults={"name": agency_name})
+    # The operator's path (manage.py agency): only an agency holds regulators.
+    create_agency(agency_slug, agency_name)
     wanted = [*DEMO_USERS, ("admin", admin[0], DEMO_ORGANIZATION[0])]
     accounts: dict[str, Account] = {}
     for role, username, slug in wanted:
@@ -174,10 +176,14 @@ def ensure_demo_accounts(data_dir: Path, admin: tuple[str, str]) -> dict[str, Ac
                 password = _new_password()
                 user.set_password(password)
                 user.save()
-            organization = Organization.objects.get(slug=slug)
-            Membership.objects.update_or_create(
-                user=user, organization=organization, defaults={"role": role}
-            )
+            if role == "regulator":
+                grant_regulator(slug, username)
+            else:
+                # The demo's lab accounts, set up by the operator running the demo.
+                organization = Organization.objects.get(slug=slug)
+                Membership.objects.update_or_create(
+                    user=user, organization=organization, defaults={"role": role}
+                )
         assert user is not None
         key = previous.get("api_key")
         if not _usable_key(key, username):

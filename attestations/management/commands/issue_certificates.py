@@ -13,7 +13,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from attestations import certificates
-from attestations.models import Proof
+from attestations.models import DUPLICATE_TRANSCRIPT, Proof
 from dvbench.attest import AttestationError
 
 
@@ -33,6 +33,7 @@ class Command(BaseCommand):
                 Proof.objects.filter(
                     status__in=certificates.CERTIFIED_STATUSES, certificate__isnull=True
                 )
+                .exclude(reason=DUPLICATE_TRANSCRIPT)
                 .order_by("pk")
                 .values_list("pk", flat=True)
             )

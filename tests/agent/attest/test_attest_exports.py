@@ -25,8 +25,8 @@ EXPECTED = {
     # DSSE
     "Envelope", "EnvelopeSignature", "pae", "sign_envelope", "verify_envelope",
     # in-toto
-    "Claim", "Evidence", "LogEntryRef", "ReplayEvidence", "Result", "Statement", "Subject",
-    "TrainingCertificate", "model_signature_subject",
+    "Claim", "Evidence", "Filing", "Filings", "LogEntryRef", "ReplayEvidence", "Result",
+    "Statement", "Subject", "TrainingCertificate", "model_signature_subject",
     # keys
     "Signer", "SigningKey", "TrustRoot", "TrustedKey", "key_id", "load_signing_key",
     # log

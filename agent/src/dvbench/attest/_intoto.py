@@ -340,6 +340,109 @@ class LogEntryRef:
 
 
 @dataclass(frozen=True)
+class Filing:
+    """One proof filed for the certificate's experiment, and where it stood at signing.
+
+    Attributes:
+        proof: the platform's proof id.
+        transcript_sha256: hex SHA-256 of the transcript file as uploaded.
+        transcript_digest: hex ZKDV transcript digest, once ingest read it (else None).
+        status: ``pending``, ``verifying``, ``challenged``, ``valid``, ``rejected`` or
+            ``error``, at signing.
+        reason: the rejection reason (``challenge_expired`` for an abandoned proof), or "".
+        filed_on: when it was filed.
+        challenge_filing: its place among the experiment's challenged proofs, if drawn.
+    """
+
+    proof: int
+    transcript_sha256: str
+    transcript_digest: str | None
+    status: str
+    reason: str
+    filed_on: datetime
+    challenge_filing: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "filed_on", to_seconds(self.filed_on))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "proof": self.proof,
+            "transcriptSha256": self.transcript_sha256,
+            "transcriptDigest": self.transcript_digest,
+            "status": self.status,
+            "reason": self.reason,
+            "filedOn": format_time(self.filed_on),
+            "challengeFiling": self.challenge_filing,
+        }
+
+    @classmethod
+    def from_dict(cls, data: object, what: str) -> Filing:
+        entry = obj(
+            data,
+            what,
+            required=(
+                "proof",
+                "transcriptSha256",
+                "transcriptDigest",
+                "status",
+                "reason",
+                "filedOn",
+                "challengeFiling",
+            ),
+        )
+        digest = entry["transcriptDigest"]
+        filing = entry["challengeFiling"]
+        return cls(
+            proof=integer(entry["proof"], f"{what}.proof"),
+            transcript_sha256=_sha256(entry["transcriptSha256"], f"{what}.transcriptSha256"),
+            transcript_digest=None
+            if digest is None
+            else _sha256(digest, f"{what}.transcriptDigest"),
+            status=string(entry["status"], f"{what}.status"),
+            reason=string(entry["reason"], f"{what}.reason", empty=True),
+            filed_on=parse_time(entry["filedOn"], f"{what}.filedOn"),
+            challenge_filing=None
+            if filing is None
+            else integer(filing, f"{what}.challengeFiling", minimum=1),
+        )
+
+
+@dataclass(frozen=True)
+class Filings:
+    """Every proof filed for the experiment when the certificate was signed.
+
+    A lab cannot re-file a run until a draw misses its forged steps without each try
+    standing on the record: an auditor reads here how many proofs there were and how
+    each ended (rejected, abandoned, still open), not only the one certified.
+
+    Attributes:
+        count: how many proofs were filed.
+        proofs: each of them, oldest first.
+    """
+
+    count: int
+    proofs: tuple[Filing, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "proofs": [filing.to_dict() for filing in self.proofs]}
+
+    @classmethod
+    def from_dict(cls, data: object, what: str) -> Filings:
+        entry = obj(data, what, required=("count", "proofs"))
+        proofs = tuple(
+            Filing.from_dict(item, f"{what}.proofs[{index}]")
+            for index, item in enumerate(array(entry["proofs"], f"{what}.proofs"))
+        )
+        count = integer(entry["count"], f"{what}.count")
+        if count != len(proofs):
+            raise MalformedInputError(
+                f"{what}.count is {count} but {len(proofs)} proofs are listed"
+            )
+        return cls(count=count, proofs=proofs)
+
+
+@dataclass(frozen=True)
 class TrainingCertificate:
     """The DVBench certificate: what a verified (or rejected) training run gets.
 
@@ -360,6 +463,8 @@ class TrainingCertificate:
         trust_root_version: version of the trust root in force at signing.
         trust_root_digest: hex SHA-256 of that trust root's canonical JSON.
         experiment: optional experiment identifier (``org/name``).
+        filings: every proof filed for the experiment at signing (absent from
+            certificates signed before the platform recorded them).
     """
 
     transcript_digest: str
@@ -376,6 +481,7 @@ class TrainingCertificate:
     trust_root_digest: str
     experiment: str | None = None
     extra_subjects: tuple[Subject, ...] = field(default=())
+    filings: Filings | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "issued_at", to_seconds(self.issued_at))
@@ -387,7 +493,7 @@ class TrainingCertificate:
 
     def predicate(self) -> dict[str, Any]:
         """The predicate object (schema in ``docs/certificates.md``)."""
-        return {
+        predicate = {
             "verifier": {"id": self.verifier_id, "version": self.verifier_version},
             "issuedOn": format_time(self.issued_at),
             "experiment": self.experiment,
@@ -401,6 +507,9 @@ class TrainingCertificate:
                 "digest": {"sha256": self.trust_root_digest},
             },
         }
+        if self.filings is not None:
+            predicate["filings"] = self.filings.to_dict()
+        return predicate
 
     def sha256_subject(self, name: str) -> str | None:
         """The ``sha256`` digest of the further subject called ``name``, if there is one."""
@@ -450,6 +559,7 @@ class TrainingCertificate:
                 "log",
                 "trustRoot",
             ),
+            optional=("filings",),
         )
         verifier = obj(data["verifier"], f"{what}.verifier", required=("id", "version"))
         policy = obj(data["policyDigest"], f"{what}.policyDigest", required=("sha256",))
@@ -482,6 +592,9 @@ class TrainingCertificate:
             trust_root_digest=_sha256(trust_digest["sha256"], f"{what}.trustRoot.digest.sha256"),
             experiment=None if experiment is None else string(experiment, f"{what}.experiment"),
             extra_subjects=extra,
+            filings=None
+            if "filings" not in data
+            else Filings.from_dict(data["filings"], f"{what}.filings"),
         )
 
 
