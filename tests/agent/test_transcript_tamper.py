@@ -171,11 +171,13 @@ def _legal_async_order(records: list[dict[str, Any]]) -> bool:
     steps = [r["i"] for r in records if r["t"] == "step"]
     seen: set[int] = set()
     for record in records:
-        if record["t"] == "step":
-            seen.add(record["i"])
-        elif record["t"] == "check" and record["i"] not in seen:
-            return False
-        elif record["t"] == "snap" and (record["i"] in seen or record["i"] - 1 not in seen | {-1}):
+        kind, step = record["t"], record.get("i")
+        if kind == "step":
+            seen.add(step)
+            continue
+        early_check = kind == "check" and step not in seen
+        misplaced_snapshot = kind == "snap" and (step in seen or step - 1 not in seen | {-1})
+        if early_check or misplaced_snapshot:
             return False
     return steps == sorted(steps) and len(steps) == len(set(steps))
 
