@@ -103,6 +103,61 @@ def test_honest_transcripts_verify(tmp_path: Path, steps: int, interval: int, ev
     assert report.sampled == list(range(0, steps, every))
 
 
+# --- framing and order -------------------------------------------------------------------
+
+
+def test_an_empty_transcript_is_rejected() -> None:
+    report = verify_transcript(b"", probes=False)
+    assert (report.ok, report.reason) == (False, "empty")
+
+
+def test_the_first_record_is_the_root_of_version_1(unchecked: Records) -> None:
+    rejected(unchecked[1:], "missing_root", 0, "t")
+    rejected(_root(unchecked, v=2), "version", 0, "v")
+    rejected(_root(unchecked, prover="whitebox-tf"), "schema", 0, "prover")
+
+
+def test_the_chain_starts_at_zero_and_links_every_record(unchecked: Records) -> None:
+    data = rechain(unchecked)
+    chained = list(iter_records(data))
+    step = at(unchecked, "step", 0)
+    # One record edited (its token count) without re-chaining the records after it.
+    edit = encode({**chained[step].data, "tokens": chained[step].data["tokens"] + 1})
+    spans = [data[r.offset : r.offset + r.size] for r in chained]
+    spans[step] = edit
+    report = verify_transcript(b"".join(spans), probes=False)
+    assert (report.reason, report.record, report.field) == ("broken_chain", step + 1, "prev")
+    spans = [data[r.offset : r.offset + r.size] for r in chained]
+    spans[0] = encode({**chained[0].data, "prev": b"\x01" * 32})
+    report = verify_transcript(b"".join(spans), probes=False)
+    assert (report.reason, report.record) == ("broken_chain", 0)
+
+
+def test_nothing_follows_the_close_record_and_it_must_be_there(unchecked: Records) -> None:
+    rejected([*unchecked, unchecked[-1]], "after_close", len(unchecked))
+    rejected(unchecked[:-1], "missing_close", len(unchecked) - 1)
+
+
+def test_an_unknown_record_type_is_rejected(unchecked: Records) -> None:
+    rejected(edited(unchecked, 2, t="note"), "schema", 2, "t")
+    rejected(edited(unchecked, 2, t=["step"]), "schema", 2, "t")
+
+
+def test_steps_are_numbered_in_order(unchecked: Records) -> None:
+    step2, step3 = at(unchecked, "step", 2), at(unchecked, "step", 3)
+    message = rejected(
+        [*unchecked[:step3], unchecked[step2], *unchecked[step3:]], "step_order", step3, "i"
+    )
+    assert "duplicated" in message
+
+
+def test_a_check_follows_its_step(checked: Records) -> None:
+    check, step = at(checked, "check", 4), at(checked, "step", 4)
+    moved = [r for n, r in enumerate(checked) if n != check]
+    moved.insert(step, checked[check])
+    rejected(moved, "check_order", step, "i")
+
+
 # --- snapshots --------------------------------------------------------------------------
 
 
