@@ -1,20 +1,32 @@
-"""Offline verification speed: step records per second, and the size of a step record.
+"""Offline verification speed: step records per second, old verifier beside new.
 
-    python bench/verify_throughput.py [--steps 200000]
+    python bench/verify_throughput.py [--steps 200000] [--rounds 5] [--baseline REV]
 
 Writes a transcript of ``--steps`` steps through the real :class:`~zkdv.core.ZKDVCore`
 (a tiny state, so writing is quick; verification cost per record does not depend on the
-state size), then times :func:`zkdv.verify.verify_transcript` without probes. Targets:
-at least 100,000 step records per second, and a step record without probes <= 1 KiB.
+state size; a snapshot record every 12 steps, as the frontends' default interval puts
+them), then times :func:`zkdv.verify.verify_transcript` without probes, alternating in
+one process with the verifier at git revision ``--baseline`` (default ``main``; the one
+before issue 17's rules is ``423cb1a``), loaded from ``git show`` into a module of its
+own. Both see the same bytes; each round verifies them once with each, and the medians
+are compared. Targets: at least 100,000 step records per second, and a step record
+without probes <= 1 KiB.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -22,6 +34,10 @@ from zkdv.config import SamplingPolicy, ZKDVConfig
 from zkdv.core import ZKDVCore
 from zkdv.records import RECORDS_FILE, iter_records
 from zkdv.verify import verify_transcript
+
+REPO = Path(__file__).resolve().parent.parent
+VERIFIER = "agent/src/zkdv/verify.py"
+SNAPSHOT_INTERVAL = 12
 
 
 def write(path: Path, steps: int) -> None:
@@ -31,7 +47,7 @@ def write(path: Path, steps: int) -> None:
         prover="whitebox-jax",
         rolling_window=4,
         probe_ratio=0.01,
-        snapshot_interval=12,
+        snapshot_interval=SNAPSHOT_INTERVAL,
         max_in_flight=2,
         experiment={"name": "bench/verify", "spec_digest": "0" * 64},
     )
@@ -40,39 +56,87 @@ def write(path: Path, steps: int) -> None:
     batch = np.arange(64, dtype=np.uint32).reshape(4, 16)
     core.open(params=params, opt_state=state, buffers=[], batch_cols=16, program=None)
     for step in range(steps):
+        if step % SNAPSHOT_INTERVAL == 0:
+            assert core.last_roots is not None
+            core.record_snapshot(step, core.last_roots, {})
         core.commit_step(
             step, batch=batch, params=params, opt_state=state, buffers=[], probes=None, flops=1e12
         )
     core.close()
 
 
+def baseline(revision: str) -> tuple[ModuleType, str]:
+    """The verifier module at ``revision``, and the commit it resolved to."""
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", f"{revision}^{{commit}}"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    source = subprocess.run(
+        ["git", "show", f"{commit}:{VERIFIER}"], cwd=REPO, check=True, capture_output=True
+    ).stdout
+    folder = Path(tempfile.mkdtemp(prefix="verify-baseline-"))
+    file = folder / "zkdv_verify_baseline.py"
+    file.write_bytes(source)
+    spec = importlib.util.spec_from_file_location("zkdv_verify_baseline", file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module, commit
+
+
+def timed(verify: Callable[..., Any], data: bytes) -> tuple[float, float]:
+    start, cpu = time.perf_counter(), time.process_time()
+    report = verify(data, probes=False)
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    assert report.ok, report.summary()
+    return elapsed, cpu
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200_000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--baseline", default="main", help="git revision of the old verifier")
     args = parser.parse_args()
+    old, commit = baseline(args.baseline)
+    same = Path(old.__file__ or "").read_bytes() == (REPO / VERIFIER).read_bytes()
     with tempfile.TemporaryDirectory() as directory:
         path = Path(directory)
         start = time.perf_counter()
         write(path, args.steps)
         written = time.perf_counter() - start
         sizes = [r.size for r in iter_records(path) if r.data.get("t") == "step"]
-        start, cpu = time.perf_counter(), time.process_time()
-        report = verify_transcript(path, probes=False)
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
-        assert report.ok, report.summary()
-        total = (path / RECORDS_FILE).stat().st_size
-    print(f"wrote {args.steps} steps in {written:.1f} s ({total / 2**20:.1f} MiB)")
+        data = (path / RECORDS_FILE).read_bytes()
+    print(f"wrote {args.steps} steps in {written:.1f} s ({len(data) / 2**20:.1f} MiB)")
     print(
         f"step record size: max {max(sizes)} bytes, mean {sum(sizes) / len(sizes):.0f} bytes  (target <= 1024)"
     )
+    runs: dict[str, list[tuple[float, float]]] = {"old": [], "new": []}
+    for _ in range(args.rounds):
+        # Alternate, so a change of load during the run meets both alike.
+        runs["old"].append(timed(old.verify_transcript, data))
+        runs["new"].append(timed(verify_transcript, data))
+    note = "  (the same file as this tree's: pass --baseline REV)" if same else ""
+    print(f"old: {VERIFIER} at {commit}{note}; new: this tree; {args.rounds} rounds each")
+    rates = {}
+    for name, samples in runs.items():
+        wall = statistics.median(s[0] for s in samples)
+        cpu = statistics.median(s[1] for s in samples)
+        rates[name] = (args.steps / wall, args.steps / cpu)
+        print(
+            f"{name}: median {wall:.3f} s = {args.steps / wall:,.0f} step records/s, "
+            f"{args.steps / cpu:,.0f} per CPU-second  (target >= 100,000)"
+        )
     print(
-        f"verified in {elapsed:.2f} s: {args.steps / elapsed:,.0f} step records/s  (target >= 100,000)"
+        f"new / old: {rates['new'][0] / rates['old'][0]:.2f} wall, "
+        f"{rates['new'][1] / rates['old'][1]:.2f} CPU; load average {os.getloadavg()[0]:.1f}"
     )
-    # On a quiet machine the two rates agree; when other processes share the cores the
-    # wall-clock rate drops and the CPU-time rate shows what the verifier itself costs.
-    print(
-        f"CPU time {cpu:.2f} s: {args.steps / cpu:,.0f} step records per CPU-second; load average {os.getloadavg()[0]:.1f}"
-    )
+    # On a quiet machine wall and CPU rates agree; when other processes share the cores
+    # the wall-clock rate drops and the CPU-time rate shows what the verifier itself costs.
 
 
 if __name__ == "__main__":

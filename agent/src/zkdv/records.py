@@ -15,25 +15,52 @@ Records (keys are short because a step record must stay under 1 KiB)::
                      snapshot_interval, max_in_flight},
             program: {kind, digest, bytes} | null,    # digest of the attested artifact
             schema: {params: [leaf], opt_state: [leaf], buffers: [leaf],
-                     batch: {cols, dtype: "uint32"}},  # leaf = {path, dtype, shape}
+                     batch: {cols, dtype: "uint32"}, sharding?},  # leaf = {path, dtype, shape}
             initial: {p, o, b},                      # state roots before step 0
-            env: {...}, experiment: {name, spec_digest} | null,
+            env: {...}, experiment: {name, spec_digest, regime?} | null,
             probe_seed: bytes(16), created: float}
     step   {t: "step", i, prev, batch: {root, rows, cols, win}, post: {p, o, b},
-            probe: {off, len, digest} | null, tokens, flops | null, time: [start, end]}
+            probe: {off, len, digest} | null, tokens, flops | null, time: [start, end],
+            hp?: [{option: number | [number]}]}
     check  {t: "check", i, prev, param: {index, committed, replayed},
             state: {index, committed, replayed}, from, replayed, ok}
     snap   {t: "snap", i, prev, roots: {p, o, b}, files: {name: {digest, bytes}}}
     close  {t: "close", prev, steps, checks, final: {p, o, b}}
 
-``p``, ``o`` and ``b`` are the state roots (see :mod:`zkdv.merkle`) of parameters,
-optimizer state (step counters included) and buffers. ``i`` is the step index. A
-``check`` for step ``t`` follows step ``t``'s record (possibly after later steps: checks
-complete asynchronously) and precedes the close record. A ``snap`` record commits the
-pre-state of step ``i`` (its roots equal the post roots of step ``i - 1``) and the digests
-of the snapshot and batch files kept for the platform. Probes live in the sidecar
-``probes.bin`` (float32, little endian: pre, post and delta probes of every parameter
-leaf, in schema order); the step record binds them by offset, length and digest.
+Every field shown is required (``null`` where the diagram allows it) except those marked
+``?``, and a record or nested map holds no other field; ``env`` and ``sharding`` are
+free-form maps. ``p``, ``o`` and ``b`` are the state roots (see :mod:`zkdv.merkle`) of
+parameters, optimizer state (step counters included) and buffers. ``i`` is the step
+index.
+
+Positions are rules, not accidents (with ``N = config.snapshot_interval``):
+
+* step records carry ``i = 0, 1, 2, ...`` in order;
+* a ``snap`` record commits the pre-state of step ``i`` (its roots equal the post roots of
+  step ``i - 1``, or ``initial`` for step 0) and the digests of the snapshot and batch
+  files kept for the platform. There is one before step 0's record and before the record
+  of every step ``i`` with ``i mod N = 0`` that the run reaches, between step ``i - 1``'s
+  record and step ``i``'s, and none elsewhere (none after the last step);
+* a ``check`` for step ``t`` follows step ``t``'s record (possibly after later steps and
+  snapshots: checks complete asynchronously) and precedes the close record; there is one
+  for exactly the sampled steps. It replays from the snapshot before its step:
+  ``from = t - t mod N`` and ``replayed = t - from`` (steps replayed before ``t``);
+* probes live in the sidecar ``probes.bin`` (float32, little endian: pre, post and delta
+  probes of every parameter leaf, in schema order); a step record binds its block by
+  offset, length and digest. Blocks follow one another: the first starts at 0, each
+  next one where the previous ended, and each is ``3 x 4 x`` the probe's float count
+  (:attr:`zkdv.probes.ProbeSet.floats`, fixed by the schema and ``probe_ratio``).
+
+``hp`` (Torch step records only, optional): the hyperparameters ``optimizer.step()``
+used at that step, which an LR scheduler changes between steps. One map per optimizer
+parameter group, in the order of the root's ``env.optimizer.groups``, from option name
+(text) to a finite number (int or float) or a list of at most 16 finite numbers (Adam's
+``betas``); at most 1024 groups. When the root records ``env.optimizer.groups`` as a
+list, ``hp`` has one map per group and each map's keys are among that group's recorded
+options. JAX step records never carry it: a JAX run's schedule is part of its program.
+
+:mod:`zkdv.verify` enforces every rule above; ``docs/transcript.md`` tabulates them
+with their reason codes and tests.
 
 Durability
 ----------

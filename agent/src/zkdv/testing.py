@@ -4,11 +4,20 @@
 numpy through the real :class:`~zkdv.core.ZKDVCore` (commitments, probes, sampled
 checks with an honest replay, snapshots, close), so every byte it writes is produced by
 the same code path as a framework run.
+
+Its output is a function of its arguments alone: the clock is a fixed sequence of ticks,
+the probe seed derives from ``seed`` and the environment map is fixed, so two calls with
+the same arguments write the same bytes, on any machine with the pinned numpy. A test
+built on it draws its randomness from hypothesis alone, and a failure replays from the
+hypothesis seed. (Real runs read the wall clock and draw a fresh probe seed.)
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +26,35 @@ from zkdv.config import SamplingPolicy, ZKDVConfig
 from zkdv.core import ZKDVCore
 from zkdv.files import TREES, batch_path, snapshot_path, write_batch, write_state
 
-__all__ = ["LinearSGD", "write_synthetic_transcript"]
+__all__ = [
+    "SYNTHETIC_ENV",
+    "LinearSGD",
+    "synthetic_clock",
+    "synthetic_probe_seed",
+    "write_synthetic_transcript",
+]
+
+#: The root's ``env`` of a synthetic transcript: fixed, so the bytes do not depend on the
+#: machine (``zkdv.core.environment`` would record its Python, numpy and CPU count).
+SYNTHETIC_ENV = {
+    "python": "synthetic",
+    "numpy": "synthetic",
+    "platform": "synthetic",
+    "cpu_count": 1,
+}
+#: 2026-01-01T00:00:00Z: the synthetic clock's first reading.
+SYNTHETIC_EPOCH = 1_767_225_600.0
+
+
+def synthetic_clock(start: float = SYNTHETIC_EPOCH, tick: float = 0.25) -> Callable[[], float]:
+    """A clock that reads ``start``, ``start + tick``, ... on successive calls."""
+    ticks = itertools.count()
+    return lambda: start + tick * next(ticks)
+
+
+def synthetic_probe_seed(seed: int) -> bytes:
+    """The 16-byte probe seed of the synthetic run of ``seed``."""
+    return hashlib.sha256(f"zkdv.testing probe seed {seed}".encode()).digest()[:16]
 
 
 class LinearSGD:
@@ -123,6 +160,8 @@ def write_synthetic_transcript(
         max_in_flight=2,
         experiment=bound,
     )
+    core.clock = synthetic_clock()
+    core.probe_seed = synthetic_probe_seed(seed)
     model = LinearSGD(features)
     forged_model = LinearSGD(features, lr=0.1) if forge == "lr" else model
     params, state = model.init(seed)
@@ -136,14 +175,19 @@ def write_synthetic_transcript(
         buffers=[],
         batch_cols=features + 1,
         program=None,
+        env=dict(SYNTHETIC_ENV),
     )
     assert core.probes is not None
     forged = forge is not None
+    # The pre-state of the latest snapshot step: a sampled check replays from it, as the
+    # frontends do (the check record's ``from`` and ``replayed`` say so).
+    snapshot = (params, state)
     for step, batch in enumerate(batch_rng):
         if step % snapshot_interval == 0 and core.last_roots is not None:
             for tree, leaves in zip(TREES, (_leaves(params), _leaves(state), []), strict=True):
                 write_state(snapshot_path(proof_dir, step, tree), leaves)
             core.record_snapshot(step, core.last_roots, {})
+            snapshot = (params, state)
         write_batch(batch_path(proof_dir, step), batch)
         claimed_pre = params  # what the probes claim the step started from
         if forged and step == forge_step + 1 and forge == "outside_step":
@@ -152,7 +196,7 @@ def write_synthetic_transcript(
         if forged and step >= forge_step and forge == "batches":
             trained_on = rng.integers(0, 1000, size=batch.shape, dtype=np.uint32)
         stepper = forged_model if step >= forge_step else model
-        before_params, before_state = params, state
+        before_params = params
         deltas, params, state = stepper.update(params, state, trained_on)
         probes = core.probes
         pre = probes.project_all([a for _, a in _leaves(claimed_pre if forged else before_params)])
@@ -170,11 +214,16 @@ def write_synthetic_transcript(
             flops=6.0 * features * rows,
         )
         if result.challenge is not None:
-            replay_deltas, _, replay_state = (
-                (deltas, None, state)
-                if forged
-                else model.update(before_params, before_state, batch)
-            )
+            start = step - step % snapshot_interval
+            if forged:
+                replay_deltas, replay_state = deltas, state
+            else:
+                replay_params, replay_state = snapshot
+                for earlier in range(start, step):
+                    _, replay_params, replay_state = model.update(
+                        replay_params, replay_state, batch_rng[earlier]
+                    )
+                replay_deltas, _, replay_state = model.update(replay_params, replay_state, batch)
             c = result.challenge
             core.record_check(
                 c,
@@ -182,8 +231,8 @@ def write_synthetic_transcript(
                 replayed_delta=float(_flat(replay_deltas)[c.param_index]),
                 committed_state=float(_flat(state)[c.state_index]),
                 replayed_state=float(_flat(replay_state)[c.state_index]),
-                replay_from=step,
-                replayed_steps=1,
+                replay_from=start,
+                replayed_steps=step - start,
             )
     core.close()
     return Path(proof_dir)
