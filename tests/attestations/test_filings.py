@@ -69,7 +69,9 @@ def experiment(world: World, api: Api, programmed: None) -> Experiment:
     return Experiment.objects.get(owner__slug="acme", name="grind")
 
 
-def run(tmp_path: Path, experiment: Experiment, label: str, *, seed: int = 0) -> bytes:
+def run(
+    tmp_path: Path, experiment: Experiment, label: str, *, seed: int = 0, rerun: int = 0
+) -> bytes:
     """A run of STEPS steps with no self-checks (so a re-chained copy still verifies)."""
     assert experiment.current_spec is not None
     folder = write_synthetic_transcript(
@@ -78,6 +80,7 @@ def run(tmp_path: Path, experiment: Experiment, label: str, *, seed: int = 0) ->
         experiment=experiment.full_name,
         spec_digest=experiment.current_spec.digest,
         seed=seed,
+        rerun=rerun,
         sampling=SamplingPolicy(update_check_probability=0.0),
         snapshot_interval=50,
     )
@@ -190,7 +193,7 @@ def test_a_rerun_from_the_same_seed_is_the_same_committed_run(
     experiment: Experiment, api: Api, tmp_path: Path, django_capture_on_commit_callbacks: Any
 ) -> None:
     first = file(api("alice"), run(tmp_path, experiment, "a"), django_capture_on_commit_callbacks)
-    rerun = run(tmp_path, experiment, "b", seed=0)  # trained again: new timestamps
+    rerun = run(tmp_path, experiment, "b", seed=0, rerun=1)  # new timestamps and probe seed
     second = file(api("alice"), rerun, django_capture_on_commit_callbacks)
     assert second.transcript.sha256 != first.transcript.sha256
     assert second.challenge_run_digest == first.challenge_run_digest

@@ -52,9 +52,10 @@ def synthetic_clock(start: float = SYNTHETIC_EPOCH, tick: float = 0.25) -> Calla
     return lambda: start + tick * next(ticks)
 
 
-def synthetic_probe_seed(seed: int) -> bytes:
-    """The 16-byte probe seed of the synthetic run of ``seed``."""
-    return hashlib.sha256(f"zkdv.testing probe seed {seed}".encode()).digest()[:16]
+def synthetic_probe_seed(seed: int, rerun: int = 0) -> bytes:
+    """The 16-byte probe seed of the synthetic run of ``seed`` (its ``rerun``-th repeat)."""
+    label = f"zkdv.testing probe seed {seed}" + (f" rerun {rerun}" if rerun else "")
+    return hashlib.sha256(label.encode()).digest()[:16]
 
 
 class LinearSGD:
@@ -123,6 +124,7 @@ def write_synthetic_transcript(
     prover: str = "whitebox-jax",
     forge: str | None = None,
     forge_step: int = 1,
+    rerun: int = 0,
 ) -> Path:
     """Train :class:`LinearSGD` for ``steps`` steps and write a valid transcript.
 
@@ -136,6 +138,9 @@ def write_synthetic_transcript(
             next step; ``"batches"`` commits other batches than it trains on from
             ``forge_step``; ``"lr"`` doubles the learning rate from ``forge_step``.
             Forged runs answer their own sampled checks with the committed values.
+        rerun: the ``rerun``-th repeat of the same training, as a real rerun records it:
+            the same states and batches, but another probe seed and later timestamps
+            (0, the default, is the first run).
 
     Returns:
         ``proof_dir``, which then holds ``records.cborl``, ``probes.bin`` and ``files/``.
@@ -160,8 +165,8 @@ def write_synthetic_transcript(
         max_in_flight=2,
         experiment=bound,
     )
-    core.clock = synthetic_clock()
-    core.probe_seed = synthetic_probe_seed(seed)
+    core.clock = synthetic_clock(SYNTHETIC_EPOCH + 86_400.0 * rerun)
+    core.probe_seed = synthetic_probe_seed(seed, rerun)
     model = LinearSGD(features)
     forged_model = LinearSGD(features, lr=0.1) if forge == "lr" else model
     params, state = model.init(seed)
