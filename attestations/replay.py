@@ -147,7 +147,7 @@ class TranscriptIndex:
 
     @property
     def program_file(self) -> str | None:
-        from zkdv.driver import PROGRAM_FILES
+        from zkdv.files import PROGRAM_FILES
 
         program = self.root.get("program")
         if not isinstance(program, dict):
