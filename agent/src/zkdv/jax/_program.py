@@ -124,6 +124,44 @@ class _Traced:
     delta_leaves: int
 
 
+@dataclass(frozen=True)
+class _Arguments:
+    """How one call's arguments map onto the program's flat leaves."""
+
+    values: list[Any]
+    dynamic_positions: list[int]
+    leaves: list[Any]
+    in_tree: Any
+    donated: tuple[int, ...]
+    kept: tuple[int, ...]
+
+    def rebuild(self, leaf_values: list[Any]) -> list[Any]:
+        """The call's arguments with the dynamic ones rebuilt from ``leaf_values``."""
+        dynamic = jax.tree.unflatten(self.in_tree, leaf_values)
+        full = list(self.values)
+        for position, value in zip(self.dynamic_positions, dynamic, strict=True):
+            full[position] = value
+        return full
+
+
+def _output_shardings(out_shardings: Any, schema: ResultSchema) -> tuple[Any, ...]:
+    """The user's ``out_shardings`` (over the result) per flat program output."""
+    trees = jax_trees()
+    user_leaves = jax.tree.broadcast(
+        out_shardings,
+        trees.unflatten(schema.tree, [0] * len(schema.sources)),
+        is_leaf=_is_sharding_leaf,
+    )
+    per_output: list[Any] = [None] * schema.outputs
+    for source, sharding in zip(
+        schema.sources,
+        jax.tree.leaves(user_leaves, is_leaf=_is_sharding_leaf),
+        strict=True,
+    ):
+        per_output[source] = sharding
+    return tuple(per_output)
+
+
 class _Program:
     """The one compiled production program of a proof, and what its steps need."""
 
@@ -265,6 +303,7 @@ class JitFunction:
         in_tree: Any,
         static_key: Any,
     ) -> _Program:
+        """Compile the production program on the first call, in four named steps."""
         proof = self._proof
         if proof._program_owner is not None:
             raise ZKDVError(
@@ -273,17 +312,36 @@ class JitFunction:
                     "proof records one training step function"
                 )
             )
-        trees = jax_trees()
-        count = len(leaves)
-        # Leaf ranges of every dynamic argument, and the donated leaves.
+        arguments = self._arguments(values, fixed, leaves, in_tree)
+        holder: dict[str, _Traced] = {}
+        production = self._production(arguments, holder)
+        jitted, compiled = self._compile(production, arguments, holder)
+        traced = holder["traced"]
+        program = _Program(
+            self,
+            jitted,
+            traced,
+            arguments.donated,
+            arguments.kept,
+            [(tuple(jnp.shape(leaf)), jnp.result_type(leaf)) for leaf in leaves],
+            _flops(compiled),
+            static_key,
+        )
+        program.function_tree = in_tree
+        replay = self._replay_builder(values, arguments.dynamic_positions, in_tree)
+        proof._install(program, leaves, replay)
+        return program
+
+    def _arguments(
+        self, values: list[Any], fixed: frozenset[int], leaves: list[Any], in_tree: Any
+    ) -> _Arguments:
+        """Step 1: which leaves belong to which dynamic argument, and which are donated."""
         dynamic_positions = [i for i in range(len(values)) if i not in fixed]
         donated: list[int] = []
         start = 0
-        ranges: dict[int, tuple[int, int]] = {}
         for position in dynamic_positions:
             value = values[position]
             size = len(jax.tree.leaves(value))
-            ranges[position] = (start, start + size)
             if position in self._donate:
                 donatable = getattr(value, "_zkdv_donatable", None)
                 if donatable is not None:
@@ -295,30 +353,43 @@ class JitFunction:
                     donated.extend(range(start, start + size))
             start += size
         donated_set = frozenset(donated)
-        kept = tuple(i for i in range(count) if i not in donated_set)
-        donated_t = tuple(donated)
-        shardings = self._leaf_shardings(values, dynamic_positions, leaves)
-        gathered = _replicated_sharding(leaves) if jax.process_count() > 1 else None
-        holder: dict[str, _Traced] = {}
-        signature = self._signature
+        return _Arguments(
+            values=values,
+            dynamic_positions=dynamic_positions,
+            leaves=leaves,
+            in_tree=in_tree,
+            donated=tuple(donated),
+            kept=tuple(i for i in range(len(leaves)) if i not in donated_set),
+        )
 
-        def rebuild(leaf_values: list[Any]) -> list[Any]:
-            dynamic = jax.tree.unflatten(in_tree, leaf_values)
-            full = list(values)
-            for position, value in zip(dynamic_positions, dynamic, strict=True):
-                full[position] = value
-            return full
+    def _production(
+        self, arguments: _Arguments, holder: dict[str, _Traced]
+    ) -> Callable[[tuple[Any, ...], tuple[Any, ...]], Any]:
+        """Step 2: the function JAX traces: the user's step plus the hidden values.
+
+        Tracing it fills ``holder["traced"]`` with what the trace learned.
+        """
+        proof = self._proof
+        signature = self._signature
+        trees = jax_trees()
+        leaves = arguments.leaves
+        count = len(leaves)
+        donated, kept = arguments.donated, arguments.kept
+        donated_set = frozenset(donated)
+        gathered = _replicated_sharding(leaves) if jax.process_count() > 1 else None
 
         def production(donated_leaves: tuple[Any, ...], kept_leaves: tuple[Any, ...]) -> Any:
             leaf_values: list[Any] = [None] * count
-            for i, position in enumerate(donated_t):
+            for i, position in enumerate(donated):
                 leaf_values[position] = donated_leaves[i]
             for i, position in enumerate(kept):
                 leaf_values[position] = kept_leaves[i]
             context = _context.TraceContext(proof, "production", leaf_values)
             with _context.active(context):
-                result = signature.call(rebuild(leaf_values))
-            traced = self._registered(context, leaf_values, donated_set, in_tree, values)
+                result = signature.call(arguments.rebuild(leaf_values))
+            traced = self._registered(
+                context, leaf_values, donated_set, arguments.in_tree, arguments.values
+            )
             hidden = (
                 traced.registration.deltas,
                 traced.registration.params_after,
@@ -355,57 +426,44 @@ class JitFunction:
             holder["traced"] = traced
             return tuple(flat)
 
+        return production
+
+    def _compile(
+        self,
+        production: Callable[[tuple[Any, ...], tuple[Any, ...]], Any],
+        arguments: _Arguments,
+        holder: dict[str, _Traced],
+    ) -> tuple[Any, Any]:
+        """Step 3: trace and compile with the user's ``jax.jit`` options and shardings.
+
+        Returns:
+            The jitted function and its compiled executable.
+        """
+        leaves, donated, kept = arguments.leaves, arguments.donated, arguments.kept
+        shardings = self._leaf_shardings(arguments.values, arguments.dynamic_positions, leaves)
         options: dict[str, Any] = {
             name: self._options[name] for name in _PASSTHROUGH if name in self._options
         }
         if shardings is not None:
             options["in_shardings"] = (
-                tuple(shardings[i] for i in donated_t),
+                tuple(shardings[i] for i in donated),
                 tuple(shardings[i] for i in kept),
             )
-        donated_args = tuple(leaves[i] for i in donated_t)
+        donated_args = tuple(leaves[i] for i in donated)
         kept_args = tuple(leaves[i] for i in kept)
-        jitted = jax.jit(production, donate_argnums=(0,) if donated_t else (), **options)
+        donate_argnums = (0,) if donated else ()
+        jitted = jax.jit(production, donate_argnums=donate_argnums, **options)
         lowered_from = jitted.trace(donated_args, kept_args)
         out_shardings = self._options.get("out_shardings")
         if out_shardings is not None:
             # The flat output layout is known only after tracing; map the user's
             # result shardings onto it and trace once more with them.
-            schema = holder["traced"].schema
-            user_leaves = jax.tree.broadcast(
-                out_shardings,
-                trees.unflatten(schema.tree, [0] * len(schema.sources)),
-                is_leaf=_is_sharding_leaf,
-            )
-            per_output: list[Any] = [None] * schema.outputs
-            for source, sharding in zip(
-                schema.sources,
-                jax.tree.leaves(user_leaves, is_leaf=_is_sharding_leaf),
-                strict=True,
-            ):
-                per_output[source] = sharding
+            per_output = _output_shardings(out_shardings, holder["traced"].schema)
             jitted = jax.jit(
-                production,
-                donate_argnums=(0,) if donated_t else (),
-                out_shardings=tuple(per_output),
-                **options,
+                production, donate_argnums=donate_argnums, out_shardings=per_output, **options
             )
             lowered_from = jitted.trace(donated_args, kept_args)
-        compiled = lowered_from.lower().compile()
-        traced = holder["traced"]
-        program = _Program(
-            self,
-            jitted,
-            traced,
-            donated_t,
-            kept,
-            [(tuple(jnp.shape(leaf)), jnp.result_type(leaf)) for leaf in leaves],
-            _flops(compiled),
-            static_key,
-        )
-        program.function_tree = in_tree
-        proof._install(program, leaves, self._replay_builder(values, dynamic_positions, in_tree))
-        return program
+        return jitted, lowered_from.lower().compile()
 
     def _leaf_shardings(
         self, values: list[Any], dynamic_positions: list[int], leaves: list[Any]
