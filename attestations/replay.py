@@ -147,12 +147,12 @@ class TranscriptIndex:
 
     @property
     def program_file(self) -> str | None:
-        from zkdv.files import PROGRAM_FILES
+        from zkdv.files import program_file
 
         program = self.root.get("program")
         if not isinstance(program, dict):
             return None
-        return PROGRAM_FILES.get(str(program.get("kind")), "program.bin")
+        return program_file(str(program.get("kind")))
 
     @property
     def has_probes(self) -> bool:
