@@ -147,12 +147,12 @@ class TranscriptIndex:
 
     @property
     def program_file(self) -> str | None:
-        from zkdv.files import program_file
+        from zkdv import files
 
         program = self.root.get("program")
         if not isinstance(program, dict):
             return None
-        return program_file(str(program.get("kind")))
+        return files.program_file(str(program.get("kind")))
 
     @property
     def has_probes(self) -> bool:
