@@ -33,7 +33,7 @@ from django.conf import settings
 from django.core.files.storage import default_storage
 
 from attestations.models import Challenge, ChallengeStatus, Proof, ProofArtifact
-from dvbench._model import (
+from dvbench import (
     MODEL_DIR,
     PUBLIC_KEY_FILE,
     SIGNATURE_FILE,

@@ -77,6 +77,7 @@ from dvbench.attest import (
     TrustedKey,
     TrustRoot,
     envelope_leaf,
+    format_time,
     leaf_hash,
     load_signing_key,
     make_bundle,
@@ -84,10 +85,10 @@ from dvbench.attest import (
     note_verifier_key,
     sign_certificate,
     sign_checkpoint,
+    to_seconds,
     verify_certificate,
     verify_checkpoint,
 )
-from dvbench.attest._encoding import format_time, to_seconds
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from dvbench import APIError, Client, NotFoundError
-from dvbench._experiment import spec_digest
+from dvbench import APIError, Client, NotFoundError, spec_digest
 
 __all__ = [
     "TOTAL_STEPS",

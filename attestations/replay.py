@@ -147,12 +147,12 @@ class TranscriptIndex:
 
     @property
     def program_file(self) -> str | None:
-        from zkdv.driver import PROGRAM_FILES
+        from zkdv import files
 
         program = self.root.get("program")
         if not isinstance(program, dict):
             return None
-        return PROGRAM_FILES.get(str(program.get("kind")), "program.bin")
+        return files.program_file(str(program.get("kind")))
 
     @property
     def has_probes(self) -> bool:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from zkdv.driver import PROGRAM_FILES
 from zkdv.errors import TranscriptError
+from zkdv.files import program_file
 from zkdv.hashing import Domain, hash_bytes
 from zkdv.records import iter_records
 
@@ -73,7 +73,7 @@ def program_material(
             f"the root record commits program kind {kind!r}; this prover runs {list(kinds)}",
         )
     kind = str(program["kind"])
-    path = os.path.join(os.fspath(proof_dir), PROGRAM_FILES.get(kind, "program.bin"))
+    path = os.path.join(os.fspath(proof_dir), program_file(kind))
     try:
         with open(path, "rb") as handle:
             material = handle.read()

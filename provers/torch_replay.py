@@ -38,9 +38,8 @@ from torch.utils import _pytree as pytree
 
 from provers import program_material, require_exact, root_record
 from provers.replay import Leaves, ReplayError, ReplayVerdict, Transcript, Transition, replay
-from zkdv.torch import artifact, strides
+from zkdv.torch import artifact, host_array, strides
 from zkdv.torch.checkpoint import ReplayCheckpoint
-from zkdv.torch.eager import host_array
 from zkdv.torch.optimizers.bridge import SCALER_ENTRIES, OptimizerBridge
 from zkdv.torch.optimizers.registry import OptimizerRegistry
 from zkdv.torch.packing import PACKING_VERSION, BatchLayout, LeafLayout

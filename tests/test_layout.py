@@ -122,3 +122,48 @@ def test_the_readme_sets_up_with_exactly_two_commands() -> None:
     for command in commands:
         script = REPO_ROOT / command
         assert script.is_file() and os.access(script, os.X_OK), f"{command} is not executable"
+
+
+def _private_modules(package: str) -> set[str]:
+    """Dotted names of the modules under ``agent/src/<package>`` whose name starts with "_"."""
+    src = REPO_ROOT / "agent" / "src"
+    return {
+        ".".join(path.relative_to(src).with_suffix("").parts)
+        for path in (src / package).rglob("_*.py")
+        if not path.name.startswith("__")
+    }
+
+
+def _forbidden_contract(name: str) -> list[str]:
+    import tomllib
+
+    config = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    contracts = config["tool"]["importlinter"]["contracts"]
+    (contract,) = [c for c in contracts if c["name"] == name]
+    assert contract["type"] == "forbidden"
+    return list(contract["forbidden_modules"])
+
+
+@pytest.mark.parametrize(
+    ("package", "contract"),
+    [
+        ("zkdv", "Nothing outside zkdv imports a private zkdv module"),
+        ("dvbench", "Nothing outside dvbench imports a private dvbench module"),
+    ],
+)
+def test_the_import_contracts_name_every_private_module(package: str, contract: str) -> None:
+    """import-linter matches whole names, so each private module is listed; none is missed."""
+    listed = _forbidden_contract(contract)
+    assert listed == sorted(listed)
+    assert set(listed) == _private_modules(package)
+
+
+def test_the_driver_runtime_is_one_package_and_each_frontend_holds_its_driver() -> None:
+    zkdv = REPO_ROOT / "agent" / "src" / "zkdv"
+    runtime = {path.name for path in (zkdv / "driver").glob("*.py")}
+    assert {"base.py", "protocol.py", "pipeline.py", "flowcontrol.py", "control.py"} <= runtime
+    assert (zkdv / "jax" / "_driver.py").exists() and (zkdv / "torch" / "_driver.py").exists()
+    # zkdv.driver.jax and zkdv.driver.torch only name the frontends' drivers.
+    for alias in ("jax.py", "torch.py"):
+        code = (zkdv / "driver" / alias).read_text(encoding="utf-8")
+        assert "class " not in code and "def " not in code

@@ -12,7 +12,9 @@ Three lines in a training script::
     proof.save_model(state.params)           # optional: signed weights the certificate binds
     proof.finish()                           # close, upload, clean up
 
-Errors are documented in ``dvbench._exceptions`` and exported here. This package never
+Errors are documented in ``dvbench._exceptions`` and exported here. The platform uses
+the same spec digest (:func:`spec_digest`) and model-file checks
+(:func:`check_final_parameters`) as the SDK, through these names. This package never
 imports Django, and imports JAX or torch only when a proof of that backend is made.
 """
 
@@ -33,8 +35,17 @@ from dvbench._exceptions import (
     ServerError,
     UploadError,
 )
-from dvbench._experiment import Experiment, default_spec
-from dvbench._model import ModelMismatchError, SavedModel
+from dvbench._experiment import SPEC_SCHEMA, Experiment, default_spec, spec_digest, spec_document
+from dvbench._model import (
+    MODEL_DIR,
+    MODEL_FILE,
+    PUBLIC_KEY_FILE,
+    SIGNATURE_FILE,
+    ModelMismatchError,
+    SafetensorsError,
+    SavedModel,
+    check_final_parameters,
+)
 from dvbench._proof import DVBenchProof
 from dvbench._sync import SyncResult
 
@@ -42,6 +53,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "MODEL_DIR",
+    "MODEL_FILE",
+    "PUBLIC_KEY_FILE",
+    "SIGNATURE_FILE",
+    "SPEC_SCHEMA",
     "APIError",
     "AuthenticationError",
     "BadRequestError",
@@ -56,10 +72,14 @@ __all__ = [
     "NotFoundError",
     "PermissionDeniedError",
     "RateLimitError",
+    "SafetensorsError",
     "SavedModel",
     "ServerError",
     "SyncResult",
     "UploadError",
     "__version__",
+    "check_final_parameters",
     "default_spec",
+    "spec_digest",
+    "spec_document",
 ]

@@ -19,6 +19,7 @@ from dvbench._exceptions import (
     NotFoundError,
     PermissionDeniedError,
 )
+from dvbench.attest._encoding import canonical_json
 
 if TYPE_CHECKING:
     from dvbench._client import Client
@@ -34,6 +35,7 @@ BACKENDS = ("jax", "torch")
 #: The dataset commitment of a spec that declares none: 64 zeros, plainly not a digest
 #: of anything, so an auditor sees at a glance that nothing was declared.
 UNDECLARED_DATASET = "0" * 64
+#: The schema tag inside every canonical spec document; bump it if the document changes.
 SPEC_SCHEMA = "dvbench.spec/v1"
 #: Roles that may upload (the platform's ``write`` capability).
 UPLOAD_ROLES = ("trainer", "admin")
@@ -68,20 +70,26 @@ def default_spec(framework: str) -> dict[str, Any]:
     }
 
 
-def spec_digest(name: str, spec: Mapping[str, Any]) -> str:
-    """The platform's digest of ``spec`` for experiment ``name``, computed locally.
+def spec_document(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The canonical document a spec digest is computed over.
 
-    The same canonical document the platform hashes (``ExperimentSpec.canonical_document``
-    and ``canonical_json`` in the platform's models): sorted keys, no whitespace, integers
-    exact and GPU-hours as a decimal string. Used only offline, where the platform cannot
-    be asked; ``dvbench sync`` checks it against the platform's digest.
+    It binds the experiment's full name, so the same limits declared for two
+    experiments have two digests. Integers are exact, GPU-hours a normalised decimal
+    string (no float formatting enters the digest), the dataset commitment lower-case
+    hex and the allowed regimes sorted without duplicates.
+
+    Args:
+        name: the experiment's full name, ``owner/name``.
+        spec: the spec fields (``framework``, ``model_description``, ``optimizer``,
+            ``dataset_commitment``, ``max_flops``, ``max_tokens``, ``max_gpu_hours``,
+            ``allowed_regimes``), as :func:`default_spec` returns them.
     """
 
     def integer(value: Any) -> int | None:
         return None if value is None else int(value)
 
     hours = spec.get("max_gpu_hours")
-    document = {
+    return {
         "schema": SPEC_SCHEMA,
         "experiment": name,
         "framework": spec["framework"],
@@ -97,10 +105,17 @@ def spec_digest(name: str, spec: Mapping[str, Any]) -> str:
             "allowed_regimes": sorted(set(spec.get("allowed_regimes") or [])),
         },
     }
-    encoded = json.dumps(
-        document, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
-    return hashlib.sha256(encoded).hexdigest()
+
+
+def spec_digest(name: str, spec: Mapping[str, Any]) -> str:
+    """The platform's digest of ``spec`` for experiment ``name``, computed locally.
+
+    SHA-256 (hex) of the canonical JSON (:func:`dvbench.attest.canonical_json`) of
+    :func:`spec_document`: the digest the platform computes and a transcript binds.
+    Offline, where the platform cannot be asked, the SDK binds this one; ``dvbench
+    sync`` checks it against the platform's digest.
+    """
+    return hashlib.sha256(canonical_json(spec_document(name, spec))).hexdigest()
 
 
 def _cache_path(name: str) -> Path:

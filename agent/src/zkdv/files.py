@@ -36,7 +36,10 @@ from zkdv.merkle import LeafSpec, StateCommitment, commit_state
 
 __all__ = [
     "FILES_DIR",
+    "PROGRAM_FILES",
+    "TREES",
     "batch_path",
+    "program_file",
     "read_batch",
     "read_state",
     "snapshot_path",
@@ -46,6 +49,16 @@ __all__ = [
 
 FILES_DIR = "files"
 TREES = ("params", "opt_state", "buffers")
+#: The file name of the attested program per program kind (the root record's
+#: ``program.kind``), in the proof directory; any other kind (``torch.export``) is
+#: saved as :data:`PROGRAM_FALLBACK`. Read it through :func:`program_file`.
+PROGRAM_FILES = {"jax.export": "program.jaxexport", "aot-inductor": "program.pt2"}
+PROGRAM_FALLBACK = "program.bin"
+
+
+def program_file(kind: str) -> str:
+    """The proof directory's file name of the attested program of ``kind``."""
+    return PROGRAM_FILES.get(kind, PROGRAM_FALLBACK)
 
 
 def snapshot_path(proof_dir: str | os.PathLike[str], step: int, tree: str) -> Path:

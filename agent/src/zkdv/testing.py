@@ -25,6 +25,7 @@ import numpy as np
 from zkdv.config import SamplingPolicy, ZKDVConfig
 from zkdv.core import ZKDVCore
 from zkdv.files import TREES, batch_path, snapshot_path, write_batch, write_state
+from zkdv.sampling import Challenge
 
 __all__ = [
     "SYNTHETIC_ENV",
@@ -147,6 +148,83 @@ def write_synthetic_transcript(
     """
     if forge not in (None, "outside_step", "batches", "lr"):
         raise ValueError(f"unknown forgery {forge!r}")
+    core = _synthetic_core(
+        proof_dir,
+        experiment=experiment,
+        spec_digest=spec_digest,
+        seed=seed,
+        sampling=sampling,
+        prover=prover,
+        rolling_window=rolling_window,
+        probe_ratio=probe_ratio,
+        snapshot_interval=snapshot_interval,
+        rerun=rerun,
+    )
+    model = LinearSGD(features)
+    forged_model = LinearSGD(features, lr=0.1) if forge == "lr" else model
+    params, state = model.init(seed)
+    rng = np.random.default_rng(seed + 1)
+    batches = [
+        rng.integers(0, 1000, size=(rows, features + 1), dtype=np.uint32) for _ in range(steps)
+    ]
+    core.open(
+        params=_leaves(params),
+        opt_state=_leaves(state),
+        buffers=[],
+        batch_cols=features + 1,
+        program=None,
+        env=dict(SYNTHETIC_ENV),
+    )
+    forged = forge is not None
+    # The pre-state of the latest snapshot step: a sampled check replays from it, as the
+    # frontends do (the check record's ``from`` and ``replayed`` say so).
+    snapshot = (params, state)
+    for step, batch in enumerate(batches):
+        if step % snapshot_interval == 0 and core.last_roots is not None:
+            _write_snapshot(core, proof_dir, step, params, state)
+            snapshot = (params, state)
+        write_batch(batch_path(proof_dir, step), batch)
+        claimed_pre = params  # what the probes claim the step started from
+        params, trained_on = _forged_inputs(forge, forge_step, step, params, batch, rng)
+        stepper = forged_model if step >= forge_step else model
+        before_params = params
+        deltas, params, state = stepper.update(params, state, trained_on)
+        result = core.commit_step(
+            step,
+            batch=batch,
+            params=_leaves(params),
+            opt_state=_leaves(state),
+            buffers=[],
+            probes=_probes(core, claimed_pre if forged else before_params, params, deltas, forged),
+            flops=6.0 * features * rows,
+        )
+        if result.challenge is None:
+            continue
+        start = step - step % snapshot_interval
+        # A forged run answers with its committed values; an honest one replays.
+        replayed = (
+            (deltas, state) if forged else _replay(model, snapshot, batches[start : step + 1])
+        )
+        _record_check(core, result.challenge, start, step, (deltas, state), replayed)
+    core.close()
+    return Path(proof_dir)
+
+
+def _synthetic_core(
+    proof_dir: str | os.PathLike[str],
+    *,
+    experiment: str | None,
+    spec_digest: str | None,
+    seed: int,
+    sampling: SamplingPolicy | None,
+    prover: str,
+    rolling_window: int,
+    probe_ratio: float,
+    snapshot_interval: int,
+    rerun: int,
+) -> ZKDVCore:
+    """The transcript writer of a synthetic run, on the synthetic clock and probe seed
+    of its ``rerun``-th repeat."""
     config = ZKDVConfig(
         name="synthetic",
         sampling_policy=sampling or SamplingPolicy.DEBUGCheckEvery(2),
@@ -167,77 +245,87 @@ def write_synthetic_transcript(
     )
     core.clock = synthetic_clock(SYNTHETIC_EPOCH + 86_400.0 * rerun)
     core.probe_seed = synthetic_probe_seed(seed, rerun)
-    model = LinearSGD(features)
-    forged_model = LinearSGD(features, lr=0.1) if forge == "lr" else model
-    params, state = model.init(seed)
-    rng = np.random.default_rng(seed + 1)
-    batch_rng = [
-        rng.integers(0, 1000, size=(rows, features + 1), dtype=np.uint32) for _ in range(steps)
-    ]
-    core.open(
-        params=_leaves(params),
-        opt_state=_leaves(state),
-        buffers=[],
-        batch_cols=features + 1,
-        program=None,
-        env=dict(SYNTHETIC_ENV),
+    return core
+
+
+def _write_snapshot(
+    core: ZKDVCore,
+    proof_dir: str | os.PathLike[str],
+    step: int,
+    params: dict[str, np.ndarray],
+    state: dict[str, np.ndarray],
+) -> None:
+    """The pre-state of snapshot step ``step``: its files, and its transcript record."""
+    assert core.last_roots is not None
+    for tree, leaves in zip(TREES, (_leaves(params), _leaves(state), []), strict=True):
+        write_state(snapshot_path(proof_dir, step, tree), leaves)
+    core.record_snapshot(step, core.last_roots, {})
+
+
+def _forged_inputs(
+    forge: str | None,
+    forge_step: int,
+    step: int,
+    params: dict[str, np.ndarray],
+    batch: np.ndarray,
+    rng: np.random.Generator,
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The parameters step ``step`` really starts from and the batch it really trains on."""
+    if forge == "outside_step" and step == forge_step + 1:
+        params = {k: v + np.float32(0.01) for k, v in params.items()}
+    trained_on = batch
+    if forge == "batches" and step >= forge_step:
+        trained_on = rng.integers(0, 1000, size=batch.shape, dtype=np.uint32)
+    return params, trained_on
+
+
+def _probes(
+    core: ZKDVCore,
+    pre_params: dict[str, np.ndarray],
+    params: dict[str, np.ndarray],
+    deltas: dict[str, np.ndarray],
+    forged: bool,
+) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """The step's (pre, post, delta) probes; a forger keeps them self-consistent."""
+    probes = core.probes
+    assert probes is not None
+    pre = probes.project_all([a for _, a in _leaves(pre_params)])
+    post = probes.project_all([a for _, a in _leaves(params)])
+    delta = probes.project_all([a for _, a in _leaves(deltas)])
+    if forged:
+        delta = [po - pr for po, pr in zip(post, pre, strict=True)]
+    return pre, post, delta
+
+
+def _replay(
+    model: LinearSGD,
+    snapshot: tuple[dict[str, np.ndarray], dict[str, np.ndarray]],
+    batches: list[np.ndarray],
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Replay from the snapshot through ``batches``; the last step's (deltas, state)."""
+    params, state = snapshot
+    for batch in batches[:-1]:
+        _, params, state = model.update(params, state, batch)
+    deltas, _, state = model.update(params, state, batches[-1])
+    return deltas, state
+
+
+def _record_check(
+    core: ZKDVCore,
+    challenge: Challenge,
+    start: int,
+    step: int,
+    committed: tuple[dict[str, np.ndarray], dict[str, np.ndarray]],
+    replayed: tuple[dict[str, np.ndarray], dict[str, np.ndarray]],
+) -> None:
+    """The check record of sampled step ``step``, replayed from snapshot step ``start``."""
+    (deltas, state), (replay_deltas, replay_state) = committed, replayed
+    core.record_check(
+        challenge,
+        committed_delta=float(_flat(deltas)[challenge.param_index]),
+        replayed_delta=float(_flat(replay_deltas)[challenge.param_index]),
+        committed_state=float(_flat(state)[challenge.state_index]),
+        replayed_state=float(_flat(replay_state)[challenge.state_index]),
+        replay_from=start,
+        replayed_steps=step - start,
     )
-    assert core.probes is not None
-    forged = forge is not None
-    # The pre-state of the latest snapshot step: a sampled check replays from it, as the
-    # frontends do (the check record's ``from`` and ``replayed`` say so).
-    snapshot = (params, state)
-    for step, batch in enumerate(batch_rng):
-        if step % snapshot_interval == 0 and core.last_roots is not None:
-            for tree, leaves in zip(TREES, (_leaves(params), _leaves(state), []), strict=True):
-                write_state(snapshot_path(proof_dir, step, tree), leaves)
-            core.record_snapshot(step, core.last_roots, {})
-            snapshot = (params, state)
-        write_batch(batch_path(proof_dir, step), batch)
-        claimed_pre = params  # what the probes claim the step started from
-        if forged and step == forge_step + 1 and forge == "outside_step":
-            params = {k: v + np.float32(0.01) for k, v in params.items()}
-        trained_on = batch
-        if forged and step >= forge_step and forge == "batches":
-            trained_on = rng.integers(0, 1000, size=batch.shape, dtype=np.uint32)
-        stepper = forged_model if step >= forge_step else model
-        before_params = params
-        deltas, params, state = stepper.update(params, state, trained_on)
-        probes = core.probes
-        pre = probes.project_all([a for _, a in _leaves(claimed_pre if forged else before_params)])
-        post = probes.project_all([a for _, a in _leaves(params)])
-        delta = probes.project_all([a for _, a in _leaves(deltas)])
-        if forged:  # a forger keeps its probes self-consistent
-            delta = [po - pr for po, pr in zip(post, pre, strict=True)]
-        result = core.commit_step(
-            step,
-            batch=batch,
-            params=_leaves(params),
-            opt_state=_leaves(state),
-            buffers=[],
-            probes=(pre, post, delta),
-            flops=6.0 * features * rows,
-        )
-        if result.challenge is not None:
-            start = step - step % snapshot_interval
-            if forged:
-                replay_deltas, replay_state = deltas, state
-            else:
-                replay_params, replay_state = snapshot
-                for earlier in range(start, step):
-                    _, replay_params, replay_state = model.update(
-                        replay_params, replay_state, batch_rng[earlier]
-                    )
-                replay_deltas, _, replay_state = model.update(replay_params, replay_state, batch)
-            c = result.challenge
-            core.record_check(
-                c,
-                committed_delta=float(_flat(deltas)[c.param_index]),
-                replayed_delta=float(_flat(replay_deltas)[c.param_index]),
-                committed_state=float(_flat(state)[c.state_index]),
-                replayed_state=float(_flat(replay_state)[c.state_index]),
-                replay_from=start,
-                replayed_steps=step - start,
-            )
-    core.close()
-    return Path(proof_dir)

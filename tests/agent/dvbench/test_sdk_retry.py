@@ -183,6 +183,16 @@ PUBLIC = {
     "UploadError",
     "__version__",
     "default_spec",
+    # what the platform shares with the SDK: the spec digest and the model files
+    "SPEC_SCHEMA",
+    "spec_digest",
+    "spec_document",
+    "MODEL_DIR",
+    "MODEL_FILE",
+    "PUBLIC_KEY_FILE",
+    "SIGNATURE_FILE",
+    "SafetensorsError",
+    "check_final_parameters",
 }
 
 

@@ -129,15 +129,15 @@ def test_snapshot_files_hash_to_their_roots_even_when_the_disk_is_slow(
     """
     import time
 
-    import zkdv.driver
+    import zkdv.driver.base
 
-    write_state = zkdv.driver.write_state
+    write_state = zkdv.driver.base.write_state
 
     def slow_write_state(path: Path, leaves: Any) -> int:
         time.sleep(0.15)
         return write_state(path, leaves)
 
-    monkeypatch.setattr(zkdv.driver, "write_state", slow_write_state)
+    monkeypatch.setattr(zkdv.driver.base, "write_state", slow_write_state)
     commitments_only = zkdv.ZKDVConfig(
         sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.0), chunk_bytes=256
     )

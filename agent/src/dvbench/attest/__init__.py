@@ -12,7 +12,10 @@ with it and ``dvbench verify-report`` checks with it, on a laptop with no networ
 * the offline report bundle (:func:`make_bundle`, :func:`verify_bundle`), and the same
   certificate as a Sigstore bundle v0.3 (:func:`make_sigstore_bundle`; ``verify_bundle``
   reads both);
-* the log key as a C2SP signed-note verifier key (:func:`note_verifier_key`).
+* the log key as a C2SP signed-note verifier key (:func:`note_verifier_key`);
+* the encodings everything above signs: :func:`canonical_json` (also the platform's
+  spec digests) and RFC 3339 whole-second times (:func:`format_time`,
+  :func:`parse_time`, :func:`to_seconds`).
 
 A round trip::
 
@@ -49,6 +52,7 @@ from dvbench.attest._dsse import (
     sign_envelope,
     verify_envelope,
 )
+from dvbench.attest._encoding import canonical_json, format_time, parse_time, to_seconds
 from dvbench.attest._errors import (
     AttestationError,
     BundleMismatchError,
@@ -167,9 +171,11 @@ __all__ = [
     "TrustRoot",
     "TrustedKey",
     "UnknownKeyError",
+    "canonical_json",
     "consistency_proof",
     "envelope_leaf",
     "envelope_leaf_hash",
+    "format_time",
     "inclusion_proof",
     "key_id",
     "leaf_hash",
@@ -182,10 +188,12 @@ __all__ = [
     "note_verifier_key",
     "pae",
     "parse_note_verifier_key",
+    "parse_time",
     "root_hash",
     "sign_certificate",
     "sign_checkpoint",
     "sign_envelope",
+    "to_seconds",
     "verify_bundle",
     "verify_certificate",
     "verify_checkpoint",

@@ -43,7 +43,7 @@ from zkdv.errors import ZKDVError
 from zkdv.jax import _context, _messages
 
 if TYPE_CHECKING:
-    from zkdv.jax._driver import JitFunction
+    from zkdv.jax._program import JitFunction
 
 __all__ = ["Graph", "GraphFunction", "has_graph_nodes"]
 
@@ -190,7 +190,7 @@ class GraphFunction:
     """A ``proof.jit`` function called with Flax NNX objects (see the module docstring)."""
 
     def __init__(self, outer: JitFunction) -> None:
-        from zkdv.jax._driver import JitFunction
+        from zkdv.jax._program import JitFunction
 
         self._function = outer._function
         self._names = outer._signature.names

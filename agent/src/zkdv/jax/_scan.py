@@ -43,7 +43,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -52,10 +52,14 @@ from jax import lax
 from jax.extend import core as jax_core
 
 from zkdv.compilation import jax_trees
+from zkdv.driver.flowcontrol import Admission
 from zkdv.errors import ZKDVError
-from zkdv.flowcontrol import Admission
 from zkdv.jax import _context, _messages
-from zkdv.jax._driver import ZKDV, _Program, _Step
+from zkdv.jax._program import _Program
+from zkdv.jax._steps import _Step
+
+if TYPE_CHECKING:
+    from zkdv.jax._driver import ZKDV
 from zkdv.jax._tree import BatchLayout, leaf_paths
 from zkdv.overlap import Policy
 from zkdv.transaction import bind_input
@@ -404,7 +408,7 @@ class ScanUpdates:
         for j in range(self.count):
             # The pre-state of update j > 0 is the post-state of update j - 1: a due
             # snapshot is copied from the call's host views on the commit thread.
-            due = j > 0 and proof._snapshot_due(index + j)
+            due = j > 0 and proof.runtime.snapshot_due(index + j)
             step = _ScanStep(
                 proof,
                 program,
@@ -419,7 +423,7 @@ class ScanUpdates:
                 self.row(j - 1) if due else None,
             )
             last = j == self.count - 1
-            proof._submit(admission if last else cast(Admission, _Unregistered()), step)
+            proof.runtime.submit(admission if last else cast(Admission, _Unregistered()), step)
 
 
 class _Unregistered:

@@ -1,7 +1,7 @@
 """The attested JAX program artifact: what the transcript commits and a server replays.
 
 ``proof.jit`` exports the attested program with :mod:`jax.export` before the first step
-and commits the exact bytes of this artifact (``Driver._set_program("jax.export", ...)``,
+and commits the exact bytes of this artifact (``Driver.runtime.set_program("jax.export", ...)``,
 saved as ``<proof dir>/program.jaxexport``). It is a canonical-CBOR map::
 
     {

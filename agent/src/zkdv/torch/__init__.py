@@ -4,14 +4,16 @@
 and optimizer, decorate the step with ``@proof.attest``, and run each step inside
 ``with proof.transaction(batch=...)``. See ``docs/torch.md``.
 
+The driver is :mod:`zkdv.torch._driver` (sealing in :mod:`zkdv.torch._sealing`); the
+eager objects it hands out are :mod:`zkdv.torch.eager` and :mod:`zkdv.torch.prepared`.
+
 Importing this module imports Torch; ``import zkdv`` alone does not.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 from zkdv.torch import (
+    arrays,
     artifact,
     capture,
     checkpoint,
@@ -24,17 +26,18 @@ from zkdv.torch import (
     pipeline,
     prepared,
 )
-
-if TYPE_CHECKING:
-    from zkdv.driver.torch import ZKDV
+from zkdv.torch._driver import ZKDV
+from zkdv.torch.arrays import host_array
 
 __all__ = [
     "ZKDV",
+    "arrays",
     "artifact",
     "capture",
     "checkpoint",
     "eager",
     "generated",
+    "host_array",
     "lowering",
     "model",
     "optimizers",
@@ -42,15 +45,3 @@ __all__ = [
     "pipeline",
     "prepared",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    # Resolved on first use: zkdv.driver.torch imports this package's submodules, so
-    # either module can be imported first (``from zkdv.driver.torch import ZKDV`` is
-    # where the API reference places the class).
-    if name == "ZKDV":
-        from zkdv.driver.torch import ZKDV
-
-        globals()["ZKDV"] = ZKDV
-        return ZKDV
-    raise AttributeError(f"module 'zkdv.torch' has no attribute {name!r}")

@@ -27,10 +27,11 @@ from zkdv import overlap as overlap_policy
 from zkdv.driver import Leaves, ReplayOutcome, Submission
 from zkdv.probes import ProbeSet
 from zkdv.sampling import Challenge
+from zkdv.torch.arrays import host_array
 from zkdv.torch.pipeline import FlatIndex, element
 
 if TYPE_CHECKING:
-    from zkdv.driver.torch import ZKDV
+    from zkdv.torch._driver import ZKDV
 
 __all__ = ["NESTED", "EagerTransaction", "current_transaction", "host_array", "probe_view"]
 
@@ -42,25 +43,6 @@ _CURRENT: ContextVar[EagerTransaction | None] = ContextVar("zkdv_torch_transacti
 def current_transaction() -> EagerTransaction | None:
     """The open eager transaction of this context, or None."""
     return _CURRENT.get()
-
-
-try:  # bfloat16 has no numpy dtype; ml_dtypes (installed with JAX) provides one.
-    import ml_dtypes
-
-    _BFLOAT16: Any = ml_dtypes.bfloat16
-except ImportError:  # pragma: no cover - depends on the environment
-    _BFLOAT16 = None
-
-
-def host_array(tensor: torch.Tensor) -> np.ndarray:
-    """A host numpy view (CPU) or copy (accelerator) of ``tensor``, bit for bit."""
-    value = tensor.detach()
-    if value.device.type != "cpu":
-        value = value.cpu()
-    if value.dtype == torch.bfloat16:
-        raw = value.view(torch.int16).numpy()
-        return raw.view(_BFLOAT16) if _BFLOAT16 is not None else raw.view(np.uint16)
-    return value.numpy()
 
 
 class EagerTransaction:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from zkdv.driver import ReplayOutcome
+from zkdv.driver.pipeline import ReplayOutcome
 from zkdv.sampling import Challenge
 from zkdv.torch.checkpoint import ReplayCheckpoint
 from zkdv.torch.optimizers.bridge import OptimizerBridge

@@ -21,7 +21,7 @@ from zkdv.torch.eager import current_transaction
 from zkdv.torch.optimizers.bridge import OptimizerBridge
 
 if TYPE_CHECKING:
-    from zkdv.driver.torch import ZKDV
+    from zkdv.torch._driver import ZKDV
 
 __all__ = ["PreparedOptimizer"]
 

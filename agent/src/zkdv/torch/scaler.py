@@ -32,7 +32,7 @@ from zkdv.torch.optimizers.bridge import SCALER
 from zkdv.torch.optimizers.bridge import SCALER_ENTRIES as ENTRIES
 
 if TYPE_CHECKING:
-    from zkdv.driver.torch import ZKDV
+    from zkdv.torch._driver import ZKDV
 
 __all__ = ["ENTRIES", "SCALER", "PreparedGradScaler", "apply_update", "unscale"]
 

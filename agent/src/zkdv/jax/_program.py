@@ -1,0 +1,628 @@
+"""``proof.jit``: the compiled production program of a training step.
+
+:class:`JitFunction` is what ``proof.jit`` returns. Its first call traces the user's
+step once with a :class:`~zkdv.jax._context.TraceContext` installed, learns the
+transaction it declares (:class:`_Traced`), and compiles one program that returns the
+user's result *and* the transaction's hidden values (additive deltas, post-update
+parameters and optimizer state, the packed uint32 batch; laid out by
+:class:`~zkdv.compilation.ResultSchema`). ``JitFunction._build`` runs the named steps:
+argument layout and donation, tracing, lowering with the user's shardings, and handing
+the compiled :class:`_Program` to the driver (:mod:`zkdv.jax._driver`), which exports
+and commits the attested program from it. Every call after the first checks that the
+arguments still fit the program and runs it through the driver.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
+
+from zkdv.compilation import ResultSchema, jax_trees
+from zkdv.errors import (
+    ZKDVError,
+)
+from zkdv.jax import _context, _messages
+from zkdv.jax._tree import BatchLayout, leaf_paths
+from zkdv.overlap import Policy
+from zkdv.signature import FunctionSignature
+from zkdv.transaction import bind_input
+
+if TYPE_CHECKING:
+    from zkdv.jax._driver import ZKDV
+
+__all__ = ["JIT_OPTIONS", "JitFunction"]
+
+JIT_OPTIONS = frozenset(
+    {
+        "in_shardings",
+        "out_shardings",
+        "static_argnums",
+        "static_argnames",
+        "donate_argnums",
+        "donate_argnames",
+        "keep_unused",
+        "device",
+        "backend",
+        "inline",
+        "compiler_options",
+    }
+)
+
+
+# Options forwarded to jax.jit unchanged (the others are resolved by the wrapper).
+_PASSTHROUGH = ("keep_unused", "device", "backend", "inline", "compiler_options")
+
+
+def _check_options(options: dict[str, Any], api: str) -> None:
+    unknown = sorted(set(options) - JIT_OPTIONS)
+    if unknown:
+        raise TypeError(f"{api} got unexpected jax.jit options {unknown}")
+
+
+def _replicated_sharding(leaves: Sequence[Any]) -> NamedSharding:
+    """A fully replicated sharding on the mesh of the step's inputs (multi-process)."""
+    for leaf in leaves:
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return NamedSharding(sharding.mesh, PartitionSpec())  # type: ignore[no-untyped-call]
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("zkdv",))
+    return NamedSharding(mesh, PartitionSpec())  # type: ignore[no-untyped-call]
+
+
+def _layout(leaf: Any, default: Sharding) -> Sharding:
+    sharding = getattr(leaf, "sharding", None)
+    return sharding if isinstance(sharding, Sharding) else default
+
+
+def _pin(tree: Any, layouts: Sequence[Sharding], default: Sharding) -> Any:
+    """Constrain a traced PyTree's leaves to ``layouts`` (one per leaf, else ``default``)."""
+    flat, structure = jax.tree.flatten(tree)
+    if len(layouts) != len(flat):
+        layouts = [default] * len(flat)
+    return jax.tree.unflatten(
+        structure,
+        [_constrain(x, s) for x, s in zip(flat, layouts, strict=True)],
+    )
+
+
+def _constrain(value: Any, sharding: Sharding) -> Any:
+    # Explicit mesh axes make a layout part of the type: only reshard changes it there.
+    if isinstance(sharding, NamedSharding) and any(
+        kind == jax.sharding.AxisType.Explicit for kind in sharding.mesh.axis_types
+    ):
+        return jax.sharding.reshard(value, sharding)  # type: ignore[no-untyped-call]
+    return jax.lax.with_sharding_constraint(value, sharding)  # type: ignore[no-untyped-call]
+
+
+def _is_sharding_leaf(value: Any) -> bool:
+    return value is None or isinstance(value, Sharding | PartitionSpec)
+
+
+@dataclass
+class _Traced:
+    """What the production trace learned; filled while JAX traces the step."""
+
+    registration: _context.Registration
+    schema: ResultSchema
+    layout: BatchLayout
+    param_positions: tuple[int, ...]
+    opt_positions: tuple[int, ...]
+    batch_positions: tuple[int, ...]
+    param_paths: list[str]
+    opt_paths: list[str]
+    param_tree: Any
+    opt_tree: Any
+    batch_tree: Any
+    delta_leaves: int
+
+
+@dataclass(frozen=True)
+class _Arguments:
+    """How one call's arguments map onto the program's flat leaves."""
+
+    values: list[Any]
+    dynamic_positions: list[int]
+    leaves: list[Any]
+    in_tree: Any
+    donated: tuple[int, ...]
+    kept: tuple[int, ...]
+
+    def rebuild(self, leaf_values: list[Any]) -> list[Any]:
+        """The call's arguments with the dynamic ones rebuilt from ``leaf_values``."""
+        dynamic = jax.tree.unflatten(self.in_tree, leaf_values)
+        full = list(self.values)
+        for position, value in zip(self.dynamic_positions, dynamic, strict=True):
+            full[position] = value
+        return full
+
+
+def _output_shardings(out_shardings: Any, schema: ResultSchema) -> tuple[Any, ...]:
+    """The user's ``out_shardings`` (over the result) per flat program output."""
+    trees = jax_trees()
+    user_leaves = jax.tree.broadcast(
+        out_shardings,
+        trees.unflatten(schema.tree, [0] * len(schema.sources)),
+        is_leaf=_is_sharding_leaf,
+    )
+    per_output: list[Any] = [None] * schema.outputs
+    for source, sharding in zip(
+        schema.sources,
+        jax.tree.leaves(user_leaves, is_leaf=_is_sharding_leaf),
+        strict=True,
+    ):
+        per_output[source] = sharding
+    return tuple(per_output)
+
+
+class _Program:
+    """The one compiled production program of a proof, and what its steps need."""
+
+    def __init__(
+        self,
+        function: JitFunction,
+        jitted: Any,
+        traced: _Traced,
+        donated: tuple[int, ...],
+        kept: tuple[int, ...],
+        avals: list[tuple[tuple[int, ...], Any]],
+        flops: float | None,
+        static_key: Any,
+    ) -> None:
+        self.function = function
+        self.jitted = jitted
+        self.traced = traced
+        self.donated = donated
+        self.kept = kept
+        self.avals = avals
+        self.flops = flops
+        self.static_key = static_key
+        self.trees = jax_trees()
+        self.function_tree: Any = None
+
+
+class JitFunction:
+    """A ``proof.jit``-compiled training step: one transcript transaction per call."""
+
+    def __init__(self, proof: ZKDV, function: Callable[..., Any], options: dict[str, Any]):
+        _check_options(options, "ZKDV.jit")
+        functools.update_wrapper(self, function)
+        self._proof = proof
+        self._function = function
+        self._options = dict(options)
+        self._signature = FunctionSignature(function, "ZKDV.jit")
+        static, _ = self._signature.static(
+            options.get("static_argnums"), options.get("static_argnames")
+        )
+        self._static = frozenset(static)
+        self._donate = frozenset(
+            self._signature.argnums(options.get("donate_argnums"))
+        ) | frozenset(self._signature.argnums_of(options.get("donate_argnames")))
+        if self._donate & self._static:
+            raise ValueError("ZKDV.jit cannot donate a static argument")
+        self._policies: dict[int, Policy] = {}
+        self._program: _Program | None = None
+        self._lock = threading.Lock()
+        self._graphs: Any = None  # the zkdv.jax._nnx.GraphFunction of a Flax NNX step
+
+    # -- call ---------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from zkdv.jax import _nnx
+        from zkdv.jax.contrib import TrainState
+
+        if self._graphs is not None or _nnx.has_graph_nodes(args, kwargs):
+            # Flax NNX objects: split, run as a pure function, updated in place.
+            with self._lock:
+                if self._graphs is None:
+                    self._graphs = _nnx.GraphFunction(self)
+            return self._graphs(*args, **kwargs)
+        proof = self._proof
+        proof.runtime.require_step()
+        values = list(self._signature.bind(*args, **kwargs))
+        policy: Policy | None = None
+        restore: Policy | None = None
+        for position, value in enumerate(values):
+            if isinstance(value, Policy):
+                # Host-side metadata: excluded from the trace, read per invocation.
+                policy = value
+                values[position] = self._policies.setdefault(position, value)
+            elif isinstance(value, TrainState):
+                if value.proof is not proof:
+                    owner = "no proof" if value.proof is None else "a different proof object"
+                    raise ZKDVError(_messages.PROOF_IDENTITY.format(owner=owner))
+                policy = Policy(value.zkdv_overlap)
+                if policy is not Policy.UNCHECKED:
+                    # The policy is a static field: normalise it so changing it neither
+                    # retraces nor changes the committed program.
+                    restore = policy
+                    values[position] = value.replace(zkdv_overlap=Policy.UNCHECKED)
+        fixed = self._static | frozenset(self._policies)
+        static_key = tuple(values[i] for i in sorted(self._static))
+        dynamic = tuple(value for i, value in enumerate(values) if i not in fixed)
+        leaves, in_tree = jax.tree.flatten(dynamic)
+        program = self._program
+        if program is None:
+            with self._lock:
+                program = self._program
+                if program is None:
+                    program = self._build(values, fixed, leaves, in_tree, static_key)
+                    self._program = program
+        self._compatible(program, leaves, in_tree, static_key)
+        result = proof._step(program, leaves, policy)
+        if restore is not None:
+            result = jax.tree.map(
+                lambda node: (
+                    node.replace(zkdv_overlap=restore) if isinstance(node, TrainState) else node
+                ),
+                result,
+                is_leaf=lambda node: isinstance(node, TrainState),
+            )
+        return result
+
+    def _compatible(
+        self, program: _Program, leaves: list[Any], in_tree: Any, static_key: Any
+    ) -> None:
+        if static_key != program.static_key:
+            names = [self._signature.names[i] for i in sorted(self._static)]
+            if program.traced.registration.source != "transaction":
+                raise ZKDVError(
+                    _messages.STATIC_ARGUMENT.format(
+                        names=names, old=program.static_key, new=static_key
+                    )
+                )
+            raise ZKDVError(
+                _messages.INCOMPATIBLE.format(detail=f"static arguments {names} changed")
+            )
+        if in_tree != program.function_tree:
+            raise ZKDVError(_messages.INCOMPATIBLE.format(detail="the argument PyTrees changed"))
+        for position, (leaf, (shape, dtype)) in enumerate(zip(leaves, program.avals, strict=True)):
+            if getattr(leaf, "shape", None) == shape and getattr(leaf, "dtype", None) == dtype:
+                continue
+            got = (tuple(jnp.shape(leaf)), jnp.result_type(leaf))
+            if got != (shape, dtype):
+                raise ZKDVError(
+                    _messages.INCOMPATIBLE.format(
+                        detail=f"input leaf {position} is {got}, the first call fixed "
+                        f"{(shape, dtype)}"
+                    )
+                )
+
+    # -- build --------------------------------------------------------------------------
+    def _build(
+        self,
+        values: list[Any],
+        fixed: frozenset[int],
+        leaves: list[Any],
+        in_tree: Any,
+        static_key: Any,
+    ) -> _Program:
+        """Compile the production program on the first call, in four named steps."""
+        proof = self._proof
+        if proof._program_owner is not None:
+            raise ZKDVError(
+                _messages.INCOMPATIBLE.format(
+                    detail="this proof already compiled another proof.jit function; one "
+                    "proof records one training step function"
+                )
+            )
+        arguments = self._arguments(values, fixed, leaves, in_tree)
+        holder: dict[str, _Traced] = {}
+        production = self._production(arguments, holder)
+        jitted, compiled = self._compile(production, arguments, holder)
+        traced = holder["traced"]
+        program = _Program(
+            self,
+            jitted,
+            traced,
+            arguments.donated,
+            arguments.kept,
+            [(tuple(jnp.shape(leaf)), jnp.result_type(leaf)) for leaf in leaves],
+            _flops(compiled),
+            static_key,
+        )
+        program.function_tree = in_tree
+        replay = self._replay_builder(values, arguments.dynamic_positions, in_tree)
+        proof._install(program, leaves, replay)
+        return program
+
+    def _arguments(
+        self, values: list[Any], fixed: frozenset[int], leaves: list[Any], in_tree: Any
+    ) -> _Arguments:
+        """Step 1: which leaves belong to which dynamic argument, and which are donated."""
+        dynamic_positions = [i for i in range(len(values)) if i not in fixed]
+        donated: list[int] = []
+        start = 0
+        for position in dynamic_positions:
+            value = values[position]
+            size = len(jax.tree.leaves(value))
+            if position in self._donate:
+                donatable = getattr(value, "_zkdv_donatable", None)
+                if donatable is not None:
+                    # A donated TrainState (or Flax NNX object) lowers to parameter-only
+                    # donation.
+                    ids = {id(leaf) for leaf in donatable()}
+                    donated.extend(i for i in range(start, start + size) if id(leaves[i]) in ids)
+                else:
+                    donated.extend(range(start, start + size))
+            start += size
+        donated_set = frozenset(donated)
+        return _Arguments(
+            values=values,
+            dynamic_positions=dynamic_positions,
+            leaves=leaves,
+            in_tree=in_tree,
+            donated=tuple(donated),
+            kept=tuple(i for i in range(len(leaves)) if i not in donated_set),
+        )
+
+    def _production(
+        self, arguments: _Arguments, holder: dict[str, _Traced]
+    ) -> Callable[[tuple[Any, ...], tuple[Any, ...]], Any]:
+        """Step 2: the function JAX traces: the user's step plus the hidden values.
+
+        Tracing it fills ``holder["traced"]`` with what the trace learned.
+        """
+        proof = self._proof
+        signature = self._signature
+        trees = jax_trees()
+        leaves = arguments.leaves
+        count = len(leaves)
+        donated, kept = arguments.donated, arguments.kept
+        donated_set = frozenset(donated)
+        gathered = _replicated_sharding(leaves) if jax.process_count() > 1 else None
+
+        def production(donated_leaves: tuple[Any, ...], kept_leaves: tuple[Any, ...]) -> Any:
+            leaf_values: list[Any] = [None] * count
+            for i, position in enumerate(donated):
+                leaf_values[position] = donated_leaves[i]
+            for i, position in enumerate(kept):
+                leaf_values[position] = kept_leaves[i]
+            context = _context.TraceContext(proof, "production", leaf_values)
+            with _context.active(context):
+                result = signature.call(arguments.rebuild(leaf_values))
+            traced = self._registered(
+                context, leaf_values, donated_set, arguments.in_tree, arguments.values
+            )
+            hidden = (
+                traced.registration.deltas,
+                traced.registration.params_after,
+                traced.registration.opt_after,
+            )
+            scan = traced.registration.scan
+            if scan is not None:
+                # Several updates (zkdv.jax.scan): their batches were packed in the loop.
+                packed = scan.packed
+            else:
+                batch_leaves = (
+                    [leaf_values[i] for i in traced.batch_positions]
+                    if traced.registration.source != "transaction"
+                    else jax.tree.leaves(traced.registration.batch)
+                )
+                packed = traced.layout.pack(batch_leaves)
+            if gathered is not None:
+                # Rank 0 commits the global batch: all-gather it inside the step. The
+                # committed state keeps its input layouts, which _install checked are
+                # whole on every process, so rank 0 reads it without a collective.
+                packed = _constrain(packed, gathered)
+                param_layouts = [_layout(leaves[i], gathered) for i in traced.param_positions]
+                opt_layouts = [_layout(leaves[i], gathered) for i in traced.opt_positions]
+                hidden = (
+                    _pin(hidden[0], param_layouts, gathered),
+                    _pin(hidden[1], param_layouts, gathered),
+                    _pin(hidden[2], opt_layouts, gathered),
+                )
+            extra = [packed] if scan is None else [packed, *scan.stacked]
+            schema, flat = ResultSchema.build(
+                result, hidden, trees, delta_leaves=traced.delta_leaves, extra=extra
+            )
+            traced.schema = schema
+            holder["traced"] = traced
+            return tuple(flat)
+
+        return production
+
+    def _compile(
+        self,
+        production: Callable[[tuple[Any, ...], tuple[Any, ...]], Any],
+        arguments: _Arguments,
+        holder: dict[str, _Traced],
+    ) -> tuple[Any, Any]:
+        """Step 3: trace and compile with the user's ``jax.jit`` options and shardings.
+
+        Returns:
+            The jitted function and its compiled executable.
+        """
+        leaves, donated, kept = arguments.leaves, arguments.donated, arguments.kept
+        shardings = self._leaf_shardings(arguments.values, arguments.dynamic_positions, leaves)
+        options: dict[str, Any] = {
+            name: self._options[name] for name in _PASSTHROUGH if name in self._options
+        }
+        if shardings is not None:
+            options["in_shardings"] = (
+                tuple(shardings[i] for i in donated),
+                tuple(shardings[i] for i in kept),
+            )
+        donated_args = tuple(leaves[i] for i in donated)
+        kept_args = tuple(leaves[i] for i in kept)
+        donate_argnums = (0,) if donated else ()
+        jitted = jax.jit(production, donate_argnums=donate_argnums, **options)
+        lowered_from = jitted.trace(donated_args, kept_args)
+        out_shardings = self._options.get("out_shardings")
+        if out_shardings is not None:
+            # The flat output layout is known only after tracing; map the user's
+            # result shardings onto it and trace once more with them.
+            per_output = _output_shardings(out_shardings, holder["traced"].schema)
+            jitted = jax.jit(
+                production, donate_argnums=donate_argnums, out_shardings=per_output, **options
+            )
+            lowered_from = jitted.trace(donated_args, kept_args)
+        return jitted, lowered_from.lower().compile()
+
+    def _leaf_shardings(
+        self, values: list[Any], dynamic_positions: list[int], leaves: list[Any]
+    ) -> list[Any] | None:
+        in_shardings = self._options.get("in_shardings")
+        if in_shardings is None:
+            return None
+        if _is_sharding_leaf(in_shardings) and in_shardings is not None:
+            return [in_shardings] * len(leaves)
+        entries = list(in_shardings)
+        if len(entries) == len(values):
+            entries = [entries[i] for i in dynamic_positions]
+        if len(entries) > len(dynamic_positions):
+            raise ValueError(
+                f"ZKDV.jit in_shardings has {len(entries)} entries for "
+                f"{len(dynamic_positions)} dynamic arguments"
+            )
+        # Like jax.jit, entries name the leading dynamic parameters; arguments after
+        # them (typically passed by keyword) are left to the compiler.
+        entries += [None] * (len(dynamic_positions) - len(entries))
+        out: list[Any] = []
+        for entry, position in zip(entries, dynamic_positions, strict=True):
+            value = values[position]
+            if _is_sharding_leaf(entry):
+                out.extend([entry] * len(jax.tree.leaves(value)))
+            else:
+                broadcast = jax.tree.broadcast(entry, value, is_leaf=_is_sharding_leaf)
+                out.extend(jax.tree.leaves(broadcast, is_leaf=_is_sharding_leaf))
+        return out
+
+    def _registered(
+        self,
+        context: _context.TraceContext,
+        leaf_values: list[Any],
+        donated: frozenset[int],
+        in_tree: Any,
+        values: list[Any],
+    ) -> _Traced:
+        registration = context.registration
+        if registration is None:
+            raise ZKDVError(_messages.NO_TRANSACTION)
+        if not registration.completed:
+            raise ZKDVError(_context.UPDATE_MISSING)
+        trees = jax_trees()
+        try:
+            params = bind_input(leaf_values, registration.params_before, "params", trees)
+        except ValueError:
+            raise ZKDVError(_messages.NOT_AN_INPUT.format(name="params")) from None
+        try:
+            opt = bind_input(leaf_values, registration.opt_before, "opt_state", trees)
+        except ValueError:
+            raise ZKDVError(_messages.NOT_AN_INPUT.format(name="opt_state")) from None
+        if donated & set(opt.leaves):
+            raise ZKDVError(_messages.DONATED_OPT_STATE)
+        param_tree = jax.tree.structure(registration.params_before)
+        opt_tree = jax.tree.structure(registration.opt_before)
+        for name, value, like, want in (
+            ("deltas", registration.deltas, "params", param_tree),
+            ("params", registration.params_after, "params", param_tree),
+            ("opt_state", registration.opt_after, "opt_state", opt_tree),
+        ):
+            got: Any = jax.tree.structure(value)
+            if got != want:
+                raise ZKDVError(
+                    _messages.STRUCTURE.format(name=name, like=like, got=got, want=want)
+                )
+        state_positions = set(params.leaves) | set(opt.leaves)
+        batch_positions: tuple[int, ...] = ()
+        batch_tree = None
+        if registration.scan is not None:
+            # zkdv.jax.scan packed each update's batch inside the loop.
+            layout = registration.scan.layout
+        elif registration.source != "transaction":
+            batch_positions = tuple(i for i in range(len(leaf_values)) if i not in state_positions)
+            paths = leaf_paths(jax.tree.unflatten(in_tree, list(range(len(leaf_values)))), "args")
+            layout = BatchLayout.of(
+                [paths[i] for i in batch_positions], [leaf_values[i] for i in batch_positions]
+            )
+        else:
+            batch_tree = jax.tree.structure(registration.batch)
+            layout = BatchLayout.of(
+                leaf_paths(registration.batch, "batch"), jax.tree.leaves(registration.batch)
+            )
+        return _Traced(
+            registration=registration,
+            schema=None,  # type: ignore[arg-type]  # set right after
+            layout=layout,
+            param_positions=params.leaves,
+            opt_positions=opt.leaves,
+            batch_positions=batch_positions,
+            param_paths=leaf_paths(registration.params_before, "params"),
+            opt_paths=leaf_paths(registration.opt_before, "opt_state"),
+            param_tree=param_tree,
+            opt_tree=opt_tree,
+            batch_tree=batch_tree,
+            delta_leaves=len(jax.tree.leaves(registration.deltas)),
+        )
+
+    def _replay_builder(
+        self, values: list[Any], dynamic_positions: list[int], in_tree: Any
+    ) -> Callable[[_Traced], Callable[..., Any]]:
+        """The staged training function replayed up to its update boundary (contrib)."""
+        from zkdv.jax.contrib import TrainState
+
+        proof = self._proof
+        signature = self._signature
+
+        def build(traced: _Traced) -> Callable[..., Any]:
+            count = len(traced.param_positions) + len(traced.opt_positions)
+            count += len(traced.batch_positions)
+
+            def transition(
+                params: tuple[Any, ...], opt_state: tuple[Any, ...], batch: Any
+            ) -> tuple[Any, Any, Any]:
+                leaf_values: list[Any] = [None] * count
+                for position, value in zip(traced.param_positions, params, strict=True):
+                    leaf_values[position] = value
+                for position, value in zip(traced.opt_positions, opt_state, strict=True):
+                    leaf_values[position] = value
+                unpacked = traced.layout.unpack(batch)
+                for position, value in zip(traced.batch_positions, unpacked, strict=True):
+                    leaf_values[position] = value
+                dynamic = jax.tree.unflatten(in_tree, leaf_values)
+                full = list(values)
+                for position, value in zip(dynamic_positions, dynamic, strict=True):
+                    if isinstance(value, TrainState) and value.attest_apply_fn is not None:
+                        value = value.replace(apply_fn=value.attest_apply_fn)
+                    full[position] = value
+                context = _context.TraceContext(proof, "replay", leaf_values)
+                try:
+                    with _context.active(context), jax.enable_x64(False):
+                        signature.call(full)
+                except _context.Boundary as boundary:
+                    deltas, params_after, opt_after = boundary.values
+                    return (
+                        tuple(jax.tree.leaves(deltas)),
+                        tuple(jax.tree.leaves(params_after)),
+                        tuple(jax.tree.leaves(opt_after)),
+                    )
+                raise ZKDVError("replay of the staged training step never reached apply_gradients")
+
+            return transition
+
+        return build
+
+    # -- jax.jit compatibility ------------------------------------------------------------
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """Not supported: a proof.jit step is compiled by its first call."""
+        raise ZKDVError("proof.jit functions are compiled by their first call; call the step")
+
+
+def _flops(compiled: Any) -> float | None:
+    try:
+        analysis = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - cost analysis is optional on some backends
+        return None
+    if isinstance(analysis, list | tuple):
+        analysis = analysis[0] if analysis else None
+    if not analysis:
+        return None
+    flops = analysis.get("flops")
+    return None if flops is None or flops < 0 else float(flops)

@@ -1,0 +1,279 @@
+"""One ``proof.jit`` invocation as the shared pipeline sees it.
+
+:class:`_Step` implements :class:`~zkdv.driver.protocol.Submission` over a host
+commitment path (state read to the host on the commit thread); :class:`_DeviceStep`
+over the device path (chunk roots and probes dispatched on the device, only digests
+read back). Both read and write the run's bookkeeping through their proof (snapshots,
+batches kept for replays, the transfer log).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from zkdv.driver import Leaves, ReplayOutcome, Submission
+from zkdv.driver.pipeline import State
+from zkdv.jax._device import DeviceCommitter
+from zkdv.jax._program import _Program
+from zkdv.merkle import StateCommitment
+from zkdv.overlap import Policy
+from zkdv.probes import ProbeSet
+from zkdv.sampling import Challenge
+
+if TYPE_CHECKING:
+    from zkdv.jax._driver import ZKDV
+
+__all__ = ["_DeviceStep", "_Step"]
+
+
+def _select(views: Sequence[np.ndarray], flat_index: int) -> float:
+    offset = 0
+    for view in views:
+        if flat_index < offset + view.size:
+            return float(view.reshape(-1)[flat_index - offset])
+        offset += view.size
+    return 0.0
+
+
+class _Step(Submission):
+    """One dispatched proof.jit invocation, as the driver pipeline sees it."""
+
+    def __init__(
+        self,
+        proof: ZKDV,
+        program: _Program,
+        index: int,
+        policy: Policy,
+        outputs: Sequence[Any],
+        host_pre: tuple[list[np.ndarray], list[np.ndarray]] | None,
+        snapshot: tuple[list[Any], list[Any]] | None,
+    ) -> None:
+        traced = program.traced
+        nd = traced.delta_leaves
+        nparams = len(traced.param_positions)
+        self.proof = proof
+        self.program = program
+        self.index = index
+        self.policy = policy
+        self.flops = program.flops
+        self._deltas: list[Any] | None = list(outputs[:nd])
+        self._params: list[Any] | None = list(outputs[nd : nd + nparams])
+        self._opt: list[Any] | None = list(outputs[nd + nparams : traced.schema.hidden_leaves])
+        self._packed: Any = outputs[traced.schema.hidden_leaves]
+        self._batch: np.ndarray | None = None
+        self._host_pre = host_pre
+        self._snapshot_source = snapshot
+        self._views: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]] | None = None
+
+    # The driver reads ``snapshot`` on the commit thread and then clears it; reading
+    # host views here, not on the training thread, keeps the training thread unblocked.
+    @property
+    def snapshot(self) -> tuple[Leaves, Leaves, Leaves] | None:
+        source = self._snapshot_source
+        if source is None:
+            return None
+        traced = self.program.traced
+        return (
+            list(zip(traced.param_paths, [np.asarray(a) for a in source[0]], strict=True)),
+            list(zip(traced.opt_paths, [np.asarray(a) for a in source[1]], strict=True)),
+            [],
+        )
+
+    @snapshot.setter
+    def snapshot(self, value: Any) -> None:
+        if (
+            value is None
+            and self._snapshot_source is not None
+            and not self.proof.runtime.keep_files
+        ):
+            self.proof._snapshot_done(self.index)
+        self._snapshot_source = None if value is None else self._snapshot_source
+
+    def snapshot_written(self) -> None:
+        self.proof._snapshot_done(self.index)
+
+    def initial_state(self) -> tuple[State, State, State]:
+        assert self._host_pre is not None
+        traced = self.program.traced
+        params, opt = self._host_pre
+        return (
+            list(zip(traced.param_paths, params, strict=True)),
+            list(zip(traced.opt_paths, opt, strict=True)),
+            [],
+        )
+
+    def batch(self) -> np.ndarray:
+        if self._batch is None:
+            self._batch = np.asarray(self.proof._log.fetch(self.index, "batch", self._packed))
+            self._packed = None
+            self.proof._keep_batch(self.index, self._batch)
+            if self._host_pre is not None and self.index > 0:
+                self.proof._verify_continuity(self.index, self._host_pre)
+        return self._batch
+
+    def post_state(self) -> tuple[State, State, State]:
+        assert self._params is not None and self._opt is not None and self._deltas is not None
+        traced = self.program.traced
+        params = [np.asarray(leaf) for leaf in self._params]
+        opt = [np.asarray(leaf) for leaf in self._opt]
+        deltas = [np.asarray(leaf) for leaf in self._deltas]
+        self._views = (params, opt, deltas)
+        self.proof._log.add(
+            self.index, "state", sum(a.nbytes for tree in self._views for a in tree)
+        )
+        return (
+            list(zip(traced.param_paths, params, strict=True)),
+            list(zip(traced.opt_paths, opt, strict=True)),
+            [],
+        )
+
+    def probes(
+        self, probes: ProbeSet
+    ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+        assert self._views is not None
+        params, _, deltas = self._views
+        post = probes.project_all(params)
+        delta = probes.project_all(deltas)
+        if self._host_pre is not None:
+            pre = probes.project_all(self._host_pre[0])
+        else:
+            # The inputs were the previous step's outputs (checked by identity), so
+            # their probe is the previous post-update probe.
+            previous = self.proof._last_post_probe
+            assert previous is not None
+            pre = previous
+        self.proof._last_post_probe = post
+        return pre, post, delta
+
+    def capture(self, challenge: Challenge) -> tuple[float, float]:
+        assert self._views is not None
+        _, opt, deltas = self._views
+        self.proof._expect_check(challenge.step)
+        return _select(deltas, challenge.param_index), _select(opt, challenge.state_index)
+
+    def release_views(self) -> None:
+        self._views = None
+        self._deltas = self._params = self._opt = None
+        self._host_pre = None
+        self.proof._committed(self.index)
+
+    def replay(self, challenge: Challenge) -> ReplayOutcome:
+        return self.proof._replay(challenge)
+
+    def retire(self) -> None:
+        self.release_views()
+        self._snapshot_source = None
+        self.proof._retired(self.index)
+
+
+class _DeviceStep(_Step):
+    """A step whose commitments were dispatched on the device (``commitments='device'``).
+
+    The training thread dispatched the chunk roots and probes of the post-update state
+    (and, when the inputs do not continue the previous step, of the pre-update state)
+    right after the step; the commit stage reads back only those digests and probes,
+    the batch, and the two challenged values. The state itself reaches the host only
+    through replay snapshots (:class:`~zkdv.jax._device.SnapshotPool`).
+    """
+
+    def __init__(
+        self,
+        proof: ZKDV,
+        program: _Program,
+        index: int,
+        policy: Policy,
+        outputs: Sequence[Any],
+        snapshot: tuple[list[Any], list[Any]] | None,
+        pre: tuple[Any, Any, Any, tuple[Any, Any]] | None,
+        post: tuple[Any, Any, Any, Any, tuple[Any, Any]],
+    ) -> None:
+        super().__init__(proof, program, index, policy, outputs, None, snapshot)
+        self._pre = pre
+        self._post: tuple[Any, Any, Any, Any, tuple[Any, Any]] | None = post
+
+    @property
+    def snapshot(self) -> tuple[Leaves, Leaves, Leaves] | None:
+        source = self._snapshot_source
+        if source is None:
+            return None
+        traced = self.program.traced
+        # Host-memory arrays: an explicit read, and no device transfer (counted when
+        # the copy was launched).
+        params, opt = jax.device_get((source[0], source[1]))
+        return (
+            list(zip(traced.param_paths, [np.asarray(a) for a in params], strict=True)),
+            list(zip(traced.opt_paths, [np.asarray(a) for a in opt], strict=True)),
+            [],
+        )
+
+    @snapshot.setter
+    def snapshot(self, value: Any) -> None:
+        _Step.snapshot.fset(self, value)  # type: ignore[attr-defined]
+
+    def _device(self) -> DeviceCommitter:
+        device = self.proof._device
+        assert device is not None
+        return device
+
+    def initial_state(self) -> tuple[StateCommitment, StateCommitment, Leaves]:
+        assert self._pre is not None
+        params, opt, _, (param_specs, opt_specs) = self._pre
+        device = self._device()
+        return (
+            device.commitment(self.index, param_specs, params),
+            device.commitment(self.index, opt_specs, opt),
+            [],
+        )
+
+    def batch(self) -> np.ndarray:
+        if self._batch is None:
+            self._batch = np.asarray(self.proof._log.fetch(self.index, "batch", self._packed))
+            self._packed = None
+            self.proof._keep_batch(self.index, self._batch)
+            if self._pre is not None and self.index > 0:
+                params, opt, _ = self.initial_state()
+                self.proof._check_continuity(self.index, params.root, opt.root)
+        return self._batch
+
+    def post_state(self) -> tuple[StateCommitment, StateCommitment, Leaves]:
+        assert self._post is not None
+        params, opt, _, _, (param_specs, opt_specs) = self._post
+        device = self._device()
+        return (
+            device.commitment(self.index, param_specs, params),
+            device.commitment(self.index, opt_specs, opt),
+            [],
+        )
+
+    def probes(
+        self, probes: ProbeSet
+    ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+        assert self._post is not None
+        device = self._device()
+        post = device.probe_values(self.index, self._post[2])
+        delta = device.probe_values(self.index, self._post[3])
+        if self._pre is not None:
+            pre = device.probe_values(self.index, self._pre[2])
+        else:
+            previous = self.proof._last_post_probe
+            assert previous is not None
+            pre = previous
+        self.proof._last_post_probe = post
+        return pre, post, delta
+
+    def capture(self, challenge: Challenge) -> tuple[float, float]:
+        assert self._deltas is not None and self._opt is not None
+        self.proof._expect_check(challenge.step)
+        device = self._device()
+        return (
+            device.element(self.index, self._deltas, challenge.param_index),
+            device.element(self.index, self._opt, challenge.state_index),
+        )
+
+    def release_views(self) -> None:
+        self._pre = self._post = None
+        super().release_views()
