@@ -29,12 +29,9 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from attestations import replay, uploads
-from attestations.exceptions import (
-    ConflictError,
-    LengthRequiredError,
-    NotFoundError,
-)
+from attestations import replay
+from attestations.core.errors import ConflictError, NotFoundError
+from attestations.exceptions import LengthRequiredError
 from attestations.filters import BigInt, QueryFilters
 from attestations.models import (
     ApiKey,
@@ -83,6 +80,7 @@ from attestations.serializers import (
     UploadSerializer,
     active_user,
 )
+from attestations.uploads import services as uploads
 
 #: A proof's jobs, with what their serializer reads, in one query per page.
 JOBS = Prefetch("jobs", queryset=Job.objects.select_related("organization"))

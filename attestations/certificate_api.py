@@ -41,7 +41,7 @@ from attestations.certificate_models import (
     LogEntry,
     TrustRootVersion,
 )
-from attestations.exceptions import DVBenchError, InvalidRequestError, NotFoundError
+from attestations.core.errors import InvalidRequestError, NotFoundError, UnavailableError
 from attestations.filters import BigInt, QueryFilters
 from attestations.models import Capability, Proof, api_datetime
 from attestations.pagination import CursorPage
@@ -49,9 +49,8 @@ from attestations.permissions import HasCapability, get_access
 from dvbench.attest import KeyConfigurationError
 
 
-class SigningUnavailableError(DVBenchError):
-    status_code = 503
-    default_detail = "The platform's signing key is not usable."
+class SigningUnavailableError(UnavailableError):
+    default_message = "The platform's signing key is not usable."
     default_code = "signing_unavailable"
 
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from attestations.exceptions import ConflictError, InvalidRequestError
+from attestations.core.errors import ConflictError, InvalidRequestError
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AnonymousUser, User

@@ -1,42 +1,40 @@
-"""The API's errors, and the one format every error response has.
+"""Where the platform's errors meet HTTP: one status per kind, and one error body.
 
-Every error is an :class:`~rest_framework.exceptions.APIException` subclass carrying its
-HTTP status and a stable machine ``code``; views raise, and :func:`exception_handler`
-renders::
+Models and services raise the domain errors of ``attestations.core.errors`` (and each
+app's ``errors.py``), which know nothing of HTTP. :data:`STATUS_CODES` is the one place a
+kind of error gets its status, and :func:`exception_handler` (DRF's
+``EXCEPTION_HANDLER``) renders every error, ours and DRF's, as::
 
-    {"error": {"code": "part_digest_mismatch",
-               "message": "part 2: expected sha256 ab12…, got 9f3c…",
-               "field": "X-Part-SHA256",
-               "detail": {"expected": "ab12…", "got": "9f3c…"}},
-     "request_id": "5b0e…"}
+    {"error": {"code", "message", "field", "detail"}, "request_id"}
 
-``field`` names the request field, header or transcript field at fault (or is null);
-``detail`` carries machine-readable particulars (or is null).
+Tree (the status is the kind's; the codes are examples)::
 
-Tree::
-
-    APIException (DRF)
-    └── DVBenchError
-        ├── InvalidRequestError (400)        invalid, invalid_filter, empty_part, …
-        │   ├── DigestMismatchError          part_digest_mismatch / blob_digest_mismatch
-        │   ├── RoleNotAllowedError          role_not_allowed
-        │   └── TooDeepError                 too_deep
-        ├── NotFoundError (404)              not_found, does_not_exist
-        ├── ConflictError (409)
-        │   ├── UploadNotOpenError           upload_not_open
-        │   ├── MissingPartsError            missing_parts / size_mismatch (at completion)
-        │   ├── SizeExceededError            size_exceeded
-        │   ├── LastAdminError               last_admin
-        │   ├── RegulatorConflictError       regulator_conflict
-        │   ├── AgencyMembersError           agency_members
-        │   ├── InvitationRequiredError      invitation_required
-        │   ├── AlreadyMemberError           already_member
-        │   ├── InvitationClosedError        invitation_closed
-        │   └── TooManyProofsError           too_many_proofs
-        ├── LengthRequiredError (411)        length_required
-        ├── PayloadTooLargeError (413)       part_too_large / blob_too_large
-        └── TranscriptRejectedError (422)    experiment_mismatch / spec_mismatch /
-                                             framework_mismatch / experiment_missing
+    DVBenchError (attestations.core.errors)
+    ├── InvalidRequestError (400)        invalid, invalid_filter, empty_part, …
+    │   ├── DigestMismatchError          part_digest_mismatch / blob_digest_mismatch
+    │   ├── RoleNotAllowedError          role_not_allowed
+    │   ├── ArtifactRejectedError        invalid_name, duplicate_name, blob_not_found, …
+    │   └── TooDeepError                 too_deep
+    ├── NotFoundError (404)              not_found, does_not_exist, invalid_cursor
+    ├── ConflictError (409)
+    │   ├── UploadNotOpenError           upload_not_open
+    │   ├── MissingPartsError            missing_parts / size_mismatch (at completion)
+    │   ├── SizeExceededError            size_exceeded
+    │   ├── LastAdminError               last_admin
+    │   ├── RegulatorConflictError       regulator_conflict
+    │   ├── AgencyMembersError           agency_members
+    │   ├── InvitationRequiredError      invitation_required
+    │   ├── AlreadyMemberError           already_member
+    │   ├── InvitationClosedError        invitation_closed
+    │   ├── TooManyProofsError           too_many_proofs
+    │   └── ArtifactConflictError        artifact_conflict
+    ├── LengthRequiredError (411)        length_required
+    ├── PayloadTooLargeError (413)       part_too_large / blob_too_large
+    ├── UnprocessableError (422)
+    │   ├── TranscriptRejectedError      experiment_mismatch / spec_mismatch /
+    │   │                                framework_mismatch / experiment_missing
+    │   └── ArtifactMismatchError        program_mismatch, snapshot_mismatch, …
+    └── UnavailableError (503)           signing_unavailable
 """
 
 from __future__ import annotations
@@ -51,59 +49,28 @@ from django.http import Http404
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
+from rest_framework.views import set_rollback
+
+from attestations.core.errors import (
+    ConflictError,
+    DVBenchError,
+    InvalidRequestError,
+    NotFoundError,
+    PayloadTooLargeError,
+    UnavailableError,
+    UnprocessableError,
+)
 
 log = logging.getLogger(__name__)
 
 
-class DVBenchError(exceptions.APIException):
-    """Base of the platform's own errors.
+class LengthRequiredError(DVBenchError):
+    """A request body of unknown length (chunked) where the API needs its length first."""
 
-    Args:
-        message: Human-readable sentence; defaults to ``default_detail``.
-        code: Machine code; defaults to ``default_code``.
-        field: The request field or header at fault.
-        detail: Machine-readable particulars (expected and got values, limits).
-    """
-
-    status_code: int = status.HTTP_400_BAD_REQUEST
-    default_detail = "The request could not be processed."
-    default_code = "invalid"
-
-    def __init__(
-        self,
-        message: str | None = None,
-        *,
-        code: str | None = None,
-        field: str | None = None,
-        detail: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(message or self.default_detail, code or self.default_code)
-        self.error_code = code or self.default_code
-        self.field = field
-        self.extra = detail
-
-
-class InvalidRequestError(DVBenchError):
-    default_detail = "The request is invalid."
-    default_code = "invalid"
-
-
-class DigestMismatchError(InvalidRequestError):
-    default_code = "digest_mismatch"
-
-    def __init__(self, what: str, expected: str, got: str, *, code: str, field: str) -> None:
-        super().__init__(
-            f"{what}: expected sha256 {expected}, got {got}",
-            code=code,
-            field=field,
-            detail={"expected": expected, "got": got},
-        )
-
-
-class RoleNotAllowedError(InvalidRequestError):
-    """A role the organisation's kind does not have (regulator in a lab, say)."""
-
-    default_code = "role_not_allowed"
+    default_message = (
+        "Send the part with a Content-Length header (chunked bodies are not accepted)."
+    )
+    default_code = "length_required"
 
 
 class TooDeepError(InvalidRequestError):
@@ -112,88 +79,25 @@ class TooDeepError(InvalidRequestError):
     default_code = "too_deep"
 
 
-class NotFoundError(DVBenchError):
-    status_code = status.HTTP_404_NOT_FOUND
-    default_detail = "Not found."
-    default_code = "not_found"
+#: The HTTP status of each kind of domain error, most specific first: the one place a
+#: domain error meets HTTP. A kind not listed (the bare base) is a 400.
+STATUS_CODES: tuple[tuple[type[DVBenchError], int], ...] = (
+    (InvalidRequestError, status.HTTP_400_BAD_REQUEST),
+    (NotFoundError, status.HTTP_404_NOT_FOUND),
+    (ConflictError, status.HTTP_409_CONFLICT),
+    (LengthRequiredError, status.HTTP_411_LENGTH_REQUIRED),
+    (PayloadTooLargeError, status.HTTP_413_REQUEST_ENTITY_TOO_LARGE),
+    (UnprocessableError, status.HTTP_422_UNPROCESSABLE_ENTITY),
+    (UnavailableError, status.HTTP_503_SERVICE_UNAVAILABLE),
+)
 
 
-class ConflictError(DVBenchError):
-    status_code = status.HTTP_409_CONFLICT
-    default_detail = "The request conflicts with the current state."
-    default_code = "conflict"
-
-
-class UploadNotOpenError(ConflictError):
-    default_code = "upload_not_open"
-
-
-class MissingPartsError(ConflictError):
-    """Completion of an upload whose parts are not all there yet: send them, then retry."""
-
-    default_code = "missing_parts"
-
-
-class SizeExceededError(ConflictError):
-    """A part that would make the upload larger than its declared size."""
-
-    default_code = "size_exceeded"
-
-
-class LastAdminError(ConflictError):
-    default_code = "last_admin"
-
-
-class RegulatorConflictError(ConflictError):
-    """A regulator joining a lab, or a lab member an agency."""
-
-    default_code = "regulator_conflict"
-
-
-class AgencyMembersError(ConflictError):
-    """An agency's membership is changed through the API (only the operator changes it)."""
-
-    default_code = "agency_members"
-
-
-class InvitationRequiredError(ConflictError):
-    """Someone who is not a member joins only by accepting an invitation."""
-
-    default_code = "invitation_required"
-
-
-class AlreadyMemberError(ConflictError):
-    default_code = "already_member"
-
-
-class InvitationClosedError(ConflictError):
-    """An invitation already accepted, declined, revoked or expired."""
-
-    default_code = "invitation_closed"
-
-
-class TooManyProofsError(ConflictError):
-    """The experiment holds as many proofs as ``DVBENCH_MAX_PROOFS_PER_EXPERIMENT`` allows."""
-
-    default_code = "too_many_proofs"
-
-
-class LengthRequiredError(DVBenchError):
-    status_code = status.HTTP_411_LENGTH_REQUIRED
-    default_detail = "Send the part with a Content-Length header (chunked bodies are not accepted)."
-    default_code = "length_required"
-
-
-class PayloadTooLargeError(DVBenchError):
-    status_code = status.HTTP_413_REQUEST_ENTITY_TOO_LARGE
-    default_detail = "The request body is too large."
-    default_code = "too_large"
-
-
-class TranscriptRejectedError(DVBenchError):
-    status_code = status.HTTP_422_UNPROCESSABLE_ENTITY
-    default_detail = "The transcript was rejected."
-    default_code = "transcript_rejected"
+def status_of(error: type[DVBenchError]) -> int:
+    """The HTTP status of a kind of domain error (:data:`STATUS_CODES`)."""
+    for kind, code in STATUS_CODES:
+        if issubclass(error, kind):
+            return code
+    return status.HTTP_400_BAD_REQUEST
 
 
 def _first_error(detail: Any, path: str = "") -> tuple[str | None, str, str]:
@@ -224,7 +128,13 @@ def error_body(
 
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
-    """DRF's handler (for status and headers), then the body rewritten into our format."""
+    """Render every error in the one format.
+
+    Domain errors get the status of their kind (:func:`status_of`); DRF's own errors go
+    through DRF's handler (for their status and headers) and have their body rewritten.
+    Django's and the database's errors that can only be the request's fault become
+    domain errors first.
+    """
     if isinstance(exc, Http404):
         exc = NotFoundError()
     elif isinstance(exc, DjangoPermissionDenied):
@@ -257,20 +167,19 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         # A model field refusing a value the URL or filter let through (a malformed UUID
         # in a path): the request is wrong, not the server.
         exc = InvalidRequestError(" ".join(exc.messages) or None, detail={"errors": exc.messages})
-    response = drf_exception_handler(exc, context)
-    if response is None:
-        return None
     request = context.get("request")
     request_id = getattr(request, "request_id", None) if request is not None else None
     if isinstance(exc, DVBenchError):
+        # As DRF does for the errors it handles: a view's atomic block is rolled back.
+        set_rollback()
         body = error_body(
-            exc.error_code,
-            str(exc.detail),
-            field=exc.field,
-            detail=exc.extra,
-            request_id=request_id,
+            exc.error_code, exc.message, field=exc.field, detail=exc.detail, request_id=request_id
         )
-    elif isinstance(exc, exceptions.ValidationError):
+        return Response(body, status=status_of(type(exc)))
+    response = drf_exception_handler(exc, context)
+    if response is None:
+        return None
+    if isinstance(exc, exceptions.ValidationError):
         field, message, code = _first_error(exc.detail)
         message = f"{field}: {message}" if field else message
         body = error_body(

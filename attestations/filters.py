@@ -11,7 +11,7 @@ from django.utils.dateparse import parse_date, parse_datetime
 from rest_framework.filters import BaseFilterBackend
 from rest_framework.request import Request
 
-from attestations.exceptions import InvalidRequestError
+from attestations.core.errors import InvalidRequestError
 
 
 class BigInt(int):

@@ -215,14 +215,14 @@ class Membership(models.Model):
         """Model validation (the Django admin's path): the role and lab/agency rules."""
         from django.core.exceptions import ValidationError
 
-        from attestations.exceptions import DVBenchError
+        from attestations.core.errors import DVBenchError
 
         if not (self.organization_id and self.user_id):
             return  # Django reports the missing field itself
         try:
             check_role(self.organization, self.user, self.role)
         except DVBenchError as error:
-            raise ValidationError({"role": str(error.detail)}) from None
+            raise ValidationError({"role": error.message}) from None
 
     @classmethod
     def change_role(
@@ -242,7 +242,7 @@ class Membership(models.Model):
             RoleNotAllowedError: the role is not one this organisation's members hold.
             LastAdminError: the change would leave the lab with no admin.
         """
-        from attestations.exceptions import InvitationRequiredError
+        from attestations.accounts.errors import InvitationRequiredError
 
         _not_an_agency(organization)
         with transaction.atomic():
@@ -291,7 +291,7 @@ class Membership(models.Model):
             RoleNotAllowedError, RegulatorConflictError: see :func:`check_role`.
             AlreadyMemberError: ``user`` is a member already.
         """
-        from attestations.exceptions import AlreadyMemberError
+        from attestations.accounts.errors import AlreadyMemberError
 
         with transaction.atomic():
             _lock_user(user)
@@ -339,7 +339,7 @@ def check_role(organization: Organization, user: User, role: str, *, joining: bo
         RoleNotAllowedError: a regulator in a lab, or anything but a regulator in an agency.
         RegulatorConflictError: a regulator joining a lab, or a lab member an agency.
     """
-    from attestations.exceptions import RegulatorConflictError, RoleNotAllowedError
+    from attestations.accounts.errors import RegulatorConflictError, RoleNotAllowedError
 
     allowed = organization.roles_allowed()
     if role not in allowed:
@@ -385,7 +385,7 @@ def check_role(organization: Organization, user: User, role: str, *, joining: bo
 
 def _not_an_agency(organization: Organization) -> None:
     """Agencies are not managed through invitations or role changes: the operator's alone."""
-    from attestations.exceptions import AgencyMembersError
+    from attestations.accounts.errors import AgencyMembersError
 
     if organization.is_agency:
         raise AgencyMembersError(
@@ -397,7 +397,7 @@ def _not_an_agency(organization: Organization) -> None:
 
 def _keep_an_admin(organization: Organization, *, leaving: Membership) -> None:
     """Refuse to demote or remove a lab's last admin (the lab could never be managed again)."""
-    from attestations.exceptions import LastAdminError
+    from attestations.accounts.errors import LastAdminError
 
     if organization.is_agency:
         return
@@ -492,7 +492,7 @@ class Invitation(models.Model):
             RoleNotAllowedError, RegulatorConflictError: see :func:`check_role`.
             AlreadyMemberError: ``user`` is a member already (change their role instead).
         """
-        from attestations.exceptions import AlreadyMemberError
+        from attestations.accounts.errors import AlreadyMemberError
 
         ttl = timedelta(days=dvbench_int("INVITATION_TTL_DAYS"))
         _not_an_agency(organization)
@@ -541,7 +541,7 @@ class Invitation(models.Model):
         return invitation, created
 
     def _respond(self, status: str, *, actor: User | None, ip: str | None) -> None:
-        from attestations.exceptions import InvitationClosedError
+        from attestations.accounts.errors import InvitationClosedError
 
         updated = Invitation.objects.filter(
             pk=self.pk, status=InvitationStatus.PENDING, expires__gt=timezone.now()

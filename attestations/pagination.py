@@ -18,7 +18,7 @@ from rest_framework.exceptions import NotFound
 from rest_framework.pagination import Cursor, CursorPagination
 from rest_framework.request import Request
 
-from attestations.exceptions import InvalidRequestError, NotFoundError
+from attestations.core.errors import InvalidRequestError, NotFoundError
 
 #: The largest value of a 64-bit integer column.
 INT64_MAX = 2**63 - 1

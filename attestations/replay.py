@@ -45,7 +45,11 @@ from django.db import transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
-from attestations.exceptions import DVBenchError
+from attestations.challenges.errors import (
+    ArtifactConflictError,
+    ArtifactMismatchError,
+    ArtifactRejectedError,
+)
 from attestations.models import (
     CHALLENGE_FINAL,
     DUPLICATE_TRANSCRIPT,
@@ -406,28 +410,6 @@ def draw(proof: Proof, *, policy: ChallengePolicy | None = None) -> list[Challen
 # --- Answering ----------------------------------------------------------------------------
 
 
-class ArtifactRejectedError(DVBenchError):
-    """An attached file that cannot be accepted; nothing of the request is stored.
-
-    400 for a malformed list, 409 for a name already attached with other bytes, 422 for
-    a file that does not match what the transcript commits for it.
-    """
-
-    default_code = "artifact_rejected"
-
-    def __init__(
-        self,
-        code: str,
-        message: str,
-        *,
-        field: str,
-        status: int = 400,
-        detail: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(message, code=code, field=field, detail=detail)
-        self.status_code = status
-
-
 @dataclass(frozen=True)
 class FileClaim:
     """One file of an artifact list: ``{name, kind, sha256, size}``."""
@@ -451,21 +433,21 @@ def check_name(name: str, kind: str, position: int) -> str:
         or any(part in ("", ".", "..") for part in name.split("/"))
     ):
         raise ArtifactRejectedError(
-            "invalid_name",
             f"{where}: {name!r} is not a relative path inside the proof directory",
+            code="invalid_name",
             field=where,
         )
     if kind not in (ArtifactKind.SNAPSHOT, ArtifactKind.BATCH, ArtifactKind.ARTIFACT):
         raise ArtifactRejectedError(
-            "invalid_kind",
             f"files[{position}].kind: {kind!r} cannot be attached; expected one of "
             "artifact, snapshot, batch (the transcript is the proof itself)",
+            code="invalid_kind",
             field=f"files[{position}].kind",
         )
     if not _in_layout(name, kind):
         raise ArtifactRejectedError(
-            "invalid_name",
             f"{where}: {name!r} is not where zkdv writes a file of kind {kind!r}",
+            code="invalid_name",
             field=where,
         )
     return name
@@ -603,16 +585,18 @@ def attach(
         The proof's artifacts named in the request, and how many were newly stored.
 
     Raises:
-        ArtifactRejectedError: the first bad file; nothing was stored.
+        ArtifactRejectedError, ArtifactConflictError, ArtifactMismatchError: the first
+            bad file (a malformed list, a name attached with other bytes, a file that
+            does not match its commitment); nothing was stored.
     """
     names_seen: dict[str, int] = {}
     for position, claim in enumerate(claims):
         check_name(claim.name, claim.kind, position)
         if claim.name in names_seen:
             raise ArtifactRejectedError(
-                "duplicate_name",
                 f"files[{position}].name: {claim.name!r} is listed twice "
                 f"(also files[{names_seen[claim.name]}])",
+                code="duplicate_name",
                 field=f"files[{position}].name",
             )
         names_seen[claim.name] = position
@@ -625,21 +609,20 @@ def attach(
         blob = blobs[claim.sha256]
         if blob.size != claim.size:
             raise ArtifactRejectedError(
-                "size_mismatch",
                 f"files[{position}].size: {claim.name} declares {claim.size} bytes; the stored "
                 f"blob sha256:{claim.sha256} has {blob.size}",
+                code="size_mismatch",
                 field=f"files[{position}].size",
                 detail={"expected": blob.size, "got": claim.size},
             )
         known = existing.get(claim.name)
         if known is not None:
             if known.sha256 != claim.sha256:
-                raise ArtifactRejectedError(
-                    "artifact_conflict",
+                raise ArtifactConflictError(
                     f"files[{position}]: {claim.name} is already attached to proof {proof.pk} "
                     f"with sha256 {known.sha256}; a proof's files never change",
+                    code="artifact_conflict",
                     field=f"files[{position}].sha256",
-                    status=409,
                     detail={"attached": known.sha256, "got": claim.sha256},
                 )
             continue
@@ -650,11 +633,10 @@ def attach(
             # when the certificate is issued, should the proof not be verified yet).
             problem_text = check_weights(proof, claim.name, blob.storage_name, blob.size)
             if problem_text is not None:
-                raise ArtifactRejectedError(
-                    "model_mismatch",
+                raise ArtifactMismatchError(
                     f"files[{position}]: {problem_text}",
+                    code="model_mismatch",
                     field=f"files[{position}].sha256",
-                    status=422,
                     detail={"file": claim.name},
                 )
         if claim.name in needed or claim.name.startswith("program."):
@@ -664,11 +646,10 @@ def attach(
                 problem = _commitment_check(index, claim.name, handle.read())
             if problem is not None:
                 code, message, detail = problem
-                raise ArtifactRejectedError(
-                    code,
+                raise ArtifactMismatchError(
                     f"files[{position}]: {message}",
+                    code=code,
                     field=f"files[{position}].sha256",
-                    status=422,
                     detail=detail,
                 )
         fresh.append(
@@ -712,9 +693,9 @@ def _owned_blobs(proof: Proof, claims: Sequence[FileClaim]) -> dict[str, Blob]:
     for position, claim in enumerate(claims):
         if claim.sha256 not in owned:
             raise ArtifactRejectedError(
-                "blob_not_found",
                 f"files[{position}].sha256: no completed upload of {proof.experiment.owner.slug} "
                 f"has sha256 {claim.sha256} ({claim.name}); upload it first",
+                code="blob_not_found",
                 field=f"files[{position}].sha256",
             )
     return owned

@@ -28,7 +28,7 @@ from rest_framework.views import APIView
 
 from attestations import data_queries, reports
 from attestations.claims import compute_claims
-from attestations.exceptions import NotFoundError
+from attestations.core.errors import NotFoundError
 from attestations.models import Access, Capability, Proof, client_ip
 from attestations.permissions import HasCapability, get_access, require
 from attestations.serializers import StrictIntegerField

@@ -35,7 +35,7 @@ from attestations.models import (
     api_datetime,
 )
 from attestations.permissions import require
-from attestations.uploads import max_part_bytes
+from attestations.uploads.services import max_part_bytes
 
 #: The largest value a 64-bit signed integer column (ids, counts) holds.
 INT64_MAX = 2**63 - 1
@@ -236,7 +236,7 @@ def active_user(username: str) -> Any:
     Raises:
         NotFoundError: nobody by that name (404 ``unknown_user``, field ``username``).
     """
-    from attestations.exceptions import NotFoundError
+    from attestations.core.errors import NotFoundError
 
     user = get_user_model().objects.filter(username=username, is_active=True).first()
     if user is None:
@@ -423,7 +423,7 @@ def visible_organization(request: Any, slug: str, capability: str) -> Organizati
         NotFoundError: no such organisation, or out of sight.
         PermissionDenied: visible, but the role lacks ``capability`` (403).
     """
-    from attestations.exceptions import NotFoundError
+    from attestations.core.errors import NotFoundError
     from attestations.permissions import get_access
 
     organization = Organization.objects.filter(slug=slug).first()
@@ -507,7 +507,7 @@ class ExperimentRegistration(serializers.Serializer[Any]):
         # an organisation out of sight is the same 404 as one that does not exist.
         attrs["owner"] = visible_organization(request, attrs["owner"], Capability.WRITE)
         if Experiment.objects.filter(owner=attrs["owner"], name=attrs["name"]).exists():
-            from attestations.exceptions import ConflictError
+            from attestations.core.errors import ConflictError
 
             raise ConflictError(
                 f"{attrs['owner'].slug}/{attrs['name']} is already registered.",

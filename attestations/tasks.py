@@ -104,7 +104,7 @@ def expire_uploads() -> int:
 
     Idempotent: an upload already expired is no longer open and is not touched again.
     """
-    from attestations import uploads
+    from attestations.uploads import services as uploads
 
     return uploads.expire_stale()
 

@@ -20,7 +20,7 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_http_methods, require_POST
 
 from attestations import replay
-from attestations.exceptions import DVBenchError
+from attestations.core.errors import DVBenchError
 from attestations.forms import ApiKeyForm, ExperimentForm, InviteForm, RoleForm, SpecForm
 from attestations.models import (
     LAB_ROLE_CHOICES,
@@ -379,7 +379,7 @@ def organization(request: HttpRequest, slug: str) -> HttpResponse:
                     ip=client_ip(request.META),
                 )
             except DVBenchError as error:
-                form.add_error("role" if error.field == "role" else "username", str(error.detail))
+                form.add_error("role" if error.field == "role" else "username", error.message)
             else:
                 messages.success(
                     request,
@@ -431,7 +431,7 @@ def organization_role(request: HttpRequest, slug: str, username: str) -> HttpRes
             ip=client_ip(request.META),
         )
     except DVBenchError as error:
-        messages.error(request, str(error.detail))
+        messages.error(request, error.message)
     else:
         messages.success(request, f"{username} is now {form.cleaned_data['role']} in {org.slug}.")
     return redirect("organization", slug=slug)
@@ -449,7 +449,7 @@ def organization_remove(request: HttpRequest, slug: str, username: str) -> HttpR
     try:
         membership.remove(actor=_user(request), ip=client_ip(request.META))
     except DVBenchError as error:
-        messages.error(request, str(error.detail))
+        messages.error(request, error.message)
         return redirect("organization", slug=slug)
     if leaving:
         messages.success(request, f"You left {org.slug}.")
@@ -466,7 +466,7 @@ def invitation_revoke(request: HttpRequest, slug: str, pk: str) -> HttpResponse:
     try:
         invitation.revoke(actor=_user(request), ip=client_ip(request.META))
     except DVBenchError as error:
-        messages.error(request, str(error.detail))
+        messages.error(request, error.message)
     else:
         messages.success(request, f"Revoked the invitation of {invitation.user.get_username()}.")
     return redirect("organization", slug=slug)
@@ -491,5 +491,5 @@ def invitation_answer(request: HttpRequest, pk: str, answer: str) -> HttpRespons
             invitation.decline(ip=client_ip(request.META))
             messages.info(request, f"You declined to join {invitation.organization.slug}.")
     except DVBenchError as error:
-        messages.error(request, str(error.detail))
+        messages.error(request, error.message)
     return redirect("dashboard")

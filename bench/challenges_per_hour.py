@@ -93,7 +93,7 @@ def train(path: Path, name: str, digest: str, args: argparse.Namespace) -> Path:
 
 
 def store(experiment: Any, user: Any, kind: str, data: bytes, name: str = "") -> Any:
-    from attestations import uploads
+    from attestations.uploads import services as uploads
 
     upload = uploads.create(
         experiment=experiment,

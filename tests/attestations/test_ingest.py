@@ -248,8 +248,8 @@ def test_ingest_through_a_real_worker(
 
     from django.contrib.auth.models import User
 
-    from attestations import uploads
     from attestations.models import Experiment, Membership, Organization
+    from attestations.uploads import services as uploads
 
     org = Organization.objects.create(slug="acme", name="Acme")
     alice = User.objects.create_user("alice", password="x" * 20)

@@ -194,8 +194,8 @@ def test_it_rejects_an_oversized_body_without_content_length(
     """The limit holds while streaming, not only by trusting Content-Length."""
     from io import BytesIO
 
-    from attestations import uploads
-    from attestations.exceptions import PayloadTooLargeError
+    from attestations.core.errors import PayloadTooLargeError
+    from attestations.uploads import services as uploads
 
     upload = Upload.objects.get(pk=open_upload(api("alice"), os.urandom(70 * 1024))["id"])
     body = os.urandom(64 * 1024 + 1)
@@ -266,7 +266,7 @@ def test_abort_removes_staged_parts(world: World, api: Api, storage: Path) -> No
 def test_expired_uploads_are_cleaned(world: World, api: Api, storage: Path) -> None:
     from django.utils import timezone
 
-    from attestations import uploads
+    from attestations.uploads import services as uploads
 
     client = api("alice")
     data = os.urandom(1500)

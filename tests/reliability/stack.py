@@ -279,7 +279,7 @@ FILE_PROOFS = r"""
 import hashlib, io, tempfile
 from pathlib import Path
 from django.contrib.auth.models import User
-from attestations import uploads
+from attestations.uploads import services as uploads
 from attestations.models import ApiKey, Experiment, Membership, Organization
 from zkdv.records import RECORDS_FILE
 from zkdv.testing import write_synthetic_transcript

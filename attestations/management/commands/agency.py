@@ -24,7 +24,7 @@ from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
 
-from attestations.exceptions import DVBenchError
+from attestations.core.errors import DVBenchError
 from attestations.models import (
     AuditEvent,
     Membership,
@@ -97,7 +97,7 @@ def grant_regulator(slug: str, username: str, *, actor: Any = None) -> Membershi
             agency, user, Role.REGULATOR, actor=actor, detail={"granted_by": "operator"}
         )
     except DVBenchError as error:
-        raise CommandError(str(error.detail)) from None
+        raise CommandError(error.message) from None
 
 
 class Command(BaseCommand):

@@ -37,16 +37,7 @@ from django.core.files.storage import default_storage
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from attestations.exceptions import (
-    DigestMismatchError,
-    InvalidRequestError,
-    MissingPartsError,
-    PayloadTooLargeError,
-    SizeExceededError,
-    TooManyProofsError,
-    TranscriptRejectedError,
-    UploadNotOpenError,
-)
+from attestations.core.errors import InvalidRequestError, PayloadTooLargeError
 from attestations.models import (
     ArtifactKind,
     AuditEvent,
@@ -59,6 +50,13 @@ from attestations.models import (
     UploadPart,
     UploadStatus,
     dvbench_int,
+)
+from attestations.proofs.errors import TooManyProofsError, TranscriptRejectedError
+from attestations.uploads.errors import (
+    DigestMismatchError,
+    MissingPartsError,
+    SizeExceededError,
+    UploadNotOpenError,
 )
 
 log = logging.getLogger(__name__)
@@ -513,7 +511,7 @@ def complete(upload: Upload, *, user: User, ip: str | None = None) -> Upload:
             actor=user,
             organization=upload.experiment.owner,
             target=upload,
-            detail={"reason": error.error_code, "message": str(error.detail)},
+            detail={"reason": error.error_code, "message": error.message},
             ip=ip,
         )
         raise
