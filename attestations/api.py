@@ -1,6 +1,6 @@
 """The REST API under ``/api/v1/``: views authorise, call one model or service, return.
 
-Scope: every queryset is filtered by :class:`~attestations.models.Access`, so an object
+Scope: every queryset is filtered by :class:`~attestations.accounts.models.Access`, so an object
 in an organisation the user cannot read answers 404; a visible object the user's role may
 not act on answers 403 (:func:`~attestations.permissions.require`).
 """
@@ -30,31 +30,33 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from attestations import replay
+from attestations.accounts.models import (
+    ApiKey,
+    Capability,
+    Invitation,
+    InvitationStatus,
+    Membership,
+    Organization,
+)
+from attestations.audit.models import AuditEvent
+from attestations.core.conf import client_ip
 from attestations.core.errors import ConflictError, NotFoundError
 from attestations.exceptions import LengthRequiredError
 from attestations.filters import BigInt, QueryFilters
 from attestations.models import (
-    ApiKey,
     ArtifactKind,
-    AuditEvent,
-    Capability,
     Challenge,
     ChallengeOrigin,
     ChallengeStatus,
     Experiment,
     ExperimentSpec,
     Framework,
-    Invitation,
-    InvitationStatus,
     Job,
     JobStatus,
-    Membership,
-    Organization,
     Proof,
     ProofStatus,
     Upload,
     UploadStatus,
-    client_ip,
 )
 from attestations.pagination import CursorPage
 from attestations.permissions import HasCapability, get_access, require

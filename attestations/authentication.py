@@ -14,7 +14,7 @@ from django.utils import timezone
 from rest_framework import authentication, exceptions
 from rest_framework.request import Request
 
-from attestations.models import API_KEY_PREFIX, ApiKey
+from attestations.accounts.models import API_KEY_PREFIX, ApiKey
 from attestations.throttling import check_api_key_failures, count_api_key_failure
 
 SCHEMES = ("bearer", "api-key")

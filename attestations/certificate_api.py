@@ -34,6 +34,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from attestations import certificate_subjects, certificates
+from attestations.accounts.models import Capability
 from attestations.certificate_models import (
     Certificate,
     CertificateResult,
@@ -41,9 +42,10 @@ from attestations.certificate_models import (
     LogEntry,
     TrustRootVersion,
 )
+from attestations.core.conf import api_datetime
 from attestations.core.errors import InvalidRequestError, NotFoundError, UnavailableError
 from attestations.filters import BigInt, QueryFilters
-from attestations.models import Capability, Proof, api_datetime
+from attestations.models import Proof
 from attestations.pagination import CursorPage
 from attestations.permissions import HasCapability, get_access
 from dvbench.attest import KeyConfigurationError

@@ -15,7 +15,7 @@ What lives where:
   issue twice), with the searchable facts a regulator filters on.
 
 Log entries, checkpoints, trust root versions and certificates are append-only: the
-model layer refuses updates and deletes (:class:`~attestations.models.AppendOnlyError`),
+model layer refuses updates and deletes (:class:`~attestations.core.db.AppendOnlyError`),
 and on PostgreSQL a trigger (migration ``0004_certificates``) refuses them in SQL too.
 ``manage.py verify_log`` finds rows altered behind both guards.
 """
@@ -23,14 +23,14 @@ and on PostgreSQL a trigger (migration ``0004_certificates``) refuses them in SQ
 from __future__ import annotations
 
 import json
-import re
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
-from django.core.validators import RegexValidator
 from django.db import models
 from django.utils import timezone
 
-from attestations.models import AppendOnlyError, api_datetime
+from attestations.core.conf import api_datetime
+from attestations.core.db import AppendOnlyModel, AppendOnlyQuerySet
+from attestations.core.validators import sha256_validator
 from dvbench.attest import Envelope, TrustRoot
 
 __all__ = [
@@ -41,42 +41,6 @@ __all__ = [
     "PlatformKey",
     "TrustRootVersion",
 ]
-
-
-# Defined here rather than imported: this module is imported from the end of models.py,
-# and mypy cannot type a name taken from a module that is still being defined.
-sha256_validator = RegexValidator(
-    re.compile(r"^[0-9a-f]{64}$"), "Enter a lowercase hex SHA-256 digest (64 characters)."
-)
-
-_M = TypeVar("_M", bound=models.Model)
-
-
-class AppendOnlyQuerySet(models.QuerySet[_M]):
-    """A queryset whose rows may be inserted and read, never changed in bulk."""
-
-    def update(self, **kwargs: Any) -> int:
-        raise AppendOnlyError(f"{self.model.__name__} rows are append-only; they cannot be updated")
-
-    def delete(self) -> tuple[int, dict[str, int]]:
-        raise AppendOnlyError(f"{self.model.__name__} rows are append-only; they cannot be deleted")
-
-
-class AppendOnlyModel(models.Model):
-    """Rows are inserted once; ``save`` of an existing row and ``delete`` raise."""
-
-    class Meta:
-        abstract = True
-
-    def save(self, *args: Any, **kwargs: Any) -> None:
-        if not self._state.adding:
-            raise AppendOnlyError(
-                f"{type(self).__name__} rows are append-only; they cannot be updated"
-            )
-        super().save(*args, **kwargs)
-
-    def delete(self, *args: Any, **kwargs: Any) -> tuple[int, dict[str, int]]:
-        raise AppendOnlyError(f"{type(self).__name__} rows are append-only; they cannot be deleted")
 
 
 class KeySource(models.TextChoices):

@@ -41,6 +41,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
+from attestations.audit.models import AuditEvent
 from attestations.certificate_models import (
     Certificate,
     KeySource,
@@ -57,7 +58,8 @@ from attestations.certificate_subjects import (
     threshold_claim,
 )
 from attestations.claims import compute_claims
-from attestations.models import SHA256_HEX, AuditEvent, Challenge, Proof, ProofStatus
+from attestations.core.validators import SHA256_HEX
+from attestations.models import Challenge, Proof, ProofStatus
 from dvbench.attest import (
     DEFAULT_KEY_FILENAME,
     ENV_SIGNING_KEY,

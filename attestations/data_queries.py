@@ -253,7 +253,7 @@ def query_proof(
     from django.core.cache import cache
     from django.core.files.storage import default_storage
 
-    from attestations.models import AuditEvent
+    from attestations.audit.models import AuditEvent
     from zkdv.records import iter_records
 
     with default_storage.open(proof.transcript.storage_name, "rb") as handle:

@@ -9,15 +9,9 @@ from django import forms
 from django.contrib.auth.models import User
 from django.core.validators import MinValueValidator
 
-from attestations.models import (
-    LAB_ROLE_CHOICES,
-    Experiment,
-    Framework,
-    Organization,
-    Regime,
-    experiment_name_validator,
-    sha256_validator,
-)
+from attestations.accounts.models import LAB_ROLE_CHOICES, Organization
+from attestations.core.validators import sha256_validator
+from attestations.models import Experiment, Framework, Regime, experiment_name_validator
 
 DIGITS = r"[0-9]*"
 

@@ -25,8 +25,8 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse, UnreadablePostError
 from django.urls import NoReverseMatch, reverse
 
+from attestations.core.conf import client_ip
 from attestations.exceptions import error_body
-from attestations.models import client_ip
 from attestations.throttling import count_login_failure, login_wait
 
 REQUEST_ID_HEADER = "X-Request-ID"

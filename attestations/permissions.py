@@ -12,7 +12,7 @@ from django.http import HttpRequest
 from rest_framework import exceptions, permissions
 from rest_framework.request import Request
 
-from attestations.models import Access, Capability
+from attestations.accounts.models import Access, Capability
 
 
 def get_access(request: HttpRequest | Request) -> Access:

@@ -45,6 +45,7 @@ from django.db import transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
+from attestations.audit.models import AuditEvent
 from attestations.challenges.errors import (
     ArtifactConflictError,
     ArtifactMismatchError,
@@ -54,7 +55,6 @@ from attestations.models import (
     CHALLENGE_FINAL,
     DUPLICATE_TRANSCRIPT,
     ArtifactKind,
-    AuditEvent,
     Blob,
     Challenge,
     ChallengeOrigin,
@@ -283,7 +283,7 @@ def _organization_key(organization_id: int) -> str:
     """The organisation's challenge key, made on first use (under the row's lock)."""
     import secrets
 
-    from attestations.models import Organization
+    from attestations.accounts.models import Organization
 
     organization = Organization.objects.select_for_update().get(pk=organization_id)
     if not organization.challenge_key:

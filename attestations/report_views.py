@@ -27,9 +27,11 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from attestations import data_queries, reports
+from attestations.accounts.models import Access, Capability
 from attestations.claims import compute_claims
+from attestations.core.conf import client_ip
 from attestations.core.errors import NotFoundError
-from attestations.models import Access, Capability, Proof, client_ip
+from attestations.models import Proof
 from attestations.permissions import HasCapability, get_access, require
 from attestations.serializers import StrictIntegerField
 

@@ -11,28 +11,30 @@ from django.contrib.auth import get_user_model
 from drf_spectacular.utils import extend_schema_field, extend_schema_serializer, inline_serializer
 from rest_framework import serializers
 
-from attestations.models import (
+from attestations.accounts.models import (
     LAB_ROLE_CHOICES,
-    SHA256_HEX,
     ApiKey,
-    ArtifactKind,
-    AuditEvent,
     Capability,
+    Invitation,
+    Membership,
+    Organization,
+    Role,
+)
+from attestations.audit.models import AuditEvent
+from attestations.core.conf import api_datetime
+from attestations.core.validators import SHA256_HEX
+from attestations.models import (
+    ArtifactKind,
     Challenge,
     Experiment,
     ExperimentSpec,
     Framework,
-    Invitation,
     Job,
-    Membership,
-    Organization,
     Proof,
     ProofArtifact,
     Regime,
-    Role,
     Upload,
     UploadPart,
-    api_datetime,
 )
 from attestations.permissions import require
 from attestations.uploads.services import max_part_bytes

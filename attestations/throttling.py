@@ -31,7 +31,7 @@ from rest_framework import exceptions
 from rest_framework.request import Request
 from rest_framework.throttling import BaseThrottle
 
-from attestations.models import client_ip
+from attestations.core.conf import client_ip
 
 _PERIODS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 

@@ -20,25 +20,21 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_http_methods, require_POST
 
 from attestations import replay
-from attestations.core.errors import DVBenchError
-from attestations.forms import ApiKeyForm, ExperimentForm, InviteForm, RoleForm, SpecForm
-from attestations.models import (
+from attestations.accounts.models import (
     LAB_ROLE_CHOICES,
     Access,
     ApiKey,
-    AuditEvent,
     Capability,
-    Challenge,
-    Experiment,
     Invitation,
     InvitationStatus,
-    Job,
     Membership,
     Organization,
-    Proof,
-    ProofStatus,
-    client_ip,
 )
+from attestations.audit.models import AuditEvent
+from attestations.core.conf import client_ip
+from attestations.core.errors import DVBenchError
+from attestations.forms import ApiKeyForm, ExperimentForm, InviteForm, RoleForm, SpecForm
+from attestations.models import Challenge, Experiment, Job, Proof, ProofStatus
 from attestations.permissions import get_access
 
 

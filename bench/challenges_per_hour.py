@@ -141,7 +141,8 @@ def main() -> None:
 
         call_command("migrate", verbosity=0)
         from attestations import replay
-        from attestations.models import Challenge, Experiment, Organization, Proof
+        from attestations.accounts.models import Organization
+        from attestations.models import Challenge, Experiment, Proof
 
         org = Organization.objects.create(slug="bench", name="Bench")
         user = User.objects.create_user("bench")

@@ -67,7 +67,11 @@ INSTALLED_APPS = [
     "rest_framework",
     "drf_spectacular",
     "drf_spectacular_sidecar",
+    # The platform: one app per domain noun under attestations/ (README, "Layout"), in
+    # the order of their foreign keys.
     "attestations",
+    "attestations.audit",
+    "attestations.accounts",
 ]
 
 MIDDLEWARE = [
@@ -357,10 +361,10 @@ SPECTACULAR_SETTINGS = {
     "REDOC_DIST": "SIDECAR",
     "POSTPROCESSING_HOOKS": ["attestations.schema.add_error_responses"],
     "ENUM_NAME_OVERRIDES": {
-        "RoleEnum": "attestations.models.Role",
-        "LabRoleEnum": "attestations.models.LAB_ROLE_CHOICES",
+        "RoleEnum": "attestations.accounts.models.Role",
+        "LabRoleEnum": "attestations.accounts.models.LAB_ROLE_CHOICES",
         "ArtifactKindEnum": "attestations.models.ArtifactKind",
-        "OrganizationKindEnum": "attestations.models.OrganizationKind",
+        "OrganizationKindEnum": "attestations.accounts.models.OrganizationKind",
     },
 }
 

@@ -37,10 +37,11 @@ from django.core.files.storage import default_storage
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from attestations.audit.models import AuditEvent
+from attestations.core.conf import dvbench_int
 from attestations.core.errors import InvalidRequestError, PayloadTooLargeError
 from attestations.models import (
     ArtifactKind,
-    AuditEvent,
     Blob,
     Experiment,
     Job,
@@ -49,7 +50,6 @@ from attestations.models import (
     Upload,
     UploadPart,
     UploadStatus,
-    dvbench_int,
 )
 from attestations.proofs.errors import TooManyProofsError, TranscriptRejectedError
 from attestations.uploads.errors import (

@@ -24,20 +24,8 @@ from django.core.files.storage import default_storage
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from attestations.models import (
-    ApiKey,
-    ArtifactKind,
-    Blob,
-    Experiment,
-    Job,
-    Membership,
-    Organization,
-    OrganizationKind,
-    Proof,
-    ProofStatus,
-    Role,
-    Upload,
-)
+from attestations.accounts.models import ApiKey, Membership, Organization, OrganizationKind, Role
+from attestations.models import ArtifactKind, Blob, Experiment, Job, Proof, ProofStatus, Upload
 
 ROLES = ("alice", "bob", "carol", "mallory", "admin")
 PASSWORD = "correct horse battery staple"

@@ -20,6 +20,7 @@ from securesystemslib.dsse import Envelope as SslibEnvelope
 from securesystemslib.signer import SSlibKey  # type: ignore[attr-defined]
 
 from attestations import certificates
+from attestations.audit.models import AuditEvent
 from attestations.certificate_models import (
     Certificate,
     LogCheckpoint,
@@ -28,15 +29,8 @@ from attestations.certificate_models import (
     TrustRootVersion,
 )
 from attestations.certificate_tasks import issue_certificate
-from attestations.models import (
-    AppendOnlyError,
-    AuditEvent,
-    Challenge,
-    ChallengeOrigin,
-    ChallengeStatus,
-    Proof,
-    ProofStatus,
-)
+from attestations.core.db import AppendOnlyError
+from attestations.models import Challenge, ChallengeOrigin, ChallengeStatus, Proof, ProofStatus
 from dvbench.attest import (
     PAYLOAD_TYPE_INTOTO,
     Evidence,

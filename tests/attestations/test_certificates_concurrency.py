@@ -16,9 +16,10 @@ from django.contrib.auth.models import User
 from django.db import connection, connections
 
 from attestations import certificates
+from attestations.accounts.models import Organization
 from attestations.certificate_models import Certificate, LogCheckpoint, LogEntry
 from attestations.certificate_tasks import issue_certificate
-from attestations.models import Experiment, Organization, Proof
+from attestations.models import Experiment, Proof
 from tests.attestations.base import SPEC
 from tests.attestations.certificate_helpers import finalize
 

@@ -13,19 +13,9 @@ import pytest
 from django.contrib.auth.models import User
 from rest_framework.test import APIClient
 
-from attestations.models import (
-    ApiKey,
-    AuditEvent,
-    Challenge,
-    ChallengeStatus,
-    Membership,
-    Organization,
-    OrganizationKind,
-    Proof,
-    ProofArtifact,
-    ProofStatus,
-    Role,
-)
+from attestations.accounts.models import ApiKey, Membership, Organization, OrganizationKind, Role
+from attestations.audit.models import AuditEvent
+from attestations.models import Challenge, ChallengeStatus, Proof, ProofArtifact, ProofStatus
 from tests.attestations.base import error_of, sha256
 from tests.attestations.test_replay import (
     ORG,

@@ -16,17 +16,9 @@ from django.test.utils import CaptureQueriesContext
 from rest_framework.test import APIClient
 
 from attestations import models as attestation_models
+from attestations.audit.models import AuditEvent
 from attestations.certificate_models import Certificate
-from attestations.models import (
-    AuditEvent,
-    Blob,
-    Job,
-    Proof,
-    ProofArtifact,
-    ProofStatus,
-    Upload,
-    UploadPart,
-)
+from attestations.models import Blob, Job, Proof, ProofArtifact, ProofStatus, Upload, UploadPart
 from attestations.tasks import ingest_proof
 from tests.attestations.base import SPEC, World, error_of, sha256, stored_files, upload_blob
 from zkdv.testing import write_synthetic_transcript
@@ -248,7 +240,8 @@ def test_ingest_through_a_real_worker(
 
     from django.contrib.auth.models import User
 
-    from attestations.models import Experiment, Membership, Organization
+    from attestations.accounts.models import Membership, Organization
+    from attestations.models import Experiment
     from attestations.uploads import services as uploads
 
     org = Organization.objects.create(slug="acme", name="Acme")

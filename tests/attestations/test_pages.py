@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 from django.test import Client
 
-from attestations.models import ApiKey, AuditEvent, Experiment, Invitation
+from attestations.accounts.models import ApiKey, Invitation
+from attestations.audit.models import AuditEvent
+from attestations.models import Experiment
 from tests.attestations.base import PASSWORD, SPEC, World
 
 ACTORS = ("alice", "bob", "carol", "mallory", "admin", None)

@@ -26,19 +26,16 @@ import pytest
 from django.contrib.auth.models import User
 from rest_framework.test import APIClient
 
+from attestations.accounts.models import ApiKey, Membership, Organization, Role
+from attestations.audit.models import AuditEvent
 from attestations.models import (
-    ApiKey,
-    AuditEvent,
     Challenge,
     ChallengeStatus,
     Experiment,
     ExperimentSpec,
-    Membership,
-    Organization,
     Proof,
     ProofArtifact,
     ProofStatus,
-    Role,
 )
 from tests.attestations.base import put_parts, sha256
 

@@ -29,7 +29,8 @@ from django.core.cache import cache
 from django.test import Client
 from rest_framework.test import APIClient
 
-from attestations.models import ApiKey, AuditEvent
+from attestations.accounts.models import ApiKey
+from attestations.audit.models import AuditEvent
 from attestations.throttling import FixedWindow
 from tests.attestations.base import PASSWORD, World, error_of, open_upload, sha256, upload_blob
 
@@ -306,7 +307,8 @@ def test_api_keys_are_stored_as_sha256_only(world: World, api: Api) -> None:
 def test_api_keys_are_compared_in_constant_time(world: World, monkeypatch: Any) -> None:
     import hmac
 
-    from attestations import authentication, models
+    from attestations import authentication
+    from attestations.accounts import models
 
     _, raw = ApiKey.issue(world.alice, "k")
     compared: list[tuple[str, str]] = []

@@ -120,7 +120,7 @@ def ensure_demo_organization(username: str) -> str:
     Experiments are named ``owner/name`` after an organisation, so without one the web
     UI has nowhere to register an experiment. Idempotent.
     """
-    from attestations.models import Membership, Organization, Role
+    from attestations.accounts.models import Membership, Organization, Role
 
     slug, name = DEMO_ORGANIZATION
     organization, _ = Organization.objects.get_or_create(slug=slug, defaults={"name": name})
@@ -132,7 +132,7 @@ def ensure_demo_organization(username: str) -> str:
 
 
 def _usable_key(raw: object, username: str) -> bool:
-    from attestations.models import ApiKey
+    from attestations.accounts.models import ApiKey
 
     if not isinstance(raw, str):
         return False
@@ -147,8 +147,8 @@ def ensure_demo_accounts(data_dir: Path, admin: tuple[str, str]) -> dict[str, Ac
     kept while they still work, so a second run prints the same credentials. A key
     that expired or was revoked, or a changed password, is replaced.
     """
-    from attestations.management.commands.agency import create_agency, grant_regulator
-    from attestations.models import ApiKey, Membership, Organization
+    from attestations.accounts.management.commands.agency import create_agency, grant_regulator
+    from attestations.accounts.models import ApiKey, Membership, Organization
 
     path = data_dir / ACCOUNTS_FILE
     try:

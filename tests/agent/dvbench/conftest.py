@@ -67,7 +67,7 @@ def platform(live_server: Any, transactional_db: None, settings: Any, tmp_path: 
     """The live server with storage in ``tmp_path``, three actors and their API keys."""
     from django.contrib.auth.models import User
 
-    from attestations.models import ApiKey, Membership, Organization
+    from attestations.accounts.models import ApiKey, Membership, Organization
 
     media = tmp_path / "media"
     media.mkdir()

@@ -24,15 +24,10 @@ from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
 
+from attestations.accounts.models import Membership, Organization, OrganizationKind, Role
+from attestations.audit.models import AuditEvent
 from attestations.core.errors import DVBenchError
-from attestations.models import (
-    AuditEvent,
-    Membership,
-    Organization,
-    OrganizationKind,
-    Role,
-    slug_validator,
-)
+from attestations.core.validators import slug_validator
 
 
 def create_agency(slug: str, name: str, *, actor: Any = None) -> tuple[Organization, bool]:
