@@ -11,26 +11,7 @@ from __future__ import annotations
 from django.contrib import admin
 
 from attestations.core.admin import ReadOnlyAdmin
-from attestations.models import (
-    Blob,
-    Challenge,
-    Experiment,
-    ExperimentSpec,
-    Job,
-    Proof,
-    ProofArtifact,
-    Upload,
-)
-
-
-@admin.register(Experiment)
-class ExperimentAdmin(ReadOnlyAdmin):
-    list_display = ["__str__", "created", "created_by"]
-
-
-@admin.register(ExperimentSpec)
-class ExperimentSpecAdmin(ReadOnlyAdmin):
-    list_display = ["experiment", "version", "digest", "framework"]
+from attestations.models import Blob, Challenge, Job, Proof, ProofArtifact, Upload
 
 
 @admin.register(Proof)

@@ -42,15 +42,13 @@ from attestations.audit.models import AuditEvent
 from attestations.core.conf import client_ip
 from attestations.core.errors import ConflictError, NotFoundError
 from attestations.exceptions import LengthRequiredError
+from attestations.experiments.models import Experiment, ExperimentSpec, Framework
 from attestations.filters import BigInt, QueryFilters
 from attestations.models import (
     ArtifactKind,
     Challenge,
     ChallengeOrigin,
     ChallengeStatus,
-    Experiment,
-    ExperimentSpec,
-    Framework,
     Job,
     JobStatus,
     Proof,

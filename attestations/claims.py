@@ -39,7 +39,8 @@ import numpy as np
 from dvbench.attest import Claim, Evidence
 
 if TYPE_CHECKING:
-    from attestations.models import ExperimentSpec, Proof
+    from attestations.experiments.models import ExperimentSpec
+    from attestations.models import Proof
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from django.core.validators import MinValueValidator
 
 from attestations.accounts.models import LAB_ROLE_CHOICES, Organization
 from attestations.core.validators import sha256_validator
-from attestations.models import Experiment, Framework, Regime, experiment_name_validator
+from attestations.experiments.models import Experiment, Framework, Regime, experiment_name_validator
 
 DIGITS = r"[0-9]*"
 

@@ -306,7 +306,7 @@ def draw(proof: Proof, *, policy: ChallengePolicy | None = None) -> list[Challen
     * the ``n``-th challenged proof of the experiment is drawn for the target
       :func:`filing_target` gives, so all filings together keep the policy's bound.
     """
-    from attestations.models import Experiment
+    from attestations.experiments.models import Experiment
     from provers.challenges import draw_challenges
 
     if proof.challenges_drawn is not None:

@@ -23,16 +23,13 @@ from attestations.accounts.models import (
 from attestations.audit.models import AuditEvent
 from attestations.core.conf import api_datetime
 from attestations.core.validators import SHA256_HEX
+from attestations.experiments.models import Experiment, ExperimentSpec, Framework, Regime
 from attestations.models import (
     ArtifactKind,
     Challenge,
-    Experiment,
-    ExperimentSpec,
-    Framework,
     Job,
     Proof,
     ProofArtifact,
-    Regime,
     Upload,
     UploadPart,
 )

@@ -33,8 +33,9 @@ from attestations.accounts.models import (
 from attestations.audit.models import AuditEvent
 from attestations.core.conf import client_ip
 from attestations.core.errors import DVBenchError
+from attestations.experiments.models import Experiment
 from attestations.forms import ApiKeyForm, ExperimentForm, InviteForm, RoleForm, SpecForm
-from attestations.models import Challenge, Experiment, Job, Proof, ProofStatus
+from attestations.models import Challenge, Job, Proof, ProofStatus
 from attestations.permissions import get_access
 
 

@@ -142,7 +142,8 @@ def main() -> None:
         call_command("migrate", verbosity=0)
         from attestations import replay
         from attestations.accounts.models import Organization
-        from attestations.models import Challenge, Experiment, Proof
+        from attestations.experiments.models import Experiment
+        from attestations.models import Challenge, Proof
 
         org = Organization.objects.create(slug="bench", name="Bench")
         user = User.objects.create_user("bench")

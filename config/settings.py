@@ -72,6 +72,7 @@ INSTALLED_APPS = [
     "attestations",
     "attestations.audit",
     "attestations.accounts",
+    "attestations.experiments",
 ]
 
 MIDDLEWARE = [

@@ -40,10 +40,10 @@ from django.utils import timezone
 from attestations.audit.models import AuditEvent
 from attestations.core.conf import dvbench_int
 from attestations.core.errors import InvalidRequestError, PayloadTooLargeError
+from attestations.experiments.models import Experiment
 from attestations.models import (
     ArtifactKind,
     Blob,
-    Experiment,
     Job,
     Proof,
     ProofStatus,
@@ -421,8 +421,7 @@ def _check_transcript_identity(upload: Upload, path: Path) -> None:
     root = read_transcript_root(path)
     if root is None:
         return  # unreadable here; the verifier will say precisely why
-    proof = Proof(experiment=upload.experiment)
-    mismatch = proof.check_identity(root)
+    mismatch = upload.experiment.check_identity(root)
     if mismatch is not None:
         reason, message, field = mismatch
         raise TranscriptRejectedError(message, code=reason, field=field, detail={"record": 0})

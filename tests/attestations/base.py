@@ -25,7 +25,8 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from attestations.accounts.models import ApiKey, Membership, Organization, OrganizationKind, Role
-from attestations.models import ArtifactKind, Blob, Experiment, Job, Proof, ProofStatus, Upload
+from attestations.experiments.models import Experiment
+from attestations.models import ArtifactKind, Blob, Job, Proof, ProofStatus, Upload
 
 ROLES = ("alice", "bob", "carol", "mallory", "admin")
 PASSWORD = "correct horse battery staple"

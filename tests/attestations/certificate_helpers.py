@@ -18,7 +18,8 @@ from django.core.files.storage import default_storage
 
 from attestations import certificates
 from attestations.certificate_models import Certificate
-from attestations.models import Blob, Experiment, Proof, ProofStatus
+from attestations.experiments.models import Experiment
+from attestations.models import Blob, Proof, ProofStatus
 from zkdv.testing import write_synthetic_transcript
 from zkdv.verify import verify_transcript
 

@@ -19,7 +19,8 @@ from attestations import certificates
 from attestations.accounts.models import Organization
 from attestations.certificate_models import Certificate, LogCheckpoint, LogEntry
 from attestations.certificate_tasks import issue_certificate
-from attestations.models import Experiment, Proof
+from attestations.experiments.models import Experiment
+from attestations.models import Proof
 from tests.attestations.base import SPEC
 from tests.attestations.certificate_helpers import finalize
 

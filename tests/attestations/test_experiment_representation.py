@@ -6,7 +6,7 @@ import json
 
 from rest_framework.renderers import JSONRenderer
 
-from attestations.models import Experiment
+from attestations.experiments.models import Experiment
 from attestations.serializers import ExperimentSerializer
 from tests.attestations.base import World
 

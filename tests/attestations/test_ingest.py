@@ -241,7 +241,7 @@ def test_ingest_through_a_real_worker(
     from django.contrib.auth.models import User
 
     from attestations.accounts.models import Membership, Organization
-    from attestations.models import Experiment
+    from attestations.experiments.models import Experiment
     from attestations.uploads import services as uploads
 
     org = Organization.objects.create(slug="acme", name="Acme")

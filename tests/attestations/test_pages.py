@@ -11,7 +11,7 @@ from django.test import Client
 
 from attestations.accounts.models import ApiKey, Invitation
 from attestations.audit.models import AuditEvent
-from attestations.models import Experiment
+from attestations.experiments.models import Experiment
 from tests.attestations.base import PASSWORD, SPEC, World
 
 ACTORS = ("alice", "bob", "carol", "mallory", "admin", None)

@@ -28,15 +28,8 @@ from rest_framework.test import APIClient
 
 from attestations.accounts.models import ApiKey, Membership, Organization, Role
 from attestations.audit.models import AuditEvent
-from attestations.models import (
-    Challenge,
-    ChallengeStatus,
-    Experiment,
-    ExperimentSpec,
-    Proof,
-    ProofArtifact,
-    ProofStatus,
-)
+from attestations.experiments.models import Experiment, ExperimentSpec
+from attestations.models import Challenge, ChallengeStatus, Proof, ProofArtifact, ProofStatus
 from tests.attestations.base import put_parts, sha256
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -281,7 +281,7 @@ from pathlib import Path
 from django.contrib.auth.models import User
 from attestations.uploads import services as uploads
 from attestations.accounts.models import ApiKey, Membership, Organization
-from attestations.models import Experiment
+from attestations.experiments.models import Experiment
 from zkdv.records import RECORDS_FILE
 from zkdv.testing import write_synthetic_transcript
 count = int(sys.argv[1])
