@@ -11,7 +11,7 @@ from __future__ import annotations
 from django.contrib import admin
 
 from attestations.core.admin import ReadOnlyAdmin
-from attestations.models import Blob, Challenge, Job, Proof, ProofArtifact, Upload
+from attestations.models import Challenge, Job, Proof, ProofArtifact
 
 
 @admin.register(Proof)
@@ -45,13 +45,3 @@ class ProofArtifactAdmin(ReadOnlyAdmin):
 @admin.register(Job)
 class JobAdmin(ReadOnlyAdmin):
     list_display = ["id", "kind", "status", "progress", "created"]
-
-
-@admin.register(Upload)
-class UploadAdmin(ReadOnlyAdmin):
-    list_display = ["id", "experiment", "kind", "size", "status", "created"]
-
-
-@admin.register(Blob)
-class BlobAdmin(ReadOnlyAdmin):
-    list_display = ["sha256", "size", "created"]

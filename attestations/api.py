@@ -45,7 +45,6 @@ from attestations.exceptions import LengthRequiredError
 from attestations.experiments.models import Experiment, ExperimentSpec, Framework
 from attestations.filters import BigInt, QueryFilters
 from attestations.models import (
-    ArtifactKind,
     Challenge,
     ChallengeOrigin,
     ChallengeStatus,
@@ -53,8 +52,6 @@ from attestations.models import (
     JobStatus,
     Proof,
     ProofStatus,
-    Upload,
-    UploadStatus,
 )
 from attestations.pagination import CursorPage
 from attestations.permissions import HasCapability, get_access, require
@@ -81,6 +78,7 @@ from attestations.serializers import (
     active_user,
 )
 from attestations.uploads import services as uploads
+from attestations.uploads.models import ArtifactKind, Upload, UploadStatus
 
 #: A proof's jobs, with what their serializer reads, in one query per page.
 JOBS = Prefetch("jobs", queryset=Job.objects.select_related("organization"))

@@ -220,7 +220,8 @@ def verified_key(sha256: str, root: bytes) -> str:
 
 def _stored_batches(proof: Proof) -> list[tuple[int, str, str]]:
     """``(step, blob sha256, storage name)`` of the batch files attached to ``proof``."""
-    from attestations.models import ArtifactKind, ProofArtifact
+    from attestations.models import ProofArtifact
+    from attestations.uploads.models import ArtifactKind
 
     found = []
     rows = (

@@ -54,8 +54,6 @@ from attestations.challenges.errors import (
 from attestations.models import (
     CHALLENGE_FINAL,
     DUPLICATE_TRANSCRIPT,
-    ArtifactKind,
-    Blob,
     Challenge,
     ChallengeOrigin,
     ChallengeStatus,
@@ -64,8 +62,8 @@ from attestations.models import (
     Proof,
     ProofArtifact,
     ProofStatus,
-    UploadStatus,
 )
+from attestations.uploads.models import ArtifactKind, Blob, UploadStatus
 
 log = logging.getLogger(__name__)
 

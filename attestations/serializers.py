@@ -24,16 +24,9 @@ from attestations.audit.models import AuditEvent
 from attestations.core.conf import api_datetime
 from attestations.core.validators import SHA256_HEX
 from attestations.experiments.models import Experiment, ExperimentSpec, Framework, Regime
-from attestations.models import (
-    ArtifactKind,
-    Challenge,
-    Job,
-    Proof,
-    ProofArtifact,
-    Upload,
-    UploadPart,
-)
+from attestations.models import Challenge, Job, Proof, ProofArtifact
 from attestations.permissions import require
+from attestations.uploads.models import ArtifactKind, Upload, UploadPart
 from attestations.uploads.services import max_part_bytes
 
 #: The largest value a 64-bit signed integer column (ids, counts) holds.

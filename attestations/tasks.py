@@ -98,17 +98,6 @@ def requeue_stale_ingests(older_than: float | None = None) -> int:
     return count
 
 
-@shared_task(name="attestations.tasks.expire_uploads", acks_late=True)
-def expire_uploads() -> int:
-    """Remove the staged parts of uploads left open past their expiry (run periodically).
-
-    Idempotent: an upload already expired is no longer open and is not touched again.
-    """
-    from attestations.uploads import services as uploads
-
-    return uploads.expire_stale()
-
-
 @shared_task(
     bind=True,
     name="attestations.tasks.replay_challenge",

@@ -77,7 +77,8 @@ from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils import timezone
 from attestations.accounts.models import ApiKey, Membership, Organization
-from attestations.models import Blob, Proof, Job
+from attestations.uploads.models import Blob
+from attestations.models import Proof, Job
 from attestations.experiments.models import Experiment
 spec = {"framework": "jax", "model_description": "bench model", "optimizer": "adam",
         "dataset_commitment": "ab" * 32, "max_flops": 10**25, "max_tokens": 10**12,

@@ -73,6 +73,8 @@ INSTALLED_APPS = [
     "attestations.audit",
     "attestations.accounts",
     "attestations.experiments",
+    "attestations.uploads",
+    "attestations.proofs",
 ]
 
 MIDDLEWARE = [
@@ -364,7 +366,7 @@ SPECTACULAR_SETTINGS = {
     "ENUM_NAME_OVERRIDES": {
         "RoleEnum": "attestations.accounts.models.Role",
         "LabRoleEnum": "attestations.accounts.models.LAB_ROLE_CHOICES",
-        "ArtifactKindEnum": "attestations.models.ArtifactKind",
+        "ArtifactKindEnum": "attestations.uploads.models.ArtifactKind",
         "OrganizationKindEnum": "attestations.accounts.models.OrganizationKind",
     },
 }

@@ -15,6 +15,11 @@ The life of an upload:
 
 A failed check removes everything staged for the upload, so a partial or mismatching
 upload is never visible as a stored artifact and leaves no garbage behind.
+
+What an upload *is* belongs to the app that owns its kind: the proofs app files a
+completed transcript as a proof. That app registers its :class:`KindRules` for the kind
+(in its ``AppConfig.ready``), and these functions call them at the points below, so this
+app imports nothing above it.
 """
 
 from __future__ import annotations
@@ -39,25 +44,15 @@ from django.utils import timezone
 
 from attestations.audit.models import AuditEvent
 from attestations.core.conf import dvbench_int
-from attestations.core.errors import InvalidRequestError, PayloadTooLargeError
+from attestations.core.errors import DVBenchError, InvalidRequestError, PayloadTooLargeError
 from attestations.experiments.models import Experiment
-from attestations.models import (
-    ArtifactKind,
-    Blob,
-    Job,
-    Proof,
-    ProofStatus,
-    Upload,
-    UploadPart,
-    UploadStatus,
-)
-from attestations.proofs.errors import TooManyProofsError, TranscriptRejectedError
 from attestations.uploads.errors import (
     DigestMismatchError,
     MissingPartsError,
     SizeExceededError,
     UploadNotOpenError,
 )
+from attestations.uploads.models import Blob, Upload, UploadPart, UploadStatus
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +61,45 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 256 * 1024
 MAX_PARTS = 10_000
 PART_DIGEST_HEADER = "X-Part-SHA256"
+
+
+class KindRules:
+    """What the app owning a kind of upload checks and does; every hook may refuse.
+
+    A hook refuses by raising a domain error (``attestations.core.errors``), which the
+    upload call raises in turn. The default rules accept everything and do nothing.
+    """
+
+    def before_open(self, experiment: Experiment, sha256: str) -> None:
+        """Called before an upload of this kind is opened (said before any byte is sent)."""
+
+    def before_complete(self, upload: Upload) -> None:
+        """Called when completion starts, before the parts are assembled."""
+
+    def check_file(self, upload: Upload, path: Path) -> None:
+        """Called with the assembled file once its digest matched, before it is stored.
+
+        A domain error fails the upload: its parts are removed.
+        """
+
+    def completed(self, upload: Upload, *, user: User, ip: str | None) -> None:
+        """Called in the completion's transaction, once the blob is stored.
+
+        A domain error rolls the completion back and fails the upload.
+        """
+
+
+_RULES: dict[str, KindRules] = {}
+_DEFAULT_RULES = KindRules()
+
+
+def register_kind(kind: str, rules: KindRules) -> None:
+    """Give uploads of ``kind`` their owner's rules (call from ``AppConfig.ready``)."""
+    _RULES[kind] = rules
+
+
+def rules_for(kind: str) -> KindRules:
+    return _RULES.get(kind, _DEFAULT_RULES)
 
 
 def max_blob_bytes() -> int:
@@ -143,9 +177,7 @@ def create(
             field="size",
             detail={"limit": limit, "got": size},
         )
-    if kind == ArtifactKind.TRANSCRIPT and not _filed(experiment, sha256):
-        # Said before the lab sends gigabytes, and again at completion.
-        check_proof_room(experiment)
+    rules_for(kind).before_open(experiment, sha256)
     ttl = dvbench_int("UPLOAD_TTL_SECONDS")
     upload = Upload.objects.create(
         organization=experiment.owner,
@@ -412,43 +444,6 @@ def _store_blob(path: Path, sha256: str, size: int) -> Blob:
     return blob
 
 
-def _check_transcript_identity(upload: Upload, path: Path) -> None:
-    """Reject, before anything is stored, a transcript whose root names another experiment.
-
-    The full verification runs later in the ingest task; this reads only the root record,
-    so a transcript filed under the wrong experiment is a 422 at completion.
-    """
-    root = read_transcript_root(path)
-    if root is None:
-        return  # unreadable here; the verifier will say precisely why
-    mismatch = upload.experiment.check_identity(root)
-    if mismatch is not None:
-        reason, message, field = mismatch
-        raise TranscriptRejectedError(message, code=reason, field=field, detail={"record": 0})
-
-
-#: How much of a transcript is read to find its root record: the root is the first record
-#: and, even with the schema of a very large model, far smaller than this.
-ROOT_PREFIX_BYTES = 16 * 1024 * 1024
-
-
-def read_transcript_root(path: Path) -> dict[str, Any] | None:
-    """The decoded root record of a transcript file, or None if it cannot be decoded.
-
-    Only a prefix of the file is read; a transcript whose first record cannot be decoded
-    is left for the verifier, which names the problem with its record index.
-    """
-    from zkdv.records import iter_records
-
-    with open(path, "rb") as handle:
-        prefix = handle.read(ROOT_PREFIX_BYTES)
-    try:
-        first = next(iter_records(prefix), None)
-    except Exception:  # noqa: BLE001 - bad data is the verifier's to report, with a reason
-        return None
-    return first.data if first is not None and isinstance(first.data, dict) else None
-
-
 def _check_whole_digest(upload: Upload, got: str) -> None:
     if got != upload.sha256:
         raise DigestMismatchError(
@@ -461,7 +456,7 @@ def _check_whole_digest(upload: Upload, got: str) -> None:
 
 
 def complete(upload: Upload, *, user: User, ip: str | None = None) -> Upload:
-    """Verify and store the blob; for a transcript, file a proof and queue its ingest.
+    """Verify and store the blob, then hand it to its kind's rules (a transcript is filed).
 
     Completing an already completed upload returns it unchanged (a retried request).
 
@@ -471,15 +466,17 @@ def complete(upload: Upload, *, user: User, ip: str | None = None) -> Upload:
             missing.
         DigestMismatchError: the assembled bytes do not hash to the declared digest; the
             upload fails and its parts are removed.
-        TranscriptRejectedError: the transcript names another experiment or spec.
         UploadNotOpenError: the upload was aborted or failed.
+        DVBenchError: the kind's rules refused it (a transcript naming another experiment
+            or spec is ``TranscriptRejectedError``, past the experiment's proofs
+            ``TooManyProofsError``); a refusal of the file fails the upload.
     """
     if upload.status == UploadStatus.COMPLETE:
         return upload
     _require_open(upload)
     parts = _check_parts(upload)
-    if upload.kind == ArtifactKind.TRANSCRIPT and not _is_refiling(upload):
-        check_proof_room(upload.experiment)
+    rules = rules_for(upload.kind)
+    rules.before_complete(upload)
     claimed = Upload.objects.filter(pk=upload.pk, status=UploadStatus.OPEN).update(
         status=UploadStatus.COMPLETING
     )
@@ -492,18 +489,16 @@ def complete(upload: Upload, *, user: User, ip: str | None = None) -> Upload:
         single = _local_path(parts[0].storage_name) if len(parts) == 1 else None
         if single is not None:
             _check_whole_digest(upload, parts[0].sha256)
-            if upload.kind == ArtifactKind.TRANSCRIPT:
-                _check_transcript_identity(upload, single)
+            rules.check_file(upload, single)
             adopted = _adopt_part(parts[0], upload.sha256, upload.size)
             assert adopted is not None
             blob = adopted
         else:
             with _temporary_path(".blob") as path:
                 _check_whole_digest(upload, _assemble(parts, path))
-                if upload.kind == ArtifactKind.TRANSCRIPT:
-                    _check_transcript_identity(upload, path)
+                rules.check_file(upload, path)
                 blob = _store_blob(path, upload.sha256, upload.size)
-    except (DigestMismatchError, TranscriptRejectedError) as error:
+    except DVBenchError as error:  # the bytes are refused (their digest, or their kind's check)
         _discard(upload, UploadStatus.FAILED, error.error_code)
         AuditEvent.record(
             "upload.failed",
@@ -519,9 +514,10 @@ def complete(upload: Upload, *, user: User, ip: str | None = None) -> Upload:
         Upload.objects.filter(pk=upload.pk).update(status=UploadStatus.OPEN)
         raise
     try:
-        _record_completion(upload, blob, user=user, ip=ip)
-    except TooManyProofsError as error:
-        # Another transcript took the experiment's last place since the check above.
+        _record_completion(upload, blob, rules, user=user, ip=ip)
+    except DVBenchError as error:
+        # Refused by the kind's owner now (another transcript took the experiment's last
+        # place since the check above, say): nothing was recorded.
         _discard(upload, UploadStatus.FAILED, error.error_code)
         raise
     for part in parts:
@@ -530,20 +526,9 @@ def complete(upload: Upload, *, user: User, ip: str | None = None) -> Upload:
     return upload
 
 
-def _is_refiling(upload: Upload) -> bool:
-    """Whether the upload declares a transcript already filed for its experiment."""
-    return _filed(upload.experiment, upload.sha256)
-
-
-def _filed(experiment: Experiment, sha256: str) -> bool:
-    return (
-        experiment.proofs.filter(transcript__sha256=sha256)
-        .exclude(status=ProofStatus.ERROR)
-        .exists()
-    )
-
-
-def _record_completion(upload: Upload, blob: Blob, *, user: User, ip: str | None) -> None:
+def _record_completion(
+    upload: Upload, blob: Blob, rules: KindRules, *, user: User, ip: str | None
+) -> None:
     with transaction.atomic():
         upload.status, upload.blob, upload.completed = UploadStatus.COMPLETE, blob, timezone.now()
         upload.save(update_fields=["status", "blob", "completed"])
@@ -560,92 +545,7 @@ def _record_completion(upload: Upload, blob: Blob, *, user: User, ip: str | None
             },
             ip=ip,
         )
-        if upload.kind == ArtifactKind.TRANSCRIPT:
-            file_proof(upload, user=user, ip=ip)
-
-
-def check_proof_room(experiment: Experiment) -> None:
-    """Refuse a transcript for an experiment that holds as many proofs as allowed.
-
-    Verifier errors (the platform's fault, not a filing the lab chose) do not count.
-
-    Raises:
-        TooManyProofsError: 409 ``too_many_proofs``.
-    """
-    limit = dvbench_int("MAX_PROOFS_PER_EXPERIMENT")
-    filed = experiment.proofs.exclude(status=ProofStatus.ERROR).count()
-    if filed >= limit:
-        raise TooManyProofsError(
-            f"{experiment.full_name} already holds {filed} proofs, the most one experiment "
-            f"may hold (DVBENCH_MAX_PROOFS_PER_EXPERIMENT={limit}); every one stays on its "
-            "record. Register a new experiment for a new run.",
-            field="experiment",
-            detail={"limit": limit, "filed": filed},
-        )
-
-
-def file_proof(upload: Upload, *, user: User | None, ip: str | None = None) -> Proof:
-    """Create the proof for a completed transcript upload and queue its ingest.
-
-    A transcript already filed for the experiment (the same bytes) is not filed again:
-    the upload records the proof it duplicates, and that proof is returned, its
-    challenges unchanged. A proof the platform failed to verify (``error``) is filed anew.
-
-    Raises:
-        TooManyProofsError: the experiment holds as many proofs as allowed.
-    """
-    from attestations.tasks import ingest_proof
-
-    experiment = upload.experiment
-    assert upload.blob is not None and experiment.current_spec is not None
-    # Filings of one experiment are counted and compared one at a time.
-    Experiment.objects.select_for_update().filter(pk=experiment.pk).exists()
-    existing = (
-        experiment.proofs.filter(transcript=upload.blob)
-        .exclude(status=ProofStatus.ERROR)
-        .order_by("pk")
-        .first()
-    )
-    if existing is not None:
-        upload.duplicate_of = existing
-        upload.save(update_fields=["duplicate_of"])
-        AuditEvent.record(
-            "proof.refiled",
-            actor=user,
-            organization=experiment.owner,
-            target=existing,
-            detail={
-                "experiment": experiment.full_name,
-                "transcript": upload.blob.sha256,
-                "upload": str(upload.pk),
-            },
-            ip=ip,
-        )
-        return existing
-    check_proof_room(experiment)
-    proof = Proof.objects.create(
-        experiment=experiment,
-        spec=experiment.current_spec,
-        transcript=upload.blob,
-        upload=upload,
-        created_by=user,
-    )
-    job = Job.objects.create(kind="ingest", organization=experiment.owner, proof=proof)
-    AuditEvent.record(
-        "proof.filed",
-        actor=user,
-        organization=experiment.owner,
-        target=proof,
-        detail={"experiment": experiment.full_name, "transcript": upload.blob.sha256},
-        ip=ip,
-    )
-
-    def enqueue() -> None:
-        result = ingest_proof.delay(proof.pk)
-        Job.objects.filter(pk=job.pk).update(task_id=str(result.id))
-
-    transaction.on_commit(enqueue)
-    return proof
+        rules.completed(upload, user=user, ip=ip)
 
 
 # --- abort ------------------------------------------------------------------------------

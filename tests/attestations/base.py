@@ -26,7 +26,8 @@ from rest_framework.test import APIClient
 
 from attestations.accounts.models import ApiKey, Membership, Organization, OrganizationKind, Role
 from attestations.experiments.models import Experiment
-from attestations.models import ArtifactKind, Blob, Job, Proof, ProofStatus, Upload
+from attestations.models import Job, Proof, ProofStatus
+from attestations.uploads.models import ArtifactKind, Blob, Upload
 
 ROLES = ("alice", "bob", "carol", "mallory", "admin")
 PASSWORD = "correct horse battery staple"

@@ -19,7 +19,8 @@ from django.core.files.storage import default_storage
 from attestations import certificates
 from attestations.certificate_models import Certificate
 from attestations.experiments.models import Experiment
-from attestations.models import Blob, Proof, ProofStatus
+from attestations.models import Proof, ProofStatus
+from attestations.uploads.models import Blob
 from zkdv.testing import write_synthetic_transcript
 from zkdv.verify import verify_transcript
 

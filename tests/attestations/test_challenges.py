@@ -267,7 +267,7 @@ def test_a_blob_damaged_in_storage_is_a_recorded_replay_error(
     filed: tuple[APIClient, Proof, Path], django_capture_on_commit_callbacks: Any
 ) -> None:
     """Not the trainer's fault and not worth a retry: the challenge records why."""
-    from attestations.models import Blob
+    from attestations.uploads.models import Blob
 
     client, proof, run = filed
     genesis = Challenge.objects.get(proof=proof, step=0)

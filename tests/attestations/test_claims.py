@@ -27,8 +27,6 @@ from attestations.claims import (
     summarize,
 )
 from attestations.models import (
-    ArtifactKind,
-    Blob,
     Challenge,
     ChallengeOrigin,
     ChallengeStatus,
@@ -36,6 +34,7 @@ from attestations.models import (
     ProofArtifact,
     ProofStatus,
 )
+from attestations.uploads.models import ArtifactKind, Blob
 from dvbench.attest import Evidence
 from tests.attestations.base import World
 from zkdv.records import iter_records

@@ -29,7 +29,8 @@ from rest_framework.test import APIClient
 from attestations import certificates, replay
 from attestations.audit.models import AuditEvent
 from attestations.experiments.models import Experiment
-from attestations.models import Proof, ProofStatus, Upload
+from attestations.models import Proof, ProofStatus
+from attestations.uploads.models import Upload
 from dvbench.attest import verify_certificate
 from provers.challenges import random_steps_needed
 from tests.attestations.base import SPEC, World, error_of, sha256, upload_blob

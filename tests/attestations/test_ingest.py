@@ -18,8 +18,9 @@ from rest_framework.test import APIClient
 from attestations import models as attestation_models
 from attestations.audit.models import AuditEvent
 from attestations.certificate_models import Certificate
-from attestations.models import Blob, Job, Proof, ProofArtifact, ProofStatus, Upload, UploadPart
+from attestations.models import Job, Proof, ProofArtifact, ProofStatus
 from attestations.tasks import ingest_proof
+from attestations.uploads.models import Blob, Upload, UploadPart
 from tests.attestations.base import SPEC, World, error_of, sha256, stored_files, upload_blob
 from zkdv.testing import write_synthetic_transcript
 

@@ -659,7 +659,7 @@ def test_a_worker_killed_mid_replay_completes_the_challenge_exactly_once(
     from django.core.files.base import ContentFile
     from django.core.files.storage import default_storage
 
-    from attestations.models import Blob
+    from attestations.uploads.models import Blob
 
     for name in challenge.needed_files:
         data = (run / name).read_bytes()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rest_framework.test import APIClient
 
-from attestations.models import Blob, Upload, UploadPart, UploadStatus
+from attestations.uploads.models import Blob, Upload, UploadPart, UploadStatus
 from tests.attestations.base import (
     World,
     error_of,
@@ -304,7 +304,7 @@ def test_a_single_part_with_a_wrong_total_digest_stores_nothing(
 def test_the_expiry_task_is_idempotent(world: World, api: Api, storage: Path) -> None:
     from django.utils import timezone
 
-    from attestations.tasks import expire_uploads
+    from attestations.uploads.tasks import expire_uploads
 
     Upload.objects.update(expires=timezone.now() - timezone.timedelta(seconds=1))
     assert expire_uploads() == 1

@@ -30,7 +30,7 @@ import pytest
 from django.conf import settings as django_settings
 from rest_framework.test import APIClient
 
-from attestations.models import Upload, UploadPart
+from attestations.uploads.models import Upload, UploadPart
 from tests.attestations.base import World, error_of, open_upload, sha256, stored_files
 from tests.conftest import services_configured
 from tests.reliability import stack as private

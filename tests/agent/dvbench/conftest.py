@@ -57,7 +57,7 @@ class Platform:
         return self.keys[actor]
 
     def blob(self, sha256: str) -> bytes:
-        from attestations.models import Blob
+        from attestations.uploads.models import Blob
 
         return (self.media / Blob.objects.get(sha256=sha256).storage_name).read_bytes()
 
