@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from django.contrib import admin
 
+from attestations.challenges.models import Challenge
 from attestations.core.admin import ReadOnlyAdmin
-from attestations.models import Challenge, Job, Proof, ProofArtifact
+from attestations.proofs.models import Job, Proof, ProofArtifact
 
 
 @admin.register(Proof)

@@ -78,7 +78,7 @@ from django.db import transaction
 from django.utils import timezone
 from attestations.accounts.models import ApiKey, Membership, Organization
 from attestations.uploads.models import Blob
-from attestations.models import Proof, Job
+from attestations.proofs.models import Proof, Job
 from attestations.experiments.models import Experiment
 spec = {"framework": "jax", "model_description": "bench model", "optimizer": "adam",
         "dataset_commitment": "ab" * 32, "max_flops": 10**25, "max_tokens": 10**12,

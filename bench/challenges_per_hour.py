@@ -140,10 +140,11 @@ def main() -> None:
         from django.core.management import call_command
 
         call_command("migrate", verbosity=0)
-        from attestations import replay
         from attestations.accounts.models import Organization
+        from attestations.challenges import replay
+        from attestations.challenges.models import Challenge
         from attestations.experiments.models import Experiment
-        from attestations.models import Challenge, Proof
+        from attestations.proofs.models import Proof
 
         org = Organization.objects.create(slug="bench", name="Bench")
         user = User.objects.create_user("bench")

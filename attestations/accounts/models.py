@@ -62,7 +62,7 @@ class Organization(models.Model):
     )
     created = models.DateTimeField(default=timezone.now)
     #: The key the challenge seeds of this organisation's proofs derive from
-    #: (``attestations.replay.draw``): hex, made on first use, never shown.
+    #: (``attestations.challenges.replay.draw``): hex, made on first use, never shown.
     challenge_key = models.CharField(max_length=64, blank=True, editable=False)
 
     class Meta:

@@ -22,8 +22,8 @@ from django.db import transaction
 from attestations.audit.models import AuditEvent
 from attestations.core.conf import dvbench_int
 from attestations.experiments.models import Experiment
-from attestations.models import Job, Proof, ProofStatus
 from attestations.proofs.errors import TooManyProofsError, TranscriptRejectedError
+from attestations.proofs.models import Job, Proof, ProofStatus
 from attestations.uploads.models import Upload
 from attestations.uploads.services import KindRules
 
@@ -123,7 +123,7 @@ def file_proof(upload: Upload, *, user: User | None, ip: str | None = None) -> P
     Raises:
         TooManyProofsError: the experiment holds as many proofs as allowed.
     """
-    from attestations.tasks import ingest_proof
+    from attestations.proofs.tasks import ingest_proof
 
     experiment = upload.experiment
     assert upload.blob is not None and experiment.current_spec is not None

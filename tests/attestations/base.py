@@ -26,7 +26,7 @@ from rest_framework.test import APIClient
 
 from attestations.accounts.models import ApiKey, Membership, Organization, OrganizationKind, Role
 from attestations.experiments.models import Experiment
-from attestations.models import Job, Proof, ProofStatus
+from attestations.proofs.models import Job, Proof, ProofStatus
 from attestations.uploads.models import ArtifactKind, Blob, Upload
 
 ROLES = ("alice", "bob", "carol", "mallory", "admin")

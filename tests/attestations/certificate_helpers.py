@@ -16,10 +16,10 @@ from typing import Any
 from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 
-from attestations import certificates
-from attestations.certificate_models import Certificate
+from attestations.certificates import services as certificates
+from attestations.certificates.models import Certificate
 from attestations.experiments.models import Experiment
-from attestations.models import Proof, ProofStatus
+from attestations.proofs.models import Proof, ProofStatus
 from attestations.uploads.models import Blob
 from zkdv.testing import write_synthetic_transcript
 from zkdv.verify import verify_transcript

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from django.test import Client
 
-from attestations.models import Challenge, ProofArtifact
+from attestations.challenges.models import Challenge
+from attestations.proofs.models import ProofArtifact
 from tests.attestations.base import World, make_user
 
 

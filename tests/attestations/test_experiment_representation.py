@@ -6,8 +6,8 @@ import json
 
 from rest_framework.renderers import JSONRenderer
 
+from attestations.api.serializers import ExperimentSerializer
 from attestations.experiments.models import Experiment
-from attestations.serializers import ExperimentSerializer
 from tests.attestations.base import World
 
 

@@ -8,7 +8,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from attestations.experiments.models import Experiment
-from attestations.models import Proof
+from attestations.proofs.models import Proof
 from tests.attestations.base import SPEC, World, error_of
 
 Api = Callable[[str | None], APIClient]

@@ -15,11 +15,11 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from rest_framework.test import APIClient
 
-from attestations import models as attestation_models
 from attestations.audit.models import AuditEvent
-from attestations.certificate_models import Certificate
-from attestations.models import Job, Proof, ProofArtifact, ProofStatus
-from attestations.tasks import ingest_proof
+from attestations.certificates.models import Certificate
+from attestations.proofs import models as attestation_models
+from attestations.proofs.models import Job, Proof, ProofArtifact, ProofStatus
+from attestations.proofs.tasks import ingest_proof
 from attestations.uploads.models import Blob, Upload, UploadPart
 from tests.attestations.base import SPEC, World, error_of, sha256, stored_files, upload_blob
 from zkdv.testing import write_synthetic_transcript

@@ -9,7 +9,7 @@ import pytest
 from rest_framework.test import APIClient
 
 from attestations.experiments.models import Experiment
-from attestations.models import Job, Proof
+from attestations.proofs.models import Job, Proof
 from tests.attestations.base import SPEC, World
 
 Api = Callable[[str | None], APIClient]

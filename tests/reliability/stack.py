@@ -308,7 +308,7 @@ print(json.dumps(ids))
 #: Per proof: status, jobs, and how many verdict audit events it has.
 OUTCOME = r"""
 from attestations.audit.models import AuditEvent
-from attestations.models import Proof
+from attestations.proofs.models import Proof
 out = {}
 for proof in Proof.objects.all():
     verdicts = AuditEvent.objects.filter(target_type="proof", target_id=str(proof.pk), action__in=["proof.valid", "proof.rejected", "proof.error"]).count()

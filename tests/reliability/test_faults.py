@@ -181,7 +181,7 @@ def test_ingest_completes_exactly_once_after_workers_are_killed(stack: private.S
             break
         time.sleep(1)
     stack.python(
-        "from attestations.tasks import requeue_stale_ingests\n"
+        "from attestations.proofs.tasks import requeue_stale_ingests\n"
         "print(json.dumps(requeue_stale_ingests(older_than=0)))"
     )
     assert_exactly_once(settle(stack, ids), ids, stack.worker_log())

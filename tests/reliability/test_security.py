@@ -30,8 +30,8 @@ from django.test import Client
 from rest_framework.test import APIClient
 
 from attestations.accounts.models import ApiKey
+from attestations.api.throttling import FixedWindow
 from attestations.audit.models import AuditEvent
-from attestations.throttling import FixedWindow
 from tests.attestations.base import PASSWORD, World, error_of, open_upload, sha256, upload_blob
 
 Api = Callable[[str | None], APIClient]
@@ -260,7 +260,7 @@ def test_upload_endpoints_are_limited_per_user(world: World, api: Api, settings:
 def test_without_redis_every_worker_process_shares_the_counters(tmp_path: Any) -> None:
     # Gunicorn runs several worker processes. Process-local counters would let each worker
     # count alone (a limit of 10 becomes 10 per worker); the embedded default's cache is
-    # files with an flock (attestations/cache.py), so four processes hitting one counter
+    # files with an flock (attestations/core/cache.py), so four processes hitting one counter
     # at once must add up exactly.
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("DVBENCH_", "DJANGO_"))}
     for name in ("REDIS_URL", "DATABASE_URL"):
@@ -272,7 +272,7 @@ def test_without_redis_every_worker_process_shares_the_counters(tmp_path: Any) -
     )
     hits = 150
     code = (
-        "import django; django.setup(); from attestations.throttling import FixedWindow; "
+        "import django; django.setup(); from attestations.api.throttling import FixedWindow; "
         f"[FixedWindow('uploads', 'shared').hit() for _ in range({hits})]"
     )
     workers = [
@@ -281,7 +281,7 @@ def test_without_redis_every_worker_process_shares_the_counters(tmp_path: Any) -
     assert [worker.wait(timeout=120) for worker in workers] == [0, 0, 0, 0]
     read = (
         "import django; django.setup(); from django.conf import settings; "
-        "from django.core.cache import cache; from attestations.throttling import FixedWindow; "
+        "from django.core.cache import cache; from attestations.api.throttling import FixedWindow; "
         "print(settings.CACHES['default']['BACKEND'], cache.get(FixedWindow('uploads', 'shared').key))"
     )
     result = subprocess.run(
@@ -289,7 +289,7 @@ def test_without_redis_every_worker_process_shares_the_counters(tmp_path: Any) -
     )
     assert result.returncode == 0, result.stderr
     backend, count = result.stdout.split()
-    assert backend == "attestations.cache.SharedFileCache"
+    assert backend == "attestations.core.cache.SharedFileCache"
     assert int(count) == 4 * hits
 
 
@@ -307,8 +307,8 @@ def test_api_keys_are_stored_as_sha256_only(world: World, api: Api) -> None:
 def test_api_keys_are_compared_in_constant_time(world: World, monkeypatch: Any) -> None:
     import hmac
 
-    from attestations import authentication
     from attestations.accounts import models
+    from attestations.api import authentication
 
     _, raw = ApiKey.issue(world.alice, "k")
     compared: list[tuple[str, str]] = []
@@ -318,7 +318,7 @@ def test_api_keys_are_compared_in_constant_time(world: World, monkeypatch: Any) 
         compared.append((a, b))
         return real(a, b)
 
-    # Both the model's check and the request path's (attestations/authentication.py).
+    # Both the model's check and the request path's (attestations/api/authentication.py).
     monkeypatch.setattr(models.hmac, "compare_digest", spy)
     monkeypatch.setattr(authentication.hmac, "compare_digest", spy)
     forged = raw[:-1] + ("A" if raw[-1] != "A" else "B")

@@ -5,7 +5,7 @@ platform (migrations, static files), registers the demo organisations and accoun
 trainer, an auditor, a regulator and an admin, each with an API key; credentials kept,
 readable by their owner only, in the data directory), serves it with gunicorn on
 localhost, waits until ``/health`` answers, then runs the end-to-end flow of
-:mod:`attestations.demo_flow` against it as its users would (experiment, training,
+:mod:`demo.flow` against it as its users would (experiment, training,
 challenges, replay, certificate, report, offline verification), and keeps serving so
 the person can click through what just happened.
 
@@ -37,8 +37,8 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from attestations import demo_flow
-from attestations.demo_flow import Account, Outcome, Steps
+from demo import flow as demo_flow
+from demo.flow import Account, Outcome, Steps
 
 ADMIN_USERNAME = "admin"
 DEMO_ORGANIZATION = ("demo", "Demo lab")
