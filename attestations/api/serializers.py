@@ -20,52 +20,16 @@ from attestations.accounts.models import (
     Organization,
     Role,
 )
-from attestations.api.permissions import require
 from attestations.audit.models import AuditEvent
 from attestations.challenges.models import Challenge
 from attestations.core.conf import api_datetime
 from attestations.core.validators import SHA256_HEX
 from attestations.experiments.models import Experiment, ExperimentSpec, Framework, Regime
+from attestations.http.fields import StrictCharField, StrictIntegerField
+from attestations.http.permissions import require
 from attestations.proofs.models import Job, Proof, ProofArtifact
 from attestations.uploads.models import ArtifactKind, Upload, UploadPart
 from attestations.uploads.services import max_part_bytes
-
-#: The largest value a 64-bit signed integer column (ids, counts) holds.
-INT64_MAX = 2**63 - 1
-
-
-class StrictCharField(serializers.CharField):
-    """A JSON string, and only a string: DRF's CharField would turn ``0`` into ``"0"``.
-
-    Whitespace is kept as sent (trimming would turn ``" "`` into a blank the schema
-    allows); a NUL character is refused, as the schema says (``attestations/api/schema.py``).
-    """
-
-    default_error_messages = {"invalid": "Enter a string (a JSON string, not a number)."}
-
-    def __init__(self, **kwargs: Any) -> None:
-        kwargs.setdefault("trim_whitespace", False)
-        super().__init__(**kwargs)
-
-    def to_internal_value(self, data: Any) -> str:
-        if not isinstance(data, str):
-            self.fail("invalid")
-        return str(super().to_internal_value(data))
-
-
-class StrictIntegerField(serializers.IntegerField):
-    """A JSON integer, and only an integer (DRF's accepts ``"5"``, ``5.0`` and ``true``)."""
-
-    default_error_messages = {"invalid": "Enter a whole number (a JSON integer)."}
-
-    def __init__(self, **kwargs: Any) -> None:
-        kwargs.setdefault("max_value", INT64_MAX)
-        super().__init__(**kwargs)
-
-    def to_internal_value(self, data: Any) -> int:
-        if isinstance(data, bool) or not isinstance(data, int):
-            self.fail("invalid")
-        return int(super().to_internal_value(data))
 
 
 def _big_integer_schema(max_digits: int) -> dict[str, Any]:
@@ -416,8 +380,8 @@ def visible_organization(request: Any, slug: str, capability: str) -> Organizati
         NotFoundError: no such organisation, or out of sight.
         PermissionDenied: visible, but the role lacks ``capability`` (403).
     """
-    from attestations.api.permissions import get_access
     from attestations.core.errors import NotFoundError
+    from attestations.http.permissions import get_access
 
     organization = Organization.objects.filter(slug=slug).first()
     if organization is None or not get_access(request).can_see(organization.pk):

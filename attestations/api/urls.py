@@ -116,8 +116,8 @@ urlpatterns = [
     ),
     re_path(rf"^uploads/{UUID}/complete/?$", api.UploadComplete.as_view(), name="complete"),
     re_path(rf"^uploads/{UUID}/abort/?$", api.UploadAbort.as_view(), name="abort"),
-    path("", include("attestations.certificates.api_urls")),
-    path("", include("attestations.reports.api_urls")),
+    path("", include("attestations.api.certificate_urls")),
+    path("", include("attestations.api.report_urls")),
     path("schema/", SpectacularAPIView.as_view(), name="schema"),
     # The split view serves Swagger UI's start-up script as a file (docs/?script): the
     # Content-Security-Policy allows no inline script.

@@ -2,7 +2,7 @@
 
 Scope: every queryset is filtered by :class:`~attestations.accounts.models.Access`, so an object
 in an organisation the user cannot read answers 404; a visible object the user's role may
-not act on answers 403 (:func:`~attestations.api.permissions.require`).
+not act on answers 403 (:func:`~attestations.http.permissions.require`).
 """
 
 from __future__ import annotations
@@ -37,10 +37,6 @@ from attestations.accounts.models import (
     Membership,
     Organization,
 )
-from attestations.api.exceptions import LengthRequiredError
-from attestations.api.filters import BigInt, QueryFilters
-from attestations.api.pagination import CursorPage
-from attestations.api.permissions import HasCapability, get_access, require
 from attestations.api.serializers import (
     ApiKeySerializer,
     ArtifactListSerializer,
@@ -69,6 +65,10 @@ from attestations.challenges.models import Challenge, ChallengeOrigin, Challenge
 from attestations.core.conf import client_ip
 from attestations.core.errors import ConflictError, NotFoundError
 from attestations.experiments.models import Experiment, ExperimentSpec, Framework
+from attestations.http.exceptions import LengthRequiredError
+from attestations.http.filters import BigInt, QueryFilters
+from attestations.http.pagination import CursorPage
+from attestations.http.permissions import HasCapability, get_access, require
 from attestations.proofs.models import Job, JobStatus, Proof, ProofStatus
 from attestations.uploads import services as uploads
 from attestations.uploads.models import ArtifactKind, Upload, UploadStatus

@@ -33,14 +33,12 @@ from django.conf import settings
 from django.core.files.storage import default_storage
 
 from attestations.challenges.models import Challenge, ChallengeStatus
+from attestations.proofs.model_files import check_weights, final_parameters, model_names
 from attestations.proofs.models import Proof, ProofArtifact
 from dvbench._model import (
     MODEL_DIR,
     PUBLIC_KEY_FILE,
     SIGNATURE_FILE,
-    ModelMismatchError,
-    SafetensorsError,
-    check_final_parameters,
 )
 from dvbench.attest import (
     DIGEST_SHA256,
@@ -78,16 +76,6 @@ CLAIM_DETECTION: Final = "detection_guarantee"
 # --- the final model ------------------------------------------------------------------
 
 
-def model_names(name: str) -> bool:
-    """Whether ``name`` is where a proof directory keeps the final model's files."""
-    folder, separator, base = name.partition("/")
-    if folder != MODEL_DIR or not separator or not base or "/" in base:
-        return False
-    if base in (SIGNATURE_FILE, PUBLIC_KEY_FILE):
-        return True
-    return base.endswith(".safetensors") and len(base) > len(".safetensors")
-
-
 @dataclass
 class ModelCheck:
     """What the platform found checking a proof's attached model.
@@ -109,42 +97,6 @@ class ModelCheck:
     @property
     def present(self) -> bool:
         return bool(self.files) or self.problem is not None
-
-
-def _final(proof: Proof) -> tuple[list[dict[str, Any]], int, str] | None:
-    """The parameter schema, chunk size and final parameter root, once verified."""
-    report: Mapping[str, Any] = proof.report or {}
-    root = report.get("root") or {}
-    final = report.get("final") or {}
-    specs = (root.get("schema") or {}).get("params")
-    config = root.get("config") or {}
-    parameter_root = final.get("p") if isinstance(final, Mapping) else None
-    if not isinstance(specs, list) or not isinstance(parameter_root, str):
-        return None
-    from zkdv.config import ZKDVConfig
-
-    return specs, ZKDVConfig.from_dict(dict(config)).chunk_bytes, parameter_root
-
-
-def check_weights(proof: Proof, name: str, storage_name: str, size: int) -> str | None:
-    """Check one attached safetensors file against the transcript's final parameters.
-
-    Returns:
-        None when it holds exactly the final parameters, else why not. Also None when the
-        proof is not verified yet (the certificate checks again when it is issued).
-    """
-    final = _final(proof)
-    if final is None:
-        return None
-    specs, chunk, parameter_root = final
-    try:
-        with default_storage.open(storage_name, "rb") as handle:
-            check_final_parameters(
-                handle, size, specs=specs, chunk_bytes=chunk, final_root=parameter_root
-            )
-    except (SafetensorsError, ModelMismatchError) as error:
-        return f"{name}: {error}"
-    return None
 
 
 def check_signature(artifacts: Mapping[str, tuple[str, int]], model: str) -> tuple[str, str, str]:
@@ -208,7 +160,7 @@ def check_model(proof: Proof) -> ModelCheck:
     weights = [row for row in rows if row.name.endswith(".safetensors")]
     if not weights:
         return check
-    if _final(proof) is None:
+    if final_parameters(proof) is None:
         check.problem = "the transcript has no final parameter root to compare the model with"
         return check
     for row in weights:

@@ -57,6 +57,7 @@ from attestations.challenges.models import (
     ChallengeStatus,
 )
 from attestations.core.db import take_claim, task_time_limit
+from attestations.proofs.model_files import check_weights, model_names
 from attestations.proofs.models import (
     DUPLICATE_TRANSCRIPT,
     Job,
@@ -461,8 +462,6 @@ def _in_layout(name: str, kind: str) -> bool:
         return in_files and base.startswith("snapshot-") and base.endswith(".bin")
     if kind == ArtifactKind.BATCH:
         return in_files and base.startswith("batch-") and base.endswith(".u32")
-    from attestations.certificates.subjects import model_names
-
     if model_names(name):
         return True  # the final model (dvbench's proof.save_model), bound by the certificate
     return "/" not in name and (name == PROBES or name.startswith("program."))
@@ -627,8 +626,6 @@ def attach(
                 )
             continue
         if claim.name.endswith(".safetensors"):
-            from attestations.certificates.subjects import check_weights
-
             # The final weights must be the transcript's final parameters (checked again
             # when the certificate is issued, should the proof not be verified yet).
             problem_text = check_weights(proof, claim.name, blob.storage_name, blob.size)

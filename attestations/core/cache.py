@@ -1,6 +1,6 @@
 """The embedded default's cache: files under the data directory, shared by every process.
 
-The rate-limit counters (``attestations/api/throttling.py``) must be shared by every gunicorn
+The rate-limit counters (``attestations/http/throttling.py``) must be shared by every gunicorn
 worker, or each worker counts alone and the effective limit is the limit times the
 number of workers. Redis does that in production; without Redis, Django's process-local
 memory cache would not. Django's file cache is shared, but its ``add`` (check, then write)

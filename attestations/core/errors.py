@@ -2,7 +2,7 @@
 
 Models and services raise these; they know nothing of HTTP. Each kind of error is a
 subclass of :class:`DVBenchError`, and the REST API's exception handler
-(``attestations/api/exceptions.py``) is the one place that gives each kind its HTTP
+(``attestations/http/exceptions.py``) is the one place that gives each kind its HTTP
 status and renders the one error body::
 
     {"error": {"code": "part_digest_mismatch",

@@ -23,10 +23,13 @@ from decimal import Decimal
 from html import escape
 from typing import TYPE_CHECKING, Any
 
+from django.db.models import QuerySet
+from django.http import HttpResponse
 from django.template.loader import render_to_string
 from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
 
+from attestations.accounts.models import Access, Capability
 from attestations.certificates.claims import ClaimSet, Series, Violation, compute_claims
 from dvbench.attest import Claim, Evidence
 
@@ -45,12 +48,14 @@ __all__ = [
     "compute_chart_svg",
     "human_number",
     "learning_rate_svg",
+    "pdf_response",
     "render_report_html",
     "render_report_pdf",
     "report_claims",
     "report_context",
     "svg_data_uri",
     "timeline_svg",
+    "visible_proofs",
 ]
 
 EVIDENCE_LABELS = {
@@ -667,3 +672,20 @@ def render_report_pdf(proof: Proof) -> bytes:
     if status.err:
         raise RuntimeError(f"xhtml2pdf could not lay out the report of proof {proof.pk}")
     return out.getvalue()
+
+
+def visible_proofs(access: Access) -> QuerySet[Proof]:
+    """Proofs whose claims and report ``access`` may read, with what a report reads."""
+    from attestations.proofs.models import Proof
+
+    return Proof.objects.filter(
+        access.orgs(Capability.READ, "experiment__owner_id")
+    ).select_related("experiment__owner", "spec", "transcript")
+
+
+def pdf_response(proof: Proof) -> HttpResponse:
+    """The report as a PDF download, named after the experiment and the proof."""
+    response = HttpResponse(render_report_pdf(proof), content_type="application/pdf")
+    name = f"{proof.experiment.owner.slug}-{proof.experiment.name}-proof-{proof.pk}-report.pdf"
+    response["Content-Disposition"] = f'attachment; filename="{name}"'
+    return response

@@ -21,7 +21,7 @@ urlpatterns = [
     path(f"experiments/{NAME}/", views.experiment_detail, name="experiment"),
     path(f"experiments/{NAME}/spec/", views.experiment_spec, name="experiment-spec"),
     path("proofs/<int:pk>/", views.proof_detail, name="proof"),
-    path("", include("attestations.reports.urls")),
+    path("", include("attestations.web.report_urls")),
     path("keys/", views.api_keys, name="api-keys"),
     path("keys/<int:pk>/revoke/", views.api_key_revoke, name="api-key-revoke"),
     path("audit/", views.audit_log, name="audit"),

@@ -1,7 +1,7 @@
 """Server-rendered pages: sign in, dashboard, experiments, proofs, API keys, audit trail.
 
 Same scope rules as the API: an object outside the user's sight is a 404, a visible
-object their role may not act on is a 403 (see :mod:`attestations.api.permissions`).
+object their role may not act on is a 403 (see :mod:`attestations.http.permissions`).
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ from attestations.accounts.models import (
     Membership,
     Organization,
 )
-from attestations.api.permissions import get_access
 from attestations.audit.models import AuditEvent
 from attestations.challenges import replay
 from attestations.challenges.models import Challenge
 from attestations.core.conf import client_ip
 from attestations.core.errors import DVBenchError
 from attestations.experiments.models import Experiment
+from attestations.http.permissions import get_access
 from attestations.proofs.models import Job, Proof, ProofStatus
 from attestations.web.forms import ApiKeyForm, ExperimentForm, InviteForm, RoleForm, SpecForm
 

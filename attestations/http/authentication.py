@@ -15,7 +15,7 @@ from rest_framework import authentication, exceptions
 from rest_framework.request import Request
 
 from attestations.accounts.models import API_KEY_PREFIX, ApiKey
-from attestations.api.throttling import check_api_key_failures, count_api_key_failure
+from attestations.http.throttling import check_api_key_failures, count_api_key_failure
 
 SCHEMES = ("bearer", "api-key")
 
@@ -142,7 +142,7 @@ def _register_schema_extension() -> Any:
     from drf_spectacular.extensions import OpenApiAuthenticationExtension
 
     class _Extension(OpenApiAuthenticationExtension):  # type: ignore[no-untyped-call]
-        target_class = "attestations.api.authentication.ApiKeyAuthentication"
+        target_class = "attestations.http.authentication.ApiKeyAuthentication"
         name = "apiKey"
 
         def get_security_definition(self, auto_schema: Any) -> dict[str, str]:

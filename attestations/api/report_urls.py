@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from django.urls import URLPattern, re_path
 
-from attestations.reports import views
+from attestations.api import reports as views
 
 urlpatterns: list[URLPattern] = [
     re_path(

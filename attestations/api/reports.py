@@ -1,4 +1,4 @@
-"""Views of claims, data-content queries and reports (web pages and API).
+"""API views of a proof's claims, data-content queries and reports (HTML, PDF).
 
 Who sees what:
 
@@ -14,11 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.contrib.auth.decorators import login_required
-from django.db.models import QuerySet
-from django.http import HttpRequest, HttpResponse
-from django.shortcuts import get_object_or_404, render
-from django.views.decorators.http import require_GET
+from django.http import HttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema, inline_serializer
 from rest_framework import serializers
@@ -26,59 +22,23 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from attestations.accounts.models import Access, Capability
-from attestations.api.permissions import HasCapability, get_access, require
-from attestations.api.serializers import StrictIntegerField
+from attestations.accounts.models import Capability
 from attestations.certificates.claims import compute_claims
 from attestations.core.conf import client_ip
 from attestations.core.errors import NotFoundError
+from attestations.http.fields import StrictIntegerField
+from attestations.http.permissions import HasCapability, get_access, require
 from attestations.proofs.models import Proof
 from attestations.reports import data_queries
 from attestations.reports import render as reports
+from attestations.reports.render import pdf_response, visible_proofs
 
 __all__ = [
     "ProofClaimsView",
     "ProofDataQueryView",
     "ProofReportHtmlView",
     "ProofReportPdfView",
-    "report_page",
-    "report_pdf",
 ]
-
-
-def visible_proofs(access: Access) -> QuerySet[Proof]:
-    """Proofs whose claims ``access`` may read, with what a report reads."""
-    return Proof.objects.filter(
-        access.orgs(Capability.READ, "experiment__owner_id")
-    ).select_related("experiment__owner", "spec", "transcript")
-
-
-def _pdf_response(proof: Proof) -> HttpResponse:
-    response = HttpResponse(reports.render_report_pdf(proof), content_type="application/pdf")
-    name = f"{proof.experiment.owner.slug}-{proof.experiment.name}-proof-{proof.pk}-report.pdf"
-    response["Content-Disposition"] = f'attachment; filename="{name}"'
-    return response
-
-
-# --- Web pages --------------------------------------------------------------------------
-
-
-@login_required
-@require_GET
-def report_page(request: HttpRequest, pk: int) -> HttpResponse:
-    proof = get_object_or_404(visible_proofs(get_access(request)), pk=pk)
-    context = reports.report_context(proof)
-    return render(request, "attestations/report.html", context)
-
-
-@login_required
-@require_GET
-def report_pdf(request: HttpRequest, pk: int) -> HttpResponse:
-    proof = get_object_or_404(visible_proofs(get_access(request)), pk=pk)
-    return _pdf_response(proof)
-
-
-# --- API --------------------------------------------------------------------------------
 
 
 class _ProofView(APIView):
@@ -151,7 +111,7 @@ class ProofReportPdfView(_ProofView):
 
     @extend_schema(responses={(200, "application/pdf"): OpenApiTypes.BINARY})
     def get(self, request: Request, pk: int) -> HttpResponse:
-        return _pdf_response(self.proof(request, pk))
+        return pdf_response(self.proof(request, pk))
 
 
 class DataQuerySerializer(serializers.Serializer[Any]):

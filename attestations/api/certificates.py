@@ -34,9 +34,6 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from attestations.accounts.models import Capability
-from attestations.api.filters import BigInt, QueryFilters
-from attestations.api.pagination import CursorPage
-from attestations.api.permissions import HasCapability, get_access
 from attestations.certificates import services as certificates
 from attestations.certificates import subjects as certificate_subjects
 from attestations.certificates.models import (
@@ -48,6 +45,9 @@ from attestations.certificates.models import (
 )
 from attestations.core.conf import api_datetime
 from attestations.core.errors import InvalidRequestError, NotFoundError, UnavailableError
+from attestations.http.filters import BigInt, QueryFilters
+from attestations.http.pagination import CursorPage
+from attestations.http.permissions import HasCapability, get_access
 from attestations.proofs.models import Proof
 from dvbench.attest import KeyConfigurationError
 

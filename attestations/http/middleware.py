@@ -25,9 +25,9 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse, UnreadablePostError
 from django.urls import NoReverseMatch, reverse
 
-from attestations.api.exceptions import error_body
-from attestations.api.throttling import count_login_failure, login_wait
 from attestations.core.conf import client_ip
+from attestations.http.exceptions import error_body
+from attestations.http.throttling import count_login_failure, login_wait
 
 REQUEST_ID_HEADER = "X-Request-ID"
 # A caller's id is kept only if it is short and plain, so it can be logged and echoed

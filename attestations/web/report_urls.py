@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.urls import URLPattern, path
 
-from attestations.reports import views as report_views
+from attestations.web import reports as report_views
 
 urlpatterns: list[URLPattern] = [
     path("proofs/<int:pk>/report/", report_views.report_page, name="proof-report"),

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from django.urls import URLPattern, re_path
 
-from attestations.certificates import api as views
+from attestations.api import certificates as views
 
 urlpatterns: list[URLPattern] = [
     re_path(r"^trust-root/?$", views.TrustRootView.as_view(), name="trust-root"),

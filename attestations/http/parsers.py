@@ -15,7 +15,7 @@ from typing import IO, TYPE_CHECKING, Any
 from rest_framework import parsers
 
 if TYPE_CHECKING:
-    from attestations.api.exceptions import TooDeepError
+    from attestations.http.exceptions import TooDeepError
 
 #: The deepest nesting of arrays and objects a request body may have.
 MAX_DEPTH = 32
@@ -45,8 +45,8 @@ def nesting_depth(value: Any, limit: int = MAX_DEPTH) -> int:
 
 
 def too_deep() -> TooDeepError:
-    # Imported here: DRF loads this parser while attestations.api.exceptions imports DRF.
-    from attestations.api.exceptions import TooDeepError
+    # Imported here: DRF loads this parser while attestations.http.exceptions imports DRF.
+    from attestations.http.exceptions import TooDeepError
 
     return TooDeepError(
         f"The JSON body nests arrays or objects more than {MAX_DEPTH} levels deep; no "
