@@ -66,7 +66,7 @@ class Organization(models.Model):
     challenge_key = models.CharField(max_length=64, blank=True, editable=False)
 
     class Meta:
-        app_label = "attestations"
+        db_table = "attestations_organization"
         ordering = ["slug"]
 
     def __str__(self) -> str:
@@ -170,7 +170,7 @@ class Membership(models.Model):
     created = models.DateTimeField(default=timezone.now)
 
     class Meta:
-        app_label = "attestations"
+        db_table = "attestations_membership"
         constraints = [
             models.UniqueConstraint(fields=["user", "organization"], name="one_role_per_org")
         ]
@@ -407,7 +407,7 @@ class Invitation(models.Model):
     responded = models.DateTimeField(null=True, blank=True)
 
     class Meta:
-        app_label = "attestations"
+        db_table = "attestations_invitation"
         constraints = [
             models.UniqueConstraint(
                 fields=["organization", "user"],
@@ -636,7 +636,7 @@ class ApiKey(models.Model):
     objects: ClassVar[ApiKeyQuerySet] = ApiKeyQuerySet.as_manager()  # type: ignore[assignment]
 
     class Meta:
-        app_label = "attestations"
+        db_table = "attestations_apikey"
         ordering = ["-created"]
 
     def __str__(self) -> str:

@@ -25,7 +25,7 @@ class AuditEvent(AppendOnlyModel):
     )
     actor_name = models.CharField(max_length=150, blank=True)
     organization = models.ForeignKey(
-        "attestations.Organization",
+        "accounts.Organization",
         on_delete=models.SET_NULL,
         null=True,
         blank=True,
@@ -41,7 +41,7 @@ class AuditEvent(AppendOnlyModel):
     objects: ClassVar[AppendOnlyQuerySet[AuditEvent]] = AppendOnlyQuerySet.as_manager()  # type: ignore[assignment]
 
     class Meta:
-        app_label = "attestations"
+        db_table = "attestations_auditevent"
         ordering = ["-created"]
 
     def __str__(self) -> str:

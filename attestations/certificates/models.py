@@ -64,7 +64,7 @@ class PlatformKey(models.Model):
     created = models.DateTimeField(default=timezone.now)
 
     class Meta:
-        app_label = "attestations"
+        db_table = "attestations_platformkey"
         ordering = ["not_before"]
 
     def __str__(self) -> str:
@@ -86,7 +86,7 @@ class TrustRootVersion(AppendOnlyModel):
     created = models.DateTimeField(default=timezone.now)
 
     class Meta:
-        app_label = "attestations"
+        db_table = "attestations_trustrootversion"
         ordering = ["-version"]
 
     def __str__(self) -> str:
@@ -113,7 +113,7 @@ class LogEntry(AppendOnlyModel):
     created = models.DateTimeField(default=timezone.now)
 
     class Meta:
-        app_label = "attestations"
+        db_table = "attestations_logentry"
         ordering = ["index"]
         verbose_name_plural = "log entries"
 
@@ -147,7 +147,7 @@ class LogCheckpoint(AppendOnlyModel):
     timestamp = models.DateTimeField()
 
     class Meta:
-        app_label = "attestations"
+        db_table = "attestations_logcheckpoint"
         ordering = ["-tree_size"]
 
     def __str__(self) -> str:
@@ -179,10 +179,10 @@ class Certificate(AppendOnlyModel):
     objects: ClassVar[AppendOnlyQuerySet[Certificate]] = AppendOnlyQuerySet.as_manager()  # type: ignore[assignment]
 
     proof = models.OneToOneField(
-        "attestations.Proof", on_delete=models.PROTECT, related_name="certificate"
+        "proofs.Proof", on_delete=models.PROTECT, related_name="certificate"
     )
     organization = models.ForeignKey(
-        "attestations.Organization", on_delete=models.PROTECT, related_name="certificates"
+        "accounts.Organization", on_delete=models.PROTECT, related_name="certificates"
     )
     experiment = models.CharField(max_length=151, help_text="owner/name")
     result = models.CharField(max_length=8, choices=CertificateResult.choices, db_index=True)
@@ -195,7 +195,7 @@ class Certificate(AppendOnlyModel):
     log_entry = models.OneToOneField(LogEntry, on_delete=models.PROTECT, related_name="certificate")
 
     class Meta:
-        app_label = "attestations"
+        db_table = "attestations_certificate"
         ordering = ["-issued", "-id"]
 
     def __str__(self) -> str:

@@ -61,7 +61,7 @@ class Challenge(models.Model):
     finished = models.DateTimeField(null=True, blank=True)
 
     class Meta:
-        app_label = "attestations"
+        db_table = "attestations_challenge"
         constraints = [
             models.UniqueConstraint(
                 fields=["proof", "step", "through"],

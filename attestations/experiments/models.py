@@ -106,7 +106,7 @@ class Experiment(models.Model):
     objects: ClassVar[ExperimentQuerySet] = ExperimentQuerySet.as_manager()  # type: ignore[assignment]
 
     class Meta:
-        app_label = "attestations"
+        db_table = "attestations_experiment"
         constraints = [
             models.UniqueConstraint(fields=["owner", "name"], name="experiment_name_per_owner")
         ]
@@ -329,7 +329,7 @@ class ExperimentSpec(models.Model):
     )
 
     class Meta:
-        app_label = "attestations"
+        db_table = "attestations_experimentspec"
         constraints = [
             models.UniqueConstraint(fields=["experiment", "version"], name="spec_version_unique")
         ]

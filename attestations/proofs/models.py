@@ -133,7 +133,7 @@ class Proof(models.Model):
     challenge_run_digest = models.CharField(max_length=64, blank=True)
 
     class Meta:
-        app_label = "attestations"
+        db_table = "attestations_proof"
         ordering = ["-created"]
         constraints = [
             # One challenge plan per transcript per experiment: filing the same transcript
@@ -252,7 +252,7 @@ class ProofArtifact(models.Model):
     created = models.DateTimeField(default=timezone.now)
 
     class Meta:
-        app_label = "attestations"
+        db_table = "attestations_proofartifact"
         constraints = [
             models.UniqueConstraint(fields=["proof", "name"], name="proof_artifact_name_unique")
         ]
@@ -290,7 +290,7 @@ class Job(models.Model):
     finished = models.DateTimeField(null=True, blank=True)
 
     class Meta:
-        app_label = "attestations"
+        db_table = "attestations_job"
         ordering = ["-created"]
 
     def __str__(self) -> str:

@@ -29,7 +29,7 @@ class Blob(models.Model):
     created = models.DateTimeField(default=timezone.now)
 
     class Meta:
-        app_label = "attestations"
+        db_table = "attestations_blob"
 
     def __str__(self) -> str:
         return f"sha256:{self.sha256}"
@@ -80,7 +80,7 @@ class Upload(models.Model):
     #: A transcript already filed for the experiment: completing this upload filed nothing
     #: new, and this is the proof it is (``attestations.proofs.filing``).
     duplicate_of = models.ForeignKey(
-        "attestations.Proof",
+        "proofs.Proof",
         on_delete=models.SET_NULL,
         null=True,
         blank=True,
@@ -88,7 +88,7 @@ class Upload(models.Model):
     )
 
     class Meta:
-        app_label = "attestations"
+        db_table = "attestations_upload"
         ordering = ["-created"]
 
     def __str__(self) -> str:
@@ -124,7 +124,7 @@ class UploadPart(models.Model):
     created = models.DateTimeField(default=timezone.now)
 
     class Meta:
-        app_label = "attestations"
+        db_table = "attestations_uploadpart"
         constraints = [
             models.UniqueConstraint(fields=["upload", "number"], name="part_number_unique")
         ]

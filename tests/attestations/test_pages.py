@@ -283,9 +283,9 @@ def test_no_page_carries_an_inline_script_or_handler(world: World) -> None:
         "mallory": ["/"],  # with an invitation to answer
         "root": [
             "/admin/",
-            "/admin/attestations/organization/",
-            f"/admin/attestations/organization/{world.acme.pk}/change/",
-            "/admin/attestations/proof/",
+            "/admin/accounts/organization/",
+            f"/admin/accounts/organization/{world.acme.pk}/change/",
+            "/admin/proofs/proof/",
         ],
         None: ["/login/"],
     }
