@@ -76,8 +76,10 @@ django.setup()
 from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils import timezone
-from attestations.models import (ApiKey, Blob, Experiment, Membership, Organization, Proof,
-    Job)
+from attestations.accounts.models import ApiKey, Membership, Organization
+from attestations.uploads.models import Blob
+from attestations.proofs.models import Proof, Job
+from attestations.experiments.models import Experiment
 spec = {"framework": "jax", "model_description": "bench model", "optimizer": "adam",
         "dataset_commitment": "ab" * 32, "max_flops": 10**25, "max_tokens": 10**12,
         "max_gpu_hours": "100", "allowed_regimes": ["pretraining"]}

@@ -93,7 +93,7 @@ def train(path: Path, name: str, digest: str, args: argparse.Namespace) -> Path:
 
 
 def store(experiment: Any, user: Any, kind: str, data: bytes, name: str = "") -> Any:
-    from attestations import uploads
+    from attestations.uploads import services as uploads
 
     upload = uploads.create(
         experiment=experiment,
@@ -140,8 +140,11 @@ def main() -> None:
         from django.core.management import call_command
 
         call_command("migrate", verbosity=0)
-        from attestations import replay
-        from attestations.models import Challenge, Experiment, Organization, Proof
+        from attestations.accounts.models import Organization
+        from attestations.challenges import replay
+        from attestations.challenges.models import Challenge
+        from attestations.experiments.models import Experiment
+        from attestations.proofs.models import Proof
 
         org = Organization.objects.create(slug="bench", name="Bench")
         user = User.objects.create_user("bench")

@@ -67,11 +67,21 @@ INSTALLED_APPS = [
     "rest_framework",
     "drf_spectacular",
     "drf_spectacular_sidecar",
+    # The platform: one app per domain noun under attestations/ (README, "Layout"), in
+    # the order of their foreign keys.
     "attestations",
+    "attestations.audit",
+    "attestations.accounts",
+    "attestations.experiments",
+    "attestations.uploads",
+    "attestations.proofs",
+    "attestations.challenges",
+    "attestations.certificates",
+    "attestations.reports",
 ]
 
 MIDDLEWARE = [
-    "attestations.middleware.RequestIDMiddleware",
+    "attestations.http.middleware.RequestIDMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -80,8 +90,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
-    "attestations.middleware.SecurityHeadersMiddleware",
-    "attestations.middleware.LoginRateLimitMiddleware",
+    "attestations.http.middleware.SecurityHeadersMiddleware",
+    "attestations.http.middleware.LoginRateLimitMiddleware",
 ]
 
 ROOT_URLCONF = "config.urls"
@@ -320,22 +330,22 @@ REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         # Personal API keys for the SDK and scripts; the browser session for the web UI
         # (which also enforces CSRF on unsafe methods).
-        "attestations.authentication.ApiKeyAuthentication",
+        "attestations.http.authentication.ApiKeyAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "DEFAULT_PAGINATION_CLASS": "attestations.pagination.CursorPage",
+    "DEFAULT_PAGINATION_CLASS": "attestations.http.pagination.CursorPage",
     "DEFAULT_RENDERER_CLASSES": [
         "rest_framework.renderers.JSONRenderer",
         "rest_framework.renderers.BrowsableAPIRenderer",
     ],
     # DRF's JSON parser with a bound on nesting (a 100,000-deep body is a 400, not a 500).
-    "DEFAULT_PARSER_CLASSES": ["attestations.parsers.JSONParser"],
-    "EXCEPTION_HANDLER": "attestations.exceptions.exception_handler",
+    "DEFAULT_PARSER_CLASSES": ["attestations.http.parsers.JSONParser"],
+    "EXCEPTION_HANDLER": "attestations.http.exceptions.exception_handler",
     "PAGE_SIZE": 50,
     # Limits only the upload endpoints (it ignores every other view); rates below.
-    "DEFAULT_THROTTLE_CLASSES": ["attestations.throttling.UploadRateThrottle"],
+    "DEFAULT_THROTTLE_CLASSES": ["attestations.http.throttling.UploadRateThrottle"],
     "TEST_REQUEST_DEFAULT_FORMAT": "json",
 }
 SPECTACULAR_SETTINGS = {
@@ -355,19 +365,19 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
-    "POSTPROCESSING_HOOKS": ["attestations.schema.add_error_responses"],
+    "POSTPROCESSING_HOOKS": ["attestations.http.schema.add_error_responses"],
     "ENUM_NAME_OVERRIDES": {
-        "RoleEnum": "attestations.models.Role",
-        "LabRoleEnum": "attestations.models.LAB_ROLE_CHOICES",
-        "ArtifactKindEnum": "attestations.models.ArtifactKind",
-        "OrganizationKindEnum": "attestations.models.OrganizationKind",
+        "RoleEnum": "attestations.accounts.models.Role",
+        "LabRoleEnum": "attestations.accounts.models.LAB_ROLE_CHOICES",
+        "ArtifactKindEnum": "attestations.uploads.models.ArtifactKind",
+        "OrganizationKindEnum": "attestations.accounts.models.OrganizationKind",
     },
 }
 
 # --- Cache (rate-limit counters) -------------------------------------------------------
 # Redis when configured, so every gunicorn worker and host counts against one limit.
 # Without Redis, files under the data directory with an flock around every counter update
-# (attestations/cache.py): every worker on this host shares them, so a limit is the limit
+# (attestations/core/cache.py): every worker on this host shares them, so a limit is the limit
 # whatever the number of workers. Several hosts need Redis.
 if _redis_url:
     CACHES = {
@@ -380,7 +390,7 @@ if _redis_url:
 else:
     CACHES = {
         "default": {
-            "BACKEND": "attestations.cache.SharedFileCache",
+            "BACKEND": "attestations.core.cache.SharedFileCache",
             "LOCATION": str(DATA_DIR / "cache"),
             "KEY_PREFIX": "dvbench",
         }
@@ -413,7 +423,7 @@ SECURE_CONTENT_TYPE_NOSNIFF = True
 SECURE_REFERRER_POLICY = "same-origin"
 SECURE_CROSS_ORIGIN_OPENER_POLICY = "same-origin"
 X_FRAME_OPTIONS = "DENY"
-# Set by attestations.middleware.SecurityHeadersMiddleware. Scripts come only from files
+# Set by attestations.http.middleware.SecurityHeadersMiddleware. Scripts come only from files
 # of this origin: no page has an inline script or event handler (app.js binds behaviour
 # from data- attributes; Swagger UI's start-up script is served as a file, ReDoc starts
 # from its element), so an injected <script> or onclick= never runs. Styles keep
@@ -426,7 +436,7 @@ DVBENCH_CONTENT_SECURITY_POLICY = envstr(
     "form-action 'self'; frame-ancestors 'none'",
 )
 DVBENCH_PERMISSIONS_POLICY = "camera=(), microphone=(), geolocation=(), payment=()"
-# Rate limits (attestations/throttling.py): "<count>/<second|minute|hour|day>"; "off"
+# Rate limits (attestations/http/throttling.py): "<count>/<second|minute|hour|day>"; "off"
 # disables one. Counters live in the cache above.
 DVBENCH_RATE_LIMITS: dict[str, str | None] = {
     "uploads": envrate("DVBENCH_RATE_UPLOADS", "1200/minute"),

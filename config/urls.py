@@ -5,6 +5,6 @@ from django.urls import include, path
 
 urlpatterns = [
     path("admin/", admin.site.urls),
-    path("api/v1/", include("attestations.api_urls")),
-    path("", include("attestations.urls")),
+    path("api/v1/", include("attestations.api.urls")),
+    path("", include("attestations.web.urls")),
 ]

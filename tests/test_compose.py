@@ -131,7 +131,8 @@ def test_beat_sends_the_periodic_tasks_from_one_replica() -> None:
         "attestations.tasks.expire_uploads",
         "attestations.tasks.expire_challenges",
     } <= tasks
-    import attestations.tasks  # noqa: F401  (registers the tasks with the app)
+    import attestations.tasks
+    import attestations.uploads.tasks  # noqa: F401
     from config.celery_app import app as platform_app
 
     assert tasks <= set(platform_app.tasks), tasks - set(platform_app.tasks)

@@ -40,7 +40,7 @@ def test_it_creates_a_local_admin_and_keeps_its_credentials(
     assert credentials.stat().st_mode & 0o077 == 0
     # The admin can register experiments at once: it administers the demo organisation,
     # and running the demo again does not duplicate it.
-    from attestations.models import Membership
+    from attestations.accounts.models import Membership
 
     memberships = Membership.objects.filter(user=admin)
     assert [(m.organization.slug, m.role) for m in memberships] == [("demo", "admin")]
@@ -85,12 +85,12 @@ def test_it_serves_the_platform_and_health_answers_ok(tmp_path: Path) -> None:
 
 @pytest.mark.django_db
 def test_it_registers_the_demo_accounts_with_working_keys_and_keeps_them(tmp_path: Path) -> None:
+    from attestations.accounts.models import Access, ApiKey
     from attestations.management.commands.demo import (
         ensure_admin,
         ensure_demo_accounts,
         ensure_demo_organization,
     )
-    from attestations.models import Access, ApiKey
 
     admin = ensure_admin(tmp_path)
     ensure_demo_organization(admin[0])

@@ -2,7 +2,7 @@
 
 Two ways, both in CI. ``manage.py demo --exit`` itself, in a subprocess on the embedded
 defaults (SQLite, tasks in-process, gunicorn). And, with ``DATABASE_URL`` and
-``REDIS_URL`` set, the same flow (:func:`attestations.demo_flow.run`) against a live
+``REDIS_URL`` set, the same flow (:func:`demo.flow.run`) against a live
 server in this process writing to PostgreSQL, whose tasks travel over Redis to a real
 Celery worker process. The flow is what the demo runs: the SDK in a separate training
 process, the REST API, and the ``dvbench`` CLI.
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from attestations import demo_flow
-from attestations.demo_flow import Account, Outcome
+from demo import flow as demo_flow
+from demo.flow import Account, Outcome
 from tests.conftest import WorkerProcess
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 from django.conf import settings
 from django.test import Client
 
-from attestations import health
+from attestations.web import health
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 COMPONENTS = {"database", "broker", "storage"}

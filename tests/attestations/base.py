@@ -24,20 +24,10 @@ from django.core.files.storage import default_storage
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from attestations.models import (
-    ApiKey,
-    ArtifactKind,
-    Blob,
-    Experiment,
-    Job,
-    Membership,
-    Organization,
-    OrganizationKind,
-    Proof,
-    ProofStatus,
-    Role,
-    Upload,
-)
+from attestations.accounts.models import ApiKey, Membership, Organization, OrganizationKind, Role
+from attestations.experiments.models import Experiment
+from attestations.proofs.models import Job, Proof, ProofStatus
+from attestations.uploads.models import ArtifactKind, Blob, Upload
 
 ROLES = ("alice", "bob", "carol", "mallory", "admin")
 PASSWORD = "correct horse battery staple"

@@ -16,9 +16,11 @@ from typing import Any
 from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 
-from attestations import certificates
-from attestations.certificate_models import Certificate
-from attestations.models import Blob, Experiment, Proof, ProofStatus
+from attestations.certificates import services as certificates
+from attestations.certificates.models import Certificate
+from attestations.experiments.models import Experiment
+from attestations.proofs.models import Proof, ProofStatus
+from attestations.uploads.models import Blob
 from zkdv.testing import write_synthetic_transcript
 from zkdv.verify import verify_transcript
 

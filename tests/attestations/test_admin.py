@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from django.test import Client
 
-from attestations.models import Challenge, ProofArtifact
+from attestations.challenges.models import Challenge
+from attestations.proofs.models import ProofArtifact
 from tests.attestations.base import World, make_user
 
 
@@ -33,15 +34,17 @@ def records(world: World) -> tuple[Challenge, ProofArtifact]:
     return challenge, artifact
 
 
-@pytest.mark.parametrize("model", ["challenge", "proofartifact"])
+@pytest.mark.parametrize("model", ["challenges/challenge", "proofs/proofartifact"])
 def test_operators_see_the_records_but_cannot_change_them(
     operator: Client, records: tuple[Challenge, ProofArtifact], model: str
 ) -> None:
-    row = records[0] if model == "challenge" else records[1]
-    base = f"/admin/attestations/{model}/"
+    row = records[0] if model == "challenges/challenge" else records[1]
+    base = f"/admin/{model}/"
     listing = operator.get(base)
     assert listing.status_code == 200
-    assert (b"replay_mismatch" if model == "challenge" else b"probes.bin") in listing.content
+    assert (
+        b"replay_mismatch" if model == "challenges/challenge" else b"probes.bin"
+    ) in listing.content
     detail = operator.get(f"{base}{row.pk}/change/")
     assert detail.status_code == 200
     assert b'name="_save"' not in detail.content  # a view, not a form
@@ -54,5 +57,5 @@ def test_operators_see_the_records_but_cannot_change_them(
 def test_members_who_are_not_staff_are_sent_to_the_admin_login(world: World) -> None:
     client = Client()
     client.force_login(world.alice)
-    response = client.get("/admin/attestations/challenge/")
+    response = client.get("/admin/challenges/challenge/")
     assert response.status_code == 302 and "/admin/login/" in response["Location"]

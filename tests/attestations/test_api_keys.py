@@ -9,7 +9,8 @@ from datetime import timedelta
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from attestations.models import ApiKey, AuditEvent
+from attestations.accounts.models import ApiKey
+from attestations.audit.models import AuditEvent
 from tests.attestations.base import World, error_of
 
 Api = Callable[[str | None], APIClient]

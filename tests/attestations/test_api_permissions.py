@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from rest_framework.test import APIClient
 
-from attestations.models import Invitation, Membership, Organization
+from attestations.accounts.models import Invitation, Membership, Organization
 from tests.attestations.base import SPEC, World, error_of, make_user, sha256
 
 ACTORS = ("alice", "bob", "carol", "mallory", "admin", None)

@@ -9,7 +9,8 @@ from django.contrib.auth.models import User
 from django.db import DatabaseError, connection, transaction
 from rest_framework.test import APIClient
 
-from attestations.models import AppendOnlyError, AuditEvent
+from attestations.audit.models import AuditEvent
+from attestations.core.db import AppendOnlyError
 from tests.attestations.base import SPEC, World, make_user
 
 Api = Callable[[str | None], APIClient]

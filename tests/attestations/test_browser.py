@@ -319,9 +319,9 @@ def test_no_page_needs_inline_script(page: Any, live_server: Any, world: World) 
     page.fill("#id_username", "root")
     page.fill("#id_password", PASSWORD)
     page.click("input[type=submit]")
-    for path in ["/admin/", "/admin/attestations/organization/", "/admin/attestations/proof/"]:
+    for path in ["/admin/", "/admin/accounts/organization/", "/admin/proofs/proof/"]:
         visit(path)
-    visit(f"/admin/attestations/organization/{world.acme.pk}/change/")
+    visit(f"/admin/accounts/organization/{world.acme.pk}/change/")
     assert violations == {}, violations
     refused = [
         text

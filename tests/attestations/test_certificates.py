@@ -19,24 +19,19 @@ from securesystemslib.dsse import Envelope as SslibEnvelope
 # securesystemslib documents this name but its __init__ does not re-export it for mypy.
 from securesystemslib.signer import SSlibKey  # type: ignore[attr-defined]
 
-from attestations import certificates
-from attestations.certificate_models import (
+from attestations.audit.models import AuditEvent
+from attestations.certificates import services as certificates
+from attestations.certificates.models import (
     Certificate,
     LogCheckpoint,
     LogEntry,
     PlatformKey,
     TrustRootVersion,
 )
-from attestations.certificate_tasks import issue_certificate
-from attestations.models import (
-    AppendOnlyError,
-    AuditEvent,
-    Challenge,
-    ChallengeOrigin,
-    ChallengeStatus,
-    Proof,
-    ProofStatus,
-)
+from attestations.certificates.tasks import issue_certificate
+from attestations.challenges.models import Challenge, ChallengeOrigin, ChallengeStatus
+from attestations.core.db import AppendOnlyError
+from attestations.proofs.models import Proof, ProofStatus
 from dvbench.attest import (
     PAYLOAD_TYPE_INTOTO,
     Evidence,

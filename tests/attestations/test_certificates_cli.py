@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from attestations.certificate_models import Certificate
-from attestations.models import ApiKey
+from attestations.accounts.models import ApiKey
+from attestations.certificates.models import Certificate
 from dvbench._cli import main
 from dvbench.attest import TrustRoot, verify_bundle
 from tests.attestations.base import World

@@ -15,10 +15,12 @@ import pytest
 from django.contrib.auth.models import User
 from django.db import connection, connections
 
-from attestations import certificates
-from attestations.certificate_models import Certificate, LogCheckpoint, LogEntry
-from attestations.certificate_tasks import issue_certificate
-from attestations.models import Experiment, Organization, Proof
+from attestations.accounts.models import Organization
+from attestations.certificates import services as certificates
+from attestations.certificates.models import Certificate, LogCheckpoint, LogEntry
+from attestations.certificates.tasks import issue_certificate
+from attestations.experiments.models import Experiment
+from attestations.proofs.models import Proof
 from tests.attestations.base import SPEC
 from tests.attestations.certificate_helpers import finalize
 

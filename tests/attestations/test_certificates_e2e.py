@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from rest_framework.test import APIClient
 
-from attestations.certificate_models import Certificate
-from attestations.models import ProofStatus
+from attestations.certificates.models import Certificate
+from attestations.proofs.models import ProofStatus
 from dvbench.attest import TrustRoot, verify_bundle
 from tests.attestations.test_replay import (
     ORG,

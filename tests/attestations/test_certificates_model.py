@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 from rest_framework.test import APIClient
 
-from attestations import certificates
-from attestations.models import ProofStatus
+from attestations.certificates import services as certificates
+from attestations.proofs.models import ProofStatus
 from dvbench._model import write_safetensors
 from dvbench.attest import TrustRoot, note_verifier_key, verify_bundle
 from tests.attestations.base import World, error_of, upload_blob

@@ -13,19 +13,10 @@ import pytest
 from django.contrib.auth.models import User
 from rest_framework.test import APIClient
 
-from attestations.models import (
-    ApiKey,
-    AuditEvent,
-    Challenge,
-    ChallengeStatus,
-    Membership,
-    Organization,
-    OrganizationKind,
-    Proof,
-    ProofArtifact,
-    ProofStatus,
-    Role,
-)
+from attestations.accounts.models import ApiKey, Membership, Organization, OrganizationKind, Role
+from attestations.audit.models import AuditEvent
+from attestations.challenges.models import Challenge, ChallengeStatus
+from attestations.proofs.models import Proof, ProofArtifact, ProofStatus
 from tests.attestations.base import error_of, sha256
 from tests.attestations.test_replay import (
     ORG,
@@ -226,7 +217,7 @@ def test_roles_on_challenges_and_artifacts(filed: tuple[APIClient, Proof, Path])
 def test_the_periodic_expiry_rejects_an_unanswered_proof(
     filed: tuple[APIClient, Proof, Path],
 ) -> None:
-    from attestations.tasks import expire_challenges
+    from attestations.challenges.tasks import expire_challenges
 
     _, proof, _ = filed
     assert expire_challenges() == 0
@@ -277,7 +268,7 @@ def test_a_blob_damaged_in_storage_is_a_recorded_replay_error(
     filed: tuple[APIClient, Proof, Path], django_capture_on_commit_callbacks: Any
 ) -> None:
     """Not the trainer's fault and not worth a retry: the challenge records why."""
-    from attestations.models import Blob
+    from attestations.uploads.models import Blob
 
     client, proof, run = filed
     genesis = Challenge.objects.get(proof=proof, step=0)
@@ -308,7 +299,7 @@ def _flaky_replay(monkeypatch: pytest.MonkeyPatch, failures: int) -> list[tuple[
     ``(challenge id, attempts)`` as each replay found them, faulted or not: a retry can
     only claim the challenge again if the failed try gave its claim back.
     """
-    from attestations import replay
+    from attestations.challenges import replay
 
     real = replay.replay_one
     hit: list[tuple[int, int]] = []
@@ -345,7 +336,7 @@ def test_a_transient_storage_error_releases_the_claim_and_the_retry_replays(
 
     Applied in-process, Celery runs a retry at once rather than after its backoff.
     """
-    from attestations.tasks import replay_challenge
+    from attestations.challenges.tasks import replay_challenge
 
     client, proof, run = filed
     genesis = Challenge.objects.get(proof=proof, step=0)
@@ -365,7 +356,7 @@ def test_a_transient_storage_error_releases_the_claim_and_the_retry_replays(
 def test_a_storage_outage_past_every_retry_is_a_recorded_error(
     filed: tuple[APIClient, Proof, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from attestations.tasks import replay_challenge
+    from attestations.challenges.tasks import replay_challenge
 
     client, proof, run = filed
     genesis = Challenge.objects.get(proof=proof, step=0)

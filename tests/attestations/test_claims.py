@@ -16,7 +16,7 @@ import pytest
 from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 
-from attestations.claims import (
+from attestations.certificates.claims import (
     CLAIM_NAMES,
     ClaimSet,
     Limits,
@@ -26,16 +26,9 @@ from attestations.claims import (
     evaluate,
     summarize,
 )
-from attestations.models import (
-    ArtifactKind,
-    Blob,
-    Challenge,
-    ChallengeOrigin,
-    ChallengeStatus,
-    Proof,
-    ProofArtifact,
-    ProofStatus,
-)
+from attestations.challenges.models import Challenge, ChallengeOrigin, ChallengeStatus
+from attestations.proofs.models import Proof, ProofArtifact, ProofStatus
+from attestations.uploads.models import ArtifactKind, Blob
 from dvbench.attest import Evidence
 from tests.attestations.base import World
 from zkdv.records import iter_records

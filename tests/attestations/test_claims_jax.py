@@ -19,7 +19,7 @@ import optax
 from flax import linen as nn
 
 import zkdv
-from attestations.claims import Limits, evaluate, summarize
+from attestations.certificates.claims import Limits, evaluate, summarize
 from dvbench.attest import Evidence
 from zkdv.jax.contrib import TrainState
 from zkdv.records import iter_records

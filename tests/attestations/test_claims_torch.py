@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional
 
 import zkdv
-from attestations.claims import Limits, evaluate, summarize
+from attestations.certificates.claims import Limits, evaluate, summarize
 from zkdv.records import iter_records
 
 pytestmark = pytest.mark.slow

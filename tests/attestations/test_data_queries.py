@@ -17,8 +17,9 @@ from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 from rest_framework.test import APIClient
 
-from attestations.data_queries import CommittedBatches, search_batches, verified_key
-from attestations.models import AuditEvent, ProofArtifact
+from attestations.audit.models import AuditEvent
+from attestations.proofs.models import ProofArtifact
+from attestations.reports.data_queries import CommittedBatches, search_batches, verified_key
 from tests.attestations.base import World, error_of
 from tests.attestations.test_claims import STEPS, filed_proof
 from zkdv.batch import commit_batch

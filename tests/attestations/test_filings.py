@@ -26,14 +26,13 @@ from typing import Any
 import pytest
 from rest_framework.test import APIClient
 
-from attestations import certificates, replay
-from attestations.models import (
-    AuditEvent,
-    Experiment,
-    Proof,
-    ProofStatus,
-    Upload,
-)
+from attestations.audit.models import AuditEvent
+from attestations.certificates import services as certificates
+from attestations.challenges import replay
+from attestations.experiments.models import Experiment
+from attestations.proofs.ingest import ingest
+from attestations.proofs.models import Proof, ProofStatus
+from attestations.uploads.models import Upload
 from dvbench.attest import verify_certificate
 from provers.challenges import random_steps_needed
 from tests.attestations.base import SPEC, World, error_of, sha256, upload_blob
@@ -154,7 +153,7 @@ def test_a_second_proof_of_the_same_digest_draws_nothing(
     twin = Proof.objects.create(experiment=experiment, spec=first.spec, transcript=first.transcript)
     assert Proof.claim(twin.pk)
     with django_capture_on_commit_callbacks(execute=True):
-        twin.verify()
+        ingest(twin)
     twin.refresh_from_db()
     assert (twin.status, twin.reason) == (ProofStatus.REJECTED, "duplicate_transcript")
     assert f"proof {first.pk}" in twin.message

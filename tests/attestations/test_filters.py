@@ -7,7 +7,8 @@ from collections.abc import Callable
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from attestations.models import Experiment, Proof
+from attestations.experiments.models import Experiment
+from attestations.proofs.models import Proof
 from tests.attestations.base import SPEC, World, error_of
 
 Api = Callable[[str | None], APIClient]

@@ -15,19 +15,12 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from rest_framework.test import APIClient
 
-from attestations import models as attestation_models
-from attestations.certificate_models import Certificate
-from attestations.models import (
-    AuditEvent,
-    Blob,
-    Job,
-    Proof,
-    ProofArtifact,
-    ProofStatus,
-    Upload,
-    UploadPart,
-)
-from attestations.tasks import ingest_proof
+from attestations.audit.models import AuditEvent
+from attestations.certificates.models import Certificate
+from attestations.proofs import models as attestation_models
+from attestations.proofs.models import Job, Proof, ProofArtifact, ProofStatus
+from attestations.proofs.tasks import ingest_proof
+from attestations.uploads.models import Blob, Upload, UploadPart
 from tests.attestations.base import SPEC, World, error_of, sha256, stored_files, upload_blob
 from zkdv.testing import write_synthetic_transcript
 
@@ -248,8 +241,9 @@ def test_ingest_through_a_real_worker(
 
     from django.contrib.auth.models import User
 
-    from attestations import uploads
-    from attestations.models import Experiment, Membership, Organization
+    from attestations.accounts.models import Membership, Organization
+    from attestations.experiments.models import Experiment
+    from attestations.uploads import services as uploads
 
     org = Organization.objects.create(slug="acme", name="Acme")
     alice = User.objects.create_user("alice", password="x" * 20)

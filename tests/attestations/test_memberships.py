@@ -18,15 +18,15 @@ from django.core.exceptions import ValidationError
 from django.core.management import CommandError, call_command
 from rest_framework.test import APIClient
 
-from attestations.models import (
+from attestations.accounts.models import (
     Access,
-    AuditEvent,
     Invitation,
     Membership,
     Organization,
     OrganizationKind,
     Role,
 )
+from attestations.audit.models import AuditEvent
 from tests.attestations.base import World, error_of, make_user
 
 Api = Callable[[str | None], APIClient]

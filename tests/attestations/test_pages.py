@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 from django.test import Client
 
-from attestations.models import ApiKey, AuditEvent, Experiment, Invitation
+from attestations.accounts.models import ApiKey, Invitation
+from attestations.audit.models import AuditEvent
+from attestations.experiments.models import Experiment
 from tests.attestations.base import PASSWORD, SPEC, World
 
 ACTORS = ("alice", "bob", "carol", "mallory", "admin", None)
@@ -281,9 +283,9 @@ def test_no_page_carries_an_inline_script_or_handler(world: World) -> None:
         "mallory": ["/"],  # with an invitation to answer
         "root": [
             "/admin/",
-            "/admin/attestations/organization/",
-            f"/admin/attestations/organization/{world.acme.pk}/change/",
-            "/admin/attestations/proof/",
+            "/admin/accounts/organization/",
+            f"/admin/accounts/organization/{world.acme.pk}/change/",
+            "/admin/proofs/proof/",
         ],
         None: ["/login/"],
     }

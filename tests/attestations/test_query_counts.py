@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 from rest_framework.test import APIClient
 
-from attestations.models import Experiment, Job, Proof
+from attestations.experiments.models import Experiment
+from attestations.proofs.models import Job, Proof
 from tests.attestations.base import SPEC, World
 
 Api = Callable[[str | None], APIClient]

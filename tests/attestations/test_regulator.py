@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from rest_framework.test import APIClient
 
-from attestations import certificates
-from attestations.certificate_models import Certificate
-from attestations.models import ProofStatus
+from attestations.certificates import services as certificates
+from attestations.certificates.models import Certificate
+from attestations.proofs.models import ProofStatus
 from dvbench.attest import TrustRoot, verify_bundle
 from tests.attestations.base import World, error_of
 from tests.attestations.certificate_helpers import certify, new_proof

@@ -26,20 +26,11 @@ import pytest
 from django.contrib.auth.models import User
 from rest_framework.test import APIClient
 
-from attestations.models import (
-    ApiKey,
-    AuditEvent,
-    Challenge,
-    ChallengeStatus,
-    Experiment,
-    ExperimentSpec,
-    Membership,
-    Organization,
-    Proof,
-    ProofArtifact,
-    ProofStatus,
-    Role,
-)
+from attestations.accounts.models import ApiKey, Membership, Organization, Role
+from attestations.audit.models import AuditEvent
+from attestations.challenges.models import Challenge, ChallengeStatus
+from attestations.experiments.models import Experiment, ExperimentSpec
+from attestations.proofs.models import Proof, ProofArtifact, ProofStatus
 from tests.attestations.base import put_parts, sha256
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -357,7 +348,7 @@ def test_an_honest_torch_run_passes_every_challenge(
     seed = bytes.fromhex(proof.challenge_seed)
     assert proof.revealed_seed == proof.challenge_seed
     assert seed_commitment(seed) == proof.challenge_seed_commitment
-    # The draw is bound to the committed run (attestations.replay.run_digest), whose digest
+    # The draw is bound to the committed run (attestations.challenges.replay.run_digest), whose digest
     # the challenge plan publishes beside the seed.
     plan = draw_challenges(
         steps=STEPS,
@@ -379,8 +370,8 @@ def test_an_honest_torch_run_passes_every_challenge(
     assert [e["step"] for e in evidence["evidence"]] == [3, 4, 5]
     assert all(e["exact"] for e in evidence["evidence"])
     # The schedule the replay applied, shown to auditors on the proof page and report.
-    from attestations.reports import learning_rate_svg, report_claims
-    from attestations.views import _learning_rates
+    from attestations.reports.render import learning_rate_svg, report_claims
+    from attestations.web.views import _learning_rates
 
     claims = report_claims(proof)
     assert claims is not None
@@ -654,8 +645,8 @@ def test_a_worker_killed_mid_replay_completes_the_challenge_exactly_once(
 
     if not services_configured():
         pytest.skip("needs real PostgreSQL and Redis")
-    from attestations import replay
-    from attestations.tasks import replay_challenge
+    from attestations.challenges import replay
+    from attestations.challenges.tasks import replay_challenge
 
     _, key = setup_org({"torch-run": TORCH_SPEC})
     client = client_for(key)
@@ -669,7 +660,7 @@ def test_a_worker_killed_mid_replay_completes_the_challenge_exactly_once(
     from django.core.files.base import ContentFile
     from django.core.files.storage import default_storage
 
-    from attestations.models import Blob
+    from attestations.uploads.models import Blob
 
     for name in challenge.needed_files:
         data = (run / name).read_bytes()

@@ -17,9 +17,10 @@ from django.test import Client
 from pypdf import PdfReader
 from rest_framework.test import APIClient
 
-from attestations.claims import Series
-from attestations.models import Challenge, ChallengeOrigin, ChallengeStatus, Proof, ProofStatus
-from attestations.reports import compute_chart_svg, human_number, render_report_pdf
+from attestations.certificates.claims import Series
+from attestations.challenges.models import Challenge, ChallengeOrigin, ChallengeStatus
+from attestations.proofs.models import Proof, ProofStatus
+from attestations.reports.render import compute_chart_svg, human_number, render_report_pdf
 from tests.attestations.base import PASSWORD, World, error_of
 from tests.attestations.test_claims import FLOPS_PER_STEP, STEPS, filed_proof
 
@@ -218,12 +219,13 @@ def test_the_chart_scales_to_the_budget_and_marks_the_crossing() -> None:
 @pytest.fixture
 def certified(world: World, tmp_path: Path, programless_transcripts: None) -> Proof:
     """A proof verified by the real verifier, with the certificate the platform issues."""
-    from attestations.certificates import issue_certificate
+    from attestations.certificates.services import issue_certificate
+    from attestations.proofs.ingest import ingest
 
     filed, _ = filed_proof(world, tmp_path)
     Proof.objects.filter(pk=filed.pk).update(status=ProofStatus.VERIFYING)
     filed.refresh_from_db()
-    filed.verify()
+    ingest(filed)
     assert filed.status == ProofStatus.VALID, filed.message
     issue_certificate(filed.pk)
     return Proof.objects.select_related("certificate").get(pk=filed.pk)

@@ -9,7 +9,7 @@ from typing import Any
 
 from rest_framework.test import APIClient
 
-from attestations.models import Experiment, ExperimentSpec
+from attestations.experiments.models import Experiment, ExperimentSpec
 from tests.attestations.base import SPEC, World, error_of
 
 Api = Callable[[str | None], APIClient]

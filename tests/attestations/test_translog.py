@@ -12,9 +12,9 @@ from django.core.management import CommandError, call_command
 from django.db import connection
 from rest_framework.test import APIClient
 
-from attestations import certificates
-from attestations.certificate_models import Certificate, LogCheckpoint, LogEntry
-from attestations.models import Proof
+from attestations.certificates import services as certificates
+from attestations.certificates.models import Certificate, LogCheckpoint, LogEntry
+from attestations.proofs.models import Proof
 from dvbench.attest import (
     InvalidProofError,
     TrustRoot,
@@ -299,7 +299,7 @@ def test_certificate_issued_after_a_rolled_back_append_is_consistent(world: Worl
 
 
 def test_verify_log_finds_a_key_window_nobody_published(small_log: list[Certificate]) -> None:
-    from attestations.certificate_models import PlatformKey
+    from attestations.certificates.models import PlatformKey
 
     PlatformKey.objects.update(not_after=datetime(2027, 1, 1, tzinfo=UTC))
     problems = _verify_log_fails()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rest_framework.test import APIClient
 
-from attestations.models import Blob, Upload, UploadPart, UploadStatus
+from attestations.uploads.models import Blob, Upload, UploadPart, UploadStatus
 from tests.attestations.base import (
     World,
     error_of,
@@ -194,8 +194,8 @@ def test_it_rejects_an_oversized_body_without_content_length(
     """The limit holds while streaming, not only by trusting Content-Length."""
     from io import BytesIO
 
-    from attestations import uploads
-    from attestations.exceptions import PayloadTooLargeError
+    from attestations.core.errors import PayloadTooLargeError
+    from attestations.uploads import services as uploads
 
     upload = Upload.objects.get(pk=open_upload(api("alice"), os.urandom(70 * 1024))["id"])
     body = os.urandom(64 * 1024 + 1)
@@ -266,7 +266,7 @@ def test_abort_removes_staged_parts(world: World, api: Api, storage: Path) -> No
 def test_expired_uploads_are_cleaned(world: World, api: Api, storage: Path) -> None:
     from django.utils import timezone
 
-    from attestations import uploads
+    from attestations.uploads import services as uploads
 
     client = api("alice")
     data = os.urandom(1500)
@@ -304,7 +304,7 @@ def test_a_single_part_with_a_wrong_total_digest_stores_nothing(
 def test_the_expiry_task_is_idempotent(world: World, api: Api, storage: Path) -> None:
     from django.utils import timezone
 
-    from attestations.tasks import expire_uploads
+    from attestations.uploads.tasks import expire_uploads
 
     Upload.objects.update(expires=timezone.now() - timezone.timedelta(seconds=1))
     assert expire_uploads() == 1

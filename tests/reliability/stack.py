@@ -279,8 +279,9 @@ FILE_PROOFS = r"""
 import hashlib, io, tempfile
 from pathlib import Path
 from django.contrib.auth.models import User
-from attestations import uploads
-from attestations.models import ApiKey, Experiment, Membership, Organization
+from attestations.uploads import services as uploads
+from attestations.accounts.models import ApiKey, Membership, Organization
+from attestations.experiments.models import Experiment
 from zkdv.records import RECORDS_FILE
 from zkdv.testing import write_synthetic_transcript
 count = int(sys.argv[1])
@@ -306,7 +307,8 @@ print(json.dumps(ids))
 
 #: Per proof: status, jobs, and how many verdict audit events it has.
 OUTCOME = r"""
-from attestations.models import AuditEvent, Proof
+from attestations.audit.models import AuditEvent
+from attestations.proofs.models import Proof
 out = {}
 for proof in Proof.objects.all():
     verdicts = AuditEvent.objects.filter(target_type="proof", target_id=str(proof.pk), action__in=["proof.valid", "proof.rejected", "proof.error"]).count()

@@ -30,7 +30,7 @@ import pytest
 from django.conf import settings as django_settings
 from rest_framework.test import APIClient
 
-from attestations.models import Upload, UploadPart
+from attestations.uploads.models import Upload, UploadPart
 from tests.attestations.base import World, error_of, open_upload, sha256, stored_files
 from tests.conftest import services_configured
 from tests.reliability import stack as private
@@ -181,7 +181,7 @@ def test_ingest_completes_exactly_once_after_workers_are_killed(stack: private.S
             break
         time.sleep(1)
     stack.python(
-        "from attestations.tasks import requeue_stale_ingests\n"
+        "from attestations.proofs.tasks import requeue_stale_ingests\n"
         "print(json.dumps(requeue_stale_ingests(older_than=0)))"
     )
     assert_exactly_once(settle(stack, ids), ids, stack.worker_log())

@@ -29,7 +29,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from rest_framework.test import APIClient
 
-from attestations.parsers import MAX_DEPTH, nesting_depth
+from attestations.http.parsers import MAX_DEPTH, nesting_depth
 from tests.attestations.base import World, error_of
 from tests.reliability.fuzz import budget
 

@@ -22,7 +22,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 from rest_framework.test import APIClient
 
-from attestations.models import Blob, UploadPart
+from attestations.uploads.models import Blob, UploadPart
 from tests.attestations.base import World, error_of, sha256, stored_files
 from tests.reliability.fuzz import budget
 

@@ -29,8 +29,9 @@ from django.core.cache import cache
 from django.test import Client
 from rest_framework.test import APIClient
 
-from attestations.models import ApiKey, AuditEvent
-from attestations.throttling import FixedWindow
+from attestations.accounts.models import ApiKey
+from attestations.audit.models import AuditEvent
+from attestations.http.throttling import FixedWindow
 from tests.attestations.base import PASSWORD, World, error_of, open_upload, sha256, upload_blob
 
 Api = Callable[[str | None], APIClient]
@@ -179,8 +180,13 @@ def test_sign_in_failures_are_limited_per_address(world: World, settings: Any) -
     settings.DVBENCH_RATE_LIMITS = {**settings.DVBENCH_RATE_LIMITS, "login_failures": "3/hour"}
     ip = fresh_ip()
     client = Client(REMOTE_ADDR=ip)
+    # Usernames unique to the run: their counters live in the cache, which outlives a run
+    # (the file cache under the data directory), and a per-username limit applies too.
+    run = uuid.uuid4().hex[:8]
     for attempt in range(3):
-        response = client.post("/login/", {"username": f"nobody{attempt}", "password": "guess"})
+        response = client.post(
+            "/login/", {"username": f"nobody{attempt}-{run}", "password": "guess"}
+        )
         assert response.status_code == 200  # the form again, with an error
     response = client.post("/login/", {"username": "alice", "password": PASSWORD})
     assert response.status_code == 429
@@ -259,7 +265,7 @@ def test_upload_endpoints_are_limited_per_user(world: World, api: Api, settings:
 def test_without_redis_every_worker_process_shares_the_counters(tmp_path: Any) -> None:
     # Gunicorn runs several worker processes. Process-local counters would let each worker
     # count alone (a limit of 10 becomes 10 per worker); the embedded default's cache is
-    # files with an flock (attestations/cache.py), so four processes hitting one counter
+    # files with an flock (attestations/core/cache.py), so four processes hitting one counter
     # at once must add up exactly.
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("DVBENCH_", "DJANGO_"))}
     for name in ("REDIS_URL", "DATABASE_URL"):
@@ -271,7 +277,7 @@ def test_without_redis_every_worker_process_shares_the_counters(tmp_path: Any) -
     )
     hits = 150
     code = (
-        "import django; django.setup(); from attestations.throttling import FixedWindow; "
+        "import django; django.setup(); from attestations.http.throttling import FixedWindow; "
         f"[FixedWindow('uploads', 'shared').hit() for _ in range({hits})]"
     )
     workers = [
@@ -280,7 +286,7 @@ def test_without_redis_every_worker_process_shares_the_counters(tmp_path: Any) -
     assert [worker.wait(timeout=120) for worker in workers] == [0, 0, 0, 0]
     read = (
         "import django; django.setup(); from django.conf import settings; "
-        "from django.core.cache import cache; from attestations.throttling import FixedWindow; "
+        "from django.core.cache import cache; from attestations.http.throttling import FixedWindow; "
         "print(settings.CACHES['default']['BACKEND'], cache.get(FixedWindow('uploads', 'shared').key))"
     )
     result = subprocess.run(
@@ -288,7 +294,7 @@ def test_without_redis_every_worker_process_shares_the_counters(tmp_path: Any) -
     )
     assert result.returncode == 0, result.stderr
     backend, count = result.stdout.split()
-    assert backend == "attestations.cache.SharedFileCache"
+    assert backend == "attestations.core.cache.SharedFileCache"
     assert int(count) == 4 * hits
 
 
@@ -306,7 +312,8 @@ def test_api_keys_are_stored_as_sha256_only(world: World, api: Api) -> None:
 def test_api_keys_are_compared_in_constant_time(world: World, monkeypatch: Any) -> None:
     import hmac
 
-    from attestations import authentication, models
+    from attestations.accounts import models
+    from attestations.http import authentication
 
     _, raw = ApiKey.issue(world.alice, "k")
     compared: list[tuple[str, str]] = []
@@ -316,7 +323,7 @@ def test_api_keys_are_compared_in_constant_time(world: World, monkeypatch: Any) 
         compared.append((a, b))
         return real(a, b)
 
-    # Both the model's check and the request path's (attestations/authentication.py).
+    # Both the model's check and the request path's (attestations/http/authentication.py).
     monkeypatch.setattr(models.hmac, "compare_digest", spy)
     monkeypatch.setattr(authentication.hmac, "compare_digest", spy)
     forged = raw[:-1] + ("A" if raw[-1] != "A" else "B")

@@ -5,7 +5,7 @@ platform (migrations, static files), registers the demo organisations and accoun
 trainer, an auditor, a regulator and an admin, each with an API key; credentials kept,
 readable by their owner only, in the data directory), serves it with gunicorn on
 localhost, waits until ``/health`` answers, then runs the end-to-end flow of
-:mod:`attestations.demo_flow` against it as its users would (experiment, training,
+:mod:`demo.flow` against it as its users would (experiment, training,
 challenges, replay, certificate, report, offline verification), and keeps serving so
 the person can click through what just happened.
 
@@ -37,8 +37,8 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from attestations import demo_flow
-from attestations.demo_flow import Account, Outcome, Steps
+from demo import flow as demo_flow
+from demo.flow import Account, Outcome, Steps
 
 ADMIN_USERNAME = "admin"
 DEMO_ORGANIZATION = ("demo", "Demo lab")
@@ -120,7 +120,7 @@ def ensure_demo_organization(username: str) -> str:
     Experiments are named ``owner/name`` after an organisation, so without one the web
     UI has nowhere to register an experiment. Idempotent.
     """
-    from attestations.models import Membership, Organization, Role
+    from attestations.accounts.models import Membership, Organization, Role
 
     slug, name = DEMO_ORGANIZATION
     organization, _ = Organization.objects.get_or_create(slug=slug, defaults={"name": name})
@@ -132,7 +132,7 @@ def ensure_demo_organization(username: str) -> str:
 
 
 def _usable_key(raw: object, username: str) -> bool:
-    from attestations.models import ApiKey
+    from attestations.accounts.models import ApiKey
 
     if not isinstance(raw, str):
         return False
@@ -147,8 +147,8 @@ def ensure_demo_accounts(data_dir: Path, admin: tuple[str, str]) -> dict[str, Ac
     kept while they still work, so a second run prints the same credentials. A key
     that expired or was revoked, or a changed password, is replaced.
     """
-    from attestations.management.commands.agency import create_agency, grant_regulator
-    from attestations.models import ApiKey, Membership, Organization
+    from attestations.accounts.management.commands.agency import create_agency, grant_regulator
+    from attestations.accounts.models import ApiKey, Membership, Organization
 
     path = data_dir / ACCOUNTS_FILE
     try:

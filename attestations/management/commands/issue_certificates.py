@@ -12,8 +12,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from attestations import certificates
-from attestations.models import DUPLICATE_TRANSCRIPT, Proof
+from attestations.certificates import services as certificates
+from attestations.proofs.models import DUPLICATE_TRANSCRIPT, Proof
 from dvbench.attest import AttestationError
 
 

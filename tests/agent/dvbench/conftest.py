@@ -57,7 +57,7 @@ class Platform:
         return self.keys[actor]
 
     def blob(self, sha256: str) -> bytes:
-        from attestations.models import Blob
+        from attestations.uploads.models import Blob
 
         return (self.media / Blob.objects.get(sha256=sha256).storage_name).read_bytes()
 
@@ -67,7 +67,7 @@ def platform(live_server: Any, transactional_db: None, settings: Any, tmp_path: 
     """The live server with storage in ``tmp_path``, three actors and their API keys."""
     from django.contrib.auth.models import User
 
-    from attestations.models import ApiKey, Membership, Organization
+    from attestations.accounts.models import ApiKey, Membership, Organization
 
     media = tmp_path / "media"
     media.mkdir()

@@ -34,7 +34,9 @@ def torch_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_sync_sends_only_the_challenged_files_and_the_proof_passes(
     platform: Any, torch_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, settings: Any
 ) -> None:
-    from attestations.models import Blob, Challenge, Proof
+    from attestations.challenges.models import Challenge
+    from attestations.proofs.models import Proof
+    from attestations.uploads.models import Blob
 
     monkeypatch.setenv("DVBENCH_UPLOAD_FILES", "challenged")
     settings.DVBENCH = {**settings.DVBENCH, "DETECTION_TARGET": 0.3}

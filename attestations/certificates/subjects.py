@@ -1,0 +1,340 @@
+"""What a certificate binds and states beyond the run's claims: files, model, thresholds, odds.
+
+Kept apart from ``attestations/certificates/services.py`` (keys, signing, the log) so that each
+addition to the certificate is one function here, called once at issuance:
+
+* :func:`file_subjects`: ``sha256`` subjects for tools that match files by SHA-256: the
+  transcript file as uploaded (``records.cborl``), and the final model's files when the
+  trainer attached them (:func:`check_model`), with the OpenSSF model-signing manifest
+  (``model_signing/<model name>``);
+* :func:`model_claim`: ``final_model``: which weights, that they commit to the
+  transcript's final parameter root, and their model_signing signature;
+* :func:`threshold_claim`: ``regulatory_thresholds``: whether the run's compute stays at
+  or below each configured threshold (``DVBENCH_REGULATORY_THRESHOLDS``; by default the
+  EU AI Act's 10^23 and 10^25 FLOP), with the compute claim's evidence level;
+* :func:`guarantee_claim`: ``detection_guarantee``: what the platform's challenges
+  guarantee: ``m`` uniformly drawn steps detect a run with a fraction ``f`` of forged
+  steps with probability at least ``1 - (1 - f)^m``, replayed values compared within the
+  stated tolerance.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import Any, Final
+
+from django.conf import settings
+from django.core.files.storage import default_storage
+
+from attestations.challenges.models import Challenge, ChallengeStatus
+from attestations.proofs.model_files import check_weights, final_parameters, model_names
+from attestations.proofs.models import Proof, ProofArtifact
+from dvbench import (
+    MODEL_DIR,
+    PUBLIC_KEY_FILE,
+    SIGNATURE_FILE,
+)
+from dvbench.attest import (
+    DIGEST_SHA256,
+    SUBJECT_MODEL_SIGNING_PREFIX,
+    SUBJECT_TRANSCRIPT_FILE,
+    AttestationError,
+    Claim,
+    Evidence,
+    Subject,
+    model_signature_subject,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CLAIM_DETECTION",
+    "CLAIM_MODEL",
+    "CLAIM_THRESHOLDS",
+    "ModelCheck",
+    "Threshold",
+    "check_model",
+    "file_subjects",
+    "guarantee_claim",
+    "model_claim",
+    "model_names",
+    "threshold_claim",
+    "thresholds",
+]
+
+CLAIM_MODEL: Final = "final_model"
+CLAIM_THRESHOLDS: Final = "regulatory_thresholds"
+CLAIM_DETECTION: Final = "detection_guarantee"
+
+
+# --- the final model ------------------------------------------------------------------
+
+
+@dataclass
+class ModelCheck:
+    """What the platform found checking a proof's attached model.
+
+    Attributes:
+        files: ``[{name, sha256, size}]`` of the safetensors files that matched.
+        problem: why the model is not bound (None when it is, or when there is none).
+        manifest: ``(model name, manifest sha256)`` of a verified ``model.sig``.
+        public_key_sha256: SHA-256 of the PEM key that verified it.
+        signature_problem: why ``model.sig`` is not bound (None when it is or is absent).
+    """
+
+    files: list[dict[str, Any]] = field(default_factory=list)
+    problem: str | None = None
+    manifest: tuple[str, str] | None = None
+    public_key_sha256: str | None = None
+    signature_problem: str | None = None
+
+    @property
+    def present(self) -> bool:
+        return bool(self.files) or self.problem is not None
+
+
+def check_signature(artifacts: Mapping[str, tuple[str, int]], model: str) -> tuple[str, str, str]:
+    """Verify ``model/model.sig`` over ``model`` with ``model/model-signing.pub`` (model_signing).
+
+    Args:
+        artifacts: attached name -> (storage name, size).
+        model: the name of the safetensors file it signs.
+
+    Returns:
+        The model name and manifest SHA-256 the signature signs, and the key's SHA-256.
+
+    Raises:
+        ValueError: the signature does not verify, or a file is missing.
+    """
+    import hashlib
+
+    signature, public = f"{MODEL_DIR}/{SIGNATURE_FILE}", f"{MODEL_DIR}/{PUBLIC_KEY_FILE}"
+    if public not in artifacts:
+        raise ValueError(f"{signature} has no {public} to verify it with")
+    try:
+        import model_signing
+    except ImportError as error:  # pragma: no cover - a platform dependency
+        raise ValueError(f"the platform cannot verify model signatures: {error}") from None
+    with tempfile.TemporaryDirectory(prefix="dvbench-model-") as scratch:
+        folder = Path(scratch)
+        for name in (model, signature, public):
+            with (
+                default_storage.open(artifacts[name][0], "rb") as source,
+                open(folder / Path(name).name, "wb") as target,
+            ):
+                shutil.copyfileobj(source, target, 1 << 20)
+        try:
+            model_signing.verifying.Config().use_elliptic_key_verifier(  # type: ignore[no-untyped-call]
+                public_key=folder / PUBLIC_KEY_FILE
+            ).verify(folder / Path(model).name, folder / SIGNATURE_FILE)
+        except Exception as error:  # noqa: BLE001 - model_signing raises ValueError, InvalidSignature, KeyError, ... on bad input
+            raise ValueError(
+                f"{signature} does not verify {model} with {public} (model_signing: {error})"
+            ) from None
+        raw = (folder / SIGNATURE_FILE).read_bytes()
+        key = hashlib.sha256((folder / PUBLIC_KEY_FILE).read_bytes()).hexdigest()
+    try:
+        name, manifest = model_signature_subject(raw)
+    except AttestationError as error:
+        raise ValueError(f"{signature}: {error.message}") from None
+    return name, manifest, key
+
+
+def check_model(proof: Proof) -> ModelCheck:
+    """Check the proof's attached model files; what the certificate may bind of them."""
+    check = ModelCheck()
+    rows = [
+        row
+        for row in ProofArtifact.objects.filter(proof=proof, name__startswith=f"{MODEL_DIR}/")
+        .select_related("blob")
+        .order_by("name")
+        if model_names(row.name)
+    ]
+    stored = {row.name: (row.blob.storage_name, row.size) for row in rows}
+    weights = [row for row in rows if row.name.endswith(".safetensors")]
+    if not weights:
+        return check
+    if final_parameters(proof) is None:
+        check.problem = "the transcript has no final parameter root to compare the model with"
+        return check
+    for row in weights:
+        problem = check_weights(proof, row.name, row.blob.storage_name, row.size)
+        if problem is not None:
+            check.problem = problem
+            check.files = []
+            return check
+        check.files.append({"name": Path(row.name).name, "sha256": row.sha256, "size": row.size})
+    if f"{MODEL_DIR}/{SIGNATURE_FILE}" in stored:
+        if len(weights) != 1:
+            check.signature_problem = "a model signature over several weight files is not supported"
+        else:
+            try:
+                name, manifest, key = check_signature(stored, weights[0].name)
+            except ValueError as error:
+                check.signature_problem = str(error)
+            else:
+                check.manifest = (name, manifest)
+                check.public_key_sha256 = key
+    return check
+
+
+def model_claim(check: ModelCheck) -> Claim | None:
+    """The ``final_model`` claim, or None when the trainer attached no model."""
+    if not check.present:
+        return None
+    value: dict[str, Any] = {
+        "files": check.files,
+        "matches_final_parameter_root": check.problem is None,
+        "problem": check.problem,
+        "model_signing": None,
+    }
+    if check.manifest is not None:
+        value["model_signing"] = {
+            "model": check.manifest[0],
+            "manifest_sha256": check.manifest[1],
+            "public_key_sha256": check.public_key_sha256,
+            "verified": True,
+        }
+    elif check.signature_problem is not None:
+        value["model_signing"] = {"verified": False, "problem": check.signature_problem}
+    # The platform recomputed the weights' state root and compared it with the one the
+    # hash chain commits: the weights are bound by the transcript, not replayed.
+    return Claim(CLAIM_MODEL, value, Evidence.COMMITTED)
+
+
+# --- subjects ---------------------------------------------------------------------------
+
+
+def file_subjects(proof: Proof, check: ModelCheck) -> tuple[Subject, ...]:
+    """``sha256`` subjects: the transcript file, and the model's files and manifest."""
+    subjects = [Subject(SUBJECT_TRANSCRIPT_FILE, {DIGEST_SHA256: proof.transcript.sha256})]
+    if check.problem is None:
+        taken = {SUBJECT_TRANSCRIPT_FILE}
+        for item in check.files:
+            if item["name"] not in taken:
+                taken.add(item["name"])
+                subjects.append(Subject(item["name"], {DIGEST_SHA256: item["sha256"]}))
+        if check.manifest is not None:
+            name, manifest = check.manifest
+            subjects.append(
+                Subject(f"{SUBJECT_MODEL_SIGNING_PREFIX}{name}", {DIGEST_SHA256: manifest})
+            )
+    return tuple(subjects)
+
+
+# --- regulatory thresholds ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """A named compute threshold (``DVBENCH_REGULATORY_THRESHOLDS``)."""
+
+    name: str
+    flops: int
+    description: str
+
+
+def thresholds() -> list[Threshold]:
+    """The configured thresholds, in the order settings list them."""
+    return [
+        Threshold(str(item["name"]), int(item["flops"]), str(item.get("description", "")))
+        for item in settings.DVBENCH["REGULATORY_THRESHOLDS"]
+    ]
+
+
+def threshold_claim(claims: Sequence[Claim]) -> Claim:
+    """``regulatory_thresholds``: each threshold and whether the run's compute stays at or below it.
+
+    ``stays_below`` is true when the compute claim is at most the threshold (the AI Act's
+    presumptions apply to compute *greater than* theirs), false above, and null when the
+    run's compute is undetermined. The evidence level is the compute claim's: a bound
+    is no stronger than the number it bounds.
+    """
+    compute = next((claim for claim in claims if claim.name == "flops"), None)
+    value = compute.value if compute is not None else None
+    numeric = isinstance(value, int | float) and not isinstance(value, bool)
+    flops = Decimal(str(value)) if numeric else None
+    rows = [
+        {
+            "name": threshold.name,
+            "threshold": threshold.flops,
+            "stays_below": None if flops is None else flops <= threshold.flops,
+            "description": threshold.description,
+        }
+        for threshold in thresholds()
+    ]
+    evidence = compute.evidence if compute is not None else Evidence.REPORTED
+    return Claim(CLAIM_THRESHOLDS, rows, evidence, "FLOP")
+
+
+# --- the detection guarantee ----------------------------------------------------------------
+
+
+def _exact(steps: int, fraction: float | None, drawn: int) -> float:
+    """``1 - C(T - F, m) / C(T, m)``: the chance that ``m`` distinct uniform draws hit a forged step."""
+    import math
+
+    if not steps or not fraction or not drawn:
+        return 0.0
+    forged = max(1, math.ceil(fraction * steps))
+    miss = 1.0
+    for k in range(drawn):
+        miss *= max(0.0, (steps - forged - k) / (steps - k))
+    return 1.0 - miss
+
+
+def guarantee_claim(proof: Proof, tolerance: Mapping[str, float]) -> Claim:
+    """``detection_guarantee``: what the platform's challenges guarantee about this run.
+
+    ``challenges`` is ``m``, the number of distinct steps drawn uniformly at random
+    (step 0 and the self-checked steps are replayed too, but a forger knows them in
+    advance, so they do not count); ``detection_probability`` is ``1 - (1 - f)^m``, a
+    lower bound on catching a run with a fraction ``f`` of forged steps (sampling
+    without replacement does at least as well: ``provers/challenges.py``).
+    ``detection_probability_exact`` is the exact probability for this run's length,
+    ``1 - C(T - F, m) / C(T, m)`` with ``F = ceil(f T)`` forged of ``T`` steps, which the
+    platform drew ``m`` to bring to at least ``target``. ``comparison`` says how the
+    replays matched: ``exact`` when every replayed step
+    reproduced the committed state roots bit for bit, ``tolerance`` when some matched
+    only within ``tolerance`` (``|replayed - committed| <= abs + rel * |committed|``).
+    """
+    from provers.challenges import random_steps_needed
+
+    steps = max(0, int(proof.steps))
+    target = proof.challenge_target
+    fraction = proof.challenge_forged_fraction
+    challenges = list(
+        Challenge.objects.filter(proof=proof).values_list("step", "through", "status", "evidence")
+    )
+    drawn = 0
+    if challenges and target is not None and fraction and steps:
+        drawn = min(random_steps_needed(steps, target=target, forged_fraction=fraction), steps)
+    exact: bool | None = None
+    for _, _, status, evidence in challenges:
+        if status != ChallengeStatus.PASSED or not isinstance(evidence, Mapping):
+            continue
+        for item in evidence.get("evidence") or []:
+            if isinstance(item, Mapping):
+                exact = (
+                    bool(item.get("exact")) if exact is None else exact and bool(item.get("exact"))
+                )
+    probability = 1.0 - (1.0 - fraction) ** drawn if fraction and drawn else 0.0
+    value = {
+        "steps": steps,
+        "challenged_steps": len({step for step, _, _, _ in challenges}),
+        "challenges": drawn,
+        "forged_fraction": fraction,
+        "detection_probability": probability,
+        "detection_probability_exact": _exact(steps, fraction, drawn),
+        "target": target,
+        "tolerance": dict(tolerance),
+        "comparison": None if exact is None else ("exact" if exact else "tolerance"),
+    }
+    evidence_level = Evidence.REPLAYED if challenges else Evidence.COMMITTED
+    return Claim(CLAIM_DETECTION, value, evidence_level)

@@ -1,0 +1,246 @@
+"""Drawing a proof's challenges: a seed the trainer cannot predict or re-roll, and the steps.
+
+:func:`draw` derives the seed (HMAC under the organisation's secret key of the committed
+run's digest), derives the challenged steps from it
+(:func:`provers.challenges.draw_challenges`: step 0, every step the trainer self-checked,
+random steps up to this filing's detection target), stores only the seed's SHA-256 where
+users can see it, and lists for each challenge the proof-directory files its replay
+reads. The proof is ``challenged``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from attestations.audit.models import AuditEvent
+from attestations.challenges.answers import mark_ready
+from attestations.challenges.index import TranscriptIndex
+from attestations.challenges.models import (
+    Challenge,
+    ChallengeOrigin,
+)
+from attestations.challenges.policy import ChallengePolicy
+from attestations.proofs.models import (
+    DUPLICATE_TRANSCRIPT,
+    Job,
+    Proof,
+    ProofStatus,
+)
+
+log = logging.getLogger(__name__)
+
+
+def replayable(root: Mapping[str, Any] | None) -> bool:
+    """Whether a transcript commits a program a replay prover can run."""
+    from provers import PROVERS
+
+    if not isinstance(root, Mapping) or root.get("prover") not in PROVERS:
+        return False
+    program = root.get("program")
+    return isinstance(program, Mapping) and bool(program.get("kind"))
+
+
+#: What the seed of a committed run is derived with (HMAC-SHA256 under the organisation's key).
+SEED_CONTEXT = b"dvbench-challenge-seed-v2\0"
+#: Prefix of the committed-run digest.
+RUN_CONTEXT = b"dvbench-run-v1\0"
+
+
+def _absorb(h: Any, value: object) -> None:
+    """Feed one field, unambiguously: a type tag, a length, the bytes."""
+    if isinstance(value, bytes | bytearray):
+        data, tag = bytes(value), b"B"
+    elif value is None:
+        data, tag = b"", b"N"
+    else:
+        data, tag = repr(value).encode("utf-8"), b"R"
+    h.update(tag + len(data).to_bytes(8, "little") + data)
+
+
+def run_digest(index: TranscriptIndex) -> str:
+    """SHA-256 (hex) of what a run computed, and nothing the trainer may write freely.
+
+    It covers the committed program, the initial state roots, and for every step in order
+    its index, batch root and post-state roots. It leaves out timestamps, environment,
+    configuration, probes, token and FLOP counts, check records and the experiment's name:
+    a transcript re-written in any of those (or a deterministic rerun, which differs only
+    in its timestamps) is the same committed run, and gets the same challenges
+    (:func:`draw`). To change it, the trainer must change the computation it claims.
+    """
+    h = hashlib.sha256(RUN_CONTEXT)
+    program = index.root.get("program")
+    _absorb(h, program.get("digest") if isinstance(program, Mapping) else None)
+    initial = index.root.get("initial")
+    for tree in ("p", "o", "b"):
+        _absorb(h, initial.get(tree) if isinstance(initial, Mapping) else None)
+    for step in sorted(index.steps):
+        record = index.steps[step]
+        h.update(step.to_bytes(8, "little"))
+        batch, post = record.get("batch"), record.get("post")
+        _absorb(h, batch.get("root") if isinstance(batch, Mapping) else None)
+        for tree in ("p", "o", "b"):
+            _absorb(h, post.get(tree) if isinstance(post, Mapping) else None)
+    return h.hexdigest()
+
+
+def filing_target(target: float, filing: int) -> float:
+    """The detection target of the ``filing``-th challenged proof of one experiment.
+
+    Filing ``n`` may miss a run with the policy's forged fraction with probability at most
+    ``(1 - target) / 2**n``. These sum to less than ``1 - target``, so by the union bound a
+    forged run escapes *every* filing of its experiment together with at most the
+    probability one filing was allowed before (docs/provers.md, "Challenges cannot be
+    ground"). A target of 0 (no random challenges) stays 0.
+    """
+    if filing < 1:
+        raise ValueError(f"filing {filing!r} must be 1 or more")
+    if target <= 0.0:
+        return 0.0
+    return 1.0 - (1.0 - target) / 2.0**filing
+
+
+def challenge_seed(key_hex: str, digest: str) -> bytes:
+    """The seed of a committed run: HMAC-SHA256(organisation key, context || run digest).
+
+    Unpredictable without the key, which never leaves the platform; the same for every
+    transcript of the same run, so re-filing a run never buys a fresh draw.
+    """
+    import hmac
+
+    return hmac.new(
+        bytes.fromhex(key_hex), SEED_CONTEXT + bytes.fromhex(digest), hashlib.sha256
+    ).digest()
+
+
+def _organization_key(organization_id: int) -> str:
+    """The organisation's challenge key, made on first use (under the row's lock)."""
+    import secrets
+
+    from attestations.accounts.models import Organization
+
+    organization = Organization.objects.select_for_update().get(pk=organization_id)
+    if not organization.challenge_key:
+        organization.challenge_key = secrets.token_hex(32)
+        organization.save(update_fields=["challenge_key"])
+    return organization.challenge_key
+
+
+def draw(proof: Proof, *, policy: ChallengePolicy | None = None) -> list[Challenge]:
+    """Draw and store the challenges of a proof the offline verifier accepted.
+
+    Called inside :func:`~attestations.proofs.ingest.ingest` (the ingest task). Idempotent: a proof that has
+    its challenges keeps them. Grinding is closed three ways (docs/provers.md):
+
+    * a transcript that already has a plan in this experiment is not drawn again: the
+      newcomer is rejected as ``duplicate_transcript``, naming the proof it repeats;
+    * the seed derives from the committed run (:func:`run_digest`, :func:`challenge_seed`)
+      and the steps from the seed alone, so every transcript of the same run faces the
+      same steps (a later filing draws more of the same stream, never fewer);
+    * the ``n``-th challenged proof of the experiment is drawn for the target
+      :func:`filing_target` gives, so all filings together keep the policy's bound.
+    """
+    from attestations.experiments.models import Experiment
+    from provers.challenges import draw_challenges
+
+    if proof.challenges_drawn is not None:
+        return list(proof.challenges.all())
+    policy = policy or ChallengePolicy.from_settings()
+    index = TranscriptIndex.of(proof)
+    report = proof.report or {}
+    with transaction.atomic():
+        # The experiment's row is the lock that numbers its filings; the organisation's
+        # guards its key.
+        Experiment.objects.select_for_update().filter(pk=proof.experiment_id).exists()
+        key = _organization_key(proof.experiment.owner_id)
+        siblings = Proof.objects.filter(experiment_id=proof.experiment_id).exclude(pk=proof.pk)
+        earlier = (
+            siblings.filter(
+                challenges_drawn__isnull=False, transcript_digest=proof.transcript_digest
+            )
+            .order_by("pk")
+            .first()
+        )
+        if earlier is not None:
+            proof.record_verdict(
+                ProofStatus.REJECTED,
+                DUPLICATE_TRANSCRIPT,
+                f"this transcript was filed before as proof {earlier.pk}, whose challenges "
+                "stand; a transcript is challenged once per experiment",
+                record=None,
+                field="transcript",
+            )
+            return []
+        filing = siblings.filter(challenges_drawn__isnull=False).count() + 1
+        digest = run_digest(index)
+        target = filing_target(policy.target, filing)
+        plan = draw_challenges(
+            steps=max(1, len(index.steps)),
+            # Bound to the committed run, not to the transcript's bytes: see run_digest.
+            transcript_digest=digest,
+            self_checked=[int(s) for s in report.get("sampled") or []],
+            seed=challenge_seed(key, digest),
+            target=target,
+            forged_fraction=policy.forged_fraction,
+        )
+        own, now = set(plan.self_checked), timezone.now()
+        rows = []
+        for step in plan.steps:
+            origin = (
+                ChallengeOrigin.GENESIS
+                if step == plan.genesis
+                else ChallengeOrigin.SELF_CHECKED
+                if step in own
+                else ChallengeOrigin.RANDOM
+            )
+            rows.append(
+                Challenge(
+                    proof=proof,
+                    step=step,
+                    origin=origin,
+                    needed_files=index.files_for(step, None),
+                    steps_total=index.steps_to_replay(step, None),
+                    created=now,
+                )
+            )
+        created = Challenge.objects.bulk_create(rows)
+        proof.challenge_seed = plan.seed.hex()
+        proof.challenge_seed_commitment = plan.commitment
+        proof.challenge_target = plan.target
+        proof.challenge_forged_fraction = plan.forged_fraction
+        proof.challenge_filing = filing
+        proof.challenge_run_digest = digest
+        proof.challenges_drawn = now
+        proof.challenge_deadline = now + policy.ttl
+        proof.status = ProofStatus.CHALLENGED
+        proof.save()
+        Job.objects.create(
+            kind="replay",
+            organization_id=proof.experiment.owner_id,
+            proof=proof,
+            steps_total=sum(row.steps_total for row in rows),
+        )
+        AuditEvent.record(
+            "proof.challenged",
+            organization=proof.experiment.owner,
+            target=proof,
+            detail={
+                "experiment": proof.experiment.full_name,
+                "challenges": len(rows),
+                "steps": list(plan.steps),
+                "seed_commitment": plan.commitment,
+                "target": plan.target,
+                "forged_fraction": plan.forged_fraction,
+                "filing": filing,
+                "run_digest": digest,
+                "deadline": proof.challenge_deadline.isoformat(),
+            },
+        )
+        # Files attached before the draw (an "upload everything" client) answer at once.
+        mark_ready(proof)
+    return created

@@ -1,0 +1,86 @@
+"""Celery tasks of challenges: replay one, and expire those left unanswered.
+
+Thin wrappers that pass ids, claim, then delegate to :mod:`attestations.challenges.replay`.
+Task names keep their ``attestations.tasks.`` prefix: they are the names in queued
+messages, routes (``attestations.tasks.replay_*`` to the ``replay`` queue) and the beat
+schedule.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from celery import Task, shared_task
+from django.conf import settings
+
+from attestations.challenges import replay
+from attestations.challenges.models import Challenge
+from attestations.core.transient import TRANSIENT_ERRORS
+
+log = logging.getLogger(__name__)
+
+
+@shared_task(
+    bind=True,
+    name="attestations.tasks.replay_challenge",
+    acks_late=True,
+    reject_on_worker_lost=True,
+    max_retries=5,
+    time_limit=settings.CELERY_TASK_TIME_LIMIT,
+    soft_time_limit=settings.CELERY_TASK_SOFT_TIME_LIMIT,
+)
+def replay_challenge(self: Task, challenge_id: int) -> str | None:  # type: ignore[type-arg]
+    """Replay one challenge and record its verdict (queue ``replay``).
+
+    Keyed by the challenge: it is claimed with a conditional update (ready -> replaying,
+    or a stale ``replaying`` claim whose worker died), so a redelivered message or a
+    second worker finds nothing to do. Late acknowledgement with reject-on-worker-lost
+    means a worker killed mid-replay leaves the message to the broker, which delivers it
+    again once the claim is stale. Transient errors (database, broker, disk) release the
+    claim and retry with exponential backoff; anything else, and the soft time limit,
+    is recorded on the challenge as a permanent ``error`` with its reason.
+
+    Returns:
+        The challenge's final status, or None when another worker owns it.
+    """
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    if not replay.claim(challenge_id):
+        return None
+    try:
+        challenge = Challenge.objects.select_related("proof__transcript", "proof__experiment").get(
+            pk=challenge_id
+        )
+        verdict = replay.replay_one(challenge)
+        replay.record_verdict(challenge, verdict)
+    except replay.BlobCorruptError as error:
+        replay.record_error(challenge_id, "blob_corrupt", str(error))
+    except SoftTimeLimitExceeded:
+        replay.record_error(
+            challenge_id, "replay_timeout", "the replay ran past the task's soft time limit"
+        )
+    except TRANSIENT_ERRORS as error:
+        replay.release_claim(challenge_id)
+        if self.request.retries >= (self.max_retries or 0):
+            replay.record_error(
+                challenge_id, "replay_unavailable", f"{type(error).__name__}: {error}"
+            )
+            raise
+        raise self.retry(
+            exc=error,  # type: ignore[arg-type]
+            countdown=min(300, 2 ** (self.request.retries + 1)),
+        ) from error
+    except Exception as error:
+        log.exception("replaying challenge %s failed", challenge_id)
+        replay.record_error(challenge_id, "replay_failed", f"{type(error).__name__}: {error}")
+    return str(Challenge.objects.values_list("status", flat=True).get(pk=challenge_id))
+
+
+@shared_task(name="attestations.tasks.expire_challenges", acks_late=True)
+def expire_challenges() -> int:
+    """Expire challenges left unanswered past their deadline (run periodically).
+
+    Each expiry rejects its proof (``challenge_expired``). Idempotent: an expired
+    challenge is final and is not touched again.
+    """
+    return replay.expire()

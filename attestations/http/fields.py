@@ -1,0 +1,47 @@
+"""Serializer fields that take JSON as it was sent: a string is a string, an integer an integer.
+
+Shared by every API view (``attestations.api.serializers`` and the apps' own views).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rest_framework import serializers
+
+#: The largest value a 64-bit signed integer column (ids, counts) holds.
+INT64_MAX = 2**63 - 1
+
+
+class StrictCharField(serializers.CharField):
+    """A JSON string, and only a string: DRF's CharField would turn ``0`` into ``"0"``.
+
+    Whitespace is kept as sent (trimming would turn ``" "`` into a blank the schema
+    allows); a NUL character is refused, as the schema says (``attestations/http/schema.py``).
+    """
+
+    default_error_messages = {"invalid": "Enter a string (a JSON string, not a number)."}
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("trim_whitespace", False)
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data: Any) -> str:
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return str(super().to_internal_value(data))
+
+
+class StrictIntegerField(serializers.IntegerField):
+    """A JSON integer, and only an integer (DRF's accepts ``"5"``, ``5.0`` and ``true``)."""
+
+    default_error_messages = {"invalid": "Enter a whole number (a JSON integer)."}
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("max_value", INT64_MAX)
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data: Any) -> int:
+        if isinstance(data, bool) or not isinstance(data, int):
+            self.fail("invalid")
+        return int(super().to_internal_value(data))

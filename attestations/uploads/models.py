@@ -1,0 +1,134 @@
+"""Stored bytes and the resumable uploads that bring them.
+
+A :class:`Blob` is stored once under its content address, whoever uploaded it; an
+:class:`Upload` is one resumable multipart session of one file (a transcript, a program,
+a snapshot, a batch), whose parts are checked as they arrive. Moving bytes through
+storage is ``attestations/uploads/services.py``.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from django.conf import settings
+from django.core.exceptions import ObjectDoesNotExist
+from django.db import models
+from django.utils import timezone
+
+from attestations.accounts.models import Organization
+from attestations.core.validators import sha256_validator
+from attestations.experiments.models import Experiment
+
+
+class Blob(models.Model):
+    """Bytes stored once under their content address, whoever uploaded them."""
+
+    sha256 = models.CharField(max_length=64, unique=True, validators=[sha256_validator])
+    size = models.PositiveBigIntegerField()
+    storage_name = models.CharField(max_length=255)
+    created = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        db_table = "attestations_blob"
+
+    def __str__(self) -> str:
+        return f"sha256:{self.sha256}"
+
+    @staticmethod
+    def address(sha256: str) -> str:
+        """The storage name of a blob: fanned out so no directory holds millions of files."""
+        return f"blobs/sha256/{sha256[:2]}/{sha256[2:4]}/{sha256}"
+
+
+class ArtifactKind(models.TextChoices):
+    TRANSCRIPT = "transcript", "Transcript"
+    ARTIFACT = "artifact", "Program artifact"
+    SNAPSHOT = "snapshot", "State snapshot"
+    BATCH = "batch", "Batch"
+
+
+class UploadStatus(models.TextChoices):
+    OPEN = "open", "Open"
+    COMPLETING = "completing", "Completing"
+    COMPLETE = "complete", "Complete"
+    ABORTED = "aborted", "Aborted"
+    FAILED = "failed", "Failed"
+
+
+class Upload(models.Model):
+    """A resumable multipart upload session; see ``attestations/uploads/services.py``."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="+")
+    experiment = models.ForeignKey(Experiment, on_delete=models.CASCADE, related_name="uploads")
+    kind = models.CharField(max_length=16, choices=ArtifactKind.choices)
+    #: The file's path in the proof directory, as the client names it (informational).
+    name = models.CharField(max_length=255, blank=True)
+    size = models.PositiveBigIntegerField()
+    sha256 = models.CharField(max_length=64, validators=[sha256_validator])
+    status = models.CharField(
+        max_length=16, choices=UploadStatus.choices, default=UploadStatus.OPEN
+    )
+    reason = models.CharField(max_length=64, blank=True)
+    blob = models.ForeignKey(Blob, on_delete=models.PROTECT, null=True, related_name="uploads")
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+"
+    )
+    created = models.DateTimeField(default=timezone.now)
+    expires = models.DateTimeField()
+    completed = models.DateTimeField(null=True, blank=True)
+    #: A transcript already filed for the experiment: completing this upload filed nothing
+    #: new, and this is the proof it is (``attestations.proofs.filing``).
+    duplicate_of = models.ForeignKey(
+        "proofs.Proof",
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="refilings",
+    )
+
+    class Meta:
+        db_table = "attestations_upload"
+        ordering = ["-created"]
+
+    def __str__(self) -> str:
+        return f"upload {self.id} ({self.kind}, {self.status})"
+
+    @property
+    def filed_proof_id(self) -> int | None:
+        """The proof this transcript upload filed, or the earlier one it duplicates."""
+        try:
+            return self.proof.pk
+        except ObjectDoesNotExist:  # the proofs app's Proof, which this app never imports
+            return self.duplicate_of_id
+
+    @property
+    def staging_prefix(self) -> str:
+        return f"staging/uploads/{self.id}"
+
+    def part_name(self, number: int) -> str:
+        return f"{self.staging_prefix}/{number:05d}"
+
+    @property
+    def received_bytes(self) -> int:
+        # Summed in Python so that a prefetched parts list costs no query.
+        return sum(part.size for part in self.parts.all())
+
+
+class UploadPart(models.Model):
+    upload = models.ForeignKey(Upload, on_delete=models.CASCADE, related_name="parts")
+    number = models.PositiveIntegerField()
+    size = models.PositiveBigIntegerField()
+    sha256 = models.CharField(max_length=64)
+    storage_name = models.CharField(max_length=255)
+    created = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        db_table = "attestations_uploadpart"
+        constraints = [
+            models.UniqueConstraint(fields=["upload", "number"], name="part_number_unique")
+        ]
+        ordering = ["number"]
+
+    def __str__(self) -> str:
+        return f"part {self.number} of {self.upload_id}"
