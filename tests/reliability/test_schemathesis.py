@@ -40,7 +40,7 @@ import schemathesis
 from rest_framework.test import APIClient
 from schemathesis.engine import events, from_schema
 
-from attestations.models import ApiKey
+from attestations.accounts.models import ApiKey
 from tests.attestations.base import World, make_user
 from tests.reliability.fuzz import EXAMPLES
 
