@@ -586,10 +586,14 @@ class Access:
 
     def orgs(self, capability: str, field: str = "organization_id") -> Q:
         """A filter on ``field`` for the organisations where ``capability`` holds."""
+        ids = self.org_ids(capability)
+        return Q() if ids is None else Q(**{f"{field}__in": ids})
+
+    def org_ids(self, capability: str) -> list[int] | None:
+        """The organisations where ``capability`` holds; None for every organisation."""
         if self.superuser or (capability == Capability.READ and self.read_all):
-            return Q()
-        ids = [org for org, role in self.roles.items() if capability in ROLE_CAPABILITIES[role]]
-        return Q(**{f"{field}__in": ids})
+            return None
+        return [org for org, role in self.roles.items() if capability in ROLE_CAPABILITIES[role]]
 
     def any(self, capability: str) -> bool:
         return (

@@ -77,6 +77,7 @@ SPEC_FIELDS = (
 #: The columns of :meth:`ExperimentQuerySet.summary_rows` (``created`` and ``id`` order a page).
 SUMMARY_COLUMNS = (
     "id",
+    "current_spec_id",
     "name",
     "created",
     "owner__slug",
