@@ -538,7 +538,16 @@ class Invitation(models.Model):
         self._respond(InvitationStatus.REVOKED, actor=actor, ip=ip)
 
 
-def _memberships(user_id: int) -> list[tuple[int, str, str]]:
+def remember_memberships(user: AbstractBaseUser, rows: list[tuple[int, str, str]]) -> None:
+    """Attach a user's memberships as read with the user (see :func:`_memberships`).
+
+    Only for a user object built for one request: :class:`Access` reads these instead of
+    querying again.
+    """
+    user._dvbench_memberships = [(int(org), str(role), str(kind)) for org, role, kind in rows]  # type: ignore[attr-defined]
+
+
+def _memberships(user: AbstractBaseUser) -> list[tuple[int, str, str]]:
     """``(organization_id, role, organization kind)`` of each of a user's memberships.
 
     Every request computes :class:`Access` from this, so it runs one SQL statement built
@@ -547,8 +556,12 @@ def _memberships(user_id: int) -> list[tuple[int, str, str]]:
     longer compiling than PostgreSQL spent running it.
     """
     connection = connections[router.db_for_read(Membership)]
+    # The key authentication read them in its own query, for this request's user object.
+    known: list[tuple[int, str, str]] | None = getattr(user, "_dvbench_memberships", None)
+    if known is not None:
+        return known
     with connection.cursor() as cursor:
-        cursor.execute(_membership_sql(connection.alias), [user_id])
+        cursor.execute(_membership_sql(connection.alias), [user.pk])
         return [(int(org), str(role), str(kind)) for org, role, kind in cursor.fetchall()]
 
 
@@ -590,7 +603,7 @@ class Access:
             return cls(roles={}, read_all=False)
         roles: dict[int, str] = {}
         regulator = False
-        for org, role, kind in _memberships(user.pk):
+        for org, role, kind in _memberships(user):
             roles[org] = role
             # Cross-organisation reading comes only from the operator: a regulator role
             # held in an agency. A "regulator" row in a lab (left from before agencies
