@@ -157,10 +157,11 @@ class SummaryPage:
 
     def _summarize(self, rows: list[dict[str, Any]]) -> None:
         """Add ``proofs_<status>`` and ``spec_frozen`` to each row (one grouped query)."""
-        statuses = proof_statuses()
+        zeros = dict.fromkeys([f"proofs_{status}" for status in proof_statuses()], 0)
+        zeros["spec_frozen"] = False
         by_id: dict[int, dict[str, Any]] = {}
         for row in rows:
-            row.update({f"proofs_{status}": 0 for status in statuses}, spec_frozen=False)
+            row.update(zeros)
             by_id[row["id"]] = row
         if not by_id:
             return
