@@ -555,11 +555,11 @@ def _memberships(user: AbstractBaseUser) -> list[tuple[int, str, str]]:
     (``Membership.objects.filter(user=...).values_list(..., "organization__kind")``) spent
     longer compiling than PostgreSQL spent running it.
     """
-    connection = connections[router.db_for_read(Membership)]
     # The key authentication read them in its own query, for this request's user object.
     known: list[tuple[int, str, str]] | None = getattr(user, "_dvbench_memberships", None)
     if known is not None:
         return known
+    connection = connections[router.db_for_read(Membership)]
     with connection.cursor() as cursor:
         cursor.execute(_membership_sql(connection.alias), [user.pk])
         return [(int(org), str(role), str(kind)) for org, role, kind in cursor.fetchall()]
