@@ -15,11 +15,12 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import cache
 from typing import Any, ClassVar
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser, AnonymousUser, User
-from django.db import models, transaction
+from django.db import connections, models, router, transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -537,6 +538,52 @@ class Invitation(models.Model):
         self._respond(InvitationStatus.REVOKED, actor=actor, ip=ip)
 
 
+def remember_memberships(user: AbstractBaseUser, rows: list[tuple[int, str, str]]) -> None:
+    """Attach a user's memberships as read with the user (see :func:`_memberships`).
+
+    Only for a user object built for one request: :class:`Access` reads these instead of
+    querying again.
+    """
+    user._dvbench_memberships = [(int(org), str(role), str(kind)) for org, role, kind in rows]  # type: ignore[attr-defined]
+
+
+def _memberships(user: AbstractBaseUser) -> list[tuple[int, str, str]]:
+    """``(organization_id, role, organization kind)`` of each of a user's memberships.
+
+    Every request computes :class:`Access` from this, so it runs one SQL statement built
+    once from the models' metadata: the same query through the ORM
+    (``Membership.objects.filter(user=...).values_list(..., "organization__kind")``) spent
+    longer compiling than PostgreSQL spent running it.
+    """
+    # The key authentication read them in its own query, for this request's user object.
+    known: list[tuple[int, str, str]] | None = getattr(user, "_dvbench_memberships", None)
+    if known is not None:
+        return known
+    connection = connections[router.db_for_read(Membership)]
+    with connection.cursor() as cursor:
+        cursor.execute(_membership_sql(connection.alias), [user.pk])
+        return [(int(org), str(role), str(kind)) for org, role, kind in cursor.fetchall()]
+
+
+@cache
+def _membership_sql(alias: str) -> str:
+    quote = connections[alias].ops.quote_name
+
+    def column(model: type[models.Model], name: str) -> str:
+        field = model._meta.get_field(name)
+        assert isinstance(field, models.Field)
+        return quote(str(field.column))
+
+    # Only names from the models' metadata, quoted; the user id is a parameter.
+    members, orgs = quote(Membership._meta.db_table), quote(Organization._meta.db_table)
+    return (
+        f"SELECT m.{column(Membership, 'organization')}, m.{column(Membership, 'role')}, "  # noqa: S608
+        f"o.{column(Organization, 'kind')} FROM {members} m JOIN {orgs} o "
+        f"ON o.{column(Organization, 'id')} = m.{column(Membership, 'organization')} "
+        f"WHERE m.{column(Membership, 'user')} = %s"
+    )
+
+
 @dataclass(frozen=True)
 class Access:
     """What one user may do, computed once per request from their memberships.
@@ -554,11 +601,9 @@ class Access:
     def for_user(cls, user: AbstractBaseUser | AnonymousUser) -> Access:
         if not isinstance(user, User) or not user.is_authenticated:
             return cls(roles={}, read_all=False)
-        # order_by(): the model's default ordering would join two tables for nothing.
-        rows = Membership.objects.filter(user=user).order_by()
         roles: dict[int, str] = {}
         regulator = False
-        for org, role, kind in rows.values_list("organization_id", "role", "organization__kind"):
+        for org, role, kind in _memberships(user):
             roles[org] = role
             # Cross-organisation reading comes only from the operator: a regulator role
             # held in an agency. A "regulator" row in a lab (left from before agencies
@@ -586,10 +631,14 @@ class Access:
 
     def orgs(self, capability: str, field: str = "organization_id") -> Q:
         """A filter on ``field`` for the organisations where ``capability`` holds."""
+        ids = self.org_ids(capability)
+        return Q() if ids is None else Q(**{f"{field}__in": ids})
+
+    def org_ids(self, capability: str) -> list[int] | None:
+        """The organisations where ``capability`` holds; None for every organisation."""
         if self.superuser or (capability == Capability.READ and self.read_all):
-            return Q()
-        ids = [org for org, role in self.roles.items() if capability in ROLE_CAPABILITIES[role]]
-        return Q(**{f"{field}__in": ids})
+            return None
+        return [org for org, role in self.roles.items() if capability in ROLE_CAPABILITIES[role]]
 
     def any(self, capability: str) -> bool:
         return (

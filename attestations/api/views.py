@@ -72,6 +72,7 @@ from attestations.experiments.models import (
     proof_statuses,
     summary_dict,
 )
+from attestations.experiments.rows import SummaryPage
 from attestations.http.exceptions import LengthRequiredError
 from attestations.http.filters import BigInt, QueryFilters
 from attestations.http.pagination import CursorPage
@@ -365,11 +366,15 @@ class ExperimentList(generics.ListCreateAPIView[Experiment]):
     }
 
     def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:
-        # A page is one query of plain rows (summary_rows), turned into the same document
-        # as Experiment.to_dict and the serializer, without building model instances.
-        visible = cast(ExperimentQuerySet, self.filter_queryset(self.get_queryset()))
-        rows = visible.summary_rows()
-        page = self.paginate_queryset(rows)
+        # A page is plain rows read by SQL compiled once per query shape (SummaryPage, in
+        # place of a queryset for the filters and the paginator) plus one grouped query of
+        # proof counts, turned into the same document as Experiment.to_dict without
+        # building model instances.
+        visible = SummaryPage.visible_to(get_access(request))
+        page = cast(
+            "list[dict[str, Any]] | None",
+            self.paginate_queryset(self.filter_queryset(visible)),  # type: ignore[arg-type]
+        )
         assert page is not None
         statuses = proof_statuses()
         return self.get_paginated_response([summary_dict(row, statuses) for row in page])
@@ -432,9 +437,13 @@ class ExperimentDetail(APIView):
     @extend_schema(responses=ExperimentSerializer)
     def get(self, request: Request, owner: str, name: str) -> Response:
         """An experiment and its current spec (``spec_digest`` goes into the transcript)."""
-        experiment = _experiment(request, owner, name)
-        Experiment.summarize([experiment])
-        return Response(experiment.to_dict())
+        # The list's row path (cached SQL, no model instances); the same document as
+        # Experiment.to_dict.
+        visible = SummaryPage.visible_to(get_access(request))
+        rows = visible.filter(owner__slug=owner, name=name)[:1]
+        if not rows:
+            raise NotFoundError(f"No experiment {owner}/{name}.")
+        return Response(summary_dict(rows[0], proof_statuses()))
 
 
 class SpecList(APIView):

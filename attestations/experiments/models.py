@@ -77,12 +77,17 @@ SPEC_FIELDS = (
 #: The columns of :meth:`ExperimentQuerySet.summary_rows` (``created`` and ``id`` order a page).
 SUMMARY_COLUMNS = (
     "id",
+    "current_spec_id",
     "name",
     "created",
     "owner__slug",
     "created_by__username",
     *(f"current_spec__{field}" for field in SPEC_FIELDS),
 )
+
+
+#: ``(spec field, summary column)`` pairs, for :func:`summary_dict`.
+_SPEC_COLUMNS = tuple((field, f"current_spec__{field}") for field in SPEC_FIELDS)
 
 
 def spec_document(values: Mapping[str, Any], frozen: bool) -> dict[str, Any]:
@@ -117,8 +122,7 @@ def summary_dict(row: Mapping[str, Any], statuses: Iterable[str]) -> dict[str, A
         "name": row["name"],
         "spec_digest": row["current_spec__digest"],
         "spec": spec_document(
-            {field: row[f"current_spec__{field}"] for field in SPEC_FIELDS},
-            bool(row["spec_frozen"]),
+            {field: row[column] for field, column in _SPEC_COLUMNS}, bool(row["spec_frozen"])
         ),
         "created": api_datetime(row["created"]),
         "created_by": row["created_by__username"],
@@ -137,10 +141,13 @@ class ExperimentQuerySet(models.QuerySet["Experiment"]):
     def summary_rows(self) -> models.QuerySet[Experiment, dict[str, Any]]:
         """One row per experiment with all that its representation reads, in one query.
 
-        The list endpoint's path: plain rows (``.values()``) with the owner, the creator
-        and the current spec joined, proof counts by status and the spec's frozen flag as
-        annotations, so a page is one query and no model instance. Turn a row into the
-        representation with :func:`summary_dict`, which equals :meth:`Experiment.to_dict`.
+        Plain rows (``.values()``) with the owner, the creator and the current spec
+        joined, proof counts by status and the spec's frozen flag as annotations. Turn a
+        row into the representation with :func:`summary_dict`, which equals
+        :meth:`Experiment.to_dict`. The API's list and detail read the same rows through
+        :class:`~attestations.experiments.rows.SummaryPage` instead (cached SQL, and counts
+        grouped over the page only: this query aggregates every matching experiment
+        before its LIMIT).
         """
         proofs = Experiment._meta.get_field("proofs").related_model
         counts = {

@@ -14,7 +14,13 @@ from django.utils import timezone
 from rest_framework import authentication, exceptions
 from rest_framework.request import Request
 
-from attestations.accounts.models import API_KEY_PREFIX, ApiKey
+from attestations.accounts.models import (
+    API_KEY_PREFIX,
+    ApiKey,
+    Membership,
+    Organization,
+    remember_memberships,
+)
 from attestations.http.throttling import check_api_key_failures, count_api_key_failure
 
 SCHEMES = ("bearer", "api-key")
@@ -88,8 +94,25 @@ def _key_query(vendor: str) -> tuple[str, list[str], list[str], list[Converter]]
     table, users = quote(ApiKey._meta.db_table), quote(user_model._meta.db_table)
     user_pk, user_fk = column(user_model._meta.pk), column(ApiKey._meta.get_field("user"))
     lookup = column(ApiKey._meta.get_field("lookup"))
+    # The user's memberships ride along (one row each, or one row of NULLs), so the
+    # request's Access needs no second round trip (Access.for_user, remember_memberships).
+    members, orgs = quote(Membership._meta.db_table), quote(Organization._meta.db_table)
+    member_user, member_org = (
+        column(Membership._meta.get_field("user")),
+        column(Membership._meta.get_field("organization")),
+    )
+    columns += [
+        f"m.{member_org}",
+        f"m.{column(Membership._meta.get_field('role'))}",
+        f"o.{column(Organization._meta.get_field('kind'))}",
+    ]
     select = ", ".join(columns)
-    sql = f"SELECT {select} FROM {table} k JOIN {users} u ON u.{user_pk} = k.{user_fk} WHERE k.{lookup} = %s"  # noqa: S608
+    sql = (
+        f"SELECT {select} FROM {table} k JOIN {users} u ON u.{user_pk} = k.{user_fk} "  # noqa: S608
+        f"LEFT JOIN {members} m ON m.{member_user} = u.{user_pk} "
+        f"LEFT JOIN {orgs} o ON o.{column(Organization._meta.pk)} = m.{member_org} "
+        f"WHERE k.{lookup} = %s"
+    )
     # What the ORM's compiler applies to each column (SQLite's datetimes arrive as text).
     converters: list[Converter] = []
     for field in key_fields + user_fields:
@@ -104,16 +127,18 @@ def _fetch_key(lookup: str) -> ApiKey | None:
     sql, key_names, user_names, converters = _key_query(connection.vendor)
     with connection.cursor() as cursor:
         cursor.execute(sql, [lookup])
-        row = cursor.fetchone()
-    if row is None:
+        rows = cursor.fetchall()
+    if not rows:
         return None
-    values = list(row)
+    *values, _, _, _ = rows[0]
     for index, (functions, expression) in enumerate(converters):
         for function in functions:
             values[index] = function(values[index], expression, connection)
     split = len(key_names)
     key = ApiKey.from_db("default", key_names, values[:split])
     key.user = get_user_model().from_db("default", user_names, values[split:])
+    memberships = [(org, role, kind) for *_, org, role, kind in rows if org is not None]
+    remember_memberships(key.user, memberships)
     return key
 
 

@@ -1,0 +1,233 @@
+"""The experiment list's page of rows, read by SQL compiled once per query shape.
+
+Every API request for ``/api/v1/experiments/`` asks the same few questions: which
+experiments of the caller's organisations (maybe filtered), newest first, 50 at a time.
+Building that query through the ORM cost more than running it (about 2 ms of query
+construction and compilation per request against well under 1 ms in PostgreSQL, measured
+on the 2-core CI machine; docs/reliability.md, Load). :class:`SummaryPage` stands in for
+the queryset that DRF's filters and cursor paginator work on: it records ``filter`` and
+``order_by`` calls, and on slicing runs SQL the ORM compiled for the same *shape* (the
+lookups, the number of ids in an ``IN``, the order, offset and limit), with this
+request's values as parameters. A shape's SQL is cached only after checking that the
+parameters it would be given are exactly those the ORM produced for it, so a value the
+ORM would transform differently is never bound wrongly: such a shape is compiled on every
+request, as before. Proof counts and the frozen flag come from one grouped query over the
+page's experiments (as :meth:`Experiment.summarize`). Rows are the dictionaries
+:func:`~attestations.experiments.models.summary_dict` turns into the API representation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from django.db import connections, models
+
+from attestations.accounts.models import Access, Capability
+from attestations.experiments.models import SUMMARY_COLUMNS, Experiment, proof_statuses
+
+#: Lookups whose value is a list: one parameter per item, and ``[]`` matches nothing.
+_LIST_LOOKUPS = frozenset({"in"})
+_COMPARISONS = frozenset({"exact", "in", "lt", "lte", "gt", "gte"})
+
+Converter = tuple[list[Callable[..., Any]], Any]
+Lookup = tuple[str, Any]
+
+
+class _Compiled:
+    """One shape's SQL: the statement, its column names and the ORM's value converters."""
+
+    __slots__ = ("converters", "names", "sql")
+
+    def __init__(self, sql: str, names: list[str], converters: dict[int, Converter]) -> None:
+        self.sql, self.names, self.converters = sql, names, converters
+
+
+#: Compiled SQL by (database alias, shape). Bounded: a shape is made of the view's few
+#: filters, an IN of at most the caller's organisations, two orders, and an offset and
+#: a page size that the paginator bounds (offset_cutoff, max_page_size).
+_CACHE: dict[tuple[Any, ...], _Compiled] = {}
+_CACHE_LIMIT = 4096
+
+
+class SummaryPage:
+    """A lazy, queryset-like source of the experiment list's rows (see the module doc).
+
+    Supports what :class:`~attestations.http.filters.QueryFilters` and DRF's
+    ``CursorPagination`` call: ``filter(**lookups)``, ``order_by(*fields)`` and slicing
+    with a step-less slice, which runs the query.
+    """
+
+    model = Experiment
+
+    def __init__(
+        self, lookups: Sequence[Lookup] = (), ordering: Sequence[str] = (), using: str = "default"
+    ) -> None:
+        self.lookups = tuple(lookups)
+        self.ordering = tuple(ordering)
+        self.db = using
+
+    @classmethod
+    def visible_to(cls, access: Access) -> SummaryPage:
+        """Experiments whose owner ``access`` may read (as ``ExperimentQuerySet.visible_to``)."""
+        ids = access.org_ids(Capability.READ)
+        return cls(() if ids is None else (("owner_id__in", ids),))
+
+    def filter(self, **lookups: Any) -> SummaryPage:
+        return SummaryPage((*self.lookups, *lookups.items()), self.ordering, self.db)
+
+    def order_by(self, *fields: str) -> SummaryPage:
+        return SummaryPage(self.lookups, fields, self.db)
+
+    def __getitem__(self, bounds: slice) -> list[dict[str, Any]]:
+        if not isinstance(bounds, slice) or bounds.step is not None:
+            raise TypeError("SummaryPage supports only a slice without a step")
+        offset = bounds.start or 0
+        limit = None if bounds.stop is None else bounds.stop - offset
+        if limit is not None and limit <= 0:
+            return []
+        if any(_is_list(name) and not list(value) for name, value in self.lookups):
+            return []  # as the ORM: an empty IN matches nothing, and no query runs
+        rows = self._rows(offset, limit)
+        self._summarize(rows)
+        return rows
+
+    # --- The page query ---------------------------------------------------------------
+
+    def _queryset(self, offset: int, limit: int | None) -> models.QuerySet[Any, Any]:
+        """The ORM's version of this page: what the cached SQL was compiled from."""
+        rows = Experiment.objects.using(self.db).values(*SUMMARY_COLUMNS)
+        for name, value in self.lookups:
+            rows = rows.filter(**{name: value})
+        rows = rows.order_by(*self.ordering)
+        page: models.QuerySet[Any, Any] = (
+            rows[offset:] if limit is None else rows[offset : offset + limit]
+        )
+        return page
+
+    def _rows(self, offset: int, limit: int | None) -> list[dict[str, Any]]:
+        connection = connections[self.db]
+        shape = (
+            self.db,
+            tuple((name, len(value) if _is_list(name) else None) for name, value in self.lookups),
+            self.ordering,
+            offset,
+            limit,
+        )
+        compiled = _CACHE.get(shape)
+        params: list[Any] | None = None
+        if compiled is not None:
+            params = self._params(connection)
+        else:
+            query = self._queryset(offset, limit).query
+            compiler = query.get_compiler(using=self.db)
+            sql, orm_params = compiler.as_sql()
+            select = [column for column, _, _ in compiler.select]
+            names = [*query.extra_select, *query.values_select, *query.annotation_select]
+            compiled = _Compiled(sql, names, compiler.get_converters(select))
+            params = list(orm_params)
+            if _same(self._params(connection), params) and len(_CACHE) < _CACHE_LIMIT:
+                _CACHE[shape] = compiled
+        with connection.cursor() as cursor:
+            cursor.execute(compiled.sql, params)
+            fetched = cursor.fetchall()
+        names, converters = compiled.names, compiled.converters
+        rows = []
+        for row in fetched:
+            values = list(row)
+            for index, (functions, expression) in converters.items():
+                for function in functions:
+                    values[index] = function(values[index], expression, connection)
+            rows.append(dict(zip(names, values, strict=True)))
+        return rows
+
+    def _params(self, connection: Any) -> list[Any]:
+        """The parameters this page's lookups bind, prepared as the ORM prepares them."""
+        params: list[Any] = []
+        for name, value in self.lookups:
+            field = _field(name)
+            values = list(value) if _is_list(name) else [value]
+            params.extend(
+                field.get_db_prep_value(field.get_prep_value(item), connection, prepared=True)
+                for item in values
+            )
+        return params
+
+    # --- Proof counts and the frozen flag -----------------------------------------------
+
+    def _summarize(self, rows: list[dict[str, Any]]) -> None:
+        """Add ``proofs_<status>`` and ``spec_frozen`` to each row (one grouped query)."""
+        zeros = dict.fromkeys([f"proofs_{status}" for status in proof_statuses()], 0)
+        zeros["spec_frozen"] = False
+        by_id: dict[int, dict[str, Any]] = {}
+        for row in rows:
+            row.update(zeros)
+            by_id[row["id"]] = row
+        if not by_id:
+            return
+        connection = connections[self.db]
+        sql = _counts_sql(self.db, len(by_id))
+        with connection.cursor() as cursor:
+            cursor.execute(sql, list(by_id))
+            grouped = cursor.fetchall()
+        # As Experiment.summarize: a spec is frozen when a proof of the experiment names it.
+        for experiment_id, status, spec_id, count in grouped:
+            row = by_id[experiment_id]
+            row[f"proofs_{status}"] = row.get(f"proofs_{status}", 0) + count
+            if spec_id == row["current_spec_id"]:
+                row["spec_frozen"] = True
+
+
+def _is_list(lookup: str) -> bool:
+    return lookup.rpartition("__")[2] in _LIST_LOOKUPS
+
+
+def _field(lookup: str) -> Any:
+    """The model field a lookup such as ``current_spec__max_flops__gte`` compares."""
+    parts = lookup.split("__")
+    if len(parts) > 1 and parts[-1] in _COMPARISONS:
+        parts = parts[:-1]
+    model: Any = Experiment
+    field: Any = None
+    for part in parts:
+        field = model._meta.get_field(part)
+        model = field.related_model
+    if field.is_relation and field.many_to_one:
+        field = field.target_field
+    return field
+
+
+def _same(ours: list[Any], orm: list[Any]) -> bool:
+    return len(ours) == len(orm) and all(
+        type(a) is type(b) and a == b for a, b in zip(ours, orm, strict=True)
+    )
+
+
+_COUNTS_SQL: dict[tuple[str, int], str] = {}
+
+
+def _counts_sql(using: str, count: int) -> str:
+    """Proofs of ``count`` experiments grouped by experiment, status and spec."""
+    key = (using, count)
+    sql = _COUNTS_SQL.get(key)
+    if sql is None:
+        quote = connections[using].ops.quote_name
+        proof = Experiment._meta.get_field("proofs").related_model
+        meta = proof._meta
+
+        def column(name: str) -> str:
+            field = meta.get_field(name)
+            assert isinstance(field, models.Field)
+            return quote(str(field.column))
+
+        table = quote(meta.db_table)
+        experiment, status, spec = column("experiment"), column("status"), column("spec")
+        marks = ", ".join(["%s"] * count)
+        # Only names from the model's metadata, quoted; the ids are parameters.
+        sql = (
+            f"SELECT {experiment}, {status}, {spec}, COUNT(*) FROM {table} "  # noqa: S608
+            f"WHERE {experiment} IN ({marks}) GROUP BY {experiment}, {status}, {spec}"
+        )
+        if len(_COUNTS_SQL) < _CACHE_LIMIT:
+            _COUNTS_SQL[key] = sql
+    return sql
