@@ -424,5 +424,10 @@ def test_no_api_key_or_password_reaches_the_logs(
     web.post("/login/", {"username": "alice", "password": PASSWORD})
     text = caplog.text + "".join(str(r.args) for r in caplog.records)
     assert caplog.records, "nothing was logged: the capture is not working"
-    for secret in (created, created.rsplit("_", 1)[1], wrong, secret_password, PASSWORD):
+    # The key is dvb_<lookup>_<secret>, and the secret (token_urlsafe) may itself hold
+    # "_": split after the lookup, not at the last "_" (which once left the one-letter
+    # tail "M", found in "Too Many Requests").
+    prefix, lookup, secret_part = created.split("_", 2)
+    assert prefix == "dvb" and len(lookup) == 12 and len(secret_part) >= 40
+    for secret in (created, secret_part, wrong, secret_password, PASSWORD):
         assert secret not in text
