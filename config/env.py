@@ -118,9 +118,29 @@ class DatabaseURL:
             "CONN_MAX_AGE": 60,
             "CONN_HEALTH_CHECKS": True,
         }
-        if self.options:
-            config["OPTIONS"] = dict(self.options)
+        options: dict[str, object] = dict(self.options)
+        # psycopg prepares a statement on its fifth run in a connection; only cursors that
+        # bind on the server do (attestations.core.db.prepared_cursor: the per-request
+        # reads). ``?prepare_threshold=none`` turns it off, for a pooler that cannot keep
+        # prepared statements (PgBouncer in transaction mode before 1.21).
+        threshold = options.pop("prepare_threshold", "5")
+        options["prepare_threshold"] = _threshold(str(threshold))
+        config["OPTIONS"] = options
         return config
+
+
+def _threshold(raw: str) -> int | None:
+    if raw.strip().lower() in {"none", "off"}:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ImproperlyConfigured(
+            f"DATABASE_URL's prepare_threshold={raw!r} is not a count of runs or 'none'"
+        )
+    return value
 
 
 def parse_database_url(name: str, raw: str) -> DatabaseURL:

@@ -76,9 +76,22 @@ def test_services_are_postgres_redis_and_a_real_worker(clean_env: pytest.MonkeyP
     assert database["ENGINE"] == "django.db.backends.postgresql"
     assert (database["NAME"], database["USER"], database["PASSWORD"]) == ("dvbench", "dv", "s@cret")
     assert (database["HOST"], database["PORT"]) == ("db.example", "6543")
-    assert database["OPTIONS"] == {"sslmode": "require"}
+    # psycopg's own default: a statement is prepared on its fifth run (server-binding
+    # cursors only; attestations.core.db.prepared_cursor).
+    assert database["OPTIONS"] == {"sslmode": "require", "prepare_threshold": 5}
     assert loaded["CELERY_BROKER_URL"] == "redis://broker.example:6379/2"
     assert loaded["CELERY_TASK_ALWAYS_EAGER"] is False
+
+
+@pytest.mark.parametrize(("query", "threshold"), [("none", None), ("OFF", None), ("0", 0)])
+def test_prepared_statements_can_be_turned_off_or_made_eager(
+    clean_env: pytest.MonkeyPatch, query: str, threshold: int | None
+) -> None:
+    clean_env.setenv("DATABASE_URL", f"postgres://db.example/dvbench?prepare_threshold={query}")
+
+    options = load_settings()["DATABASES"]["default"]["OPTIONS"]
+
+    assert options == {"prepare_threshold": threshold}
 
 
 def test_the_broker_visibility_timeout_outlasts_the_longest_task(
@@ -125,6 +138,8 @@ def test_s3_storage_is_chosen_by_a_bucket_name(clean_env: pytest.MonkeyPatch) ->
         ("DVBENCH_HSTS_SECONDS", "-1"),
         ("DVBENCH_SECURE_COOKIES", "2"),
         ("DVBENCH_LOG_LEVEL", "LOUD"),
+        ("DATABASE_URL", "postgres://db.example/dvbench?prepare_threshold=-1"),
+        ("DATABASE_URL", "postgres://db.example/dvbench?prepare_threshold=often"),
     ],
 )
 def test_a_bad_value_raises_improperly_configured_naming_the_variable(

@@ -8,15 +8,19 @@
   challenge to replay): one conditional UPDATE, so of two deliveries of the same task
   one wins, and a claim older than the task time limit (its worker died) can be taken
   over.
+* :func:`prepared_cursor`: a cursor for the few hot read statements, which PostgreSQL
+  plans once per connection instead of on every request.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, TypeVar
 
 from django.conf import settings
-from django.db import models
+from django.db import connections, models
 from django.db.models import Q
 from django.utils import timezone
 
@@ -24,6 +28,7 @@ __all__ = [
     "AppendOnlyError",
     "AppendOnlyModel",
     "AppendOnlyQuerySet",
+    "prepared_cursor",
     "take_claim",
     "task_time_limit",
 ]
@@ -85,3 +90,29 @@ def take_claim(rows: models.QuerySet[Any], *, waiting: str, working: str, **also
         status=working, claimed=now, **also
     )
     return bool(taken)
+
+
+@contextmanager
+def prepared_cursor(using: str = "default") -> Iterator[Any]:
+    """A cursor whose statements PostgreSQL may prepare: parse and plan once per connection.
+
+    For hand-written SQL run on every request (the API key lookup, the experiment list),
+    whose planning costs about as much as running it. Django binds parameters on the
+    client, which cannot prepare; on PostgreSQL this cursor binds on the server (psycopg
+    turns ``%s`` into ``$1``), so psycopg prepares a statement once it has run
+    ``prepare_threshold`` times in the connection (``DATABASE_URL``'s option, 5 unless
+    set; ``none`` turns it off). psycopg keeps at most ``prepared_max`` statements per
+    connection and forgets them on a rollback or a schema change. The cursor is wrapped
+    as Django wraps its own, so ``execute_wrapper`` hooks and query logging see it.
+    Elsewhere (SQLite) it is Django's plain cursor.
+    """
+    connection = connections[using]
+    if connection.vendor != "postgresql":
+        with connection.cursor() as cursor:
+            yield cursor
+        return
+    from django.db.backends.postgresql.base import ServerBindingCursor
+
+    connection.ensure_connection()
+    with connection._prepare_cursor(ServerBindingCursor(connection.connection)) as cursor:
+        yield cursor

@@ -11,19 +11,25 @@ lookups, the number of ids in an ``IN``, the order, offset and limit), with this
 request's values as parameters. A shape's SQL is cached only after checking that the
 parameters it would be given are exactly those the ORM produced for it, so a value the
 ORM would transform differently is never bound wrongly: such a shape is compiled on every
-request, as before. Proof counts and the frozen flag come from one grouped query over the
-page's experiments (as :meth:`Experiment.summarize`). Rows are the dictionaries
+request, as before. Proof counts and the frozen flag come in the same query: each row
+carries its proofs grouped by status and spec as a JSON array, from a correlated subquery
+that PostgreSQL evaluates only for the rows of the page, after the sort and the limit (on
+SQLite too; another database reads them with a second, grouped query over the page, as
+:meth:`Experiment.summarize`). Rows are the dictionaries
 :func:`~attestations.experiments.models.summary_dict` turns into the API representation.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from django.db import connections, models
+from django.db.models.expressions import RawSQL
 
 from attestations.accounts.models import Access, Capability
+from attestations.core.db import prepared_cursor
 from attestations.experiments.models import SUMMARY_COLUMNS, Experiment, proof_statuses
 
 #: Lookups whose value is a list: one parameter per item, and ``[]`` matches nothing.
@@ -92,6 +98,11 @@ class SummaryPage:
         self._summarize(rows)
         return rows
 
+    @property
+    def _grouped_inline(self) -> bool:
+        """Whether the page query itself carries each row's grouped proofs."""
+        return connections[self.db].vendor in _GROUPS_SQL
+
     # --- The page query ---------------------------------------------------------------
 
     def _queryset(self, offset: int, limit: int | None) -> models.QuerySet[Any, Any]:
@@ -100,6 +111,8 @@ class SummaryPage:
         for name, value in self.lookups:
             rows = rows.filter(**{name: value})
         rows = rows.order_by(*self.ordering)
+        if self._grouped_inline:
+            rows = rows.annotate(**{_GROUPS: RawSQL(_groups_sql(self.db), ())})  # noqa: S611 (no values)
         page: models.QuerySet[Any, Any] = (
             rows[offset:] if limit is None else rows[offset : offset + limit]
         )
@@ -128,7 +141,7 @@ class SummaryPage:
             params = list(orm_params)
             if _same(self._params(connection), params) and len(_CACHE) < _CACHE_LIMIT:
                 _CACHE[shape] = compiled
-        with connection.cursor() as cursor:
+        with prepared_cursor(self.db) as cursor:
             cursor.execute(compiled.sql, params)
             fetched = cursor.fetchall()
         names, converters = compiled.names, compiled.converters
@@ -156,20 +169,33 @@ class SummaryPage:
     # --- Proof counts and the frozen flag -----------------------------------------------
 
     def _summarize(self, rows: list[dict[str, Any]]) -> None:
-        """Add ``proofs_<status>`` and ``spec_frozen`` to each row (one grouped query)."""
+        """Add ``proofs_<status>`` and ``spec_frozen`` to each row.
+
+        From the JSON array of ``[status, spec, count]`` the page query put in each row, or
+        else from one grouped query over the page.
+        """
         zeros = dict.fromkeys([f"proofs_{status}" for status in proof_statuses()], 0)
         zeros["spec_frozen"] = False
         by_id: dict[int, dict[str, Any]] = {}
+        grouped: list[Sequence[Any]] = []
         for row in rows:
+            groups = row.pop(_GROUPS, None)
+            if groups:
+                # psycopg parses a json value; SQLite returns its text.
+                for status, spec_id, count in (
+                    json.loads(groups) if isinstance(groups, str) else groups
+                ):
+                    grouped.append((row["id"], status, spec_id, count))
             row.update(zeros)
             by_id[row["id"]] = row
         if not by_id:
             return
-        connection = connections[self.db]
-        sql = _counts_sql(self.db, len(by_id))
-        with connection.cursor() as cursor:
-            cursor.execute(sql, list(by_id))
-            grouped = cursor.fetchall()
+        if not self._grouped_inline:
+            connection = connections[self.db]
+            sql = _counts_sql(self.db, len(by_id))
+            with connection.cursor() as cursor:
+                cursor.execute(sql, list(by_id))
+                grouped = cursor.fetchall()
         # As Experiment.summarize: a spec is frozen when a proof of the experiment names it.
         for experiment_id, status, spec_id, count in grouped:
             row = by_id[experiment_id]
@@ -231,3 +257,39 @@ def _counts_sql(using: str, count: int) -> str:
         if len(_COUNTS_SQL) < _CACHE_LIMIT:
             _COUNTS_SQL[key] = sql
     return sql
+
+
+#: The row key of the page query's grouped proofs (not a field name of Experiment).
+_GROUPS = "proof_groups"
+
+#: JSON aggregation by database vendor: (array of rows, one row as an array).
+_GROUPS_SQL = {
+    "postgresql": ("json_agg", "json_build_array"),
+    "sqlite": ("json_group_array", "json_array"),
+}
+
+
+def _groups_sql(using: str) -> str:
+    """One experiment's proofs grouped by status and spec, as ``[[status, spec, count]]``.
+
+    A correlated subquery over the outer query's experiment table; NULL when it has none.
+    """
+    connection = connections[using]
+    quote = connection.ops.quote_name
+    aggregate, array = _GROUPS_SQL[connection.vendor]
+    proof = Experiment._meta.get_field("proofs").related_model
+    meta = proof._meta
+
+    def column(name: str) -> str:
+        field = meta.get_field(name)
+        assert isinstance(field, models.Field)
+        return quote(str(field.column))
+
+    outer = f"{quote(Experiment._meta.db_table)}.{quote(str(Experiment._meta.pk.column))}"
+    experiment, status, spec = column("experiment"), column("status"), column("spec")
+    # Only names from the model's metadata, quoted; there are no values in it.
+    return (
+        f"SELECT {aggregate}({array}(g.s, g.p, g.n)) FROM ("  # noqa: S608
+        f"SELECT {status} AS s, {spec} AS p, COUNT(*) AS n FROM {quote(meta.db_table)} "
+        f"WHERE {experiment} = {outer} GROUP BY {status}, {spec}) AS g"
+    )

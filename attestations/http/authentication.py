@@ -21,6 +21,7 @@ from attestations.accounts.models import (
     Organization,
     remember_memberships,
 )
+from attestations.core.db import prepared_cursor
 from attestations.http.throttling import check_api_key_failures, count_api_key_failure
 
 SCHEMES = ("bearer", "api-key")
@@ -125,7 +126,7 @@ def _key_query(vendor: str) -> tuple[str, list[str], list[str], list[Converter]]
 def _fetch_key(lookup: str) -> ApiKey | None:
     connection = connections["default"]
     sql, key_names, user_names, converters = _key_query(connection.vendor)
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(sql, [lookup])
         rows = cursor.fetchall()
     if not rows:
