@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from django.conf import settings
 from django.db import connections, models
@@ -114,5 +114,7 @@ def prepared_cursor(using: str = "default") -> Iterator[Any]:
     from django.db.backends.postgresql.base import ServerBindingCursor
 
     connection.ensure_connection()
-    with connection._prepare_cursor(ServerBindingCursor(connection.connection)) as cursor:
+    # What connection.cursor() does, with psycopg's server-binding cursor class.
+    raw: Any = ServerBindingCursor(connection.connection)  # type: ignore[call-arg]
+    with cast(Any, connection)._prepare_cursor(raw) as cursor:
         yield cursor

@@ -122,3 +122,61 @@ def test_special_values_are_canonical() -> None:
     bits = probes.project(0, values).view(np.uint32)
     assert (bits[:2] == 0x7FC00000).all()
     assert (bits[2:] == 0).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(d=st.sampled_from([1, 7, 64, 513]), seed=st.integers(0, 2**32 - 1))
+def test_rows_projected_together_have_the_bits_of_one_call_each(d: int, seed: int) -> None:
+    """Arrays of several leaves (some of the same width, some not) in one call."""
+    rng = np.random.default_rng(seed)
+    shapes = [(40, d), (3, 5), (90, d), (d,)]
+    probes = ProbeSet.create(
+        [LeafSpec(f"w{i}", "float32", s) for i, s in enumerate(shapes)], 0.05, bytes(16)
+    )
+    jobs = []
+    for leaf, shape in enumerate(shapes):
+        width = shape[-1]
+        arrays = [_wide_rows(rng, int(rng.integers(1, 40)), width) for _ in range(leaf % 3 + 1)]
+        arrays[0][0, 0] = np.nan  # a bad row among good ones
+        jobs.append((leaf, arrays))
+    together = probes.project_many(jobs)
+    for (leaf, arrays), results in zip(jobs, together, strict=True):
+        assert len(results) == len(arrays)
+        for array, got in zip(arrays, results, strict=True):
+            alone = probes.project_rows(leaf, array).view(np.uint32).tobytes()
+            assert got.view(np.uint32).tobytes() == alone
+
+
+def _step(probes: ProbeSet, before: np.ndarray, after: np.ndarray) -> list[np.ndarray]:
+    pre, post, delta = probes.project_steps([before], [after])
+    return [pre[0], post[0], delta[0]]
+
+
+def test_a_step_reuses_the_previous_post_probe_only_for_the_same_bits() -> None:
+    rng = np.random.default_rng(7)
+    probes = ProbeSet.create([LeafSpec("w", "float32", (12, 33))], 0.1, bytes(16))
+
+    def fresh(rows: np.ndarray) -> bytes:
+        return probes.project_rows(0, rows).view(np.uint32).tobytes()
+
+    live = rng.standard_normal((12, 33)).astype(np.float32)
+    before = live.copy()
+    live += np.float32(1e-3)  # the update, in place
+    pre, post, delta = _step(probes, before, live[:])  # ``after`` a view of live
+    assert [p.view(np.uint32).tobytes() for p in (pre, post, delta)] == [
+        fresh(before),
+        fresh(live),
+        fresh(live - before),
+    ]
+    # The next step starts from those bits: its pre-update probe is that post probe, even
+    # though the update overwrote the array the rows were viewed in.
+    start = live.copy()
+    live *= np.float32(0.5)
+    again, post2, _ = _step(probes, start, live[:])
+    assert again is post
+    # Rows changed between steps (one sign of zero is enough): computed afresh.
+    start = live.copy()
+    start[0, 0] = np.float32(-0.0) if start[0, 0] == 0 else -start[0, 0]
+    changed, _, _ = _step(probes, start, live.copy())
+    assert changed.view(np.uint32).tobytes() == fresh(start)
+    assert changed is not post2

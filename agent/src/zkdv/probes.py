@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -89,6 +89,10 @@ _SINGLE_THREAD_GEMM = 65536 * 4 - 1
 
 _FLOAT32_TINY = 2.0**-126
 CANONICAL_NAN = np.uint32(0x7FC00000)
+
+#: A leaf's share of a batch of probe rows: its float64 matrix and the rows
+#: ``start:stop`` it projects.
+Part = tuple[np.ndarray, int, int]
 
 
 def slice_width(last_dim: int) -> int:
@@ -135,10 +139,12 @@ def exact_rows(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     scale = np.ldexp(1.0, width - top)
     out = np.empty((2 * rows, d), dtype=np.float64)
     high, low = out[:rows], out[rows:]
-    np.multiply(values, scale[:, None], out=low)  # v * scale, below 2**w
+    # Widen first: a float32 * float64 ufunc casts in small buffers, several times slower.
+    low[...] = values
+    low *= scale[:, None]  # v * scale, exactly (a power of two), below 2**w
     np.trunc(low, out=high)
-    np.subtract(low, high, out=low)  # the fraction, exactly
-    np.multiply(low, 2.0**width, out=low)
+    low -= high  # the fraction, exactly
+    low *= 2.0**width
     np.trunc(low, out=low)
     return out, scale, bad
 
@@ -153,25 +159,50 @@ def exact_finish(
     positive and bad rows the quiet NaN ``0x7FC00000``.
     """
     rows = len(products) // 2
-    high = products[:rows] / scale[:, None]
-    low = products[rows:] / (scale[:, None] * 2.0**width)
-    total = high + low
-    total = np.where(np.abs(total) < _FLOAT32_TINY, 0.0, total)
+    total = products[:rows] / scale[:, None]
+    total += products[rows:] / (scale[:, None] * 2.0**width)
+    # Results below the smallest normal, zeros of either sign among them, become +0;
+    # every other total rounds to a nonzero normal float32 (or overflows to infinity).
+    tiny = np.abs(total) < _FLOAT32_TINY
     with np.errstate(over="ignore"):
-        out = total.astype(np.float32)
-    bits = np.where(out == 0, np.uint32(0), out.view(np.uint32))
-    return np.where(bad[:, None], CANONICAL_NAN, bits).astype(np.uint32).view(np.float32)
+        out: np.ndarray = total.astype(np.float32)
+    out[tiny] = 0
+    if bad.any():
+        out.view(np.uint32)[bad] = CANONICAL_NAN
+    return out
 
 
 def _project(values: np.ndarray, matrix: np.ndarray) -> np.ndarray:
     """The exact probe of float32 rows ``values`` against an :func:`exact_matrix`."""
+    return _project_groups(values, [(matrix.astype(np.float64), 0, len(values))])
+
+
+def _project_groups(values: np.ndarray, parts: Sequence[Part]) -> np.ndarray:
+    """Exact probes of float32 rows ``values``: rows ``start:stop`` against matrix ``q``.
+
+    Every row is split and rounded on its own and each product is exact in any order,
+    so this gives the bits of one :func:`_project` per part. One split and one finish
+    for many leaves keep the number of numpy calls low: on a small model their fixed
+    cost, not the arithmetic, is most of the time (and each call is a point where the
+    training thread may take the interpreter lock back).
+    """
     split, scale, bad = exact_rows(values)
-    q = matrix.astype(np.float64)
-    rows = max(1, _SINGLE_THREAD_GEMM // max(1, q.shape[0] * q.shape[1]))
-    products = np.empty((len(split), q.shape[1]), dtype=np.float64)
-    for start in range(0, len(split), rows):
-        np.matmul(split[start : start + rows], q, out=products[start : start + rows])
+    rows = len(values)
+    products = np.empty((2 * rows, parts[0][0].shape[1] if parts else 0), dtype=np.float64)
+    for q, start, stop in parts:
+        _gemm(split[start:stop], q, products[start:stop])
+        _gemm(split[rows + start : rows + stop], q, products[rows + start : rows + stop])
     return exact_finish(products, scale, slice_width(values.shape[1]), bad)
+
+
+def _gemm(a: np.ndarray, q: np.ndarray, out: np.ndarray) -> None:
+    """``out = a @ q`` in row blocks that keep each product single-threaded."""
+    step = max(1, _SINGLE_THREAD_GEMM // max(1, q.shape[0] * q.shape[1]))
+    if len(a) <= step:
+        np.matmul(a, q, out=out)
+        return
+    for start in range(0, len(a), step):
+        np.matmul(a[start : start + step], q, out=out[start : start + step])
 
 
 @dataclass
@@ -183,6 +214,15 @@ class ProbeSet:
     seed: bytes
     matrices: tuple[np.ndarray, ...]
     rows: tuple[np.ndarray | None, ...]
+    #: The matrices in float64 (:meth:`_matrix64`).
+    _wide: dict[int, np.ndarray] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    #: Per leaf, the bytes of the rows of the last post-update probe :meth:`project_steps`
+    #: computed, and that probe: the next step's pre-update rows are usually these bits.
+    _last_post: dict[int, tuple[tuple[tuple[int, ...], bytes], np.ndarray]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @classmethod
     def create(cls, specs: Sequence[LeafSpec], probe_ratio: float, seed: bytes) -> ProbeSet:
@@ -209,15 +249,19 @@ class ProbeSet:
             tuple(specs), float(probe_ratio), bytes(seed), tuple(matrices), tuple(selections)
         )
 
-    def project(self, leaf: int, array: np.ndarray) -> np.ndarray:
-        """The probe of one leaf as float32 ``(rows, k)``; reduced precision is upcast first."""
+    def select(self, leaf: int, array: np.ndarray) -> np.ndarray:
+        """The float32 rows of a leaf that its probe reads; reduced precision is upcast
+        (exactly), wider dtypes are rounded to float32."""
         rows, d = _leaf_dims(self.specs[leaf])
         values = np.asarray(array).reshape(rows, d)
         selected = self.rows[leaf]
         if selected is not None:
             values = values[selected]
-        # Half-precision leaves are upcast (exactly); wider ones are rounded to float32.
-        return _project(values.astype(np.float32, copy=False), self.matrices[leaf])
+        return values.astype(np.float32, copy=False)
+
+    def project(self, leaf: int, array: np.ndarray) -> np.ndarray:
+        """The probe of one leaf as float32 ``(rows, k)``."""
+        return self.project_rows(leaf, self.select(leaf, array))
 
     def project_rows(self, leaf: int, rows: np.ndarray) -> np.ndarray:
         """The probe of already selected float32 rows of ``leaf`` (``(rows, d)``).
@@ -226,10 +270,83 @@ class ProbeSet:
         projects ``post_rows - pre_rows`` as the delta): the same arithmetic as
         :meth:`project`.
         """
-        return _project(np.asarray(rows, dtype=np.float32), self.matrices[leaf])
+        return self.project_rows_together(leaf, [np.asarray(rows, dtype=np.float32)])[0]
+
+    def project_rows_together(self, leaf: int, rows: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """:meth:`project_rows` of several float32 row arrays of one leaf, in one product."""
+        return self.project_many([(leaf, rows)])[0]
+
+    def project_many(
+        self, jobs: Sequence[tuple[int, Sequence[np.ndarray]]]
+    ) -> list[list[np.ndarray]]:
+        """:meth:`project_rows` of float32 row arrays of many leaves: ``[(leaf, arrays)]``.
+
+        The bits of one call per array; the arrays of all leaves with the same last
+        dimension (hence the same number of probe columns) are split and finished
+        together, one product per leaf.
+        """
+        groups: dict[int, list[int]] = {}
+        for index, (leaf, _) in enumerate(jobs):
+            groups.setdefault(int(self.matrices[leaf].shape[0]), []).append(index)
+        results: list[list[np.ndarray]] = [[] for _ in jobs]
+        for indices in groups.values():
+            arrays = [array for index in indices for array in jobs[index][1]]
+            values = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+            parts, start = [], 0
+            for index in indices:
+                stop = start + sum(len(array) for array in jobs[index][1])
+                parts.append((self._matrix64(jobs[index][0]), start, stop))
+                start = stop
+            probes = _project_groups(values, parts)
+            start = 0
+            for index in indices:
+                for array in jobs[index][1]:
+                    results[index].append(probes[start : start + len(array)])
+                    start += len(array)
+        return results
+
+    def project_steps(
+        self, before: Sequence[np.ndarray], after: Sequence[np.ndarray]
+    ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+        """Pre-update, post-update and delta probes from every leaf's selected float32 rows.
+
+        The bits of :meth:`project_rows` of ``before``, ``after`` and ``after - before``
+        for each leaf. A leaf's pre-update probe is the previous call's post-update
+        probe when ``before`` holds, bit for bit, the rows it came from (the usual case:
+        nothing changes the parameters between two steps), so most steps project two
+        arrays per leaf, not three.
+        """
+        jobs: list[tuple[int, list[np.ndarray]]] = []
+        reused: list[np.ndarray | None] = []
+        for leaf, (rows_before, rows_after) in enumerate(zip(before, after, strict=True)):
+            change = rows_after - rows_before
+            previous = self._last_post.get(leaf)
+            if previous is not None and previous[0] == _bits(rows_before):
+                reused.append(previous[1])
+                jobs.append((leaf, [rows_after, change]))
+            else:
+                reused.append(None)
+                jobs.append((leaf, [rows_before, rows_after, change]))
+        pre, post, delta = [], [], []
+        for leaf, (probes, known) in enumerate(zip(self.project_many(jobs), reused, strict=True)):
+            if known is None:
+                known = probes.pop(0)
+            pre.append(known)
+            post.append(probes[0])
+            delta.append(probes[1])
+            # The rows' bytes, not a view of a tensor the next update overwrites.
+            self._last_post[leaf] = (_bits(after[leaf]), probes[0])
+        return pre, post, delta
 
     def project_all(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         return [self.project(i, array) for i, array in enumerate(arrays)]
+
+    def _matrix64(self, leaf: int) -> np.ndarray:
+        """A leaf's matrix in float64, as the exact products take it (built on first use)."""
+        wide = self._wide.get(leaf)
+        if wide is None:
+            wide = self._wide[leaf] = self.matrices[leaf].astype(np.float64)
+        return wide
 
     @property
     def floats(self) -> int:
@@ -238,3 +355,8 @@ class ProbeSet:
             min(_leaf_dims(s)[0], MAX_PROBE_ROWS) * m.shape[1]
             for s, m in zip(self.specs, self.matrices, strict=True)
         )
+
+
+def _bits(rows: np.ndarray) -> tuple[tuple[int, ...], bytes]:
+    """Float32 rows' shape and bytes, to compare bit for bit (NaN payloads, signed zeros)."""
+    return rows.shape, np.ascontiguousarray(rows, dtype=np.float32).tobytes()

@@ -187,20 +187,17 @@ class TorchStep(Submission):
         if self.device is not None and committer is not None:
             _, pending = self.device
             return committer.read_probes(self.index, pending)
-        pre, post, delta = [], [], []
         snapshot = self.replay_snapshot
-        for leaf, after in enumerate(self.parameters):
+        before, after = [], []
+        for leaf, tensor in enumerate(self.parameters):
             if self.pre_rows is not None:
-                rows_before = host_array(self.pre_rows[leaf]).astype(np.float32, copy=False)
+                before.append(host_array(self.pre_rows[leaf]).astype(np.float32, copy=False))
             else:
                 assert snapshot is not None
-                rows_before = _probe_rows(probes, leaf, host_array(snapshot.parameters[leaf]))
-            rows_after = _probe_rows(probes, leaf, host_array(after))
-            # The exact probe arithmetic (zkdv.probes): the device path writes these bits.
-            pre.append(probes.project_rows(leaf, rows_before))
-            post.append(probes.project_rows(leaf, rows_after))
-            delta.append(probes.project_rows(leaf, rows_after - rows_before))
-        return pre, post, delta
+                before.append(_probe_rows(probes, leaf, host_array(snapshot.parameters[leaf])))
+            after.append(_probe_rows(probes, leaf, host_array(tensor)))
+        # The exact probe arithmetic (zkdv.probes): the device path writes these bits.
+        return probes.project_steps(before, after)
 
     def capture(self, challenge: Challenge) -> tuple[float, float]:
         # The committed post-update value; the replay forms the committed update against
