@@ -1,0 +1,118 @@
+"""What exact probes cost the host path: the same probe rows, two ways, side by side.
+
+    python bench/probe_cost.py [--repeat 7] [--steps 20]
+
+Probes are exact in any summation order (``zkdv.probes``: Ozaki splitting, float64
+products of integer slices) so that the host and the device paths write the same bits.
+Before issue 18 the host path projected each leaf's probe rows with one float32 matrix
+product. This prints, for the parameter shapes of ``bench/torch_overhead.py``'s workloads
+and of a two-layer toy, the time per training step of
+
+* **float32 product**: what the host path did before, pre-update, post-update and delta
+  rows of every leaf, one ``rows @ Q`` each (not exact: its bits depend on the BLAS);
+* **exact, one call per array**: ``ProbeSet.project_rows`` three times per leaf;
+* **exact, per step**: ``ProbeSet.project_steps``, as the Torch host path runs it: the
+  leaves of one width in one split and finish, the pre-update probe reused from the
+  previous step's post-update probe.
+
+One thread, no training running beside it: this is the work itself. In a training run
+the commit thread shares the cores with the step, so the wall time it takes is larger
+(``docs/torch.md``, "What exact probes cost on the host path").
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from zkdv.merkle import LeafSpec
+from zkdv.probes import ProbeSet
+
+PROBE_RATIO = 0.01  # ZKDVConfig's default
+
+
+def _linear(fan_in: int, fan_out: int) -> list[tuple[int, ...]]:
+    return [(fan_out, fan_in), (fan_out,)]
+
+
+def shapes() -> dict[str, list[tuple[int, ...]]]:
+    """Parameter shapes of the benched models (torch.nn.Linear weights are out x in)."""
+    lm: list[tuple[int, ...]] = [(512, 128), (256, 128)]  # positions, token embeddings
+    for _ in range(2):  # bench/torch_overhead.py's LM: two blocks of width 128
+        lm += [(128,)] * 4  # two LayerNorms
+        lm += _linear(128, 384) + _linear(128, 128) + _linear(128, 512) + _linear(512, 128)
+    lm += [(128,), (128,), *_linear(128, 256)]
+    mlp = _linear(512, 2048) + _linear(2048, 2048) * 2 + _linear(2048, 512)
+    return {"toy (2 x Linear)": _linear(256, 512) + _linear(512, 256), "lm": lm, "mlp": mlp}
+
+
+def best(run: Callable[[], object], repeat: int, steps: int) -> float:
+    """The fastest of ``repeat`` blocks, in ms per call."""
+    run()
+    fastest = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for _ in range(steps):
+            run()
+        fastest = min(fastest, (time.perf_counter() - start) / steps)
+    return fastest * 1e3
+
+
+def measure(name: str, leaf_shapes: list[tuple[int, ...]], repeat: int, steps: int) -> None:
+    rng = np.random.default_rng(0)
+    specs = [LeafSpec(f"p{i}", "float32", shape) for i, shape in enumerate(leaf_shapes)]
+    probes = ProbeSet.create(specs, PROBE_RATIO, bytes(16))
+    before = [
+        probes.select(i, rng.standard_normal(shape).astype(np.float32) * np.float32(0.02))
+        for i, shape in enumerate(leaf_shapes)
+    ]
+    updates = [(rng.standard_normal(r.shape) * 1e-4).astype(np.float32) for r in before]
+    after = [r + u for r, u in zip(before, updates, strict=True)]
+
+    def plain() -> None:
+        for leaf, (pre, post) in enumerate(zip(before, after, strict=True)):
+            matrix = probes.matrices[leaf]
+            _ = (pre @ matrix, post @ matrix, (post - pre) @ matrix)
+
+    def one_each() -> None:
+        for leaf, (pre, post) in enumerate(zip(before, after, strict=True)):
+            for rows in (pre, post, post - pre):
+                probes.project_rows(leaf, rows)
+
+    state = {"rows": before}
+
+    def per_step() -> None:  # a new update every step, so the reuse is what training sees
+        moved = [r + u for r, u in zip(state["rows"], updates, strict=True)]
+        probes.project_steps(state["rows"], moved)
+        state["rows"] = moved
+
+    rows = sum(len(r) for r in before)
+    floats = sum(r.size for r in before)
+    figures = {
+        "float32 product": best(plain, repeat, steps),
+        "exact, one call per array": best(one_each, repeat, steps),
+        "exact, per step": best(per_step, repeat, steps),
+    }
+    print(f"[{name}] {len(leaf_shapes)} leaves, {rows} probe rows, {floats:,} floats in them")
+    reference = figures["float32 product"]
+    for label, ms in figures.items():
+        print(f"  {label:<28} {ms:8.3f} ms/step  {ms / reference:5.2f} x float32 product")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    for name, leaf_shapes in shapes().items():
+        measure(name, leaf_shapes, args.repeat, args.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
