@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from django.utils import timezone
@@ -14,6 +18,8 @@ from attestations.experiments.models import Experiment, proof_statuses, summary_
 from attestations.experiments.rows import SummaryPage
 from attestations.proofs.models import Proof, ProofStatus
 from tests.attestations.base import SPEC, World
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _render(document: dict[str, Any]) -> Any:
@@ -122,3 +128,60 @@ def test_a_page_costs_one_query_however_many_rows(
         rows = SummaryPage().order_by("-created", "-id")[0:51]
     assert len(rows) == Experiment.objects.count() > 5
     assert sum(row["proofs_rejected"] for row in rows) == 2
+
+
+#: The page query on SQLite (the demo's database), in a fresh process: proof counts and
+#: the frozen flag come from json_group_array there, json_agg on PostgreSQL.
+SQLITE_PAGE = """
+import json, django
+django.setup()
+from django.core.management import call_command
+call_command("migrate", verbosity=0)
+from attestations.accounts.models import Organization
+from attestations.experiments.models import Experiment, proof_statuses, summary_dict
+from attestations.experiments.rows import SummaryPage
+from attestations.proofs.models import Proof, ProofStatus
+from attestations.uploads.models import Blob
+from tests.attestations.base import SPEC
+
+acme = Organization.objects.create(slug="acme", name="Acme")
+blob = Blob.objects.create(sha256="0" * 64, size=1, storage_name="x")
+busy = Experiment.register(acme, "busy", SPEC, user=None)
+for status in (ProofStatus.VALID, ProofStatus.REJECTED, ProofStatus.REJECTED):
+    Proof.objects.create(experiment=busy, spec=busy.current_spec, transcript=blob, status=status)
+busy.revise_spec({**SPEC, "optimizer": "sgd"}, user=None)
+frozen = Experiment.register(acme, "frozen", SPEC, user=None)
+Proof.objects.create(experiment=frozen, spec=frozen.current_spec, transcript=blob)
+Experiment.register(acme, "idle", SPEC, user=None)
+experiments = list(Experiment.objects.with_summary())
+Experiment.summarize(experiments)
+statuses = proof_statuses()
+print(json.dumps({
+    "page": {r["name"]: summary_dict(r, statuses) for r in SummaryPage().order_by("-created", "-id")[0:10]},
+    "orm": {e.name: e.to_dict() for e in experiments},
+}, default=str))
+"""
+
+
+def test_the_page_query_counts_proofs_on_sqlite_too(tmp_path: Path) -> None:
+    environment = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("DJANGO_", "DVBENCH_", "DATABASE_URL", "REDIS_URL"))
+    }
+    environment.update(DJANGO_SETTINGS_MODULE="config.settings", DVBENCH_DATA_DIR=str(tmp_path))
+    completed = subprocess.run(
+        [sys.executable, "-c", SQLITE_PAGE],
+        cwd=REPO_ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr
+    answer = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert answer["page"] == answer["orm"]
+    assert answer["page"]["busy"]["proofs"] == {"valid": 1, "rejected": 2}
+    assert answer["page"]["busy"]["spec"]["frozen"] is False  # version 2: no proof names it
+    assert answer["page"]["frozen"]["spec"]["frozen"] is True
+    assert answer["page"]["idle"]["proofs"] == {}
