@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -101,6 +104,35 @@ def test_probe_slices_are_integers_whose_products_fit_float64(d: int, seed: int)
         for row in split
     ]
     assert np.array_equal(split @ units, np.array(exact, dtype=np.float64))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 700), st.integers(0, 2**32 - 1), st.booleans())
+def test_slices_are_the_rows_truncated_below_their_peak(d: int, seed: int, tiny: bool) -> None:
+    """The slices, against exact rational arithmetic: n1 + n2 / 2**w is each element in
+    units of 2**(e - w), truncated toward zero, e the exponent of its row's peak."""
+    rng = np.random.default_rng(seed)
+    values = (rng.standard_normal((4, d)) * np.exp2(rng.integers(-60, 60, (4, 1)))).astype(
+        np.float32
+    )
+    values[1, : d // 2] = 0.0
+    values[2] = 0.0
+    if tiny:  # a nonzero row below 2**(2w - 127): subnormals are flushed
+        values[3] = (rng.standard_normal(d) * 1e-39).astype(np.float32)
+    split, scale, _ = exact_rows(values)
+    width = slice_width(d)
+    rows = len(values)
+    for r in range(rows):
+        flush = tiny and r == 3
+        for j in range(d):
+            v = float(values[r, j])
+            if flush and abs(v) < 2.0**-126:
+                v = 0.0
+            units = Fraction(v) * Fraction(scale[r]) * 2**width  # exact
+            whole = math.trunc(units)
+            got = Fraction(split[r, j]) * 2**width + Fraction(split[rows + r, j])
+            assert got == whole, (r, j, v)
+            assert abs(split[r, j]) < 2.0**width and abs(split[rows + r, j]) < 2.0**width
 
 
 def test_probes_are_close_to_float64_projection() -> None:

@@ -130,15 +130,31 @@ def exact_rows(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if bad.any():
         values = np.where(bad[:, None], np.float32(0), values)
         peak = np.where(bad, 0.0, peak)
-    # Subnormal inputs reach the slices only in rows whose largest element is below
-    # 2**(2w - 127); a device flushing subnormals sees zeros there, so flush them too.
-    if len(peak) and peak.min() < 2.0 ** (2 * width - 127):
+    # Subnormal inputs reach the slices only in nonzero rows whose largest element is
+    # below 2**(2w - 127); a device flushing subnormals sees zeros there, so flush them
+    # too (in every row: elsewhere they give zero slices anyway).
+    small = (peak > 0) & (peak < 2.0 ** (2 * width - 127))
+    flushed = bool(small.any())
+    if flushed:
         values = np.where(np.abs(values) < np.float32(_FLOAT32_TINY), np.float32(0), values)
         peak = np.abs(values).max(axis=1, initial=0).astype(np.float64)
     _, top = np.frexp(peak)
     scale = np.ldexp(1.0, width - top)
     out = np.empty((2 * rows, d), dtype=np.float64)
     high, low = out[:rows], out[rows:]
+    if not flushed:
+        # In float32, half the bytes of float64: every step is exact there too. Scaling
+        # by a power of two (at most 2**(126 - w) here) is exact unless the result is
+        # below float32's smallest normal, and such an element gives two zero slices
+        # either way; the fraction and its scaling keep bits the value already has.
+        scaled = values * scale.astype(np.float32)[:, None]
+        whole = np.trunc(scaled)
+        scaled -= whole
+        scaled *= np.float32(2.0**width)
+        np.trunc(scaled, out=scaled)
+        high[...] = whole
+        low[...] = scaled
+        return out, scale, bad
     # Widen first: a float32 * float64 ufunc casts in small buffers, several times slower.
     low[...] = values
     low *= scale[:, None]  # v * scale, exactly (a power of two), below 2**w
