@@ -13,7 +13,11 @@ and of a two-layer toy, the time per training step of
 * **exact, one call per array**: ``ProbeSet.project_rows`` three times per leaf;
 * **exact, per step**: ``ProbeSet.project_steps``, as the Torch host path runs it: the
   leaves of one width in one split and finish, the pre-update probe reused from the
-  previous step's post-update probe.
+  previous step's post-update probe;
+* **floor of exactness**: the float64 products alone, for the arrays a step projects
+  (post-update and delta rows, two slices each), split beforehand. Two slices are what
+  the exact definition needs: a row's probe keeps ``2w`` bits below its peak, more than
+  one float64 product of ``w``-bit matrix entries over ``d`` terms can sum exactly.
 
 One thread, no training running beside it: this is the work itself. In a training run
 the commit thread shares the cores with the step, so the wall time it takes is larger
@@ -29,7 +33,7 @@ from collections.abc import Callable
 import numpy as np
 
 from zkdv.merkle import LeafSpec
-from zkdv.probes import ProbeSet
+from zkdv.probes import ProbeSet, exact_rows
 
 PROBE_RATIO = 0.01  # ZKDVConfig's default
 
@@ -89,12 +93,23 @@ def measure(name: str, leaf_shapes: list[tuple[int, ...]], repeat: int, steps: i
         probes.project_steps(state["rows"], moved)
         state["rows"] = moved
 
+    split = [
+        exact_rows(np.concatenate([post, post - pre]))[0]
+        for pre, post in zip(before, after, strict=True)
+    ]
+    wide = [m.astype(np.float64) for m in probes.matrices]
+
+    def floor() -> None:
+        for slices, matrix in zip(split, wide, strict=True):
+            _ = slices @ matrix
+
     rows = sum(len(r) for r in before)
     floats = sum(r.size for r in before)
     figures = {
         "float32 product": best(plain, repeat, steps),
         "exact, one call per array": best(one_each, repeat, steps),
         "exact, per step": best(per_step, repeat, steps),
+        "floor of exactness": best(floor, repeat, steps),
     }
     print(f"[{name}] {len(leaf_shapes)} leaves, {rows} probe rows, {floats:,} floats in them")
     reference = figures["float32 product"]
