@@ -169,9 +169,9 @@ def _invisible(proof: zkdv.jax.ZKDV, model: MLP) -> None:
 
 
 def _forged_run(
-    make_proof: Any, policy: zkdv.SamplingPolicy, edit: Any, *, bypass: bool
+    make_proof: Any, policy: zkdv.SamplingPolicy, edit: Any, *, bypass: bool, **config: Any
 ) -> zkdv.jax.ZKDV:
-    proof = make_proof(policy, interval=3)
+    proof = make_proof(policy, interval=3, **config)
     if bypass:  # a forger who disabled the frontend's own continuity check
         proof._verify_continuity = lambda index, host_pre: None
     model, optimizer, metrics = _objects()
@@ -200,12 +200,25 @@ def test_parameter_changed_outside_the_step_is_rejected_by_the_frontend(make_pro
 
 
 def test_parameter_changed_outside_the_step_fails_the_sampled_check(make_proof) -> None:
-    proof = _forged_run(make_proof, zkdv.SamplingPolicy.DEBUGCheckEvery(1), _invisible, bypass=True)
+    # A check compares one sampled coordinate of its step. Within the default tolerance
+    # (rel 1e-3) the edit's effect on that coordinate can be too small at step 4 (Adam
+    # normalises updates): about one run in fifteen, step 5's check caught it instead.
+    # Honest steps replay to within a last bit here, so rel 1e-5 tells them apart: step 4's
+    # check failed in 50 runs out of 50. So tight, the edit's rounding in float32 can also
+    # show in the probes (3 runs in 50), and the verifier names that first.
+    proof = _forged_run(
+        make_proof,
+        zkdv.SamplingPolicy.DEBUGCheckEvery(1),
+        _invisible,
+        bypass=True,
+        tolerance=zkdv.FloatTolerance(0.0, 1e-5),
+    )
     with pytest.raises(zkdv.ZKDVPoisonedError) as raised:
         proof.close()
     assert "sampled check of step 4 failed" in str(raised.value.__cause__)
     report = verify_transcript(proof.path)
-    assert (report.ok, report.reason) == (False, "failed_check")
+    assert not report.ok
+    assert report.reason in {"failed_check", "probe_discontinuity"}
 
 
 def test_parameter_changed_outside_the_step_fails_the_platform_replay(make_proof) -> None:

@@ -100,14 +100,20 @@ class DeviceCommitter:
         return self._probes.split(np.asarray(self.log.fetch(step, "probes", flat)))
 
     def element(self, step: int, leaves: Sequence[Any], flat_index: int) -> float:
-        """One coordinate of a state, by its flat index over all leaves: one value read."""
+        """One coordinate of a state, by its flat index over all leaves: one value read.
+
+        Cast as the attested program casts the replayed one (``_steps._select``).
+        """
+        from zkdv.jax._steps import selection_cast
+
+        cast = selection_cast(leaves)
         offset = 0
         for leaf in leaves:
             size = int(np.prod(leaf.shape, dtype=np.int64))
             if flat_index < offset + size:
                 position = np.unravel_index(flat_index - offset, leaf.shape)
                 value = leaf[tuple(int(i) for i in position)]
-                return float(self.log.fetch(step, "values", value))
+                return float(cast(np.asarray(self.log.fetch(step, "values", value))))
             offset += size
         return 0.0
 

@@ -31,12 +31,25 @@ __all__ = ["_DeviceStep", "_Step"]
 
 
 def _select(views: Sequence[np.ndarray], flat_index: int) -> float:
+    """One committed coordinate, read as the attested program reads the replayed one.
+
+    ``zkdv.jax._tree.index`` casts the selected element to float32 (float64 if a leaf
+    is float64), so an integer state above 2**24 (a count, an RNG key's data) is rounded
+    the same way on both sides of the comparison.
+    """
+    cast = selection_cast(views)
     offset = 0
     for view in views:
         if flat_index < offset + view.size:
-            return float(view.reshape(-1)[flat_index - offset])
+            return float(cast(view.reshape(-1)[flat_index - offset]))
         offset += view.size
     return 0.0
+
+
+def selection_cast(leaves: Sequence[Any]) -> Any:
+    """The numpy type :func:`zkdv.jax._tree.index` selects into for these leaves."""
+    wide = any(np.dtype(getattr(leaf, "dtype", np.float32)) == np.float64 for leaf in leaves)
+    return np.float64 if wide else np.float32
 
 
 class _Step(Submission):
