@@ -13,9 +13,9 @@ parameters it would be given are exactly those the ORM produced for it, so a val
 ORM would transform differently is never bound wrongly: such a shape is compiled on every
 request, as before. Proof counts and the frozen flag come in the same query: each row
 carries its proofs grouped by status and spec as a JSON array, from a correlated subquery
-that PostgreSQL evaluates only for the rows of the page, after the sort and the limit (on
-SQLite too; another database reads them with a second, grouped query over the page, as
-:meth:`Experiment.summarize`). Rows are the dictionaries
+that PostgreSQL evaluates only for the rows of the page, after the sort and the limit
+(SQLite, the demo's database, runs the same subquery; the settings allow no other).
+Rows are the dictionaries
 :func:`~attestations.experiments.models.summary_dict` turns into the API representation.
 """
 
@@ -98,11 +98,6 @@ class SummaryPage:
         self._summarize(rows)
         return rows
 
-    @property
-    def _grouped_inline(self) -> bool:
-        """Whether the page query itself carries each row's grouped proofs."""
-        return connections[self.db].vendor in _GROUPS_SQL
-
     # --- The page query ---------------------------------------------------------------
 
     def _queryset(self, offset: int, limit: int | None) -> models.QuerySet[Any, Any]:
@@ -111,8 +106,7 @@ class SummaryPage:
         for name, value in self.lookups:
             rows = rows.filter(**{name: value})
         rows = rows.order_by(*self.ordering)
-        if self._grouped_inline:
-            rows = rows.annotate(**{_GROUPS: RawSQL(_groups_sql(self.db), ())})  # noqa: S611 (no values)
+        rows = rows.annotate(**{_GROUPS: RawSQL(_groups_sql(self.db), ())})  # noqa: S611 (no values)
         page: models.QuerySet[Any, Any] = (
             rows[offset:] if limit is None else rows[offset : offset + limit]
         )
@@ -169,39 +163,19 @@ class SummaryPage:
     # --- Proof counts and the frozen flag -----------------------------------------------
 
     def _summarize(self, rows: list[dict[str, Any]]) -> None:
-        """Add ``proofs_<status>`` and ``spec_frozen`` to each row.
-
-        From the JSON array of ``[status, spec, count]`` the page query put in each row, or
-        else from one grouped query over the page.
-        """
+        """Turn each row's ``[[status, spec, count]]`` into ``proofs_<status>`` and
+        ``spec_frozen`` (as :meth:`Experiment.summarize`)."""
         zeros = dict.fromkeys([f"proofs_{status}" for status in proof_statuses()], 0)
         zeros["spec_frozen"] = False
-        by_id: dict[int, dict[str, Any]] = {}
-        grouped: list[Sequence[Any]] = []
         for row in rows:
-            groups = row.pop(_GROUPS, None)
-            if groups:
-                # psycopg parses a json value; SQLite returns its text.
-                for status, spec_id, count in (
-                    json.loads(groups) if isinstance(groups, str) else groups
-                ):
-                    grouped.append((row["id"], status, spec_id, count))
+            groups = row.pop(_GROUPS, None) or []
             row.update(zeros)
-            by_id[row["id"]] = row
-        if not by_id:
-            return
-        if not self._grouped_inline:
-            connection = connections[self.db]
-            sql = _counts_sql(self.db, len(by_id))
-            with connection.cursor() as cursor:
-                cursor.execute(sql, list(by_id))
-                grouped = cursor.fetchall()
-        # As Experiment.summarize: a spec is frozen when a proof of the experiment names it.
-        for experiment_id, status, spec_id, count in grouped:
-            row = by_id[experiment_id]
-            row[f"proofs_{status}"] = row.get(f"proofs_{status}", 0) + count
-            if spec_id == row["current_spec_id"]:
-                row["spec_frozen"] = True
+            # psycopg parses a json value; SQLite returns its text.
+            for status, spec_id, count in json.loads(groups) if isinstance(groups, str) else groups:
+                row[f"proofs_{status}"] = row.get(f"proofs_{status}", 0) + count
+                # A spec is frozen when a proof of the experiment names it.
+                if spec_id == row["current_spec_id"]:
+                    row["spec_frozen"] = True
 
 
 def _is_list(lookup: str) -> bool:
@@ -227,36 +201,6 @@ def _same(ours: list[Any], orm: list[Any]) -> bool:
     return len(ours) == len(orm) and all(
         type(a) is type(b) and a == b for a, b in zip(ours, orm, strict=True)
     )
-
-
-_COUNTS_SQL: dict[tuple[str, int], str] = {}
-
-
-def _counts_sql(using: str, count: int) -> str:
-    """Proofs of ``count`` experiments grouped by experiment, status and spec."""
-    key = (using, count)
-    sql = _COUNTS_SQL.get(key)
-    if sql is None:
-        quote = connections[using].ops.quote_name
-        proof = Experiment._meta.get_field("proofs").related_model
-        meta = proof._meta
-
-        def column(name: str) -> str:
-            field = meta.get_field(name)
-            assert isinstance(field, models.Field)
-            return quote(str(field.column))
-
-        table = quote(meta.db_table)
-        experiment, status, spec = column("experiment"), column("status"), column("spec")
-        marks = ", ".join(["%s"] * count)
-        # Only names from the model's metadata, quoted; the ids are parameters.
-        sql = (
-            f"SELECT {experiment}, {status}, {spec}, COUNT(*) FROM {table} "  # noqa: S608
-            f"WHERE {experiment} IN ({marks}) GROUP BY {experiment}, {status}, {spec}"
-        )
-        if len(_COUNTS_SQL) < _CACHE_LIMIT:
-            _COUNTS_SQL[key] = sql
-    return sql
 
 
 #: The row key of the page query's grouped proofs (not a field name of Experiment).
