@@ -188,16 +188,11 @@ def exact_finish(
     return out
 
 
-def _project(values: np.ndarray, matrix: np.ndarray) -> np.ndarray:
-    """The exact probe of float32 rows ``values`` against an :func:`exact_matrix`."""
-    return _project_groups(values, [(matrix.astype(np.float64), 0, len(values))])
-
-
 def _project_groups(values: np.ndarray, parts: Sequence[Part]) -> np.ndarray:
     """Exact probes of float32 rows ``values``: rows ``start:stop`` against matrix ``q``.
 
     Every row is split and rounded on its own and each product is exact in any order,
-    so this gives the bits of one :func:`_project` per part. One split and one finish
+    so this gives the bits of one call per part. One split and one finish
     for many leaves keep the number of numpy calls low: on a small model their fixed
     cost, not the arithmetic, is most of the time (and each call is a point where the
     training thread may take the interpreter lock back).
@@ -286,11 +281,7 @@ class ProbeSet:
         projects ``post_rows - pre_rows`` as the delta): the same arithmetic as
         :meth:`project`.
         """
-        return self.project_rows_together(leaf, [np.asarray(rows, dtype=np.float32)])[0]
-
-    def project_rows_together(self, leaf: int, rows: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """:meth:`project_rows` of several float32 row arrays of one leaf, in one product."""
-        return self.project_many([(leaf, rows)])[0]
+        return self.project_many([(leaf, [np.asarray(rows, dtype=np.float32)])])[0][0]
 
     def project_many(
         self, jobs: Sequence[tuple[int, Sequence[np.ndarray]]]
