@@ -101,13 +101,22 @@ def require_exact(verdict: ReplayVerdict) -> ReplayVerdict:
             verdict.ok = False
             verdict.reason = "replay_mismatch"
             verdict.message = (
-                f"step {evidence.step}: the replayed state does not reproduce the committed "
-                "state roots bit for bit, although the same program ran in the recorded "
-                "environment (the probes agree within tolerance: the difference lies "
-                "where they do not look)"
+                f"step {evidence.step}: the recomputed gradient is not the committed one bit "
+                "for bit, although the same program ran in the recorded environment (it is "
+                "within the gradient bounds, which a replay on other hardware would accept)"
+                if evidence.gradient is not None
+                else f"step {evidence.step}: the replayed state does not reproduce the "
+                "committed state roots bit for bit, although the same program ran in the "
+                "recorded environment (the probes agree within tolerance: the difference "
+                "lies where they do not look)"
             )
             verdict.evidence[index] = StepEvidence(
-                evidence.step, evidence.batch_ok, False, evidence.probe_excess, False
+                evidence.step,
+                evidence.batch_ok,
+                False,
+                evidence.probe_excess,
+                False,
+                evidence.gradient,
             )
             del verdict.evidence[index + 1 :]
             break

@@ -108,7 +108,7 @@ def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
             list(zip(param_paths, (np.asarray(a) for a in deltas), strict=True)),
         )
 
-    return transition
+    return Transition(transition)
 
 
 def exact_environment(root: dict[str, Any]) -> bool:

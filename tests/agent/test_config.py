@@ -65,6 +65,7 @@ def test_public_api_is_a_deliberate_list() -> None:
     assert set(zkdv.__all__) == {
         "PROTOCOL_VERSION",
         "FloatTolerance",
+        "GradientBounds",
         "SamplingPolicy",
         "ZKDVConfig",
         "ZKDVError",

@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from zkdv import overlap
-from zkdv.config import FloatTolerance, SamplingPolicy, ZKDVConfig
+from zkdv.config import FloatTolerance, GradientBounds, SamplingPolicy, ZKDVConfig
 from zkdv.errors import ZKDVError, ZKDVPoisonedError, ZKDVVerificationError
 
 if TYPE_CHECKING:
@@ -22,6 +22,7 @@ PROTOCOL_VERSION = 1
 __all__ = [
     "PROTOCOL_VERSION",
     "FloatTolerance",
+    "GradientBounds",
     "SamplingPolicy",
     "ZKDVConfig",
     "ZKDVError",

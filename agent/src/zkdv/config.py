@@ -7,7 +7,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["COMMITMENT_PATHS", "FloatTolerance", "SamplingPolicy", "ZKDVConfig"]
+__all__ = ["COMMITMENT_PATHS", "FloatTolerance", "GradientBounds", "SamplingPolicy", "ZKDVConfig"]
 
 STATE_CHECK_SENTINEL = -1.0
 # 1 MiB: opening one coordinate discloses one chunk, and smaller chunks cost Python
@@ -128,6 +128,48 @@ class FloatTolerance:
 
 
 @dataclass(frozen=True)
+class GradientBounds:
+    """How far a verifier's recomputed gradient may be from the committed one.
+
+    A run that commits its gradients (both frontends, wherever the optimizer's update
+    is canonical) is replayed on the platform's own hardware: the verifier recomputes
+    each challenged step's gradient from the committed pre-state and batch and compares
+    it with the committed gradient, leaf by leaf. With ``r`` the replayed leaf, ``c``
+    the committed one and ``g`` the whole replayed gradient (every leaf together), a
+    leaf passes when
+
+        |c - r| <= tensor * |r| + total * |g|          (L2 norms)
+
+    Honest runs differ only by rounding, which is small relative to these norms
+    (``docs/transcript.md``, "Gradient bounds", gives the measured maxima and the
+    margin); a forger's freedom per step is exactly this budget, and the optimizer is
+    then applied to the committed gradient exactly, so nothing else can be hidden.
+
+    Args:
+        tensor: bound relative to the leaf's own norm.
+        total: bound relative to the norm of the whole gradient; covers leaves whose
+            true gradient is (nearly) zero, whose computed value is rounding noise.
+    """
+
+    tensor: float = 1e-3
+    total: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("tensor", "total"):
+            value = float(getattr(self, name))
+            if not math.isfinite(value) or not 0.0 <= value < 1.0:
+                raise ValueError(f"GradientBounds {name}={value!r} must be in [0, 1)")
+            object.__setattr__(self, name, value)
+
+    def to_dict(self) -> dict[str, float]:
+        return {"tensor": self.tensor, "total": self.total}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GradientBounds:
+        return cls(tensor=float(data["tensor"]), total=float(data["total"]))
+
+
+@dataclass(frozen=True)
 class ZKDVConfig:
     """Run configuration shared by both frontends.
 
@@ -135,6 +177,8 @@ class ZKDVConfig:
         name: a label for the run, recorded in the root record.
         sampling_policy: which steps are re-executed and checked.
         tolerance: how replayed floats are compared with committed ones.
+        gradient_bounds: how a verifier's recomputed gradient is compared with the
+            committed one (runs that commit gradients; :class:`GradientBounds`).
         chunk_bytes: size of a Merkle leaf chunk; one coordinate is opened by
             disclosing one chunk and a logarithmic path.
         commitments: where the state is hashed and probed. ``"host"``: the state is
@@ -152,6 +196,7 @@ class ZKDVConfig:
     sampling_policy: SamplingPolicy = field(default_factory=SamplingPolicy)
     tolerance: FloatTolerance = field(default_factory=FloatTolerance)
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    gradient_bounds: GradientBounds = field(default_factory=GradientBounds)
     commitments: str = "auto"
 
     def __post_init__(self) -> None:
@@ -161,6 +206,8 @@ class ZKDVConfig:
             raise TypeError("ZKDVConfig sampling_policy must be a zkdv.SamplingPolicy")
         if not isinstance(self.tolerance, FloatTolerance):
             raise TypeError("ZKDVConfig tolerance must be a zkdv.FloatTolerance")
+        if not isinstance(self.gradient_bounds, GradientBounds):
+            raise TypeError("ZKDVConfig gradient_bounds must be a zkdv.GradientBounds")
         chunk = self.chunk_bytes
         if chunk < 64 or chunk & (chunk - 1):
             raise ValueError(f"ZKDVConfig chunk_bytes={chunk} must be a power of two >= 64")
@@ -181,9 +228,13 @@ class ZKDVConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ZKDVConfig:
+        bounds = data.get("bounds")
         return cls(
             name=str(data["name"]),
             sampling_policy=SamplingPolicy.from_dict(data["sampling"]),
             tolerance=FloatTolerance.from_dict(data["tolerance"]),
             chunk_bytes=int(data["chunk_bytes"]),
+            gradient_bounds=GradientBounds()
+            if bounds is None
+            else GradientBounds.from_dict(bounds),
         )

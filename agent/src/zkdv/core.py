@@ -128,6 +128,8 @@ class ZKDVCore:
         self.probes: ProbeSet | None = None
         self.param_specs: tuple[LeafSpec, ...] = ()
         self.state_specs: tuple[LeafSpec, ...] = ()
+        #: The leaves of the step's computed values (``schema.grad``), when committed.
+        self.grad_specs: tuple[LeafSpec, ...] | None = None
         self.param_count = 0
         self.state_count = 0
         self.steps = 0
@@ -171,8 +173,15 @@ class ZKDVCore:
         program: ProgramInfo | None,
         env: dict[str, Any] | None = None,
         shardings: dict[str, Any] | None = None,
+        grad: Sequence[LeafSpec] | None = None,
     ) -> StateRoots:
-        """Write the root record, committing to the initial state."""
+        """Write the root record, committing to the initial state.
+
+        Args:
+            grad: the leaves of every step's computed values (:mod:`zkdv.gradients`):
+                the run commits them, and its root records them as ``schema.grad`` with
+                the configuration's gradient bounds as ``config.bounds``.
+        """
         if self._writer is not None:
             raise RuntimeError("the transcript root is already written")
         validate_window(self.rolling_window, batch_cols)
@@ -194,17 +203,22 @@ class ZKDVCore:
         }
         if shardings:
             schema["sharding"] = shardings
+        config = {
+            **self.config.to_dict(),
+            "rolling_window": self.rolling_window,
+            "probe_ratio": self.probe_ratio,
+            "snapshot_interval": self.snapshot_interval,
+            "max_in_flight": self.max_in_flight,
+        }
+        if grad is not None:
+            self.grad_specs = tuple(grad)
+            schema["grad"] = [s.to_dict() for s in self.grad_specs]
+            config["bounds"] = self.config.gradient_bounds.to_dict()
         root = {
             "t": "root",
             "v": PROTOCOL_VERSION,
             "prover": self.prover,
-            "config": {
-                **self.config.to_dict(),
-                "rolling_window": self.rolling_window,
-                "probe_ratio": self.probe_ratio,
-                "snapshot_interval": self.snapshot_interval,
-                "max_in_flight": self.max_in_flight,
-            },
+            "config": config,
             "program": program.to_record() if program else None,
             "schema": schema,
             "initial": roots.to_record(),
@@ -227,16 +241,21 @@ class ZKDVCore:
         params: State,
         opt_state: State,
         buffers: State,
-        probes: tuple[Sequence[np.ndarray], Sequence[np.ndarray], Sequence[np.ndarray]] | None,
+        probes: Sequence[Sequence[np.ndarray]] | None,
         tokens: int | None = None,
         flops: float | None = None,
         started: float | None = None,
         hyperparameters: list[dict[str, Any]] | None = None,
+        grad: State | None = None,
     ) -> StepResult:
         """Commit one step's batch and post-update state; decide its sampled check.
 
         Args:
-            probes: ``(pre, post, delta)`` probe arrays per parameter leaf, or None.
+            probes: ``(pre, post, delta)`` probe arrays per parameter leaf, and with
+                committed gradients ``grad`` too (the gradient leaves' probes, zeros for
+                a parameter without a gradient), or None.
+            grad: the step's computed values (:mod:`zkdv.gradients`), required when
+                the root commits them.
             hyperparameters: the step's ``hp`` (Torch: each optimizer group's dynamic
                 options as the step used them), or None.
         """
@@ -266,6 +285,17 @@ class ZKDVCore:
         }
         if hyperparameters is not None:
             record["hp"] = hyperparameters
+        if self.grad_specs is not None:
+            if grad is None:
+                raise RuntimeError(f"step {step} has no computed values; the root commits them")
+            computed = self.commit(grad)
+            if computed.specs != self.grad_specs:
+                raise RuntimeError(
+                    f"step {step}'s computed values have another layout than the root's schema.grad"
+                )
+            record["grad"] = computed.root
+        elif grad is not None:
+            raise RuntimeError("computed values are committed only when the root declares them")
         with self._lock:
             if probes is not None:
                 packed = np.concatenate(

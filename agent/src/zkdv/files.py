@@ -4,11 +4,13 @@ Layout under the proof directory::
 
     files/snapshot-<step>.{params,opt_state,buffers}.bin   pre-state of <step>
     files/batch-<step>.u32                                 committed batch of <step>
+    files/grad-<step>.bin                                  computed values of <step>
 
 A state file is the raw bytes of its leaves (C order, little endian) concatenated in
 the root record's schema order; it carries no header because its commitment *is* the
 state root already in the transcript: a reader cuts it by the schema and recomputes the
-root (:func:`read_state`). A batch file is ``rows`` and ``cols`` as two little-endian
+root (:func:`read_state`); a gradient file is a state file of the step's computed values
+(:mod:`zkdv.gradients`), cut by the root's ``schema.grad``. A batch file is ``rows`` and ``cols`` as two little-endian
 uint64 followed by the uint32 words; its commitment is the step record's batch root.
 
 Large files (snapshots) are written with direct I/O where the file system offers it. A
@@ -39,6 +41,7 @@ __all__ = [
     "PROGRAM_FILES",
     "TREES",
     "batch_path",
+    "gradient_path",
     "program_file",
     "read_batch",
     "read_state",
@@ -69,6 +72,11 @@ def snapshot_path(proof_dir: str | os.PathLike[str], step: int, tree: str) -> Pa
 
 def batch_path(proof_dir: str | os.PathLike[str], step: int) -> Path:
     return Path(proof_dir) / FILES_DIR / f"batch-{step:08d}.u32"
+
+
+def gradient_path(proof_dir: str | os.PathLike[str], step: int) -> Path:
+    """The computed values (gradient and carried state) of ``step``."""
+    return Path(proof_dir) / FILES_DIR / f"grad-{step:08d}.bin"
 
 
 # Files at least this large go through direct I/O; below it a buffered write is cheaper

@@ -313,37 +313,50 @@ class ProbeSet:
         return results
 
     def project_steps(
-        self, before: Sequence[np.ndarray], after: Sequence[np.ndarray]
-    ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+        self,
+        before: Sequence[np.ndarray],
+        after: Sequence[np.ndarray],
+        grads: Sequence[np.ndarray | None] | None = None,
+    ) -> tuple[list[np.ndarray], ...]:
         """Pre-update, post-update and delta probes from every leaf's selected float32 rows.
 
         The bits of :meth:`project_rows` of ``before``, ``after`` and ``after - before``
-        for each leaf. A leaf's pre-update probe is the previous call's post-update
-        probe when ``before`` holds, bit for bit, the rows it came from (the usual case:
-        nothing changes the parameters between two steps), so most steps project two
-        arrays per leaf, not three.
+        for each leaf, and with ``grads`` (each leaf's selected gradient rows, None for
+        a parameter without a gradient: its probe is zeros) the gradient's probes too.
+        A leaf's pre-update probe is the previous call's post-update probe when
+        ``before`` holds, bit for bit, the rows it came from (the usual case: nothing
+        changes the parameters between two steps), so most steps project two arrays per
+        leaf, not three.
+
+        Returns:
+            ``(pre, post, delta)``, or ``(pre, post, delta, grad)`` with ``grads``.
         """
         jobs: list[tuple[int, list[np.ndarray]]] = []
         reused: list[np.ndarray | None] = []
         for leaf, (rows_before, rows_after) in enumerate(zip(before, after, strict=True)):
             change = rows_after - rows_before
+            arrays = [rows_after, change]
+            gradient = None if grads is None else grads[leaf]
+            if gradient is not None:
+                arrays.append(np.asarray(gradient, dtype=np.float32))
             previous = self._last_post.get(leaf)
             if previous is not None and previous[0] == _bits(rows_before):
                 reused.append(previous[1])
-                jobs.append((leaf, [rows_after, change]))
             else:
                 reused.append(None)
-                jobs.append((leaf, [rows_before, rows_after, change]))
-        pre, post, delta = [], [], []
+                arrays.insert(0, rows_before)
+            jobs.append((leaf, arrays))
+        pre, post, delta, grad = [], [], [], []
         for leaf, (probes, known) in enumerate(zip(self.project_many(jobs), reused, strict=True)):
             if known is None:
                 known = probes.pop(0)
             pre.append(known)
             post.append(probes[0])
             delta.append(probes[1])
+            grad.append(probes[2] if len(probes) > 2 else np.zeros_like(probes[0]))
             # The rows' bytes, not a view of a tensor the next update overwrites.
             self._last_post[leaf] = (_bits(after[leaf]), probes[0])
-        return pre, post, delta
+        return (pre, post, delta) if grads is None else (pre, post, delta, grad)
 
     def project_all(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         return [self.project(i, array) for i, array in enumerate(arrays)]

@@ -30,6 +30,7 @@ import numpy as np
 
 from zkdv.config import ZKDVConfig
 from zkdv.errors import TranscriptError
+from zkdv.gradients import split_name
 from zkdv.hashing import ZERO_DIGEST, Domain, hash_bytes, hasher
 from zkdv.merkle import LeafSpec
 from zkdv.probes import MAX_PROBE_ROWS, ProbeSet, probe_columns
@@ -83,16 +84,18 @@ CONFIG_FIELDS = frozenset(
 )
 EVERY = frozenset({"kind", "n"})
 BERNOULLI = frozenset({"kind", "p"})
+CONFIG_ALLOWED = CONFIG_FIELDS | {"bounds"}
 TOLERANCE = frozenset({"abs", "rel"})
+BOUNDS = frozenset({"tensor", "total"})
 SCHEMA_REQUIRED = frozenset({"params", "opt_state", "buffers", "batch"})
-SCHEMA_ALLOWED = SCHEMA_REQUIRED | {"sharding"}
+SCHEMA_ALLOWED = SCHEMA_REQUIRED | {"sharding", "grad"}
 LEAF_FIELDS = frozenset({"path", "dtype", "shape"})
 BATCH_SCHEMA = frozenset({"cols", "dtype"})
 PROGRAM = frozenset({"kind", "digest", "bytes"})
 EXPERIMENT_REQUIRED = frozenset({"name", "spec_digest"})
 EXPERIMENT_ALLOWED = EXPERIMENT_REQUIRED | {"regime"}
 STEP_REQUIRED = frozenset({"t", "i", "prev", "batch", "post", "probe", "tokens", "flops", "time"})
-STEP_ALLOWED = STEP_REQUIRED | {"hp"}
+STEP_ALLOWED = STEP_REQUIRED | {"hp", "grad"}
 BATCH_FIELDS = frozenset({"root", "rows", "cols", "win"})
 PROBE_FIELDS = frozenset({"off", "len", "digest"})
 CHECK_FIELDS = frozenset({"t", "i", "prev", "param", "state", "from", "replayed", "ok"})
@@ -402,7 +405,13 @@ class _Verifier:
         _keys(schema, SCHEMA_REQUIRED, SCHEMA_ALLOWED, index, "schema", "schema.")
         self.param_specs = _specs(schema, "params", index)
         self.state_specs = _specs(schema, "opt_state", index)
-        _specs(schema, "buffers", index)
+        buffer_specs = _specs(schema, "buffers", index)
+        self.grad = self._grad_schema(
+            schema,
+            config_bounds=self._bounds,
+            trees=(self.param_specs, self.state_specs, buffer_specs),
+            index=index,
+        )
         batch = _require(schema, "batch", dict, index)
         _keys(batch, BATCH_SCHEMA, BATCH_SCHEMA, index, "schema.batch", "schema.batch.")
         self.batch_cols = _int(batch, "cols", index, minimum=1, prefix="schema.batch.")
@@ -437,8 +446,12 @@ class _Verifier:
         self.sampler = Sampler(
             self.config.sampling_policy, param_count=self.param_count, state_count=self.state_count
         )
-        # Every step's probe block has this length, and starts where the last one ended.
-        self.probe_bytes = 3 * 4 * _probe_floats(self.param_specs, self.probe_ratio)
+        # Every step's probe block has this length, and starts where the last one ended:
+        # pre, post and delta probes, and the gradient's when the run commits it.
+        self.probe_parts = 4 if self.grad else 3
+        self.probe_bytes = self.probe_parts * 4 * _probe_floats(self.param_specs, self.probe_ratio)
+        # A step record's field count: nine, plus its computed values' root, plus hp.
+        self.step_fields = 10 if self.grad else 9
         self.probe_end = 0
         self.report.root = data
         self.pending: dict[int, Any] = {}
@@ -452,7 +465,19 @@ class _Verifier:
         self.probe_set: ProbeSet | None = None
 
     def _config(self, config: Mapping[str, Any], index: int) -> None:
-        _keys(config, CONFIG_FIELDS, CONFIG_FIELDS, index, "config", "config.")
+        _keys(config, CONFIG_FIELDS, CONFIG_ALLOWED, index, "config", "config.")
+        self._bounds = "bounds" in config
+        if self._bounds:
+            bounds = _require(config, "bounds", dict, index, "config.")
+            _keys(bounds, BOUNDS, BOUNDS, index, "config.bounds", "config.bounds.")
+            for key in sorted(BOUNDS):
+                if not 0.0 <= _number(bounds, key, index, prefix="config.bounds.") < 1.0:
+                    raise _fail(
+                        "schema",
+                        f"config.bounds.{key} must be in [0, 1)",
+                        index,
+                        f"config.bounds.{key}",
+                    )
         name = config["name"]
         if not isinstance(name, str) or not name:
             raise _fail("schema", "config.name must be a non-empty string", index, "config.name")
@@ -506,6 +531,64 @@ class _Verifier:
         )
         _int(config, "max_in_flight", index, minimum=1, prefix="config.")
         self.config = ZKDVConfig.from_dict(dict(config))
+
+    @staticmethod
+    def _grad_schema(
+        schema: Mapping[str, Any],
+        *,
+        config_bounds: bool,
+        trees: tuple[tuple[LeafSpec, ...], ...],
+        index: int,
+    ) -> bool:
+        """Whether the run commits computed values (``schema.grad``, ``config.bounds``).
+
+        Each computed leaf names a leaf of the parameters (its gradient) or of the
+        optimizer state or buffers (a value the forward pass computes), with that leaf's
+        dtype and shape, at most once.
+        """
+        if "grad" not in schema:
+            if config_bounds:
+                raise _fail(
+                    "schema",
+                    "config.bounds is given but the schema commits no computed values (schema.grad)",
+                    index,
+                    "config.bounds",
+                )
+            return False
+        if not config_bounds:
+            raise _fail(
+                "schema",
+                "schema.grad commits computed values but config.bounds does not bound them",
+                index,
+                "config",
+            )
+        known = {
+            name: {spec.path: spec for spec in specs}
+            for name, specs in zip(("params", "opt_state", "buffers"), trees, strict=True)
+        }
+        seen: set[str] = set()
+        for number, spec in enumerate(_specs(schema, "grad", index)):
+            try:
+                tree, path = split_name(spec.path)
+            except ValueError as error:
+                raise _fail(
+                    "schema", f"schema.grad[{number}]: {error}", index, "schema.grad"
+                ) from None
+            target = known[tree].get(path)
+            if target is None or (target.dtype, target.shape) != (spec.dtype, spec.shape):
+                raise _fail(
+                    "schema",
+                    f"schema.grad[{number}] {spec.path!r:.80} does not name a {tree} leaf of "
+                    "the same dtype and shape",
+                    index,
+                    "schema.grad",
+                )
+            if spec.path in seen:
+                raise _fail(
+                    "schema", f"schema.grad names {spec.path!r:.80} twice", index, "schema.grad"
+                )
+            seen.add(spec.path)
+        return True
 
     @staticmethod
     def _program(program: Any, index: int) -> None:
@@ -584,7 +667,14 @@ class _Verifier:
                             type(step) is int
                             and step == self.next_step
                             and (step != self.snapshot_due or self.last_snapshot == step)
-                            and (len(data) == 9 or (len(data) == 10 and "hp" in data))
+                            and (
+                                len(data) == self.step_fields
+                                or (len(data) == self.step_fields + 1 and "hp" in data)
+                            )
+                            and (
+                                not self.grad
+                                or (type(data["grad"]) is bytes and len(data["grad"]) == 32)
+                            )
                             and len(batch) == 4
                             and len(post) == 3
                             and type(broot) is bytes
@@ -615,7 +705,7 @@ class _Verifier:
                     else:
                         if probe is not None:
                             self._probe(step, probe, index)
-                        if len(data) == 10:
+                        if len(data) > self.step_fields:
                             self._hp(step, data["hp"], index)
                         report.tokens += tokens
                         if flops is not None:
@@ -710,6 +800,15 @@ class _Verifier:
                     key,
                 )
         _keys(data, STEP_REQUIRED, STEP_ALLOWED, index, f"step record {step}")
+        if self.grad:
+            _digest(data, "grad", index)
+        elif "grad" in data:
+            raise _fail(
+                "schema",
+                f"step record {step} commits computed values (grad) but the root's schema does not",
+                index,
+                "grad",
+            )
         batch = _require(data, "batch", dict, index)
         _keys(batch, BATCH_FIELDS, BATCH_FIELDS, index, "batch", "batch.")
         _digest(batch, "root", index, "batch.")
@@ -757,7 +856,8 @@ class _Verifier:
                 "probe_range",
                 f"step {step} probe range {offset}+{length} is not where the protocol puts it: "
                 f"{self.probe_end}+{self.probe_bytes} (probe blocks follow one another in "
-                f"{PROBES_FILE}, each 3 x 4 x {self.probe_bytes // 12} bytes for this schema)",
+                f"{PROBES_FILE}, each {self.probe_parts} x 4 x "
+                f"{self.probe_bytes // (4 * self.probe_parts)} bytes for this schema)",
                 index,
                 "probe.off" if offset != self.probe_end else "probe.len",
             )
@@ -847,8 +947,8 @@ class _Verifier:
                 index,
                 "probe.digest",
             )
-        values = np.frombuffer(raw, dtype="<f4").reshape(3, -1)
-        pre, post, delta = values
+        values = np.frombuffer(raw, dtype="<f4").reshape(self.probe_parts, -1)
+        pre, post, delta = values[:3]
         tol = self.config.tolerance
         self._compare(step, "probe: post != pre + delta", post, pre + delta, tol, index)
         if self.last_probe is not None:

@@ -51,7 +51,15 @@ from zkdv.errors import (
     ZKDVPoisonedError,
     ZKDVVerificationError,
 )
-from zkdv.files import TREES, batch_path, program_file, snapshot_path, write_batch, write_state
+from zkdv.files import (
+    TREES,
+    batch_path,
+    gradient_path,
+    program_file,
+    snapshot_path,
+    write_batch,
+    write_state,
+)
 from zkdv.overlap import Policy
 from zkdv.sampling import Challenge
 
@@ -443,6 +451,9 @@ class Driver:
     def _commit(self, core: ZKDVCore, pending: PendingUpdate) -> None:
         sub = pending.submission
         try:
+            computed = sub.computed()
+            # Hashed once: the first step's commitment also fixes the root's schema.grad.
+            grad = None if computed is None else core.commit(computed[0])
             if not core.opened:
                 params, opt_state, buffers = sub.initial_state()
                 bound = self._experiment
@@ -458,10 +469,13 @@ class Driver:
                     program=self._program,
                     env=self._env,
                     shardings=self._shardings,
+                    grad=None if grad is None else grad.specs,
                 )
             batch = sub.batch()
             if self._keep_files:
                 write_batch(batch_path(self.path, pending.index), np.asarray(batch))
+                if computed is not None and computed[1] is not None:
+                    write_state(gradient_path(self.path, pending.index), computed[1])
             snapshot = sub.snapshot
             if snapshot is not None:
                 sub.snapshot = None
@@ -485,6 +499,7 @@ class Driver:
                 flops=sub.flops,
                 started=sub.started,
                 hyperparameters=sub.hyperparameters,
+                grad=grad,
             )
             pending.result = result
             challenge = result.challenge

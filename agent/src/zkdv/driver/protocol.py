@@ -37,8 +37,8 @@ class Submission(Protocol):
     A frontend's step class subclasses it (inheriting the optional hooks) and hands
     instances to :meth:`Runtime.submit`.
 
-    Methods run on the pipeline's threads in this order: ``initial_state`` (first
-    submission only), ``batch``, ``post_state``, ``probes``, then ``capture`` for a
+    Methods run on the pipeline's threads in this order: ``computed``,
+    ``initial_state`` (first submission only), ``batch``, ``post_state``, ``probes``, then ``capture`` for a
     sampled step, then ``release_views``; later ``replay`` (sampled steps only, on the
     check thread) and ``retire``.
     """
@@ -68,10 +68,16 @@ class Submission(Protocol):
         """The post-update (params, opt_state, buffers): host views, or their commitments
         when the frontend hashed them on the device; may block."""
 
-    def probes(
-        self, probes: ProbeSet
-    ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]] | None:
-        """``(pre, post, delta)`` probe arrays per parameter leaf, or None."""
+    def computed(self) -> tuple[State, Leaves | None] | None:
+        """The step's computed values (:mod:`zkdv.gradients`), or None when the run does
+        not commit them: what to commit (host leaves, or their commitment when hashed on
+        the device) and the host leaves to keep as ``files/grad-<step>.bin`` (None: not
+        kept). The layout is the same at every step; the first fixes ``schema.grad``."""
+        return None
+
+    def probes(self, probes: ProbeSet) -> tuple[list[np.ndarray], ...] | None:
+        """``(pre, post, delta)`` probe arrays per parameter leaf, and ``grad`` (the
+        gradient's probes) when the step commits computed values; or None."""
         return None
 
     @abc.abstractmethod
