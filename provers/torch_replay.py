@@ -38,9 +38,11 @@ from torch.utils import _pytree as pytree
 
 from provers import program_material, require_exact, root_record
 from provers.replay import Leaves, ReplayError, ReplayVerdict, Transcript, Transition, replay
+from zkdv.gradients import leaf_name, split_name
 from zkdv.torch import artifact, host_array, strides
 from zkdv.torch.checkpoint import ReplayCheckpoint
-from zkdv.torch.optimizers.bridge import SCALER_ENTRIES, OptimizerBridge
+from zkdv.torch.optimizers.bridge import SCALER, SCALER_ENTRIES, OptimizerBridge
+from zkdv.torch.optimizers.canonical import CANONICAL_VERSION
 from zkdv.torch.optimizers.registry import OptimizerRegistry
 from zkdv.torch.packing import PACKING_VERSION, BatchLayout, LeafLayout
 from zkdv.torch.pipeline import Pipeline
@@ -112,8 +114,15 @@ def _plain_option(value: Any) -> Any:
 
 
 def _optimizer(env: dict[str, Any], parameters: dict[str, torch.nn.Parameter]) -> OptimizerBridge:
-    """Rebuild the run's optimizer (on placeholder parameters) as its bridge."""
+    """Rebuild the run's optimizer (on placeholder parameters) as its bridge, with the
+    update the run recorded: the canonical one, or the contract's own."""
     recorded = env.get("optimizer") or {}
+    version = recorded.get("canonical")
+    if version is not None and version != CANONICAL_VERSION:
+        raise ReplayError(
+            "unsupported_optimizer",
+            f"the run's canonical optimizer update {version!r} is not {CANONICAL_VERSION!r}",
+        )
     name = str(recorded.get("contract"))
     kind = getattr(torch.optim, name, None)
     registry = OptimizerRegistry()
@@ -141,7 +150,9 @@ def _optimizer(env: dict[str, Any], parameters: dict[str, torch.nn.Parameter]) -
                 for names, options in zip(members, groups, strict=True)
             ]
         )
-        bridge = OptimizerBridge(optimizer, registry.resolve(optimizer))
+        bridge = OptimizerBridge(
+            optimizer, registry.resolve(optimizer), canonical=version is not None
+        )
         bridge.bind(tuple(parameters.values()))
     except (KeyError, TypeError, ValueError) as error:
         raise ReplayError(
@@ -270,6 +281,50 @@ def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
             "the program draws random numbers but the root record commits no seed (env.rng)",
         )
 
+    buffer_names = [str(spec["path"]) for spec in schema["buffers"]]
+    computed_names = [str(spec["path"]) for spec in schema.get("grad") or []]
+    trained = {
+        path for tree, path in (split_name(name) for name in computed_names) if tree == "params"
+    }
+
+    def prepared(
+        params: Leaves, opt_state: Leaves, buffers: Leaves
+    ) -> tuple[list[torch.Tensor], list[State], list[torch.Tensor]]:
+        return (
+            laid_out("params", params),
+            _states(bridge, laid_out("opt_state", opt_state)),
+            laid_out("buffers", buffers),
+        )
+
+    def step_options(step: dict[str, Any]) -> Any:
+        return step.get("hp")
+
+    def update(
+        before: list[torch.Tensor],
+        states: list[State],
+        gradients: list[torch.Tensor | None],
+        step: dict[str, Any],
+        scaler: Any,
+    ) -> tuple[list[torch.Tensor], list[State]]:
+        try:
+            return bridge.step(before, states, gradients, step_options(step), scaler=scaler)
+        except (TypeError, ValueError) as error:
+            raise ReplayError(
+                "invalid_transcript", f"step {step['i']}'s optimizer options (hp): {error}"
+            ) from None
+
+    def named_state(
+        after: list[torch.Tensor], states_after: list[State], buffers_after: list[torch.Tensor]
+    ) -> tuple[Leaves, Leaves, Leaves]:
+        return (
+            [(n, host_array(t)) for n, t in zip(names, after, strict=True)],
+            [
+                (n, host_array(t))
+                for n, t in zip(state_paths, bridge.leaves(states_after, after), strict=True)
+            ],
+            [(n, host_array(t)) for n, t in zip(buffer_names, buffers_after, strict=True)],
+        )
+
     def transition(
         params: Leaves,
         opt_state: Leaves,
@@ -277,38 +332,86 @@ def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
         batch: np.ndarray,
         step: dict[str, Any],
     ) -> tuple[Leaves, Leaves, Leaves, Leaves]:
-        before = laid_out("params", params)
-        states = _states(bridge, laid_out("opt_state", opt_state))
-        hyperparameters = step.get("hp")
+        before, states, buffers_before = prepared(params, opt_state, buffers)
         with torch.no_grad():
             gradients, buffers_after, scaler = pipeline.gradients(
                 before,
-                laid_out("buffers", buffers),
+                buffers_before,
                 np.asarray(batch),
                 int(step["i"]),
                 states[-1] if bridge.scaled else None,
             )
-            try:
-                after, states_after = bridge.step(
-                    before, states, gradients, hyperparameters, scaler=scaler
-                )
-            except (TypeError, ValueError) as error:
-                raise ReplayError(
-                    "invalid_transcript", f"step {step['i']}'s optimizer options (hp): {error}"
-                ) from None
+            after, states_after = update(before, states, gradients, step, scaler)
             # The committed delta probe projects ``post - pre`` in float32.
             deltas = [a.float() - b.float() for a, b in zip(after, before, strict=True)]
         return (
-            [(n, host_array(t)) for n, t in zip(names, after, strict=True)],
-            [
-                (n, host_array(t))
-                for n, t in zip(state_paths, bridge.leaves(states_after, after), strict=True)
-            ],
-            [(n, host_array(t)) for (n, _), t in zip(buffers, buffers_after, strict=True)],
+            *named_state(after, states_after, buffers_after),
             [(n, host_array(t)) for n, t in zip(names, deltas, strict=True)],
         )
 
-    return transition
+    def compute(
+        params: Leaves, opt_state: Leaves, buffers: Leaves, batch: np.ndarray, step: dict[str, Any]
+    ) -> Leaves:
+        """The step's computed values: the gradient program on the committed pre-state."""
+        before, states, buffers_before = prepared(params, opt_state, buffers)
+        with torch.no_grad():
+            gradients, buffers_after, scaler = pipeline.gradients(
+                before,
+                buffers_before,
+                np.asarray(batch),
+                int(step["i"]),
+                states[-1] if bridge.scaled else None,
+            )
+        out: list[tuple[str, np.ndarray]] = []
+        for name, gradient, placeholder in zip(names, gradients, before, strict=True):
+            if name in trained:
+                # A parameter the program gives no gradient this step reads as zeros.
+                value = torch.zeros_like(placeholder) if gradient is None else gradient
+                out.append((leaf_name("params", name), host_array(value)))
+        out += [
+            (leaf_name("buffers", name), host_array(buffer))
+            for name, buffer in zip(buffer_names, buffers_after, strict=True)
+        ]
+        if scaler is not None:
+            _, growth_tracker, scale = scaler
+            out += [
+                (leaf_name("opt_state", f"{SCALER}.growth_tracker"), host_array(growth_tracker)),
+                (leaf_name("opt_state", f"{SCALER}.scale"), host_array(scale)),
+            ]
+        return out
+
+    def apply(
+        params: Leaves, opt_state: Leaves, buffers: Leaves, committed: Leaves, step: dict[str, Any]
+    ) -> tuple[Leaves, Leaves, Leaves]:
+        """The optimizer applied to the committed gradient; the committed buffers kept."""
+        before, states, _ = prepared(params, opt_state, buffers)
+        values = dict(committed)
+        gradients: list[torch.Tensor | None] = [
+            _tensor(values[leaf_name("params", name)]) if name in trained else None
+            for name in names
+        ]
+        scaler = None
+        if bridge.scaled:
+            present = [gradient for gradient in gradients if gradient is not None]
+            overflow = not all(bool(torch.isfinite(g).all()) for g in present)
+            scaler = (
+                torch.tensor(1.0 if overflow else 0.0),
+                _tensor(values[leaf_name("opt_state", f"{SCALER}.growth_tracker")]),
+                _tensor(values[leaf_name("opt_state", f"{SCALER}.scale")]),
+            )
+        with torch.no_grad():
+            after, states_after = update(before, states, gradients, step, scaler)
+        buffers_after = laid_out(
+            "buffers", [(name, values[leaf_name("buffers", name)]) for name in buffer_names]
+        )
+        return named_state(after, states_after, buffers_after)
+
+    return Transition(
+        transition,
+        compute if computed_names else None,
+        apply if computed_names else None,
+        canonical=bridge.canonical,
+    )
 
 
 def exact_environment(root: dict[str, Any]) -> bool:

@@ -67,10 +67,15 @@ def check_name(name: str, kind: str, position: int) -> str:
             code="invalid_name",
             field=where,
         )
-    if kind not in (ArtifactKind.SNAPSHOT, ArtifactKind.BATCH, ArtifactKind.ARTIFACT):
+    if kind not in (
+        ArtifactKind.SNAPSHOT,
+        ArtifactKind.BATCH,
+        ArtifactKind.GRADIENT,
+        ArtifactKind.ARTIFACT,
+    ):
         raise ArtifactRejectedError(
             f"files[{position}].kind: {kind!r} cannot be attached; expected one of "
-            "artifact, snapshot, batch (the transcript is the proof itself)",
+            "artifact, snapshot, batch, gradient (the transcript is the proof itself)",
             code="invalid_kind",
             field=f"files[{position}].kind",
         )
@@ -91,6 +96,8 @@ def _in_layout(name: str, kind: str) -> bool:
         return in_files and base.startswith("snapshot-") and base.endswith(".bin")
     if kind == ArtifactKind.BATCH:
         return in_files and base.startswith("batch-") and base.endswith(".u32")
+    if kind == ArtifactKind.GRADIENT:
+        return in_files and base.startswith("grad-") and base.endswith(".bin")
     if model_names(name):
         return True  # the final model (dvbench's proof.save_model), bound by the certificate
     return "/" not in name and (name == PROBES or name.startswith("program."))
@@ -159,6 +166,8 @@ def _commitment_check(
                 {"file": name, "step": step},
             )
         return None
+    if base.startswith("grad-"):
+        return _gradient_check(index, name, base, data)
     if base.startswith("batch-"):
         try:
             step = int(base.removeprefix("batch-").removesuffix(".u32"))
@@ -190,6 +199,50 @@ def _commitment_check(
                 f"{name} does not hash to step {step}'s committed batch root",
                 {"file": name, "step": step},
             )
+    return None
+
+
+def _gradient_check(
+    index: TranscriptIndex, name: str, base: str, data: bytes
+) -> tuple[str, str, dict[str, Any]] | None:
+    """A step's computed values (``files/grad-<step>.bin``) against its ``grad`` root."""
+    from zkdv.config import ZKDVConfig
+    from zkdv.merkle import LeafSpec, commit_state
+
+    try:
+        step = int(base.removeprefix("grad-").removesuffix(".bin"))
+    except ValueError:
+        return ("unknown_file", f"{name} is not a gradient file name", {"file": name})
+    record = index.steps.get(step)
+    specs = [LeafSpec.from_dict(spec) for spec in index.specs("grad")]
+    if record is None or "grad" not in record:
+        return (
+            "unknown_file",
+            f"{name}: the transcript commits no computed values for step {step}",
+            {"file": name, "step": step},
+        )
+    expected_size = sum(spec.nbytes for spec in specs)
+    if len(data) != expected_size:
+        return (
+            "gradient_mismatch",
+            f"{name} holds {len(data)} bytes; the root's schema.grad needs {expected_size}",
+            {"file": name, "step": step, "expected_size": expected_size},
+        )
+    raw = np.frombuffer(data, dtype=np.uint8)
+    leaves, offset = [], 0
+    for spec in specs:
+        dtype = np.dtype(spec.dtype).newbyteorder("<")
+        leaves.append(
+            (spec.path, raw[offset : offset + spec.nbytes].view(dtype).reshape(spec.shape))
+        )
+        offset += spec.nbytes
+    chunk = ZKDVConfig.from_dict(index.root["config"]).chunk_bytes
+    if commit_state(leaves, chunk).root != record["grad"]:
+        return (
+            "gradient_mismatch",
+            f"{name} does not hash to step {step}'s committed grad root",
+            {"file": name, "step": step},
+        )
     return None
 
 

@@ -104,6 +104,9 @@ class TranscriptIndex:
                 names.append(f"{FILES_DIR}/snapshot-{start:08d}.{tree}.bin")
         end = step if through is None else through
         names += [f"{FILES_DIR}/batch-{k:08d}.u32" for k in range(start, end + 1)]
+        if self.specs("grad"):
+            # A run that commits its gradients: each step's committed computed values.
+            names += [f"{FILES_DIR}/grad-{k:08d}.bin" for k in range(start, end + 1)]
         return names
 
     def steps_to_replay(self, step: int, through: int | None) -> int:

@@ -45,6 +45,7 @@ class ArtifactKind(models.TextChoices):
     ARTIFACT = "artifact", "Program artifact"
     SNAPSHOT = "snapshot", "State snapshot"
     BATCH = "batch", "Batch"
+    GRADIENT = "gradient", "Gradient"
 
 
 class UploadStatus(models.TextChoices):

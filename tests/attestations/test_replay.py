@@ -32,6 +32,7 @@ from attestations.challenges.models import Challenge, ChallengeStatus
 from attestations.experiments.models import Experiment, ExperimentSpec
 from attestations.proofs.models import Proof, ProofArtifact, ProofStatus
 from tests.attestations.base import put_parts, sha256
+from tests.torch_forgeries import hide_learning_rate
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8
@@ -117,13 +118,7 @@ def train_torch(path: Path, name: str, *, forge: str | None = None) -> Path:
                 with torch.no_grad():
                     model[0].weight.add_(torch.from_numpy(change).float())
             if index == FORGED_STEP and forge == "lr":
-                native = optimizer.optimizer
-                native.register_step_pre_hook(
-                    lambda o, *_: o.param_groups[0].update(lr=2 * o.param_groups[0]["lr"])
-                )
-                native.register_step_post_hook(
-                    lambda o, *_: o.param_groups[0].update(lr=o.param_groups[0]["lr"] / 2)
-                )
+                hide_learning_rate(optimizer, 2.0, group=0)
             with proof.transaction(batch=(inputs, targets)):
                 if index == FORGED_STEP and forge == "data":
                     inputs.mul_(-1)  # after the transaction committed the batch
@@ -227,7 +222,7 @@ def file_transcript(client: APIClient, run: Path, experiment: str) -> Any:
     return upload(client, experiment, "transcript", (run / "records.cborl").read_bytes())
 
 
-KINDS = {"files/snapshot": "snapshot", "files/batch": "batch"}
+KINDS = {"files/snapshot": "snapshot", "files/batch": "batch", "files/grad": "gradient"}
 
 
 def kind_of(name: str) -> str:
@@ -402,6 +397,9 @@ def test_the_seed_stays_secret_while_challenges_are_pending(
         "files/snapshot-00000000.params.bin",
         "files/snapshot-00000000.opt_state.bin",
         "files/batch-00000000.u32",
+        # The step's committed gradient: the replay recomputes it and compares within
+        # bounds, then applies the optimizer to it exactly.
+        "files/grad-00000000.bin",
     ]
 
 

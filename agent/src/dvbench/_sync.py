@@ -96,6 +96,8 @@ def kind_of(relative: str) -> str | None:
             return "snapshot"
         if name.startswith("batch-") and name.endswith(".u32"):
             return "batch"
+        if name.startswith("grad-") and name.endswith(".bin"):
+            return "gradient"
         return None
     if relative == "probes.bin" or name.startswith("program."):
         return "artifact"

@@ -39,6 +39,7 @@ from torch.nn import functional
 import zkdv
 from provers import torch_replay
 from provers.replay import Transcript, windows
+from tests.torch_forgeries import hide_learning_rate
 from zkdv.records import iter_records
 from zkdv.torch.capture import current_capture
 from zkdv.verify import verify_transcript
@@ -248,16 +249,7 @@ def _forged_lm(path: Path, forgery: str, zkdv_config: zkdv.ZKDVConfig) -> None:
 
     proof.attest(step)
     if forgery == "hidden learning rate":
-        groups = optimizer.optimizer.param_groups
-
-        def double(*_: Any) -> None:
-            groups[0]["lr"] *= 2
-
-        def restore(*_: Any) -> None:
-            groups[0]["lr"] /= 2
-
-        optimizer.optimizer.register_step_pre_hook(double)
-        optimizer.optimizer.register_step_post_hook(restore)
+        hide_learning_rate(optimizer, 2.0, group=0)
     data = lm.token_batches(config, steps=STEPS, micro_batches=2, rows=4, seed=1)
     try:
         for index, batch in enumerate(data):

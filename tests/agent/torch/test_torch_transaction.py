@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn import functional
 
 import zkdv
+from tests.torch_forgeries import hide_learning_rate
 from zkdv.files import TREES, read_batch, read_state, snapshot_path
 from zkdv.merkle import LeafSpec
 from zkdv.records import iter_records
@@ -199,13 +200,19 @@ def _poisoned(proof) -> BaseException:
 
 
 def _run_tampered(
-    tmp_path: Path, optimizer_factory, reasons: tuple[str, ...] = ("failed_check",), **hooks: Any
+    tmp_path: Path,
+    optimizer_factory,
+    reasons: tuple[str, ...] = ("failed_check",),
+    prepared: Any = None,
+    **hooks: Any,
 ) -> Any:
     # One replay window over the whole run: every check replays from step 0's snapshot,
     # so a divergence at any step stays visible to every later check.
     proof = _proof(tmp_path, interval=12)
     model = _model()
     model, optimizer = proof.prepare(model, optimizer_factory(model))
+    if prepared is not None:
+        prepared(optimizer)
     _attest(proof)
     # A failed check poisons the next call as soon as it completes.
     with contextlib.suppress(zkdv.ZKDVPoisonedError):
@@ -219,23 +226,10 @@ def _run_tampered(
 
 def test_hyperparameters_differing_from_the_attested_ones_are_caught(tmp_path: Path) -> None:
     def factory(model: nn.Module) -> torch.optim.Optimizer:
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        native_step = optimizer.step
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
-        def step_with_other_options(closure=None):
-            # The options seen by validation are the attested ones; the update uses 10x.
-            for group in optimizer.param_groups:
-                group["lr"] *= 10
-            try:
-                return native_step(closure)
-            finally:
-                for group in optimizer.param_groups:
-                    group["lr"] /= 10
-
-        optimizer.step = step_with_other_options  # type: ignore[method-assign]
-        return optimizer
-
-    error = _run_tampered(tmp_path, factory)
+    # The update uses 10x the learning rate, the record says 1x.
+    error = _run_tampered(tmp_path, factory, prepared=lambda o: hide_learning_rate(o, 10.0))
     assert "sampled check of step" in str(error.__cause__)
 
 

@@ -25,6 +25,7 @@ from torch import nn
 from zkdv.config import ZKDVConfig
 from zkdv.driver import Driver, ReplayOutcome
 from zkdv.errors import ZKDVError, ZKDVPoisonedError
+from zkdv.gradients import leaf_name
 from zkdv.sampling import Challenge
 from zkdv.torch import artifact, rng
 from zkdv.torch._sealing import CUDA_NONDETERMINISTIC, environment, gradient_program, trace
@@ -36,7 +37,7 @@ from zkdv.torch.eager import EagerTransaction, Layout, TorchStep, current_transa
 from zkdv.torch.lowering import LoweredProgram, count_flops
 from zkdv.torch.model import UNPREPARED_MODEL, PreparedModel
 from zkdv.torch.optimizers.base import OptimizerContract
-from zkdv.torch.optimizers.bridge import OptimizerBridge
+from zkdv.torch.optimizers.bridge import SCALER, SCALER_ENTRIES, OptimizerBridge
 from zkdv.torch.optimizers.registry import OptimizerRegistry
 from zkdv.torch.packing import BatchLayout
 from zkdv.torch.pipeline import Pipeline
@@ -62,6 +63,10 @@ FSDP_NO_STATES = (
     "step {step}; the snapshot cannot be taken"
 )
 TWO_STEPS = "a ZKDV transaction may call optimizer.step() only once"
+NO_GRADIENT = (
+    "parameter {name} has no gradient at step {step}, but the sealed attested step computes "
+    "one for it; every step must differentiate the same parameters"
+)
 
 
 #: HostControl key of rank 0's sealing outcome (the first transaction only).
@@ -82,6 +87,20 @@ FROZEN_CHANGED = (
     "program differentiates exactly the parameters that required gradients when it was "
     "sealed, so create a new proof for the new set of trained parameters"
 )
+
+
+def _global_pre_hooks() -> dict[Any, Any]:
+    """``torch.optim``'s global optimizer-step pre-hooks (``register_optimizer_step_pre_hook``)."""
+    from torch.optim import optimizer as module
+
+    return module._global_optimizer_pre_hooks
+
+
+def _global_post_hooks() -> dict[Any, Any]:
+    """``torch.optim``'s global optimizer-step post-hooks."""
+    from torch.optim import optimizer as module
+
+    return module._global_optimizer_post_hooks
 
 
 @dataclass(frozen=True)
@@ -161,6 +180,9 @@ class ZKDV(Driver):
         self._transactions = 0
         #: Per parameter, whether it required gradients when the program was sealed.
         self._requires_grad: tuple[bool, ...] | None = None
+        #: Per parameter, whether the optimizer updates it from a committed gradient:
+        #: held by the optimizer, requiring gradients and given one by the program.
+        self._trained: tuple[bool, ...] | None = None
         #: Threads, matmul precision and train/eval flags when the program was sealed.
         self._sealed_settings: dict[str, Any] = {}
         #: Where commitments are computed ("host" or "device"), resolved at sealing.
@@ -429,6 +451,15 @@ class ZKDV(Driver):
         transaction.generators = generators.__enter__()
 
     @property
+    def _commits_gradients(self) -> bool:
+        """Whether steps commit their computed values (:mod:`zkdv.gradients`).
+
+        Not under FSDP2, whose gradients are shards: such a run is replayed within the
+        probes' tolerance, as before.
+        """
+        return not self._fsdp
+
+    @property
     def _fsdp(self) -> bool:
         return self._prepared_model is not None and self._prepared_model.fsdp
 
@@ -510,14 +541,103 @@ class ZKDV(Driver):
         # FSDP2: every rank gathers the live pre-update parameters (the probes' and the
         # snapshot's pre-state), so a shard changed between steps is seen as in one process.
         parameters = model.full_parameters()
-        if self.follower:
+        canonical = self._canonical(optimizer.bridge)
+        if not self.follower:
+            # The options are read after the step's pre-hooks on the canonical path.
+            self._before_update(transaction, optimizer, parameters, options=not canonical)
+        if canonical:
+            result = self._canonical_step(transaction, optimizer, closure)
+        else:
+            if not self.follower and not transaction.dropped and self._commits_gradients:
+                transaction.gradients = self._step_gradients(transaction.index)
             result = optimizer.optimizer.step(closure)
-            transaction.stepped = True
-            return result
-        self._before_update(transaction, optimizer, parameters)
-        result = optimizer.optimizer.step(closure)
         transaction.stepped = True
         return result
+
+    def _canonical(self, bridge: OptimizerBridge) -> bool:
+        """Whether training applies the canonical update (every rank decides alike)."""
+        return bridge.canonical and not self._fsdp
+
+    def _canonical_step(
+        self,
+        transaction: EagerTransaction,
+        optimizer: PreparedOptimizer,
+        closure: Callable[[], float] | None,
+    ) -> Any:
+        """``optimizer.step()`` as the canonical update of the step's gradient.
+
+        What ``torch.optim.Optimizer.step`` does around the update is kept: the closure,
+        the global and the optimizer's own step hooks. The options are read after the
+        pre-hooks, so what a hook sets is what the step commits and applies; the
+        gradients the update reads are copied first and committed as they were read.
+        """
+        native = optimizer.optimizer
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        arguments: tuple[Any, ...] = ()
+        keywords: dict[str, Any] = {}
+        for hook in (*_global_pre_hooks().values(), *native._optimizer_step_pre_hooks.values()):
+            changed = hook(native, arguments, keywords)
+            if changed is not None:
+                arguments, keywords = changed
+        bridge = optimizer.bridge
+        hyperparameters = bridge.hyperparameters()
+        if self.follower:
+            gradients = [
+                parameter.grad if held else None
+                for parameter, held in zip(
+                    self._require_prepared_model().state_parameters, bridge.held, strict=True
+                )
+            ]
+        else:
+            gradients = self._step_gradients(transaction.index)
+            if not transaction.dropped:
+                self._commit_options(transaction, hyperparameters)
+                transaction.gradients = gradients
+        bridge.update_live(gradients, hyperparameters)
+        for hook in (*native._optimizer_step_post_hooks.values(), *_global_post_hooks().values()):
+            hook(native, arguments, keywords)
+        return loss
+
+    def _step_gradients(self, index: int) -> list[torch.Tensor | None]:
+        """Copies of the gradients this step's update reads (None: not trained).
+
+        The committed gradient is what the optimizer read, after accumulation, clipping
+        and unscaling: copied now, since ``zero_grad(set_to_none=False)`` or the next
+        backward pass may write into the same tensors while the commitment is pending.
+
+        Raises:
+            RuntimeError: a parameter the sealed program computes a gradient for has
+                none at this step.
+        """
+        model = self._require_prepared_model()
+        trained = self._trained
+        assert trained is not None, "the program is sealed before the first update"
+        out: list[torch.Tensor | None] = []
+        with torch.no_grad():
+            for name, parameter, train in zip(
+                model.parameter_names, model.state_parameters, trained, strict=True
+            ):
+                if not train:
+                    out.append(None)
+                    continue
+                gradient = parameter.grad
+                if gradient is None:
+                    raise RuntimeError(NO_GRADIENT.format(name=name, step=index))
+                out.append(gradient.detach().clone())
+        return out
+
+    def _commit_options(
+        self, transaction: EagerTransaction, hyperparameters: list[dict[str, Any]]
+    ) -> None:
+        """Fix the step's dynamic options: committed, and replayed with it."""
+        transaction.hyperparameters = hyperparameters
+        assert self._checkpoint is not None and transaction.words is not None
+        self._checkpoint.keep_inputs(
+            transaction.index, StepInputs(transaction.words, transaction.hyperparameters)
+        )
 
     def _skipped_by_scaler(self, optimizer: Any) -> None:
         """After a prepared GradScaler's step: one it skipped (an overflow) still counts.
@@ -534,7 +654,11 @@ class ZKDV(Driver):
         prepared.bridge.validate_configuration()
         model = self._require_prepared_model()
         self._validate_frozen(model)
-        self._before_update(transaction, prepared, model.full_parameters())
+        if not self.follower:
+            self._before_update(transaction, prepared, model.full_parameters())
+            if not transaction.dropped and self._commits_gradients:
+                # The overflowed gradient: a replay skips the update because of it.
+                transaction.gradients = self._step_gradients(transaction.index)
         transaction.stepped = True
 
     def _before_update(
@@ -542,8 +666,15 @@ class ZKDV(Driver):
         transaction: EagerTransaction,
         optimizer: PreparedOptimizer,
         parameters: tuple[torch.Tensor, ...],
+        *,
+        options: bool = True,
     ) -> None:
-        """Owner: wait for the previous commitment, copy the pre-state, fix the options."""
+        """Owner: wait for the previous commitment, copy the pre-state, fix the options.
+
+        Args:
+            options: fix the step's dynamic options now (the canonical step fixes them
+                after the optimizer's pre-hooks instead).
+        """
         try:
             # The previous step's commitment may still be hashing the live state.
             self._wait_released()
@@ -562,12 +693,8 @@ class ZKDV(Driver):
                 transaction.pre_rows = committer.select(parameters)
             elif transaction.snapshot is None:
                 transaction.pre_rows = self._probe_rows(parameters)
-            # What the schedulers set for this step: committed, and replayed with it.
-            transaction.hyperparameters = optimizer.bridge.hyperparameters()
-            assert self._checkpoint is not None and transaction.words is not None
-            self._checkpoint.keep_inputs(
-                transaction.index, StepInputs(transaction.words, transaction.hyperparameters)
-            )
+            if options:
+                self._commit_options(transaction, optimizer.bridge.hyperparameters())
         except _StepDroppedError:
             transaction.dropped = True
 
@@ -680,13 +807,18 @@ class ZKDV(Driver):
             bridge = self._bridge()
             names = self._layout
             state_leaves = bridge.leaves(bridge.live_states(), parameters)
+            gradients = transaction.gradients
+            computed = None
+            if gradients is not None:
+                computed = committer.roots(self._computed_leaves(gradients, post_buffers))
             device = (
                 (
                     committer.roots(list(zip(names.parameter_names, parameters, strict=True))),
                     committer.roots(list(zip(names.state_paths, state_leaves, strict=True))),
                     committer.roots(list(zip(names.buffer_names, post_buffers, strict=True))),
                 ),
-                committer.probe(transaction.pre_rows, parameters),
+                committer.probe(transaction.pre_rows, parameters, gradients),
+                computed,
             )
         step = TorchStep(
             self,
@@ -706,6 +838,30 @@ class ZKDV(Driver):
             if not runtime.multi_process:
                 raise
             transaction.admission.cancel()  # reported to every rank at the next entry
+
+    def _computed_leaves(
+        self, gradients: list[torch.Tensor | None], post_buffers: list[torch.Tensor]
+    ) -> list[tuple[str, torch.Tensor]]:
+        """A step's computed values, named (:mod:`zkdv.gradients`): the gradients the
+        update read, every buffer after the step, a GradScaler's state after it."""
+        layout = self._layout
+        leaves = [
+            (leaf_name("params", name), gradient)
+            for name, gradient in zip(layout.parameter_names, gradients, strict=True)
+            if gradient is not None
+        ]
+        leaves += [
+            (leaf_name("buffers", name), buffer)
+            for name, buffer in zip(layout.buffer_names, post_buffers, strict=True)
+        ]
+        scaler = self._prepared_scaler
+        if scaler is not None:
+            state = scaler.live_state()
+            leaves += [
+                (leaf_name("opt_state", f"{SCALER}.{entry}"), state[entry].detach())
+                for entry in SCALER_ENTRIES
+            ]
+        return leaves
 
     def _abort_prepared_transaction(self, transaction: EagerTransaction) -> None:
         if transaction.admission is not None:
@@ -742,6 +898,9 @@ class ZKDV(Driver):
             [parameter.numel() for parameter in parameters],
             [leaf.numel() for leaf in state_leaves],
         )
+        if model.fsdp and optimizer.bridge.canonical:
+            # Its state is sharded DTensors; training keeps torch.optim's own update.
+            optimizer.bridge.use_native("FSDP2 shards the optimizer state")
         device = parameters[0].device
         self._resolve_path(model, device, parameters)
         if device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
@@ -792,6 +951,12 @@ class ZKDV(Driver):
             kind=self.program_kind,
         )
         self._lowered_program = lowered
+        self._trained = tuple(
+            requires and held and not skip
+            for requires, held, skip in zip(
+                self._requires_grad, optimizer.bridge.held, lowered.unused, strict=True
+            )
+        )
         self._sealed_settings = self._settings()
         self._run_seed = rng.run_seed() if lowered.program.random else None
         self._program_flops = count_flops(lowered.graph, arguments)

@@ -21,6 +21,7 @@ from zkdv.torch import rng, strides
 from zkdv.torch.eager import EagerTransaction, Layout
 from zkdv.torch.lowering import LoweredProgram, gradient_function, lower
 from zkdv.torch.model import PreparedModel
+from zkdv.torch.optimizers import canonical
 from zkdv.torch.packing import BatchLayout
 from zkdv.torch.prepared import PreparedOptimizer
 
@@ -179,6 +180,10 @@ def environment(
             "group_parameters": _group_parameters(model, optimizer),
             # Per group, the options every step record's ``hp`` carries.
             "dynamic": [list(names) for names in bridge.dynamic],
+            # The update training applied: the canonical one (bitwise reproducible on any
+            # hardware, zkdv.torch.optimizers.canonical), or the contract's own.
+            "canonical": canonical.CANONICAL_VERSION if bridge.canonical else None,
+            "canonical_reason": bridge.canonical_reason,
         },
         # A GradScaler's options; its state is committed with the optimizer's.
         "grad_scaler": bridge.scaler_options,

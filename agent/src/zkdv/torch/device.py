@@ -50,12 +50,14 @@ class PendingRoots:
 
 @dataclass
 class PendingProbes:
-    """The pre-update, post-update and delta probes of one step, on the device."""
+    """The pre-update, post-update and delta probes of one step, on the device, and the
+    gradient's when the step commits it."""
 
     pre: torch.Tensor
     post: torch.Tensor
     delta: torch.Tensor
     done: Any
+    grad: torch.Tensor | None = None
 
 
 def _event(device: torch.device) -> Any:
@@ -130,17 +132,25 @@ class DeviceCommitter:
         return chunk_roots(tensors, self.chunk_bytes, compiled=False)
 
     def probe(
-        self, pre_rows: Sequence[torch.Tensor], post: Sequence[torch.Tensor]
+        self,
+        pre_rows: Sequence[torch.Tensor],
+        post: Sequence[torch.Tensor],
+        gradients: Sequence[torch.Tensor | None] | None = None,
     ) -> PendingProbes:
-        """Dispatch the step's probes: of the pre rows, the post rows and their difference."""
+        """Dispatch the step's probes: of the pre rows, the post rows and their difference,
+        and of the gradient (zeros for a parameter without one) when it is committed."""
         post_rows = self.probes.select(post)
         with torch.no_grad():
             delta = [after - before for after, before in zip(post_rows, pre_rows, strict=True)]
+            grad = None
+            if gradients is not None:
+                grad = self.probes.project_rows(self.probes.select_present(gradients))
         return PendingProbes(
             self.probes.project_rows(pre_rows),
             self.probes.project_rows(post_rows),
             self.probes.project_rows(delta),
             _event(self.device),
+            grad,
         )
 
     # --- read back (commit thread) -------------------------------------------------------
@@ -163,14 +173,16 @@ class DeviceCommitter:
         ]
         return state_commitment(specs, digests)
 
-    def read_probes(
-        self, step: int, pending: PendingProbes
-    ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
-        """The three probes per parameter leaf (counted as ``probes``)."""
+    def read_probes(self, step: int, pending: PendingProbes) -> tuple[list[np.ndarray], ...]:
+        """The three (four with the gradient's) probes per parameter leaf (counted as
+        ``probes``)."""
         _wait(pending.done)
         parts = []
-        for vector in (pending.pre, pending.post, pending.delta):
+        vectors = [pending.pre, pending.post, pending.delta]
+        if pending.grad is not None:
+            vectors.append(pending.grad)
+        for vector in vectors:
             host = vector.cpu().numpy()
             self.log.add(step, "probes", host.nbytes)
             parts.append(self.probes.split(host))
-        return parts[0], parts[1], parts[2]
+        return tuple(parts)

@@ -92,6 +92,30 @@ class DeviceProbes:
                 out.append(values.to(torch.float32, copy=True))
         return out
 
+    def select_present(self, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        """:meth:`select`, with zero rows for an absent leaf (a parameter without a gradient)."""
+        out = []
+        for leaf, tensor in enumerate(tensors):
+            if tensor is None:
+                (_, last), (rows, _) = self.shapes[leaf]
+                out.append(torch.zeros((rows, last), dtype=torch.float32, device=self.device))
+            else:
+                out.extend(self.select_leaves([(leaf, tensor)]))
+        return out
+
+    def select_leaves(self, leaves: Sequence[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+        """:meth:`select` of some leaves, given by index."""
+        out = []
+        with torch.no_grad():
+            for leaf, tensor in leaves:
+                (count, last), _ = self.shapes[leaf]
+                values = tensor.detach().reshape(count, last)
+                selected = self.rows[leaf]
+                if selected is not None:
+                    values = values.index_select(0, selected)
+                out.append(values.to(torch.float32, copy=True))
+        return out
+
     def project_rows(self, rows: Sequence[torch.Tensor]) -> torch.Tensor:
         """The probes of selected float32 rows (:meth:`select`, or ``post - pre`` rows for
         the delta), leaf after leaf, as one float32 vector on the device."""

@@ -74,6 +74,9 @@ class EagerTransaction:
         self.snapshot: Any = None
         #: The dynamic optimizer options ``optimizer.step()`` used (the record's ``hp``).
         self.hyperparameters: list[dict[str, Any]] | None = None
+        #: Copies of the gradients the update read, per parameter (None: not trained);
+        #: None when the run does not commit them.
+        self.gradients: list[torch.Tensor | None] | None = None
         #: Seeds the default generators for the step's random operators, if it has any.
         self.generators: Any = None
         self.pending = proof._open_prepared_transaction(self)
@@ -120,6 +123,7 @@ class TorchStep(Submission):
         self.tokens = tokens
         self.flops = flops
         self.hyperparameters = transaction.hyperparameters
+        self.gradients = transaction.gradients
         assert transaction.words is not None
         self.words = transaction.words
         # Pre-update values: the probed rows only, or the whole snapshot on snapshot steps.
@@ -135,8 +139,9 @@ class TorchStep(Submission):
         self._state_leaves: list[torch.Tensor] | None = None
         self._committed_post = 0.0
         self._layout = proof._layout
-        #: On the device path: ``(roots of each tree, probes)`` dispatched on the device,
-        #: read back by the commit stage (:mod:`zkdv.torch.device`); None on the host path.
+        #: On the device path: ``(roots of each tree, probes, roots of the computed
+        #: values)`` dispatched on the device, read back by the commit stage
+        #: (:mod:`zkdv.torch.device`); None on the host path.
         self.device = device
         if transaction.snapshot is not None:
             snap = transaction.snapshot
@@ -168,7 +173,7 @@ class TorchStep(Submission):
         self._state_leaves = self.proof._bridge().leaves(self.states, self.parameters)
         committer = self.proof._device_committer
         if self.device is not None and committer is not None:
-            (params, opt_state, buffers), _ = self.device
+            (params, opt_state, buffers), _, _ = self.device
             return (
                 committer.commitment(self.index, params),
                 committer.commitment(self.index, opt_state),
@@ -180,12 +185,38 @@ class TorchStep(Submission):
         )
         return leaves
 
-    def probes(
-        self, probes: ProbeSet
-    ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]] | None:
+    def computed(self) -> tuple[Any, Leaves | None] | None:
+        """The gradients the update read, then the state the forward pass wrote.
+
+        Gradient leaves for the trained parameters, every buffer after the step
+        (BatchNorm's running statistics), and a GradScaler's scale and growth tracker
+        as the step left them (:mod:`zkdv.gradients`).
+        """
+        gradients = self.gradients
+        if gradients is None:
+            return None
+        tensors = self.proof._computed_leaves(gradients, self.post_buffers)
+        committer = self.proof._device_committer
+        keep = self.proof.runtime.keep_files
+        if self.device is not None and committer is not None:
+            _, _, pending = self.device
+            files = None
+            if keep:
+                # The file the platform's replay reads: the one per-step read of
+                # O(parameters) on the device path (docs/torch.md, "Device-side commitments").
+                files = [(name, host_array(t)) for name, t in tensors]
+                self.proof.transfers.add(
+                    self.index, "gradient", sum(array.nbytes for _, array in files)
+                )
+            return committer.commitment(self.index, pending), files
+        leaves = [(name, host_array(tensor)) for name, tensor in tensors]
+        self.proof.transfers.add(self.index, "gradient", sum(array.nbytes for _, array in leaves))
+        return leaves, leaves if keep else None
+
+    def probes(self, probes: ProbeSet) -> tuple[list[np.ndarray], ...] | None:
         committer = self.proof._device_committer
         if self.device is not None and committer is not None:
-            _, pending = self.device
+            _, pending, _ = self.device
             return committer.read_probes(self.index, pending)
         snapshot = self.replay_snapshot
         before, after = [], []
@@ -196,8 +227,14 @@ class TorchStep(Submission):
                 assert snapshot is not None
                 before.append(_probe_rows(probes, leaf, host_array(snapshot.parameters[leaf])))
             after.append(_probe_rows(probes, leaf, host_array(tensor)))
+        grads = None
+        if self.gradients is not None:
+            grads = [
+                None if gradient is None else _probe_rows(probes, leaf, host_array(gradient))
+                for leaf, gradient in enumerate(self.gradients)
+            ]
         # The exact probe arithmetic (zkdv.probes): the device path writes these bits.
-        return probes.project_steps(before, after)
+        return probes.project_steps(before, after, grads)
 
     def capture(self, challenge: Challenge) -> tuple[float, float]:
         # The committed post-update value; the replay forms the committed update against
@@ -213,6 +250,7 @@ class TorchStep(Submission):
 
     def release_views(self) -> None:
         self.pre_rows = None
+        self.gradients = None
         self.parameters = ()
         self.states = []
         self._state_leaves = None

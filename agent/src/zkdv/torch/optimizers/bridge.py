@@ -19,6 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from zkdv.torch.model import full
+from zkdv.torch.optimizers import canonical as canonical_update
 from zkdv.torch.optimizers.base import TENSOR_OPTIONS_UNSUPPORTED, OptimizerContract
 from zkdv.torch.optimizers.buffers import pack_optimizer_state
 
@@ -61,16 +62,34 @@ class OptimizerBridge:
     options; keys a scheduler adds to a group for its own bookkeeping (``initial_lr``,
     ``max_lr``, ``base_momentum``, ...) are not.
 
+    The update itself is *canonical* where :mod:`zkdv.torch.optimizers.canonical`
+    covers the optimizer (Adam, AdamW, SGD, ...: :attr:`canonical_reason` is None): a
+    fixed sequence of correctly rounded operations that gives the same bits on any
+    hardware, applied by training (:meth:`update_live`), by the SDK's sampled checks and
+    by the platform's replay (:meth:`step`) alike. Otherwise it is the contract's
+    ``torch.optim`` functional core, which rounds differently on other CPU kernel
+    families and GPUs.
+
     Args:
         optimizer: the user's eager optimizer; its lazily created state is created
             now through ``contract.initialize`` so the layout is fixed from step 0.
         contract: the functional contract of ``type(optimizer)``.
+        canonical: use the canonical update (True), the contract's (False), or decide
+            by what the canonical update covers (None). A replay passes what the run
+            recorded.
 
     Raises:
-        ValueError: the contract rejects the optimizer's configuration.
+        ValueError: the contract rejects the optimizer's configuration, or
+            ``canonical=True`` where the canonical update does not cover it.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, contract: OptimizerContract) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        contract: OptimizerContract,
+        *,
+        canonical: bool | None = None,
+    ) -> None:
         contract.validate(optimizer)
         self.optimizer = optimizer
         self.contract = contract
@@ -99,6 +118,15 @@ class OptimizerBridge:
         )
         self._initialize()
         pack_optimizer_state(optimizer)
+        #: Why the canonical update does not cover this optimizer (None: it does).
+        self.canonical_reason: str | None = (
+            "the run recorded the optimizer's own update" if canonical is False else None
+        )
+        if canonical is not False:
+            reason = self._canonical_reason(optimizer, contract)
+            if reason is not None and canonical:
+                raise ValueError(f"the canonical optimizer update does not apply: {reason}")
+            self.canonical_reason = reason
         self.state_names: tuple[tuple[str, ...], ...] = tuple(
             tuple(sorted(optimizer.state[parameter])) for parameter in self.parameters
         )
@@ -107,6 +135,34 @@ class OptimizerBridge:
         #: A prepared GradScaler's live state (None: no loss scaling), and its options.
         self._scaler_state: Callable[[], State] | None = None
         self.scaler_options: dict[str, Any] | None = None
+
+    @staticmethod
+    def _canonical_reason(
+        optimizer: torch.optim.Optimizer, contract: OptimizerContract
+    ) -> str | None:
+        kind = contract.optimizer_type
+        builtin = type(contract).__module__.startswith("zkdv.torch.optimizers.")
+        if not builtin or kind is None or type(optimizer) is not kind:
+            return (
+                f"{type(optimizer).__name__} has a custom contract; only torch.optim's own "
+                "optimizers have a canonical update"
+            )
+        for group in optimizer.param_groups:
+            reason = canonical_update.supports(
+                contract.name, group, {parameter.dtype for parameter in group["params"]}
+            )
+            if reason is not None:
+                return reason
+        return None
+
+    def use_native(self, reason: str) -> None:
+        """Apply the contract's own update from now on (training does, for ``reason``)."""
+        self.canonical_reason = reason
+
+    @property
+    def canonical(self) -> bool:
+        """Whether the update is the canonical one (bitwise reproducible anywhere)."""
+        return self.canonical_reason is None
 
     def bind_scaler(self, live: Callable[[], State] | None, options: dict[str, Any]) -> None:
         """Commit a GradScaler's state after every parameter's optimizer state.
@@ -352,6 +408,46 @@ class OptimizerBridge:
             }
             if bool(found_inf.item()):  # the scaler skipped the optimizer step
                 return updated, updated_states
+        if self.canonical and self.scaled and not _all_finite(gradients):
+            # The canonical rule for loss scaling: a non-finite gradient skips the update,
+            # decided from the committed gradient itself (GradScaler's found_inf).
+            return updated, updated_states
+        self._apply(updated, updated_states, gradients, hyperparameters)
+        return updated, updated_states
+
+    def update_live(
+        self,
+        gradients: Sequence[torch.Tensor | None],
+        hyperparameters: Sequence[dict[str, Any]] | None,
+    ) -> None:
+        """Apply one step's canonical update to the live parameters and optimizer state.
+
+        What training runs instead of ``torch.optim``'s native step, so the committed
+        post-update state is what :meth:`step` recomputes from the committed gradient on
+        any hardware.
+
+        Args:
+            gradients: per model parameter (canonical order), the gradient the update
+                reads, or None (no update).
+            hyperparameters: the step's dynamic options, as committed.
+        """
+        assert self.canonical, self.canonical_reason
+        if self.scaled and not _all_finite(gradients):
+            return
+        states = [
+            self.optimizer.state[parameter] if held else {}
+            for parameter, held in zip(self._order, self._held, strict=True)
+        ]
+        self._apply(list(self._order), states, gradients, hyperparameters)
+
+    def _apply(
+        self,
+        parameters: Sequence[torch.Tensor],
+        states: Sequence[State],
+        gradients: Sequence[torch.Tensor | None],
+        hyperparameters: Sequence[dict[str, Any]] | None,
+    ) -> None:
+        """One update of ``parameters`` and ``states`` in place, group by group."""
         with torch.no_grad():
             for group, positions in zip(
                 self.groups(hyperparameters), self._group_positions, strict=True
@@ -359,13 +455,25 @@ class OptimizerBridge:
                 active = [position for position in positions if gradients[position] is not None]
                 if not active:
                     continue
-                self.contract.update(
-                    [updated[position] for position in active],
-                    [gradients[position] for position in active],  # type: ignore[misc]
-                    [updated_states[position] for position in active],
+                arguments = (
+                    [parameters[position] for position in active],
+                    [gradients[position] for position in active],
+                    [states[position] for position in active],
                     group,
                 )
-        return updated, updated_states
+                if self.canonical:
+                    canonical_update.update(self.contract.name, *arguments)
+                else:
+                    self.contract.update(*arguments)  # type: ignore[arg-type]
+
+
+def _all_finite(gradients: Sequence[torch.Tensor | None]) -> bool:
+    """Whether every gradient is finite (one device-to-host read for all of them)."""
+    present = [gradient for gradient in gradients if gradient is not None]
+    if not present:
+        return True
+    flags = torch.stack([torch.isfinite(gradient).all() for gradient in present])
+    return bool(flags.all().item())
 
 
 def _real(value: Any) -> bool:
