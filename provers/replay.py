@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from zkdv.batch import commit_batch
-from zkdv.config import FloatTolerance, ZKDVConfig
+from zkdv.config import FloatTolerance, GradientBounds, ZKDVConfig
 from zkdv.files import TREES, batch_path, gradient_path, read_batch, read_state, snapshot_path
 from zkdv.gradients import Comparison, compare
 from zkdv.merkle import LeafSpec, commit_state
@@ -64,8 +64,11 @@ Step = Callable[
 #: ``schema.grad``, in its order).
 Compute = Callable[[Leaves, Leaves, Leaves, np.ndarray, dict[str, Any]], Leaves]
 #: ``(params, opt_state, buffers, committed computed values, step) -> (params, opt_state,
-#: buffers)`` after the step: the optimizer applied to the committed gradient.
-Apply = Callable[[Leaves, Leaves, Leaves, Leaves, dict[str, Any]], tuple[Leaves, Leaves, Leaves]]
+#: buffers, deltas)`` after the step: the optimizer applied to the committed gradient, and
+#: the parameters' update as the frontend commits its delta probe.
+Apply = Callable[
+    [Leaves, Leaves, Leaves, Leaves, dict[str, Any]], tuple[Leaves, Leaves, Leaves, Leaves]
+]
 ROOT_KEYS = ("p", "o", "b")
 
 
@@ -222,6 +225,14 @@ class Transcript:
             grad=None if grad is None else tuple(LeafSpec.from_dict(s) for s in grad),
         )
 
+    @property
+    def bounds(self) -> GradientBounds:
+        """The run's gradient bounds (a run that commits its gradients)."""
+        bounds = self.config.gradient_bounds
+        if bounds is None:
+            raise ReplayError("invalid_transcript", "the root record commits no gradient bounds")
+        return bounds
+
     def snapshot_before(self, step: int) -> int:
         """The latest snapshot at or before ``step``."""
         candidates = [s for s in self.snapshots if s <= step]
@@ -329,7 +340,7 @@ def replay(
         transcript = proof_dir if isinstance(proof_dir, Transcript) else Transcript.load(proof_dir)
         verdict.tolerance = transcript.config.tolerance.to_dict()
         if transcript.grad is not None:
-            verdict.bounds = transcript.config.gradient_bounds.to_dict()
+            verdict.bounds = transcript.bounds.to_dict()
             if transition.compute is None or transition.apply is None:
                 raise ReplayError(
                     "unsupported_program",
@@ -465,7 +476,7 @@ def _replay_halves(
     """One step of a run that commits its gradients (module docstring, point 3)."""
     assert transition.compute is not None and transition.apply is not None
     record = transcript.steps[k]
-    bounds = transcript.config.gradient_bounds
+    bounds = transcript.bounds
     committed = transcript.committed_computed(k)
     recomputed = transition.compute(*state, batch, record)
     comparison = compare(recomputed, committed, bounds)
@@ -475,11 +486,11 @@ def _replay_halves(
         raise ReplayError(
             "replay_mismatch",
             f"step {k}: the recomputed values differ from the committed ones beyond the "
-            f"run's gradient bounds (tensor {bounds.tensor:g}, total {bounds.total:g}): "
-            f"{comparison.describe()}",
+            f"run's gradient bounds (tensor {bounds.tensor:g}, total {bounds.total:g}, "
+            f"scale {bounds.scale:g}): {comparison.describe()}",
         )
     pre_params = state[0]
-    params, opt_state, buffers = transition.apply(*state, committed, record)
+    params, opt_state, buffers, deltas = transition.apply(*state, committed, record)
     chunk = transcript.config.chunk_bytes
     replayed_roots = tuple(
         commit_state(leaves, chunk).root for leaves in (params, opt_state, buffers)
@@ -496,10 +507,6 @@ def _replay_halves(
     probes = transcript.committed_probes(k)
     excess: float | None = None
     if probes is not None:
-        deltas = [
-            (name, after.astype(np.float32) - before.astype(np.float32))
-            for (name, after), (_, before) in zip(params, pre_params, strict=True)
-        ]
         replayed = _replayed_probes(transcript, pre_params, params, deltas)
         gradients = dict(committed)
         grad_rows = np.concatenate(

@@ -382,7 +382,7 @@ def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
 
     def apply(
         params: Leaves, opt_state: Leaves, buffers: Leaves, committed: Leaves, step: dict[str, Any]
-    ) -> tuple[Leaves, Leaves, Leaves]:
+    ) -> tuple[Leaves, Leaves, Leaves, Leaves]:
         """The optimizer applied to the committed gradient; the committed buffers kept."""
         before, states, _ = prepared(params, opt_state, buffers)
         values = dict(committed)
@@ -401,10 +401,15 @@ def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
             )
         with torch.no_grad():
             after, states_after = update(before, states, gradients, step, scaler)
+            # The committed delta probe projects ``post - pre`` in float32.
+            deltas = [a.float() - b.float() for a, b in zip(after, before, strict=True)]
         buffers_after = laid_out(
             "buffers", [(name, values[leaf_name("buffers", name)]) for name in buffer_names]
         )
-        return named_state(after, states_after, buffers_after)
+        return (
+            *named_state(after, states_after, buffers_after),
+            [(n, host_array(t)) for n, t in zip(names, deltas, strict=True)],
+        )
 
     return Transition(
         transition,

@@ -451,3 +451,81 @@ def test_hp_group_count_is_bounded_without_a_group_list(unchecked: Records) -> N
         _with_hp(unchecked, [{}] * 1025, groups=None), "schema", at(unchecked, "step", 0), "hp"
     )
     assert "at most 1024" in message
+
+
+# --- committed gradients (schema.grad, config.bounds, step.grad) ----------------------------
+
+
+@pytest.fixture(scope="module")
+def with_gradients(tmp_path_factory: pytest.TempPathFactory) -> Records:
+    """6 steps committing their gradients, no sampled checks."""
+    return _write(
+        tmp_path_factory.mktemp("gradients"),
+        steps=6,
+        snapshot_interval=3,
+        sampling=NO_CHECKS,
+        gradients=True,
+    )
+
+
+def test_a_run_that_commits_gradients_verifies_with_its_probes(tmp_path: Path) -> None:
+    path = tmp_path / "proof"
+    write_synthetic_transcript(path, steps=5, gradients=True)
+    report = verify_transcript(path)
+    assert report.ok, report.summary()
+    root = report.root
+    assert root["config"]["bounds"] == {"tensor": 1e-4, "total": 2e-5, "scale": 1e-5}
+    assert [leaf["path"] for leaf in root["schema"]["grad"]] == ["params:b", "params:w"]
+
+
+def test_gradients_and_bounds_come_together(with_gradients: Records) -> None:
+    root = with_gradients[0]
+    config = {k: v for k, v in root["config"].items() if k != "bounds"}
+    rejected(edited(with_gradients, 0, config=config), "schema", 0, "config")
+    schema = {k: v for k, v in root["schema"].items() if k != "grad"}
+    rejected(edited(with_gradients, 0, schema=schema), "schema", 0, "config.bounds")
+
+
+@pytest.mark.parametrize(
+    ("leaf", "words"),
+    [
+        ({"path": "w", "dtype": "float32", "shape": [6, 1]}, "must be named"),
+        ({"path": "params:x", "dtype": "float32", "shape": [6, 1]}, "does not name a params leaf"),
+        ({"path": "params:w", "dtype": "float64", "shape": [6, 1]}, "same dtype and shape"),
+        ({"path": "params:w", "dtype": "float32", "shape": [1, 6]}, "same dtype and shape"),
+        ({"path": "buffers:w", "dtype": "float32", "shape": [6, 1]}, "does not name a buffers"),
+    ],
+)
+def test_computed_leaves_name_state_leaves(with_gradients: Records, leaf: Any, words: str) -> None:
+    root = with_gradients[0]
+    schema = {**root["schema"], "grad": [root["schema"]["grad"][0], leaf]}
+    assert words in rejected(edited(with_gradients, 0, schema=schema), "schema", 0, "schema.grad")
+    twice = {**root["schema"], "grad": [root["schema"]["grad"][0]] * 2}
+    assert "twice" in rejected(edited(with_gradients, 0, schema=twice), "schema", 0)
+
+
+@pytest.mark.parametrize("bounds", [{"tensor": 1.0, "total": 0, "scale": 0}, {"tensor": 0.1}])
+def test_the_bounds_have_their_fields_and_ranges(with_gradients: Records, bounds: Any) -> None:
+    root = with_gradients[0]
+    config = {**root["config"], "bounds": bounds}
+    rejected(edited(with_gradients, 0, config=config), "schema", 0)
+
+
+def test_every_step_commits_its_computed_values(
+    with_gradients: Records, unchecked: Records
+) -> None:
+    index = at(with_gradients, "step", 2)
+    step = {k: v for k, v in with_gradients[index].items() if k != "grad"}
+    out = list(with_gradients)
+    out[index] = step
+    rejected(out, "schema", index, "grad")
+    rejected(edited(with_gradients, index, grad=b"short"), "schema", index, "grad")
+    # And none in a run that does not declare them.
+    index = at(unchecked, "step", 2)
+    rejected(edited(unchecked, index, grad=bytes(32)), "schema", index, "grad")
+
+
+def test_the_probe_block_holds_the_gradient_probes(with_gradients: Records) -> None:
+    first = with_gradients[at(with_gradients, "step", 0)]
+    specs = tuple(LeafSpec.from_dict(leaf) for leaf in with_gradients[0]["schema"]["params"])
+    assert first["probe"]["len"] == 4 * 4 * _probe_floats(specs, 0.5)

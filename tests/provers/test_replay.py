@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from provers.replay import Transcript, replay, windows
-from zkdv.files import batch_path, snapshot_path
+from provers.replay import Transcript, Transition, replay, windows
+from zkdv.files import batch_path, gradient_path, snapshot_path
 from zkdv.testing import LinearSGD, write_synthetic_transcript
 
 FEATURES = 6
@@ -97,3 +97,138 @@ def test_replay_within_tolerance_when_not_bitwise(tmp_path: Path) -> None:
     assert verdict.ok, verdict.message
     assert not any(e.exact for e in verdict.evidence)
     assert all(e.probe_excess is not None and e.probe_excess <= 0 for e in verdict.evidence)
+
+
+# --- runs that commit their gradients -------------------------------------------------------
+# The replay recomputes each step's gradient (the gradient program), compares it with the
+# committed one within the run's GradientBounds, then applies the optimizer to the committed
+# gradient and demands the committed roots bit for bit.
+
+
+def _leaves(tree):  # type: ignore[no-untyped-def]
+    return [(k, tree[k]) for k in sorted(tree)]
+
+
+def _halves(noise: float = 0.0, seed: int = 0) -> Transition:
+    """LinearSGD's step as the two halves; ``noise`` perturbs the recomputed gradient by
+    that relative amount in a random direction, as another machine's rounding does."""
+    model = LinearSGD(FEATURES)
+    rng = np.random.default_rng(seed)
+
+    def compute(params, opt_state, buffers, batch, step):  # type: ignore[no-untyped-def]
+        grads = model.gradients(dict(params), batch)
+        out = []
+        for name, value in _leaves(grads):
+            if noise:
+                jitter = rng.standard_normal(value.shape).astype(np.float32)
+                jitter *= np.float32(noise * np.linalg.norm(value) / np.linalg.norm(jitter))
+                value = (value + jitter).astype(np.float32)
+            out.append((f"params:{name}", value))
+        return out
+
+    def apply(params, opt_state, buffers, committed, step):  # type: ignore[no-untyped-def]
+        grads = {name.removeprefix("params:"): value for name, value in committed}
+        deltas, new_p, new_s = model.apply(dict(params), dict(opt_state), grads)
+        return _leaves(new_p), _leaves(new_s), list(buffers), _leaves(deltas)
+
+    return Transition(transition, compute, apply, canonical=True)
+
+
+def _gradient_run(tmp_path: Path, forge: str | None = None) -> Path:
+    return write_synthetic_transcript(
+        tmp_path / (forge or "honest"),
+        steps=8,
+        features=FEATURES,
+        forge=forge,
+        forge_step=3,
+        gradients=True,
+    )
+
+
+def test_a_run_with_committed_gradients_replays_every_step_exactly(tmp_path: Path) -> None:
+    path = _gradient_run(tmp_path)
+    transcript = Transcript.load(path)
+    assert [spec.path for spec in transcript.grad or ()] == ["params:b", "params:w"]
+    for first, last in windows(transcript):
+        verdict = replay(transcript, step=first, through=last, transition=_halves())
+        assert verdict.ok, verdict.message
+        assert all(e.exact and e.gradient == {"exact": True, "margin": 0.0, "worst": None}
+                   for e in verdict.evidence)  # fmt: skip
+        assert verdict.bounds == {"tensor": 1e-4, "total": 2e-5, "scale": 1e-5}
+
+
+def test_another_machines_rounding_passes_within_the_bounds(tmp_path: Path) -> None:
+    # A recomputed gradient off by 1e-6 of its norm in a random direction, as an honest
+    # replay on other kernels is: within bounds, and the state still reproduced exactly.
+    path = _gradient_run(tmp_path)
+    verdict = replay(path, step=2, through=3, transition=_halves(noise=1e-6))
+    assert verdict.ok, verdict.message
+    for evidence in verdict.evidence:
+        assert not evidence.exact and evidence.gradient is not None
+        assert 0 < evidence.gradient["margin"] < 0.2
+
+
+def test_a_gradient_far_off_fails_the_bounds(tmp_path: Path) -> None:
+    # 1e-3 of the norm is ten times the tensor bound (and, on a leaf of one element,
+    # all of it lies along the gradient).
+    path = _gradient_run(tmp_path)
+    verdict = replay(path, step=2, transition=_halves(noise=1e-3))
+    assert (verdict.ok, verdict.reason) == (False, "replay_mismatch")
+    assert "beyond the run's gradient bounds" in str(verdict.message)
+    assert verdict.evidence[-1].gradient["margin"] > 5  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("forge", "test"),
+    [
+        ("scaled_gradient", "scale"),  # trained on, and committed, the gradient times 1.01
+        ("batches", "norm"),  # trained on other batches than committed
+    ],
+)
+def test_a_committed_gradient_that_is_not_the_recomputed_one_is_caught(
+    tmp_path: Path, forge: str, test: str
+) -> None:
+    path = _gradient_run(tmp_path, forge)
+    assert replay(path, step=2, transition=_halves()).ok  # before the forgery
+    verdict = replay(path, step=3, transition=_halves())
+    assert (verdict.ok, verdict.reason) == (False, "replay_mismatch")
+    assert str(verdict.message).startswith("step 3: the recomputed values differ")
+    worst = verdict.evidence[-1].gradient["worst"]  # type: ignore[index]
+    assert worst["test"] == test or forge == "batches"
+
+
+def test_a_state_the_committed_gradient_does_not_give_is_caught(tmp_path: Path) -> None:
+    # The gradient is honest; the update (another learning rate) is not: the canonical
+    # optimizer on the committed gradient misses the committed roots.
+    path = _gradient_run(tmp_path, "lr")
+    verdict = replay(path, step=3, transition=_halves())
+    assert (verdict.ok, verdict.reason) == (False, "replay_mismatch")
+    assert "does not give the committed post-update state" in str(verdict.message)
+
+
+def test_parameters_changed_between_steps_are_caught(tmp_path: Path) -> None:
+    # Step 4 trained from other parameters than step 3 committed: its gradient is not
+    # the one the committed state gives.
+    path = _gradient_run(tmp_path, "outside_step")
+    verdict = replay(path, step=4, transition=_halves())
+    assert (verdict.ok, verdict.reason) == (False, "replay_mismatch")
+    assert str(verdict.message).startswith("step 4:")
+
+
+def test_a_gradient_file_is_checked_against_its_root(tmp_path: Path) -> None:
+    path = _gradient_run(tmp_path)
+    file = gradient_path(path, 3)
+    data = bytearray(file.read_bytes())
+    data[0] ^= 1
+    file.write_bytes(bytes(data))
+    verdict = replay(path, step=3, transition=_halves())
+    assert verdict.reason == "gradient_mismatch"
+    assert "grad-00000003.bin does not hash to step 3's committed grad root" in verdict.message
+    file.unlink()
+    verdict = replay(path, step=3, transition=_halves())
+    assert verdict.reason == "missing_file" and "grad-00000003.bin" in verdict.message
+
+
+def test_a_prover_that_cannot_split_the_step_says_so(tmp_path: Path) -> None:
+    verdict = replay(_gradient_run(tmp_path), step=1, transition=transition)
+    assert (verdict.ok, verdict.reason) == (False, "unsupported_program")

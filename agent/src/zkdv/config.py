@@ -7,7 +7,14 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["COMMITMENT_PATHS", "FloatTolerance", "GradientBounds", "SamplingPolicy", "ZKDVConfig"]
+__all__ = [
+    "COMMITMENT_PATHS",
+    "PRECISIONS",
+    "FloatTolerance",
+    "GradientBounds",
+    "SamplingPolicy",
+    "ZKDVConfig",
+]
 
 STATE_CHECK_SENTINEL = -1.0
 # 1 MiB: opening one coordinate discloses one chunk, and smaller chunks cost Python
@@ -127,46 +134,77 @@ class FloatTolerance:
         return cls(absolute=float(data["abs"]), relative=float(data["rel"]))
 
 
+#: What a gradient program computes in: float32 throughout, or with reduced precision
+#: somewhere (bfloat16 or float16 autocast or parameters, TF32 matrix products).
+PRECISIONS = ("float32", "reduced")
+
+
 @dataclass(frozen=True)
 class GradientBounds:
     """How far a verifier's recomputed gradient may be from the committed one.
 
-    A run that commits its gradients (both frontends, wherever the optimizer's update
-    is canonical) is replayed on the platform's own hardware: the verifier recomputes
-    each challenged step's gradient from the committed pre-state and batch and compares
-    it with the committed gradient, leaf by leaf. With ``r`` the replayed leaf, ``c``
-    the committed one and ``g`` the whole replayed gradient (every leaf together), a
-    leaf passes when
+    A run that commits its gradients (:mod:`zkdv.gradients`) is replayed on the
+    platform's own hardware: the verifier recomputes each challenged step's gradient
+    from the committed pre-state and batch and compares it with the committed gradient.
+    With ``r`` a replayed leaf, ``c`` the committed one, ``d = c - r`` and ``g`` the
+    whole replayed gradient (every leaf together), each leaf passes when (L2 norms)
 
-        |c - r| <= tensor * |r| + total * |g|          (L2 norms)
+        |d|                 <= tensor * |r| + total * |g|
+        |<d, r>| / |r|      <= scale  * |r| + total * |g|
 
-    Honest runs differ only by rounding, which is small relative to these norms
-    (``docs/transcript.md``, "Gradient bounds", gives the measured maxima and the
-    margin); a forger's freedom per step is exactly this budget, and the optimizer is
-    then applied to the committed gradient exactly, so nothing else can be hidden.
+    and the whole gradient when ``|<d, g>| / |g| <= scale * |g|``. Honest runs differ
+    only by rounding, which is small relative to these norms and points anywhere, so
+    its part along the gradient itself is smaller still; a forger's systematic change (a
+    scaled gradient) is all along it. The optimizer is then applied to the committed
+    gradient exactly, so this budget is all a forger has per step
+    (``docs/transcript.md``, "Gradient bounds": the measured honest maxima, the margins,
+    and what the budget buys a forger).
 
     Args:
-        tensor: bound relative to the leaf's own norm.
+        tensor: bound on a leaf's divergence, relative to its own norm.
         total: bound relative to the norm of the whole gradient; covers leaves whose
             true gradient is (nearly) zero, whose computed value is rounding noise.
+        scale: bound on the part of the divergence along the gradient itself,
+            relative to its norm (a leaf's, and the whole gradient's).
     """
 
-    tensor: float = 1e-3
-    total: float = 1e-5
+    tensor: float
+    total: float
+    scale: float
 
     def __post_init__(self) -> None:
-        for name in ("tensor", "total"):
+        for name in ("tensor", "total", "scale"):
             value = float(getattr(self, name))
             if not math.isfinite(value) or not 0.0 <= value < 1.0:
                 raise ValueError(f"GradientBounds {name}={value!r} must be in [0, 1)")
             object.__setattr__(self, name, value)
 
+    @classmethod
+    def default(cls, precision: str, *, compiled: bool = False) -> GradientBounds:
+        """The default bounds of a gradient program of ``precision`` (:data:`PRECISIONS`).
+
+        Set from the honest divergence measured across CPU kernel families, thread counts,
+        and compiled against eager programs (``docs/reliability.md``, "Cross-hardware
+        replay"), with a margin of at least 10x. ``compiled``: the replay's gradient
+        program is compiled code while training ran eager kernels (an AOT Inductor
+        program), which rounds reduced precision further apart.
+        """
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision {precision!r} must be one of {', '.join(PRECISIONS)}")
+        if precision == "float32":
+            return cls(tensor=1e-4, total=2e-5, scale=1e-5)
+        if compiled:
+            return cls(tensor=8e-2, total=3e-3, scale=6e-2)
+        return cls(tensor=2.5e-2, total=1e-3, scale=3e-3)
+
     def to_dict(self) -> dict[str, float]:
-        return {"tensor": self.tensor, "total": self.total}
+        return {"tensor": self.tensor, "total": self.total, "scale": self.scale}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GradientBounds:
-        return cls(tensor=float(data["tensor"]), total=float(data["total"]))
+        return cls(
+            tensor=float(data["tensor"]), total=float(data["total"]), scale=float(data["scale"])
+        )
 
 
 @dataclass(frozen=True)
@@ -178,7 +216,9 @@ class ZKDVConfig:
         sampling_policy: which steps are re-executed and checked.
         tolerance: how replayed floats are compared with committed ones.
         gradient_bounds: how a verifier's recomputed gradient is compared with the
-            committed one (runs that commit gradients; :class:`GradientBounds`).
+            committed one (runs that commit gradients; :class:`GradientBounds`). None
+            (default): :meth:`GradientBounds.default` for the precision the gradient
+            program computes in, which the frontend finds when it seals the program.
         chunk_bytes: size of a Merkle leaf chunk; one coordinate is opened by
             disclosing one chunk and a logarithmic path.
         commitments: where the state is hashed and probed. ``"host"``: the state is
@@ -196,7 +236,7 @@ class ZKDVConfig:
     sampling_policy: SamplingPolicy = field(default_factory=SamplingPolicy)
     tolerance: FloatTolerance = field(default_factory=FloatTolerance)
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    gradient_bounds: GradientBounds = field(default_factory=GradientBounds)
+    gradient_bounds: GradientBounds | None = None
     commitments: str = "auto"
 
     def __post_init__(self) -> None:
@@ -206,8 +246,10 @@ class ZKDVConfig:
             raise TypeError("ZKDVConfig sampling_policy must be a zkdv.SamplingPolicy")
         if not isinstance(self.tolerance, FloatTolerance):
             raise TypeError("ZKDVConfig tolerance must be a zkdv.FloatTolerance")
-        if not isinstance(self.gradient_bounds, GradientBounds):
-            raise TypeError("ZKDVConfig gradient_bounds must be a zkdv.GradientBounds")
+        if self.gradient_bounds is not None and not isinstance(
+            self.gradient_bounds, GradientBounds
+        ):
+            raise TypeError("ZKDVConfig gradient_bounds must be a zkdv.GradientBounds or None")
         chunk = self.chunk_bytes
         if chunk < 64 or chunk & (chunk - 1):
             raise ValueError(f"ZKDVConfig chunk_bytes={chunk} must be a power of two >= 64")
@@ -234,7 +276,5 @@ class ZKDVConfig:
             sampling_policy=SamplingPolicy.from_dict(data["sampling"]),
             tolerance=FloatTolerance.from_dict(data["tolerance"]),
             chunk_bytes=int(data["chunk_bytes"]),
-            gradient_bounds=GradientBounds()
-            if bounds is None
-            else GradientBounds.from_dict(bounds),
+            gradient_bounds=None if bounds is None else GradientBounds.from_dict(bounds),
         )

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from zkdv.batch import as_batch, commit_batch, validate_window
-from zkdv.config import ZKDVConfig
+from zkdv.config import GradientBounds, ZKDVConfig
 from zkdv.hashing import Domain, hash_bytes
 from zkdv.merkle import LeafSpec, StateCommitment, commit_state
 from zkdv.probes import ProbeSet
@@ -174,13 +174,15 @@ class ZKDVCore:
         env: dict[str, Any] | None = None,
         shardings: dict[str, Any] | None = None,
         grad: Sequence[LeafSpec] | None = None,
+        bounds: GradientBounds | None = None,
     ) -> StateRoots:
         """Write the root record, committing to the initial state.
 
         Args:
             grad: the leaves of every step's computed values (:mod:`zkdv.gradients`):
-                the run commits them, and its root records them as ``schema.grad`` with
-                the configuration's gradient bounds as ``config.bounds``.
+                the run commits them, and its root records them as ``schema.grad``.
+            bounds: their bounds, recorded as ``config.bounds``: the configuration's
+                when it sets them, else these (the frontend's default for its program).
         """
         if self._writer is not None:
             raise RuntimeError("the transcript root is already written")
@@ -213,7 +215,10 @@ class ZKDVCore:
         if grad is not None:
             self.grad_specs = tuple(grad)
             schema["grad"] = [s.to_dict() for s in self.grad_specs]
-            config["bounds"] = self.config.gradient_bounds.to_dict()
+            chosen = self.config.gradient_bounds or bounds
+            if chosen is None:
+                raise RuntimeError("a run that commits computed values needs gradient bounds")
+            config["bounds"] = chosen.to_dict()
         root = {
             "t": "root",
             "v": PROTOCOL_VERSION,

@@ -38,7 +38,9 @@ import numpy as np
 from zkdv.config import GradientBounds
 
 __all__ = [
+    "TESTS",
     "TREES",
+    "WHOLE",
     "Comparison",
     "LeafDivergence",
     "compare",
@@ -74,16 +76,29 @@ def split_name(name: str) -> tuple[str, str]:
     return tree, path
 
 
+#: The two tests of a computed leaf (:func:`compare`).
+TESTS = ("norm", "scale")
+#: The name of the whole-gradient test's entry.
+WHOLE = "gradient"
+
+
 @dataclass(frozen=True)
 class LeafDivergence:
-    """How one recomputed leaf compares with the committed one."""
+    """How one recomputed leaf (or the whole gradient) compares with the committed one.
+
+    ``test`` is ``"norm"``: the divergence is ``|c - r|``; or ``"scale"``: it is the part
+    of ``c - r`` along ``r``, ``|<c - r, r>| / |r|``, which honest rounding leaves far
+    smaller than the norm (it points anywhere), and a forger's systematic change (a
+    scaled gradient, another learning rate in disguise) does not.
+    """
 
     path: str
-    #: ``|committed - replayed|`` (L2, float64); inf where finiteness differs.
+    test: str
+    #: The measured divergence (L2, float64); inf where finiteness differs.
     divergence: float
-    #: What the bounds allow this leaf.
+    #: What the bounds allow.
     bound: float
-    #: ``|replayed|``.
+    #: ``|r|``.
     norm: float
     #: Bitwise equal.
     exact: bool
@@ -98,6 +113,7 @@ class LeafDivergence:
     def to_dict(self) -> dict[str, Any]:
         return {
             "path": self.path,
+            "test": self.test,
             "divergence": self.divergence,
             "bound": self.bound,
             "norm": self.norm,
@@ -107,7 +123,7 @@ class LeafDivergence:
 
 @dataclass(frozen=True)
 class Comparison:
-    """A step's recomputed values against its committed ones, leaf by leaf."""
+    """A step's recomputed values against its committed ones: every test of every leaf."""
 
     leaves: tuple[LeafDivergence, ...]
 
@@ -118,12 +134,12 @@ class Comparison:
 
     @property
     def ok(self) -> bool:
-        """Every leaf within its bound."""
+        """Every test within its bound."""
         return all(leaf.divergence <= leaf.bound for leaf in self.leaves)
 
     @property
     def worst(self) -> LeafDivergence | None:
-        """The leaf closest to (or furthest beyond) its bound."""
+        """The test closest to (or furthest beyond) its bound."""
         return max(self.leaves, key=lambda leaf: leaf.ratio, default=None)
 
     @property
@@ -133,13 +149,14 @@ class Comparison:
         return 0.0 if worst is None else worst.ratio
 
     def describe(self) -> str:
-        """One sentence on the worst leaf, for a verdict's message."""
+        """One sentence on the worst test, for a verdict's message."""
         worst = self.worst
         if worst is None or worst.exact:
             return "bitwise equal"
+        what = "differs by" if worst.test == "norm" else "differs along its own direction by"
         return (
-            f"{worst.path} differs by {worst.divergence:.3g} (L2), "
-            f"{worst.ratio:.3g} of its bound {worst.bound:.3g} (its norm {worst.norm:.3g})"
+            f"{worst.path} {what} {worst.divergence:.3g} (L2), {worst.ratio:.3g} times its "
+            f"bound {worst.bound:.3g} (its norm {worst.norm:.3g})"
         )
 
 
@@ -151,27 +168,20 @@ def _floating(array: np.ndarray) -> bool:
     )
 
 
-def _norm(array: np.ndarray) -> float:
-    """L2 norm in float64 over the finite values (non-finite ones are compared apart)."""
-    values = array.astype(np.float64, copy=False).reshape(-1)
-    finite = np.isfinite(values)
-    return float(np.linalg.norm(values if finite.all() else values[finite]))
-
-
-def _divergence(replayed: np.ndarray, committed: np.ndarray) -> float:
-    """``|c - r|`` in float64; inf where the two disagree on a non-finite value."""
+def _finite64(replayed: np.ndarray, committed: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Both as flat float64 over their finite entries; None where the two disagree on a
+    non-finite value (an overflow must be the same overflow)."""
     r = replayed.astype(np.float64, copy=False).reshape(-1)
     c = committed.astype(np.float64, copy=False).reshape(-1)
     finite_r, finite_c = np.isfinite(r), np.isfinite(c)
-    if not (finite_r.all() and finite_c.all()):
-        if not np.array_equal(finite_r, finite_c):
-            return math.inf
-        # The same positions are non-finite: they must be the same kind (nan, +inf, -inf).
-        odd = ~finite_r
-        if not ((np.isnan(r[odd]) & np.isnan(c[odd])) | (r[odd] == c[odd])).all():
-            return math.inf
-        r, c = r[finite_r], c[finite_r]
-    return float(np.linalg.norm(c - r))
+    if finite_r.all() and finite_c.all():
+        return r, c
+    if not np.array_equal(finite_r, finite_c):
+        return None
+    odd = ~finite_r
+    if not ((np.isnan(r[odd]) & np.isnan(c[odd])) | (r[odd] == c[odd])).all():
+        return None
+    return r[finite_r], c[finite_r]
 
 
 def _exact(replayed: np.ndarray, committed: np.ndarray) -> bool:
@@ -179,13 +189,53 @@ def _exact(replayed: np.ndarray, committed: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
-def compare(replayed: Leaves, committed: Leaves, bounds: GradientBounds) -> Comparison:
-    """Compare recomputed computed values with the committed ones, leaf by leaf.
+@dataclass
+class _Measured:
+    name: str
+    exact: bool
+    floating: bool
+    norm: float = 0.0
+    #: ``|c - r|`` and ``<c - r, r>``: inf and nan where finiteness differs.
+    difference: float = 0.0
+    along: float = 0.0
 
-    Gradient leaves (``params:``) are bounded by ``bounds.tensor`` times their own norm
-    plus ``bounds.total`` times the norm of the whole recomputed gradient; carried
-    leaves (``opt_state:``, ``buffers:``) likewise against the carried leaves' total
-    norm. Integer leaves (step counters) must be equal, and so must non-finite values
+
+def _measure(name: str, replayed: np.ndarray, committed: np.ndarray) -> _Measured:
+    if replayed.shape != committed.shape:
+        raise ValueError(
+            f"computed leaf {name}: recomputed shape {replayed.shape} is not the committed "
+            f"{committed.shape}"
+        )
+    exact = _exact(replayed, committed)
+    floating = _floating(replayed)
+    if not floating:
+        return _Measured(name, exact, False, difference=0.0 if exact else math.inf)
+    values = _finite64(replayed, committed)
+    if values is None:
+        finite = replayed.astype(np.float64).reshape(-1)
+        norm = float(np.linalg.norm(finite[np.isfinite(finite)]))
+        return _Measured(name, False, True, norm, math.inf, math.inf)
+    r, c = values
+    if exact:
+        return _Measured(name, True, True, float(np.linalg.norm(r)))
+    d = c - r
+    return _Measured(
+        name, False, True, float(np.linalg.norm(r)), float(np.linalg.norm(d)), float(d @ r)
+    )
+
+
+def compare(replayed: Leaves, committed: Leaves, bounds: GradientBounds) -> Comparison:
+    """Compare recomputed computed values with the committed ones.
+
+    Within each group (the gradient's ``params:`` leaves; the carried ``opt_state:`` and
+    ``buffers:`` leaves), with ``r`` a replayed leaf, ``c`` the committed one, ``d = c -
+    r`` and ``g`` the group's replayed leaves together, every floating leaf must pass
+
+    * the norm test: ``|d| <= tensor * |r| + total * |g|``;
+    * the scale test: ``|<d, r>| / |r| <= scale * |r| + total * |g|``;
+
+    and the whole group the scale test ``|<d, g>| / |g| <= scale * |g|`` (``d`` over every
+    leaf). Integer leaves (step counters) must be equal, and so must non-finite values
     (an overflow is the same overflow). Norms are the replayed values', never the
     committed ones': a forger cannot widen its own bound.
 
@@ -199,24 +249,45 @@ def compare(replayed: Leaves, committed: Leaves, bounds: GradientBounds) -> Comp
     """
     if [name for name, _ in replayed] != [name for name, _ in committed]:
         raise ValueError("the recomputed and committed computed values name different leaves")
-    measured: list[tuple[str, float, float, bool, bool]] = []
-    totals = {"params": 0.0, "carried": 0.0}
+    groups: dict[str, list[_Measured]] = {"params": [], "carried": []}
     for (name, r), (_, c) in zip(replayed, committed, strict=True):
-        r, c = np.asarray(r), np.asarray(c)
-        if r.shape != c.shape:
-            raise ValueError(
-                f"computed leaf {name}: recomputed shape {r.shape} is not the committed {c.shape}"
+        group = "params" if name.startswith("params:") else "carried"
+        groups[group].append(_measure(name, np.asarray(r), np.asarray(c)))
+    out: list[LeafDivergence] = []
+    for group, measured in groups.items():
+        total = math.sqrt(sum(m.norm * m.norm for m in measured))
+        floor = bounds.total * total
+        along_sum = 0.0
+        for m in measured:
+            if not m.floating:
+                out.append(LeafDivergence(m.name, "norm", m.difference, 0.0, 0.0, m.exact))
+                continue
+            along = abs(m.along) / m.norm if m.norm > 0 else abs(m.difference)
+            if math.isnan(along):
+                along = math.inf
+            out.append(
+                LeafDivergence(
+                    m.name, "norm", m.difference, bounds.tensor * m.norm + floor, m.norm, m.exact
+                )
             )
-        exact = _exact(r, c)
-        floating = _floating(r)
-        norm = _norm(r) if floating else 0.0
-        divergence = 0.0 if exact else (_divergence(r, c) if floating else math.inf)
-        group = "params" if name.startswith("params:") else "carried"
-        totals[group] += norm * norm
-        measured.append((name, divergence, norm, exact, floating))
-    leaves = []
-    for name, divergence, norm, exact, floating in measured:
-        group = "params" if name.startswith("params:") else "carried"
-        bound = bounds.tensor * norm + bounds.total * math.sqrt(totals[group]) if floating else 0.0
-        leaves.append(LeafDivergence(name, divergence, bound, norm, exact))
-    return Comparison(tuple(leaves))
+            out.append(
+                LeafDivergence(
+                    m.name, "scale", along, bounds.scale * m.norm + floor, m.norm, m.exact
+                )
+            )
+            along_sum += m.along
+        if measured and group == "params":
+            whole = abs(along_sum) / total if total > 0 else 0.0
+            if math.isnan(whole):
+                whole = math.inf
+            out.append(
+                LeafDivergence(
+                    WHOLE,
+                    "scale",
+                    whole,
+                    bounds.scale * total,
+                    total,
+                    all(m.exact for m in measured),
+                )
+            )
+    return Comparison(tuple(out))

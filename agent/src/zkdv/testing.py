@@ -22,9 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from zkdv.config import SamplingPolicy, ZKDVConfig
+from zkdv.config import GradientBounds, SamplingPolicy, ZKDVConfig
 from zkdv.core import ZKDVCore
-from zkdv.files import TREES, batch_path, snapshot_path, write_batch, write_state
+from zkdv.files import TREES, batch_path, gradient_path, snapshot_path, write_batch, write_state
+from zkdv.gradients import leaf_name
+from zkdv.merkle import LeafSpec
 from zkdv.sampling import Challenge
 
 __all__ = [
@@ -80,17 +82,25 @@ class LinearSGD:
         }
         return params, state
 
-    def update(
-        self, params: dict[str, np.ndarray], state: dict[str, np.ndarray], batch: np.ndarray
-    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """Return ``(deltas, new_params, new_state)`` without changing the inputs."""
+    def gradients(self, params: dict[str, np.ndarray], batch: np.ndarray) -> dict[str, np.ndarray]:
+        """The gradient of the squared loss on ``batch``: the step's gradient program."""
         x = batch[:, : self.features].astype(np.float32) / np.float32(1000)
         y = batch[:, self.features :].astype(np.float32) / np.float32(1000)
         error = x @ params["w"] + params["b"] - y
-        grads = {
+        return {
             "w": (x.T @ error) * np.float32(2 / len(x)),
             "b": error.sum(axis=0) * np.float32(2 / len(x)),
         }
+
+    def apply(
+        self,
+        params: dict[str, np.ndarray],
+        state: dict[str, np.ndarray],
+        grads: dict[str, np.ndarray],
+    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """SGD with momentum on ``grads``: ``(deltas, new_params, new_state)``, each value
+        a separately rounded float32 operation (numpy does not fuse them), so the same
+        bits everywhere: this model's canonical optimizer."""
         new_state = {
             "count": state["count"] + np.int32(1),
             "mu_b": self.momentum * state["mu_b"] + grads["b"],
@@ -100,9 +110,20 @@ class LinearSGD:
         new_params = {k: (params[k] + deltas[k]).astype(np.float32) for k in params}
         return deltas, new_params, new_state
 
+    def update(
+        self, params: dict[str, np.ndarray], state: dict[str, np.ndarray], batch: np.ndarray
+    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Return ``(deltas, new_params, new_state)`` without changing the inputs."""
+        return self.apply(params, state, self.gradients(params, batch))
+
 
 def _leaves(tree: dict[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:
     return [(key, tree[key]) for key in sorted(tree)]
+
+
+def _computed(grads: dict[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:
+    """A step's computed values: its gradient, named after the parameters."""
+    return [(leaf_name("params", key), value) for key, value in _leaves(grads)]
 
 
 def _flat(tree: dict[str, np.ndarray]) -> np.ndarray:
@@ -126,28 +147,36 @@ def write_synthetic_transcript(
     forge: str | None = None,
     forge_step: int = 1,
     rerun: int = 0,
+    gradients: bool = False,
 ) -> Path:
     """Train :class:`LinearSGD` for ``steps`` steps and write a valid transcript.
 
     Besides the records it writes what the platform's replay needs (``zkdv.files``):
-    snapshot files at every snapshot step and every step's batch file.
+    snapshot files at every snapshot step and every step's batch file (and with
+    ``gradients`` its gradient file).
 
     Args:
         forge: write a *forged* run that still passes the offline verifier, so only a
             replay can catch it (for tests of the provers and the platform):
             ``"outside_step"`` changes the parameters between ``forge_step`` and the
             next step; ``"batches"`` commits other batches than it trains on from
-            ``forge_step``; ``"lr"`` doubles the learning rate from ``forge_step``.
-            Forged runs answer their own sampled checks with the committed values.
+            ``forge_step``; ``"lr"`` doubles the learning rate from ``forge_step``;
+            ``"scaled_gradient"`` (with ``gradients``) trains on, and commits, the
+            gradient times 1.01 from ``forge_step``. Forged runs answer their own
+            sampled checks with the committed values.
         rerun: the ``rerun``-th repeat of the same training, as a real rerun records it:
             the same states and batches, but another probe seed and later timestamps
             (0, the default, is the first run).
+        gradients: commit every step's gradient as its computed values (``schema.grad``,
+            ``files/grad-<step>.bin``), with the float32 default bounds.
 
     Returns:
         ``proof_dir``, which then holds ``records.cborl``, ``probes.bin`` and ``files/``.
     """
-    if forge not in (None, "outside_step", "batches", "lr"):
+    if forge not in (None, "outside_step", "batches", "lr", "scaled_gradient"):
         raise ValueError(f"unknown forgery {forge!r}")
+    if forge == "scaled_gradient" and not gradients:
+        raise ValueError("the scaled_gradient forgery needs gradients=True")
     core = _synthetic_core(
         proof_dir,
         experiment=experiment,
@@ -174,6 +203,8 @@ def write_synthetic_transcript(
         batch_cols=features + 1,
         program=None,
         env=dict(SYNTHETIC_ENV),
+        grad=[LeafSpec.of(name, array) for name, array in _computed(params)] if gradients else None,
+        bounds=GradientBounds.default("float32"),
     )
     forged = forge is not None
     # The pre-state of the latest snapshot step: a sampled check replays from it, as the
@@ -188,15 +219,28 @@ def write_synthetic_transcript(
         params, trained_on = _forged_inputs(forge, forge_step, step, params, batch, rng)
         stepper = forged_model if step >= forge_step else model
         before_params = params
-        deltas, params, state = stepper.update(params, state, trained_on)
+        grads = stepper.gradients(params, trained_on)
+        if forge == "scaled_gradient" and step >= forge_step:
+            grads = {k: (v * np.float32(1.01)).astype(np.float32) for k, v in grads.items()}
+        deltas, params, state = stepper.apply(params, state, grads)
+        computed = _computed(grads) if gradients else None
+        if computed is not None:
+            write_state(gradient_path(proof_dir, step), computed)
+        # A forger keeps the probes of the steps it forges self-consistent.
+        lying = forged and step >= forge_step
+        probes = _probes(core, claimed_pre if lying else before_params, params, deltas, lying)
+        if computed is not None:
+            assert core.probes is not None
+            probes = (*probes, core.probes.project_all([a for _, a in _leaves(grads)]))
         result = core.commit_step(
             step,
             batch=batch,
             params=_leaves(params),
             opt_state=_leaves(state),
             buffers=[],
-            probes=_probes(core, claimed_pre if forged else before_params, params, deltas, forged),
+            probes=probes,
             flops=6.0 * features * rows,
+            grad=computed,
         )
         if result.challenge is None:
             continue

@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from zkdv.config import ZKDVConfig
+from zkdv.config import GradientBounds, ZKDVConfig
 from zkdv.core import ProgramInfo, ZKDVCore
 from zkdv.driver.control import HostControl
 from zkdv.driver.flowcontrol import Admission, PipelineQueue, unannotated
@@ -106,6 +106,8 @@ class Driver:
         self._program: ProgramInfo | None = None
         self._experiment: dict[str, str] | None = None
         self._env: dict[str, Any] = {}
+        #: The frontend's default gradient bounds for its program (set at sealing).
+        self._bounds: GradientBounds | None = None
         # Per-leaf layout description for the root schema (multi-device frontends).
         self._shardings: dict[str, Any] | None = None
         self._next_index = 0
@@ -384,6 +386,7 @@ class Driver:
         material: bytes | bytearray | memoryview,
         env: dict[str, Any],
         shardings: dict[str, Any] | None,
+        bounds: GradientBounds | None = None,
     ) -> ProgramInfo:
         """Record the attested artifact's exact bytes beside the transcript."""
         core = self._require_running()
@@ -394,6 +397,7 @@ class Driver:
         (self.path / program_file(kind)).write_bytes(bytes(material))
         self._program = info
         self._env = env
+        self._bounds = bounds
         if shardings is not None:
             self._shardings = shardings
         return info
@@ -470,6 +474,7 @@ class Driver:
                     env=self._env,
                     shardings=self._shardings,
                     grad=None if grad is None else grad.specs,
+                    bounds=self._bounds,
                 )
             batch = sub.batch()
             if self._keep_files:
@@ -630,8 +635,9 @@ class _Runtime:
         *,
         env: dict[str, Any],
         shardings: dict[str, Any] | None = None,
+        bounds: GradientBounds | None = None,
     ) -> ProgramInfo:
-        return self._driver._set_program(kind, material, env, shardings)
+        return self._driver._set_program(kind, material, env, shardings, bounds)
 
     @property
     def poisoned(self) -> BaseException | None:

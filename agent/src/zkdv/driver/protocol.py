@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from zkdv.config import GradientBounds
 from zkdv.core import ProgramInfo, State, ZKDVCore
 from zkdv.driver.flowcontrol import Admission
 from zkdv.driver.pipeline import Leaves, PendingUpdate, ReplayOutcome
@@ -181,11 +182,14 @@ class Runtime(Protocol):
         *,
         env: dict[str, Any],
         shardings: dict[str, Any] | None = None,
+        bounds: GradientBounds | None = None,
     ) -> ProgramInfo:
         """Commit the attested program's bytes and the environment it runs in.
 
         Before the first step only; ``shardings`` describes multi-device leaf layouts
-        for the root record's schema.
+        for the root record's schema; ``bounds`` are the gradient bounds of a run that
+        commits its computed values, when the configuration sets none
+        (:meth:`~zkdv.config.GradientBounds.default` for the program's precision).
         """
 
     # -- failures ------------------------------------------------------------------------

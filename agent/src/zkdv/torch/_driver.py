@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from zkdv.config import ZKDVConfig
+from zkdv.config import GradientBounds, ZKDVConfig
 from zkdv.driver import Driver, ReplayOutcome
 from zkdv.errors import ZKDVError, ZKDVPoisonedError
 from zkdv.gradients import leaf_name
@@ -1020,7 +1020,9 @@ class ZKDV(Driver):
             run_seed=self._run_seed,
             program_flops=self._program_flops,
         )
-        self.runtime.set_program(lowered.kind, lowered.material, env=env)
+        compiled = lowered.kind == artifact.AOT_INDUCTOR
+        bounds = GradientBounds.default(env["precision"]["kind"], compiled=compiled)
+        self.runtime.set_program(lowered.kind, lowered.material, env=env, bounds=bounds)
 
     def _resolve_path(
         self, model: PreparedModel, device: torch.device, parameters: tuple[torch.Tensor, ...]

@@ -133,6 +133,33 @@ def trace(
     return lowered, arguments
 
 
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
+def precision(
+    lowered: LoweredProgram, parameters: tuple[torch.Tensor, ...], device: torch.device
+) -> dict[str, Any]:
+    """What the gradient program computes in: ``float32``, or ``reduced`` and why.
+
+    Reduced precision (bfloat16 or float16 autocast or parameters, TF32 or bfloat16
+    matrix products) rounds far coarser, so its honest divergence across hardware, and
+    the default :class:`~zkdv.config.GradientBounds`, are larger.
+    """
+    reasons = []
+    if any(parameter.dtype in _REDUCED for parameter in parameters):
+        reasons.append("reduced-precision parameters")
+    values = (node.meta.get("val") for node in lowered.graph.graph.nodes)
+    if any(isinstance(value, torch.Tensor) and value.dtype in _REDUCED for value in values):
+        reasons.append("bfloat16 or float16 operations (autocast)")
+    if torch.get_float32_matmul_precision() != "highest":
+        reasons.append(f"float32 matmul precision {torch.get_float32_matmul_precision()!r}")
+    if device.type == "cuda" and (
+        torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32
+    ):
+        reasons.append("TF32 matrix products or convolutions on CUDA")
+    return {"kind": "reduced" if reasons else "float32", "reasons": reasons}
+
+
 def environment(
     *,
     model: PreparedModel,
@@ -151,6 +178,8 @@ def environment(
     """The root record's ``env``: what a replay must reproduce besides the program."""
     bridge = optimizer.bridge
     return {
+        # What the gradient program computes in (the default gradient bounds follow it).
+        "precision": precision(lowered, parameters, device),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
