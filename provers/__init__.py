@@ -11,12 +11,9 @@ framework of the other prover is never imported, so a worker needs only its own.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from zkdv.errors import TranscriptError
-from zkdv.files import program_file
-from zkdv.hashing import Domain, hash_bytes
-from zkdv.records import iter_records
+from zkdv.replay import program_material, root_record
 
 if TYPE_CHECKING:
     from provers.replay import ReplayVerdict, Transition
@@ -25,69 +22,6 @@ __all__ = ["PROVERS", "program_material", "require_exact", "root_record", "verif
 
 #: Prover name (the root record's ``prover``) to the module that replays it.
 PROVERS = {"whitebox-jax": "provers.jax_replay", "whitebox-torch": "provers.torch_replay"}
-
-
-def root_record(proof_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """The root record of a proof directory's transcript.
-
-    Raises:
-        provers.replay.ReplayError: ``invalid_transcript`` when there is none.
-    """
-    from provers.replay import ReplayError
-
-    try:
-        for record in iter_records(proof_dir):
-            if record.data.get("t") == "root":
-                return record.data
-            break
-    except (OSError, TranscriptError) as error:
-        raise ReplayError("invalid_transcript", f"the transcript cannot be read: {error}") from None
-    raise ReplayError("invalid_transcript", "the transcript does not start with a root record")
-
-
-def program_material(
-    proof_dir: str | os.PathLike[str], root: dict[str, Any], kinds: tuple[str, ...]
-) -> tuple[str, bytes]:
-    """The attested program's bytes, checked against the root record's digest.
-
-    Args:
-        proof_dir: the proof directory holding the artifact file.
-        root: its root record.
-        kinds: the program kinds this prover can run.
-
-    Returns:
-        ``(kind, bytes)``.
-
-    Raises:
-        provers.replay.ReplayError: ``program_mismatch`` when the root commits no
-            program of an accepted kind or the file does not hash to its digest,
-            ``missing_file`` when the file is absent.
-    """
-    from provers.replay import ReplayError
-
-    program = root.get("program")
-    if not isinstance(program, dict) or program.get("kind") not in kinds:
-        kind = program.get("kind") if isinstance(program, dict) else None
-        raise ReplayError(
-            "program_mismatch",
-            f"the root record commits program kind {kind!r}; this prover runs {list(kinds)}",
-        )
-    kind = str(program["kind"])
-    path = os.path.join(os.fspath(proof_dir), program_file(kind))
-    try:
-        with open(path, "rb") as handle:
-            material = handle.read()
-    except FileNotFoundError:
-        raise ReplayError(
-            "missing_file", f"program artifact {os.path.basename(path)} was not provided"
-        ) from None
-    if hash_bytes(Domain.FILE, material) != program.get("digest"):
-        raise ReplayError(
-            "program_mismatch",
-            f"program artifact {os.path.basename(path)} ({len(material)} bytes) does not "
-            f"hash to the program digest committed in the root record",
-        )
-    return kind, material
 
 
 def require_exact(verdict: ReplayVerdict) -> ReplayVerdict:
@@ -144,7 +78,8 @@ def verify_challenge(
     """
     import importlib
 
-    from provers.replay import ReplayError, ReplayVerdict
+    from provers.replay import ReplayVerdict
+    from zkdv.replay import ReplayError
 
     try:
         prover = root_record(proof_dir).get("prover")

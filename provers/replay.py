@@ -35,67 +35,27 @@ step in it. The function is pure: no Django, no Celery, no network.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from zkdv.batch import commit_batch
-from zkdv.config import FloatTolerance, GradientBounds, ZKDVConfig
-from zkdv.files import TREES, batch_path, gradient_path, read_batch, read_state, snapshot_path
+from zkdv.config import FloatTolerance
 from zkdv.gradients import Comparison, compare
-from zkdv.merkle import LeafSpec, commit_state
-from zkdv.probes import ProbeSet
-from zkdv.records import PROBES_FILE, iter_records
-from zkdv.verify import verify_transcript
+from zkdv.merkle import commit_state
+from zkdv.replay import Leaves, ReplayError, Step, Transcript, Transition, roots
 
-__all__ = ["ReplayVerdict", "StepEvidence", "Transcript", "Transition", "replay"]
+__all__ = [
+    "Leaves",
+    "ReplayError",
+    "ReplayVerdict",
+    "StepEvidence",
+    "Transcript",
+    "Transition",
+    "replay",
+]
 
-Leaves = list[tuple[str, np.ndarray]]
-#: ``(params, opt_state, buffers, batch, step) -> (params, opt_state, buffers, deltas)``;
-#: ``step`` is the step's record: its index ``i`` and whatever else the transition reads
-#: from it (a Torch step's ``hp``: the optimizer options its schedulers set).
-Step = Callable[
-    [Leaves, Leaves, Leaves, np.ndarray, dict[str, Any]], tuple[Leaves, Leaves, Leaves, Leaves]
-]
-#: ``(params, opt_state, buffers, batch, step) -> computed values`` (named as the root's
-#: ``schema.grad``, in its order).
-Compute = Callable[[Leaves, Leaves, Leaves, np.ndarray, dict[str, Any]], Leaves]
-#: ``(params, opt_state, buffers, committed computed values, step) -> (params, opt_state,
-#: buffers, deltas)`` after the step: the optimizer applied to the committed gradient, and
-#: the parameters' update as the frontend commits its delta probe.
-Apply = Callable[
-    [Leaves, Leaves, Leaves, Leaves, dict[str, Any]], tuple[Leaves, Leaves, Leaves, Leaves]
-]
 ROOT_KEYS = ("p", "o", "b")
-
-
-@dataclass(frozen=True)
-class Transition:
-    """A proof's attested step, as a framework prover rebuilds it.
-
-    Calling it runs the whole step (:attr:`step`). A run that commits its gradients
-    is replayed in two halves instead: :attr:`compute` (the gradient program) and
-    :attr:`apply` (the optimizer on the committed values); :attr:`canonical` says
-    whether ``apply`` is bitwise reproducible on any hardware.
-    """
-
-    step: Step
-    compute: Compute | None = None
-    apply: Apply | None = None
-    canonical: bool = False
-
-    def __call__(
-        self,
-        params: Leaves,
-        opt_state: Leaves,
-        buffers: Leaves,
-        batch: np.ndarray,
-        record: dict[str, Any],
-    ) -> tuple[Leaves, Leaves, Leaves, Leaves]:
-        return self.step(params, opt_state, buffers, batch, record)
 
 
 @dataclass(frozen=True)
@@ -156,129 +116,6 @@ class ReplayVerdict:
         }
 
 
-class ReplayError(Exception):
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
-
-
-@dataclass
-class Transcript:
-    """A verified transcript indexed for replay."""
-
-    path: Path
-    root: dict[str, Any]
-    steps: dict[int, dict[str, Any]]
-    snapshots: dict[int, dict[str, Any]]
-    config: ZKDVConfig
-    params: tuple[LeafSpec, ...]
-    opt_state: tuple[LeafSpec, ...]
-    buffers: tuple[LeafSpec, ...]
-    probes: ProbeSet
-    probe_bytes: bytes | None
-    #: The step's computed values (``schema.grad``): None for a run that does not
-    #: commit its gradients.
-    grad: tuple[LeafSpec, ...] | None = None
-
-    @classmethod
-    def load(cls, proof_dir: str | os.PathLike[str]) -> Transcript:
-        """Load and verify a proof directory; raises ``ReplayError`` if it is invalid."""
-        path = Path(proof_dir)
-        report = verify_transcript(path)
-        if not report.ok:
-            raise ReplayError(
-                "invalid_transcript", f"the transcript is rejected: {report.summary()}"
-            )
-        steps: dict[int, dict[str, Any]] = {}
-        snapshots: dict[int, dict[str, Any]] = {}
-        root: dict[str, Any] = {}
-        for record in iter_records(path):
-            kind = record.data.get("t")
-            if kind == "root":
-                root = record.data
-            elif kind == "step":
-                steps[record.data["i"]] = record.data
-            elif kind == "snap":
-                snapshots[record.data["i"]] = record.data
-        schema = root["schema"]
-        specs = [
-            tuple(LeafSpec.from_dict(s) for s in schema[k])
-            for k in ("params", "opt_state", "buffers")
-        ]
-        config = ZKDVConfig.from_dict(root["config"])
-        grad = schema.get("grad")
-        probe_file = path / PROBES_FILE
-        return cls(
-            path=path,
-            root=root,
-            steps=steps,
-            snapshots=snapshots,
-            config=config,
-            params=specs[0],
-            opt_state=specs[1],
-            buffers=specs[2],
-            probes=ProbeSet.create(
-                specs[0], float(root["config"]["probe_ratio"]), root["probe_seed"]
-            ),
-            probe_bytes=probe_file.read_bytes() if probe_file.exists() else None,
-            grad=None if grad is None else tuple(LeafSpec.from_dict(s) for s in grad),
-        )
-
-    @property
-    def bounds(self) -> GradientBounds:
-        """The run's gradient bounds (a run that commits its gradients)."""
-        bounds = self.config.gradient_bounds
-        if bounds is None:
-            raise ReplayError("invalid_transcript", "the root record commits no gradient bounds")
-        return bounds
-
-    def snapshot_before(self, step: int) -> int:
-        """The latest snapshot at or before ``step``."""
-        candidates = [s for s in self.snapshots if s <= step]
-        if not candidates:
-            raise ReplayError(
-                "no_snapshot", f"the transcript records no snapshot at or before step {step}"
-            )
-        return max(candidates)
-
-    def committed_probes(self, step: int) -> np.ndarray | None:
-        """The step's committed probes: rows pre, post, delta (and grad)."""
-        probe = self.steps[step].get("probe")
-        if probe is None or self.probe_bytes is None:
-            return None
-        raw = self.probe_bytes[probe["off"] : probe["off"] + probe["len"]]
-        return np.frombuffer(raw, dtype="<f4").reshape(3 if self.grad is None else 4, -1)
-
-    def committed_computed(self, step: int) -> Leaves:
-        """The committed computed values of ``step``, checked against its ``grad`` root.
-
-        Raises:
-            ReplayError: ``missing_file`` without the file; ``gradient_mismatch`` when
-                it does not hash to the committed root (or has another size).
-        """
-        assert self.grad is not None
-        file = gradient_path(self.path, step)
-        if not file.exists():
-            raise ReplayError(
-                "missing_file", f"gradient file {file.name} for step {step} was not provided"
-            )
-        try:
-            leaves, commitment = read_state(file, self.grad, self.config.chunk_bytes)
-        except ValueError as error:
-            raise ReplayError("gradient_mismatch", str(error)) from None
-        if commitment.root != self.steps[step]["grad"]:
-            raise ReplayError(
-                "gradient_mismatch",
-                f"gradient file {file.name} does not hash to step {step}'s committed grad root",
-            )
-        return [(p, np.array(a)) for p, a in leaves]
-
-
-def _roots(record: dict[str, Any]) -> tuple[bytes, ...]:
-    return tuple(record[k] for k in ROOT_KEYS)
-
-
 def _probe_excess(
     replayed: np.ndarray, committed: np.ndarray, tolerance: FloatTolerance
 ) -> tuple[float, int, int]:
@@ -288,30 +125,6 @@ def _probe_excess(
     flat = int(np.argmax(excess))
     row, column = divmod(flat, excess.shape[1])
     return float(excess.reshape(-1)[flat]), row, column
-
-
-def _load_snapshot(transcript: Transcript, start: int) -> tuple[Leaves, Leaves, Leaves]:
-    expected = _roots(transcript.snapshots[start]["roots"])
-    loaded: list[Leaves] = []
-    for tree, specs, root in zip(
-        TREES, (transcript.params, transcript.opt_state, transcript.buffers), expected, strict=True
-    ):
-        file = snapshot_path(transcript.path, start, tree)
-        if not file.exists():
-            raise ReplayError(
-                "missing_file", f"snapshot file {file.name} for step {start} was not provided"
-            )
-        try:
-            leaves, commitment = read_state(file, specs, transcript.config.chunk_bytes)
-        except ValueError as error:
-            raise ReplayError("snapshot_mismatch", str(error)) from None
-        if commitment.root != root:
-            raise ReplayError(
-                "snapshot_mismatch",
-                f"snapshot file {file.name} does not hash to the {tree} root committed for step {start}",
-            )
-        loaded.append([(p, np.array(a)) for p, a in leaves])
-    return loaded[0], loaded[1], loaded[2]
 
 
 def replay(
@@ -357,7 +170,7 @@ def replay(
             )
         start = transcript.snapshot_before(step)
         verdict.start = start
-        state = _load_snapshot(transcript, start)
+        state = transcript.snapshot(start)
         verdict.snapshot_ok = True
         for k in range(start, end + 1):
             batch = _checked_batch(transcript, k, verdict)
@@ -379,22 +192,12 @@ State = tuple[Leaves, Leaves, Leaves]
 
 def _checked_batch(transcript: Transcript, k: int, verdict: ReplayVerdict) -> np.ndarray:
     """Step ``k``'s batch file, checked against its committed batch root."""
-    record = transcript.steps[k]
-    file = batch_path(transcript.path, k)
-    if not file.exists():
-        raise ReplayError("missing_file", f"batch file {file.name} for step {k} was not provided")
     try:
-        batch = np.array(read_batch(file))
-    except ValueError as error:
-        raise ReplayError("batch_mismatch", str(error)) from None
-    window = int(transcript.root["config"]["rolling_window"])
-    if commit_batch(batch, window).root != record["batch"]["root"]:
-        verdict.evidence.append(StepEvidence(k, False, False, None, False))
-        raise ReplayError(
-            "batch_mismatch",
-            f"batch file {file.name} does not hash to step {k}'s committed batch root",
-        )
-    return batch
+        return transcript.batch(k)
+    except ReplayError as error:
+        if error.reason == "batch_mismatch":
+            verdict.evidence.append(StepEvidence(k, False, False, None, False))
+        raise
 
 
 def _replayed_probes(
@@ -431,7 +234,7 @@ def _replay_whole(
     replayed_roots = tuple(
         commit_state(leaves, chunk).root for leaves in (params, opt_state, buffers)
     )
-    exact = replayed_roots == _roots(record["post"])
+    exact = replayed_roots == roots(record["post"])
     excess: float | None = None
     ok = exact
     committed = transcript.committed_probes(k)
@@ -495,7 +298,7 @@ def _replay_halves(
     replayed_roots = tuple(
         commit_state(leaves, chunk).root for leaves in (params, opt_state, buffers)
     )
-    roots_exact = replayed_roots == _roots(record["post"])
+    roots_exact = replayed_roots == roots(record["post"])
     if not roots_exact and transition.canonical:
         verdict.evidence.append(StepEvidence(k, True, False, None, False, gradient))
         raise ReplayError(
