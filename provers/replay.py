@@ -101,6 +101,9 @@ class ReplayVerdict:
     tolerance: dict[str, float] | None = None
     #: The run's gradient bounds (runs that commit gradients), else None.
     bounds: dict[str, float] | None = None
+    #: Where the replay ran (the framework prover's description of the worker: its
+    #: framework version, device kind, kernel family, threads), for the certificate.
+    environment: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -113,6 +116,7 @@ class ReplayVerdict:
             "evidence": [e.to_dict() for e in self.evidence],
             "tolerance": self.tolerance,
             "bounds": self.bounds,
+            "environment": self.environment,
         }
 
 

@@ -29,7 +29,14 @@ from zkdv.replay import ReplayError, Transition
 from zkdv.torch import artifact
 from zkdv.torch.replay import PROGRAM_KINDS, PROVER, load_transition
 
-__all__ = ["PROGRAM_KINDS", "PROVER", "exact_environment", "load_transition", "verify_challenge"]
+__all__ = [
+    "PROGRAM_KINDS",
+    "PROVER",
+    "environment",
+    "exact_environment",
+    "load_transition",
+    "verify_challenge",
+]
 
 _CPU_CAPABILITY = torch.backends.cpu.get_cpu_capability()
 
@@ -54,6 +61,16 @@ def exact_environment(root: dict[str, Any]) -> bool:
         and env.get("cpu_capability", _CPU_CAPABILITY) == _CPU_CAPABILITY
         and not env.get("fsdp")
     )
+
+
+def environment() -> dict[str, Any]:
+    """Where this worker replays: what the certificate states beside the run's own."""
+    return {
+        "torch": torch.__version__,
+        "device_kind": "cpu",
+        "cpu_capability": _CPU_CAPABILITY,
+        "threads": torch.get_num_threads(),
+    }
 
 
 @contextlib.contextmanager
@@ -107,6 +124,7 @@ def verify_challenge(
     env = transcript.root.get("env") or {}
     with _threads(env.get("threads"), env.get("float32_matmul_precision")):
         verdict = replay(transcript, step=step, through=through, transition=transition)
+        verdict.environment = environment()
     if exact if exact is not None else exact_environment(transcript.root):
         verdict = require_exact(verdict)
     return verdict

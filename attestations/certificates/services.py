@@ -495,21 +495,26 @@ def _flops_of(claims: Sequence[Claim]) -> Decimal | None:
     return None
 
 
+def _numbers(values: Any) -> dict[str, float]:
+    return {
+        name: value
+        for name, value in (values or {}).items()
+        if isinstance(value, int | float) and not isinstance(value, bool)
+    }
+
+
 def _replay_evidence(proof: Proof) -> ReplayEvidence:
     report: Mapping[str, Any] = proof.report or {}
     config = (report.get("root") or {}).get("config") or {}
-    tolerance = {
-        name: value
-        for name, value in (config.get("tolerance") or {}).items()
-        if isinstance(value, int | float) and not isinstance(value, bool)
-    }
+    tolerance = _numbers(config.get("tolerance"))
+    bounds = _numbers(config.get("bounds")) or None
     seed = proof.revealed_seed
     if not seed:
-        return ReplayEvidence(NO_REPLAY_SEED, (), tolerance)
+        return ReplayEvidence(NO_REPLAY_SEED, (), tolerance, bounds)
     steps: set[int] = set()
     for step, through in Challenge.objects.filter(proof=proof).values_list("step", "through"):
         steps.update(range(step, (through if through is not None else step) + 1))
-    return ReplayEvidence(seed, tuple(sorted(steps)), tolerance)
+    return ReplayEvidence(seed, tuple(sorted(steps)), tolerance, bounds)
 
 
 def _filings(proof: Proof) -> Filings:
@@ -622,7 +627,7 @@ def _issue(proof: Proof) -> Certificate:
     stated = (
         model_claim(model),
         threshold_claim(claim_set.claims),
-        guarantee_claim(proof, replay.tolerance),
+        guarantee_claim(proof, replay.tolerance, replay.gradient_bounds),
     )
     claims = (*claim_set.claims, *(claim for claim in stated if claim is not None))
     index = LogEntry.objects.count()

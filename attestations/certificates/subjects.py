@@ -289,7 +289,43 @@ def _exact(steps: int, fraction: float | None, drawn: int) -> float:
     return 1.0 - miss
 
 
-def guarantee_claim(proof: Proof, tolerance: Mapping[str, float]) -> Claim:
+#: What the certificate says of the training machine, from the root record's ``env``.
+_TRAINING_ENVIRONMENT = (
+    "torch",
+    "jax",
+    "jaxlib",
+    "jax_platform",
+    "device_kind",
+    "devices",
+    "cpu_capability",
+    "cpu_isa",
+    "cpu_affinity",
+    "threads",
+    "precision",
+)
+
+
+def _budget(bounds: Mapping[str, float]) -> dict[str, Any]:
+    """What a forger can change per step within the gradient bounds (docs/transcript.md)."""
+    tensor, total, scale = bounds["tensor"], bounds["total"], bounds["scale"]
+    return {
+        "gradient": (
+            f"per step, each tensor of the committed gradient within {tensor:g} of its "
+            f"norm plus {total:g} of the whole gradient's norm of the verifier's "
+            f"recomputation (L2), and within {scale:g} of its norm plus {total:g} of the "
+            f"whole gradient's along its own direction; the whole gradient within "
+            f"{scale:g} of its norm along itself"
+        ),
+        "state": "the optimizer applied to the committed gradient reproduces the committed "
+        "parameters and optimizer state bit for bit: nothing else can differ",
+        "accumulation": "none: each step is judged at its committed pre-state, reproduced "
+        "exactly, so a deviation cannot carry over into the next step's bound",
+    }
+
+
+def guarantee_claim(
+    proof: Proof, tolerance: Mapping[str, float], bounds: Mapping[str, float] | None = None
+) -> Claim:
     """``detection_guarantee``: what the platform's challenges guarantee about this run.
 
     ``challenges`` is ``m``, the number of distinct steps drawn uniformly at random
@@ -300,9 +336,15 @@ def guarantee_claim(proof: Proof, tolerance: Mapping[str, float]) -> Claim:
     ``detection_probability_exact`` is the exact probability for this run's length,
     ``1 - C(T - F, m) / C(T, m)`` with ``F = ceil(f T)`` forged of ``T`` steps, which the
     platform drew ``m`` to bring to at least ``target``. ``comparison`` says how the
-    replays matched: ``exact`` when every replayed step
-    reproduced the committed state roots bit for bit, ``tolerance`` when some matched
+    replays matched: ``exact`` when every replayed step reproduced the committed step
+    bit for bit, ``bounds`` when some recomputed gradient matched the committed one only
+    within the run's ``gradient_bounds`` (the state still bit for bit: replays on other
+    hardware), ``tolerance`` when some step of a run without committed gradients matched
     only within ``tolerance`` (``|replayed - committed| <= abs + rel * |committed|``).
+    ``forger_budget`` states what the bounds leave a forger per step; ``replayed_steps``
+    says how each replayed step matched (its worst divergence-to-bound ratio, for steps
+    within bounds); ``environments`` names the training machine (from the transcript)
+    and the platform's replay workers.
     """
     from provers.challenges import random_steps_needed
 
@@ -315,16 +357,31 @@ def guarantee_claim(proof: Proof, tolerance: Mapping[str, float]) -> Claim:
     drawn = 0
     if challenges and target is not None and fraction and steps:
         drawn = min(random_steps_needed(steps, target=target, forged_fraction=fraction), steps)
-    exact: bool | None = None
+    matched: dict[int, tuple[str, float | None]] = {}
+    workers: list[dict[str, Any]] = []
+    order = {"exact": 0, "bounds": 1, "tolerance": 2}
     for _, _, status, evidence in challenges:
         if status != ChallengeStatus.PASSED or not isinstance(evidence, Mapping):
             continue
+        worker = evidence.get("environment")
+        if isinstance(worker, Mapping) and dict(worker) not in workers:
+            workers.append(dict(worker))
         for item in evidence.get("evidence") or []:
-            if isinstance(item, Mapping):
-                exact = (
-                    bool(item.get("exact")) if exact is None else exact and bool(item.get("exact"))
-                )
+            if not isinstance(item, Mapping) or not isinstance(item.get("step"), int):
+                continue
+            gradient = item.get("gradient")
+            kind = "exact" if item.get("exact") else "bounds" if gradient else "tolerance"
+            margin = gradient.get("margin") if isinstance(gradient, Mapping) else None
+            previous = matched.get(item["step"])
+            if previous is None or (order[kind], margin or 0.0) > (
+                order[previous[0]],
+                previous[1] or 0.0,
+            ):
+                matched[item["step"]] = (kind, margin)
+    kinds = {kind for kind, _ in matched.values()}
+    comparison = None if not kinds else max(kinds, key=order.__getitem__)
     probability = 1.0 - (1.0 - fraction) ** drawn if fraction and drawn else 0.0
+    root_env = ((proof.report or {}).get("root") or {}).get("env") or {}
     value = {
         "steps": steps,
         "challenged_steps": len({step for step, _, _, _ in challenges}),
@@ -334,7 +391,24 @@ def guarantee_claim(proof: Proof, tolerance: Mapping[str, float]) -> Claim:
         "detection_probability_exact": _exact(steps, fraction, drawn),
         "target": target,
         "tolerance": dict(tolerance),
-        "comparison": None if exact is None else ("exact" if exact else "tolerance"),
+        "comparison": comparison,
+        "gradient_bounds": None if bounds is None else dict(bounds),
+        "forger_budget": None if bounds is None else _budget(bounds),
+        "replayed_steps": {
+            "exact": sorted(step for step, (kind, _) in matched.items() if kind == "exact"),
+            "within_bounds": [
+                [step, margin]
+                for step, (kind, margin) in sorted(matched.items())
+                if kind == "bounds"
+            ],
+            "within_tolerance": sorted(
+                step for step, (kind, _) in matched.items() if kind == "tolerance"
+            ),
+        },
+        "environments": {
+            "training": {key: root_env[key] for key in _TRAINING_ENVIRONMENT if key in root_env},
+            "replay": workers,
+        },
     }
     evidence_level = Evidence.REPLAYED if challenges else Evidence.COMMITTED
     return Claim(CLAIM_DETECTION, value, evidence_level)

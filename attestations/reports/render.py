@@ -508,6 +508,7 @@ def certificate_info(proof: Proof) -> dict[str, Any] | None:
         "subjects": subjects,
         "challenge_seed": replay.get("challengeSeed"),
         "tolerance": replay.get("tolerance") or {},
+        "bounds": replay.get("gradientBounds"),
         "guarantee": (claims.get("detection_guarantee") or {}).get("value"),
         "thresholds": _threshold_rows(claims.get("regulatory_thresholds")),
         "model": (claims.get("final_model") or {}).get("value"),
@@ -541,13 +542,15 @@ def _threshold_rows(claim: dict[str, Any] | None) -> list[dict[str, Any]]:
 
 
 def _replay_facts(proof: Proof) -> dict[str, Any]:
-    """The challenge seed (once revealed) and the transcript's comparison tolerance."""
+    """The challenge seed (once revealed), the transcript's comparison tolerance and, for
+    a run that commits its gradients, its gradient bounds."""
     report = proof.report or {}
     config = (report.get("root") or {}).get("config") or {}
     return {
         "seed": proof.revealed_seed,
         "seed_commitment": proof.challenge_seed_commitment or None,
         "tolerance": config.get("tolerance") or {},
+        "bounds": config.get("bounds"),
     }
 
 

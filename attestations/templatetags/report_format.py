@@ -39,3 +39,11 @@ def percent(value: Any) -> str:
         return "—"
     number = float(value) * 100
     return f"{number:.4g}%"
+
+
+@register.filter
+def worst_margin(rows: Any) -> float | None:
+    """The largest divergence-to-bound ratio of ``[[step, margin], ...]`` (None: none)."""
+    margins = [row[1] for row in rows or () if isinstance(row, list | tuple) and len(row) == 2]
+    numbers = [float(m) for m in margins if isinstance(m, int | float)]
+    return max(numbers) if numbers else None

@@ -378,6 +378,71 @@ def test_an_honest_torch_run_passes_every_challenge(
     assert _learning_rates(proof) == chart
 
 
+def _trained_elsewhere(path: Path) -> Path:
+    """``train_torch``'s honest run, trained in a process on the CPU's baseline kernels
+    (ATen's, oneDNN's and MKL's), as if the lab's machine were not the platform's."""
+    from zkdv.calibrate import kernels
+
+    script = (
+        "import os, sys, django; from pathlib import Path; "
+        "os.environ.setdefault('DJANGO_SETTINGS_MODULE', 'config.settings'); django.setup(); "
+        "from tests.attestations.test_replay import train_torch; "
+        "train_torch(Path(sys.argv[1]), 'torch-run')"
+    )
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(path)],
+        cwd=root,
+        env={**os.environ, **kernels("default"), "PYTHONPATH": f"{root}:{root / 'agent/src'}"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return path
+
+
+def test_a_run_trained_on_other_kernels_passes_and_its_certificate_says_how(
+    platform: APIClient, tmp_path: Path, django_capture_on_commit_callbacks: Any
+) -> None:
+    run = _trained_elsewhere(tmp_path / "elsewhere")
+    proof, attached = file_and_answer(platform, run, django_capture_on_commit_callbacks)
+    assert attached.status_code == 201, attached.content
+    assert proof.status == ProofStatus.VALID, challenge_summary(proof)
+    statement = proof.certificate.statement()  # type: ignore[attr-defined]
+    assert statement["predicate"]["replay"]["gradientBounds"] == {
+        "tensor": 1e-4,
+        "total": 2e-5,
+        "scale": 1e-5,
+    }
+    claims = {claim["name"]: claim["value"] for claim in statement["predicate"]["claims"]}
+    guarantee = claims["detection_guarantee"]
+    # Other kernels round the gradient otherwise: every step within bounds, not bitwise,
+    # and the state (the canonical update of the committed gradient) bit for bit.
+    assert guarantee["comparison"] == "bounds"
+    within = guarantee["replayed_steps"]["within_bounds"]
+    assert [step for step, _ in within] == list(range(STEPS))
+    assert all(0 < margin < 0.5 for _, margin in within)
+    assert "bit for bit" in guarantee["forger_budget"]["state"]
+    environments = guarantee["environments"]
+    assert environments["training"]["cpu_capability"] == "DEFAULT"
+    assert environments["training"]["precision"]["kind"] == "float32"
+    assert [worker["cpu_capability"] for worker in environments["replay"]] == [
+        torch_capability()
+    ]
+    page = platform.get(f"/api/v1/proofs/{proof.pk}/report.html")
+    assert page.status_code == 200, page.content[:500]
+    text = page.content.decode()
+    for phrase in ("Gradient bounds", "What a forger could change", "Replayed on", "DEFAULT"):
+        assert phrase in text, phrase
+
+
+def torch_capability() -> str:
+    import torch
+
+    return str(torch.backends.cpu.get_cpu_capability())
+
+
 def test_the_seed_stays_secret_while_challenges_are_pending(
     platform: APIClient, runs: dict[str, Path], django_capture_on_commit_callbacks: Any
 ) -> None:

@@ -278,22 +278,34 @@ class ReplayEvidence:
         challenged_steps: the replayed step indices, ascending.
         tolerance: the float tolerance replays were held to, the transcript's own
             ``{"abs": .., "rel": ..}``: ``|replayed - committed| <= abs + rel * |committed|``.
+        gradient_bounds: for a run that commits its gradients, the bounds its recomputed
+            gradients were held to, the transcript's own ``{"tensor", "total", "scale"}``
+            (``zkdv.GradientBounds``); None otherwise (and in certificates from before).
     """
 
     challenge_seed: str
     challenged_steps: tuple[int, ...]
     tolerance: Mapping[str, float]
+    gradient_bounds: Mapping[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "challengeSeed": self.challenge_seed,
             "challengedSteps": list(self.challenged_steps),
             "tolerance": dict(self.tolerance),
         }
+        if self.gradient_bounds is not None:
+            out["gradientBounds"] = dict(self.gradient_bounds)
+        return out
 
     @classmethod
     def from_dict(cls, data: object, what: str) -> ReplayEvidence:
-        entry = obj(data, what, required=("challengeSeed", "challengedSteps", "tolerance"))
+        entry = obj(
+            data,
+            what,
+            required=("challengeSeed", "challengedSteps", "tolerance"),
+            optional=("gradientBounds",),
+        )
         seed = string(entry["challengeSeed"], f"{what}.challengeSeed")
         hex_decode(seed, f"{what}.challengeSeed", size=32)
         steps = tuple(
@@ -308,7 +320,18 @@ class ReplayEvidence:
         for name, value in tolerance.items():
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise MalformedInputError(f"{what}.tolerance.{name} must be a number")
-        return cls(challenge_seed=seed, challenged_steps=steps, tolerance=dict(tolerance))
+        bounds = entry.get("gradientBounds")
+        if bounds is not None:
+            bounds = obj(bounds, f"{what}.gradientBounds", required=("tensor", "total", "scale"))
+            for name, value in bounds.items():
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise MalformedInputError(f"{what}.gradientBounds.{name} must be a number")
+        return cls(
+            challenge_seed=seed,
+            challenged_steps=steps,
+            tolerance=dict(tolerance),
+            gradient_bounds=None if bounds is None else dict(bounds),
+        )
 
 
 @dataclass(frozen=True)
