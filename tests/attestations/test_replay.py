@@ -427,9 +427,7 @@ def test_a_run_trained_on_other_kernels_passes_and_its_certificate_says_how(
     environments = guarantee["environments"]
     assert environments["training"]["cpu_capability"] == "DEFAULT"
     assert environments["training"]["precision"]["kind"] == "float32"
-    assert [worker["cpu_capability"] for worker in environments["replay"]] == [
-        torch_capability()
-    ]
+    assert [worker["cpu_capability"] for worker in environments["replay"]] == [torch_capability()]
     page = platform.get(f"/api/v1/proofs/{proof.pk}/report.html")
     assert page.status_code == 200, page.content[:500]
     text = page.content.decode()
