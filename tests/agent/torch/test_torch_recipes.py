@@ -244,6 +244,11 @@ def _forged_lm(path: Path, forgery: str, zkdv_config: zkdv.ZKDVConfig) -> None:
             proof.backward(loss_of(micro) / batch.shape[0])
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        if forgery == "scaled gradient" and current_capture() is None:
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    if parameter.grad is not None:
+                        parameter.grad.mul_(1.01)
         optimizer.step()
         optimizer.zero_grad()
 
@@ -256,8 +261,14 @@ def _forged_lm(path: Path, forgery: str, zkdv_config: zkdv.ZKDVConfig) -> None:
             with proof.transaction(batch=batch):
                 if forgery == "own dropout seed":
                     torch.manual_seed(1000 + index)
+                if forgery == "swapped batch":
+                    batch.copy_(batch.roll(1, dims=-1))  # after the transaction committed it
                 step(model, optimizer, batch, clip=forgery != "clipping skipped")
             schedule.step()
+            if forgery == "parameter nudge" and index == 0:
+                proof.join()  # the nudge lands after step 0's commitment, before step 1
+                with torch.no_grad():
+                    next(model.parameters()).view(-1)[:8].add_(1e-3)
     finally:
         proof.close()
 
@@ -297,7 +308,15 @@ FORGERIES: dict[str, Callable[[Path, str, zkdv.ZKDVConfig], None]] = {
     "hidden learning rate": _forged_lm,
     "own dropout seed": _forged_lm,
     "frozen parameter changed": _forged_finetune,
+    # Committed (and applied) gradient 1 % larger than the program's: a scaling lies all
+    # along the gradient, where honest rounding (even bfloat16's) leaves almost nothing.
+    "scaled gradient": _forged_lm,
+    "swapped batch": _forged_lm,
+    "parameter nudge": _forged_lm,
 }
+#: The step at which each forgery shows: every one starts at step 0 but the nudge, which
+#: changes the parameters between steps 0 and 1.
+FORGED_AT = {name: 1 if name == "parameter nudge" else 0 for name in FORGERIES}
 
 
 @pytest.mark.parametrize("forgery", sorted(FORGERIES))
@@ -315,7 +334,21 @@ def test_forgeries_fail_the_platform_replay(forgery: str, tmp_path: Path) -> Non
     # No SDK checks: the transcript is what a forger would file, and it verifies.
     FORGERIES[forgery](tmp_path / "proof", forgery, NO_CHECKS)
     path = tmp_path / "proof"
-    assert verify_transcript(path).ok
-    verdict = torch_replay.verify_challenge(path, 0)
+    assert_caught(path, forgery)
+
+
+def assert_caught(path: Path, forgery: str) -> None:
+    """The platform's replay of the forged step's window rejects the run at that step.
+
+    A forger who keeps the probes honest (a nudge the probes see) is rejected by the
+    offline verifier already; the replay is what catches everything else.
+    """
+    report = verify_transcript(path)
+    step = FORGED_AT[forgery]
+    verdict = torch_replay.verify_challenge(path, 0, through=step)
+    if not report.ok:
+        assert forgery == "parameter nudge" and report.reason == "probe_discontinuity"
+        assert verdict.reason == "invalid_transcript", verdict.message
+        return
     assert (verdict.ok, verdict.reason) == (False, "replay_mismatch"), verdict.message
-    assert str(verdict.message).startswith("step 0:")
+    assert str(verdict.message).startswith(f"step {step}:"), verdict.message
