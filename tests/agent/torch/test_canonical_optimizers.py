@@ -638,3 +638,53 @@ def test_it_refuses_what_it_does_not_cover() -> None:
 
 if __name__ == "__main__" and sys.argv[1:] == ["--fingerprints"]:
     print(json.dumps(fingerprints()))
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_the_in_place_adam_is_the_definition_bit_for_bit(
+    decoupled: bool, amsgrad: bool, maximize: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Adam's in-place, chunked path (what training runs) against the one-parameter
+    definition, across chunk boundaries, with a NaN in the gradient and subnormal moments."""
+    monkeypatch.setitem(canonical.CHUNK_ELEMENTS, "cpu", 1000)  # several chunks, one partial
+    rng = np.random.default_rng(7)
+    group = {
+        "lr": 3e-3,
+        "betas": (0.9, 0.95),
+        "eps": 1e-8,
+        "weight_decay": 0.1,
+        "amsgrad": amsgrad,
+        "maximize": maximize,
+        "decoupled_weight_decay": decoupled,
+    }
+
+    def fresh() -> tuple[torch.Tensor, dict[str, Any]]:
+        parameter = torch.from_numpy(rng.standard_normal(4321).astype(np.float32))
+        state: dict[str, Any] = {
+            "step": torch.tensor(2.0),
+            "exp_avg": torch.from_numpy((rng.standard_normal(4321) * 1e-3).astype(np.float32)),
+            "exp_avg_sq": torch.from_numpy((rng.random(4321) * 1e-40).astype(np.float32)),
+        }
+        if amsgrad:
+            state["max_exp_avg_sq"] = torch.from_numpy((rng.random(4321) * 1e-6).astype(np.float32))
+        return parameter, state
+
+    parameter, state = fresh()
+    gradient = torch.from_numpy((rng.standard_normal(4321) * 1e-3).astype(np.float32))
+    gradient[17] = float("nan")
+    twin = parameter.clone()
+    twin_state = {k: v.clone() for k, v in state.items()}
+    for _ in range(3):
+        assert canonical._adam_in_place(parameter, gradient, state, group, decoupled=decoupled)
+        canonical._adam(twin, gradient, twin_state, group, decoupled=decoupled)
+    np.testing.assert_array_equal(_bits(parameter), _bits(twin))
+    for key in state:
+        np.testing.assert_array_equal(_bits(state[key]), _bits(twin_state[key]), err_msg=key)
+    assert _bits(parameter)[17] == 0x7FC00000  # the one canonical NaN
+
+
+def test_cpu_division_is_the_float64_route() -> None:
+    # What lets the in-place path divide in float32 on a CPU (checked at run time too).
+    assert canonical._ieee_division(torch.device("cpu"))
