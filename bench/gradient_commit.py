@@ -25,18 +25,19 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from torch_overhead import lm_loss, lm_workload, mlp_loss, mlp_workload  # noqa: E402
+from torch_overhead import lm_loss, lm_workload, mlp_loss, mlp_workload
 
-from zkdv.config import ZKDVConfig  # noqa: E402
-from zkdv.merkle import LeafSpec, commit_state  # noqa: E402
-from zkdv.probes import ProbeSet  # noqa: E402
-from zkdv.records import encode  # noqa: E402
-from zkdv.torch.optimizers import canonical  # noqa: E402
+from zkdv.config import ZKDVConfig
+from zkdv.merkle import LeafSpec, commit_state
+from zkdv.probes import ProbeSet
+from zkdv.records import encode
+from zkdv.torch.optimizers import canonical
 
 CHUNK = ZKDVConfig().chunk_bytes
 
@@ -45,7 +46,7 @@ def _leaves(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, np.ndarray
     return [(name, tensor.detach().numpy()) for name, tensor in named]
 
 
-def _ms(function, rounds: int) -> float:  # type: ignore[no-untyped-def]
+def _ms(function: Any, rounds: int) -> float:
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
@@ -73,7 +74,7 @@ def measure(name: str, rounds: int) -> None:
         "params": _leaves(params),
         "state": _leaves(state),
         "buffers": _leaves(buffers),
-        "grad": _leaves(grads),  # type: ignore[arg-type]
+        "grad": _leaves(grads),
     }
     specs = [LeafSpec.of(n, a) for n, a in host["params"]]
     probes = ProbeSet.create(specs, 0.01, bytes(16))
@@ -111,7 +112,7 @@ def measure(name: str, rounds: int) -> None:
 
     def canonical_step() -> None:
         with torch.no_grad():
-            canonical.update("Adam", parameters, gradients, states, group)  # type: ignore[arg-type]
+            canonical.update("Adam", parameters, gradients, states, group)
 
     native_ms = [_ms(native, 3) for _ in range(rounds)]
     canonical_ms = [_ms(canonical_step, 3) for _ in range(rounds)]
@@ -131,20 +132,30 @@ def measure(name: str, rounds: int) -> None:
     grad_record_bytes = len(encode({**record, "grad": bytes(32)}))
 
     parameters_count = sum(p.numel() for p in parameters)
-    print(f"[{name}] {parameters_count / 1e6:.2f}M parameters, state {state_bytes / 2**20:.1f} MiB, "
-          f"gradient {grad_bytes / 2**20:.1f} MiB; {torch.get_num_threads()} threads")
+    print(
+        f"[{name}] {parameters_count / 1e6:.2f}M parameters, state {state_bytes / 2**20:.1f} MiB, "
+        f"gradient {grad_bytes / 2**20:.1f} MiB; {torch.get_num_threads()} threads"
+    )
     present_median = statistics.median(present_ms)
     gradient_median = statistics.median(gradient_ms)
     print(f"  commitment work, present          {present_median:8.2f} ms/step")
-    print(f"  commitment work, with gradient    {gradient_median:8.2f} ms/step   "
-          f"ratio {gradient_median / present_median:.3f}")
-    print(f"  floor of that ratio (bytes hashed: (state + gradient) / state) "
-          f"{(state_bytes + grad_bytes) / state_bytes:.3f}")
+    print(
+        f"  commitment work, with gradient    {gradient_median:8.2f} ms/step   "
+        f"ratio {gradient_median / present_median:.3f}"
+    )
+    print(
+        f"  floor of that ratio (bytes hashed: (state + gradient) / state) "
+        f"{(state_bytes + grad_bytes) / state_bytes:.3f}"
+    )
     print(f"  optimizer update, torch.optim     {statistics.median(native_ms):8.2f} ms/step")
-    print(f"  optimizer update, canonical       {statistics.median(canonical_ms):8.2f} ms/step   "
-          f"ratio {statistics.median(canonical_ms) / statistics.median(native_ms):.2f}")
-    print(f"  step record without probes        {plain_bytes} bytes, with its grad root "
-          f"{grad_record_bytes} bytes (< 1024)")
+    print(
+        f"  optimizer update, canonical       {statistics.median(canonical_ms):8.2f} ms/step   "
+        f"ratio {statistics.median(canonical_ms) / statistics.median(native_ms):.2f}"
+    )
+    print(
+        f"  step record without probes        {plain_bytes} bytes, with its grad root "
+        f"{grad_record_bytes} bytes (< 1024)"
+    )
 
 
 def main() -> None:
