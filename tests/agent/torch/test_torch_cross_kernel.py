@@ -99,3 +99,32 @@ def test_a_forgery_trained_on_other_kernels_is_still_caught(forgery: str, tmp_pa
     path = tmp_path / "proof"
     _train(path, "", seed=0, capability=capability, threads=threads, forgery=forgery)
     assert_caught(path, forgery)
+
+
+@pytest.mark.slow
+def test_the_prepared_gpu_measurement_runs(tmp_path: Path) -> None:
+    """scripts/gpu-cross-hardware, the measurement a lent GPU runs, as a CPU smoke run."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "gpu-cross-hardware"),
+            "--device",
+            "cpu",
+            "--steps",
+            "2",
+            "--recipes",
+            "bn",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    import json
+
+    results = json.loads((tmp_path / "gpu-cross-hardware.json").read_text())
+    (run,) = results["runs"]
+    assert run["sdk_checks"] == "passed" and run["failures"] == [] and run["replayed_steps"] == 2
+    assert results["canonical"]["equal"] and results["canonical"]["float32_division_is_ieee"]
