@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -35,25 +36,26 @@ OTHER = [c for c in ("default", "avx2", "avx512")[: ("default", "avx2", "avx512"
 PAIRS = [(OTHER[i % len(OTHER)], threads) for i, threads in enumerate((1, 2, 4, 1, 2))]
 
 
-def _train(
-    path: Path, recipe: str, seed: int, capability: str, threads: int, forgery: str = ""
-) -> None:
-    """Train a recipe (or a forgery of the LM recipe) in a process on other kernels."""
-    script = (
-        "import sys, torch; from pathlib import Path; "
-        "from tests.agent.torch import test_torch_recipes as r; "
-        "torch.set_num_threads(int(sys.argv[4])); "
-        "path, recipe, seed, forgery = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[5]; "
-        "r.FORGERIES[forgery](path, forgery, r.NO_CHECKS) if forgery else "
-        "r.RECIPES[recipe](path, seed=seed, zkdv_config=r.EVERY_STEP)"
-    )
+RECIPES = ("bn", "cnn", "hf", "lm")
+RUNS = 2
+
+
+def _train(directory: Path, runs: list[str], capability: str, threads: int) -> None:
+    """Train ``runs`` ("recipe:seed" or "forgery:name") in one process on other kernels."""
     env = {
         **os.environ,
         **kernels(capability),
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "agent" / "src")]),
     }
     result = subprocess.run(
-        [sys.executable, "-c", script, str(path), recipe, str(seed), str(threads), forgery],
+        [
+            sys.executable,
+            "-m",
+            "tests.agent.torch.train_elsewhere",
+            str(directory),
+            str(threads),
+            *runs,
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -63,18 +65,35 @@ def _train(
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
+    """Per pair, every recipe's runs, trained in one process on that pair's kernels (a
+    process per run would spend most of the suite's time importing Torch)."""
+    done: dict[int, Path] = {}
+
+    def runs_of(pair: int) -> Path:
+        if pair not in done:
+            directory = tmp_path_factory.mktemp(f"pair{pair}")
+            capability, threads = PAIRS[pair]
+            names = [
+                f"recipe:{recipe}:{100 * pair + run}" for recipe in RECIPES for run in range(RUNS)
+            ]
+            _train(directory, names, capability, threads)
+            done[pair] = directory
+        return done[pair]
+
+    return runs_of
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("run", range(2))
+@pytest.mark.parametrize("run", range(RUNS))
+@pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("pair", range(len(PAIRS)))
-@pytest.mark.parametrize("recipe", ["bn", "cnn", "hf", "lm"])
 def test_an_honest_run_passes_the_replay_on_other_kernels(
-    recipe: str, pair: int, run: int, tmp_path: Path
+    pair: int, recipe: str, run: int, trained: Callable[[int], Path]
 ) -> None:
-    if recipe == "hf":
-        pytest.importorskip("transformers")
     capability, threads = PAIRS[pair]
-    path = tmp_path / "proof"
-    _train(path, recipe, seed=100 * pair + run, capability=capability, threads=threads)
+    path = trained(pair) / f"recipe:{recipe}:{100 * pair + run}"
     report = verify_transcript(path)
     assert report.ok and report.checks == STEPS, report.summary()  # the lab's own checks
     env = report.root["env"]
@@ -92,13 +111,19 @@ def test_an_honest_run_passes_the_replay_on_other_kernels(
     assert replayed == list(range(STEPS))
 
 
+@pytest.fixture(scope="module")
+def forged(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every forgery of the recipe tests, trained in one process on other kernels."""
+    directory = tmp_path_factory.mktemp("forged")
+    capability, threads = PAIRS[0]
+    _train(directory, [f"forgery:{name}" for name in sorted(FORGERIES)], capability, threads)
+    return directory
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("forgery", sorted(FORGERIES))
-def test_a_forgery_trained_on_other_kernels_is_still_caught(forgery: str, tmp_path: Path) -> None:
-    capability, threads = PAIRS[0]
-    path = tmp_path / "proof"
-    _train(path, "", seed=0, capability=capability, threads=threads, forgery=forgery)
-    assert_caught(path, forgery)
+def test_a_forgery_trained_on_other_kernels_is_still_caught(forgery: str, forged: Path) -> None:
+    assert_caught(forged / f"forgery:{forgery}", forgery)
 
 
 @pytest.mark.slow
