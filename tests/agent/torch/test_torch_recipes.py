@@ -269,8 +269,9 @@ def _forged_lm(path: Path, forgery: str, zkdv_config: zkdv.ZKDVConfig) -> None:
             schedule.step()
             if forgery == "parameter nudge" and index == 0:
                 proof.join()  # the nudge lands after step 0's commitment, before step 1
-                with torch.no_grad():
-                    next(model.parameters()).view(-1)[:8].add_(1e-3)
+                with torch.no_grad():  # every coordinate: whichever a check samples moved
+                    for parameter in model.parameters():
+                        parameter.add_(1e-3)
     finally:
         proof.close()
 
@@ -328,7 +329,9 @@ def test_forgeries_fail_the_sampled_check(forgery: str, tmp_path: Path) -> None:
     with pytest.raises(zkdv.ZKDVPoisonedError, match=r"sampled check of step \d+ failed"):
         FORGERIES[forgery](tmp_path / "proof", forgery, EVERY_STEP)
     report = verify_transcript(tmp_path / "proof")
-    assert (report.ok, report.reason) == (False, "failed_check")
+    # A nudge every probe sees breaks their continuity, a rule that comes first.
+    expected = "probe_discontinuity" if forgery == "parameter nudge" else "failed_check"
+    assert (report.ok, report.reason) == (False, expected)
 
 
 @pytest.mark.parametrize("forgery", sorted(FORGERIES))

@@ -25,10 +25,12 @@ from torch import nn
 from zkdv.config import GradientBounds, ZKDVConfig
 from zkdv.driver import Driver, ReplayOutcome
 from zkdv.errors import ZKDVError, ZKDVPoisonedError
-from zkdv.gradients import leaf_name
+from zkdv.files import gradient_path, read_state
+from zkdv.gradients import compare, leaf_name
 from zkdv.sampling import Challenge
 from zkdv.torch import artifact, rng
 from zkdv.torch._sealing import CUDA_NONDETERMINISTIC, environment, gradient_program, trace
+from zkdv.torch.arrays import host_array, tensor_like
 from zkdv.torch.capture import current_capture
 from zkdv.torch.checkpoint import ReplayCheckpoint, StepInputs
 from zkdv.torch.device import DeviceCommitter
@@ -40,7 +42,7 @@ from zkdv.torch.optimizers.base import OptimizerContract
 from zkdv.torch.optimizers.bridge import SCALER, SCALER_ENTRIES, OptimizerBridge
 from zkdv.torch.optimizers.registry import OptimizerRegistry
 from zkdv.torch.packing import BatchLayout
-from zkdv.torch.pipeline import Pipeline
+from zkdv.torch.pipeline import CommittedValues, Pipeline
 from zkdv.torch.prepared import PreparedOptimizer
 from zkdv.torch.scaler import PreparedGradScaler
 from zkdv.transfers import TransferLog
@@ -840,10 +842,15 @@ class ZKDV(Driver):
             transaction.admission.cancel()  # reported to every rank at the next entry
 
     def _computed_leaves(
-        self, gradients: list[torch.Tensor | None], post_buffers: list[torch.Tensor]
+        self,
+        gradients: list[torch.Tensor | None],
+        post_buffers: list[torch.Tensor],
+        *,
+        scaler_state: list[torch.Tensor] | None = None,
     ) -> list[tuple[str, torch.Tensor]]:
         """A step's computed values, named (:mod:`zkdv.gradients`): the gradients the
-        update read, every buffer after the step, a GradScaler's state after it."""
+        update read, every buffer after the step, a GradScaler's state after it (the live
+        one, or ``scaler_state``: ``(growth_tracker, scale)``)."""
         layout = self._layout
         leaves = [
             (leaf_name("params", name), gradient)
@@ -856,7 +863,11 @@ class ZKDV(Driver):
         ]
         scaler = self._prepared_scaler
         if scaler is not None:
-            state = scaler.live_state()
+            state = (
+                scaler.live_state()
+                if scaler_state is None
+                else dict(zip(SCALER_ENTRIES, scaler_state, strict=True))
+            )
             leaves += [
                 (leaf_name("opt_state", f"{SCALER}.{entry}"), state[entry].detach())
                 for entry in SCALER_ENTRIES
@@ -992,7 +1003,64 @@ class ZKDV(Driver):
             device=device,
             world_size=runtime.world_size,
             run_seed=self._run_seed,
+            committed=self._committed_values if self._commits_gradients else None,
         )
+
+    def _committed_values(self, step: int) -> CommittedValues | None:
+        """Step ``step``'s committed computed values, read back from its gradient file.
+
+        What a sampled check applies the canonical update to, as the platform's replay
+        does: None where the run keeps no files (``ZKDV_KEEP_FILES=0``), and the check
+        then recomputes every step of its window.
+        """
+        core = self.runtime.core
+        path = gradient_path(self.path, step)
+        if core is None or core.grad_specs is None or not path.exists():
+            return None
+        leaves, _ = read_state(path, core.grad_specs, core.config.chunk_bytes)
+        values = dict(leaves)
+        model = self._require_prepared_model()
+        gradients: list[torch.Tensor | None] = [
+            tensor_like(values[leaf_name("params", name)], parameter)
+            if leaf_name("params", name) in values
+            else None
+            for name, parameter in zip(model.parameter_names, model.state_parameters, strict=True)
+        ]
+        buffers = [
+            tensor_like(values[leaf_name("buffers", name)], buffer)
+            for name, buffer in zip(model.buffer_names, model.buffers, strict=True)
+        ]
+        scaler = None
+        prepared = self._prepared_scaler
+        if prepared is not None:
+            present = [g for g in gradients if g is not None]
+            overflow = not all(bool(torch.isfinite(g).all()) for g in present)
+            live = prepared.live_state()
+            scaler = [
+                torch.tensor(1.0 if overflow else 0.0),
+                *(
+                    tensor_like(values[leaf_name("opt_state", f"{SCALER}.{entry}")], live[entry])
+                    for entry in SCALER_ENTRIES
+                ),
+            ]
+        bounds = self.config.gradient_bounds or self._bounds
+        assert bounds is not None
+
+        def within(
+            recomputed: list[torch.Tensor | None],
+            buffers_after: list[torch.Tensor],
+            scaler_after: list[torch.Tensor] | None,
+        ) -> bool:
+            trained = self._trained or ()
+            named = self._computed_leaves(
+                [g if train else None for g, train in zip(recomputed, trained, strict=True)],
+                buffers_after,
+                scaler_state=None if scaler_after is None else scaler_after[1:],
+            )
+            replayed = [(name, host_array(t)) for name, t in named]
+            return compare(replayed, leaves, bounds).ok
+
+        return CommittedValues(gradients, buffers, scaler, within)
 
     def _commit_program(
         self,

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["host_array"]
+__all__ = ["host_array", "tensor_like"]
 
 try:  # bfloat16 has no numpy dtype; ml_dtypes (installed with JAX) provides one.
     import ml_dtypes
@@ -31,3 +31,14 @@ def host_array(tensor: torch.Tensor) -> np.ndarray:
         raw = value.view(torch.int16).numpy()
         return raw.view(_BFLOAT16) if _BFLOAT16 is not None else raw.view(np.uint16)
     return value.numpy()
+
+
+def tensor_like(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """``array``'s values (a :func:`host_array` of a tensor like ``like``) in a new tensor
+    of ``like``'s dtype, device and memory format, bit for bit."""
+    values = np.ascontiguousarray(array).reshape(np.shape(array))  # 0-d stays 0-d
+    if like.dtype == torch.bfloat16:
+        source = torch.from_numpy(values.view(np.int16)).view(torch.bfloat16)
+    else:
+        source = torch.from_numpy(values)
+    return torch.empty_like(like, memory_format=torch.preserve_format).copy_(source)

@@ -32,9 +32,22 @@ from zkdv.torch.optimizers.bridge import OptimizerBridge
 from zkdv.torch.packing import BatchLayout
 from zkdv.torch.rng import step_seed
 
-__all__ = ["FlatIndex", "Pipeline"]
+__all__ = ["CommittedValues", "FlatIndex", "Pipeline"]
 
 State = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class CommittedValues:
+    """One step's committed computed values (:mod:`zkdv.gradients`), as the update reads
+    them: gradients per parameter (None: not trained), the buffers after the step, and a
+    GradScaler's ``(found_inf, growth_tracker, scale)``; ``within`` says whether a
+    recomputation of them lies within the run's gradient bounds."""
+
+    gradients: list[torch.Tensor | None]
+    buffers: list[torch.Tensor]
+    scaler: list[torch.Tensor] | None
+    within: Any
 
 
 @dataclass(frozen=True)
@@ -80,6 +93,8 @@ class Pipeline:
         world_size: DDP replicas whose rows the committed batch holds.
         run_seed: the committed run seed (``env.rng``) of a program with random
             operators, else None.
+        committed: ``step -> CommittedValues | None``: a step's committed computed
+            values, when the run commits them and keeps their files (None: none).
     """
 
     def __init__(
@@ -96,6 +111,7 @@ class Pipeline:
         device: torch.device,
         world_size: int = 1,
         run_seed: int | None = None,
+        committed: Any = None,
     ) -> None:
         self.program = program
         self.unused = tuple(unused)
@@ -108,6 +124,7 @@ class Pipeline:
         self.device = device
         self.world_size = world_size
         self.run_seed = run_seed
+        self.committed = committed
 
     def gradients(
         self,
@@ -185,13 +202,33 @@ class Pipeline:
         buffers = [b.to(device, copy=True) for b in snapshot.buffers]
         start = snapshot.step
         for offset, step in enumerate(inputs):
-            gradients, buffers_after, scaler = self.gradients(
-                parameters,
-                buffers,
-                step.words,
-                start + offset,
-                states[-1] if self.bridge.scaled else None,
-            )
+            index = start + offset
+            committed = None if self.committed is None else self.committed(index)
+            if committed is not None and index != challenge.step:
+                # As the platform does: the committed gradient, which the canonical update
+                # turns into the committed state bit for bit, whatever the program rounds.
+                gradients, buffers_after, scaler = (
+                    committed.gradients,
+                    committed.buffers,
+                    committed.scaler,
+                )
+            else:
+                gradients, buffers_after, scaler = self.gradients(
+                    parameters,
+                    buffers,
+                    step.words,
+                    index,
+                    states[-1] if self.bridge.scaled else None,
+                )
+                if committed is not None and committed.within(gradients, buffers_after, scaler):
+                    # The recomputed gradient lies within the bounds: the step is checked
+                    # on the committed one (a compiled program rounds otherwise than the
+                    # eager training did); beyond them, the recomputed one shows it.
+                    gradients, buffers_after, scaler = (
+                        committed.gradients,
+                        committed.buffers,
+                        committed.scaler,
+                    )
             after, states_after = self.bridge.step(
                 parameters, states, gradients, step.hyperparameters, scaler=scaler
             )
