@@ -22,6 +22,10 @@ test accuracy, steps) for scripts that drive this one.
 ``python examples/jax/digits.py --dataset-commitment`` prints the data set commitment to
 declare in the experiment's spec and exits: the SHA-256 of the batch roots of the exact
 batches this run trains on, in step order (what the platform's dataset claim checks).
+
+The model, the step and :func:`train` can be imported (``tests/agent/jax`` trains them
+on other CPU instruction sets and replays them): the run commits each step's gradient
+and the platform replays Adam's update from it bit for bit (``docs/jax.md``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import hashlib
 import json
 import os
 import sys
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -74,10 +79,10 @@ class DigitClassifier(nn.Module):
         return nn.Dense(CLASSES)(hidden)
 
 
-def batches(rows: np.ndarray) -> list[np.ndarray]:
+def batches(rows: np.ndarray, steps: int = STEPS) -> list[np.ndarray]:
     """The batch of each step, in order: epochs over the fixed training split."""
     per_epoch = len(rows) // BATCH
-    return [rows[(step % per_epoch) * BATCH :][:BATCH] for step in range(STEPS)]
+    return [rows[(step % per_epoch) * BATCH :][:BATCH] for step in range(steps)]
 
 
 def dataset_commitment(rows: np.ndarray) -> str:
@@ -90,60 +95,76 @@ def dataset_commitment(rows: np.ndarray) -> str:
     return hashlib.sha256(b"".join(roots)).hexdigest()
 
 
-train, held_out = digit_rows()
-if "--dataset-commitment" in sys.argv:
-    print(dataset_commitment(train))
-    sys.exit(0)
-
-# Connect, look up (or register) the experiment, start its proof before the state exists.
-client = Client()
-experiment = client.experiment(EXPERIMENT)
-config = zkdv.ZKDVConfig(
-    # The trainer's own sampled re-executions: one step in ten on average.
-    sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.1),
-)
-# A replay snapshot every 10 steps: a challenged step replays at most 9 transitions.
-proof = experiment.proof(
-    backend="jax",
-    config=config,
-    path=os.environ.get("DIGITS_PROOF_DIR"),
-    replay_snapshot_interval=10,
-)
-proof.start(rolling_window=ROLLING_WINDOW, probe_ratio=0.25)
-proof.declare_regime("pretraining")  # from scratch; checked against the spec's regimes
-
-model = DigitClassifier()
-params = model.init(jax.random.key(0), jnp.zeros((1, PIXELS), dtype=jnp.uint32))["params"]
-state = zkdv.jax.contrib.TrainState.create(
-    proof=proof, apply_fn=model.apply, params=params, tx=optax.adam(1e-2)
-)
+def initial_state(proof: zkdv.jax.ZKDV) -> zkdv.jax.contrib.TrainState:
+    """The classifier's initial parameters and Adam, owned by ``proof``."""
+    model = DigitClassifier()
+    params = model.init(jax.random.key(0), jnp.zeros((1, PIXELS), dtype=jnp.uint32))["params"]
+    return zkdv.jax.contrib.TrainState.create(
+        proof=proof, apply_fn=model.apply, params=params, tx=optax.adam(1e-2)
+    )
 
 
-# proof.jit instead of jax.jit: every call is one committed, replayable transition.
-@proof.jit(donate_argnums=(0,))
-def train_step(state, batch):
-    pixels, labels = batch[:, :PIXELS], batch[:, PIXELS].astype(jnp.int32)
+def train(proof: zkdv.jax.ZKDV, rows: np.ndarray, steps: int = STEPS) -> Any:
+    """Train ``steps`` steps on ``rows`` under ``proof`` (started); returns the state."""
+    state = initial_state(proof)
 
-    def loss(params):
-        logits = state.apply_fn({"params": params}, pixels)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    # proof.jit instead of jax.jit: every call is one committed, replayable transition.
+    @proof.jit(donate_argnums=(0,))
+    def train_step(state, batch):
+        pixels, labels = batch[:, :PIXELS], batch[:, PIXELS].astype(jnp.int32)
 
-    return state.apply_gradients(grads=jax.grad(loss)(state.params))
+        def loss(params):
+            logits = state.apply_fn({"params": params}, pixels)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+        return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+    for batch in batches(rows, steps):
+        state = train_step(state, jnp.asarray(batch))
+    return state
 
 
-for batch in batches(train):
-    state = train_step(state, jnp.asarray(batch))
+def main() -> None:
+    train_rows, held_out = digit_rows()
+    if "--dataset-commitment" in sys.argv:
+        print(dataset_commitment(train_rows))
+        return
 
-# The final weights, signed; finish() uploads them and the certificate binds them.
-if os.environ.get("DIGITS_MODEL_DIR"):
-    saved = proof.save_model(state.params, os.environ["DIGITS_MODEL_DIR"])
-    print(f"final model: {saved.copies[0]} sha256 {saved.sha256} (signed: {saved.signature.name})")
+    # Connect, look up (or register) the experiment, start its proof before the state exists.
+    client = Client()
+    experiment = client.experiment(EXPERIMENT)
+    config = zkdv.ZKDVConfig(
+        # The trainer's own sampled re-executions: one step in ten on average.
+        sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.1),
+    )
+    # A replay snapshot every 10 steps: a challenged step replays at most 9 transitions.
+    proof = experiment.proof(
+        backend="jax",
+        config=config,
+        path=os.environ.get("DIGITS_PROOF_DIR"),
+        replay_snapshot_interval=10,
+    )
+    proof.start(rolling_window=ROLLING_WINDOW, probe_ratio=0.25)
+    proof.declare_regime("pretraining")  # from scratch; checked against the spec's regimes
 
-# Close (wait for commitments and sampled checks), upload, answer what the platform asks.
-result = proof.finish()
-client.close()
+    state = train(proof, train_rows)
 
-logits = model.apply({"params": state.params}, jnp.asarray(held_out[:, :PIXELS]))
-accuracy = float((jnp.argmax(logits, axis=1) == held_out[:, PIXELS]).mean())
-print(f"held-out accuracy after {STEPS} steps: {accuracy:.1%} ({len(held_out)} digits)")
-print(json.dumps({"proof_id": result.proof_id, "accuracy": accuracy, "steps": STEPS}))
+    # The final weights, signed; finish() uploads them and the certificate binds them.
+    if os.environ.get("DIGITS_MODEL_DIR"):
+        saved = proof.save_model(state.params, os.environ["DIGITS_MODEL_DIR"])
+        print(
+            f"final model: {saved.copies[0]} sha256 {saved.sha256} (signed: {saved.signature.name})"
+        )
+
+    # Close (wait for commitments and sampled checks), upload, answer what the platform asks.
+    result = proof.finish()
+    client.close()
+
+    logits = state.apply_fn({"params": state.params}, jnp.asarray(held_out[:, :PIXELS]))
+    accuracy = float((jnp.argmax(logits, axis=1) == held_out[:, PIXELS]).mean())
+    print(f"held-out accuracy after {STEPS} steps: {accuracy:.1%} ({len(held_out)} digits)")
+    print(json.dumps({"proof_id": result.proof_id, "accuracy": accuracy, "steps": STEPS}))
+
+
+if __name__ == "__main__":
+    main()

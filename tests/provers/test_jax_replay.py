@@ -3,6 +3,8 @@
 Each run is made once per module (a contrib ``TrainState`` with Optax AdamW, a small
 Flax MLP, ``replay_snapshot_interval=3``, 8 steps, no SDK-side checks so that forged
 runs complete as a forger would submit them); tests that damage files work on copies.
+The runs commit their gradients: the forgeries include a committed gradient that is not
+the one the step applied, and a batch other than the one the step trained on.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import provers  # noqa: E402
 import zkdv  # noqa: E402
 from provers import jax_replay  # noqa: E402
 from provers.replay import Transcript, windows  # noqa: E402
-from zkdv.files import batch_path, snapshot_path  # noqa: E402
+from zkdv.files import batch_path, gradient_path, snapshot_path  # noqa: E402
 from zkdv.jax.contrib import TrainState  # noqa: E402
 from zkdv.verify import verify_transcript  # noqa: E402
 
@@ -54,10 +56,18 @@ def _step(state: Any, batch: jax.Array) -> Any:
 Between = Callable[[zkdv.jax.ZKDV, Any], Any]
 
 
-def _train(path: Path, *, between: Between | None = None, bypass: bool = False) -> Path:
+def _train(
+    path: Path,
+    *,
+    between: Between | None = None,
+    bypass: bool = False,
+    commit: Callable[[str, Any], Any] | None = None,
+) -> Path:
     """Train 8 steps; ``between(proof, state)`` edits the state before step 4.
 
-    ``bypass`` plays a forger who disabled the frontend's own continuity check.
+    ``bypass`` plays a forger who disabled the frontend's own continuity check;
+    ``commit(kind, host values)`` one who changes what step 4 commits (its ``batch`` or
+    its ``gradient``, as read back from the device) after the step ran.
     """
     proof = zkdv.jax.ZKDV(
         path,
@@ -67,6 +77,14 @@ def _train(path: Path, *, between: Between | None = None, bypass: bool = False) 
     proof.start(rolling_window=2, probe_ratio=0.5)
     if bypass:
         proof._verify_continuity = lambda index, host_pre: None  # type: ignore[method-assign]
+    if commit is not None:
+        fetch = proof._log.fetch
+
+        def forged(step: int, kind: str, value: Any) -> Any:
+            host = fetch(step, kind, value)
+            return commit(kind, host) if step == FORGED_STEP else host
+
+        proof._log.fetch = forged  # type: ignore[method-assign]
     model = MLP()
     state = TrainState.create(
         proof=proof,
@@ -105,6 +123,18 @@ def _invisible(proof: zkdv.jax.ZKDV, state: Any) -> Any:
     return state.replace(params=params)
 
 
+def _scaled_gradient(kind: str, host: Any) -> Any:
+    """Commit 1.01 times the gradient the optimizer applied."""
+    if kind != "gradient":
+        return host
+    return [np.asarray(leaf) * np.float32(1.01) for leaf in host]
+
+
+def _swapped_batch(kind: str, host: Any) -> Any:
+    """Commit another batch than the one the step trained on (every value moved)."""
+    return np.roll(np.asarray(host), 1, axis=1) if kind == "batch" else host
+
+
 def _double_lr(proof: zkdv.jax.ZKDV, state: Any) -> Any:
     hyper = dict(state.opt_state.hyperparams)
     hyper["learning_rate"] = jnp.asarray(2 * LEARNING_RATE, hyper["learning_rate"].dtype)
@@ -119,6 +149,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "visible": _train(base / "visible", between=_bump, bypass=True),
         "invisible": _train(base / "invisible", between=_invisible, bypass=True),
         "lr": _train(base / "lr", between=_double_lr, bypass=True),
+        "scaled": _train(base / "scaled", commit=_scaled_gradient),
+        "swapped": _train(base / "swapped", commit=_swapped_batch),
     }
 
 
@@ -233,10 +265,41 @@ def test_learning_rate_changed_mid_run_fails_replay(runs: dict[str, Path]) -> No
     verdict = jax_replay.verify_challenge(path, 3, through=5)
     assert (verdict.ok, verdict.reason) == (False, "replay_mismatch")
     assert str(verdict.message).startswith("step 4:")
-    # Doubling the step size is far beyond tolerance: the probes alone catch it too.
+    # Away from the recorded environment too: the update is canonical, so the committed
+    # gradient with the committed learning rate must give the committed state exactly.
     loose = jax_replay.verify_challenge(path, 4, exact=False)
     assert (loose.ok, loose.reason) == (False, "replay_mismatch")
-    assert "step 4" in str(loose.message) and "probe" in str(loose.message)
+    assert str(loose.message).startswith("step 4: the optimizer applied to the committed")
+
+
+def test_a_committed_gradient_scaled_by_one_percent_fails_replay(runs: dict[str, Path]) -> None:
+    path = runs["scaled"]
+    assert verify_transcript(path).ok  # its grad root, file and probes agree
+    for exact in (None, False):  # here, and as a worker on other hardware judges it
+        verdict = jax_replay.verify_challenge(path, 3, through=5, exact=exact)
+        assert (verdict.ok, verdict.reason) == (False, "replay_mismatch")
+        assert str(verdict.message).startswith("step 4: the recomputed values differ")
+        assert [(e.step, e.ok) for e in verdict.evidence] == [(3, True), (4, False)]
+        assert verdict.evidence[-1].gradient["margin"] > 1
+    assert jax_replay.verify_challenge(path, 6, through=7).ok
+
+
+def test_a_batch_swapped_after_commitment_fails_replay(runs: dict[str, Path]) -> None:
+    path = runs["swapped"]
+    assert verify_transcript(path).ok  # the batch file hashes to the committed root
+    verdict = jax_replay.verify_challenge(path, 3, through=5, exact=False)
+    assert (verdict.ok, verdict.reason) == (False, "replay_mismatch")
+    # The gradient of the committed batch is not the one the step committed.
+    assert str(verdict.message).startswith("step 4: the recomputed values differ")
+
+
+def test_a_gradient_file_that_is_not_the_committed_one(honest_copy: Path) -> None:
+    file = gradient_path(honest_copy, 4)
+    data = bytearray(file.read_bytes())
+    data[-1] ^= 1
+    file.write_bytes(bytes(data))
+    verdict = jax_replay.verify_challenge(honest_copy, 3, through=5)
+    assert (verdict.ok, verdict.reason) == (False, "gradient_mismatch")
 
 
 def test_dispatch_imports_only_the_framework_it_needs() -> None:

@@ -228,7 +228,9 @@ def write_synthetic_transcript(
             write_state(gradient_path(proof_dir, step), computed)
         # A forger keeps the probes of the steps it forges self-consistent.
         lying = forged and step >= forge_step
-        probes = _probes(core, claimed_pre if lying else before_params, params, deltas, lying)
+        probes: tuple[list[np.ndarray], ...] = _probes(
+            core, claimed_pre if lying else before_params, params, deltas, lying
+        )
         if computed is not None:
             assert core.probes is not None
             probes = (*probes, core.probes.project_all([a for _, a in _leaves(grads)]))

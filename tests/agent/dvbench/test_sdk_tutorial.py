@@ -51,7 +51,7 @@ def test_the_jax_tutorial_files_a_valid_proof(platform, tmp_path):
     assert proof["status"] == "valid", proof
     assert proof["steps"] == 10 and proof["prover"] == "whitebox-jax"
     kinds = sorted({u["kind"] for u in uploads if u["status"] == "complete"})
-    assert kinds == ["artifact", "batch", "snapshot", "transcript"]
+    assert kinds == ["artifact", "batch", "gradient", "snapshot", "transcript"]
     # The ten identical batches are stored once; the temporary proof is released.
     assert sum(u["kind"] == "batch" for u in uploads) == 1
     assert "dedup" in done.stderr

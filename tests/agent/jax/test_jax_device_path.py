@@ -170,20 +170,25 @@ def test_non_snapshot_steps_read_record_sized_bytes(tmp_path: Path) -> None:
     _, large_bytes = _sizes(large)
     assert large_bytes > 100 * small_bytes
     batch_bytes = 4 * 4 * (FEATURES + 1)
+    gradients = len(large._program_owner.traced.computed_names)  # type: ignore[union-attr]
+    param_bytes = sum(s.nbytes for s in large._core.param_specs)  # type: ignore[union-attr]
     for index in range(STEPS):
         got = small.transfers.step(index), large.transfers.step(index)
         if index % INTERVAL:
-            # What leaves the device: the batch, 32 bytes per leaf of both trees, three
-            # probes' worth of float32 at most, two values when the step is checked.
+            # What leaves the device: the batch, 32 bytes per leaf of both trees and of the
+            # committed gradient, four probes' worth of float32 at most, two values when the
+            # step is checked, and the gradient itself, kept as files/grad-<step>.bin for
+            # the platform's replay: the one O(parameters) read.
             for proof, moved in zip((small, large), got, strict=True):
-                assert set(moved) <= {"batch", "roots", "probes", "values"}
+                assert set(moved) <= {"batch", "roots", "probes", "values", "gradient"}
                 assert moved["batch"] == batch_bytes
-                assert moved["roots"] == 32 * leaves
-                assert moved["probes"] <= 3 * 4 * proof._core.probes.floats  # type: ignore[union-attr]
+                assert moved["roots"] == 32 * (leaves + gradients)
+                assert moved["probes"] <= 4 * 4 * proof._core.probes.floats  # type: ignore[union-attr]
                 assert moved.get("values", 0) <= 16
+            assert got[1]["gradient"] == param_bytes
             # Independent of the state's size, apart from the probes (64 rows at most).
             assert got[0]["roots"] == got[1]["roots"]
-            assert large.transfers.total(index) < large_bytes / 20
+            assert large.transfers.total(index) - param_bytes < large_bytes / 20
             # The host path reads the whole state every step.
             assert host.transfers.step(index)["state"] > large_bytes
         else:

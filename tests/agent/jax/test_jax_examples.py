@@ -50,7 +50,12 @@ def test_readme_quick_start_runs_as_written(tmp_path: Path) -> None:
     from zkdv.jax.artifact import Artifact
 
     artifact = Artifact.loads((tmp_path / "proof" / "program.jaxexport").read_bytes())
-    assert set(artifact.attest.platforms) == {"cpu", "cuda"}
+    # The step commits its gradient: the production step and the canonical update are
+    # the committed programs, both lowered for the CPU and CUDA replay workers.
+    assert artifact.commits and artifact.canonical
+    assert artifact.production is not None and artifact.apply_program is not None
+    assert set(artifact.production.platforms) == {"cpu", "cuda"}
+    assert set(artifact.apply_program.platforms) == {"cpu", "cuda"}
 
 
 @pytest.mark.slow
@@ -102,8 +107,8 @@ def test_nnx_training_example(tmp_path: Path) -> None:
 
     artifact = Artifact.loads((tmp_path / "nnx" / "program.jaxexport").read_bytes())
     assert artifact.source == "flax.nnx.Optimizer"
-    assert artifact.transition is not None
-    assert set(artifact.transition.platforms) == {"cpu", "cuda"}
+    assert artifact.commits and artifact.production is not None
+    assert set(artifact.production.platforms) == {"cpu", "cuda"}
     assert _replay_in_a_fresh_process(tmp_path / "nnx").splitlines()[0] == "0 7"
 
 
@@ -120,6 +125,8 @@ def test_scan_training_example(tmp_path: Path) -> None:
     artifact = Artifact.loads((tmp_path / "scan" / "program.jaxexport").read_bytes())
     assert artifact.source == "zkdv.jax.contrib.TrainState in zkdv.jax.scan"
     assert (artifact.layout.rows, artifact.layout.cols) == (32, 65)
+    # zkdv.jax.scan keeps the version-1 artifact: its updates commit no gradient.
+    assert not artifact.commits
     assert set(artifact.transition.platforms) == {"cpu", "cuda"}  # type: ignore[union-attr]
     # Snapshots every 6 updates fall inside calls of 4: windows [0, 5], [6, 11], ...
     assert _replay_in_a_fresh_process(tmp_path / "scan").splitlines()[:2] == ["0 5", "6 11"]

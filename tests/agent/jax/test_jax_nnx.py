@@ -79,12 +79,22 @@ def test_the_flax_guide_loop_proves_with_proof_jit(make_proof, tmp_path: Path, s
     # The objects were updated in place, as nnx.jit updates them.
     assert int(optimizer.step[...]) == STEPS
     assert int(model.dropout.rngs.count[...]) == STEPS  # type: ignore[union-attr]
-    for got, want in zip(
-        jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(reference_model)), strict=True
-    ):
+    ours = jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]
+    theirs = jax.tree.leaves(nnx.state(reference_model))
+    for (path, got), want in zip(ours, theirs, strict=True):
         if jnp.issubdtype(got.dtype, jax.dtypes.prng_key):
             got, want = jax.random.key_data(got), jax.random.key_data(want)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+        # The bias in front of BatchNorm: its true gradient is zero (the norm subtracts
+        # the mean), so its computed gradient is rounding noise, which differs between
+        # any two compiled programs (ours is the exported step, the reference nnx.jit's
+        # own), and AdamW turns noise into steps of up to lr (0.01) either way; the
+        # norm's running mean follows that bias.
+        name = jax.tree_util.keystr(path)
+        noisy = "['linear1']['bias']" in name or "['norm']['mean']" in name
+        atol = 2 * 0.01 * STEPS if noisy else 1e-6
+        np.testing.assert_allclose(
+            np.asarray(got), np.asarray(want), rtol=1e-5, atol=atol, err_msg=name
+        )
     np.testing.assert_allclose(
         float(metrics.compute()["loss"]), float(reference_metrics.compute()["loss"]), rtol=1e-5
     )
@@ -132,6 +142,16 @@ def test_what_an_nnx_step_commits(make_proof, tmp_path: Path) -> None:
     assert "opt_state['optimizer']['step']" in state
     assert "opt_state['optimizer']['opt_state'][0]['mu']['linear1']['kernel']" in state
     assert not any("metrics" in path for path in state)
+    # Committed each step: the gradient of every parameter, then the state the forward
+    # pass wrote (the BatchNorm statistics, the Dropout stream; the optimizer's step and
+    # Optax state are the canonical update's, replayed, not committed).
+    computed = [spec["path"] for spec in root["schema"]["grad"]]
+    assert computed[: len(params)] == [f"params:{path}" for path in params]
+    carried = computed[len(params) :]
+    assert "opt_state:opt_state['model']['norm']['mean']" in carried
+    assert "opt_state:opt_state['model']['dropout']['rngs']['count']" in carried
+    assert not any("['optimizer']" in path for path in carried)
+    assert root["env"]["update"]["canonical"] is True
     # The batch: the data rows, with the metrics' running totals replicated in each.
     committed = np.fromfile(batch_path(proof.path, 1), dtype="<u4")
     assert committed.size > 0
@@ -303,3 +323,18 @@ def test_an_nnx_step_commits_on_the_device_path_too(make_proof) -> None:
     transcript = Transcript.load(proof.path)
     for first, last in windows(transcript):
         assert jax_replay.verify_challenge(proof.path, first, through=last).ok
+
+
+def test_a_parameter_changed_after_the_update_is_refused(make_proof) -> None:
+    """The platform replays the update from the committed gradient: a parameter the step
+    writes afterwards would not be reproduced, so such a step is refused at once."""
+    proof = make_proof()
+    model, optimizer, metrics = _objects()
+
+    def projected(model: MLP, optimizer: nnx.Optimizer, metrics: Any, batch: Any) -> Any:
+        loss = train_step(model, optimizer, metrics, batch)
+        model.linear2.bias[...] = jnp.clip(model.linear2.bias[...], -0.1, 0.1)
+        return loss
+
+    with pytest.raises(zkdv.ZKDVError, match="as its optimizer update wrote it"):
+        proof.jit(projected)(model, optimizer, metrics, _batches(1)[0])

@@ -52,6 +52,15 @@ class Registration:
     completed: bool = False
     #: Several updates in one call (``zkdv.jax.scan``): a ``zkdv.jax._scan.ScanUpdates``.
     scan: Any = None
+    #: The optimizer update the step's gradient is committed with
+    #: (``zkdv.jax._optimizer.Recorded``); None: the run commits no gradient.
+    recorded: Any = None
+    #: Pre-update continuity leaves the update increments by one (a ``step``).
+    counters: tuple[Any, ...] = ()
+    #: Gradient leaves that replace parameters (Flax ``OVERWRITE_WITH_GRADIENT``).
+    overwrite: tuple[Any, ...] = ()
+    #: The step's computed values (traced), once the update is described.
+    computed: list[Any] = field(default_factory=list)
 
 
 class Boundary(BaseException):
@@ -74,11 +83,15 @@ class TraceContext:
         mode: ``"production"`` (the training step) or ``"replay"`` (the generated
             sampled program: stop at the update boundary).
         inputs: the traced function's dynamic input leaves, for binding by identity.
+        capture: where the step's optimizer update is recorded when the run commits its
+            gradients (a ``zkdv.jax._optimizer.Capture``, holding the program's runtime
+            zero); None otherwise.
     """
 
     proof: Any
     mode: str
     inputs: list[Any]
+    capture: Any = None
     registration: Registration | None = None
     params_identity: tuple[int, ...] = field(default_factory=tuple)
     # The JAX trace the context was opened in: an update registered from another one
@@ -171,6 +184,48 @@ class Transaction:
                 raise ZKDVError(_messages.NESTED_UPDATE)
             self._registration = Registration("transaction", params, opt_state, batch, self.overlap)
             context.open(self._registration)
+
+    def apply(self, tx: Any, grads: Any) -> tuple[Any, Any]:
+        """Apply the optimizer to the gradient and declare the update; commits the gradient.
+
+        ``tx.update(grads, opt_state, params)`` then ``optax.apply_updates``, on the
+        transaction's own ``params`` and ``opt_state``, evaluated canonically inside a
+        ``proof.jit`` step (:func:`zkdv.jax.optimizer`): the step commits ``grads`` and
+        the platform replays the update from it bit for bit on any hardware. Replaces
+        :meth:`update` (call one of them once); needs no ``proof.attest`` function. Every
+        input of the step other than ``params`` and ``opt_state`` must be part of the
+        batch, so that the platform can recompute the gradient. Outside ``proof.jit`` it
+        is the plain Optax update.
+
+        Args:
+            tx: the ``optax.GradientTransformation`` (wrapped or not).
+            grads: the gradient, with the structure of ``params``.
+
+        Returns:
+            ``(params, opt_state)`` after the update.
+        """
+        import optax
+
+        from zkdv.jax import _optimizer
+
+        registration = self._registration
+        context = current()
+        capture = None if context is None else context.capture
+        if registration is None or capture is None:
+            updates, new_state = _optimizer.optimizer(tx).update(grads, self.opt_state, self.params)
+            new_params = optax.apply_updates(self.params, updates)
+            if registration is not None:
+                self.update(
+                    deltas=updates, params=new_params, opt_state=new_state
+                )  # a run that commits no gradient (several devices or processes)
+            return new_params, new_state
+        if registration.completed:
+            raise ZKDVError(UPDATE_TWICE)
+        updates, new_state = _optimizer.optimizer(tx).update(grads, self.opt_state, self.params)
+        new_params = capture.apply_updates(self.params, updates)
+        registration.recorded = capture.recorded
+        self.update(deltas=updates, params=new_params, opt_state=new_state)
+        return new_params, new_state
 
     def update(self, *, deltas: Any, params: Any, opt_state: Any) -> None:
         """Declare the additive parameter update and the post-update state.

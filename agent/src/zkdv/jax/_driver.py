@@ -6,7 +6,9 @@ result *and* the transaction's hidden values (additive deltas, post-update param
 and optimizer state, the packed uint32 batch; :class:`~zkdv.compilation.ResultSchema`
 lays them out so a value the user also returns crosses the program boundary once), and
 hands a :class:`_Step` to the shared :class:`~zkdv.driver.Driver` pipeline, which
-commits it on its own thread. The design, the batch packing and the artifact format
+commits it on its own thread. A run that commits its gradients runs the two committed
+programs instead (:meth:`ZKDV._run`): the exported step, which returns the computed
+values, then the apply program, whose outputs take the hidden values' place. The design, the batch packing and the artifact format
 are documented in ``docs/jax.md``.
 
 Under ``jax.distributed`` (several processes, one SPMD program) process 0 owns the
@@ -35,7 +37,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from zkdv.batch import validate_window
-from zkdv.config import ZKDVConfig
+from zkdv.config import GradientBounds, ZKDVConfig
 from zkdv.driver import Driver, ReplayOutcome
 from zkdv.errors import (
     ZKDVError,
@@ -54,10 +56,20 @@ from zkdv.jax._export import (
     _flat_attest,
     _spec,
     _unreplicated,
+    export_committed,
+    precision,
 )
-from zkdv.jax._program import JIT_OPTIONS, JitFunction, _check_options, _Program, _Traced
+from zkdv.jax._optimizer import apply_function, deltas, optimizer_env
+from zkdv.jax._program import (
+    JIT_OPTIONS,
+    JitFunction,
+    _check_options,
+    _flops,
+    _Program,
+    _Traced,
+)
 from zkdv.jax._steps import _DeviceStep, _Step
-from zkdv.jax.artifact import Artifact, dumps
+from zkdv.jax.artifact import Artifact, dumps, dumps_committed
 from zkdv.jax.device_merkle import default_schedule
 from zkdv.overlap import Policy
 from zkdv.sampling import Challenge
@@ -312,6 +324,11 @@ class ZKDV(Driver):
         batch_spec = _spec((validate.rows, validate.cols), jnp.uint32)
         index_spec = _spec((), jnp.uint64)
         registration = traced.registration
+        if traced.commits:
+            if self._attested is not None:
+                raise ZKDVError(_messages.ATTEST_REGISTERED)
+            self._export_committed(program, params, opt, param_specs, opt_specs)
+            return
         if registration.source != "transaction":
             if self._attested is not None:
                 raise ZKDVError(_messages.ATTEST_REGISTERED)
@@ -361,7 +378,7 @@ class ZKDV(Driver):
         self.runtime.set_program(
             "jax.export",
             material,
-            env=_environment(),
+            env=_environment(platforms=exported_attest.platforms),
             shardings=shardings
             if any(s is not None for tree in shardings.values() for s in tree)
             else None,
@@ -369,6 +386,123 @@ class ZKDV(Driver):
         # Replays use the committed bytes themselves, so a check also tests the artifact.
         self._artifact = Artifact.loads(material)
         self._program_owner = program
+
+    def _export_committed(
+        self,
+        program: _Program,
+        params: list[Any],
+        opt: list[Any],
+        param_specs: tuple[Any, ...],
+        opt_specs: tuple[Any, ...],
+    ) -> None:
+        """Export, commit and load the programs of a run that commits its gradients.
+
+        The production step is exported as the program that computes the step's
+        gradient, carried values and result (the state update it traced is dead code),
+        and the apply program as the canonical update of what it computed
+        (``docs/jax.md``, "One program"). The step then runs both, deserialized from
+        the committed bytes and compiled here, once: the SDK's checks and the
+        platform's replay run the same programs.
+        """
+        traced = program.traced
+        spec = traced.update
+        assert spec is not None and program.specs is not None
+        inputs = [*program.specs[0], *program.specs[1]]
+        by_position = {
+            position: inputs[i] for i, position in enumerate((*program.donated, *program.kept))
+        }
+        zero_spec = program.specs[2]
+        apply_params = tuple(by_position[p] for p in traced.param_positions)
+        apply_opt = tuple(by_position[p] for p in traced.opt_positions)
+        # Traced without donation: the apply program reads the parameters after it.
+        production, trace = program.jitted, program.trace
+        apply, outcome = apply_function(spec)
+        try:
+            computed_avals = trace.out_info[1 : 1 + len(traced.computed_names)]
+            apply_computed = tuple(
+                jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=w)  # type: ignore[no-untyped-call]
+                for a, w in zip(computed_avals, spec.weak[2], strict=True)
+            )
+            exported, applied = export_committed(
+                production,
+                program.specs,
+                apply,
+                (apply_params, apply_opt, apply_computed, zero_spec),
+            )
+        except ZKDVError:
+            raise
+        except Exception as error:
+            raise ZKDVError(_messages.EXPORT_FAILURE.format(error=error)) from error
+        optimizer = optimizer_env(outcome[0] if outcome else None)
+        # The realized deltas are computed after the apply program, into the donated
+        # pre-update parameters' buffers when the step donates them.
+        donate = bool(program.donated) and all(
+            position in program.donated for position in traced.param_positions
+        )
+        program.deltas = jax.jit(deltas, donate_argnums=(1,) if donate else ())
+        material = dumps_committed(
+            source=_SOURCES.get(traced.registration.source, "zkdv.jax.Transaction"),
+            production=exported,
+            apply=applied,
+            inputs={
+                "count": len(program.avals),
+                "donated": list(program.donated),
+                "kept": list(program.kept),
+                "params": list(traced.param_positions),
+                "opt_state": list(traced.opt_positions),
+                "batch": list(traced.batch_positions),
+            },
+            outputs={
+                "batch": 0,
+                "computed": 1,
+                "count": traced.schema.outputs - traced.schema.hidden_leaves,
+            },
+            computed=list(zip(traced.computed_names, apply_computed, strict=True)),
+            optimizer=optimizer,
+            params=list(zip(traced.param_paths, param_specs, strict=True)),
+            opt_state=list(zip(traced.opt_paths, opt_specs, strict=True)),
+            layout=traced.layout,
+        )
+        artifact = Artifact.loads(material)
+        # The step runs the committed programs: compiled once, here, and shared with
+        # the artifact's own calls (the SDK's checks).
+        compute = artifact.compiled("production", *program.specs)
+        applied_call = artifact.compiled(
+            "apply", apply_params, apply_opt, apply_computed, zero_spec
+        )
+        program.jitted, program.apply = compute, applied_call
+        flops = [_flops(compute), _flops(applied_call)]
+        program.flops = None if None in flops else float(sum(f for f in flops if f))
+        kind = precision(trace.jaxpr, params, jax.default_backend())
+        self.runtime.set_program(
+            "jax.export",
+            material,
+            env=_environment(platforms=exported.platforms, precision=kind, update=optimizer),
+            bounds=GradientBounds.default(kind["kind"]),
+        )
+        self._artifact = artifact
+        self._program_owner = program
+
+    def _run(self, program: _Program, leaves: Sequence[Any]) -> Sequence[Any]:
+        """Dispatch one step: its outputs laid out as ``program.traced.schema`` says.
+
+        A run that commits gradients runs its two committed programs: the production
+        step (gradient, carried values, batch, result) and the apply program (the
+        post-update state), then the realized deltas; they take the hidden values' place.
+        """
+        donated = tuple(leaves[i] for i in program.donated)
+        kept = tuple(leaves[i] for i in program.kept)
+        if program.apply is None:
+            return program.jitted(donated, kept, program.zero)  # type: ignore[no-any-return]
+        traced = program.traced
+        outputs = program.jitted(donated, kept, program.zero)
+        computed = tuple(outputs[1 : 1 + len(traced.computed_names)])
+        params = tuple(leaves[i] for i in traced.param_positions)
+        params_after, opt_after = program.apply(
+            params, tuple(leaves[i] for i in traced.opt_positions), computed, program.zero
+        )
+        changes = program.deltas(params_after, params)
+        return [*changes, *params_after, *opt_after, *outputs]
 
     def _continues(self, leaves: Sequence[Any]) -> bool:
         references = self._last_outputs
@@ -389,10 +523,7 @@ class ZKDV(Driver):
         else:
             agreed = runtime.agree(policy, barrier=bool(program.donated))
             if agreed is None:  # a follower: run the step, record nothing
-                outputs = program.jitted(
-                    tuple(leaves[i] for i in program.donated),
-                    tuple(leaves[i] for i in program.kept),
-                )
+                outputs = self._run(program, leaves)
                 return traced.schema.user_result(outputs, program.trees)
             admission = agreed
         with admission:
@@ -428,10 +559,7 @@ class ZKDV(Driver):
                 # zkdv.jax.scan call's commitments read only its stacked outputs, never
                 # the final state the next call donates.)
                 runtime.barrier()
-            outputs = program.jitted(
-                tuple(leaves[i] for i in program.donated),
-                tuple(leaves[i] for i in program.kept),
-            )
+            outputs = self._run(program, leaves)
             schema = traced.schema
             result = schema.user_result(outputs, program.trees)
             hidden = outputs[traced.delta_leaves : schema.hidden_leaves]
@@ -478,10 +606,7 @@ class ZKDV(Driver):
             snapshot = (copied[:nparams], copied[nparams:])
             with self._store_lock:
                 self._snapshots[index] = snapshot
-        outputs = program.jitted(
-            tuple(leaves[i] for i in program.donated),
-            tuple(leaves[i] for i in program.kept),
-        )
+        outputs = self._run(program, leaves)
         schema = traced.schema
         result = schema.user_result(outputs, program.trees)
         hidden = outputs[traced.delta_leaves : schema.hidden_leaves]
@@ -500,7 +625,20 @@ class ZKDV(Driver):
                 leaf_specs(traced.opt_paths, opt_after),
             ),
         )
-        step = _DeviceStep(self, program, index, policy, outputs, snapshot, pre, post)
+        computed = None
+        spec = traced.update
+        if spec is not None:
+            start = schema.hidden_leaves + 1
+            values = list(outputs[start : start + len(traced.computed_names)])
+            # The gradient probe row: zeros for a parameter without a gradient.
+            by_position = dict(zip(spec.grads, values, strict=False))
+            grads = [by_position.get(j, jnp.zeros_like(p)) for j, p in enumerate(params_after)]
+            computed = (
+                device.roots(values),
+                leaf_specs(traced.computed_names, values),
+                device.project(grads),
+            )
+        step = _DeviceStep(self, program, index, policy, outputs, snapshot, pre, post, computed)
         self.runtime.submit(admission, step)
         return result
 

@@ -1,9 +1,11 @@
 """Exporting the attested JAX program: what ``proof.jit`` and ``proof.attest`` commit.
 
-The artifact (:mod:`zkdv.jax.artifact`) holds the attested function and, when it can be
-derived, the full one-update transition, both exported with ``jax.export`` for the
-training platform and the common replay platforms. The root record's environment
-(:func:`_environment`) and sharding descriptions come from here too.
+The artifact (:mod:`zkdv.jax.artifact`) holds, for a run that commits its gradients,
+the production step and the apply program (:func:`export_committed`); otherwise the
+attested function and, when it can be derived, the full one-update transition. Each is
+exported with ``jax.export`` for the training platform and the common replay platforms.
+The root record's environment (:func:`_environment`, with the program's
+:func:`precision`) and sharding descriptions come from here too.
 """
 
 from __future__ import annotations
@@ -27,7 +29,14 @@ from zkdv.jax._tree import index
 if TYPE_CHECKING:
     from zkdv.jax._program import _Traced
 
-__all__ = ["REPLAY_PLATFORMS"]
+__all__ = [
+    "ISAS",
+    "REPLAY_PLATFORMS",
+    "exact_environment_values",
+    "export_candidates",
+    "export_committed",
+    "precision",
+]
 
 # The artifact's ``source``: what declared the transaction whose program is generated.
 _SOURCES = {"train_state": "zkdv.jax.contrib.TrainState", "nnx": "flax.nnx.Optimizer"}
@@ -60,7 +69,79 @@ def _describe_sharding(leaf: Any) -> dict[str, Any] | None:
     return None
 
 
-def _environment() -> dict[str, Any]:
+#: XLA CPU instruction sets, in order (``--xla_cpu_max_isa`` values), each with the
+#: ``/proc/cpuinfo`` flag that says the CPU has it.
+ISAS = (
+    ("SSE4_2", "sse4_2"),
+    ("AVX", "avx"),
+    ("AVX2", "avx2"),
+    ("AVX512", "avx512f"),
+    ("AVX512_VNNI", "avx512_vnni"),
+    ("AVX512_BF16", "avx512_bf16"),
+    ("AMX", "amx_bf16"),
+)
+#: CPU flags that change the code XLA's CPU backend generates (or its tuning).
+_CPU_FEATURES = frozenset(
+    {flag for _, flag in ISAS} | {"fma", "f16c", "avx_vnni", "amx_int8", "amx_tile", "avx512vl"}
+)
+
+
+def _cpu() -> dict[str, Any]:
+    """The CPU as XLA's code generation sees it: ``cpu_isa``, the instruction set XLA
+    compiles for (the CPU's best, capped by ``--xla_cpu_max_isa`` in ``XLA_FLAGS``),
+    ``cpu_model`` and ``cpu_features``, the flags that change its code or tuning."""
+    model, flags = "unknown", set[str]()
+    with (
+        contextlib.suppress(OSError),
+        open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle,
+    ):
+        for line in handle:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown":
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    best = None
+    for name, flag in ISAS:
+        if flag in flags:
+            best = name
+    cap = None
+    for option in os.environ.get("XLA_FLAGS", "").split():
+        if option.startswith("--xla_cpu_max_isa="):
+            cap = option.partition("=")[2].strip().upper()
+    names = [name for name, _ in ISAS]
+    isa = best
+    if cap in names and (best is None or names.index(cap) < names.index(best)):
+        isa = cap
+    return {
+        "cpu_isa": isa or "unknown",
+        "cpu_model": model,
+        "cpu_features": sorted(flags & _CPU_FEATURES),
+    }
+
+
+def _threads() -> int:
+    """The CPUs this process may run on: XLA's CPU thread pool is sized by them, and a
+    reduction may split across its threads differently with another count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _environment(
+    *,
+    platforms: Sequence[str] = (),
+    precision: dict[str, Any] | None = None,
+    update: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The root record's ``env``: versions, devices, and what changes the bits.
+
+    A replay reproduces a JAX step bit for bit only on the same backend, XLA build,
+    device kinds, CPU (model, instruction set) and thread count, with the same
+    ``XLA_FLAGS``, 64-bit mode and default matmul precision: all recorded here
+    (``provers.jax_replay.exact_environment`` compares them).
+    """
     import jaxlib
 
     env: dict[str, Any] = {
@@ -71,11 +152,96 @@ def _environment() -> dict[str, Any]:
         "device_count": jax.device_count(),
         "process_count": jax.process_count(),
         "x64": bool(getattr(jax.config, "jax_enable_x64", False)),
+        **exact_environment_values(),
+        "export_platforms": list(platforms),
     }
+    if precision is not None:
+        env["precision"] = precision
+    if update is not None:
+        env["update"] = update
     for name in ("flax", "optax"):
         with contextlib.suppress(ImportError):
             env[name] = __import__(name).__version__
     return env
+
+
+def exact_environment_values() -> dict[str, Any]:
+    """This process's values of everything that changes a JAX program's bits.
+
+    The backend, XLA build and device kinds, the CPU (:func:`_cpu`), the thread count
+    (:func:`_threads`), ``XLA_FLAGS``, 64-bit mode and the default matmul precision.
+    """
+    import jaxlib
+
+    return {
+        "jax_platform": jax.default_backend(),
+        "jaxlib": getattr(jaxlib, "__version__", "unknown"),
+        "devices": sorted({device.device_kind for device in jax.devices()}),
+        "threads": _threads(),
+        **_cpu(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "x64": bool(getattr(jax.config, "jax_enable_x64", False)),
+        "matmul_precision": _matmul_precision(),
+    }
+
+
+def _matmul_precision() -> str:
+    value = getattr(jax.config, "jax_default_matmul_precision", None)
+    return "default" if value is None else str(value)
+
+
+_REDUCED = ("bfloat16", "float16")
+#: Backends whose default matrix-product precision is below float32 (TF32, bfloat16).
+_REDUCED_DEFAULT_MATMUL = ("gpu", "cuda", "rocm", "tpu")
+
+
+def precision(jaxpr: Any, params: Sequence[Any], platform: str) -> dict[str, Any]:
+    """What the gradient program computes in: ``{"kind": "float32" | "reduced", "reasons"}``.
+
+    Reduced: a bfloat16 or float16 parameter or operation, or a matrix product at the
+    backend's default precision where that default is below float32 (TF32 or bfloat16
+    passes on GPUs and TPUs) and ``jax_default_matmul_precision`` does not raise it.
+    """
+    reasons: list[str] = []
+    narrow = sorted({str(jnp.result_type(p)) for p in params} & set(_REDUCED))
+    if narrow:
+        reasons.append(f"{' and '.join(narrow)} parameters")
+    primitives: dict[str, set[str]] = {}
+    matmul_default = False
+    for eqn in _equations(jaxpr):
+        for var in eqn.outvars:
+            dtype = str(getattr(var.aval, "dtype", ""))
+            if dtype in _REDUCED:
+                primitives.setdefault(dtype, set()).add(eqn.primitive.name)
+        if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+            chosen = eqn.params.get("precision")
+            if chosen is None or all(
+                p is None or str(p).upper().endswith("DEFAULT") for p in _flat(chosen)
+            ):
+                matmul_default = True
+    for dtype, names in sorted(primitives.items()):
+        reasons.append(f"{dtype} operations ({', '.join(sorted(names)[:4])})")
+    high = _matmul_precision().lower() in ("highest", "float32", "tensorfloat32_off")
+    if matmul_default and platform in _REDUCED_DEFAULT_MATMUL and not high:
+        reasons.append(
+            f"matrix products at {platform}'s default precision (TF32 or bfloat16 passes); "
+            "jax_default_matmul_precision='highest' keeps float32"
+        )
+    return {"kind": "reduced" if reasons else "float32", "reasons": reasons}
+
+
+def _flat(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, tuple | list) else [value]
+
+
+def _equations(jaxpr: Any) -> Any:
+    from jax.extend import core as jax_core
+
+    inner = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in inner.eqns:
+        yield eqn
+        for sub in jax_core.jaxprs_in_params(eqn.params):
+            yield from _equations(sub)
 
 
 # A transcript is replayed where the platform has accelerators, often not where it was
@@ -92,6 +258,36 @@ def _replay_platforms() -> tuple[str, ...]:
     return tuple(p.strip() for p in configured.split(",") if p.strip())
 
 
+def export_candidates() -> list[tuple[str, ...]]:
+    """Platform sets to lower for, in order: the training one and the replay ones, then
+    the training platform alone (when an operation cannot be lowered for the others)."""
+    local = jax.default_backend()
+    extra = tuple(p for p in dict.fromkeys(_replay_platforms()) if p != local)
+    return [(local, *extra), (local,)] if extra else [(local,)]
+
+
+def export_committed(
+    production: Any, specs: tuple[Any, Any, Any], apply: Callable[..., Any], apply_specs: Any
+) -> tuple[export.Exported, export.Exported]:
+    """Export the production step and the apply program of a run that commits gradients.
+
+    Both for the same platforms (module docstring); the production program with the
+    step's ``jax.jit`` options and donation, ``apply`` plainly.
+    """
+    failure: Exception | None = None
+    for platforms in export_candidates():
+        try:
+            exported = export.export(production, platforms=platforms)(*specs)
+            applied = export.export(jax.jit(apply), platforms=platforms)(*apply_specs)
+            return exported, applied
+        except ZKDVError:
+            raise
+        except Exception as error:  # noqa: BLE001 - retried for the local platform only
+            failure = error
+    assert failure is not None
+    raise failure
+
+
 def _export_programs(
     attest: Callable[..., Any],
     options: dict[str, Any],
@@ -99,11 +295,8 @@ def _export_programs(
     specs: tuple[Any, Any, Any, Any],
 ) -> tuple[export.Exported, export.Exported | None]:
     params, opt, batch, index_spec = specs
-    local = jax.default_backend()
-    extra = tuple(p for p in dict.fromkeys(_replay_platforms()) if p != local)
-    candidates = [(local, *extra), (local,)] if extra else [(local,)]
     failure: Exception | None = None
-    for platforms in candidates:
+    for platforms in export_candidates():
         try:
             with jax.enable_x64(True):
                 attested = export.export(jax.jit(attest, **options), platforms=platforms)(

@@ -155,3 +155,50 @@ NNX_SHARED = (
     "variables (the same object passed twice, or a model also held by an "
     "nnx.ModelAndOptimizer); pass each object once"
 )
+
+# Committed gradients (zkdv.jax._optimizer): what a step's optimizer update must be.
+TWO_UPDATES = (
+    "a proof.jit step applies its optimizer once: this step called the update of its "
+    "Optax transformation twice (one apply_gradients(), optimizer.update() or "
+    "transaction.apply() per step)"
+)
+EXTRA_ARGUMENTS = (
+    "the optimizer update of a proof.jit step received extra arguments {names} "
+    "(GradientTransformationExtraArgs): only the gradient, the optimizer state and the "
+    "parameters are committed and replayed, so such an update cannot be committed"
+)
+UPDATE_NOT_STATE = (
+    "the optimizer update of a proof.jit step must read the transaction's own {what} as "
+    "passed to the step; it read a value computed inside the step"
+)
+UPDATE_NOT_APPLIED = (
+    "the optimizer's updates were never applied to the parameters in this proof.jit step"
+)
+GRADIENT_STRUCTURE = (
+    "the gradient the optimizer received does not have the structure of the parameters it updates"
+)
+PARAMETER_WRITTEN = (
+    "a proof.jit step that commits its gradient must leave each parameter as its optimizer "
+    "update wrote it: a parameter was changed after (or besides) the update. Change it "
+    "inside the Optax transformation (optax.chain(...)) so the committed update does it"
+)
+GRADIENT_DTYPE = (
+    "the gradient of a parameter is {got}, the parameter {want}: a committed gradient has "
+    "its parameter's dtype and shape (cast the gradient before the update)"
+)
+STATE_NOT_RETURNED = (
+    "the optimizer state after a proof.jit step must be the state the optimizer update "
+    "returned, unchanged"
+)
+APPLY_MISMATCH = (
+    "the committed apply program does not reproduce step 0's post-update {tree} from its "
+    "committed gradient ({leaf} differs): the step changes its training state in a way "
+    "the replay cannot see. Keep every change of the state inside the Optax update or the "
+    "values the step passes to apply_gradients()"
+)
+TRANSACTION_BATCH = (
+    "transaction.apply() commits the step's gradient, and the platform recomputes it from "
+    "the committed state and batch alone: every input of the proof.jit function other "
+    "than params and opt_state must be a leaf of the transaction's batch (unmodified), "
+    "but {count} input leaves are not"
+)

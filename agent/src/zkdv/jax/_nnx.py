@@ -14,6 +14,13 @@ metrics) and mutates them in place; ``nnx.jit`` lifts it over ``nnx.split`` and
 * the transaction is ``optimizer.update(model, grads)``: while the step runs, every
   ``nnx.Optimizer`` among the arguments has its ``tx`` wrapped, so the call reveals the
   parameters (``nnx.state(model, wrt)``, the optimizer's ``wrt`` filter) by identity.
+  In a run that commits its gradients the wrapper is :func:`zkdv.jax.optimizer`: the
+  gradient ``tx.update`` receives is committed, and the optimizer's ``update`` is
+  wrapped too, so that the parameters it writes are the ones the capture recorded
+  (:meth:`~zkdv.jax._optimizer.Capture.apply_updates`). The model's other state the
+  step writes (``BatchStat``, RNG counts) is the step's carried values; the optimizer's
+  ``step`` is its counter. The post-update state the step commits is then the apply
+  program's (:mod:`zkdv.jax._optimizer`): the update traced here is dead code.
   The **parameters** are those leaves; the **optimizer-state continuity tree** is
   every other leaf of the arguments holding the model and the optimizer: the
   optimizer's ``step`` and Optax state, and the model's other variables (BatchNorm
@@ -40,7 +47,7 @@ import optax
 from flax import nnx
 
 from zkdv.errors import ZKDVError
-from zkdv.jax import _context, _messages
+from zkdv.jax import _context, _messages, _optimizer
 
 if TYPE_CHECKING:
     from zkdv.jax._program import JitFunction
@@ -130,6 +137,10 @@ class _Update:
 
     params: Any  # the parameter arrays tx.update received (a tree)
     optimizer: Any
+    #: The optimizer's step counter before the update (a leaf of its state).
+    step: Any = None
+    #: The recorded update, when the run commits its gradient.
+    recorded: Any = None
 
 
 @contextmanager
@@ -146,24 +157,57 @@ def _intercepted(objects: list[Any], found: list[_Update]) -> Iterator[None]:
     try:
         for optimizer, tx in wrapped:
             optimizer.tx = _recording(tx, optimizer, found, trace)
+            # Shadows the class's method; set around NNX's __setattr__, which would record
+            # a new attribute in the object's graph structure.
+            object.__setattr__(optimizer, "update", _recorded_update(optimizer, found))
         yield
     finally:
         for optimizer, tx in wrapped:
             optimizer.tx = tx
+            if "update" in vars(optimizer):
+                object.__delattr__(optimizer, "update")
 
 
 def _recording(
     tx: Any, optimizer: Any, found: list[_Update], trace: Any
 ) -> optax.GradientTransformationExtraArgs:
+    committed = _optimizer.optimizer(tx)
+
     def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
         if _context.trace_state() != trace:
             raise ZKDVError(_messages.NESTED_UPDATE)
         if found:
             raise ZKDVError(_context.ONE_TRANSACTION)
-        found.append(_Update(params, optimizer))
-        return tx.update(updates, state, params, **extra)
+        step = optimizer.step.get_value() if hasattr(optimizer, "step") else None
+        found.append(_Update(params, optimizer, step))
+        # Recorded and canonical in a production trace that commits gradients.
+        return committed.update(updates, state, params, **extra)
 
     return optax.GradientTransformationExtraArgs(tx.init, update)
+
+
+def _recorded_update(optimizer: Any, found: list[_Update]) -> Callable[..., Any]:
+    """``optimizer.update`` whose new parameters the trace's capture records.
+
+    Flax's method applies the updates with ``optax.apply_updates`` where the capture
+    cannot see it; in a trace that commits gradients the parameters are then set again
+    to the same sum, taken through the capture, which identifies them as the update's.
+    """
+    method = type(optimizer).update
+
+    def update(*args: Any, **kwargs: Any) -> Any:
+        result = method(optimizer, *args, **kwargs)
+        # ``update(model, grads)``; an ``nnx.ModelAndOptimizer`` holds its model.
+        model = args[0] if len(args) > 1 else getattr(optimizer, "model", None)
+        context = _context.current()
+        capture = None if context is None else context.capture
+        recorded = None if capture is None else capture.recorded
+        if capture is not None and recorded is not None and found[-1].optimizer is optimizer:
+            nnx.update(model, capture.apply_updates(recorded.params, recorded.updates))
+            found[-1].recorded = recorded
+        return result
+
+    return update
 
 
 def _delta(before: Any, after: Any) -> Any:
@@ -376,6 +420,8 @@ class GraphFunction:
                     params_after=params_after,
                     opt_after=opt_after,
                     completed=True,
+                    recorded=update.recorded,
+                    counters=() if update.step is None else (update.step,),
                 )
             )
             return result, states

@@ -3,13 +3,23 @@
 :class:`JitFunction` is what ``proof.jit`` returns. Its first call traces the user's
 step once with a :class:`~zkdv.jax._context.TraceContext` installed, learns the
 transaction it declares (:class:`_Traced`), and compiles one program that returns the
-user's result *and* the transaction's hidden values (additive deltas, post-update
-parameters and optimizer state, the packed uint32 batch; laid out by
-:class:`~zkdv.compilation.ResultSchema`). ``JitFunction._build`` runs the named steps:
-argument layout and donation, tracing, lowering with the user's shardings, and handing
-the compiled :class:`_Program` to the driver (:mod:`zkdv.jax._driver`), which exports
-and commits the attested program from it. Every call after the first checks that the
-arguments still fit the program and runs it through the driver.
+user's result *and* the transaction's hidden values (deltas, post-update parameters and
+optimizer state, the packed uint32 batch and, in a run that commits its gradients, the
+step's computed values; laid out by :class:`~zkdv.compilation.ResultSchema`).
+``JitFunction._build`` runs the named steps: argument layout and donation, tracing,
+lowering with the user's shardings, and handing the :class:`_Program` to the driver
+(:mod:`zkdv.jax._driver`), which exports and commits the attested program from it.
+Every call after the first checks that the arguments still fit the program and runs it
+through the driver.
+
+The program takes a third input, ``zero``: a uint32 0 at run time that the canonical
+optimizer update (:mod:`zkdv.jax.canonical`) needs as a program input. A run commits
+its gradients (:mod:`zkdv.jax._optimizer`) when it runs in one process on unsharded
+state, its update is an Optax transformation applied through ``TrainState``, an NNX
+``Optimizer`` or ``Transaction.apply``, and it is neither a ``zkdv.jax.scan`` nor a
+state with ``attest_apply_fn``; the driver then trains with the *exported* production
+program, deserialized from the committed artifact, which is also what the platform's
+replay runs.
 """
 
 from __future__ import annotations
@@ -29,7 +39,8 @@ from zkdv.compilation import ResultSchema, jax_trees
 from zkdv.errors import (
     ZKDVError,
 )
-from zkdv.jax import _context, _messages
+from zkdv.gradients import leaf_name
+from zkdv.jax import _context, _messages, _optimizer
 from zkdv.jax._tree import BatchLayout, leaf_paths
 from zkdv.overlap import Policy
 from zkdv.signature import FunctionSignature
@@ -122,6 +133,15 @@ class _Traced:
     opt_tree: Any
     batch_tree: Any
     delta_leaves: int
+    #: The optimizer update of a run that commits its gradients; None otherwise.
+    update: _optimizer.UpdateSpec | None = None
+    #: The computed values' names (``schema.grad`` order), when ``update`` is set.
+    computed_names: tuple[str, ...] = ()
+
+    @property
+    def commits(self) -> bool:
+        """Whether the run commits its gradients (the program returns computed values)."""
+        return self.update is not None
 
 
 @dataclass(frozen=True)
@@ -186,6 +206,17 @@ class _Program:
         self.static_key = static_key
         self.trees = jax_trees()
         self.function_tree: Any = None
+        #: The runtime zero of the canonical fences, passed at every call.
+        self.zero: Any = jnp.zeros((), jnp.uint32)
+        #: In a run that commits gradients: the production function's trace (``jitted``
+        #: traced it without donation) and input specs, which the driver exports; then
+        #: ``jitted`` is the exported program's compiled call, ``apply`` the committed
+        #: apply program's, and ``deltas`` the realized changes' program, which donates
+        #: the pre-update parameters when the step donates them.
+        self.trace: Any = None
+        self.specs: tuple[Any, Any, Any] | None = None
+        self.apply: Any = None
+        self.deltas: Any = None
 
 
 class JitFunction:
@@ -314,8 +345,9 @@ class JitFunction:
             )
         arguments = self._arguments(values, fixed, leaves, in_tree)
         holder: dict[str, _Traced] = {}
-        production = self._production(arguments, holder)
-        jitted, compiled = self._compile(production, arguments, holder)
+        commits = _commitable(values, leaves)
+        production = self._production(arguments, holder, commits=commits)
+        jitted, compiled, trace = self._compile(production, arguments, holder, commits=commits)
         traced = holder["traced"]
         program = _Program(
             self,
@@ -324,10 +356,13 @@ class JitFunction:
             arguments.donated,
             arguments.kept,
             [(tuple(jnp.shape(leaf)), jnp.result_type(leaf)) for leaf in leaves],
-            _flops(compiled),
+            None if compiled is None else _flops(compiled),
             static_key,
         )
         program.function_tree = in_tree
+        if traced.commits:
+            program.trace = trace
+            program.specs = _input_specs(arguments)
         replay = self._replay_builder(values, arguments.dynamic_positions, in_tree)
         proof._install(program, leaves, replay)
         return program
@@ -363,11 +398,13 @@ class JitFunction:
         )
 
     def _production(
-        self, arguments: _Arguments, holder: dict[str, _Traced]
-    ) -> Callable[[tuple[Any, ...], tuple[Any, ...]], Any]:
+        self, arguments: _Arguments, holder: dict[str, _Traced], *, commits: bool
+    ) -> Callable[[tuple[Any, ...], tuple[Any, ...], Any], Any]:
         """Step 2: the function JAX traces: the user's step plus the hidden values.
 
-        Tracing it fills ``holder["traced"]`` with what the trace learned.
+        Tracing it fills ``holder["traced"]`` with what the trace learned. With
+        ``commits`` the trace records the step's optimizer update, so that the run can
+        commit its gradient (:mod:`zkdv.jax._optimizer`).
         """
         proof = self._proof
         signature = self._signature
@@ -378,18 +415,24 @@ class JitFunction:
         donated_set = frozenset(donated)
         gathered = _replicated_sharding(leaves) if jax.process_count() > 1 else None
 
-        def production(donated_leaves: tuple[Any, ...], kept_leaves: tuple[Any, ...]) -> Any:
+        def production(
+            donated_leaves: tuple[Any, ...], kept_leaves: tuple[Any, ...], zero: Any
+        ) -> Any:
             leaf_values: list[Any] = [None] * count
             for i, position in enumerate(donated):
                 leaf_values[position] = donated_leaves[i]
             for i, position in enumerate(kept):
                 leaf_values[position] = kept_leaves[i]
-            context = _context.TraceContext(proof, "production", leaf_values)
+            capture = _optimizer.Capture(zero) if commits else None
+            context = _context.TraceContext(proof, "production", leaf_values, capture=capture)
             with _context.active(context):
                 result = signature.call(arguments.rebuild(leaf_values))
             traced = self._registered(
                 context, leaf_values, donated_set, arguments.in_tree, arguments.values
             )
+            computed: list[Any] = []
+            if traced.update is not None:
+                computed = traced.registration.computed
             hidden = (
                 traced.registration.deltas,
                 traced.registration.params_after,
@@ -418,26 +461,35 @@ class JitFunction:
                     _pin(hidden[1], param_layouts, gathered),
                     _pin(hidden[2], opt_layouts, gathered),
                 )
-            extra = [packed] if scan is None else [packed, *scan.stacked]
+            extra = [packed, *computed] if scan is None else [packed, *scan.stacked]
             schema, flat = ResultSchema.build(
                 result, hidden, trees, delta_leaves=traced.delta_leaves, extra=extra
             )
             traced.schema = schema
             holder["traced"] = traced
+            if traced.commits:
+                # The state after the step is the apply program's: the hidden values are
+                # not outputs, and XLA drops the update this trace computed for them.
+                return tuple(flat[schema.hidden_leaves :])
             return tuple(flat)
 
         return production
 
     def _compile(
         self,
-        production: Callable[[tuple[Any, ...], tuple[Any, ...]], Any],
+        production: Callable[[tuple[Any, ...], tuple[Any, ...], Any], Any],
         arguments: _Arguments,
         holder: dict[str, _Traced],
-    ) -> tuple[Any, Any]:
+        *,
+        commits: bool,
+    ) -> tuple[Any, Any, Any]:
         """Step 3: trace and compile with the user's ``jax.jit`` options and shardings.
 
         Returns:
-            The jitted function and its compiled executable.
+            The jitted function, its compiled executable and its trace. For a run that
+            commits its gradients the function is traced without donation (the apply
+            program reads the parameters after it) and the executable is None: the
+            driver exports the traced program and compiles the export.
         """
         leaves, donated, kept = arguments.leaves, arguments.donated, arguments.kept
         shardings = self._leaf_shardings(arguments.values, arguments.dynamic_positions, leaves)
@@ -448,12 +500,21 @@ class JitFunction:
             options["in_shardings"] = (
                 tuple(shardings[i] for i in donated),
                 tuple(shardings[i] for i in kept),
+                None,
             )
-        donated_args = tuple(leaves[i] for i in donated)
-        kept_args = tuple(leaves[i] for i in kept)
+        args = (
+            tuple(leaves[i] for i in donated),
+            tuple(leaves[i] for i in kept),
+            jnp.zeros((), jnp.uint32),
+        )
+        if commits:
+            jitted = jax.jit(production, **options)
+            traced_from = jitted.trace(*args)
+            if holder["traced"].commits:
+                return jitted, None, traced_from
         donate_argnums = (0,) if donated else ()
         jitted = jax.jit(production, donate_argnums=donate_argnums, **options)
-        lowered_from = jitted.trace(donated_args, kept_args)
+        traced_from = jitted.trace(*args)
         out_shardings = self._options.get("out_shardings")
         if out_shardings is not None:
             # The flat output layout is known only after tracing; map the user's
@@ -462,8 +523,8 @@ class JitFunction:
             jitted = jax.jit(
                 production, donate_argnums=donate_argnums, out_shardings=per_output, **options
             )
-            lowered_from = jitted.trace(donated_args, kept_args)
-        return jitted, lowered_from.lower().compile()
+            traced_from = jitted.trace(*args)
+        return jitted, traced_from.lower().compile(), traced_from
 
     def _leaf_shardings(
         self, values: list[Any], dynamic_positions: list[int], leaves: list[Any]
@@ -547,6 +608,14 @@ class JitFunction:
             layout = BatchLayout.of(
                 leaf_paths(registration.batch, "batch"), jax.tree.leaves(registration.batch)
             )
+            if registration.recorded is not None:
+                batch_positions = _batch_inputs(leaf_values, registration.batch, state_positions)
+        param_paths = leaf_paths(registration.params_before, "params")
+        opt_paths = leaf_paths(registration.opt_before, "opt_state")
+        update = None
+        names: tuple[str, ...] = ()
+        if registration.recorded is not None and registration.scan is None:
+            update, names = _declared_update(registration, param_paths, opt_paths)
         return _Traced(
             registration=registration,
             schema=None,  # type: ignore[arg-type]  # set right after
@@ -554,12 +623,14 @@ class JitFunction:
             param_positions=params.leaves,
             opt_positions=opt.leaves,
             batch_positions=batch_positions,
-            param_paths=leaf_paths(registration.params_before, "params"),
-            opt_paths=leaf_paths(registration.opt_before, "opt_state"),
+            param_paths=param_paths,
+            opt_paths=opt_paths,
             param_tree=param_tree,
             opt_tree=opt_tree,
             batch_tree=batch_tree,
             delta_leaves=len(jax.tree.leaves(registration.deltas)),
+            update=update,
+            computed_names=names,
         )
 
     def _replay_builder(
@@ -613,6 +684,81 @@ class JitFunction:
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """Not supported: a proof.jit step is compiled by its first call."""
         raise ZKDVError("proof.jit functions are compiled by their first call; call the step")
+
+
+def _commitable(values: list[Any], leaves: list[Any]) -> bool:
+    """Whether a step on these arguments can commit its gradients (see the module docstring).
+
+    Its programs are exported for one device: sharded state (several devices or
+    processes) keeps the older path, as does a state whose replay substitutes
+    ``attest_apply_fn`` for a ``apply_fn`` that cannot be exported.
+    """
+    from zkdv.jax.contrib import TrainState
+
+    if jax.process_count() > 1:
+        return False
+    for leaf in leaves:
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None and len(sharding.device_set) > 1:
+            return False
+    for value in values:
+        states = jax.tree.leaves(value, is_leaf=lambda node: isinstance(node, TrainState))
+        if any(isinstance(s, TrainState) and s.attest_apply_fn is not None for s in states):
+            return False
+    return True
+
+
+def _batch_inputs(leaf_values: list[Any], batch: Any, state: set[int]) -> tuple[int, ...]:
+    """Input positions of a transaction's batch leaves, which must cover every other input.
+
+    The platform rebuilds the step's inputs from the committed state and batch alone.
+    """
+    positions = {id(leaf): index for index, leaf in enumerate(leaf_values)}
+    found = tuple(positions.get(id(leaf), -1) for leaf in jax.tree.leaves(batch))
+    missing = set(range(len(leaf_values))) - state - set(found)
+    if -1 in found or missing:
+        raise ZKDVError(_messages.TRANSACTION_BATCH.format(count=max(len(missing), 1)))
+    return found
+
+
+def _declared_update(
+    registration: _context.Registration, param_paths: list[str], opt_paths: list[str]
+) -> tuple[_optimizer.UpdateSpec, tuple[str, ...]]:
+    """The recorded optimizer update as an :class:`~zkdv.jax._optimizer.UpdateSpec`.
+
+    Also sets the registration's computed values (traced), and returns their names.
+    """
+    params_before = jax.tree.leaves(registration.params_before)
+    params_after = jax.tree.leaves(registration.params_after)
+    spec, computed = _optimizer.describe(
+        registration.recorded,
+        params_before,
+        params_after,
+        jax.tree.leaves(registration.opt_before),
+        jax.tree.leaves(registration.opt_after),
+        counters=registration.counters,
+        overwrite=registration.overwrite,
+    )
+    registration.computed = computed
+    names = tuple(leaf_name("params", param_paths[p]) for p in spec.grads) + tuple(
+        leaf_name("opt_state", opt_paths[p]) for p in spec.carried
+    )
+    return spec, names
+
+
+def _input_specs(arguments: _Arguments) -> tuple[Any, Any, Any]:
+    """The production program's input specs (weak types kept, as the trace saw them)."""
+
+    def spec(leaf: Any) -> Any:
+        aval = jax.typeof(leaf)
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)  # type: ignore[no-untyped-call]
+
+    leaves = arguments.leaves
+    return (
+        tuple(spec(leaves[i]) for i in arguments.donated),
+        tuple(spec(leaves[i]) for i in arguments.kept),
+        jax.ShapeDtypeStruct((), jnp.uint32),  # type: ignore[no-untyped-call]
+    )
 
 
 def _flops(compiled: Any) -> float | None:

@@ -5,6 +5,11 @@ commitment path (state read to the host on the commit thread); :class:`_DeviceSt
 over the device path (chunk roots and probes dispatched on the device, only digests
 read back). Both read and write the run's bookkeeping through their proof (snapshots,
 batches kept for replays, the transfer log).
+
+In a run that commits its gradients the step also hands over its computed values (the
+gradient of each trained parameter, then the carried state; :mod:`zkdv.gradients`) and
+a fourth probe row, the gradient's; its delta row is the realized change
+``float32(after) - float32(before)``, which is what the platform's replay projects.
 """
 
 from __future__ import annotations
@@ -77,6 +82,11 @@ class _Step(Submission):
         self._params: list[Any] | None = list(outputs[nd : nd + nparams])
         self._opt: list[Any] | None = list(outputs[nd + nparams : traced.schema.hidden_leaves])
         self._packed: Any = outputs[traced.schema.hidden_leaves]
+        start = traced.schema.hidden_leaves + 1
+        self._computed: list[Any] | None = (
+            list(outputs[start : start + len(traced.computed_names)]) if traced.commits else None
+        )
+        self._gradients: list[np.ndarray | None] | None = None
         self._batch: np.ndarray | None = None
         self._host_pre = host_pre
         self._snapshot_source = snapshot
@@ -128,6 +138,29 @@ class _Step(Submission):
                 self.proof._verify_continuity(self.index, self._host_pre)
         return self._batch
 
+    def _gradient_rows(self, host: Sequence[np.ndarray]) -> list[np.ndarray | None]:
+        """Each parameter's committed gradient (None: it has none), from the computed values."""
+        spec = self.program.traced.update
+        assert spec is not None
+        rows: list[np.ndarray | None] = [None] * len(self.program.traced.param_positions)
+        for position, array in zip(spec.grads, host, strict=False):
+            rows[position] = array
+        return rows
+
+    def computed(self) -> tuple[State, Leaves | None] | None:
+        """The step's computed values: each trained parameter's gradient, then the
+        state the step wrote besides the optimizer (``zkdv.jax._optimizer``)."""
+        if self._computed is None:
+            return None
+        traced = self.program.traced
+        host = [
+            np.asarray(a) for a in self.proof._log.fetch(self.index, "gradient", self._computed)
+        ]
+        self._computed = None
+        self._gradients = self._gradient_rows(host)
+        leaves = list(zip(traced.computed_names, host, strict=True))
+        return leaves, leaves if self.proof.runtime.keep_files else None
+
     def post_state(self) -> tuple[State, State, State]:
         assert self._params is not None and self._opt is not None and self._deltas is not None
         traced = self.program.traced
@@ -144,20 +177,21 @@ class _Step(Submission):
             [],
         )
 
-    def probes(
-        self, probes: ProbeSet
-    ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    def probes(self, probes: ProbeSet) -> tuple[list[np.ndarray], ...]:
         assert self._views is not None
         params, _, deltas = self._views
-        # Every leaf's post-update and delta rows in few exact products (the same bits).
-        projected = probes.project_many(
-            [
-                (leaf, [probes.select(leaf, param), probes.select(leaf, change)])
-                for leaf, (param, change) in enumerate(zip(params, deltas, strict=True))
-            ]
-        )
-        post = [pair[0] for pair in projected]
-        delta = [pair[1] for pair in projected]
+        gradients = self._gradients
+        jobs = []
+        for leaf, (param, change) in enumerate(zip(params, deltas, strict=True)):
+            rows = [probes.select(leaf, param), probes.select(leaf, change)]
+            gradient = None if gradients is None else gradients[leaf]
+            if gradient is not None:
+                rows.append(probes.select(leaf, gradient))
+            jobs.append((leaf, rows))
+        # Every leaf's post-update, delta (and gradient) rows in few exact products.
+        projected = probes.project_many(jobs)
+        post = [rows[0] for rows in projected]
+        delta = [rows[1] for rows in projected]
         if self._host_pre is not None:
             pre = probes.project_all(self._host_pre[0])
         else:
@@ -167,7 +201,11 @@ class _Step(Submission):
             assert previous is not None
             pre = previous
         self.proof._last_post_probe = post
-        return pre, post, delta
+        if gradients is None:
+            return pre, post, delta
+        # A parameter without a gradient has a zero gradient probe (zkdv.probes).
+        grad = [rows[2] if len(rows) > 2 else np.zeros_like(rows[0]) for rows in projected]
+        return pre, post, delta, grad
 
     def capture(self, challenge: Challenge) -> tuple[float, float]:
         assert self._views is not None
@@ -179,6 +217,7 @@ class _Step(Submission):
         self._views = None
         self._deltas = self._params = self._opt = None
         self._host_pre = None
+        self._computed = self._gradients = None
         self.proof._committed(self.index)
 
     def replay(self, challenge: Challenge) -> ReplayOutcome:
@@ -210,10 +249,14 @@ class _DeviceStep(_Step):
         snapshot: tuple[list[Any], list[Any]] | None,
         pre: tuple[Any, Any, Any, tuple[Any, Any]] | None,
         post: tuple[Any, Any, Any, Any, tuple[Any, Any]],
+        computed: tuple[Any, Any, Any] | None = None,
     ) -> None:
         super().__init__(proof, program, index, policy, outputs, None, snapshot)
         self._pre = pre
         self._post: tuple[Any, Any, Any, Any, tuple[Any, Any]] | None = post
+        #: The computed values' chunk roots, their specs and the gradient's probes
+        #: (dispatched on the device), in a run that commits gradients.
+        self._device_computed = computed
 
     @property
     def snapshot(self) -> tuple[Leaves, Leaves, Leaves] | None:
@@ -259,6 +302,23 @@ class _DeviceStep(_Step):
                 self.proof._check_continuity(self.index, params.root, opt.root)
         return self._batch
 
+    def computed(self) -> tuple[State, Leaves | None] | None:
+        """The computed values' commitment, hashed on the device; their bytes are read
+        only to keep ``files/grad-<step>.bin`` for the platform."""
+        pending = self._device_computed
+        if pending is None:
+            return None
+        roots, specs, _ = pending
+        values = self._computed
+        assert values is not None
+        commitment = self._device().commitment(self.index, specs, roots)
+        files = None
+        if self.proof.runtime.keep_files:
+            host = [np.asarray(a) for a in self.proof._log.fetch(self.index, "gradient", values)]
+            files = list(zip(self.program.traced.computed_names, host, strict=True))
+        self._computed = None
+        return commitment, files
+
     def post_state(self) -> tuple[StateCommitment, StateCommitment, Leaves]:
         assert self._post is not None
         params, opt, _, _, (param_specs, opt_specs) = self._post
@@ -269,9 +329,7 @@ class _DeviceStep(_Step):
             [],
         )
 
-    def probes(
-        self, probes: ProbeSet
-    ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    def probes(self, probes: ProbeSet) -> tuple[list[np.ndarray], ...]:
         assert self._post is not None
         device = self._device()
         post = device.probe_values(self.index, self._post[2])
@@ -283,7 +341,9 @@ class _DeviceStep(_Step):
             assert previous is not None
             pre = previous
         self.proof._last_post_probe = post
-        return pre, post, delta
+        if self._device_computed is None:
+            return pre, post, delta
+        return pre, post, delta, device.probe_values(self.index, self._device_computed[2])
 
     def capture(self, challenge: Challenge) -> tuple[float, float]:
         assert self._deltas is not None and self._opt is not None
@@ -296,4 +356,5 @@ class _DeviceStep(_Step):
 
     def release_views(self) -> None:
         self._pre = self._post = None
+        self._device_computed = None
         super().release_views()

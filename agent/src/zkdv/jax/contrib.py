@@ -5,6 +5,12 @@
 ``jax.jit`` or eagerly it is plain Flax. Under ``proof.jit`` its ``apply_gradients``
 performs the same Optax transition and registers it with the trace; the attested program
 is generated from the staged training function (``docs/jax.md``).
+
+A state created with a proof has its ``tx`` wrapped by :func:`zkdv.jax.optimizer`: in a
+``proof.jit`` step that commits its gradients (one process, unsharded state), the
+gradient ``apply_gradients`` receives is committed, the Optax update and
+``apply_updates`` are evaluated canonically, and the fields passed as ``**kwargs`` (for
+example ``batch_stats``) are the step's carried values.
 """
 
 # Flax's struct and TrainState APIs carry no type annotations.
@@ -22,7 +28,7 @@ from flax import struct
 from flax.training import train_state
 
 from zkdv.errors import ZKDVError
-from zkdv.jax import _context, _messages
+from zkdv.jax import _context, _messages, _optimizer
 from zkdv.overlap import Policy
 
 __all__ = ["TrainState", "continuity"]
@@ -82,7 +88,8 @@ class TrainState(train_state.TrainState):
         Args:
             apply_fn: the model's apply function.
             params: the parameters updated by ``tx``.
-            tx: the Optax transformation.
+            tx: the Optax transformation; with a ``proof`` it is wrapped by
+                :func:`zkdv.jax.optimizer` (unchanged outside ``proof.jit``).
             proof: the ZKDV driver that owns this state's updates.
             attest_apply_fn: exportable replacement for ``apply_fn`` in sampled replay.
             zkdv_overlap: overlap policy of this state's updates.
@@ -91,7 +98,7 @@ class TrainState(train_state.TrainState):
         state = super().create(
             apply_fn=apply_fn,
             params=params,
-            tx=tx,
+            tx=tx if proof is None else _optimizer.optimizer(tx),
             proof=proof,
             attest_apply_fn=attest_apply_fn,
             zkdv_overlap=Policy(zkdv_overlap),
@@ -111,7 +118,11 @@ class TrainState(train_state.TrainState):
         """Apply the Optax update, increment ``step``, replace ``kwargs`` fields.
 
         Identical to Flax's method (``OVERWRITE_WITH_GRADIENT`` included). Under
-        ``proof.jit`` it also registers the transition with the trace.
+        ``proof.jit`` it also registers the transition with the trace; in a run that
+        commits its gradients it records ``grads`` as the step's committed gradient and
+        the ``kwargs`` fields (``batch_stats=...``) as its carried values, and the state
+        the step returns is the committed apply program's: the canonical update of those
+        values (``docs/jax.md``, section 3.4).
 
         Raises:
             ZKDVError: under ``proof.jit`` of another proof (proof identity error).
@@ -131,8 +142,17 @@ class TrainState(train_state.TrainState):
             grads_with_opt, params_with_opt = grads["params"], self.params["params"]
         else:
             grads_with_opt, params_with_opt = grads, self.params
-        updates, new_opt_state = self.tx.update(grads_with_opt, self.opt_state, params_with_opt)
-        new_params_with_opt = optax.apply_updates(params_with_opt, updates)
+        capture = context.capture if context.mode == "production" else None
+        if capture is not None:
+            # The run commits its gradient: the wrapped update records it and is canonical.
+            tx = _optimizer.optimizer(self.tx)
+            updates, new_opt_state = tx.update(grads_with_opt, self.opt_state, params_with_opt)
+            new_params_with_opt = capture.apply_updates(params_with_opt, updates)
+        else:
+            updates, new_opt_state = _optimizer.inner(self.tx).update(
+                grads_with_opt, self.opt_state, params_with_opt
+            )
+            new_params_with_opt = optax.apply_updates(params_with_opt, updates)
         if overwrite:
             new_params = {
                 "params": new_params_with_opt,
@@ -165,6 +185,11 @@ class TrainState(train_state.TrainState):
                 opt_after=continuity(new),
                 state=self,
                 completed=True,
+                recorded=None if capture is None else capture.recorded,
+                counters=(self.step,),
+                overwrite=tuple(jax.tree.leaves(grads[OVERWRITE_WITH_GRADIENT]))
+                if overwrite
+                else (),
             )
         )
         return new
