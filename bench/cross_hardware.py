@@ -1,0 +1,164 @@
+"""Honest runs trained on one kernel environment, replayed by the platform's prover on another.
+
+The sweep behind ``docs/reliability.md``, "Cross-hardware replay". Every run trains in a
+fresh process under one environment (Torch: a CPU kernel family of ATen, oneDNN and MKL
+together and a thread count, or the AOT Inductor program; JAX: an XLA instruction set
+and the cores the process may use),
+with the SDK's sampled check at every step, and is replayed window by window here, in
+this process's environment, by the platform's prover. It prints, per recipe and
+environment, the runs, the false alarms (a replay that rejects an honest run: there must
+be none), how many replayed steps were bit for bit, and the worst divergence of a
+recomputed gradient as a share of its bound.
+
+    python bench/cross_hardware.py                       # every recipe, 3 seeds
+    python bench/cross_hardware.py --recipes bn lm --seeds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "agent" / "src")]
+
+TORCH_RECIPES = ("bn", "cnn", "hf", "lm")
+JAX_RECIPES = ("jax-digits", "jax-batchstats", "jax-lm")
+JAX_STEPS = 12
+#: Torch environments: (name, kernel family, threads, program kind).
+TORCH_ENVIRONMENTS = (
+    ("kernels=default threads=1", "default", 1, "torch.export"),
+    ("kernels=default threads=2", "default", 2, "torch.export"),
+    ("kernels=default threads=4", "default", 4, "torch.export"),
+    ("kernels=avx2 threads=1", "avx2", 1, "torch.export"),
+    ("kernels=avx2 threads=2", "avx2", 2, "torch.export"),
+    ("kernels=avx2 threads=4", "avx2", 4, "torch.export"),
+    ("aot-inductor (eager training, compiled replay)", "", 2, "aot-inductor"),
+)
+#: JAX environments: XLA's instruction set and the cores the process may use (XLA CPU's
+#: bits depend on both).
+JAX_ENVIRONMENTS = tuple(
+    (f"isa={isa} cores={cores}", isa, cores, "")
+    for isa in ("SSE4_2", "AVX", "AVX2")
+    for cores in (1, 2)
+)
+
+
+def _train(directory: Path, recipe: str, seeds: int, environment: tuple[str, str, int, str]) -> str:
+    """Train ``seeds`` runs of ``recipe`` in one fresh process under ``environment`` (into
+    ``directory/<seed>``); returns its error output when it fails, else ''."""
+    from zkdv.calibrate import kernels
+
+    _, family, threads, kind = environment
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path[:2])}
+    prefix: list[str] = []
+    if recipe.startswith("jax-"):
+        # The JAX recipes are deterministic (one run each): the sweep varies the
+        # instruction set and the cores instead of the seed.
+        env["XLA_FLAGS"] = f"--xla_cpu_max_isa={family}"
+        cores = sorted(os.sched_getaffinity(0))[:threads]
+        prefix = ["taskset", "--cpu-list", ",".join(map(str, cores))]
+        script = str(ROOT / "tests" / "agent" / "jax" / "recipes.py")
+        command = [script, str(directory), recipe[4:], str(JAX_STEPS), "3"]
+    else:
+        env.update(kernels(family) if family else {})
+        env["ZKDV_TORCH_PROGRAM"] = kind
+        runs = [f"recipe:{recipe}:{seed}" for seed in range(seeds)]
+        command = ["-m", "tests.agent.torch.train_elsewhere", str(directory), str(threads), *runs]
+    result = subprocess.run(
+        [*prefix, sys.executable, *command],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return "" if result.returncode == 0 else result.stderr[-2000:]
+
+
+def _replay(path: Path) -> tuple[bool, str, int, int, float]:
+    """Every window by the platform's prover: (ok, message, steps, exact steps, worst margin)."""
+    import provers
+    from provers.replay import Transcript, windows
+
+    transcript = Transcript.load(path)
+    prover = provers.PROVERS[str(transcript.root["prover"])]
+    module = __import__(prover, fromlist=["load_transition"])
+    transition = module.load_transition(path)
+    steps = exact = 0
+    worst = 0.0
+    for first, last in windows(transcript):
+        verdict = module.verify_challenge(path, first, through=last, transition=transition)
+        if not verdict.ok:
+            return False, str(verdict.message), steps, exact, worst
+        for evidence in verdict.evidence:
+            steps += 1
+            exact += bool(evidence.exact)
+            if evidence.gradient is not None:
+                worst = max(worst, float(evidence.gradient["margin"]))
+    return True, "", steps, exact, worst
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipes", nargs="+", default=[*TORCH_RECIPES, *JAX_RECIPES])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--no-aot", action="store_true", help="skip the AOT Inductor runs")
+    args = parser.parse_args()
+    import torch
+
+    print(
+        f"replaying on: torch kernels {torch.backends.cpu.get_cpu_capability()}, "
+        f"{torch.get_num_threads()} threads; JAX's default instruction set, "
+        f"{len(os.sched_getaffinity(0))} cores",
+        flush=True,
+    )
+    print(
+        f"{'recipe':<16}{'trained on':<50}{'runs':>5}{'false alarms':>14}"
+        f"{'steps':>7}{'exact':>7}{'worst / bound':>15}",
+        flush=True,
+    )
+    alarms = 0
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as scratch:
+        for recipe in args.recipes:
+            if recipe.startswith("jax-"):
+                environments = list(JAX_ENVIRONMENTS)
+            else:
+                # An AOT Inductor program refuses random operators: the dropout recipes
+                # (hf, lm) have none.
+                aot = not args.no_aot and recipe in ("bn", "cnn")
+                environments = [e for e in TORCH_ENVIRONMENTS if aot or e[3] != "aot-inductor"]
+            for environment in environments:
+                directory = Path(scratch) / f"{recipe}-{len(os.listdir(scratch))}"
+                error = _train(directory, recipe, args.seeds, environment)
+                if error:
+                    print(f"  training failed ({recipe}, {environment[0]}): {error}")
+                    alarms += 1
+                    continue
+                runs = failed = steps = exact = 0
+                worst = 0.0
+                for path in sorted(p for p in directory.iterdir() if p.is_dir()):
+                    runs += 1
+                    ok, message, n, e, w = _replay(path)
+                    steps, exact, worst = steps + n, exact + e, max(worst, w)
+                    if not ok:
+                        failed += 1
+                        print(f"  FALSE ALARM ({recipe}, {environment[0]}, {path.name}): {message}")
+                alarms += failed
+                print(
+                    f"{recipe:<16}{environment[0]:<50}{runs:>5}{failed:>14}{steps:>7}"
+                    f"{exact:>7}{worst:>15.3g}",
+                    flush=True,
+                )
+    print(f"{alarms} false alarms; {time.perf_counter() - started:.0f} s", flush=True)
+    return 1 if alarms else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
