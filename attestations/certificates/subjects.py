@@ -299,6 +299,7 @@ _TRAINING_ENVIRONMENT = (
     "devices",
     "cpu_capability",
     "cpu_isa",
+    "cpu_model",
     "cpu_affinity",
     "threads",
     "precision",
