@@ -58,13 +58,12 @@ def _train(directory: Path, recipe: str, seeds: int, environment: tuple[str, str
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path[:2])}
     prefix: list[str] = []
     if recipe.startswith("jax-"):
-        # The JAX recipes are deterministic (one run each): the sweep varies the
-        # instruction set and the cores instead of the seed.
         env["XLA_FLAGS"] = f"--xla_cpu_max_isa={family}"
         cores = sorted(os.sched_getaffinity(0))[:threads]
         prefix = ["taskset", "--cpu-list", ",".join(map(str, cores))]
         script = str(ROOT / "tests" / "agent" / "jax" / "recipes.py")
-        command = [script, str(directory), recipe[4:], str(JAX_STEPS), "3"]
+        seeds_ = ",".join(str(seed) for seed in range(seeds))
+        command = [script, str(directory), recipe[4:], str(JAX_STEPS), "3", seeds_]
     else:
         env.update(kernels(family) if family else {})
         env["ZKDV_TORCH_PROGRAM"] = kind

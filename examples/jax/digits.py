@@ -95,18 +95,19 @@ def dataset_commitment(rows: np.ndarray) -> str:
     return hashlib.sha256(b"".join(roots)).hexdigest()
 
 
-def initial_state(proof: zkdv.jax.ZKDV) -> zkdv.jax.contrib.TrainState:
-    """The classifier's initial parameters and Adam, owned by ``proof``."""
+def initial_state(proof: zkdv.jax.ZKDV, seed: int = 0) -> zkdv.jax.contrib.TrainState:
+    """The classifier's initial parameters (from ``seed``) and Adam, owned by ``proof``."""
     model = DigitClassifier()
-    params = model.init(jax.random.key(0), jnp.zeros((1, PIXELS), dtype=jnp.uint32))["params"]
+    params = model.init(jax.random.key(seed), jnp.zeros((1, PIXELS), dtype=jnp.uint32))["params"]
     return zkdv.jax.contrib.TrainState.create(
         proof=proof, apply_fn=model.apply, params=params, tx=optax.adam(1e-2)
     )
 
 
-def train(proof: zkdv.jax.ZKDV, rows: np.ndarray, steps: int = STEPS) -> Any:
-    """Train ``steps`` steps on ``rows`` under ``proof`` (started); returns the state."""
-    state = initial_state(proof)
+def train(proof: zkdv.jax.ZKDV, rows: np.ndarray, steps: int = STEPS, *, seed: int = 0) -> Any:
+    """Train ``steps`` steps on ``rows`` under ``proof`` (started), from the initial
+    parameters of ``seed``; returns the state."""
+    state = initial_state(proof, seed)
 
     # proof.jit instead of jax.jit: every call is one committed, replayable transition.
     @proof.jit(donate_argnums=(0,))

@@ -100,9 +100,11 @@ def optimizer(steps: int) -> optax.GradientTransformation:
     )
 
 
-def initial_state(proof: zkdv.jax.ZKDV | None, steps: int = STEPS, blocks: int = BLOCKS) -> Any:
+def initial_state(
+    proof: zkdv.jax.ZKDV | None, steps: int = STEPS, blocks: int = BLOCKS, seed: int = 0
+) -> Any:
     model = LM(blocks)
-    params = model.init(jax.random.key(0), jnp.zeros((1, CONTEXT), jnp.int32))["params"]
+    params = model.init(jax.random.key(seed), jnp.zeros((1, CONTEXT), jnp.int32))["params"]
     return zkdv.jax.contrib.TrainState.create(
         proof=proof, apply_fn=model.apply, params=params, tx=optimizer(steps)
     )
@@ -128,10 +130,11 @@ def loss_and_grads(state: Any, tokens: jax.Array) -> tuple[jax.Array, Any]:
 
 
 def train(
-    proof: zkdv.jax.ZKDV, steps: int = STEPS, *, blocks: int = BLOCKS
+    proof: zkdv.jax.ZKDV, steps: int = STEPS, *, blocks: int = BLOCKS, seed: int = 0
 ) -> tuple[Any, list[float]]:
-    """Train ``steps`` steps under ``proof`` (started); returns the state and the losses."""
-    state = initial_state(proof, steps, blocks)
+    """Train ``steps`` steps under ``proof`` (started), the initial parameters and the
+    token stream drawn from ``seed``; returns the state and the losses."""
+    state = initial_state(proof, steps, blocks, seed)
 
     @proof.jit(donate_argnums=(0,))
     def train_step(state: Any, tokens: jax.Array) -> tuple[Any, jax.Array]:
@@ -139,7 +142,7 @@ def train(
         return state.apply_gradients(grads=grads), loss
 
     losses = []
-    for tokens in token_batches(steps):
+    for tokens in token_batches(steps, seed):
         state, loss = train_step(state, jnp.asarray(tokens))
         losses.append(float(loss))
     return state, losses

@@ -1,7 +1,7 @@
 """Honest JAX training recipes, trained in-process or in a subprocess under another ISA.
 
-Three recipes, each a function ``(proof, steps) -> None`` training under a started
-``zkdv.jax.ZKDV``:
+Three recipes, each a function ``(proof, steps, seed) -> None`` training under a started
+``zkdv.jax.ZKDV`` (the seed draws the initial parameters and the order of the data):
 
 * ``digits``: the Flax digits example (``examples/jax/digits.py``), Adam;
 * ``batchstats``: a Flax classifier whose first ``Dense`` is followed by batch
@@ -11,9 +11,10 @@ Three recipes, each a function ``(proof, steps) -> None`` training under a start
   + cosine schedule, ``clip_by_global_norm``, two micro-batches accumulated inside the
   step, AdamW.
 
-``python recipes.py DIR NAME[,NAME...] STEPS CHECK_EVERY`` trains the named recipes into
-``DIR/NAME`` (the tests run it with ``XLA_FLAGS=--xla_cpu_max_isa=SSE4_2``, as a lab's
-machine that is not the platform's worker) and prints one JSON line per recipe.
+``python recipes.py DIR NAME[,NAME...] STEPS CHECK_EVERY [SEED,...]`` trains every named
+recipe with every seed (default 0) into ``DIR/NAME-SEED``, one process for all of them
+(the tests run it under ``XLA_FLAGS=--xla_cpu_max_isa=SSE4_2`` and on one core, as a
+lab's machine that is not the platform's worker), and prints one JSON line per run.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import linen as nn
 from flax import struct
@@ -41,10 +43,12 @@ INTERVAL = 4
 
 def example(name: str) -> Any:
     """Import ``examples/jax/<name>.py`` as a module (its ``main()`` does not run)."""
-    module = sys.modules.get(f"zkdv_example_{name}")
+    module = sys.modules.get(f"zkdv_jax_example_{name}")
     if module is not None:
         return module
-    spec = importlib.util.spec_from_file_location(f"zkdv_example_{name}", EXAMPLES / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(
+        f"zkdv_jax_example_{name}", EXAMPLES / f"{name}.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -52,10 +56,14 @@ def example(name: str) -> Any:
     return module
 
 
-def digits(proof: zkdv.jax.ZKDV, steps: int) -> None:
+def _shuffled(rows: np.ndarray, seed: int) -> np.ndarray:
+    return rows if seed == 0 else np.random.default_rng(seed).permutation(rows)
+
+
+def digits(proof: zkdv.jax.ZKDV, steps: int, seed: int = 0) -> None:
     module = example("digits")
     rows, _ = module.digit_rows()
-    module.train(proof, rows, steps)
+    module.train(proof, _shuffled(rows, seed), steps, seed=seed)
 
 
 class BatchStatClassifier(nn.Module):
@@ -76,10 +84,11 @@ class BatchStatState(TrainState):
     batch_stats: Any = struct.field(pytree_node=True)
 
 
-def batchstats(proof: zkdv.jax.ZKDV, steps: int) -> None:
+def batchstats(proof: zkdv.jax.ZKDV, steps: int, seed: int = 0) -> None:
     rows, _ = example("digits").digit_rows()
+    rows = _shuffled(rows, seed)
     model = BatchStatClassifier()
-    variables = model.init(jax.random.key(0), jnp.zeros((2, 64)), train=False)
+    variables = model.init(jax.random.key(seed), jnp.zeros((2, 64)), train=False)
     state = BatchStatState.create(
         proof=proof,
         apply_fn=model.apply,
@@ -110,12 +119,12 @@ def batchstats(proof: zkdv.jax.ZKDV, steps: int) -> None:
         state = step(state, jnp.asarray(rows[(index % 30) * 50 :][:50]))
 
 
-def lm(proof: zkdv.jax.ZKDV, steps: int) -> None:
+def lm(proof: zkdv.jax.ZKDV, steps: int, seed: int = 0) -> None:
     # One block: the recipe whole, at a third of the compile time of the example's two.
-    example("lm").train(proof, steps, blocks=1)
+    example("lm").train(proof, steps, blocks=1, seed=seed)
 
 
-RECIPES: dict[str, Callable[[zkdv.jax.ZKDV, int], None]] = {
+RECIPES: dict[str, Callable[[zkdv.jax.ZKDV, int, int], None]] = {
     "digits": digits,
     "batchstats": batchstats,
     "lm": lm,
@@ -128,9 +137,11 @@ def train(
     steps: int,
     policy: zkdv.SamplingPolicy | None = None,
     *,
+    seed: int = 0,
     before: Callable[[zkdv.jax.ZKDV], None] | None = None,
 ) -> Path:
-    """Train recipe ``name`` into ``path``; ``before(proof)`` may patch the proof first."""
+    """Train recipe ``name`` from ``seed`` into ``path``; ``before(proof)`` may patch the
+    proof first."""
     proof = zkdv.jax.ZKDV(
         path,
         zkdv.ZKDVConfig(
@@ -141,20 +152,35 @@ def train(
     proof.start(rolling_window=2, probe_ratio=0.25)
     if before is not None:
         before(proof)
-    RECIPES[name](proof, steps)
+    RECIPES[name](proof, steps, seed)
     proof.close()
     return path
 
 
 def main() -> None:
     directory, names, steps, every = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    seeds = [int(seed) for seed in (sys.argv[5] if len(sys.argv) > 5 else "0").split(",")]
     for name in names.split(","):
-        path = train(
-            name, Path(directory) / name, steps, zkdv.SamplingPolicy.DEBUGCheckEvery(every)
-        )
-        root = verify_transcript(path).root
-        env = root["env"]
-        print(json.dumps({"recipe": name, "isa": env["cpu_isa"], "threads": env["threads"]}))
+        for seed in seeds:
+            path = train(
+                name,
+                Path(directory) / f"{name}-{seed}",
+                steps,
+                zkdv.SamplingPolicy.DEBUGCheckEvery(every),
+                seed=seed,
+            )
+            env = verify_transcript(path).root["env"]
+            print(
+                json.dumps(
+                    {
+                        "recipe": name,
+                        "seed": seed,
+                        "isa": env["cpu_isa"],
+                        "threads": env["threads"],
+                    }
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

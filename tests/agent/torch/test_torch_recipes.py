@@ -54,7 +54,7 @@ STEPS = 8
 
 def _example(name: str) -> ModuleType:
     path = REPO_ROOT / "examples" / "torch" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"zkdv_example_{name}", path)
+    spec = importlib.util.spec_from_file_location(f"zkdv_torch_example_{name}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
