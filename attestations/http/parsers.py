@@ -1,4 +1,4 @@
-"""The API's JSON parser: DRF's, with a bound on nesting.
+"""The API's JSON parser: DRF's, with a bound on nesting and no short bodies.
 
 No request of this API nests JSON more than a few levels (``{"files": [{...}]}``), but
 ``json.loads`` follows a body of 100,000 ``[`` until Python's recursion limit raises
@@ -9,9 +9,11 @@ deeper than :data:`MAX_DEPTH` is a 400 ``too_deep`` before any view sees it.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping
 from typing import IO, TYPE_CHECKING, Any
 
+from django.http import UnreadablePostError
 from rest_framework import parsers
 
 if TYPE_CHECKING:
@@ -56,6 +58,26 @@ def too_deep() -> TooDeepError:
     )
 
 
+def whole_body(stream: IO[Any], parser_context: Mapping[str, Any] | None) -> IO[bytes]:
+    """The body, read whole; one that ended before its ``Content-Length`` is refused.
+
+    A server reads a body up to its Content-Length and sees the end early when the client
+    closes its side; what came is a prefix, which may even parse (a whole JSON object,
+    without the padding that was never sent). ``UnreadablePostError`` is what Django
+    raises for a body it could not read, and the API answers it 400 ``incomplete_body``
+    (``attestations/http/middleware.py``).
+    """
+    request = (parser_context or {}).get("request")
+    try:
+        expected = int(request.META.get("CONTENT_LENGTH") or 0) if request is not None else 0
+    except ValueError:
+        expected = 0
+    body = stream.read()
+    if len(body) < expected:
+        raise UnreadablePostError(f"the body ended after {len(body)} of {expected} bytes")
+    return io.BytesIO(body)
+
+
 class JSONParser(parsers.JSONParser):
     """DRF's JSON parser; a body nested deeper than :data:`MAX_DEPTH` is a 400 ``too_deep``."""
 
@@ -66,7 +88,7 @@ class JSONParser(parsers.JSONParser):
         parser_context: Mapping[str, Any] | None = None,
     ) -> Any:
         try:
-            data = super().parse(stream, media_type, parser_context)
+            data = super().parse(whole_body(stream, parser_context), media_type, parser_context)
         except RecursionError:
             raise too_deep() from None
         if nesting_depth(data) > MAX_DEPTH:

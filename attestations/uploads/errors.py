@@ -33,3 +33,17 @@ class SizeExceededError(ConflictError):
     """A part that would make the upload larger than its declared size."""
 
     default_code = "size_exceeded"
+
+
+class IncompleteBodyError(InvalidRequestError):
+    """A body that ended before its Content-Length: the client hung up or lied (400)."""
+
+    default_code = "incomplete_body"
+
+    def __init__(self, what: str, expected: int, got: int) -> None:
+        super().__init__(
+            f"{what}: Content-Length is {expected} bytes but the body ended after {got}; "
+            "send it again",
+            field="body",
+            detail={"expected": expected, "got": got},
+        )

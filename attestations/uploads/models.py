@@ -133,3 +133,25 @@ class UploadPart(models.Model):
 
     def __str__(self) -> str:
         return f"part {self.number} of {self.upload_id}"
+
+
+class PartReservation(models.Model):
+    """Bytes a part PUT in flight has claimed against its upload's declared size.
+
+    Taken under the upload's row lock before the part's body is read, and released when
+    the part is registered or refused (``attestations/uploads/services.py``), so parts
+    sent in parallel never stage more than was declared. A reservation older than
+    ``services.RESERVATION_SECONDS`` belongs to a request that died without releasing it
+    (a killed worker) and no longer counts.
+    """
+
+    upload = models.ForeignKey(Upload, on_delete=models.CASCADE, related_name="reservations")
+    number = models.PositiveIntegerField()
+    size = models.PositiveBigIntegerField()
+    created = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        db_table = "attestations_partreservation"
+
+    def __str__(self) -> str:
+        return f"{self.size} bytes for part {self.number} of {self.upload_id}"

@@ -3,15 +3,25 @@
 The life of an upload:
 
 1. ``create``: the client declares kind, total size and the SHA-256 of the whole blob.
-2. ``put_part``: each part is streamed to a local temporary file while it is hashed and
-   counted, checked against the ``X-Part-SHA256`` header, then saved under the staging
-   prefix ``staging/uploads/<id>/``. Putting the same part again replaces it, so a
-   retried request is harmless (PUT is idempotent).
-3. ``complete``: the parts (which must be 1..N with sizes summing to the declared size)
-   are concatenated into a temporary file while the whole digest is computed. Only if it
-   matches is the file saved under its content address ``blobs/sha256/ab/cd/<hex>``; a
-   blob already stored under that address is reused. The staged parts are then removed.
-4. ``abort``: the staged parts are removed.
+2. ``put_part``: the part's Content-Length is reserved against the declared size (parts
+   received plus parts in flight never exceed it), then the body is streamed to a local
+   temporary file while it is hashed and counted (a body ending before its
+   Content-Length is ``incomplete_body``), checked against the ``X-Part-SHA256`` header,
+   then moved under the staging prefix ``staging/uploads/<id>/``. Putting the same part
+   again replaces it, so a retried request is harmless (PUT is idempotent).
+3. ``complete``: the upload is claimed (``open`` to ``completing``); the parts (which
+   must be 1..N with sizes summing to the declared size) are concatenated into a
+   temporary file while the whole digest is computed. Only if it matches is the file
+   saved under its content address ``blobs/sha256/ab/cd/<hex>``; a blob already stored
+   under that address is reused. The upload becomes ``complete`` and the staged parts
+   are removed; a refused file makes it ``failed``.
+4. ``abort`` (and ``expire_stale`` for uploads left open past their expiry): the upload
+   becomes ``aborted`` and the staged parts are removed.
+
+Each transition is made under the upload's row lock and re-checks the state there, so
+racing requests get a 200 or a 409 ``upload_not_open``, never a half-done upload: a
+``completing`` upload accepts no part, abort or expiry, and an aborted one no part or
+completion (see "state transitions" below).
 
 A failed check removes everything staged for the upload, so a partial or mismatching
 upload is never visible as a stored artifact and leaves no garbage behind.
@@ -39,7 +49,8 @@ from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.files import File
 from django.core.files.storage import default_storage
-from django.db import IntegrityError, transaction
+from django.db import DatabaseError, IntegrityError, transaction
+from django.db.models import Sum
 from django.utils import timezone
 
 from attestations.audit.models import AuditEvent
@@ -48,11 +59,12 @@ from attestations.core.errors import DVBenchError, InvalidRequestError, PayloadT
 from attestations.experiments.models import Experiment
 from attestations.uploads.errors import (
     DigestMismatchError,
+    IncompleteBodyError,
     MissingPartsError,
     SizeExceededError,
     UploadNotOpenError,
 )
-from attestations.uploads.models import Blob, Upload, UploadPart, UploadStatus
+from attestations.uploads.models import Blob, PartReservation, Upload, UploadPart, UploadStatus
 
 log = logging.getLogger(__name__)
 
@@ -200,24 +212,118 @@ def create(
     return upload
 
 
-# --- parts ------------------------------------------------------------------------------
+# --- state transitions ------------------------------------------------------------------
+#
+# Every change of an upload's state (a part registered, completion claimed and recorded,
+# abort, expiry) happens in a transaction that holds the upload's row lock
+# (``select_for_update``) and reads the state again under it. Requests racing each other
+# are thereby serialised: one wins, the other sees what the winner left (a 409, or the
+# same answer for a repeated completion or abort), never a half-done state. Staged files
+# are deleted only after the transaction that removed the rows naming them committed, so
+# a rolled-back change never leaves a row naming a deleted file.
+
+#: A part reservation older than this belongs to a request that died without releasing
+#: it (a killed worker). Longer than any request lives (gunicorn's ``timeout`` is 120 s,
+#: ``platform/gunicorn.conf.py``).
+RESERVATION_SECONDS = 600
+
+_NOT_OPEN = {
+    "part": "parts can only be sent to an open upload",
+    "complete": "only an open upload can be completed",
+    "abort": "only an open upload can be aborted",
+}
 
 
-def _require_open(upload: Upload) -> None:
+def _lock(upload: Upload) -> Upload:
+    """The upload's row as it is now, locked until the current transaction ends."""
+    return Upload.objects.select_for_update().get(pk=upload.pk)
+
+
+def _require_open(upload: Upload, action: str) -> None:
     if upload.status != UploadStatus.OPEN:
         raise UploadNotOpenError(
-            f"upload {upload.id} is {upload.status}; parts can only be sent to an open upload",
+            f"upload {upload.id} is {upload.status}; {_NOT_OPEN[action]}",
             field="status",
             detail={"status": upload.status},
         )
 
 
-def _stream_to_file(stream: IO[bytes], path: Path, limit: int, number: int) -> tuple[int, str]:
-    """Copy ``stream`` to ``path`` in chunks, hashing as it goes; never more than ``limit``."""
+def _bytes(queryset: Any) -> int:
+    return int(queryset.aggregate(total=Sum("size"))["total"] or 0)
+
+
+def _drop_parts(locked: Upload) -> list[str]:
+    """Delete the rows of the parts and reservations of a locked upload; returns the files."""
+    names = list(locked.parts.values_list("storage_name", flat=True))
+    locked.parts.all().delete()
+    locked.reservations.all().delete()
+    return names
+
+
+def _delete_files(names: list[str]) -> None:
+    for name in names:
+        _delete_quietly(name)
+
+
+# --- parts ------------------------------------------------------------------------------
+
+
+def _size_exceeded(number: int, total: int, declared: int) -> SizeExceededError:
+    return SizeExceededError(
+        f"part {number}: the parts received and in flight would hold {total} bytes, more "
+        f"than the declared size of {declared}",
+        code="size_exceeded",
+        field="body",
+        detail={"expected": declared, "got": total},
+    )
+
+
+def _reserve(upload: Upload, number: int, size: int) -> int:
+    """Claim ``size`` bytes of the declared size for part ``number``; returns the claim's id.
+
+    The bytes count against the declared size from before the body is read until the part
+    is registered or refused, so parts sent in parallel cannot together stage more than
+    was declared. A part already received under ``number`` does not count: sending it
+    again replaces it (a retried PUT of a complete set of parts is accepted).
+    """
+    now = timezone.now()
+    with transaction.atomic():
+        locked = _lock(upload)
+        _require_open(locked, "part")
+        locked.reservations.filter(
+            created__lt=now - timedelta(seconds=RESERVATION_SECONDS)
+        ).delete()
+        total = _bytes(locked.parts.exclude(number=number)) + _bytes(locked.reservations) + size
+        if total > locked.size:
+            raise _size_exceeded(number, total, locked.size)
+        return PartReservation.objects.create(upload=locked, number=number, size=size).pk
+
+
+def _release(reservation: int | None) -> None:
+    if reservation is None:
+        return
+    try:
+        PartReservation.objects.filter(pk=reservation).delete()
+    except DatabaseError:  # the database is what failed; the claim lapses on its own
+        log.warning("could not release part reservation %s", reservation, exc_info=True)
+
+
+def _stream_to_file(
+    stream: IO[bytes], path: Path, limit: int, number: int, expected: int | None
+) -> tuple[int, str]:
+    """Copy ``stream`` to ``path`` in chunks, hashing as it goes; never more than ``limit``.
+
+    With ``expected`` (the Content-Length) reads no more than that, and raises
+    :class:`IncompleteBodyError` when the body ends before it.
+    """
     digest = hashlib.sha256()
     size = 0
     with open(path, "wb") as out:
-        while chunk := stream.read(CHUNK_BYTES):
+        while True:
+            want = CHUNK_BYTES if expected is None else min(CHUNK_BYTES, expected - size)
+            chunk = stream.read(want) if want > 0 else b""
+            if not chunk:
+                break
             size += len(chunk)
             if size > limit:
                 raise PayloadTooLargeError(
@@ -228,6 +334,10 @@ def _stream_to_file(stream: IO[bytes], path: Path, limit: int, number: int) -> t
                 )
             digest.update(chunk)
             out.write(chunk)
+        if expected is not None and size < expected:
+            # The server reads an HTTP body only up to its Content-Length and sees the
+            # end early when the client closes its side: what came is not the part.
+            raise IncompleteBodyError(f"part {number}", expected, size)
         _sync(out)
     return size, digest.hexdigest()
 
@@ -248,12 +358,18 @@ def put_part(
 ) -> UploadPart:
     """Store part ``number`` of ``upload`` from ``stream``; replaces an earlier copy.
 
+    With ``content_length`` (the HTTP API always has it) the bytes are reserved against
+    the declared size before the body is read; the part is registered under the upload's
+    row lock, where its state and size are checked once more.
+
     Raises:
-        UploadNotOpenError: the upload was completed, aborted or failed.
+        UploadNotOpenError: the upload is completing, complete, aborted or failed (409).
         InvalidRequestError: bad part number or missing/malformed digest header.
         PayloadTooLargeError: the body exceeds ``MAX_PART_BYTES``.
+        IncompleteBodyError: the body ended before ``content_length`` bytes (400).
         DigestMismatchError: the body does not hash to the declared digest.
-        SizeExceededError: the parts would exceed the upload's declared size (409).
+        SizeExceededError: the parts received and in flight would exceed the upload's
+            declared size (409).
     """
     # The request's own shape first (number, digest header, length), then the upload's
     # state: a malformed request is a 400 whatever state the upload is in.
@@ -272,6 +388,13 @@ def put_part(
             code="missing_part_digest" if not declared else "invalid_part_digest",
             field=PART_DIGEST_HEADER,
         )
+    if content_length is not None and content_length < 0:
+        # Gunicorn refuses it before the application; other servers pass it through.
+        raise InvalidRequestError(
+            f"Content-Length must be a single whole number of bytes, got {content_length}.",
+            code="invalid_header",
+            field="Content-Length",
+        )
     limit = max_part_bytes()
     if content_length is not None and content_length > limit:
         raise PayloadTooLargeError(
@@ -281,56 +404,77 @@ def put_part(
             field="Content-Length",
             detail={"limit": limit, "got": content_length},
         )
-    _require_open(upload)
-    with _temporary_path(".part") as path:
-        size, got = _stream_to_file(stream, path, limit, number)
-        if size == 0:
-            raise InvalidRequestError(
-                f"part {number} is empty; every part holds at least one byte",
-                code="empty_part",
-                field="body",
-            )
-        if got != declared:
-            raise DigestMismatchError(
-                f"part {number}",
-                declared,
-                got,
-                code="part_digest_mismatch",
-                field=PART_DIGEST_HEADER,
-            )
-        others = int(sum(upload.parts.exclude(number=number).values_list("size", flat=True)) or 0)
-        if others + size > upload.size:
-            raise SizeExceededError(
-                f"part {number}: the parts would hold {others + size} bytes, more than the "
-                f"declared size of {upload.size}",
-                code="size_exceeded",
-                field="body",
-                detail={"expected": upload.size, "got": others + size},
-            )
-        # A fresh staging name per attempt: a concurrent retry of the same part never
-        # overwrites a file another request is about to register.
-        name = default_storage.save(
-            f"{upload.part_name(number)}.{secrets.token_hex(4)}", _LocalFile(path)
-        )
-    replaced: str | None = None
+    if content_length is None:
+        with transaction.atomic():
+            _require_open(_lock(upload), "part")
+        reservation = None
+    else:
+        reservation = _reserve(upload, number, content_length)
+    try:
+        with _temporary_path(".part") as path:
+            size, got = _stream_to_file(stream, path, limit, number, content_length)
+            if size == 0:
+                raise InvalidRequestError(
+                    f"part {number} is empty; every part holds at least one byte",
+                    code="empty_part",
+                    field="body",
+                )
+            if got != declared:
+                raise DigestMismatchError(
+                    f"part {number}",
+                    declared,
+                    got,
+                    code="part_digest_mismatch",
+                    field=PART_DIGEST_HEADER,
+                )
+            part, replaced = _register(upload, number, path, size, got, reservation)
+    finally:
+        _release(reservation)
+    if replaced and replaced != part.storage_name:
+        _delete_quietly(replaced)
+    return part
+
+
+def _register(
+    upload: Upload, number: int, path: Path, size: int, sha256: str, reservation: int | None
+) -> tuple[UploadPart, str | None]:
+    """Move the verified part into staging and record it, under the upload's row lock.
+
+    Returns the part and the staged file it replaced (to delete once committed). The
+    file is moved inside the transaction so that an abort or expiry, which takes the same
+    lock, either finds the part's row (and deletes its file) or comes first (and the part
+    is refused before its file reaches staging).
+    """
+    name: str | None = None
     try:
         with transaction.atomic():
-            locked = Upload.objects.select_for_update().get(pk=upload.pk)
-            _require_open(locked)
+            locked = _lock(upload)
+            _require_open(locked, "part")
+            total = _bytes(locked.parts.exclude(number=number)) + size
+            if total > locked.size:
+                raise _size_exceeded(number, total, locked.size)
+            # A fresh staging name per attempt: a concurrent retry of the same part never
+            # overwrites a file another request is about to register.
+            name = default_storage.save(
+                f"{upload.part_name(number)}.{secrets.token_hex(4)}", _LocalFile(path)
+            )
             part = UploadPart.objects.filter(upload=locked, number=number).first()
+            replaced: str | None = None
             if part is None:
                 part = UploadPart(upload=locked, number=number)
             else:
                 replaced = part.storage_name
-            part.size, part.sha256, part.storage_name = size, got, name
+            part.size, part.sha256, part.storage_name = size, sha256, name
             part.created = timezone.now()
             part.save()
+            if reservation is not None:
+                # The claim becomes the part's bytes in the same commit.
+                PartReservation.objects.filter(pk=reservation).delete()
     except BaseException:
-        _delete_quietly(name)
+        if name is not None:
+            _delete_quietly(name)
         raise
-    if replaced and replaced != name:
-        _delete_quietly(replaced)
-    return part
+    return part, replaced
 
 
 # --- complete ---------------------------------------------------------------------------
@@ -359,13 +503,17 @@ def _check_parts(upload: Upload) -> list[UploadPart]:
     return parts
 
 
-def _discard(upload: Upload, status: str, reason: str) -> None:
-    """Remove every staged part and close the upload as ``status``."""
-    for part in list(upload.parts.all()):
-        _delete_quietly(part.storage_name)
-    upload.parts.all().delete()
-    Upload.objects.filter(pk=upload.pk).update(status=status, reason=reason[:64])
+def _close(upload: Upload, status: str, reason: str, *, expected: str) -> bool:
+    """Remove every staged part and close the upload as ``status``, if it is ``expected``."""
+    with transaction.atomic():
+        locked = _lock(upload)
+        if locked.status != expected:
+            return False
+        names = _drop_parts(locked)
+        Upload.objects.filter(pk=upload.pk).update(status=status, reason=reason[:64])
+    _delete_files(names)
     upload.status, upload.reason = status, reason[:64]
+    return True
 
 
 def _assemble(parts: list[UploadPart], path: Path) -> str:
@@ -458,7 +606,10 @@ def _check_whole_digest(upload: Upload, got: str) -> None:
 def complete(upload: Upload, *, user: User, ip: str | None = None) -> Upload:
     """Verify and store the blob, then hand it to its kind's rules (a transcript is filed).
 
-    Completing an already completed upload returns it unchanged (a retried request).
+    Completion is claimed under the upload's row lock (``open`` to ``completing``), with
+    the parts read under the same lock; while it is ``completing`` parts, aborts, expiry
+    and other completions are refused, so the parts being assembled stay there. Completing
+    an already completed upload returns it unchanged (a retried request).
 
     Raises:
         MissingPartsError: parts missing or of the wrong total size (409 ``missing_parts``
@@ -466,25 +617,23 @@ def complete(upload: Upload, *, user: User, ip: str | None = None) -> Upload:
             missing.
         DigestMismatchError: the assembled bytes do not hash to the declared digest; the
             upload fails and its parts are removed.
-        UploadNotOpenError: the upload was aborted or failed.
+        UploadNotOpenError: the upload is being completed by another request, or was
+            aborted, expired or failed (409).
         DVBenchError: the kind's rules refused it (a transcript naming another experiment
             or spec is ``TranscriptRejectedError``, past the experiment's proofs
             ``TooManyProofsError``); a refusal of the file fails the upload.
     """
-    if upload.status == UploadStatus.COMPLETE:
-        return upload
-    _require_open(upload)
-    parts = _check_parts(upload)
     rules = rules_for(upload.kind)
-    rules.before_complete(upload)
-    claimed = Upload.objects.filter(pk=upload.pk, status=UploadStatus.OPEN).update(
-        status=UploadStatus.COMPLETING
-    )
-    if not claimed:
-        upload.refresh_from_db()
-        if upload.status == UploadStatus.COMPLETE:
+    with transaction.atomic():
+        locked = _lock(upload)
+        if locked.status == UploadStatus.COMPLETE:
+            upload.refresh_from_db()
             return upload
-        _require_open(upload)
+        _require_open(locked, "complete")
+        parts = _check_parts(locked)
+        rules.before_complete(upload)
+        Upload.objects.filter(pk=upload.pk).update(status=UploadStatus.COMPLETING)
+    upload.status = UploadStatus.COMPLETING
     try:
         single = _local_path(parts[0].storage_name) if len(parts) == 1 else None
         if single is not None:
@@ -499,7 +648,28 @@ def complete(upload: Upload, *, user: User, ip: str | None = None) -> Upload:
                 rules.check_file(upload, path)
                 blob = _store_blob(path, upload.sha256, upload.size)
     except DVBenchError as error:  # the bytes are refused (their digest, or their kind's check)
-        _discard(upload, UploadStatus.FAILED, error.error_code)
+        _fail(upload, error, user=user, ip=ip)
+        raise
+    except BaseException:
+        # Anything unexpected (storage down): the session may be completed again.
+        Upload.objects.filter(pk=upload.pk, status=UploadStatus.COMPLETING).update(
+            status=UploadStatus.OPEN
+        )
+        upload.status = UploadStatus.OPEN
+        raise
+    try:
+        names = _record_completion(upload, blob, rules, user=user, ip=ip)
+    except DVBenchError as error:
+        # Refused by the kind's owner now (another transcript took the experiment's last
+        # place since the check above, say): nothing was recorded.
+        _fail(upload, error, user=user, ip=ip)
+        raise
+    _delete_files(names)
+    return upload
+
+
+def _fail(upload: Upload, error: DVBenchError, *, user: User, ip: str | None) -> None:
+    if _close(upload, UploadStatus.FAILED, error.error_code, expected=UploadStatus.COMPLETING):
         AuditEvent.record(
             "upload.failed",
             actor=user,
@@ -508,28 +678,21 @@ def complete(upload: Upload, *, user: User, ip: str | None = None) -> Upload:
             detail={"reason": error.error_code, "message": error.message},
             ip=ip,
         )
-        raise
-    except BaseException:
-        # Anything unexpected (storage down): the session may be completed again.
-        Upload.objects.filter(pk=upload.pk).update(status=UploadStatus.OPEN)
-        raise
-    try:
-        _record_completion(upload, blob, rules, user=user, ip=ip)
-    except DVBenchError as error:
-        # Refused by the kind's owner now (another transcript took the experiment's last
-        # place since the check above, say): nothing was recorded.
-        _discard(upload, UploadStatus.FAILED, error.error_code)
-        raise
-    for part in parts:
-        _delete_quietly(part.storage_name)
-    upload.parts.all().delete()
-    return upload
 
 
 def _record_completion(
     upload: Upload, blob: Blob, rules: KindRules, *, user: User, ip: str | None
-) -> None:
+) -> list[str]:
+    """Record the upload complete; returns the staged files to delete once committed."""
     with transaction.atomic():
+        locked = _lock(upload)
+        if locked.status != UploadStatus.COMPLETING:  # pragma: no cover - nothing else may
+            raise UploadNotOpenError(
+                f"upload {upload.id} is {locked.status}; it was being completed",
+                field="status",
+                detail={"status": locked.status},
+            )
+        names = _drop_parts(locked)
         upload.status, upload.blob, upload.completed = UploadStatus.COMPLETE, blob, timezone.now()
         upload.save(update_fields=["status", "blob", "completed"])
         AuditEvent.record(
@@ -546,28 +709,58 @@ def _record_completion(
             ip=ip,
         )
         rules.completed(upload, user=user, ip=ip)
+    return names
 
 
-# --- abort ------------------------------------------------------------------------------
+# --- abort and expiry -------------------------------------------------------------------
 
 
 def abort(upload: Upload, *, user: User, ip: str | None = None) -> Upload:
-    """Remove the staged parts of an open upload; aborting twice is harmless."""
-    if upload.status == UploadStatus.ABORTED:
-        return upload
-    _require_open(upload)
-    _discard(upload, UploadStatus.ABORTED, "aborted")
-    AuditEvent.record(
-        "upload.aborted", actor=user, organization=upload.experiment.owner, target=upload, ip=ip
-    )
+    """Remove the staged parts of an open upload; aborting twice is harmless.
+
+    Raises:
+        UploadNotOpenError: the upload is completing, complete or failed (409).
+    """
+    with transaction.atomic():
+        locked = _lock(upload)
+        if locked.status == UploadStatus.ABORTED:
+            upload.status, upload.reason = locked.status, locked.reason
+            return upload
+        _require_open(locked, "abort")
+        names = _drop_parts(locked)
+        Upload.objects.filter(pk=upload.pk).update(status=UploadStatus.ABORTED, reason="aborted")
+        AuditEvent.record(
+            "upload.aborted",
+            actor=user,
+            organization=upload.experiment.owner,
+            target=upload,
+            ip=ip,
+        )
+    _delete_files(names)
+    upload.status, upload.reason = UploadStatus.ABORTED, "aborted"
     return upload
 
 
 def expire_stale(now: Any = None) -> int:
-    """Abort open uploads past their expiry; returns how many were removed."""
-    stale = Upload.objects.filter(status=UploadStatus.OPEN, expires__lt=now or timezone.now())
+    """Abort open uploads past their expiry; returns how many were removed.
+
+    Each upload is expired under its row lock and only if it is still open and expired
+    then; one another request holds (a completion being claimed) is left for the next run.
+    """
+    cutoff = now or timezone.now()
+    stale = Upload.objects.filter(status=UploadStatus.OPEN, expires__lt=cutoff)
     count = 0
-    for upload in stale:
-        _discard(upload, UploadStatus.ABORTED, "expired")
+    for pk in list(stale.values_list("pk", flat=True)):
+        with transaction.atomic():
+            locked = (
+                Upload.objects.select_for_update(skip_locked=True)
+                .filter(pk=pk, status=UploadStatus.OPEN, expires__lt=cutoff)
+                .first()
+            )
+            if locked is None:
+                continue
+            names = _drop_parts(locked)
+            Upload.objects.filter(pk=pk).update(status=UploadStatus.ABORTED, reason="expired")
+        _delete_files(names)
         count += 1
     return count

@@ -334,3 +334,95 @@ def test_a_body_of_unknown_length_is_refused(world: World, api: Api) -> None:
     )
     assert response.status_code == 411
     assert error_of(response)["field"] == "Content-Length"
+
+
+# --- Reservations and states under concurrency (issue 34; the races: tests/reliability) ---
+
+
+def test_bytes_in_flight_count_against_the_declared_size(
+    world: World, api: Api, storage: Path
+) -> None:
+    from attestations.uploads.models import PartReservation
+
+    client = api("alice")
+    data = os.urandom(2000)
+    created = open_upload(client, data)
+    # Another request is sending 1,500 bytes of part 2 right now.
+    PartReservation.objects.create(upload_id=created["id"], number=2, size=1500)
+    response = put_parts(client, created["id"], data[:1000], 1000)[0]
+    assert response.status_code == 409
+    error = error_of(response)
+    assert (error["code"], error["field"]) == ("size_exceeded", "body")
+    assert error["detail"] == {"expected": 2000, "got": 2500}
+    assert "received and in flight would hold 2500 bytes" in error["message"]
+    assert UploadPart.objects.count() == 0
+    assert PartReservation.objects.count() == 1  # the other request's, untouched
+    assert not any(name.startswith("staging/") for name in stored_files(storage))
+
+
+def test_a_reservation_left_by_a_dead_request_lapses(world: World, api: Api, storage: Path) -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from attestations.uploads import services as uploads
+    from attestations.uploads.models import PartReservation
+
+    client = api("alice")
+    data = os.urandom(2000)
+    created = open_upload(client, data)
+    PartReservation.objects.create(
+        upload_id=created["id"],
+        number=2,
+        size=2000,
+        created=timezone.now() - timedelta(seconds=uploads.RESERVATION_SECONDS + 1),
+    )
+    for response in put_parts(client, created["id"], data, 1000):
+        assert response.status_code == 200, response.content
+    assert PartReservation.objects.count() == 0  # lapsed, and each part's released
+    assert client.post(f"/api/v1/uploads/{created['id']}/complete/").status_code == 200
+
+
+def test_a_part_sent_again_to_a_full_upload_replaces_it(
+    world: World, api: Api, storage: Path
+) -> None:
+    client = api("alice")
+    data = os.urandom(2000)
+    created = open_upload(client, data)
+    put_parts(client, created["id"], data, 1000)
+    again = put_parts(client, created["id"], data[:1000], 1000)[0]  # a retried PUT
+    assert again.status_code == 200, again.content
+    staged = [name for name in stored_files(storage) if name.startswith("staging/")]
+    assert len(staged) == 2
+    assert client.post(f"/api/v1/uploads/{created['id']}/complete/").status_code == 200
+
+
+def test_a_completing_upload_refuses_parts_abort_and_expiry(
+    world: World, api: Api, storage: Path
+) -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from attestations.uploads import services as uploads
+
+    client = api("alice")
+    data = os.urandom(2000)
+    created = open_upload(client, data)
+    put_parts(client, created["id"], data, 1000)
+    # Another request has claimed the completion and is assembling the parts.
+    Upload.objects.filter(pk=created["id"]).update(status=UploadStatus.COMPLETING)
+    staged = sorted(name for name in stored_files(storage) if name.startswith("staging/"))
+    part = put_parts(client, created["id"], data[:1000], 1000)[0]
+    aborted = client.post(f"/api/v1/uploads/{created['id']}/abort/")
+    done = client.post(f"/api/v1/uploads/{created['id']}/complete/")
+    for response, action in ((part, "parts can only be sent"), (aborted, "aborted"), (done, "")):
+        assert response.status_code == 409, response.content
+        error = error_of(response)
+        assert (error["code"], error["field"]) == ("upload_not_open", "status")
+        assert error["detail"] == {"status": "completing"}
+        assert "is completing; " in error["message"] and action in error["message"]
+    assert uploads.expire_stale(timezone.now() + timedelta(days=30)) == 1  # world's
+    assert Upload.objects.get(pk=created["id"]).status == UploadStatus.COMPLETING
+    assert sorted(n for n in stored_files(storage) if n.startswith("staging/")) == staged
+    assert UploadPart.objects.filter(upload_id=created["id"]).count() == 2
