@@ -138,6 +138,8 @@ def test_s3_storage_is_chosen_by_a_bucket_name(clean_env: pytest.MonkeyPatch) ->
         ("DVBENCH_HSTS_SECONDS", "-1"),
         ("DVBENCH_SECURE_COOKIES", "2"),
         ("DVBENCH_LOG_LEVEL", "LOUD"),
+        ("DVBENCH_CHALLENGE_KEY", "not a hex key"),
+        ("DVBENCH_CHALLENGE_KEY", "ab" * 31),
         ("DATABASE_URL", "postgres://db.example/dvbench?prepare_threshold=-1"),
         ("DATABASE_URL", "postgres://db.example/dvbench?prepare_threshold=often"),
     ],

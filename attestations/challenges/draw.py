@@ -1,11 +1,12 @@
 """Drawing a proof's challenges: a seed the trainer cannot predict or re-roll, and the steps.
 
-:func:`draw` derives the seed (HMAC under the organisation's secret key of the committed
-run's digest), derives the challenged steps from it
+:func:`draw` derives the seed (HMAC under the platform's challenge key of the committed
+run's digest: the same in every organisation), derives the challenged steps from it
 (:func:`provers.challenges.draw_challenges`: step 0, every step the trainer self-checked,
-random steps up to this filing's detection target), stores only the seed's SHA-256 where
-users can see it, and lists for each challenge the proof-directory files its replay
-reads. The proof is ``challenged``.
+random steps up to this filing's detection target, never fewer than any earlier filing of
+the same run anywhere was drawn for), stores only the seed's SHA-256 where users can see
+it, and lists for each challenge the proof-directory files its replay reads. The proof is
+``challenged``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from attestations.challenges.models import (
     ChallengeOrigin,
 )
 from attestations.challenges.policy import ChallengePolicy
+from attestations.challenges.secret import challenge_key
 from attestations.proofs.models import (
     DUPLICATE_TRANSCRIPT,
     Job,
@@ -46,8 +48,9 @@ def replayable(root: Mapping[str, Any] | None) -> bool:
     return isinstance(program, Mapping) and bool(program.get("kind"))
 
 
-#: What the seed of a committed run is derived with (HMAC-SHA256 under the organisation's key).
-SEED_CONTEXT = b"dvbench-challenge-seed-v2\0"
+#: What the seed of a committed run is derived with (HMAC-SHA256 under the platform's
+#: challenge key). v2 was keyed per organisation; v3 is one key for the whole platform.
+SEED_CONTEXT = b"dvbench-challenge-seed-v3\0"
 #: Prefix of the committed-run digest.
 RUN_CONTEXT = b"dvbench-run-v1\0"
 
@@ -105,30 +108,39 @@ def filing_target(target: float, filing: int) -> float:
     return 1.0 - (1.0 - target) / 2.0**filing
 
 
-def challenge_seed(key_hex: str, digest: str) -> bytes:
-    """The seed of a committed run: HMAC-SHA256(organisation key, context || run digest).
+def challenge_seed(key: bytes, digest: str) -> bytes:
+    """The seed of a committed run: HMAC-SHA256(platform key, context || run digest).
 
-    Unpredictable without the key, which never leaves the platform; the same for every
-    transcript of the same run, so re-filing a run never buys a fresh draw.
+    Unpredictable without the key (:func:`~attestations.challenges.secret.challenge_key`),
+    which never leaves the platform; the same for every transcript of the same run in
+    every organisation, so re-filing a run, here or in another lab, never buys a fresh draw.
     """
     import hmac
 
-    return hmac.new(
-        bytes.fromhex(key_hex), SEED_CONTEXT + bytes.fromhex(digest), hashlib.sha256
-    ).digest()
+    return hmac.new(key, SEED_CONTEXT + bytes.fromhex(digest), hashlib.sha256).digest()
 
 
-def _organization_key(organization_id: int) -> str:
-    """The organisation's challenge key, made on first use (under the row's lock)."""
-    import secrets
+def earlier_plans(digest: str, proof: Proof) -> tuple[bytes | None, float]:
+    """The seed and largest target of the same run's earlier plans, in any organisation.
 
-    from attestations.accounts.models import Organization
-
-    organization = Organization.objects.select_for_update().get(pk=organization_id)
-    if not organization.challenge_key:
-        organization.challenge_key = secrets.token_hex(32)
-        organization.save(update_fields=["challenge_key"])
-    return organization.challenge_key
+    The seed of the earliest plan stands for the run: one drawn under an earlier key (the
+    per-organisation keys before v3, or a key since rotated) is reused, not replaced, so
+    a change of key never gives a known run a fresh draw. Returns ``(None, 0.0)`` for a
+    run never drawn.
+    """
+    earlier = (
+        Proof.objects.filter(challenge_run_digest=digest, challenges_drawn__isnull=False)
+        .exclude(pk=proof.pk)
+        .exclude(challenge_seed="")
+        .order_by("challenges_drawn", "pk")
+        .values_list("challenge_seed", "challenge_target")
+    )
+    seed, floor = None, 0.0
+    for stored, target in earlier:
+        if seed is None:
+            seed = bytes.fromhex(stored)
+        floor = max(floor, target or 0.0)
+    return seed, floor
 
 
 def draw(proof: Proof, *, policy: ChallengePolicy | None = None) -> list[Challenge]:
@@ -139,9 +151,11 @@ def draw(proof: Proof, *, policy: ChallengePolicy | None = None) -> list[Challen
 
     * a transcript that already has a plan in this experiment is not drawn again: the
       newcomer is rejected as ``duplicate_transcript``, naming the proof it repeats;
-    * the seed derives from the committed run (:func:`run_digest`, :func:`challenge_seed`)
-      and the steps from the seed alone, so every transcript of the same run faces the
-      same steps (a later filing draws more of the same stream, never fewer);
+    * the seed derives from the committed run and the platform's key alone
+      (:func:`run_digest`, :func:`challenge_seed`), never from the organisation, and the
+      steps from the seed, so every transcript of the same run, filed in any lab, faces
+      the same steps (a later filing draws more of the same stream, never fewer: its
+      target is at least the largest any earlier filing of the run was drawn for);
     * the ``n``-th challenged proof of the experiment is drawn for the target
       :func:`filing_target` gives, so all filings together keep the policy's bound.
     """
@@ -154,10 +168,8 @@ def draw(proof: Proof, *, policy: ChallengePolicy | None = None) -> list[Challen
     index = TranscriptIndex.of(proof)
     report = proof.report or {}
     with transaction.atomic():
-        # The experiment's row is the lock that numbers its filings; the organisation's
-        # guards its key.
+        # The experiment's row is the lock that numbers its filings.
         Experiment.objects.select_for_update().filter(pk=proof.experiment_id).exists()
-        key = _organization_key(proof.experiment.owner_id)
         siblings = Proof.objects.filter(experiment_id=proof.experiment_id).exclude(pk=proof.pk)
         earlier = (
             siblings.filter(
@@ -178,13 +190,20 @@ def draw(proof: Proof, *, policy: ChallengePolicy | None = None) -> list[Challen
             return []
         filing = siblings.filter(challenges_drawn__isnull=False).count() + 1
         digest = run_digest(index)
-        target = filing_target(policy.target, filing)
+        # The same run filed before (another experiment, another lab) fixes the seed and
+        # sets a floor on the target: its plan here extends every earlier one. Two labs
+        # drawing the same new run at the same moment both derive the same seed, so they
+        # differ at most in how far along the one stream they draw.
+        seed, floor = earlier_plans(digest, proof)
+        if seed is None:
+            seed = challenge_seed(challenge_key(), digest)
+        target = max(filing_target(policy.target, filing), floor)
         plan = draw_challenges(
             steps=max(1, len(index.steps)),
             # Bound to the committed run, not to the transcript's bytes: see run_digest.
             transcript_digest=digest,
             self_checked=[int(s) for s in report.get("sampled") or []],
-            seed=challenge_seed(key, digest),
+            seed=seed,
             target=target,
             forged_fraction=policy.forged_fraction,
         )

@@ -26,7 +26,7 @@ EXPECTED = {
     "Envelope", "EnvelopeSignature", "pae", "sign_envelope", "verify_envelope",
     # in-toto
     "Claim", "Evidence", "Filing", "Filings", "LogEntryRef", "ReplayEvidence", "Result",
-    "Statement", "Subject", "TrainingCertificate", "model_signature_subject",
+    "RunFiling", "RunFilings", "Statement", "Subject", "TrainingCertificate", "model_signature_subject",
     # keys
     "Signer", "SigningKey", "TrustRoot", "TrustedKey", "key_id", "load_signing_key",
     # log

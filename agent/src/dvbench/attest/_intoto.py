@@ -432,6 +432,116 @@ class Filing:
 
 
 @dataclass(frozen=True)
+class RunFiling:
+    """One filing of the same committed run outside the certificate's experiment.
+
+    It names no organisation, experiment or proof: the certificate's own auditors read
+    it, and another lab's identity is not theirs to see. Regulators read the whole
+    filing from the platform's API (docs/certificates.md).
+
+    Attributes:
+        filed_on: when it was filed.
+        status: its verdict at signing (``challenged``, ``valid``, ``rejected``, ...).
+        reason: the rejection reason (``challenge_expired`` for an abandoned proof), or "".
+        transcript_digest: hex ZKDV transcript digest of that filing.
+        same_organization: whether it was filed in the certificate's own organisation
+            (another of its experiments) rather than in another one.
+        challenge_target: the detection target its plan was drawn for.
+    """
+
+    filed_on: datetime
+    status: str
+    reason: str
+    transcript_digest: str
+    same_organization: bool
+    challenge_target: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "filed_on", to_seconds(self.filed_on))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "filedOn": format_time(self.filed_on),
+            "status": self.status,
+            "reason": self.reason,
+            "transcriptDigest": self.transcript_digest,
+            "sameOrganization": self.same_organization,
+            "challengeTarget": self.challenge_target,
+        }
+
+    @classmethod
+    def from_dict(cls, data: object, what: str) -> RunFiling:
+        entry = obj(
+            data,
+            what,
+            required=(
+                "filedOn",
+                "status",
+                "reason",
+                "transcriptDigest",
+                "sameOrganization",
+                "challengeTarget",
+            ),
+        )
+        same = entry["sameOrganization"]
+        if not isinstance(same, bool):
+            raise MalformedInputError(f"{what}.sameOrganization must be true or false")
+        target = entry["challengeTarget"]
+        if isinstance(target, bool) or not isinstance(target, int | float):
+            raise MalformedInputError(f"{what}.challengeTarget must be a number")
+        return cls(
+            filed_on=parse_time(entry["filedOn"], f"{what}.filedOn"),
+            status=string(entry["status"], f"{what}.status"),
+            reason=string(entry["reason"], f"{what}.reason", empty=True),
+            transcript_digest=_sha256(entry["transcriptDigest"], f"{what}.transcriptDigest"),
+            same_organization=same,
+            challenge_target=float(target),
+        )
+
+
+@dataclass(frozen=True)
+class RunFilings:
+    """The committed run of the certificate's proof, and every other filing of it.
+
+    The challenge plan depends on the run digest and the platform's key only, so the
+    same run filed in another experiment or another lab faces the same steps; these are
+    the filings that did, anywhere on the platform, when the certificate was signed.
+
+    Attributes:
+        digest: hex run digest (``challenge_plan.run_digest``): what the seed derives from.
+        count: how many filings of it there were outside this experiment.
+        elsewhere: each of them, oldest first.
+    """
+
+    digest: str
+    count: int
+    elsewhere: tuple[RunFiling, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "digest": self.digest,
+            "count": self.count,
+            "elsewhere": [filing.to_dict() for filing in self.elsewhere],
+        }
+
+    @classmethod
+    def from_dict(cls, data: object, what: str) -> RunFilings:
+        entry = obj(data, what, required=("digest", "count", "elsewhere"))
+        elsewhere = tuple(
+            RunFiling.from_dict(item, f"{what}.elsewhere[{index}]")
+            for index, item in enumerate(array(entry["elsewhere"], f"{what}.elsewhere"))
+        )
+        count = integer(entry["count"], f"{what}.count")
+        if count != len(elsewhere):
+            raise MalformedInputError(
+                f"{what}.count is {count} but {len(elsewhere)} filings are listed"
+            )
+        return cls(
+            digest=_sha256(entry["digest"], f"{what}.digest"), count=count, elsewhere=elsewhere
+        )
+
+
+@dataclass(frozen=True)
 class Filings:
     """Every proof filed for the experiment when the certificate was signed.
 
@@ -442,17 +552,27 @@ class Filings:
     Attributes:
         count: how many proofs were filed.
         proofs: each of them, oldest first.
+        run: the certified proof's committed run and its filings outside the
+            experiment, in any organisation (None when the proof was never challenged,
+            and in certificates signed before it existed).
     """
 
     count: int
     proofs: tuple[Filing, ...]
+    run: RunFilings | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"count": self.count, "proofs": [filing.to_dict() for filing in self.proofs]}
+        out: dict[str, Any] = {
+            "count": self.count,
+            "proofs": [filing.to_dict() for filing in self.proofs],
+        }
+        if self.run is not None:
+            out["run"] = self.run.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, data: object, what: str) -> Filings:
-        entry = obj(data, what, required=("count", "proofs"))
+        entry = obj(data, what, required=("count", "proofs"), optional=("run",))
         proofs = tuple(
             Filing.from_dict(item, f"{what}.proofs[{index}]")
             for index, item in enumerate(array(entry["proofs"], f"{what}.proofs"))
@@ -462,7 +582,12 @@ class Filings:
             raise MalformedInputError(
                 f"{what}.count is {count} but {len(proofs)} proofs are listed"
             )
-        return cls(count=count, proofs=proofs)
+        run = entry.get("run")
+        return cls(
+            count=count,
+            proofs=proofs,
+            run=None if run is None else RunFilings.from_dict(run, f"{what}.run"),
+        )
 
 
 @dataclass(frozen=True)
