@@ -91,6 +91,7 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "attestations.http.middleware.SecurityHeadersMiddleware",
+    "attestations.http.middleware.PrivateCacheMiddleware",
     "attestations.http.middleware.LoginRateLimitMiddleware",
 ]
 
@@ -271,6 +272,17 @@ def regulatory_thresholds(name: str = "DVBENCH_REGULATORY_THRESHOLDS") -> list[d
     return parsed
 
 
+def challenge_key_text() -> str:
+    """``DVBENCH_CHALLENGE_KEY``: hex of at least 32 bytes, or empty (checked at start-up)."""
+    text = envstr("DVBENCH_CHALLENGE_KEY").strip()
+    if text and (not re.fullmatch(r"(?:[0-9a-fA-F]{2}){32,}", text)):
+        raise ImproperlyConfigured(
+            f"DVBENCH_CHALLENGE_KEY must be hex of at least 32 bytes (64 hex digits), "
+            f"got {len(text)} characters"
+        )
+    return text
+
+
 class DVBenchSettings(TypedDict):
     """The platform's own knobs, read as ``settings.DVBENCH["NAME"]`` with these types."""
 
@@ -279,8 +291,12 @@ class DVBenchSettings(TypedDict):
     MAX_PART_BYTES: int
     UPLOAD_TTL_SECONDS: int
     API_KEY_TTL_DAYS: int
+    API_KEY_MAX_DAYS: int
+    SUDO_SECONDS: int
     SIGNING_KEY_FILE: str
     SIGNING_KEY: str
+    CHALLENGE_KEY_FILE: str
+    CHALLENGE_KEY: str
     VERIFIER_ID: str
     LOG_ORIGIN: str
     DETECTION_TARGET: float
@@ -298,8 +314,17 @@ DVBENCH: DVBenchSettings = {
     "MAX_PART_BYTES": envint("DVBENCH_MAX_PART_BYTES", 64 * 1024**2, minimum=1024),
     "UPLOAD_TTL_SECONDS": envint("DVBENCH_UPLOAD_TTL_SECONDS", 7 * 24 * 3600, minimum=60),
     "API_KEY_TTL_DAYS": envint("DVBENCH_API_KEY_TTL_DAYS", 90, minimum=1),
+    # No key lives longer than this, whoever asks (a longer `days` is a 400).
+    "API_KEY_MAX_DAYS": envint("DVBENCH_API_KEY_MAX_DAYS", 365, minimum=1),
+    # How long a password confirmation ("sudo mode") lets a signed-in session create
+    # API keys; a key itself never can (attestations/http/sudo.py).
+    "SUDO_SECONDS": envint("DVBENCH_SUDO_SECONDS", 600, minimum=30),
     "SIGNING_KEY_FILE": envstr("DVBENCH_SIGNING_KEY_FILE"),
     "SIGNING_KEY": envstr("DVBENCH_SIGNING_KEY"),
+    # The platform-wide key challenge seeds derive from (attestations/challenges/secret.py):
+    # a file (a mounted secret) or hex text; with neither, generated under DATA_DIR/keys.
+    "CHALLENGE_KEY_FILE": envstr("DVBENCH_CHALLENGE_KEY_FILE"),
+    "CHALLENGE_KEY": challenge_key_text(),
     "VERIFIER_ID": envstr("DVBENCH_VERIFIER_ID", "https://dvbench.localhost"),
     "LOG_ORIGIN": envstr("DVBENCH_LOG_ORIGIN"),
     "DETECTION_TARGET": envfloat("DVBENCH_DETECTION_TARGET", 0.95, minimum=0.0, maximum=1.0),
@@ -312,6 +337,11 @@ DVBENCH: DVBenchSettings = {
     "MAX_PROOFS_PER_EXPERIMENT": envint("DVBENCH_MAX_PROOFS_PER_EXPERIMENT", 10, minimum=1),
     "INVITATION_TTL_DAYS": envint("DVBENCH_INVITATION_TTL_DAYS", 14, minimum=1),
 }
+if DVBENCH["API_KEY_TTL_DAYS"] > DVBENCH["API_KEY_MAX_DAYS"]:
+    raise ImproperlyConfigured(
+        f"DVBENCH_API_KEY_TTL_DAYS ({DVBENCH['API_KEY_TTL_DAYS']}) must not exceed "
+        f"DVBENCH_API_KEY_MAX_DAYS ({DVBENCH['API_KEY_MAX_DAYS']})"
+    )
 # Request bodies (upload parts) are streamed, but Django still caps what it will read
 # into memory for ordinary forms.
 DATA_UPLOAD_MAX_MEMORY_SIZE = DVBENCH["MAX_PART_BYTES"] + 1024 * 1024

@@ -7,6 +7,10 @@ Command-line flags override these; ``WEB_CONCURRENCY`` sets the number of worker
 import os
 
 wsgi_app = "config.wsgi:application"
+# Gunicorn's own refusals (a request line over limit_request_line, a Content-Length that is
+# not a number, ...) in the API's JSON error format with gunicorn's statuses, instead of
+# its HTML pages (attestations/http/server.py). gthread: JsonErrorThreadWorker.
+worker_class = "attestations.http.server.JsonErrorSyncWorker"
 bind = ["0.0.0.0:8000"]
 workers = int(os.environ.get("WEB_CONCURRENCY", "2"))
 # Upload parts are up to DVBENCH_MAX_PART_BYTES (64 MiB by default); a slow client needs

@@ -37,5 +37,15 @@ class ApiKeyAdmin(ModelAdmin):
 
 @admin.register(Invitation)
 class InvitationAdmin(ReadOnlyAdmin):
-    list_display = ["organization", "user", "role", "status", "invited_by", "created", "expires"]
+    # ``user`` is empty where the username named nobody who may join (nobody can accept).
+    list_display = [
+        "organization",
+        "username",
+        "user",
+        "role",
+        "status",
+        "invited_by",
+        "created",
+        "expires",
+    ]
     list_filter = ["status"]

@@ -35,7 +35,7 @@ from attestations.accounts.errors import (
 )
 from attestations.audit.models import AuditEvent
 from attestations.core.conf import dvbench_int
-from attestations.core.errors import DVBenchError
+from attestations.core.errors import DVBenchError, InvalidRequestError
 from attestations.core.validators import slug_validator
 
 # --- Organisations and roles ------------------------------------------------------------
@@ -216,13 +216,7 @@ class Membership(models.Model):
                 cls.objects.select_for_update().filter(organization=organization, user=user).first()
             )
             if membership is None:
-                raise InvitationRequiredError(
-                    f"{user.get_username()} is not a member of {organization.slug}: invite "
-                    f"them (POST /api/v1/organizations/{organization.slug}/invitations/); "
-                    "they join when they accept",
-                    field="username",
-                    detail={"username": user.get_username()},
-                )
+                raise not_a_member(organization, user.get_username())
             if membership.role == role:
                 return membership
             if membership.role == Role.ADMIN:
@@ -295,12 +289,37 @@ class Membership(models.Model):
             self.delete()
 
 
-def check_role(organization: Organization, user: User, role: str, *, joining: bool = True) -> None:
-    """Refuse a role the organisation's kind forbids, or a user on both sides of the line.
+def not_a_member(organization: Organization, username: str) -> InvitationRequiredError:
+    """The one answer for a role change of anyone who is not a member, existing or not."""
+    return InvitationRequiredError(
+        f"{username} is not a member of {organization.slug}: invite them (POST "
+        f"/api/v1/organizations/{organization.slug}/invitations/); they join when they accept",
+        field="username",
+        detail={"username": username},
+    )
+
+
+def _invitable(organization: Organization, username: str, role: str) -> User | None:
+    """The active user ``username`` if they may join ``organization`` with ``role``, else None.
+
+    None for no such user, an inactive one and a regulator alike: the caller answers the
+    same in every case.
+    """
+    user = User.objects.filter(username=username, is_active=True).first()
+    if user is None:
+        return None
+    try:
+        check_role(organization, user, role)
+    except RegulatorConflictError:
+        return None
+    return user
+
+
+def check_role_allowed(organization: Organization, role: str) -> None:
+    """Refuse a role the organisation's kind forbids (whoever would hold it).
 
     Raises:
         RoleNotAllowedError: a regulator in a lab, or anything but a regulator in an agency.
-        RegulatorConflictError: a regulator joining a lab, or a lab member an agency.
     """
     allowed = organization.roles_allowed()
     if role not in allowed:
@@ -317,6 +336,16 @@ def check_role(organization: Organization, user: User, role: str, *, joining: bo
         raise RoleNotAllowedError(
             message, field="role", detail={"allowed": sorted(allowed), "got": role}
         )
+
+
+def check_role(organization: Organization, user: User, role: str, *, joining: bool = True) -> None:
+    """Refuse a role the organisation's kind forbids, or a user on both sides of the line.
+
+    Raises:
+        RoleNotAllowedError: a regulator in a lab, or anything but a regulator in an agency.
+        RegulatorConflictError: a regulator joining a lab, or a lab member an agency.
+    """
+    check_role_allowed(organization, role)
     if not joining:
         return
     others = Membership.objects.filter(user=user).exclude(organization=organization)
@@ -387,14 +416,25 @@ class Invitation(models.Model):
 
     Nobody is put in an organisation without consenting: membership gives the member's
     own API keys power in that lab, and shows them its data.
+
+    An invitation is to a *username*, and the inviter learns nothing from it: one to a
+    name nobody holds, to an inactive account or to a regulator (who may join no lab) is
+    recorded, listed, audited and answered exactly as any other, but has no ``user``, so
+    nobody ever sees or accepts it; it expires like the rest (issue 34).
     """
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     organization = models.ForeignKey(
         Organization, on_delete=models.CASCADE, related_name="invitations"
     )
+    #: What the admin typed. ``user`` is that account only if it may join this lab.
+    username = models.CharField(max_length=150)
     user = models.ForeignKey(
-        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="invitations"
+        settings.AUTH_USER_MODEL,
+        on_delete=models.CASCADE,
+        related_name="invitations",
+        null=True,
+        blank=True,
     )
     role = models.CharField(max_length=16, choices=Role.choices)
     status = models.CharField(
@@ -411,15 +451,17 @@ class Invitation(models.Model):
         db_table = "attestations_invitation"
         constraints = [
             models.UniqueConstraint(
-                fields=["organization", "user"],
+                fields=["organization", "username"],
                 condition=Q(status="pending"),
-                name="one_pending_invitation",
+                name="one_pending_invitation_per_username",
             )
         ]
         ordering = ["-created"]
 
     def __str__(self) -> str:
-        return f"invitation of {self.user} to {self.organization} as {self.role} ({self.status})"
+        return (
+            f"invitation of {self.username} to {self.organization} as {self.role} ({self.status})"
+        )
 
     @property
     def is_pending(self) -> bool:
@@ -435,28 +477,38 @@ class Invitation(models.Model):
     def offer(
         cls,
         organization: Organization,
-        user: User,
+        username: str,
         role: str,
         *,
         actor: User,
         ip: str | None = None,
     ) -> tuple[Invitation, bool]:
-        """Invite ``user`` to a lab with ``role``, or change the role a pending one offers.
+        """Invite ``username`` to a lab with ``role``, or change the role a pending one offers.
+
+        The answer is the same whether ``username`` names an active user who may join, no
+        one, an inactive account or a regulator: only the first gets to see the
+        invitation (``user`` is set); for the others it is kept, listed and expires, but
+        nobody can accept it. The inviter learns nothing about the name.
 
         Returns:
             The invitation and whether it is new.
 
         Raises:
-            RoleNotAllowedError, RegulatorConflictError: see :func:`check_role`.
-            AlreadyMemberError: ``user`` is a member already (change their role instead).
+            AgencyMembersError: ``organization`` is an agency (the operator's alone).
+            RoleNotAllowedError: a role labs do not have (see :func:`check_role`).
+            AlreadyMemberError: ``username`` is a member already (which the lab's admins
+                see anyway; change their role instead).
         """
         ttl = timedelta(days=dvbench_int("INVITATION_TTL_DAYS"))
         _not_an_agency(organization)
         with transaction.atomic():
-            check_role(organization, user, role)
-            if Membership.objects.filter(organization=organization, user=user).exists():
+            check_role_allowed(organization, role)
+            user = _invitable(organization, username, role)
+            if Membership.objects.filter(
+                organization=organization, user__username=username
+            ).exists():
                 raise AlreadyMemberError(
-                    f"{user.get_username()} is already a member of {organization.slug}; "
+                    f"{username} is already a member of {organization.slug}; "
                     f"change their role with POST /api/v1/organizations/{organization.slug}"
                     "/members/",
                     field="username",
@@ -464,34 +516,37 @@ class Invitation(models.Model):
             now = timezone.now()
             cls.objects.filter(
                 organization=organization,
-                user=user,
+                username=username,
                 status=InvitationStatus.PENDING,
                 expires__lte=now,
             ).update(status=InvitationStatus.EXPIRED)
             invitation = (
                 cls.objects.select_for_update()
-                .filter(organization=organization, user=user, status=InvitationStatus.PENDING)
+                .filter(
+                    organization=organization, username=username, status=InvitationStatus.PENDING
+                )
                 .first()
             )
             created = invitation is None
             if invitation is None:
                 invitation = cls.objects.create(
                     organization=organization,
+                    username=username,
                     user=user,
                     role=role,
                     invited_by=actor,
                     expires=now + ttl,
                 )
             else:
-                invitation.role, invitation.invited_by = role, actor
+                invitation.role, invitation.invited_by, invitation.user = role, actor, user
                 invitation.expires = now + ttl
-                invitation.save(update_fields=["role", "invited_by", "expires"])
+                invitation.save(update_fields=["role", "invited_by", "user", "expires"])
             AuditEvent.record(
                 "invitation.created" if created else "invitation.changed",
                 actor=actor,
                 organization=organization,
                 target=invitation,
-                detail={"username": user.get_username(), "role": role},
+                detail={"username": username, "role": role},
                 ip=ip,
             )
         return invitation, created
@@ -513,12 +568,14 @@ class Invitation(models.Model):
             actor=actor,
             organization=self.organization,
             target=self,
-            detail={"username": self.user.get_username(), "role": self.role},
+            detail={"username": self.username, "role": self.role},
             ip=ip,
         )
 
     def accept(self, *, ip: str | None = None) -> Membership:
         """The invitee joins with the offered role (the rules are checked again now)."""
+        # Only the invitee reaches an invitation to accept it (by ``user``), so it has one.
+        assert self.user is not None, "an invitation nobody can see cannot be accepted"
         with transaction.atomic():
             self._respond(InvitationStatus.ACCEPTED, actor=self.user, ip=ip)
             invited_by = self.invited_by.get_username() if self.invited_by else None
@@ -710,9 +767,22 @@ class ApiKey(models.Model):
     ) -> tuple[ApiKey, str]:
         """Create a key and return it with its raw value, which is never retrievable again.
 
-        Records ``api_key.created`` in the audit trail.
+        Records ``api_key.created`` in the audit trail. Only a signed-in user who confirmed
+        their password creates keys through the web or the API, never a key
+        (``attestations/http/sudo.py``).
+
+        Raises:
+            InvalidRequestError: ``days`` outside 1..``DVBENCH["API_KEY_MAX_DAYS"]`` (400
+                ``invalid``, field ``days``): no key outlives the policy.
         """
         ttl = days if days is not None else dvbench_int("API_KEY_TTL_DAYS")
+        longest = dvbench_int("API_KEY_MAX_DAYS")
+        if not 1 <= ttl <= longest:
+            raise InvalidRequestError(
+                f"days: a key lives 1 to {longest} days (DVBENCH_API_KEY_MAX_DAYS); got {ttl}.",
+                field="days",
+                detail={"min": 1, "max": longest, "got": ttl},
+            )
         lookup = secrets.token_hex(6)
         raw = f"{API_KEY_PREFIX}_{lookup}_{secrets.token_urlsafe(32)}"
         key = cls.objects.create(

@@ -16,7 +16,10 @@ POST    organizations/{slug}/invitations/                invite a user with a ro
 DELETE  organizations/{slug}/invitations/{id}/           revoke an invitation (admin)
 GET     invitations/                                     invitations waiting for me
 POST    invitations/{id}/accept/ · …/decline/            join, or say no
-GET     keys/ · POST keys/                               my API keys; create (shown once)
+GET     keys/ · POST keys/                               my API keys; create (shown once;
+                                                         a signed-in session in sudo mode,
+                                                         never an API key)
+POST    keys/confirm-password/                           sudo mode for this session
 GET     keys/{id}/ · POST keys/{id}/revoke/              one key; revoke it (kept, revoked)
 GET     experiments/ · POST experiments/                 list; register (trainer, admin)
 GET     experiments/{owner}/{name}/                      one experiment, spec, spec_digest
@@ -81,6 +84,7 @@ urlpatterns = [
     re_path(rf"^invitations/{UUID}/accept/?$", api.InvitationAccept.as_view(), name="accept"),
     re_path(rf"^invitations/{UUID}/decline/?$", api.InvitationDecline.as_view(), name="decline"),
     re_path(r"^keys/?$", api.ApiKeyList.as_view(), name="keys"),
+    re_path(r"^keys/confirm-password/?$", api.ApiKeyConfirmPassword.as_view(), name="sudo"),
     re_path(r"^keys/(?P<pk>[0-9]{1,18})/?$", api.ApiKeyDetail.as_view(), name="key"),
     re_path(r"^keys/(?P<pk>[0-9]{1,18})/revoke/?$", api.ApiKeyRevoke.as_view(), name="revoke"),
     re_path(r"^experiments/?$", api.ExperimentList.as_view(), name="experiments"),

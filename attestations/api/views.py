@@ -36,6 +36,7 @@ from attestations.accounts.models import (
     InvitationStatus,
     Membership,
     Organization,
+    not_a_member,
 )
 from attestations.api.serializers import (
     ApiKeySerializer,
@@ -57,13 +58,12 @@ from attestations.api.serializers import (
     ProofSerializer,
     SpecSerializer,
     UploadSerializer,
-    active_user,
 )
 from attestations.audit.models import AuditEvent
 from attestations.challenges import replay
 from attestations.challenges.models import Challenge, ChallengeOrigin, ChallengeStatus
 from attestations.core.conf import client_ip
-from attestations.core.errors import ConflictError, NotFoundError
+from attestations.core.errors import ConflictError, InvalidRequestError, NotFoundError
 from attestations.experiments.models import (
     Experiment,
     ExperimentQuerySet,
@@ -73,10 +73,14 @@ from attestations.experiments.models import (
     summary_dict,
 )
 from attestations.experiments.rows import SummaryPage
+from attestations.http import sudo
 from attestations.http.exceptions import LengthRequiredError
+from attestations.http.fields import StrictCharField
 from attestations.http.filters import BigInt, QueryFilters
 from attestations.http.pagination import CursorPage
 from attestations.http.permissions import HasCapability, get_access, require
+from attestations.http.schema import error_response
+from attestations.http.sudo import API_KEY_CANNOT_CREATE_KEYS, require_sudo
 from attestations.proofs.models import Job, JobStatus, Proof, ProofStatus
 from attestations.uploads import services as uploads
 from attestations.uploads.models import ArtifactKind, Upload, UploadStatus
@@ -128,9 +132,14 @@ class OrganizationList(generics.ListAPIView[Organization]):
 
 
 def _organization(request: Request, slug: str, capability: str) -> Organization:
+    """The organisation ``slug`` where the caller holds ``capability``.
+
+    One that does not exist and one the caller cannot see are the same 404, byte for byte
+    but the request id: a slug is not a way to learn which organisations exist.
+    """
     org = Organization.objects.filter(slug=slug).first()
-    if org is None:
-        raise NotFoundError(f"No organisation {slug!r}.")
+    if org is None or not get_access(request).can_see(org.pk):
+        raise NotFoundError("No such organisation (the slug in the path).", field="slug")
     require(request, capability, org.pk)
     return org
 
@@ -167,7 +176,12 @@ class MemberList(generics.GenericAPIView[Membership]):
         org = _organization(request, slug, Capability.MANAGE)
         serializer = MembershipSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        user = active_user(serializer.validated_data["user"]["username"])
+        username = serializer.validated_data["user"]["username"]
+        user = User.objects.filter(username=username, is_active=True).first()
+        if user is None:
+            # The same 409 as for an existing user who is not a member: a role change is
+            # not a way to learn which usernames exist.
+            raise not_a_member(org, username)
         membership = Membership.change_role(
             org,
             user,
@@ -222,19 +236,20 @@ class OrganizationInvitationList(generics.GenericAPIView[Invitation]):
         responses={201: InvitationSerializer, 200: InvitationSerializer},
     )
     def post(self, request: Request, slug: str) -> Response:
-        """Invite a user with a role (201), or change the role of a pending invitation (200).
+        """Invite a username with a role (201), or change a pending invitation's role (200).
 
-        The user joins only by accepting it (``POST /invitations/{id}/accept/``). A member
-        already is 409 ``already_member``; a regulator cannot be invited to a lab (409
-        ``regulator_conflict``).
+        The user joins only by accepting it (``POST /invitations/{id}/accept/``). The answer
+        is the same for any username: one nobody holds, an inactive account or a
+        regulator (who joins no lab) gets an invitation listed like any other that
+        nobody can see or accept, and which expires. A member already is 409
+        ``already_member`` (the lab's admins see their members anyway).
         """
         org = _organization(request, slug, Capability.MANAGE)
         serializer = InvitationSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        user = active_user(serializer.validated_data["user"]["username"])
         invitation, created = Invitation.offer(
             org,
-            user,
+            serializer.validated_data["username"],
             serializer.validated_data["role"],
             actor=_user(request),
             ip=client_ip(request.META),
@@ -304,8 +319,27 @@ class ApiKeyList(generics.ListCreateAPIView[ApiKey]):
     def get_queryset(self) -> QuerySet[ApiKey]:
         return ApiKey.objects.filter(user=self.request.user)  # type: ignore[misc]
 
-    @extend_schema(request=ApiKeySerializer, responses={201: NewApiKeySerializer})
+    @extend_schema(
+        request=ApiKeySerializer,
+        responses={
+            201: NewApiKeySerializer,
+            400: error_response("`days` outside 1..`DVBENCH_API_KEY_MAX_DAYS`, a bad name."),
+            403: error_response(
+                "`api_key_cannot_create_keys`: the request carries an API key; "
+                "`password_confirmation_required`: the session has not confirmed its "
+                "password in the last `DVBENCH_SUDO_SECONDS` (`POST keys/confirm-password/`)."
+            ),
+        },
+    )
     def post(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        """Create a key (sudo mode): a signed-in session that confirmed its password.
+
+        An API key cannot create keys (403 ``api_key_cannot_create_keys``): a key it made
+        would outlive its revocation. A session must have confirmed its password within
+        ``DVBENCH_SUDO_SECONDS`` (403 ``password_confirmation_required``). ``days`` is 1
+        to ``DVBENCH_API_KEY_MAX_DAYS`` (365); more is a 400, never a silent clamp.
+        """
+        require_sudo(request)
         serializer = ApiKeySerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         key, raw = ApiKey.issue(
@@ -317,6 +351,42 @@ class ApiKeyList(generics.ListCreateAPIView[ApiKey]):
         data = NewApiKeySerializer(key).data
         data["key"] = raw
         return Response(data, status=status.HTTP_201_CREATED)
+
+
+class ConfirmPasswordSerializer(serializers.Serializer[Any]):
+    password = StrictCharField(max_length=4096, trim_whitespace=False)
+
+
+class ApiKeyConfirmPassword(APIView):
+    """Sudo mode for a signed-in session: confirm the password to create keys for a while."""
+
+    @extend_schema(
+        request=ConfirmPasswordSerializer,
+        responses={
+            200: inline_serializer("SudoMode", {"seconds_left": serializers.IntegerField()}),
+            400: error_response("`wrong_password` (field `password`)."),
+            403: error_response("`api_key_cannot_create_keys`: only a browser session."),
+            429: error_response("`throttled`: too many wrong passwords (sign-in limit)."),
+        },
+    )
+    def post(self, request: Request) -> Response:
+        """Confirm the signed-in user's password; the session may then create keys.
+
+        Only a browser session (an API key gets 403 ``api_key_cannot_create_keys``). A
+        wrong password is 400 ``wrong_password`` (field ``password``) and counts towards
+        the sign-in limit (429 past it).
+        """
+        if isinstance(request.auth, ApiKey):
+            raise PermissionDenied(API_KEY_CANNOT_CREATE_KEYS, code="api_key_cannot_create_keys")
+        body = ConfirmPasswordSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        if not sudo.confirm(request, body.validated_data["password"]):
+            raise InvalidRequestError(
+                "password: not the signed-in user's password.",
+                code="wrong_password",
+                field="password",
+            )
+        return Response({"seconds_left": sudo.seconds_left(request)})
 
 
 class ApiKeyDetail(generics.RetrieveAPIView[ApiKey]):

@@ -6,6 +6,8 @@
   API's one error format instead of Django's HTML page.
 * :class:`SecurityHeadersMiddleware`: headers Django's ``SecurityMiddleware`` does not set
   (``Content-Security-Policy``, ``Permissions-Policy``).
+* :class:`PrivateCacheMiddleware`: ``Cache-Control: no-store, private`` on whatever a
+  signed-in user is sent, unless the response set its own.
 * :class:`LoginRateLimitMiddleware`: failed sign-ins are counted per address and per
   username; past ``DVBENCH_RATE_LIMITS["login_failures"]`` the sign-in pages answer 429
   with ``Retry-After`` without checking the password.
@@ -157,6 +159,33 @@ class SecurityHeadersMiddleware:
             response["Content-Security-Policy"] = self.policy
         if self.permissions and "Permissions-Policy" not in response:
             response["Permissions-Policy"] = self.permissions
+        return response
+
+
+class PrivateCacheMiddleware:
+    """``Cache-Control: no-store, private`` on every response to a signed-in user.
+
+    What a signed-in user sees (their organisations' experiments, members, keys, audit
+    trail) must not stay in a shared proxy's cache or in the browser's history cache after
+    sign-out. A response that already says how it may be cached keeps its own header
+    (``never_cache`` on the key page adds ``no-store`` and ``private`` itself); anonymous
+    responses (the sign-in page, the public log and trust root) are left alone.
+    """
+
+    VALUE = "no-store, private"
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        response = self.get_response(request)
+        if "Cache-Control" in response:
+            return response
+        # DRF puts an API key's user on the request; a session's comes from
+        # AuthenticationMiddleware.
+        user = getattr(request, "user", None)
+        if user is not None and user.is_authenticated:
+            response["Cache-Control"] = self.VALUE
         return response
 
 

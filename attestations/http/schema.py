@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from drf_spectacular.hooks import postprocess_schema_enums
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiResponse
 
 ERROR_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -49,6 +51,24 @@ THRESHOLD_FILTERS = ("below_threshold", "above_threshold")
 #: Request bodies that take no other properties than their own: registration by id
 #: (``owner/name``) must not also name an ``owner`` it could contradict.
 CLOSED_REQUESTS = ("ExperimentByIdRequest",)
+
+
+def error_response(description: str) -> OpenApiResponse:
+    """An error status an operation documents in words; its body is the ``Error`` schema.
+
+    ``@extend_schema(responses={403: error_response("...")})``: :func:`add_error_responses`
+    puts the one error body in place of the placeholder object.
+    """
+    return OpenApiResponse(OpenApiTypes.OBJECT, description=description)
+
+
+def _error_bodies(operation: dict[str, Any], reference: dict[str, Any]) -> None:
+    for code, response in operation.get("responses", {}).items():
+        if not str(code).startswith(("4", "5")) or not isinstance(response, dict):
+            continue
+        media = response.get("content", {}).get("application/json")
+        if media is not None and media.get("schema", {}).get("type") == "object":
+            media["schema"] = dict(reference)
 
 
 def _hold_free_strings(schema: Any) -> None:
@@ -129,5 +149,6 @@ def add_error_responses(
     for path in result.get("paths", {}).values():
         for operation in path.values():
             if isinstance(operation, dict) and "responses" in operation:
+                _error_bodies(operation, {"$ref": "#/components/schemas/Error"})
                 operation["responses"].setdefault("4XX", response)
     return result

@@ -18,6 +18,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_http_methods, require_POST
+from rest_framework.exceptions import Throttled
 
 from attestations.accounts.models import (
     LAB_ROLE_CHOICES,
@@ -35,9 +36,17 @@ from attestations.challenges.models import Challenge
 from attestations.core.conf import client_ip
 from attestations.core.errors import DVBenchError
 from attestations.experiments.models import Experiment
+from attestations.http import sudo
 from attestations.http.permissions import get_access
 from attestations.proofs.models import Job, Proof, ProofStatus
-from attestations.web.forms import ApiKeyForm, ExperimentForm, InviteForm, RoleForm, SpecForm
+from attestations.web.forms import (
+    ApiKeyForm,
+    ConfirmPasswordForm,
+    ExperimentForm,
+    InviteForm,
+    RoleForm,
+    SpecForm,
+)
 
 
 def _user(request: HttpRequest) -> User:
@@ -306,20 +315,48 @@ def challenge_timeline(proof: Proof, challenges: list[Challenge]) -> dict[str, A
 @login_required
 @require_http_methods(["GET", "POST"])
 def api_keys(request: HttpRequest) -> HttpResponse:
-    form = ApiKeyForm(request.POST or None)
+    """The user's keys; creating one needs a recent password confirmation (sudo mode).
+
+    A POST with ``action=confirm`` checks the password (``attestations/http/sudo.py``);
+    any other POST creates a key, if the session is in sudo mode.
+    """
+    confirming = request.method == "POST" and request.POST.get("action") == "confirm"
+    form = ApiKeyForm(request.POST if request.method == "POST" and not confirming else None)
+    confirm_form = ConfirmPasswordForm(request.POST if confirming else None)
     created: tuple[ApiKey, str] | None = None
-    if request.method == "POST" and form.is_valid():
-        created = ApiKey.issue(
-            _user(request),
-            form.cleaned_data["name"],
-            days=form.cleaned_data["days"],
-            ip=client_ip(request.META),
-        )
-        # Rendered, not redirected: the raw key exists only in this response.
-        form = ApiKeyForm()
+    status = 200
+    if confirming and confirm_form.is_valid():
+        try:
+            if sudo.confirm(request, confirm_form.cleaned_data["password"]):
+                return redirect("api-keys")
+            confirm_form.add_error("password", "That is not your password.")
+            status = 400
+        except Throttled as error:
+            confirm_form.add_error("password", str(error.detail))
+            status = 429
+    elif request.method == "POST" and not confirming:
+        if sudo.seconds_left(request) <= 0:
+            # An old tab, or a confirmation that ran out: nothing is created.
+            messages.error(request, "Confirm your password first; then create the key.")
+            status = 403
+        elif form.is_valid():
+            created = ApiKey.issue(
+                _user(request),
+                form.cleaned_data["name"],
+                days=form.cleaned_data["days"],
+                ip=client_ip(request.META),
+            )
+            # Rendered, not redirected: the raw key exists only in this response.
+            form = ApiKeyForm()
     keys = ApiKey.objects.filter(user=request.user)  # type: ignore[misc]
-    context: dict[str, Any] = {"form": form, "keys": keys, "created": created}
-    return render(request, "attestations/api_keys.html", context)
+    context: dict[str, Any] = {
+        "form": form,
+        "confirm_form": confirm_form,
+        "sudo_seconds": sudo.seconds_left(request),
+        "keys": keys,
+        "created": created,
+    }
+    return render(request, "attestations/api_keys.html", context, status=status)
 
 
 @login_required
@@ -367,11 +404,11 @@ def organization(request: HttpRequest, slug: str) -> HttpResponse:
         if not can_manage:
             raise PermissionDenied("Only the organisation's admins manage its members.")
         if form.is_valid():
-            user = User.objects.get(username=form.cleaned_data["username"])
+            username = form.cleaned_data["username"]
             try:
                 invitation, created = Invitation.offer(
                     org,
-                    user,
+                    username,
                     form.cleaned_data["role"],
                     actor=_user(request),
                     ip=client_ip(request.META),
@@ -381,10 +418,10 @@ def organization(request: HttpRequest, slug: str) -> HttpResponse:
             else:
                 messages.success(
                     request,
-                    f"Invited {user.get_username()} as {invitation.role}; they join "
-                    f"{org.slug} when they accept."
+                    f"Invited {username} as {invitation.role}; they join {org.slug} when they "
+                    "accept."
                     if created
-                    else f"The invitation of {user.get_username()} now offers {invitation.role}.",
+                    else f"The invitation of {username} now offers {invitation.role}.",
                 )
                 return redirect("organization", slug=slug)
     members = Membership.objects.filter(organization=org).select_related("user")
@@ -392,7 +429,7 @@ def organization(request: HttpRequest, slug: str) -> HttpResponse:
     invitations = (
         Invitation.objects.filter(
             organization=org, status=InvitationStatus.PENDING, expires__gt=timezone.now()
-        ).select_related("user", "invited_by")
+        ).select_related("invited_by")
         if can_manage
         else None
     )
@@ -466,7 +503,7 @@ def invitation_revoke(request: HttpRequest, slug: str, pk: str) -> HttpResponse:
     except DVBenchError as error:
         messages.error(request, error.message)
     else:
-        messages.success(request, f"Revoked the invitation of {invitation.user.get_username()}.")
+        messages.success(request, f"Revoked the invitation of {invitation.username}.")
     return redirect("organization", slug=slug)
 
 

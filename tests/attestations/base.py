@@ -6,7 +6,9 @@
 
 ``world`` holds acme's experiment ``acme/run-1`` with a filed proof, a job, an open
 upload, and mallory's ``evil/heist``. ``api(actor)`` returns a client authenticated with
-that actor's personal API key, through the real ``Authorization: Bearer`` path.
+that actor's personal API key, through the real ``Authorization: Bearer`` path;
+``sudo_session(world, actor)`` a signed-in session that confirmed its password, the only
+kind of client that creates API keys.
 """
 
 from __future__ import annotations
@@ -154,6 +156,18 @@ def api(world: World) -> Iterator[Callable[[str | None], APIClient]]:
         return c
 
     yield client
+
+
+def sudo_session(world: World, actor: str) -> APIClient:
+    """A signed-in browser session of ``actor`` that confirmed its password (sudo mode).
+
+    What creating an API key needs (``attestations/http/sudo.py``); an API key never can.
+    """
+    client = APIClient()
+    client.force_login(world.users[actor])
+    response = client.post("/api/v1/keys/confirm-password/", {"password": PASSWORD}, format="json")
+    assert response.status_code == 200, response.content
+    return client
 
 
 def error_of(response: Any) -> dict[str, Any]:

@@ -119,13 +119,19 @@ def test_no_lab_member_can_hold_the_regulator_role(world: World) -> None:
 
 
 def test_a_regulator_cannot_join_a_lab(world: World, api: Api) -> None:
+    # Answered as any invitation (the inviter learns nothing, issue 34), but carol never
+    # sees it: it is to the name only.
     invite = api("admin").post(
         "/api/v1/organizations/acme/invitations/",
         {"username": "carol", "role": "auditor"},
         format="json",
     )
-    assert invite.status_code == 409
-    assert error_of(invite)["code"] == "regulator_conflict"
+    assert invite.status_code == 201
+    assert Invitation.objects.get(pk=invite.json()["id"]).user is None
+    assert api("carol").get("/api/v1/invitations/").json()["results"] == []
+    accept = api("carol").post(f"/api/v1/invitations/{invite.json()['id']}/accept/")
+    assert accept.status_code == 404
+    assert not Membership.objects.filter(user=world.carol, organization=world.acme).exists()
     # An invitation offered before the user became a regulator cannot be accepted after.
     world.users["eve"] = make_user("eve")
     offered = api("admin").post(
@@ -233,14 +239,25 @@ def test_an_expired_invitation_cannot_be_accepted(world: World, api: Api, settin
     assert error_of(response)["detail"] == {"status": "expired"}
 
 
-def test_an_unknown_user_is_a_404_naming_the_field(world: World, api: Api) -> None:
+def test_an_unknown_user_is_invited_like_anyone_and_nobody_sees_it(world: World, api: Api) -> None:
+    # Was a 404 unknown_user: a way to enumerate usernames (issue 34, finding 5).
     response = api("admin").post(
         "/api/v1/organizations/acme/invitations/",
         {"username": "nobody", "role": "trainer"},
         format="json",
     )
-    assert response.status_code == 404
-    assert (error_of(response)["code"], error_of(response)["field"]) == ("unknown_user", "username")
+    assert response.status_code == 201
+    assert response.json()["username"] == "nobody" and response.json()["status"] == "pending"
+    listed = api("admin").get("/api/v1/organizations/acme/invitations/").json()["results"]
+    assert [i["username"] for i in listed] == ["nobody"]
+    assert Invitation.objects.get(pk=response.json()["id"]).user is None
+    # A malformed name is still refused, for its form alone.
+    bad = api("admin").post(
+        "/api/v1/organizations/acme/invitations/",
+        {"username": "no body", "role": "trainer"},
+        format="json",
+    )
+    assert bad.status_code == 400 and error_of(bad)["field"] == "username"
 
 
 # --- the last admin -----------------------------------------------------------------------
