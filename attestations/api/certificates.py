@@ -80,6 +80,7 @@ class CertificateSerializer(serializers.Serializer[Certificate]):
     experiment = serializers.CharField(help_text="owner/name")
     result = serializers.ChoiceField(choices=CertificateResult.choices)
     flops = serializers.IntegerField(allow_null=True, help_text="total FLOPs claimed")
+    tokens = serializers.IntegerField(allow_null=True, help_text="total tokens claimed")
     issued = serializers.DateTimeField(help_text="the signed issuedOn time")
     keyid = serializers.CharField()
     trust_root_version = serializers.IntegerField()
@@ -90,6 +91,21 @@ class CertificateSerializer(serializers.Serializer[Certificate]):
         child=serializers.DictField(),
         help_text="the signed regulatory_thresholds claim: {name, threshold, stays_below, "
         "description} per threshold (empty for certificates issued before it existed)",
+    )
+    limit_violations = serializers.ListField(
+        child=inline_serializer(
+            "LimitViolation",
+            {
+                "limit": serializers.CharField(help_text="the spec field, e.g. max_flops"),
+                "declared": serializers.JSONField(help_text="the declared value"),
+                "actual": serializers.JSONField(help_text="the running total or observed value"),
+                "step": serializers.IntegerField(allow_null=True),
+                "message": serializers.CharField(),
+            },
+        ),
+        help_text="the signed limit_violations claim: each declared limit the run broke "
+        "(empty for a run within its limits); a FAILED certificate with none was failed by "
+        "its proof's verdict (see filings)",
     )
     filings = inline_serializer(
         "CertificateFilings",
@@ -108,6 +124,31 @@ class CertificateSerializer(serializers.Serializer[Certificate]):
                 },
                 many=True,
             ),
+            "run": inline_serializer(
+                "CertificateRunFilings",
+                {
+                    "digest": serializers.CharField(
+                        help_text="the run digest the seed derives from"
+                    ),
+                    "count": serializers.IntegerField(),
+                    "elsewhere": inline_serializer(
+                        "CertificateRunFiling",
+                        {
+                            "filedOn": serializers.DateTimeField(),
+                            "status": serializers.CharField(),
+                            "reason": serializers.CharField(allow_blank=True),
+                            "transcriptDigest": serializers.CharField(),
+                            "sameOrganization": serializers.BooleanField(),
+                            "challengeTarget": serializers.FloatField(),
+                        },
+                        many=True,
+                    ),
+                },
+                required=False,
+                help_text="the certified run and every filing of it outside this experiment, "
+                "in any organisation, by date and verdict only (absent when the proof was "
+                "never challenged, and from certificates signed before it existed)",
+            ),
         },
         allow_null=True,
         help_text="Every proof filed for the experiment when it was signed (from the signed "
@@ -117,6 +158,47 @@ class CertificateSerializer(serializers.Serializer[Certificate]):
 
     def to_representation(self, instance: Certificate) -> dict[str, Any]:
         return instance.to_dict()
+
+
+class CertificateDetailSerializer(CertificateSerializer):
+    """One certificate, with every filing of its run as the reader may see it (detail only)."""
+
+    run_filings = inline_serializer(
+        "CertificateRunFilingsNow",
+        {
+            "run_digest": serializers.CharField(),
+            "count": serializers.IntegerField(),
+            "filings": inline_serializer(
+                "CertificateRunFilingNow",
+                {
+                    "organization": serializers.CharField(
+                        allow_null=True, help_text="slug; null where it is not yours to see"
+                    ),
+                    "experiment": serializers.CharField(
+                        allow_null=True, help_text="owner/name; null likewise"
+                    ),
+                    "proof": serializers.IntegerField(allow_null=True, help_text="null likewise"),
+                    "same_organization": serializers.BooleanField(),
+                    "status": serializers.CharField(),
+                    "reason": serializers.CharField(allow_blank=True),
+                    "filed_on": serializers.DateTimeField(),
+                    "transcript_digest": serializers.CharField(),
+                    "challenge_target": serializers.FloatField(allow_null=True),
+                },
+                many=True,
+            ),
+        },
+        allow_null=True,
+        help_text="Every filing of the certified run (same run digest, so the same challenge "
+        "plan) outside this experiment, read now from the platform: whole for a regulator; "
+        "for a lab's members, organisation, experiment and proof are null where the filing "
+        "is another lab's. Null when the proof was never challenged. The signed statement "
+        "carries the same filings as of signing by date and verdict only (filings.run).",
+    )
+
+    def to_representation(self, instance: Certificate) -> dict[str, Any]:
+        access = get_access(self.context["request"])
+        return {**instance.to_dict(), "run_filings": instance.run_filings(access.can_see)}
 
 
 class CheckpointSerializer(serializers.Serializer[LogCheckpoint]):
@@ -438,9 +520,10 @@ class ProofCertificateView(APIView):
 
     permission_classes = [HasCapability]
 
-    @extend_schema(responses=CertificateSerializer)
+    @extend_schema(responses=CertificateDetailSerializer)
     def get(self, request: Request, pk: int) -> Response:
-        return Response(_visible_certificate(request, pk).to_dict())
+        certificate = _visible_certificate(request, pk)
+        return Response(CertificateDetailSerializer(certificate, context={"request": request}).data)
 
 
 class ProofBundleView(APIView):
@@ -520,6 +603,9 @@ class CertificateList(generics.ListAPIView[Certificate]):
         "issued_after": ("issued__gte", datetime),
         "issued_before": ("issued__lt", datetime),
         "flops_min": ("flops__gte", BigInt),
+        "flops_max": ("flops__lte", BigInt),
+        "tokens_min": ("tokens__gte", BigInt),
+        "tokens_max": ("tokens__lte", BigInt),
         "result": ("result", frozenset(CertificateResult.values)),
     }
     query_filter_help = {
@@ -528,8 +614,15 @@ class CertificateList(generics.ListAPIView[Certificate]):
         "issued_after": "Issued at or after this ISO 8601 date or date-time (UTC if no offset).",
         "issued_before": "Issued before this ISO 8601 date or date-time.",
         "flops_min": "At least this many FLOPs claimed (a whole number).",
+        "flops_max": "At most this many FLOPs claimed (a whole number); a certificate whose "
+        "compute is undetermined matches neither flops_min nor flops_max.",
+        "tokens_min": "At least this many tokens claimed (a whole number).",
+        "tokens_max": "At most this many tokens claimed (a whole number); a certificate "
+        "without a tokens claim matches neither tokens_min nor tokens_max.",
         "result": "PASSED or FAILED.",
     }
+    #: Read by _by_threshold, not by QueryFilters; allowed all the same.
+    query_params_also = ("below_threshold", "above_threshold")
 
     def get_queryset(self) -> QuerySet[Certificate]:
         access = get_access(self.request)
@@ -583,7 +676,7 @@ def _by_threshold(request: Request, queryset: QuerySet[Certificate]) -> QuerySet
 
 
 class CertificateDetail(generics.RetrieveAPIView[Certificate]):
-    serializer_class = CertificateSerializer
+    serializer_class = CertificateDetailSerializer
     permission_classes = [HasCapability]
 
     def get_queryset(self) -> QuerySet[Certificate]:

@@ -23,6 +23,7 @@ and on PostgreSQL a trigger (migration ``0004_certificates``) refuses them in SQ
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from django.db import models
@@ -172,7 +173,7 @@ class Certificate(AppendOnlyModel):
     """The signed attestation of one proof's final verdict.
 
     The envelope itself is ``log_entry.leaf``; the columns here repeat the facts that
-    regulators search on (organisation, time, FLOPs, result), which ``verify_log``
+    regulators search on (organisation, time, FLOPs, tokens, result), which ``verify_log``
     checks against the signed statement.
     """
 
@@ -187,6 +188,7 @@ class Certificate(AppendOnlyModel):
     experiment = models.CharField(max_length=151, help_text="owner/name")
     result = models.CharField(max_length=8, choices=CertificateResult.choices, db_index=True)
     flops = models.DecimalField(max_digits=40, decimal_places=0, null=True, db_index=True)
+    tokens = models.DecimalField(max_digits=40, decimal_places=0, null=True, db_index=True)
     issued = models.DateTimeField(db_index=True)
     keyid = models.CharField(max_length=64)
     trust_root_version = models.PositiveIntegerField()
@@ -234,6 +236,7 @@ class Certificate(AppendOnlyModel):
             "experiment": self.experiment,
             "result": self.result,
             "flops": None if self.flops is None else int(self.flops),
+            "tokens": None if self.tokens is None else int(self.tokens),
             "issued": api_datetime(self.issued),
             "keyid": self.keyid,
             "trust_root_version": self.trust_root_version,
@@ -241,6 +244,7 @@ class Certificate(AppendOnlyModel):
             "final_parameter_root": self.final_parameter_root,
             "log_index": self.log_index,
             "regulatory_thresholds": self.claim_value("regulatory_thresholds") or [],
+            "limit_violations": self.claim_value("limit_violations") or [],
             "filings": self.filings(),
             "envelope": self.envelope,
         }
@@ -256,3 +260,46 @@ class Certificate(AppendOnlyModel):
         """The signed record of every proof filed for the experiment (None before it existed)."""
         filings: dict[str, Any] | None = self.statement()["predicate"].get("filings")
         return filings
+
+    def run_filings(self, can_see: Callable[[int], bool]) -> dict[str, Any] | None:
+        """Every filing of the certified run outside its experiment, now, for one reader.
+
+        The signed ``filings.run`` lists them by date and verdict only. This reads them
+        from the database as they stand and names each one's organisation, experiment
+        and proof where ``can_see(organisation id)`` (a regulator: every one; a lab's
+        member: their own lab's), and leaves those three null elsewhere: another lab's
+        identity is not a lab's to see. None when the proof was never challenged.
+        """
+        from attestations.proofs.models import Proof
+
+        digest, experiment = (
+            Proof.objects.filter(pk=self.proof_id)
+            .values_list("challenge_run_digest", "experiment_id")
+            .get()
+        )
+        if not digest:
+            return None
+        rows = (
+            Proof.objects.filter(challenge_run_digest=digest, challenges_drawn__isnull=False)
+            .exclude(experiment_id=experiment)
+            .select_related("experiment__owner")
+            .order_by("created", "pk")
+        )
+        filings = []
+        for row in rows:
+            owner = row.experiment.owner
+            shown = can_see(owner.pk)
+            filings.append(
+                {
+                    "organization": owner.slug if shown else None,
+                    "experiment": row.experiment.full_name if shown else None,
+                    "proof": row.pk if shown else None,
+                    "same_organization": owner.pk == self.organization_id,
+                    "status": str(row.status),
+                    "reason": row.reason,
+                    "filed_on": api_datetime(row.created),
+                    "transcript_digest": row.transcript_digest,
+                    "challenge_target": row.challenge_target,
+                }
+            )
+        return {"run_digest": digest, "count": len(filings), "filings": filings}

@@ -75,6 +75,8 @@ from dvbench.attest import (
     MerkleTree,
     ReplayEvidence,
     Result,
+    RunFiling,
+    RunFilings,
     SigningKey,
     TrainingCertificate,
     TrustedKey,
@@ -487,10 +489,19 @@ def _claims(proof: Proof) -> _ClaimSet:
 
 
 def _flops_of(claims: Sequence[Claim]) -> Decimal | None:
+    return _whole_claim(claims, "flops")
+
+
+def _tokens_of(claims: Sequence[Claim]) -> Decimal | None:
+    return _whole_claim(claims, "tokens")
+
+
+def _whole_claim(claims: Sequence[Claim], name: str) -> Decimal | None:
+    """The claim ``name``'s number as a whole Decimal (a searchable column), if numeric."""
     for claim in claims:
         value = claim.value
         numeric = isinstance(value, int | float) and not isinstance(value, bool)
-        if claim.name == "flops" and numeric:
+        if claim.name == name and numeric:
             return Decimal(int(value))
     return None
 
@@ -542,7 +553,40 @@ def _filings(proof: Proof) -> Filings:
         )
         for row in rows
     )
-    return Filings(count=len(filings), proofs=filings)
+    return Filings(count=len(filings), proofs=filings, run=_run_filings(proof))
+
+
+def _run_filings(proof: Proof) -> RunFilings | None:
+    """The proof's committed run and its other filings, anywhere, as they stand.
+
+    The plan depends on the run digest and the platform's key only, so a filing of the
+    same run in another experiment or lab faced the same steps. Signed as dates, verdicts
+    and digests, never as organisation, experiment or proof: the certificate's auditors
+    read it, and another lab's identity is not theirs to see (regulators read it whole
+    from :meth:`~attestations.certificates.models.Certificate.run_filings`).
+    """
+    digest = proof.challenge_run_digest
+    if not digest:
+        return None
+    rows = (
+        Proof.objects.filter(challenge_run_digest=digest, challenges_drawn__isnull=False)
+        .exclude(experiment_id=proof.experiment_id)
+        .select_related("experiment")
+        .order_by("created", "pk")
+    )
+    owner = proof.experiment.owner_id
+    elsewhere = tuple(
+        RunFiling(
+            filed_on=row.created,
+            status=str(row.status),
+            reason=row.reason,
+            transcript_digest=row.transcript_digest,
+            same_organization=row.experiment.owner_id == owner,
+            challenge_target=float(row.challenge_target or 0.0),
+        )
+        for row in rows
+    )
+    return RunFilings(digest=digest, count=len(elsewhere), elsewhere=elsewhere)
 
 
 def _subjects(proof: Proof) -> tuple[str, str]:
@@ -665,6 +709,7 @@ def _issue(proof: Proof) -> Certificate:
         experiment=proof.experiment.full_name,
         result=certificate.result.value,
         flops=_flops_of(claim_set.claims),
+        tokens=_tokens_of(claim_set.claims),
         issued=moment,
         keyid=key.keyid,
         trust_root_version=root_row.version,
@@ -951,6 +996,7 @@ def _check_entry(
         "trust_root_version": certificate.trust_root_version,
         "experiment": certificate.experiment,
         "flops": _flops_of(certificate.claims),
+        "tokens": _tokens_of(certificate.claims),
         "keyid": entry.envelope["signatures"][0]["keyid"],
     }
     for name, value in signed.items():

@@ -30,7 +30,12 @@ from django.db.models.expressions import RawSQL
 
 from attestations.accounts.models import Access, Capability
 from attestations.core.db import prepared_cursor
-from attestations.experiments.models import SUMMARY_COLUMNS, Experiment, proof_statuses
+from attestations.experiments.models import (
+    SUMMARY_COLUMNS,
+    Experiment,
+    certificate_results,
+    proof_statuses,
+)
 
 #: Lookups whose value is a list: one parameter per item, and ``[]`` matches nothing.
 _LIST_LOOKUPS = frozenset({"in"})
@@ -163,16 +168,21 @@ class SummaryPage:
     # --- Proof counts and the frozen flag -----------------------------------------------
 
     def _summarize(self, rows: list[dict[str, Any]]) -> None:
-        """Turn each row's ``[[status, spec, count]]`` into ``proofs_<status>`` and
-        ``spec_frozen`` (as :meth:`Experiment.summarize`)."""
+        """Turn each row's ``[[status, spec, result, count]]`` into ``proofs_<status>``,
+        ``certificates_<result>`` and ``spec_frozen`` (as :meth:`Experiment.summarize`)."""
         zeros = dict.fromkeys([f"proofs_{status}" for status in proof_statuses()], 0)
+        zeros.update(dict.fromkeys([f"certificates_{r}" for r in certificate_results()], 0))
         zeros["spec_frozen"] = False
         for row in rows:
             groups = row.pop(_GROUPS, None) or []
             row.update(zeros)
             # psycopg parses a json value; SQLite returns its text.
-            for status, spec_id, count in json.loads(groups) if isinstance(groups, str) else groups:
+            for status, spec_id, result, count in (
+                json.loads(groups) if isinstance(groups, str) else groups
+            ):
                 row[f"proofs_{status}"] = row.get(f"proofs_{status}", 0) + count
+                if result is not None:
+                    row[f"certificates_{result}"] = row.get(f"certificates_{result}", 0) + count
                 # A spec is frozen when a proof of the experiment names it.
                 if spec_id == row["current_spec_id"]:
                     row["spec_frozen"] = True
@@ -214,9 +224,11 @@ _GROUPS_SQL = {
 
 
 def _groups_sql(using: str) -> str:
-    """One experiment's proofs grouped by status and spec, as ``[[status, spec, count]]``.
+    """One experiment's proofs grouped by status, spec and certificate result, as
+    ``[[status, spec, result, count]]`` (result null for a proof without a certificate).
 
     A correlated subquery over the outer query's experiment table; NULL when it has none.
+    A proof has at most one certificate (a one-to-one), so the join multiplies no row.
     """
     connection = connections[using]
     quote = connection.ops.quote_name
@@ -231,9 +243,22 @@ def _groups_sql(using: str) -> str:
 
     outer = f"{quote(Experiment._meta.db_table)}.{quote(str(Experiment._meta.pk.column))}"
     experiment, status, spec = column("experiment"), column("status"), column("spec")
-    # Only names from the model's metadata, quoted; there are no values in it.
+    certified_model = meta.get_field("certificate").related_model
+    assert certified_model is not None
+    certificate = certified_model._meta
+    table = quote(meta.db_table)
+    pk = f"{table}.{quote(str(meta.pk.column))}"
+    proof_column = certificate.get_field("proof")
+    result_column = certificate.get_field("result")
+    assert isinstance(proof_column, models.Field) and isinstance(result_column, models.Field)
+    certified = quote(certificate.db_table)
+    result = f"{certified}.{quote(str(result_column.column))}"
+    # Only names from the models' metadata, quoted; there are no values in it.
     return (
-        f"SELECT {aggregate}({array}(g.s, g.p, g.n)) FROM ("  # noqa: S608
-        f"SELECT {status} AS s, {spec} AS p, COUNT(*) AS n FROM {quote(meta.db_table)} "
-        f"WHERE {experiment} = {outer} GROUP BY {status}, {spec}) AS g"
+        f"SELECT {aggregate}({array}(g.s, g.p, g.r, g.n)) FROM ("  # noqa: S608
+        f"SELECT {table}.{status} AS s, {table}.{spec} AS p, {result} AS r, COUNT(*) AS n "
+        f"FROM {table} LEFT JOIN {certified} "
+        f"ON {certified}.{quote(str(proof_column.column))} = {pk} "
+        f"WHERE {table}.{experiment} = {outer} GROUP BY {table}.{status}, {table}.{spec}, "
+        f"{result}) AS g"
     )

@@ -10,6 +10,7 @@ from django.utils import timezone
 from django.utils.dateparse import parse_date, parse_datetime
 from rest_framework.filters import BaseFilterBackend
 from rest_framework.request import Request
+from rest_framework.settings import api_settings
 
 from attestations.core.errors import InvalidRequestError
 
@@ -34,12 +35,18 @@ class QueryFilters(BaseFilterBackend):
     parameter (never an empty page that hides a typo). A lookup ending in
     ``__full_name`` takes an ``owner/name`` experiment id. ``query_filter_help`` on the
     view describes parameters in the schema.
+
+    A query parameter that is none of these, nor the paginator's (``cursor``,
+    ``page_size``), nor DRF's ``format``, nor one the view reads itself (its
+    ``query_params_also``), is a 400 ``unknown_filter`` naming the allowed ones: a
+    misspelt or unsupported filter would otherwise return every row, as if it matched.
     """
 
     def filter_queryset(
         self, request: Request, queryset: QuerySet[Any], view: Any
     ) -> QuerySet[Any]:
         filters: dict[str, tuple[str, Choices]] = getattr(view, "query_filters", {})
+        check_known_parameters(request, view)
         for param, (lookup, choices) in filters.items():
             value = request.query_params.get(param)
             if value is None or (value == "" and choices is None):
@@ -105,6 +112,34 @@ class QueryFilters(BaseFilterBackend):
                 }
             )
         return parameters
+
+
+def allowed_parameters(view: Any) -> list[str]:
+    """Every query parameter ``view`` reads: its filters, its own, pagination, ``format``."""
+    allowed = set(getattr(view, "query_filters", {})) | set(getattr(view, "query_params_also", ()))
+    paginator = getattr(view, "paginator", None)
+    for attribute in ("cursor_query_param", "page_size_query_param", "page_query_param"):
+        name = getattr(paginator, attribute, None) if paginator is not None else None
+        if name:
+            allowed.add(str(name))
+    if api_settings.URL_FORMAT_OVERRIDE:
+        allowed.add(str(api_settings.URL_FORMAT_OVERRIDE))
+    return sorted(allowed)
+
+
+def check_known_parameters(request: Request, view: Any) -> None:
+    """400 ``unknown_filter`` for a query parameter ``view`` does not read (the first, sorted)."""
+    allowed = allowed_parameters(view)
+    unknown = sorted(set(request.query_params) - set(allowed))
+    if unknown:
+        name = unknown[0]
+        shown = name if len(name) <= 100 else f"{name[:100]}..."
+        raise InvalidRequestError(
+            f"{shown!r} is not a query parameter of this endpoint; allowed: {', '.join(allowed)}",
+            code="unknown_filter",
+            field=shown,
+            detail={"allowed": allowed, "got": shown},
+        )
 
 
 def _invalid(param: str, message: str, value: str) -> InvalidRequestError:

@@ -59,3 +59,25 @@ def test_bad_values_name_the_parameter(world: World, api: Api) -> None:
         assert response.status_code == 400, query
         error = error_of(response)
         assert (error["code"], error["field"]) == ("invalid_filter", field)
+
+
+def test_every_filtered_list_refuses_an_unknown_parameter(world: World, api: Api) -> None:
+    """A typo in a filter is a 400 naming it and the allowed ones, never every row."""
+    for path, known in [
+        ("/api/v1/experiments/", "owner"),
+        ("/api/v1/proofs/", "status"),
+        ("/api/v1/jobs/", "proof"),
+        ("/api/v1/audit-events/", None),
+        ("/api/v1/uploads/", None),
+        (f"/api/v1/proofs/{world.proof.pk}/challenges/", "status"),
+        ("/api/v1/certificates/", "flops_max"),
+    ]:
+        response = api("admin").get(path, {"ownr": "acme"})
+        assert response.status_code == 400, (path, response.content[:300])
+        error = error_of(response)
+        assert (error["code"], error["field"]) == ("unknown_filter", "ownr"), path
+        allowed = error["detail"]["allowed"]
+        assert {"cursor", "page_size", "format"} <= set(allowed), path
+        if known is not None:
+            assert known in allowed, path
+        assert api("admin").get(path, {"page_size": 1}).status_code == 200, path

@@ -195,11 +195,91 @@ def test_search_is_cursor_paginated(many: dict[str, Certificate], api: Api) -> N
     assert seen == _search(api, "carol")
 
 
+def test_a_regulator_searches_by_compute_and_tokens_ranges(
+    many: dict[str, Certificate], api: Api
+) -> None:
+    ids = {name: certificate.pk for name, certificate in many.items()}
+    long, short = many["long"], many["passed"]
+    assert long.flops is not None and short.flops is not None and long.flops > short.flops
+    assert long.tokens is not None and short.tokens is not None and long.tokens > short.tokens
+    # The columns repeat the signed claims.
+    assert long.tokens == long.claim_value("tokens") and long.flops == long.claim_value("flops")
+    everyone_but_long = [ids["evil"], ids["failed"], ids["passed"]]
+    assert _search(api, "carol", flops_max=int(long.flops) - 1) == everyone_but_long
+    assert _search(api, "carol", flops_max=int(long.flops)) == _search(api, "carol")
+    assert _search(api, "carol", tokens_min=int(long.tokens)) == [ids["long"]]
+    assert _search(api, "carol", tokens_max=int(long.tokens) - 1) == everyone_but_long
+    assert _search(api, "carol", tokens_min=int(short.tokens), tokens_max=int(short.tokens)) == (
+        everyone_but_long
+    )
+    assert _search(api, "carol", flops_min=int(long.flops), flops_max=int(long.flops)) == [
+        ids["long"]
+    ]
+    body = api("carol").get("/api/v1/certificates/", {"tokens_min": 1}).json()["results"]
+    assert {item["tokens"] for item in body} == {int(short.tokens), int(long.tokens)}
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        {"foo": "bar"},
+        # A misspelt filter used to return every certificate, as if it matched.
+        {"flops_maximum": "1"},
+        {"result": "PASSED", "Organization": "acme"},
+        {"page": "2"},
+    ],
+)
+def test_an_unknown_query_parameter_is_a_400_naming_the_allowed_ones(
+    many: dict[str, Certificate], api: Api, query: dict[str, str]
+) -> None:
+    response = api("carol").get("/api/v1/certificates/", query)
+    assert response.status_code == 400, response.content
+    error = error_of(response)
+    unknown = sorted(set(query) - {"result"})[0]
+    assert (error["code"], error["field"]) == ("unknown_filter", unknown)
+    allowed = error["detail"]["allowed"]
+    assert {
+        "organization",
+        "experiment",
+        "issued_after",
+        "issued_before",
+        "flops_min",
+        "flops_max",
+        "tokens_min",
+        "tokens_max",
+        "result",
+        "below_threshold",
+        "above_threshold",
+        "cursor",
+        "page_size",
+        "format",
+    } == set(allowed)
+    assert error["message"] == (
+        f"{unknown!r} is not a query parameter of this endpoint; allowed: {', '.join(allowed)}"
+    )
+
+
+def test_pagination_format_and_threshold_parameters_stay_allowed(
+    many: dict[str, Certificate], api: Api
+) -> None:
+    client = api("carol")
+    first = client.get("/api/v1/certificates/", {"page_size": "1", "format": "json"})
+    assert first.status_code == 200, first.content
+    following = client.get(first.json()["next"])
+    assert following.status_code == 200 and len(following.json()["results"]) == 1
+    threshold = client.get("/api/v1/certificates/", {"below_threshold": "eu-ai-act-gpai"})
+    assert threshold.status_code == 200, threshold.content
+
+
 @pytest.mark.parametrize(
     ("query", "field"),
     [
         ({"result": "passed"}, "result"),
         ({"flops_min": "1e20"}, "flops_min"),
+        ({"flops_max": "-1"}, "flops_max"),
+        ({"tokens_min": "many"}, "tokens_min"),
+        ({"tokens_max": ""}, "tokens_max"),
+        ({"tokens_max": str(10**40)}, "tokens_max"),
         ({"issued_after": "yesterday"}, "issued_after"),
         ({"issued_before": "2026-13-01"}, "issued_before"),
     ],
@@ -209,7 +289,9 @@ def test_a_bad_search_filter_is_a_400_naming_it(
 ) -> None:
     response = api("carol").get("/api/v1/certificates/", query)
     assert response.status_code == 400
-    assert error_of(response)["field"] == field
+    error = error_of(response)
+    assert (error["code"], error["field"]) == ("invalid_filter", field)
+    assert error["message"].startswith(f"{field}: ")
 
 
 def test_the_search_is_read_only(certified: Certificate, api: Api) -> None:
@@ -225,10 +307,21 @@ def test_the_openapi_schema_documents_the_certificate_api(world: World) -> None:
         "issued_after",
         "issued_before",
         "flops_min",
+        "flops_max",
+        "tokens_min",
+        "tokens_max",
         "result",
+        "below_threshold",
+        "above_threshold",
         "cursor",
         "page_size",
     }
+    kinds = {p["name"]: p["schema"] for p in search["parameters"]}
+    for name in ("flops_min", "flops_max", "tokens_min", "tokens_max"):
+        assert kinds[name] == {"type": "integer", "minimum": 0, "maximum": 10**40 - 1}, name
+    assert kinds["issued_after"]["format"] == "date-time"
+    certificate = schema["components"]["schemas"]["Certificate"]["properties"]
+    assert {"tokens", "limit_violations"} <= set(certificate)
     for path in (
         "/api/v1/proofs/{id}/certificate/",
         "/api/v1/proofs/{id}/bundle/",

@@ -10,7 +10,8 @@ Three lines in a training script::
     proof.start(rolling_window=4, probe_ratio=0.01)
     ...                                      # train with proof.jit
     proof.save_model(state.params)           # optional: signed weights the certificate binds
-    proof.finish()                           # close, upload, clean up
+    proof.finish()                           # close, upload, clean up; says the verdict
+                                             # (finish(wait=True): FAILED raises)
 
 Errors are documented in ``dvbench._exceptions`` and exported here. The platform uses
 the same spec digest (:func:`spec_digest`) and model-file checks
@@ -25,6 +26,7 @@ from dvbench._exceptions import (
     APIError,
     AuthenticationError,
     BadRequestError,
+    CertificateFailedError,
     ConfigurationError,
     ConflictError,
     DVBenchError,
@@ -48,6 +50,7 @@ from dvbench._model import (
 )
 from dvbench._proof import DVBenchProof
 from dvbench._sync import SyncResult
+from dvbench._verdict import Verdict
 
 __version__ = "0.1.0"
 
@@ -61,6 +64,7 @@ __all__ = [
     "APIError",
     "AuthenticationError",
     "BadRequestError",
+    "CertificateFailedError",
     "Client",
     "ConfigurationError",
     "ConflictError",
@@ -77,6 +81,7 @@ __all__ = [
     "ServerError",
     "SyncResult",
     "UploadError",
+    "Verdict",
     "__version__",
     "check_final_parameters",
     "default_spec",

@@ -1,6 +1,12 @@
-"""The ``dvbench`` command: login, status, experiments, sync, and the report commands.
+"""The ``dvbench`` command: login, status, experiments, sync, proofs, and the report commands.
 
-Exit status: 0 success, 1 an error the message explains, 2 a usage error.
+Exit status: 0 success, 1 an error the message explains, 2 a usage error. A FAILED
+certificate is never a success: ``verify-report``, ``download-report``, ``proofs show``
+and ``sync --wait`` exit 1 unless the certificate records PASSED (``--allow-failed``
+accepts an authentic FAILED one, for inspecting failures); ``proofs show --wait`` and
+``sync --wait`` also exit 1 on a verifier error or when no certificate came in time.
+``sync`` without ``--wait`` exits 0 once the upload is done, and prints the verdict as
+far as it is known (usually pending).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any
 from dvbench._client import Client
 from dvbench._config import credentials_path, read_credentials, write_credentials
 from dvbench._exceptions import APIError, DVBenchError
+from dvbench._verdict import FAILED, PENDING, Verdict
 
 __all__ = ["main"]
 
@@ -114,11 +121,21 @@ def cmd_experiments_list(args: argparse.Namespace) -> int:
         counts = ", ".join(f"{n} {s}" for s, n in sorted(proofs.items())) or "no proofs"
         _out(
             f"{experiment.name:40s} {experiment.framework or '-':6s} "
-            f"spec {str(experiment.spec_digest)[:12]}  {counts}"
+            f"spec {str(experiment.spec_digest)[:12]}  proofs: {counts}; "
+            f"certificates: {_certificate_counts(experiment.data)}"
         )
     if not experiments:
         _err("no experiments visible to this key")
     return 0
+
+
+def _certificate_counts(data: dict[str, Any]) -> str:
+    """``1 PASSED, 1 FAILED``: the verdicts, FAILED first; ``none`` before any is signed."""
+    certificates = data.get("certificates")
+    if certificates is None:
+        return "unknown (the platform does not report them)"
+    counts = [f"{certificates[r]} {r}" for r in ("FAILED", "PASSED") if certificates.get(r)]
+    return ", ".join(counts) or "none"
 
 
 def cmd_experiments_create(args: argparse.Namespace) -> int:
@@ -131,6 +148,17 @@ def cmd_experiments_create(args: argparse.Namespace) -> int:
     with Client() as client:
         experiment = client.create_experiment(args.name, spec, framework=args.framework)
     _out(f"registered {experiment.name} (spec digest {experiment.spec_digest})")
+    return 0
+
+
+def cmd_experiments_spec_version(args: argparse.Namespace) -> int:
+    spec = json.loads(Path(args.spec).read_text())
+    if not isinstance(spec, dict):
+        _err(f"{args.spec}: the spec must be a JSON object")
+        return 2
+    with Client() as client:
+        version = client.revise_spec(args.name, spec)
+    _out(f"{args.name}: spec version {version['version']}, digest {version['digest']}")
     return 0
 
 
@@ -169,17 +197,61 @@ def cmd_sync(args: argparse.Namespace) -> int:
                     progress=progress,
                     partial=args.partial,
                     experiment=args.experiment,
+                    wait=args.wait,
+                    timeout=args.timeout,
                 )
             except DVBenchError as error:
                 _err(f"dvbench sync {directory}: {_explain(error)}")
                 status = 1
                 continue
             _out(result.summary())
+            if args.wait and result.verdict is not None:
+                status = max(status, _verdict_status(result.verdict, args.allow_failed))
             if result.released:
                 _out(f"  released {directory}")
             elif result.complete:
                 _out(f"  {directory} is synced (marked in its dvbench-sync.json)")
     return status
+
+
+def _verdict_status(verdict: Verdict, allow_failed: bool) -> int:
+    """0 for PASSED (and FAILED with ``--allow-failed``), else 1, saying why on stderr."""
+    if verdict.passed:
+        return 0
+    if verdict.state == FAILED and allow_failed:
+        return 0
+    if verdict.state == FAILED:
+        _err(
+            f"proof {verdict.proof_id}: the certificate records FAILED: exit status 1 "
+            "(--allow-failed exits 0 for a FAILED certificate)"
+        )
+    elif verdict.state == PENDING:
+        _err(f"proof {verdict.proof_id}: no certificate yet: exit status 1")
+    else:
+        _err(f"proof {verdict.proof_id}: the verifier failed; no certificate: exit status 1")
+    return 1
+
+
+def cmd_proofs_show(args: argparse.Namespace) -> int:
+    with Client() as client:
+        if client.offline:
+            _err("DVBENCH_MODE=offline: unset it to ask the platform")
+            return 1
+        if args.wait:
+            verdict = client.wait_for_verdict(
+                args.proof_id, timeout=args.timeout, interval=args.interval
+            )
+        else:
+            verdict = client.verdict(args.proof_id)
+    if args.json:
+        _out(json.dumps(verdict.to_dict(), indent=1))
+    else:
+        _out(verdict.summary())
+    if not args.wait and verdict.state == PENDING:
+        # Asked once, and not final: say so, and let a script tell it from PASSED.
+        _err(f"proof {verdict.proof_id}: no certificate yet: exit status 1 (--wait waits)")
+        return 1
+    return _verdict_status(verdict, args.allow_failed)
 
 
 def cmd_download_report(args: argparse.Namespace) -> int:
@@ -189,6 +261,12 @@ def cmd_download_report(args: argparse.Namespace) -> int:
             _err("DVBENCH_MODE=offline: unset it to download reports")
             return 1
         bundle = client.download_report(args.proof_id)
+        # From the certificate alone: regulators read certificates, not proofs.
+        verdict = Verdict.from_api(
+            {"id": args.proof_id},
+            client.certificate(args.proof_id),
+            url=f"{client.base_url}/proofs/{args.proof_id}/",
+        )
         sigstore = client.download_sigstore_bundle(args.proof_id) if args.sigstore_out else None
         trust_root = client.trust_root() if args.trust_root_out else None
     output.write_bytes(bundle)
@@ -203,7 +281,9 @@ def cmd_download_report(args: argparse.Namespace) -> int:
             "a copy you obtained another way before relying on it"
         )
     _out(f"verify offline: dvbench verify-report {output} --trust-root TRUST_ROOT.json")
-    return 0
+    # What the platform says; verify-report checks the signature of the same verdict.
+    _out(verdict.summary())
+    return _verdict_status(verdict, args.allow_failed)
 
 
 def _attest_command(name: str) -> Callable[[list[str]], int] | None:
@@ -269,6 +349,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--framework", choices=("jax", "torch"), default="jax", help="for the default spec"
     )
     create.set_defaults(handler=cmd_experiments_create)
+    revise = actions.add_parser(
+        "spec-version",
+        help="declare a changed spec: a new version once a proof names the current one",
+    )
+    revise.add_argument("name", help="owner/name")
+    revise.add_argument("--spec", required=True, help="JSON file with the declared spec")
+    revise.set_defaults(handler=cmd_experiments_spec_version)
 
     sync = commands.add_parser("sync", help="upload proof directories left on disk")
     sync.add_argument(
@@ -277,7 +364,50 @@ def build_parser() -> argparse.ArgumentParser:
     sync.add_argument("--partial", action="store_true", help="files only, for an unfinished run")
     sync.add_argument("--experiment", help="owner/name, for a proof written by zkdv alone")
     sync.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sync.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait for each proof's certificate (answering challenges meanwhile); exit 1 "
+        "unless it records PASSED",
+    )
+    sync.add_argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        metavar="SECONDS",
+        help="with --wait: how long to wait for a certificate (default 1800)",
+    )
+    sync.add_argument(
+        "--allow-failed", action="store_true", help="with --wait: exit 0 for FAILED too"
+    )
     sync.set_defaults(handler=cmd_sync)
+
+    proofs = commands.add_parser("proofs", help="a filed proof's verdict")
+    proof_actions = proofs.add_subparsers(dest="action", metavar="ACTION")
+    show = proof_actions.add_parser(
+        "show",
+        help="the proof's verdict: certificate PASSED, FAILED with the failed claims, "
+        "pending or verifier error; exit 0 only for PASSED",
+    )
+    show.add_argument("proof_id", type=int, metavar="PROOF_ID", help="the proof's id")
+    show.add_argument(
+        "--wait", action="store_true", help="wait until the certificate is signed (or none will be)"
+    )
+    show.add_argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        metavar="SECONDS",
+        help="with --wait: how long to wait (default 1800); then exit 1, still pending",
+    )
+    show.add_argument(
+        "--interval", type=float, default=5.0, metavar="SECONDS", help="between polls (default 5)"
+    )
+    show.add_argument(
+        "--allow-failed", action="store_true", help="exit 0 for a FAILED certificate too"
+    )
+    show.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    show.set_defaults(handler=cmd_proofs_show)
 
     download = commands.add_parser(
         "download-report", help="download a proof's signed report bundle (JSON)"
@@ -295,6 +425,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--sigstore-out",
         metavar="FILE",
         help="also save the certificate as a Sigstore bundle v0.3 (e.g. proof.sigstore.json)",
+    )
+    download.add_argument(
+        "--allow-failed",
+        action="store_true",
+        help="exit 0 when the certificate records FAILED (the files are saved either way)",
     )
     download.set_defaults(handler=cmd_download_report)
 
@@ -316,8 +451,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(arguments)
     handler: Callable[[argparse.Namespace], int] | None = getattr(args, "handler", None)
     if handler is None:
-        if args.command == "experiments":
-            parser.parse_args(["experiments", "--help"])
+        if args.command in ("experiments", "proofs"):
+            parser.parse_args([args.command, "--help"])
         parser.print_help()
         return 2
     try:

@@ -29,6 +29,7 @@ from dvbench._exceptions import (
 if TYPE_CHECKING:
     from dvbench._experiment import Experiment
     from dvbench._sync import SyncResult
+    from dvbench._verdict import Verdict
 
 __all__ = ["DEFAULT_TIMEOUT", "Client"]
 
@@ -400,6 +401,22 @@ class Client:
         experiment.remember()
         return experiment
 
+    def revise_spec(self, name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+        """Declare ``spec`` for ``owner/name``: a new version once a proof names the current
+        one, else the current version changed in place. Returns the version (``version``,
+        ``digest``, ``frozen`` and the declared fields); runs started afterwards name it.
+
+        Raises:
+            BadRequestError: the spec is invalid (``field`` says which part).
+            NotFoundError: no such experiment visible to this key.
+            PermissionDeniedError: this key's role may not change it.
+        """
+        from dvbench._experiment import check_name
+
+        check_name(name)
+        data: dict[str, Any] = self.post(f"experiments/{name}/specs/", dict(spec))
+        return data
+
     # --- proofs and sync ----------------------------------------------------------------
     def get_proof(self, proof_id: int) -> dict[str, Any]:
         """A filed proof and its verdict (``status``: pending, verifying, valid, ...)."""
@@ -425,6 +442,69 @@ class Client:
                     f"proof {proof_id} is still {proof.get('status')!r} after {timeout:g} s"
                 )
             self._sleep(interval)
+
+    def certificate(self, proof_id: int) -> dict[str, Any] | None:
+        """The proof's certificate as the platform reports it (None: not signed yet).
+
+        What the platform says, unverified: ``dvbench verify-report`` checks the signed
+        bundle offline.
+        """
+        try:
+            data: dict[str, Any] = self.get(f"proofs/{int(proof_id)}/certificate/")
+        except NotFoundError as error:
+            if error.code == "no_certificate":
+                return None
+            raise
+        return data
+
+    def verdict(self, proof_id: int) -> Verdict:
+        """Where a filed proof stands: PASSED, FAILED with the failed claims, pending, error."""
+        from dvbench._verdict import Verdict
+
+        proof = self.get_proof(proof_id)
+        certificate = None
+        if proof.get("status") in FINAL_PROOF_STATUSES and proof.get("status") != "error":
+            certificate = self.certificate(proof_id)
+        return Verdict.from_api(proof, certificate, url=f"{self.base_url}/proofs/{int(proof_id)}/")
+
+    def wait_for_verdict(
+        self,
+        proof_id: int,
+        *,
+        timeout: float = 1800.0,
+        interval: float = 5.0,
+        raise_on_failure: bool = False,
+        poll: Callable[[], None] | None = None,
+    ) -> Verdict:
+        """Poll until the proof's certificate is signed (or the verifier failed).
+
+        Args:
+            timeout: seconds to wait; then the verdict is returned still ``pending``.
+            interval: seconds between polls.
+            raise_on_failure: raise :class:`CertificateFailedError` unless PASSED (FAILED,
+                verifier error, or still pending after ``timeout``).
+            poll: called before each poll (``finish(wait=True)`` answers challenges drawn
+                meanwhile with it).
+
+        Returns:
+            The verdict (``state`` PASSED, FAILED, error, or pending after ``timeout``).
+        """
+        from dvbench._exceptions import CertificateFailedError
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if poll is not None:
+                poll()
+            verdict = self.verdict(proof_id)
+            if verdict.final or time.monotonic() >= deadline:
+                break
+            self._sleep(min(interval, max(0.0, deadline - time.monotonic())))
+        if raise_on_failure and not verdict.passed:
+            message = verdict.summary()
+            if not verdict.final:
+                message = f"no verdict after {timeout:g} s: {message}"
+            raise CertificateFailedError(message, verdict=verdict)
+        return verdict
 
     # --- certificates -------------------------------------------------------------------
     def download_report(self, proof_id: int) -> bytes:

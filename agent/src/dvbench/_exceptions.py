@@ -13,7 +13,9 @@ Tree::
     │   ├── ConflictError             409: e.g. an upload that is no longer open
     │   ├── RateLimitError            429 after every retry
     │   └── ServerError               5xx after every retry
-    └── UploadError                   an upload could not finish; the proof stays on disk
+    ├── UploadError                   an upload could not finish; the proof stays on disk
+    └── CertificateFailedError        waited for the verdict: FAILED (or a verifier error),
+                                      or none came in time (``finish(wait=True)``)
 
 Every :class:`APIError` carries what the platform said (its error body is
 ``{"error": {"code", "message", "field", "detail"}, "request_id"}``): ``status_code``,
@@ -36,6 +38,7 @@ __all__ = [
     "APIError",
     "AuthenticationError",
     "BadRequestError",
+    "CertificateFailedError",
     "ConfigurationError",
     "ConflictError",
     "DVBenchError",
@@ -66,6 +69,23 @@ class NetworkError(DVBenchError):
     def __init__(self, message: str, *, attempts: int = 1) -> None:
         super().__init__(message)
         self.attempts = attempts
+
+
+class CertificateFailedError(DVBenchError):
+    """The proof's certificate records FAILED, the verifier failed, or no verdict came in time.
+
+    Raised by ``finish(wait=True)`` and :meth:`Client.wait_for_verdict` with
+    ``raise_on_failure=True``: a script that waits for its verdict stops here instead of
+    reporting success. The proof itself is filed; nothing is lost.
+
+    Attributes:
+        verdict: the :class:`~dvbench.Verdict` (``state`` FAILED, error or pending; for
+            FAILED, ``failed`` lists the failed claims).
+    """
+
+    def __init__(self, message: str, *, verdict: Any) -> None:
+        super().__init__(message)
+        self.verdict = verdict
 
 
 class UploadError(DVBenchError):

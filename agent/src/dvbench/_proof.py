@@ -22,9 +22,15 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from dvbench._config import cache_dir
-from dvbench._exceptions import APIError, DVBenchError, NetworkError, UploadError
+from dvbench._exceptions import (
+    APIError,
+    CertificateFailedError,
+    DVBenchError,
+    NetworkError,
+    UploadError,
+)
 from dvbench._progress import Progress
-from dvbench._sync import TRANSCRIPT, Manifest, SyncResult, Uploader, release
+from dvbench._sync import TRANSCRIPT, Manifest, SyncResult, Uploader, release, settle
 
 if TYPE_CHECKING:
     from dvbench._experiment import Experiment
@@ -264,30 +270,52 @@ class DVBenchProof:
             )
         return saved
 
-    def finish(self) -> SyncResult:
-        """Close the driver, upload the proof, release temporary storage.
+    def finish(self, *, wait: bool = False, timeout: float = 1800.0) -> SyncResult:
+        """Close the driver, upload the proof, report its verdict, release temporary storage.
 
         Waits for every commitment and sampled check (``close()``), then for the
         background uploader, then sends what is left: the program artifact, probes,
         snapshot and batch files, and the transcript last, which files the proof. A
         temporary proof directory is removed once everything is on the platform.
 
+        Then it says the verdict, on stderr and as ``result.verdict``: certificate PASSED,
+        FAILED with the failed claims (each declared limit the run broke), pending (the
+        platform is still verifying, or waits for replays), or a verifier error. Without
+        ``wait`` it asks once and returns: an upload that succeeded is not a PASSED run,
+        so a script that must fail on a FAILED certificate passes ``wait=True`` (or runs
+        ``dvbench proofs show ID --wait``).
+
         Safe to call more than once: a finished proof returns the same result, and a
         call after a failed upload resumes it where it stopped. In offline mode nothing
         is sent; the directory is kept and the command that uploads it is printed.
 
+        Args:
+            wait: wait for the certificate (answering the platform's challenges as they
+                are drawn) and raise :class:`CertificateFailedError` unless it records
+                PASSED.
+            timeout: with ``wait``, seconds to wait for the certificate.
+
         Returns:
-            What was uploaded, deduplicated and resumed, and the proof's id.
+            What was uploaded, deduplicated and resumed, the proof's id, and its verdict.
 
         Raises:
             ZKDVPoisonedError: a sampled check failed (from ``close()``).
             APIError, NetworkError: the upload failed after retries; the proof stays on
                 disk, and ``finish()`` or ``dvbench sync DIR`` resumes it.
+            CertificateFailedError: with ``wait``: the certificate records FAILED (its
+                ``verdict.failed`` lists the failed claims), the verifier failed, or no
+                certificate came within ``timeout``.
         """
         state = self._dvbench
         with state.lock:
             if state.result is not None and (state.result.complete or state.result.offline):
-                return state.result
+                result = state.result
+                if wait and state.uploader is not None and result.proof_id is not None:
+                    settle(
+                        self.experiment._client, state.uploader, result, wait=True, timeout=timeout
+                    )
+                    print(result.verdict.summary() if result.verdict else "", file=sys.stderr)
+                return self._verdict_checked(result, wait)
             self._close_transcript()
             state.stop_background()
             directory = self.directory
@@ -320,12 +348,32 @@ class DVBenchProof:
                 )
                 raise
             bar.close()
+            if wait:
+                # The upload's summary first: waiting for replays can take a while.
+                print(result.summary(), file=sys.stderr)
+            settle(self.experiment._client, state.uploader, result, wait=wait, timeout=timeout)
             if result.complete and state.manifest.data.get("ephemeral"):
                 release(directory)
                 result.released = True
             state.result = result
-            print(result.summary(), file=sys.stderr)
-            return result
+            if wait:
+                print(result.verdict.summary() if result.verdict else "", file=sys.stderr)
+            else:
+                print(result.summary(), file=sys.stderr)
+            return self._verdict_checked(result, wait)
+
+    @staticmethod
+    def _verdict_checked(result: SyncResult, wait: bool) -> SyncResult:
+        """``result``, or (``wait``) CertificateFailedError unless its verdict is PASSED."""
+        verdict = result.verdict
+        if wait and result.proof_id is not None and (verdict is None or not verdict.passed):
+            if verdict is None:
+                raise DVBenchError(f"no verdict for proof {result.proof_id}: {result.notes}")
+            message = verdict.summary()
+            if not verdict.final:
+                message = f"no certificate yet: {message}"
+            raise CertificateFailedError(message, verdict=verdict)
+        return result
 
     def __enter__(self) -> DVBenchProof:
         return self

@@ -61,6 +61,7 @@ from dvbench._progress import Progress, format_bytes
 
 if TYPE_CHECKING:
     from dvbench._client import Client
+    from dvbench._verdict import Verdict
 
 __all__ = [
     "MANIFEST",
@@ -240,6 +241,8 @@ class SyncResult:
         proof_id: the platform's id of the filed proof, once the transcript is uploaded.
         complete: every file, the transcript included, is on the platform.
         offline: nothing was sent (offline mode); ``directory`` waits for ``dvbench sync``.
+        verdict: the proof's :class:`~dvbench.Verdict` when it was asked for (PASSED,
+            FAILED with the failed claims, pending, error); None before the proof is filed.
     """
 
     directory: Path
@@ -257,6 +260,7 @@ class SyncResult:
     bytes_deduplicated: int = 0
     bytes_resumed: int = 0
     notes: list[str] = field(default_factory=list)
+    verdict: Verdict | None = None
 
     def summary(self) -> str:
         if self.offline:
@@ -281,6 +285,8 @@ class SyncResult:
             text += f"; proof {self.proof_id}"
             if self.proof_url:
                 text += f" at {self.proof_url}"
+        if self.verdict is not None:
+            text += "\n" + self.verdict.summary()
         return text
 
 
@@ -762,6 +768,8 @@ def sync_directory(
     progress: bool | None = None,
     partial: bool = False,
     experiment: str | None = None,
+    wait: bool = False,
+    timeout: float = 1800.0,
 ) -> SyncResult:
     """Upload a proof directory incrementally; see the module docstring.
 
@@ -773,6 +781,9 @@ def sync_directory(
         partial: upload the files of an unfinished run, not its transcript.
         experiment: ``owner/name`` for a directory without a manifest; its spec digest is
             read from the transcript's root record.
+        wait: wait (up to ``timeout`` seconds) for the certificate, answering challenges
+            drawn meanwhile; ``result.verdict`` says PASSED, FAILED, error or pending.
+            Without it the verdict is asked once (usually still pending).
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -795,10 +806,41 @@ def sync_directory(
             )
         raise
     bar.close()
+    if not partial:
+        settle(client, uploader, result, wait=wait, timeout=timeout)
     if result.complete and manifest.data.get("ephemeral"):
         release(directory)
         result.released = True
     return result
+
+
+def settle(
+    client: Client, uploader: Uploader, result: SyncResult, *, wait: bool, timeout: float
+) -> Verdict | None:
+    """Set ``result.verdict``: asked once, or (``wait``) polled until final or ``timeout``.
+
+    While waiting, challenges the platform draws meanwhile are answered (the directory is
+    still there: it is released only afterwards). Never raises for the verdict itself: a
+    failure to ask is a note, and the caller decides what FAILED means.
+    """
+    if result.proof_id is None:
+        return None
+    if not wait:
+        try:
+            result.verdict = client.verdict(result.proof_id)
+        except DVBenchError as error:
+            note = f"could not ask for the verdict of proof {result.proof_id}: {error}"
+            log.warning("dvbench: %s", note)
+            result.notes.append(note)
+        return result.verdict
+    uploader.progress = Progress(enabled=False)
+
+    def answer() -> None:
+        if not result.complete:
+            uploader.run(final=True)
+
+    result.verdict = client.wait_for_verdict(result.proof_id, timeout=timeout, poll=answer)
+    return result.verdict
 
 
 def _adopt(directory: Path, experiment: str, base_url: str) -> None:

@@ -1,4 +1,5 @@
-"""``dvbench verify-report``: exit 0 verified, 1 rejected with the reason, 2 usage; no network."""
+"""``dvbench verify-report``: exit 0 verified and PASSED, 1 rejected or FAILED with the reason,
+2 usage; no network."""
 
 from __future__ import annotations
 
@@ -110,14 +111,44 @@ def test_transcript_option(
     assert "rejected (subject_mismatch)" in capsys.readouterr().err
 
 
-def test_require_passed(platform: Any, trust_root_v1: TrustRoot, tmp_path: Path) -> None:
+def test_a_failed_certificate_exits_1_unless_allowed(
+    platform: Any, trust_root_v1: TrustRoot, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bundle_path = tmp_path / "report.json"
     bundle_path.write_text(json.dumps(platform.issue(result=Result.FAILED)))
     root_path = tmp_path / "root.json"
     root_path.write_bytes(trust_root_v1.to_json())
     args = [str(bundle_path), "--trust-root", str(root_path)]
-    assert verify_report_main(args) == 0  # authentic, whatever it records
+    # Authentic, but FAILED: not a success for a script that checks the exit status.
+    assert verify_report_main(args) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("verified: certificate FAILED issued 2026-03-14T15:09:26Z")
+    assert "failed claims:" in captured.err
+    assert "records FAILED: exit status 1 (--allow-failed exits 0" in captured.err
+    # --require-passed is the default now, and still accepted.
     assert verify_report_main([*args, "--require-passed"]) == 1
+    capsys.readouterr()
+    # Inspecting a failure on purpose: exit 0, the summary on stdout.
+    assert verify_report_main([*args, "--allow-failed"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("verified: certificate FAILED") and captured.err == ""
+    assert verify_report_main([*args, "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert (report["ok"], report["result"], report["accepted"]) == (True, "FAILED", False)
+    assert verify_report_main([*args, "--json", "--allow-failed"]) == 0
+    assert json.loads(capsys.readouterr().out)["accepted"] is True
+
+
+def test_allow_failed_does_not_accept_a_rejected_bundle(
+    files: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    bundle, root = files
+    document = json.loads(bundle.read_text())
+    document["inclusion_proof"]["hashes"][0] = "00" * 32
+    bundle.write_text(json.dumps(document))
+    assert verify_report_main([str(bundle), "--trust-root", str(root), "--allow-failed"]) == 1
+    assert capsys.readouterr().err.startswith("rejected (bad_proof)")
 
 
 def test_it_runs_as_a_module_without_django(files: tuple[Path, Path]) -> None:

@@ -183,6 +183,9 @@ PUBLIC = {
     "UploadError",
     "__version__",
     "default_spec",
+    # the verdict of a filed proof (issue 35): finish() reports it, wait=True enforces it
+    "Verdict",
+    "CertificateFailedError",
     # what the platform shares with the SDK: the spec digest and the model files
     "SPEC_SCHEMA",
     "spec_digest",

@@ -2,14 +2,19 @@
 
 Usage::
 
-    dvbench verify-report BUNDLE --trust-root FILE [--transcript PATH] [--model PATH] [--json]
+    dvbench verify-report BUNDLE --trust-root FILE [--transcript PATH] [--model PATH]
+                          [--allow-failed] [--json]
 
 BUNDLE is the report bundle (``*.bundle.json``) or the same certificate as a Sigstore
 bundle v0.3 (``*.sigstore.json``); the format is read from the file.
 
-Exit status: 0 when every check passes, 1 when the bundle is rejected (the reason is
-printed), 2 for a usage error. Nothing here opens a network connection: the trust root
-is the auditor's own file, never the bundle's copy.
+Exit status: 0 when every check passes and the certificate records PASSED; 1 when the
+bundle is rejected (the reason is printed) or the authentic certificate records FAILED
+(the failed claims are printed), unless ``--allow-failed``, with which an authentic
+FAILED certificate exits 0 (for inspecting failures); 2 for a usage error.
+``--require-passed`` is accepted and changes nothing: requiring PASSED is the default.
+Nothing here opens a network connection: the trust root is the auditor's own file,
+never the bundle's copy.
 
 The SDK's CLI registers :func:`verify_report_main` as its ``verify-report`` command.
 """
@@ -22,6 +27,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from dvbench._verdict import failed_claims
 from dvbench.attest._bundle import verify_bundle
 from dvbench.attest._errors import AttestationError
 from dvbench.attest._keys import TrustRoot
@@ -57,9 +63,16 @@ def build_parser(prog: str = "dvbench verify-report") -> argparse.ArgumentParser
         "their SHA-256 and the model_signing manifest must be the certificate's subjects",
     )
     parser.add_argument(
+        "--allow-failed",
+        action="store_true",
+        help="exit 0 for an authentic certificate that records FAILED (default: exit 1 "
+        "unless it records PASSED); for inspecting failures",
+    )
+    parser.add_argument(
         "--require-passed",
         action="store_true",
-        help="also exit 1 when the (authentic) certificate records FAILED",
+        help="the default (exit 1 unless the certificate records PASSED); kept for scripts "
+        "that name it",
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     return parser
@@ -73,7 +86,8 @@ def verify_report_main(argv: Sequence[str] | None = None) -> int:
             ``sys.argv[1:]``.
 
     Returns:
-        0 when the bundle verifies, 1 when it does not.
+        0 when the bundle verifies and its certificate records PASSED (or FAILED, with
+        ``--allow-failed``); 1 when it does not verify, or records FAILED.
 
     Raises:
         SystemExit: with status 2 on a usage error (argparse's convention).
@@ -91,16 +105,45 @@ def verify_report_main(argv: Sequence[str] | None = None) -> int:
     result = verify_bundle(
         bundle, trust_root, transcript_path=args.transcript, model_path=args.model
     )
+    failed: list[str] = []
+    passed = False
+    if result.ok:
+        assert result.certificate is not None
+        passed = result.certificate.result.value == "PASSED"
+        if not passed:
+            predicate = result.certificate.to_statement().to_dict()["predicate"]
+            failed = failed_claims(
+                predicate.get("claims") or [],
+                predicate.get("filings"),
+                transcript_digest=result.certificate.transcript_digest,
+            )
+    accepted = result.ok and (passed or args.allow_failed)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2, sort_keys=True))
-    else:
-        print(result.summary(), file=sys.stdout if result.ok else sys.stderr)
+        document = result.to_dict()
+        if result.ok:
+            document["result"] = "PASSED" if passed else "FAILED"
+            document["failed_claims"] = failed
+        document["accepted"] = accepted
+        print(json.dumps(document, indent=2, sort_keys=True))
+        return 0 if accepted else 1
     if not result.ok:
+        print(result.summary(), file=sys.stderr)
         return 1
-    assert result.certificate is not None
-    if args.require_passed and result.certificate.result.value != "PASSED":
-        if not args.json:
-            print("the certificate is authentic but records FAILED", file=sys.stderr)
+    if passed:
+        print(result.summary())
+        return 0
+    # Authentic, and FAILED: what failed goes with it, on the stream the status implies.
+    stream = sys.stdout if args.allow_failed else sys.stderr
+    print(result.summary(), file=stream)
+    print("failed claims:", file=stream)
+    for reason in failed or ["(none listed in the certificate)"]:
+        print(f"  {reason}", file=stream)
+    if not args.allow_failed:
+        print(
+            "the certificate is authentic and records FAILED: exit status 1 "
+            "(--allow-failed exits 0 for an authentic FAILED certificate)",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
