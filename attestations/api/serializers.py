@@ -7,7 +7,6 @@ import re
 from decimal import Decimal
 from typing import Any
 
-from django.contrib.auth import get_user_model
 from drf_spectacular.utils import extend_schema_field, extend_schema_serializer, inline_serializer
 from rest_framework import serializers
 
@@ -22,7 +21,7 @@ from attestations.accounts.models import (
 )
 from attestations.audit.models import AuditEvent
 from attestations.challenges.models import Challenge
-from attestations.core.conf import api_datetime
+from attestations.core.conf import api_datetime, dvbench_int
 from attestations.core.validators import SHA256_HEX
 from attestations.experiments.models import Experiment, ExperimentSpec, Framework, Regime
 from attestations.http.fields import StrictCharField, StrictIntegerField
@@ -172,7 +171,7 @@ USERNAME_PATTERN = r"^[\w.@+-]{1,150}$"
 
 @extend_schema_field({"type": "string", "pattern": USERNAME_PATTERN, "maxLength": 150})
 class UsernameField(StrictCharField):
-    """An active user's name; one that names nobody is a 404 (``unknown_user``)."""
+    """A username, checked for its form only: whether anyone holds it is never revealed."""
 
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("max_length", 150)
@@ -185,22 +184,6 @@ class UsernameField(StrictCharField):
                 "Enter a username: letters, digits and @ . + - _ only.", code="invalid"
             )
         return value
-
-
-def active_user(username: str) -> Any:
-    """The active user named ``username``.
-
-    Raises:
-        NotFoundError: nobody by that name (404 ``unknown_user``, field ``username``).
-    """
-    from attestations.core.errors import NotFoundError
-
-    user = get_user_model().objects.filter(username=username, is_active=True).first()
-    if user is None:
-        raise NotFoundError(
-            f"No active user named {username!r}.", code="unknown_user", field="username"
-        )
-    return user
 
 
 class MembershipSerializer(serializers.ModelSerializer[Membership]):
@@ -238,7 +221,7 @@ class MemberOutSerializer(serializers.Serializer[Membership]):
 class InvitationSerializer(serializers.ModelSerializer[Invitation]):
     """An invitation to join a lab: POST offers one (admins); the invitee accepts it."""
 
-    username = UsernameField(source="user.username", help_text="Who is invited.")
+    username = UsernameField(help_text="Who is invited (the answer is the same for any name).")
     role = serializers.ChoiceField(choices=LAB_ROLE_CHOICES)
     organization: serializers.SlugRelatedField[Organization] = serializers.SlugRelatedField(
         slug_field="slug", read_only=True
@@ -273,9 +256,20 @@ class ApiKeySerializer(serializers.ModelSerializer[ApiKey]):
     prefix = serializers.CharField(read_only=True)
     is_active = serializers.BooleanField(read_only=True)
     name = StrictCharField(max_length=100, help_text="Where the key will live, e.g. 'ci'.")
-    days = StrictIntegerField(
-        write_only=True, required=False, min_value=1, max_value=365, help_text="Lifetime in days."
-    )
+    days = StrictIntegerField(write_only=True, required=False, min_value=1)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The policy's maximum as configured now (a longer lifetime is a 400, not clamped).
+        longest = dvbench_int("API_KEY_MAX_DAYS")
+        self.fields["days"] = StrictIntegerField(
+            write_only=True,
+            required=False,
+            min_value=1,
+            max_value=longest,
+            help_text=f"Lifetime in days, 1 to {longest} (DVBENCH_API_KEY_MAX_DAYS); "
+            f"{dvbench_int('API_KEY_TTL_DAYS')} if absent.",
+        )
 
     class Meta:
         model = ApiKey
@@ -321,6 +315,12 @@ class SpecSerializer(serializers.ModelSerializer[ExperimentSpec]):
         default=list,
         max_length=len(Regime.choices),
     )
+    token_unit = serializers.ChoiceField(
+        choices=["examples", "tokens"],
+        default="examples",
+        help_text="What max_tokens and the token claim count: the batch's examples (the "
+        "default), or the token ids of a sequence model (zkdv's token_unit).",
+    )
     frozen = serializers.BooleanField(source="is_frozen", read_only=True)
 
     class Meta:
@@ -337,6 +337,7 @@ class SpecSerializer(serializers.ModelSerializer[ExperimentSpec]):
             "max_tokens",
             "max_gpu_hours",
             "allowed_regimes",
+            "token_unit",
             "created",
         ]
         read_only_fields = ["version", "digest", "created"]
@@ -406,10 +407,21 @@ class ExperimentSerializer(serializers.ModelSerializer[Experiment]):
         slug_field="username", read_only=True
     )
     proofs = serializers.SerializerMethodField()
+    certificates = serializers.SerializerMethodField()
 
     class Meta:
         model = Experiment
-        fields = ["id", "owner", "name", "spec_digest", "spec", "created", "created_by", "proofs"]
+        fields = [
+            "id",
+            "owner",
+            "name",
+            "spec_digest",
+            "spec",
+            "created",
+            "created_by",
+            "proofs",
+            "certificates",
+        ]
         read_only_fields = ["created"]
         # Uniqueness of owner/name is checked in validate(), after scope, and with
         # "owner/name" accepted in `name`; DRF's generated validator would demand both.
@@ -424,6 +436,22 @@ class ExperimentSerializer(serializers.ModelSerializer[Experiment]):
     )
     def get_proofs(self, experiment: Experiment) -> dict[str, int]:
         return experiment.proof_counts()
+
+    @extend_schema_field(
+        {
+            "type": "object",
+            "properties": {
+                "PASSED": {"type": "integer", "minimum": 1},
+                "FAILED": {"type": "integer", "minimum": 1},
+            },
+            "additionalProperties": False,
+            "description": "How many of its proofs' certificates record PASSED and FAILED "
+            "(results with none left out): the verdicts, where proofs counts transcript "
+            "verification only.",
+        }
+    )
+    def get_certificates(self, experiment: Experiment) -> dict[str, int]:
+        return experiment.certificate_counts()
 
     def to_representation(self, instance: Experiment) -> dict[str, Any]:
         frozen = getattr(instance, "spec_frozen", None)

@@ -335,6 +335,8 @@ class Limits:
     allowed_regimes: tuple[str, ...] = ()
     optimizer: str = ""
     dataset_commitment: str = ""
+    #: What ``max_tokens`` counts (``examples`` or ``tokens``, zkdv's ``token_unit``).
+    token_unit: str = "examples"  # noqa: S105 - a unit, not a secret
 
     @classmethod
     def of(cls, spec: ExperimentSpec) -> Limits:
@@ -348,6 +350,7 @@ class Limits:
             allowed_regimes=tuple(sorted(spec.allowed_regimes or [])),
             optimizer=spec.optimizer,
             dataset_commitment=spec.dataset_commitment,
+            token_unit=getattr(spec, "token_unit", "examples") or "examples",
         )
 
 
@@ -451,15 +454,22 @@ def _regime(root: Mapping[str, Any]) -> str | None:
 def flop_replicas(root: Mapping[str, Any]) -> tuple[int, str]:
     """How many copies of the per-step FLOP count ran, and why.
 
-    JAX: XLA's cost analysis counts one device's partition of an SPMD program, so the step
-    total is that times the devices the program's state is sharded over (the mesh in the
-    root's ``schema.sharding``; 1 when the state is not sharded). PyTorch: the driver
-    already counts every rank's tokens (``tokens = per-rank tokens x world_size``), so its
+    JAX: the step's jaxpr has the program's logical shapes, so its count is the whole
+    step's (``env.flops.method``); older JAX roots recorded XLA's cost analysis, which
+    counts one device's partition of an SPMD program, so their step total is that times
+    the devices the program's state is sharded over (the mesh in the root's
+    ``schema.sharding``; 1 when the state is not sharded). PyTorch: the driver already
+    counts every rank's tokens (``tokens = per-rank tokens x world_size``), so its
     per-step FLOPs are the whole step's.
     """
     prover = str(root.get("prover", ""))
     if prover == "whitebox-torch":
         return 1, "per-step FLOPs already cover every rank (tokens x world_size)"
+    env = root.get("env") if isinstance(root.get("env"), dict) else {}
+    assert isinstance(env, dict)
+    stated = env.get("flops")
+    if isinstance(stated, dict) and "jaxpr" in str(stated.get("method", "")):
+        return 1, "the jaxpr's logical shapes count the whole step, every device"
     schema = root.get("schema") if isinstance(root.get("schema"), dict) else {}
     assert isinstance(schema, dict)
     sharding = schema.get("sharding")
@@ -621,6 +631,47 @@ def _over(
     )
 
 
+#: The token claim's unit per ``config.token_unit`` of the root record; a root without it
+#: (transcripts from before the unit was recorded) counted the committed batch's
+#: elements.
+TOKEN_CLAIM_UNITS = {"examples": "example", "tokens": "token", None: "batch element"}
+
+
+def _tokens_part(facts: RunFacts, totals: _Totals, limits: Limits, total: int) -> _Part:
+    """The token claim in the run's unit, held to ``max_tokens`` in the spec's unit.
+
+    A run that counts in another unit than the spec declares cannot be held to its
+    ``max_tokens``: with a declared maximum, that is a violation in itself (a lab must
+    not pick the unit that passes after training).
+    """
+    config = (facts.root or {}).get("config")
+    unit = config.get("token_unit") if isinstance(config, dict) else None
+    unit = unit if unit in ("examples", "tokens") else None
+    details = {
+        "source": "step.tokens",
+        "token_unit": unit,
+        "declared_token_unit": limits.token_unit,
+        "limit": _opt(limits.max_tokens),
+    }
+    violations = _over("max_tokens", limits.max_tokens, totals.tokens, totals.steps, "tokens")
+    if limits.max_tokens is not None and unit != limits.token_unit:
+        counted = "batch elements (no unit recorded)" if unit is None else unit
+        violations = (
+            Violation(
+                "token_unit",
+                limits.token_unit,
+                unit,
+                None,
+                f"max_tokens is declared in {limits.token_unit}, and the run counts "
+                f"{counted}: its token count cannot be held to the declared maximum",
+            ),
+            *violations,
+        )
+    return _Part(
+        Claim("tokens", total, Evidence.COMMITTED, TOKEN_CLAIM_UNITS[unit]), details, violations
+    )
+
+
 def _compute_parts(facts: RunFacts, totals: _Totals, limits: Limits) -> list[_Part]:
     n = int(totals.steps.size)
     last = (lambda a: a[-1].item()) if n else (lambda a: 0)
@@ -634,11 +685,7 @@ def _compute_parts(facts: RunFacts, totals: _Totals, limits: Limits) -> list[_Pa
                 "failed_checks": len(facts.failed_checks),
             },
         ),
-        _Part(
-            Claim("tokens", int(last(totals.tokens)), committed, "token"),
-            {"source": "step.tokens", "limit": _opt(limits.max_tokens)},
-            _over("max_tokens", limits.max_tokens, totals.tokens, totals.steps, "tokens"),
-        ),
+        _tokens_part(facts, totals, limits, int(last(totals.tokens))),
         _Part(
             Claim("flops", round(float(last(totals.flops))), committed, "FLOP"),
             {**totals.flops_details, "limit": _opt(limits.max_flops)},

@@ -59,6 +59,20 @@ def proof_statuses() -> list[str]:
     return [str(value) for value, _ in status.flatchoices]
 
 
+def certificate_results() -> list[str]:
+    """Every result a certificate can record (PASSED, FAILED), in the certificates app's order.
+
+    Read through the proofs' reverse relation to their certificate: the certificates app
+    sits above this one, so this app imports nothing of it.
+    """
+    proof = Experiment._meta.get_field("proofs").related_model
+    certificate = proof._meta.get_field("certificate").related_model
+    assert certificate is not None
+    result = certificate._meta.get_field("result")
+    assert isinstance(result, models.Field) and result.choices is not None
+    return [str(value) for value, _ in result.flatchoices]
+
+
 #: The fields of a spec version its API representation shows (with ``frozen``).
 SPEC_FIELDS = (
     "version",
@@ -71,6 +85,7 @@ SPEC_FIELDS = (
     "max_tokens",
     "max_gpu_hours",
     "allowed_regimes",
+    "token_unit",
     "created",
 )
 
@@ -106,6 +121,7 @@ def spec_document(values: Mapping[str, Any], frozen: bool) -> dict[str, Any]:
         "max_tokens": None if max_tokens is None else int(max_tokens),
         "max_gpu_hours": None if max_gpu_hours is None else float(max_gpu_hours),
         "allowed_regimes": list(values["allowed_regimes"]),
+        "token_unit": values["token_unit"],
         "created": api_datetime(values["created"]),
     }
 
@@ -127,6 +143,11 @@ def summary_dict(row: Mapping[str, Any], statuses: Iterable[str]) -> dict[str, A
         "created": api_datetime(row["created"]),
         "created_by": row["created_by__username"],
         "proofs": {s: row[f"proofs_{s}"] for s in statuses if row[f"proofs_{s}"]},
+        "certificates": {
+            r: row[f"certificates_{r}"]
+            for r in certificate_results()
+            if row.get(f"certificates_{r}")
+        },
     }
 
 
@@ -154,6 +175,15 @@ class ExperimentQuerySet(models.QuerySet["Experiment"]):
             f"proofs_{status}": models.Count("proofs", filter=models.Q(proofs__status=status))
             for status in proof_statuses()
         }
+        # A proof has at most one certificate: counting through it multiplies no row.
+        counts.update(
+            {
+                f"certificates_{result}": models.Count(
+                    "proofs__certificate", filter=models.Q(proofs__certificate__result=result)
+                )
+                for result in certificate_results()
+            }
+        )
         frozen = models.Exists(
             proofs._default_manager.filter(spec_id=models.OuterRef("current_spec_id"))
         )
@@ -214,6 +244,7 @@ class Experiment(models.Model):
             "created": api_datetime(self.created),
             "created_by": self.created_by.get_username() if self.created_by else None,
             "proofs": self.proof_counts(),
+            "certificates": self.certificate_counts(),
         }
 
     @staticmethod
@@ -228,6 +259,7 @@ class Experiment(models.Model):
             return
         for experiment in rows.values():
             experiment._counts = {}  # type: ignore[attr-defined]
+            experiment._certificate_counts = {}  # type: ignore[attr-defined]
             experiment.spec_frozen = False  # type: ignore[attr-defined]
         # Through the reverse relation: the proofs app sits above this one.
         grouped = (
@@ -242,6 +274,25 @@ class Experiment(models.Model):
             counts[status] = counts.get(status, 0) + n
             if spec_id == experiment.current_spec_id:
                 experiment.spec_frozen = True  # type: ignore[attr-defined]
+        certified = (
+            Experiment.objects.filter(pk__in=rows, proofs__certificate__isnull=False)
+            .order_by()
+            .values_list("pk", "proofs__certificate__result")
+            .annotate(n=models.Count("proofs__certificate"))
+        )
+        for experiment_id, result, n in certified:
+            rows[experiment_id]._certificate_counts[result] = n  # type: ignore[attr-defined]
+
+    def certificate_counts(self) -> dict[str, int]:
+        """Certificates of its proofs by result (attached by :meth:`summarize`, else one query)."""
+        known = getattr(self, "_certificate_counts", None)
+        if known is None:
+            known = {}
+            for result in self.proofs.filter(certificate__isnull=False).values_list(
+                "certificate__result", flat=True
+            ):
+                known[result] = known.get(result, 0) + 1
+        return {result: known[result] for result in certificate_results() if known.get(result)}
 
     def proof_counts(self) -> dict[str, int]:
         """Proofs by status (attached by :meth:`summarize`, else one query)."""
@@ -391,6 +442,13 @@ class ExperimentSpec(models.Model):
     max_tokens = models.DecimalField(max_digits=30, decimal_places=0, null=True, blank=True)
     max_gpu_hours = models.DecimalField(max_digits=14, decimal_places=3, null=True, blank=True)
     allowed_regimes = models.JSONField(default=list)
+    #: What ``max_tokens`` and the token claim count (zkdv's ``token_unit``): the
+    #: batch's examples, or the token ids of a sequence model.
+    token_unit = models.CharField(
+        max_length=8,
+        choices=[("examples", "examples"), ("tokens", "tokens")],
+        default="examples",
+    )
     digest = models.CharField(max_length=64, db_index=True)
     created = models.DateTimeField(default=timezone.now)
 
@@ -403,6 +461,7 @@ class ExperimentSpec(models.Model):
         "max_tokens",
         "max_gpu_hours",
         "allowed_regimes",
+        "token_unit",
     )
 
     class Meta:
@@ -419,6 +478,7 @@ class ExperimentSpec(models.Model):
     def fields_from(cls, spec: Mapping[str, Any]) -> dict[str, Any]:
         fields = {key: spec.get(key) for key in cls.SPEC_FIELDS}
         fields["allowed_regimes"] = sorted(set(fields["allowed_regimes"] or []))
+        fields["token_unit"] = fields["token_unit"] or "examples"
         for key in ("max_flops", "max_tokens", "max_gpu_hours"):
             if fields[key] is not None:
                 fields[key] = Decimal(str(fields[key]))

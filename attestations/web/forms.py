@@ -6,10 +6,10 @@ from decimal import Decimal
 from typing import Any
 
 from django import forms
-from django.contrib.auth.models import User
-from django.core.validators import MinValueValidator
+from django.core.validators import MaxValueValidator, MinValueValidator
 
 from attestations.accounts.models import LAB_ROLE_CHOICES, Organization
+from attestations.core.conf import dvbench_int
 from attestations.core.validators import sha256_validator
 from attestations.experiments.models import Experiment, Framework, Regime, experiment_name_validator
 
@@ -57,6 +57,20 @@ class SpecForm(forms.Form):
     )
     max_flops = BigIntegerInput(label="Max FLOPs", help_text="Blank: undeclared.")
     max_tokens = BigIntegerInput(label="Max tokens", help_text="Blank: undeclared.")
+    token_unit = forms.ChoiceField(
+        label="Tokens count",
+        choices=[
+            ("examples", "examples (a classifier's images, rows)"),
+            ("tokens", "token ids (a language model)"),
+        ],
+        initial="examples",
+        required=False,  # an older form, or a client that leaves it out: examples
+        help_text="What max tokens and the token claim count.",
+    )
+
+    def clean_token_unit(self) -> str:
+        return str(self.cleaned_data.get("token_unit") or "examples")
+
     max_gpu_hours = forms.DecimalField(
         label="Max GPU-hours",
         required=False,
@@ -115,10 +129,9 @@ class InviteForm(forms.Form):
     role = forms.ChoiceField(choices=LAB_ROLE_CHOICES)
 
     def clean_username(self) -> str:
-        username = str(self.cleaned_data["username"]).strip()
-        if not User.objects.filter(username=username, is_active=True).exists():
-            raise forms.ValidationError(f"No active user named {username!r}.", code="unknown_user")
-        return username
+        # Whether anyone holds the name is not checked here, nor ever shown: the invitation
+        # is made (and shown pending) all the same (Invitation.offer).
+        return str(self.cleaned_data["username"]).strip()
 
 
 class RoleForm(forms.Form):
@@ -129,6 +142,26 @@ class RoleForm(forms.Form):
 
 class ApiKeyForm(forms.Form):
     name = forms.CharField(max_length=100, help_text="Where the key will live, e.g. 'cluster-a'.")
-    days = forms.IntegerField(
-        min_value=1, max_value=365, initial=90, label="Valid for (days)", required=True
+    days = forms.IntegerField(min_value=1, label="Valid for (days)", required=True)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        longest = dvbench_int("API_KEY_MAX_DAYS")
+        days = self.fields["days"]
+        days.initial = dvbench_int("API_KEY_TTL_DAYS")
+        days.help_text = f"1 to {longest}."
+        # The policy's maximum as configured (a longer lifetime is refused, not clamped).
+        days.max_value = longest  # type: ignore[attr-defined]
+        days.validators.append(MaxValueValidator(longest))
+        days.widget.attrs["max"] = str(longest)
+
+
+class ConfirmPasswordForm(forms.Form):
+    """Sudo mode: the signed-in user's password, before a key can be created."""
+
+    password = forms.CharField(
+        strip=False,
+        max_length=4096,
+        widget=forms.PasswordInput(attrs={"autocomplete": "current-password"}),
+        help_text="Confirm it to create keys for the next few minutes.",
     )

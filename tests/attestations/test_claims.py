@@ -35,7 +35,7 @@ from zkdv.records import iter_records
 from zkdv.testing import write_synthetic_transcript
 
 STEPS, FEATURES, ROWS = 5, 6, 8
-TOKENS_PER_STEP = ROWS * (FEATURES + 1)  # the default token count: every committed word
+TOKENS_PER_STEP = ROWS  # the default token unit: examples, the committed batch's rows
 FLOPS_PER_STEP = 6 * FEATURES * ROWS
 
 
@@ -100,7 +100,8 @@ def test_claims_of_a_known_run_equal_hand_computed_values(tmp_path: Path) -> Non
 
     assert [claim.name for claim in claims.claims] == list(CLAIM_NAMES)
     assert claims.value("steps") == STEPS
-    assert claims.value("tokens") == STEPS * TOKENS_PER_STEP == 280
+    assert claims.value("tokens") == STEPS * TOKENS_PER_STEP == 40
+    assert claims.claim("tokens").unit == "example"  # type: ignore[union-attr]
     assert claims.value("flops") == STEPS * FLOPS_PER_STEP == 1440
     hours = (steps[-1]["time"][1] - steps[0]["time"][0]) / 3600  # one device, its wall time
     assert claims.value("gpu_hours") == pytest.approx(hours, abs=1e-6)
@@ -134,8 +135,8 @@ def test_evidence_levels(tmp_path: Path) -> None:
         # Exactly reaching the limit is within it; passing it is not.
         (Limits(max_flops=Decimal(576)), "max_flops", 2, 864),
         (Limits(max_flops=Decimal(287)), "max_flops", 0, 288),
-        # Cumulative tokens: 56, 112, 168, ...
-        (Limits(max_tokens=Decimal(200)), "max_tokens", 3, 224),
+        # Cumulative tokens (examples): 8, 16, 24, ...
+        (Limits(max_tokens=Decimal(30)), "max_tokens", 3, 32),
     ],
 )
 def test_a_limit_exceeded_is_reported_at_the_first_step_over_it(

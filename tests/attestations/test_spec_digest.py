@@ -39,6 +39,30 @@ def test_the_digest_is_documented_canonical_json(world: World) -> None:
     assert b"10000000000000000000000000" in encoded  # FLOPs exact, not 1e+25
 
 
+def test_a_spec_counting_tokens_says_so_in_its_digest(world: World, api: Api) -> None:
+    # A spec declared before token_unit existed keeps its digest (the unit enters the
+    # document only when it is "tokens"); one that counts tokens has another digest,
+    # which the SDK computes the same way offline.
+    import dvbench
+
+    before = world.experiment.current_spec
+    assert before is not None and before.token_unit == "examples"
+    assert before.digest == dvbench.spec_digest("acme/run-1", {**SPEC, "token_unit": "examples"})
+    response = api("alice").post(
+        "/api/v1/experiments/acme/run-1/specs/", {**SPEC, "token_unit": "tokens"}, format="json"
+    )
+    assert response.status_code == 201, response.json()
+    assert response.json()["token_unit"] == "tokens"
+    counted = ExperimentSpec.objects.get(experiment=world.experiment, version=2)
+    assert counted.canonical_document()["limits"]["token_unit"] == "tokens"
+    assert counted.digest == dvbench.spec_digest("acme/run-1", {**SPEC, "token_unit": "tokens"})
+    assert counted.digest != before.digest
+    refused = api("alice").post(
+        "/api/v1/experiments/acme/run-1/specs/", {**SPEC, "token_unit": "words"}, format="json"
+    )
+    assert refused.status_code == 400 and error_of(refused)["field"] == "token_unit"
+
+
 def test_the_same_spec_under_two_names_has_two_digests(world: World) -> None:
     assert world.experiment.current_spec is not None and world.other.current_spec is not None
     assert world.experiment.current_spec.digest != world.other.current_spec.digest

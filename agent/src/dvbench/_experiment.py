@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -67,6 +68,7 @@ def default_spec(framework: str) -> dict[str, Any]:
         "max_tokens": None,
         "max_gpu_hours": None,
         "allowed_regimes": [],
+        "token_unit": "examples",
     }
 
 
@@ -82,7 +84,10 @@ def spec_document(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
         name: the experiment's full name, ``owner/name``.
         spec: the spec fields (``framework``, ``model_description``, ``optimizer``,
             ``dataset_commitment``, ``max_flops``, ``max_tokens``, ``max_gpu_hours``,
-            ``allowed_regimes``), as :func:`default_spec` returns them.
+            ``allowed_regimes``, ``token_unit``), as :func:`default_spec` returns them.
+            ``token_unit`` (what ``max_tokens`` and the token claim count: ``examples``,
+            the default, or ``tokens``) enters the document only when it is ``tokens``,
+            so the digests of specs declared before it existed do not change.
     """
 
     def integer(value: Any) -> int | None:
@@ -103,6 +108,7 @@ def spec_document(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
             if hours is None
             else format(Decimal(str(hours)).normalize(), "f"),
             "allowed_regimes": sorted(set(spec.get("allowed_regimes") or [])),
+            **({"token_unit": "tokens"} if spec.get("token_unit") == "tokens" else {}),
         },
     }
 
@@ -313,7 +319,8 @@ class Experiment:
 
         Args:
             backend: ``"jax"`` or ``"torch"``.
-            config: the run's :class:`zkdv.ZKDVConfig` (sampling policy, tolerance, ...).
+            config: the run's :class:`zkdv.ZKDVConfig` (sampling policy, tolerance, ...);
+                its ``token_unit`` is the spec's (what ``max_tokens`` counts).
             path: the proof directory; by default a new directory under the user cache
                 (``$DVBENCH_CACHE_DIR``, ``$XDG_CACHE_HOME/dvbench`` or
                 ``~/.cache/dvbench``), removed once uploaded.
@@ -344,6 +351,14 @@ class Experiment:
                 f"the spec digest of {self.name} is unknown offline: run once online (the "
                 "SDK caches it), or pass spec= to client.experiment()"
             )
+        from zkdv.config import ZKDVConfig
+
+        unit = (self.spec or {}).get("token_unit") or "examples"
+        if config is None:
+            config = ZKDVConfig(token_unit=unit)
+        elif config.token_unit != unit:
+            # The spec declares what max_tokens counts; the run counts the same.
+            config = dataclasses.replace(config, token_unit=unit)
         return create_proof(
             self, backend, config, path=path, progress=progress, options=driver_options
         )

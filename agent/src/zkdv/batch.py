@@ -14,22 +14,66 @@ query by recomputing fingerprints and never reveals the data itself.
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from zkdv.config import TOKEN_UNITS
 from zkdv.hashing import Domain, hash_bytes
 from zkdv.merkle import merkle_root
 
-__all__ = ["BatchCommitment", "commit_batch", "validate_window", "window_fingerprints"]
+__all__ = [
+    "TOKEN_UNITS",
+    "BatchCommitment",
+    "commit_batch",
+    "count_tokens",
+    "validate_window",
+    "window_fingerprints",
+]
+
 
 # Keyed multipliers of the rolling hash: odd 64-bit constants derived from the window key,
 # so fingerprints of a transcript cannot be precomputed without knowing the protocol.
 _SEED = hash_bytes(Domain.WINDOW, b"multipliers", length=16)
 _BASE = np.uint64(int.from_bytes(_SEED[:8], "little") | 1)
 _MIX = np.uint64(int.from_bytes(_SEED[8:], "little") | 1)
+
+
+def count_tokens(leaves: Any, unit: str) -> int:
+    """A step's ``tokens`` in ``unit`` (:data:`zkdv.config.TOKEN_UNITS`) from its batch.
+
+    Args:
+        leaves: ``(shape, dtype)`` of each dynamic batch input, in argument order; the
+            dtype as its name (``"int32"``, ``"bfloat16"``, a Torch dtype's name after
+            ``torch.``).
+        unit: ``"examples"`` or ``"tokens"``.
+
+    Raises:
+        ValueError: ``unit`` is unknown, or ``"tokens"`` and no integer input has rank
+            >= 2 (declare ``token_unit="examples"``, or pass the token ids).
+    """
+    shapes = [
+        (tuple(int(d) for d in shape), str(dtype).removeprefix("torch.")) for shape, dtype in leaves
+    ]
+    if unit == "examples":
+        return next((shape[0] for shape, _ in shapes if len(shape) >= 1), 1)
+    if unit == "tokens":
+        for shape, dtype in shapes:
+            if len(shape) >= 2 and dtype in _INTEGER_DTYPES:
+                return math.prod(shape)
+        found = ", ".join(f"{dtype}{list(shape)}" for shape, dtype in shapes) or "nothing"
+        raise ValueError(
+            "token_unit='tokens' counts the elements of the batch's first integer array of "
+            f"rank >= 2 (its token ids), and the batch holds {found}; declare "
+            "ZKDVConfig(token_unit='examples') for a model that does not train on token ids"
+        )
+    raise ValueError(f"token_unit must be one of {', '.join(map(repr, TOKEN_UNITS))}, got {unit!r}")
+
+
+_INTEGER_DTYPES = frozenset(f"{sign}int{bits}" for sign in ("", "u") for bits in (8, 16, 32, 64))
 
 
 def validate_window(rolling_window: int, cols: int) -> None:

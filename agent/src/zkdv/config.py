@@ -207,6 +207,15 @@ class GradientBounds:
         )
 
 
+#: What a step record's ``tokens`` counts (``config.token_unit`` in the root record).
+#: ``examples``: the batch's examples, the leading dimension of its first array (a
+#: classifier's images, a regression's rows). ``tokens``: the token positions a sequence
+#: model trains on, the elements of the batch's first integer array of rank >= 2 (its
+#: token ids, ``[examples, positions]``). Both frontends count the same way
+#: (:func:`zkdv.batch.count_tokens`).
+TOKEN_UNITS = ("examples", "tokens")
+
+
 @dataclass(frozen=True)
 class ZKDVConfig:
     """Run configuration shared by both frontends.
@@ -230,6 +239,12 @@ class ZKDVConfig:
             transcript is byte-identical either way, so this is an execution setting
             and is not recorded in it. Both frontends honour it (single-process runs;
             ``zkdv.torch``: CUDA parameters).
+        token_unit: what each step record's ``tokens`` counts, recorded in the root
+            record and stated by the platform's token claim. ``"examples"`` (default):
+            the batch's leading dimension. ``"tokens"``: the elements of the batch's first
+            integer array of rank >= 2, the token ids a sequence model trains on. The
+            FLOPs estimate ``6 x parameters x tokens`` (a step without a counted program)
+            uses the same count.
     """
 
     name: str = "default"
@@ -238,6 +253,7 @@ class ZKDVConfig:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     gradient_bounds: GradientBounds | None = None
     commitments: str = "auto"
+    token_unit: str = "examples"  # noqa: S105 - a unit, not a secret
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -253,6 +269,11 @@ class ZKDVConfig:
         chunk = self.chunk_bytes
         if chunk < 64 or chunk & (chunk - 1):
             raise ValueError(f"ZKDVConfig chunk_bytes={chunk} must be a power of two >= 64")
+        if self.token_unit not in TOKEN_UNITS:
+            raise ValueError(
+                f"ZKDVConfig token_unit={self.token_unit!r} must be one of "
+                f"{', '.join(map(repr, TOKEN_UNITS))}"
+            )
         if self.commitments not in COMMITMENT_PATHS:
             raise ValueError(
                 f"ZKDVConfig commitments={self.commitments!r} must be one of "
@@ -266,6 +287,7 @@ class ZKDVConfig:
             "sampling": self.sampling_policy.to_dict(),
             "tolerance": self.tolerance.to_dict(),
             "chunk_bytes": self.chunk_bytes,
+            "token_unit": self.token_unit,
         }
 
     @classmethod
@@ -277,4 +299,5 @@ class ZKDVConfig:
             tolerance=FloatTolerance.from_dict(data["tolerance"]),
             chunk_bytes=int(data["chunk_bytes"]),
             gradient_bounds=None if bounds is None else GradientBounds.from_dict(bounds),
+            token_unit=str(data.get("token_unit", "examples")),
         )

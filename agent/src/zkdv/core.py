@@ -284,7 +284,15 @@ class ZKDVCore:
             "batch": batch_commitment.to_record(),
             "post": roots.to_record(),
             "probe": None,
-            "tokens": int(array.size if tokens is None else tokens),
+            # Without a frontend's count: the committed rows are the examples, and a
+            # packed token row holds one word per token.
+            "tokens": int(
+                tokens
+                if tokens is not None
+                else array.shape[0]
+                if self.config.token_unit == "examples"  # noqa: S105 - a unit, not a secret
+                else array.size
+            ),
             "flops": None if flops is None else float(flops),
             "time": [float(started or self.clock()), self.clock()],
         }

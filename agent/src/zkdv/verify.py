@@ -28,7 +28,7 @@ from typing import IO, Any, NoReturn
 import cbor2
 import numpy as np
 
-from zkdv.config import ZKDVConfig
+from zkdv.config import TOKEN_UNITS, ZKDVConfig
 from zkdv.errors import TranscriptError
 from zkdv.gradients import split_name
 from zkdv.hashing import ZERO_DIGEST, Domain, hash_bytes, hasher
@@ -84,7 +84,10 @@ CONFIG_FIELDS = frozenset(
 )
 EVERY = frozenset({"kind", "n"})
 BERNOULLI = frozenset({"kind", "p"})
-CONFIG_ALLOWED = CONFIG_FIELDS | {"bounds"}
+#: ``token_unit``: what the steps' ``tokens`` count (zkdv.config.TOKEN_UNITS); a root
+#: without it counts the committed batch's uint32 words (JAX) or its first integer
+#: tensor's elements (Torch), as transcripts did before the unit was recorded.
+CONFIG_ALLOWED = CONFIG_FIELDS | {"bounds", "token_unit"}
 TOLERANCE = frozenset({"abs", "rel"})
 BOUNDS = frozenset({"tensor", "total", "scale"})
 SCHEMA_REQUIRED = frozenset({"params", "opt_state", "buffers", "batch"})
@@ -478,6 +481,15 @@ class _Verifier:
                         index,
                         f"config.bounds.{key}",
                     )
+        unit = config.get("token_unit", TOKEN_UNITS[0])
+        if unit not in TOKEN_UNITS:
+            raise _fail(
+                "schema",
+                f"config.token_unit must be one of {', '.join(map(repr, TOKEN_UNITS))}, "
+                f"got {unit!r:.40}",
+                index,
+                "config.token_unit",
+            )
         name = config["name"]
         if not isinstance(name, str) or not name:
             raise _fail("schema", "config.name must be a non-empty string", index, "config.name")

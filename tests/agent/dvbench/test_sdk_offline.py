@@ -91,3 +91,24 @@ def test_an_unfinished_run_is_not_synced_as_a_proof(platform, fake_backend, monk
     assert main(["sync", "--no-progress"]) == 0
     out, err = capsys.readouterr()
     assert "skipping 1 run(s)" in err and "nothing to sync" in out
+
+
+def test_a_proof_counts_tokens_in_the_unit_its_spec_declares(
+    platform, fake_backend, monkeypatch
+) -> None:
+    # The spec says what max_tokens counts; the run's config follows it, whatever the
+    # script passed, and the root record commits it.
+    import zkdv
+
+    monkeypatch.setenv("DVBENCH_MODE", "offline")
+    spec = {**dvbench.default_spec("jax"), "token_unit": "tokens"}
+    with Client(platform.url, transport=httpx.MockTransport(no_network)) as client:
+        experiment = client.experiment("acme/lm-run", spec=spec)
+        proof = experiment.proof(
+            backend="jax",
+            config=zkdv.ZKDVConfig(name="lm", token_unit="examples"),
+        )
+        assert proof.config.token_unit == "tokens" and proof.config.name == "lm"
+        plain = client.experiment("acme/classifier-run").proof(backend="jax")
+        assert plain.config.token_unit == "examples"
+    assert experiment.spec_digest == dvbench.spec_digest("acme/lm-run", spec)

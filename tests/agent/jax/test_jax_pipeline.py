@@ -109,7 +109,9 @@ def test_flops_and_tokens_are_recorded(make_proof, tmp_path: Path) -> None:
     proof.close()
     report = assert_verifies(tmp_path / "proof")
     assert report.flops > 0
-    assert report.tokens == 3 * 4 * 7  # committed words
+    # token_unit "examples" (the default): each batch's 4 rows, not its 4 x 7 words.
+    assert report.root["config"]["token_unit"] == "examples"
+    assert report.tokens == 3 * 4
 
 
 def test_donation_is_memory_safe_while_a_view_exists() -> None:

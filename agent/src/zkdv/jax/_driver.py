@@ -64,7 +64,6 @@ from zkdv.jax._program import (
     JIT_OPTIONS,
     JitFunction,
     _check_options,
-    _flops,
     _Program,
     _Traced,
 )
@@ -471,8 +470,6 @@ class ZKDV(Driver):
             "apply", apply_params, apply_opt, apply_computed, zero_spec
         )
         program.jitted, program.apply = compute, applied_call
-        flops = [_flops(compute), _flops(applied_call)]
-        program.flops = None if None in flops else float(sum(f for f in flops if f))
         kind = precision(trace.jaxpr, params, jax.default_backend())
         self.runtime.set_program(
             "jax.export",

@@ -35,12 +35,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
+from zkdv.batch import count_tokens
 from zkdv.compilation import ResultSchema, jax_trees
 from zkdv.errors import (
     ZKDVError,
 )
 from zkdv.gradients import leaf_name
 from zkdv.jax import _context, _messages, _optimizer
+from zkdv.jax._export import matmul_flops
 from zkdv.jax._tree import BatchLayout, leaf_paths
 from zkdv.overlap import Policy
 from zkdv.signature import FunctionSignature
@@ -217,6 +219,18 @@ class _Program:
         self.specs: tuple[Any, Any, Any] | None = None
         self.apply: Any = None
         self.deltas: Any = None
+        self._tokens: dict[str, int] = {}
+
+    def tokens(self, unit: str) -> int:
+        """One update's ``tokens`` in ``unit`` (:func:`zkdv.batch.count_tokens`), from the
+        shapes of its batch inputs (a PRNG key or scalar shared by every row aside)."""
+        if unit not in self._tokens:
+            leaves = [(leaf.shape, leaf.dtype) for leaf in self.traced.layout.leaves]
+            shared = [leaf.shared for leaf in self.traced.layout.leaves]
+            self._tokens[unit] = count_tokens(
+                [leaf for leaf, whole in zip(leaves, shared, strict=True) if not whole], unit
+            )
+        return self._tokens[unit]
 
 
 class JitFunction:
@@ -347,7 +361,7 @@ class JitFunction:
         holder: dict[str, _Traced] = {}
         commits = _commitable(values, leaves)
         production = self._production(arguments, holder, commits=commits)
-        jitted, compiled, trace = self._compile(production, arguments, holder, commits=commits)
+        jitted, _, trace = self._compile(production, arguments, holder, commits=commits)
         traced = holder["traced"]
         program = _Program(
             self,
@@ -356,7 +370,7 @@ class JitFunction:
             arguments.donated,
             arguments.kept,
             [(tuple(jnp.shape(leaf)), jnp.result_type(leaf)) for leaf in leaves],
-            None if compiled is None else _flops(compiled),
+            matmul_flops(trace.jaxpr),
             static_key,
         )
         program.function_tree = in_tree
@@ -759,16 +773,3 @@ def _input_specs(arguments: _Arguments) -> tuple[Any, Any, Any]:
         tuple(spec(leaves[i]) for i in arguments.kept),
         jax.ShapeDtypeStruct((), jnp.uint32),  # type: ignore[no-untyped-call]
     )
-
-
-def _flops(compiled: Any) -> float | None:
-    try:
-        analysis = compiled.cost_analysis()
-    except Exception:  # noqa: BLE001 - cost analysis is optional on some backends
-        return None
-    if isinstance(analysis, list | tuple):
-        analysis = analysis[0] if analysis else None
-    if not analysis:
-        return None
-    flops = analysis.get("flops")
-    return None if flops is None or flops < 0 else float(flops)

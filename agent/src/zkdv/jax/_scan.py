@@ -355,8 +355,7 @@ class ScanUpdates:
     Attributes:
         count: updates per call (the scan's length).
         reverse: the scan ran backwards (update j's outputs are in row K - 1 - j).
-        per_loop: updates in one iteration of the compiled loop (``unroll``): XLA's
-            cost analysis counts a loop body once.
+        per_loop: updates in one iteration of the compiled loop (``unroll``).
         layout: the packed per-update batch.
         packed: the stacked packed batches, ``(K, rows, cols)`` uint32.
         stacked: stacked post-update parameter leaves, then continuity leaves.
@@ -404,7 +403,8 @@ class ScanUpdates:
         extra = list(outputs[schema.hidden_leaves : schema.hidden_leaves + schema.extra_leaves])
         packed, stacked = extra[0], extra[1:]
         stack = _Stack(deltas, stacked[:nparams], stacked[nparams:], packed, self.count)
-        flops = None if program.flops is None else program.flops / self.per_loop
+        # The call's count covers its K updates (the scan body counted ``length`` times).
+        flops = None if program.flops is None else program.flops / self.count
         for j in range(self.count):
             # The pre-state of update j > 0 is the post-state of update j - 1: a due
             # snapshot is copied from the call's host views on the commit thread.

@@ -78,6 +78,7 @@ class _Step(Submission):
         self.index = index
         self.policy = policy
         self.flops = program.flops
+        self.tokens = program.tokens(proof.config.token_unit)
         self._deltas: list[Any] | None = list(outputs[:nd])
         self._params: list[Any] | None = list(outputs[nd : nd + nparams])
         self._opt: list[Any] | None = list(outputs[nd + nparams : traced.schema.hidden_leaves])

@@ -361,7 +361,9 @@ class ZKDV(Driver):
         if self._attested_function is None:
             raise RuntimeError(NOT_ATTESTED)
         if self._batch_layout is None:
-            self._batch_layout = BatchLayout.of(transaction.batch, self.rolling_window)
+            self._batch_layout = BatchLayout.of(
+                transaction.batch, self.rolling_window, self.config.token_unit
+            )
         if self.follower:
             runtime.agree(None)
             self._gather(self._batch_layout.pack(transaction.batch))

@@ -33,15 +33,12 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
+from zkdv.batch import count_tokens
 from zkdv.torch.strides import dim_order, in_order
 
 __all__ = ["BatchLayout", "LeafLayout"]
 
 PACKING_VERSION = 1
-
-_INTEGER_DTYPES = frozenset(
-    {torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32}
-)
 
 
 @dataclass(frozen=True)
@@ -81,12 +78,18 @@ class BatchLayout:
     tokens: int
 
     @classmethod
-    def of(cls, batch: Any, min_words: int = 1) -> BatchLayout:
+    def of(
+        cls,
+        batch: Any,
+        min_words: int = 1,
+        token_unit: str = "examples",  # noqa: S107 - a unit, not a secret
+    ) -> BatchLayout:
         """Derive the layout from the first batch.
 
         Args:
             batch: the first transaction's batch.
             min_words: the narrowest acceptable row (the run's ``rolling_window``).
+            token_unit: what ``tokens`` counts (:func:`zkdv.batch.count_tokens`).
 
         Raises:
             ValueError: the batch holds no tensor, or a tensor of an unpackable type.
@@ -113,7 +116,6 @@ class BatchLayout:
         offset = 0
         leaves: list[LeafLayout | None] = []
         statics: list[Any] = []
-        tokens = None
         for value in values:
             if not isinstance(value, torch.Tensor):
                 leaves.append(None)
@@ -137,11 +139,10 @@ class BatchLayout:
             )
             statics.append(None)
             offset += words
-            if tokens is None and value.dtype in _INTEGER_DTYPES:
-                tokens = value.numel()
         if offset == 0:
             raise ValueError("the ZKDV Torch transaction batch holds only empty tensors")
-        return cls(spec, rows, offset, tuple(leaves), tuple(statics), tokens or rows)
+        tokens = count_tokens([(t.shape, t.dtype) for t in tensors], token_unit)
+        return cls(spec, rows, offset, tuple(leaves), tuple(statics), tokens)
 
     def to_dict(self) -> dict[str, Any]:
         return {
