@@ -7,11 +7,13 @@ Sphinx roles the way agent/src does.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -109,3 +111,33 @@ def test_a_broken_link_fails_the_build(tmp_path: Path, link: str, warning: str) 
     status, output, _ = build(tmp_path, page=f"See {link}.")
     assert status != 0
     assert warning in output
+
+
+def _check_markdown() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "check_markdown", REPO_ROOT / "scripts" / "check_markdown.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_text_after_a_closing_fence_and_headings_in_code_are_found() -> None:
+    # docs/quickstart-trainers.md as it was: its JAX section rendered as shell.
+    page = (
+        "## 2. Register\n\n```sh\npython digits.py --dataset-commitment\n``` The web UI and\n"
+        "`create_experiment` do the same.\n\n## 3. JAX\n\n```python\nimport zkdv\n```\n"
+    )
+    found = _check_markdown().problems(page)
+    assert [line for line, _ in found] == [5, 8, 10]
+    assert "does not close here" in found[0][1] and "opened at line 3" in found[0][1]
+    assert "heading inside the code block" in found[1][1]
+    assert _check_markdown().problems("```sh\nls\n```\n\n## Fine\n\n~~~\n```\n~~~\n") == []
+    assert _check_markdown().problems("text\n\n```sh\nls\n") == [
+        (3, "this code block never closes")
+    ]
+
+
+def test_the_repository_s_pages_close_every_fence() -> None:
+    assert _check_markdown().main([]) == 0

@@ -88,6 +88,13 @@ def sign_in(page: Any, username: str) -> None:
     page.wait_for_url("**/")
 
 
+def confirm_password(page: Any) -> None:
+    """On ``/keys/``: confirm the password (sudo mode), after which the create form shows."""
+    page.fill("#id_password", PASSWORD)
+    page.click("button:has-text('Confirm password')")
+    page.locator("#sudo-mode").wait_for()
+
+
 def upload_transcript(base_url: str, key: str, experiment: str, tmp_path: Path) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {key}"}
     with httpx.Client(base_url=base_url, headers=headers, timeout=30) as client:
@@ -154,8 +161,9 @@ def test_trainer_journey(
     page.wait_for_url("**/experiments/acme/browser-run/")
     assert "acme/browser-run" in page.locator("h1").inner_text()
 
-    # Create an API key: shown once.
+    # Create an API key: the password first (sudo mode), then the key, shown once.
     page.click("nav >> text=API keys")
+    confirm_password(page)
     page.fill("#id_name", "training-cluster")
     page.click("button:has-text('Create key')")
     key = page.locator("#new-key").input_value()
@@ -235,6 +243,7 @@ def test_confirmations_still_guard_destructive_buttons(page: Any, world: World) 
     page.on("dialog", answer)
     sign_in(page, "alice")
     page.goto("/keys/")
+    confirm_password(page)
     page.fill("#id_name", "laptop")
     page.click("button:has-text('Create key')")
     page.locator("#new-key").click()  # selects the key for copying (data-select-on-focus)
@@ -345,3 +354,97 @@ def test_api_docs_are_served_locally(page: Any, live_server: Any) -> None:
     assert "/static/drf_spectacular_sidecar/" in page.content()
     assert external == []
     shot(page, "12-api-docs", full_page=False)
+
+
+#: Every visible control a user clicks or types into, checked two ways: no two overlap
+#: by more than a pixel (one inside the other, as an input in its label, aside), and
+#: nothing covers it (scrolled into view, the element at its centre is the control).
+OVERLAPS = """
+() => {
+  const selector = 'a[href], button, input:not([type=hidden]), select, textarea, summary, [role=button]';
+  const controls = [...document.querySelectorAll(selector)].filter((element) => {
+    const style = getComputedStyle(element);
+    const box = element.getBoundingClientRect();
+    return style.visibility !== 'hidden' && style.display !== 'none' && box.width > 0 && box.height > 0;
+  });
+  const name = (element) => {
+    const text = (element.innerText || element.value || element.name || element.id || element.className || '').toString().trim();
+    return `${element.tagName.toLowerCase()} "${text.slice(0, 30)}"`;
+  };
+  const found = [];
+  for (let i = 0; i < controls.length; i++) {
+    for (let j = i + 1; j < controls.length; j++) {
+      const a = controls[i], b = controls[j];
+      if (a.contains(b) || b.contains(a)) continue;
+      const p = a.getBoundingClientRect(), q = b.getBoundingClientRect();
+      const width = Math.min(p.right, q.right) - Math.max(p.left, q.left);
+      const height = Math.min(p.bottom, q.bottom) - Math.max(p.top, q.top);
+      if (width > 1 && height > 1) found.push(`${name(a)} and ${name(b)} overlap (${Math.round(width)} x ${Math.round(height)} px)`);
+    }
+  }
+  for (const control of controls) {
+    control.scrollIntoView({block: 'center', inline: 'center'});
+    const box = control.getBoundingClientRect();
+    const top = document.elementFromPoint(box.left + box.width / 2, box.top + box.height / 2);
+    const label = top && top.tagName === 'LABEL' && top.control === control;
+    if (top && top !== control && !control.contains(top) && !label) {
+      found.push(`${name(control)} is covered by ${name(top)}`);
+    }
+  }
+  window.scrollTo(0, 0);
+  return found;
+}
+"""
+
+
+@pytest.mark.parametrize("width", [1280, 1600])
+def test_no_clickable_control_lies_over_another(
+    chromium: Any, live_server: Any, world: World, width: int
+) -> None:
+    """The guides' browser steps at common laptop and desktop widths: register an
+    experiment, create and revoke keys; no control covers another on any page."""
+    context = chromium.new_context(
+        viewport={"width": width, "height": 900}, base_url=live_server.url
+    )
+    page = context.new_page()
+    page.set_default_timeout(15_000)
+    page.on("dialog", lambda dialog: dialog.accept())
+
+    def check(where: str) -> None:
+        assert page.evaluate(OVERLAPS) == [], f"{where} at {width} px"
+
+    try:
+        sign_in(page, "alice")
+        page.goto("/experiments/new/")
+        check("/experiments/new/")
+        page.fill("#id_name", f"wide-{width}")
+        page.check("input[name=framework][value=jax]")
+        page.fill("#id_model_description", "a classifier")
+        page.fill("#id_optimizer", "adam")
+        page.fill("#id_dataset_commitment", "ab" * 32)
+        page.click("button:has-text('Register experiment')")
+        page.wait_for_url(f"**/experiments/acme/wide-{width}/")
+        check("/experiments/acme/<name>/")
+        page.goto("/keys/")
+        check("/keys/ (confirm password)")
+        confirm_password(page)
+        for name in ("laptop", "training-cluster-with-a-long-name"):
+            page.fill("#id_name", name)
+            page.click("button:has-text('Create key')")
+            page.locator("#new-key").wait_for()
+            # A key in use: its "last used" column shows a date and time.
+            key = page.locator("#new-key").input_value()
+            httpx.get(
+                f"{live_server.url}/api/v1/me/", headers={"Authorization": f"Bearer {key}"}
+            ).raise_for_status()
+        page.goto("/keys/")
+        check("/keys/ (keys listed)")
+        shot(page, f"13-api-keys-{width}")
+        page.click("form[data-confirm] button:has-text('Revoke')")
+        page.locator("text=Revoked").first.wait_for()
+        check("/keys/ (after revoking)")
+        for path in ["/", "/experiments/", f"/proofs/{world.proof.pk}/", "/audit/", "/orgs/acme/"]:
+            page.goto(path)
+            check(path)
+    finally:
+        context.close()
