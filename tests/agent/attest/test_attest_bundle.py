@@ -282,8 +282,11 @@ def test_the_local_transcript_must_match_the_subject(
     assert (result.ok, result.reason) == (False, "subject_mismatch")
     assert "does not verify" in (result.message or "")
 
+    # A path that names nothing is the command's mistake, said as such, not a mismatch.
     result = _verify(bundle, trust_root_v1, transcript_path=tmp_path / "absent")
-    assert (result.ok, result.reason) == (False, "subject_mismatch")
+    assert (result.ok, result.reason) == (False, "malformed")
+    assert "cannot read transcript" in (result.message or "")
+    assert "no such file or directory" in (result.message or "")
 
 
 # --- a flipped bit anywhere -------------------------------------------------------------

@@ -273,7 +273,12 @@ def _transcript_digest(path: str | os.PathLike[str]) -> str:
 
     location = Path(path)
     if not location.exists():
-        raise SubjectMismatchError(f"transcript {location} does not exist")
+        # A path that names nothing is a mistake in the command, not a file that differs
+        # from the certificate's: malformed, as for a bundle that cannot be read.
+        raise MalformedInputError(
+            f"cannot read transcript {location}: no such file or directory (give the "
+            "proof directory or its records.cborl)"
+        )
     folder = location if location.is_dir() else location.parent
     records = location / RECORDS_FILE if location.is_dir() else location
     # Probe continuity needs probes.bin; an auditor may hold only the records.
@@ -319,7 +324,10 @@ def _check_model(certificate: TrainingCertificate, path: str | os.PathLike[str])
     """
     location = Path(path)
     if not location.exists():
-        raise SubjectMismatchError(f"model {location} does not exist")
+        raise MalformedInputError(
+            f"cannot read model {location}: no such file or directory (give the model "
+            "folder or its .safetensors file)"
+        )
     folder = location if location.is_dir() else location.parent
     files = (
         sorted(p for p in location.iterdir() if p.suffix == ".safetensors")
