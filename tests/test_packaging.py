@@ -233,7 +233,7 @@ def test_bootstrap_installs_both_distributions_through_the_lock() -> None:
     script = (REPO_ROOT / "scripts" / "bootstrap").read_text()
     assert "-c constraints.txt" in script
     assert "-e './agent/zkdv[jax,torch,hf]'" in script
-    assert "-e './agent/dvbench[jax,torch,hf,signing]'" in script
+    assert "-e './agent/dvbench[jax,torch,hf,signing,examples]'" in script
     # The stamp must change when either agent project does.
     assert "agent/zkdv/pyproject.toml agent/dvbench/pyproject.toml" in script
 
