@@ -455,8 +455,11 @@ class Flow:
         # The auditor's download, with the CLI: the bundle and the trust root to pin.
         # Run in the report folder with relative names: the line shown can be pasted.
         sigstore = folder / "certificate.sigstore.json"
+        # The same trust root in Sigstore's format, for Sigstore's own verifiers.
+        trusted = folder / "trusted_root.json"
         command: tuple[str, ...] = ("download-report", str(proof), "-o", bundle.name)
         command += ("--trust-root-out", trust_root.name, "--sigstore-out", sigstore.name)
+        command += ("--trusted-root-out", trusted.name)
         downloaded = subprocess.run(
             _dvbench(*command),
             cwd=folder,
@@ -477,7 +480,12 @@ class Flow:
             raise StepFailedError(f"dvbench download-report: {output}")
         self.steps.note(f"$ cd {folder} && dvbench {' '.join(command)}")
         self.outcome.files.update(
-            {"bundle": bundle, "trust root": trust_root, "sigstore": sigstore}
+            {
+                "bundle": bundle,
+                "trust root": trust_root,
+                "sigstore": sigstore,
+                "trusted root": trusted,
+            }
         )
         if (folder / "model" / "model.safetensors").is_file():
             self.outcome.files["model"] = folder / "model" / "model.safetensors"
@@ -540,8 +548,9 @@ class Flow:
         if "sigstore" not in files or "model" not in files:
             return
         model = files["model"].parent.relative_to(folder)
+        # With the Sigstore trusted root, which also names the timestamp authority.
         sigstore: tuple[str, ...] = ("verify-report", files["sigstore"].name, "--trust-root")
-        sigstore += (files["trust root"].name, "--model", str(model))
+        sigstore += (files["trusted root"].name, "--model", str(model))
         signature: tuple[str, ...] = ("verify", "key", str(model / "model.safetensors"))
         signature += ("--signature",)
         signature += (str(model / "model.sig"), "--public_key", str(model / "model-signing.pub"))

@@ -5,6 +5,7 @@ Mounted under ``/api/v1/`` before the catch-all; a trailing slash is optional.
 ======  ===============================================  =================================
 GET     trust-root/ (?version=)                          the trust root (public)
 GET     trust-root/versions/                             every version and digest (public)
+GET     trusted-root/                                    Sigstore TrustedRoot v0.1 (public)
 GET     log/checkpoint/                                  latest signed checkpoint (public)
 GET     log/verifier-key/                                signed-note verifier keys (public)
 GET     log/entries/{index}/                             one entry's envelope (its readers)
@@ -30,6 +31,7 @@ urlpatterns: list[URLPattern] = [
         views.TrustRootVersionList.as_view(),
         name="trust-root-versions",
     ),
+    re_path(r"^trusted-root/?$", views.TrustedRootView.as_view(), name="trusted-root"),
     re_path(r"^log/checkpoint/?$", views.LogCheckpointView.as_view(), name="log-checkpoint"),
     re_path(r"^log/verifier-key/?$", views.LogVerifierKeyView.as_view(), name="log-verifier-key"),
     re_path(

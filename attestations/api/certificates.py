@@ -338,6 +338,31 @@ class TrustRootView(APIView):
         return response
 
 
+class TrustedRootView(APIView):
+    """The trust root in Sigstore's format (TrustedRoot v0.1): for Sigstore's verifiers."""
+
+    permission_classes = [AllowAny]
+    authentication_classes: list[type[Any]] = []
+
+    @extend_schema(
+        responses={200: OpenApiTypes.OBJECT},
+        description="The platform's trust root as a Sigstore TrustedRoot v0.1 "
+        "(`application/vnd.dev.sigstore.trustedroot+json;version=0.1`): every signing key as "
+        "a key of the transparency log, with its validity window (a rotation closes it), log "
+        "id = the signed-note key id its checkpoints use, and the RFC 3161 timestamp "
+        "authority's certificate chain. `@sigstore/verify` verifies the Sigstore bundles "
+        "(`proofs/ID/sigstore-bundle/`) against it, and `dvbench verify-report --trust-root` "
+        "reads it. Public: it holds public keys and certificates only.",
+    )
+    def get(self, request: Request) -> HttpResponse:
+        try:
+            document = certificates.trusted_root()
+        except KeyConfigurationError as error:
+            raise SigningUnavailableError(error.message) from None
+        body = json.dumps(document, indent=2, sort_keys=True) + "\n"
+        return HttpResponse(body, content_type="application/json")
+
+
 class TrustRootVersionSerializer(serializers.Serializer[TrustRootVersion]):
     version = serializers.IntegerField()
     digest = serializers.CharField(help_text="hex SHA-256 of the document's canonical JSON")

@@ -9,8 +9,9 @@ What lives where:
 * :class:`TrustRootVersion`: every published trust root document, verbatim. A bundle
   carries the version a certificate was signed under, so old versions are kept.
 * :class:`LogEntry` and :class:`LogCheckpoint`: the RFC 9162 Merkle log of issued
-  certificates and its signed checkpoints. A leaf is the canonical JSON of a
-  certificate's DSSE envelope, so the envelope is stored exactly once, here.
+  certificates and its signed checkpoints. A leaf is the Rekor ``dsse`` entry of a
+  certificate's DSSE envelope (before that kind: the envelope's canonical JSON), and
+  the envelope is stored beside it, once, here.
 * :class:`Certificate`: one per proof (a unique constraint, so a retried task can never
   issue twice), with the searchable facts a regulator filters on.
 
@@ -32,7 +33,7 @@ from django.utils import timezone
 from attestations.core.conf import api_datetime
 from attestations.core.db import AppendOnlyModel, AppendOnlyQuerySet
 from attestations.core.validators import sha256_validator
-from dvbench.attest import Envelope, TrustRoot
+from dvbench.attest import Envelope, TrustRoot, entry_kind
 
 __all__ = [
     "Certificate",
@@ -101,9 +102,15 @@ class TrustRootVersion(AppendOnlyModel):
 class LogEntry(AppendOnlyModel):
     """Leaf ``index`` of the transparency log.
 
-    ``leaf`` is the RFC 9162 leaf input: the canonical JSON of a certificate envelope.
-    ``leaf_hash`` is ``SHA-256(0x00 || leaf)``, stored so proofs need no re-hashing;
-    ``verify_log`` recomputes it from ``leaf`` to detect an altered row.
+    ``leaf`` is the RFC 9162 leaf input: the canonicalized body of a Rekor ``dsse``
+    entry for the certificate's envelope (``dvbench.attest._rekor``), or, for entries
+    logged before that kind, the canonical JSON of the envelope itself.
+    ``envelope_json`` is the envelope's canonical JSON (empty for those older entries,
+    whose leaf is the envelope); ``inclusion_promise`` the log's signed entry timestamp
+    and ``rfc3161_timestamp`` the platform timestamp authority's response over the
+    envelope's signature (base64; both empty for older entries). ``leaf_hash`` is ``SHA-256(0x00 || leaf)``,
+    stored so proofs need no re-hashing; ``verify_log`` recomputes it, and the leaf from
+    the envelope, to detect an altered row.
     """
 
     objects: ClassVar[AppendOnlyQuerySet[LogEntry]] = AppendOnlyQuerySet.as_manager()  # type: ignore[assignment]
@@ -111,6 +118,9 @@ class LogEntry(AppendOnlyModel):
     index = models.PositiveBigIntegerField(unique=True)
     leaf = models.TextField()
     leaf_hash = models.CharField(max_length=64, validators=[sha256_validator])
+    envelope_json = models.TextField(blank=True, default="")
+    inclusion_promise = models.TextField(blank=True, default="")
+    rfc3161_timestamp = models.TextField(blank=True, default="")
     created = models.DateTimeField(default=timezone.now)
 
     class Meta:
@@ -124,8 +134,13 @@ class LogEntry(AppendOnlyModel):
     @property
     def envelope(self) -> Envelope:
         """The certificate's DSSE envelope, as distributed."""
-        value: Envelope = json.loads(self.leaf)
+        value: Envelope = json.loads(self.envelope_json or self.leaf)
         return value
+
+    @property
+    def kind(self) -> dict[str, str]:
+        """The entry's kind (``{"kind", "version"}``), as a Sigstore bundle names it."""
+        return entry_kind(self.leaf.encode("utf-8"))
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -21,6 +21,7 @@ is signed at every append, so every tree size has one.
 
 from __future__ import annotations
 
+import base64
 import importlib.metadata
 import json
 import logging
@@ -57,7 +58,9 @@ from attestations.certificates.subjects import (
     guarantee_claim,
     model_claim,
     threshold_claim,
+    weights_sha256,
 )
+from attestations.certificates.tsa import Authority, load_authority
 from attestations.challenges.models import Challenge
 from attestations.core.validators import SHA256_HEX
 from attestations.proofs.models import Proof, ProofStatus
@@ -81,15 +84,21 @@ from dvbench.attest import (
     TrainingCertificate,
     TrustedKey,
     TrustRoot,
-    envelope_leaf,
+    canonical_json,
+    dsse_entry_body,
+    entry_body,
     format_time,
+    inclusion_promise_payload,
+    key_ids,
     leaf_hash,
     load_signing_key,
     make_bundle,
     make_sigstore_bundle,
+    note_key_id,
     note_verifier_key,
     sign_certificate,
     sign_checkpoint,
+    sigstore_trusted_root,
     to_seconds,
     verify_certificate,
     verify_checkpoint,
@@ -114,6 +123,8 @@ __all__ = [
     "rotate_key",
     "signing_key",
     "sigstore_bundle_for",
+    "timestamp_authority",
+    "trusted_root",
     "verifier_keys",
     "verify_log",
 ]
@@ -267,6 +278,24 @@ def _trusted(row: PlatformKey) -> TrustedKey:
     )
 
 
+def _key_row(keyid: str) -> PlatformKey:
+    """The key named by either of its ids (``dvbench.attest.key_ids``).
+
+    Keys registered before key ids followed securesystemslib's are stored under their
+    SubjectPublicKeyInfo id; what they sign since names them by the new one.
+
+    Raises:
+        PlatformKey.DoesNotExist: no stored key has that id.
+    """
+    row = PlatformKey.objects.filter(keyid=keyid).first()
+    if row is not None:
+        return row
+    for row in PlatformKey.objects.all():
+        if keyid in key_ids(_trusted(row).public_key):
+            return row
+    raise PlatformKey.DoesNotExist(f"no signing key has id {keyid}")
+
+
 def _publish(root: TrustRoot) -> TrustRootVersion:
     return TrustRootVersion.objects.create(
         version=root.version, document=root.to_json().decode("utf-8"), digest=root.digest()
@@ -293,7 +322,7 @@ def _ensure_current(key: SigningKey, source: str) -> TrustRootVersion:
     Raises:
         KeyConfigurationError: the key is retired or was never added by a rotation.
     """
-    row = PlatformKey.objects.filter(keyid=key.keyid).first()
+    row = PlatformKey.objects.filter(keyid__in=key_ids(key.public_key)).first()
     root = _latest_root_row()
     if row is None:
         if root is None and not PlatformKey.objects.exists():
@@ -415,7 +444,7 @@ def _stage_key(key: SigningKey) -> Path:
 
 def _rotate_rows(incoming: SigningKey, source: str) -> Rotation:
     root_row = _latest_root_row()
-    if PlatformKey.objects.filter(keyid=incoming.keyid).exists():
+    if PlatformKey.objects.filter(keyid__in=key_ids(incoming.public_key)).exists():
         raise KeyConfigurationError(
             f"key {incoming.keyid} is already in the trust root: put a new key into "
             "DVBENCH_SIGNING_KEY_FILE / DVBENCH_SIGNING_KEY first"
@@ -691,12 +720,35 @@ def _issue(proof: Proof) -> Certificate:
         trust_root_digest=root_row.digest,
         experiment=proof.experiment.full_name,
         extra_subjects=file_subjects(proof, model),
+        transcript_sha256=proof.transcript.sha256,
+        parameters_sha256=weights_sha256(model),
         filings=_filings(proof),
     )
     envelope = sign_certificate(certificate, key)
-    leaf = envelope_leaf(envelope)
+    # The leaf is the Rekor dsse entry of the envelope (dvbench.attest._rekor); the
+    # envelope itself is stored beside it, and the log's signed entry timestamp makes
+    # the checkpoint's time (integratedTime) a signed time of this very entry.
+    leaf = dsse_entry_body(envelope, key.public_key)
     hashed = leaf_hash(leaf)
-    entry = LogEntry.objects.create(index=index, leaf=leaf.decode("utf-8"), leaf_hash=hashed.hex())
+    promise = key.sign(
+        inclusion_promise_payload(
+            leaf,
+            integrated_time=int(moment.timestamp()),
+            log_index=index,
+            log_id=note_key_id(origin, key.public_key),
+        )
+    )
+    stamped = timestamp_authority().stamp(
+        base64.b64decode(envelope["signatures"][0]["sig"]), moment
+    )
+    entry = LogEntry.objects.create(
+        index=index,
+        leaf=leaf.decode("utf-8"),
+        leaf_hash=hashed.hex(),
+        envelope_json=canonical_json(envelope).decode("utf-8"),
+        inclusion_promise=base64.b64encode(promise).decode("ascii"),
+        rfc3161_timestamp=base64.b64encode(stamped).decode("ascii"),
+    )
     with _TREE.lock:
         tree = _TREE.synced()
         if tree.size != index + 1:
@@ -822,13 +874,38 @@ def sigstore_bundle_for(certificate: Certificate) -> dict[str, Any]:
         LogCorruptError: the stored checkpoint's root is not the stored leaves' root.
     """
     checkpoint, path = _log_proof(certificate)
-    row = PlatformKey.objects.get(keyid=checkpoint.keyid)
+    row = _key_row(checkpoint.keyid)
+    entry = certificate.log_entry
+    promise = entry.inclusion_promise
     return make_sigstore_bundle(
         certificate.envelope,
         log_index=certificate.log_index,
         inclusion_proof=path,
         checkpoint=checkpoint.note,
         public_key=_trusted(row).public_key,
+        kind=entry.kind,
+        inclusion_promise=base64.b64decode(promise) if promise else None,
+        timestamps=[base64.b64decode(entry.rfc3161_timestamp)] if entry.rfc3161_timestamp else [],
+        hint=certificate.envelope["signatures"][0]["keyid"],
+    )
+
+
+def timestamp_authority() -> Authority:
+    """The platform's RFC 3161 timestamp authority (``keys/tsa.pem``, made on first use)."""
+    return load_authority(keys_dir())
+
+
+def trusted_root() -> dict[str, Any]:
+    """The trust root as a Sigstore TrustedRoot v0.1 (``dvbench.attest._trusted_root``).
+
+    The latest published trust root's keys (as the log's keys, with their windows, which
+    a rotation updates) and the timestamp authority.
+    """
+    root = current_trust_root().trust_root()
+    return sigstore_trusted_root(
+        root,
+        log_origin=log_origin(),
+        timestamp_authorities=[timestamp_authority().descriptor()],
     )
 
 
@@ -880,6 +957,7 @@ def bundle_for(certificate: Certificate) -> dict[str, Any]:
         checkpoint=checkpoint.note,
         tree_size=size,
         trust_root=root,
+        kind=certificate.log_entry.kind,
     )
 
 
@@ -904,8 +982,10 @@ def verify_log() -> LogReport:
     """Recompute every leaf, certificate and checkpoint from the stored rows.
 
     Checks: trust root versions parse and hash to their stored digest; every entry's
-    stored leaf hash is the hash of its stored envelope, the envelope verifies under the
-    latest trust root and names its own index and this log's origin, and its
+    stored leaf hash is the hash of its stored leaf, the envelope verifies under the
+    latest trust root and names its own index and this log's origin, the leaf is the
+    entry of its kind recomputed from the envelope, its signed entry timestamp (if any)
+    verifies, and its
     certificate row repeats the signed facts; every checkpoint verifies and its root is
     the root recomputed from the envelopes at its size. Never raises for bad rows.
     """
@@ -940,7 +1020,7 @@ def verify_log() -> LogReport:
         if recomputed.hex() != entry.leaf_hash:
             report.problems.append(
                 f"log entry {entry.index}: the stored leaf hash {entry.leaf_hash} is not the "
-                f"hash of the stored envelope ({recomputed.hex()}); the row was altered"
+                f"hash of the stored leaf ({recomputed.hex()}); the row was altered"
             )
         tree.append(recomputed)
         _check_entry(entry, certificates.get(entry.pk), trust_root, origin, report)
@@ -985,6 +1065,7 @@ def _check_entry(
             f"{where}: the certificate names entry {certificate.log.index} of "
             f"{certificate.log.origin!r}"
         )
+    _check_leaf(entry, trust_root, certificate.issued_at, where, report)
     if row is None:
         report.problems.append(f"{where}: no certificate row refers to it")
         return
@@ -1008,6 +1089,37 @@ def _check_entry(
                 f"{where}: certificate {row.pk} has {name}={stored!r}, the signed certificate "
                 f"says {value!r}; the row was altered"
             )
+
+
+def _check_leaf(
+    entry: LogEntry, trust_root: TrustRoot, issued: datetime, where: str, report: LogReport
+) -> None:
+    # The leaf must be the entry of its kind recomputed from the envelope (a dsse body
+    # names the envelope's hashes and key), and a dsse entry's signed entry timestamp
+    # must verify over it.
+    envelope = entry.envelope
+    key = trust_root.key(envelope["signatures"][0]["keyid"])
+    if entry_body(entry.kind, envelope, key.public_key).decode("utf-8") != entry.leaf:
+        report.problems.append(
+            f"{where}: the stored leaf is not the {entry.kind['kind']} entry of the stored "
+            "envelope; the row was altered"
+        )
+        return
+    if not entry.inclusion_promise:
+        return  # entries logged before signed entry timestamps existed
+    try:
+        key.verify(
+            base64.b64decode(entry.inclusion_promise),
+            inclusion_promise_payload(
+                entry.leaf.encode("utf-8"),
+                integrated_time=int(issued.timestamp()),
+                log_index=entry.index,
+                log_id=note_key_id(log_origin(), key.public_key),
+            ),
+            "signed entry timestamp",
+        )
+    except AttestationError as error:
+        report.problems.append(f"{where}: {error.message}")
 
 
 def _check_checkpoint(

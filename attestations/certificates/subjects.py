@@ -66,6 +66,7 @@ __all__ = [
     "model_names",
     "threshold_claim",
     "thresholds",
+    "weights_sha256",
 ]
 
 CLAIM_MODEL: Final = "final_model"
@@ -209,6 +210,17 @@ def model_claim(check: ModelCheck) -> Claim | None:
 
 
 # --- subjects ---------------------------------------------------------------------------
+
+
+def weights_sha256(check: ModelCheck) -> str | None:
+    """The SHA-256 of the final model's weights file, when there is exactly one.
+
+    It goes into the ``zkdv/final-parameters`` subject beside the state root: the bytes
+    an auditor holds for those parameters. Sharded weights have no one file to name.
+    """
+    if check.problem is None and len(check.files) == 1:
+        return str(check.files[0]["sha256"])
+    return None
 
 
 def file_subjects(proof: Proof, check: ModelCheck) -> tuple[Subject, ...]:

@@ -13,11 +13,13 @@ from django.db.migrations.executor import MigrationExecutor
 
 from attestations.certificates import services as certificates
 from attestations.certificates.models import Certificate
+from dvbench.attest import LEGACY_KIND, canonical_json
 from tests.attestations.base import World
 from tests.attestations.certificate_helpers import certify
 
 BEFORE = [("certificates", "0002_initial")]
-AFTER = [("certificates", "0003_certificate_tokens")]
+# Forward through 0003 (the backfill) to the latest, whose columns the models read.
+AFTER = [("certificates", "0004_log_entry_dsse")]
 
 
 def _migrate(targets: list[tuple[str, str]]) -> None:
@@ -27,8 +29,14 @@ def _migrate(targets: list[tuple[str, str]]) -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_backfill_reads_the_signed_claim(world: World) -> None:
+def test_the_backfill_reads_the_signed_claim(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Certificates signed before this column existed were logged before the dsse entry
+    # kind too: their leaf is the envelope's canonical JSON, which the backfill reads.
+    monkeypatch.setattr(
+        certificates, "dsse_entry_body", lambda envelope, key: canonical_json(envelope)
+    )
     certificate = certify(world.proof)
+    assert certificate.log_entry.kind == LEGACY_KIND
     signed = certificate.claim_value("tokens")
     assert isinstance(signed, int) and signed > 0
     _migrate(BEFORE)

@@ -42,6 +42,7 @@ from dvbench.attest import (
     TrainingCertificate,
     TrustRoot,
     sign_certificate,
+    spki_key_id,
     verify_bundle,
     verify_certificate,
 )
@@ -295,6 +296,50 @@ def test_rotation_starts_a_new_key_and_old_certificates_still_verify(world: Worl
     assert report.ok and report.trust_roots == 2, report.problems
 
 
+def test_a_key_registered_under_its_old_spki_id_keeps_signing(
+    world: World, api: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A platform whose key, trust root and certificates predate securesystemslib key ids."""
+    import dvbench.attest._keys as keys
+
+    with monkeypatch.context() as old_world:
+        old_world.setattr(keys, "key_id", keys.spki_key_id)
+        old = certify(world.proof)
+    assert old.keyid == spki_key_id(
+        load_pem_public_key(PlatformKey.objects.get().public_key.encode())
+    )  # type: ignore[arg-type]
+    assert _trust_root().keys[0].keyid == old.keyid
+    # Now: the same key signs under its securesystemslib id; nothing was re-registered.
+    new = certify(new_proof(world.experiment, seed=1))
+    assert new.keyid != old.keyid and PlatformKey.objects.count() == 1
+    assert new.keyid == SSlibKey.from_crypto(_trust_root().keys[0].public_key).keyid
+    root = _trust_root()
+    for certificate in (old, new):
+        assert verify_bundle(certificates.bundle_for(certificate), root).ok
+        assert verify_bundle(certificates.sigstore_bundle_for(certificate), root).ok
+    trusted = TrustRoot.from_json(api(None).get("/api/v1/trusted-root/").content)
+    assert verify_bundle(certificates.sigstore_bundle_for(new), trusted).ok
+    assert certificates.verify_log().problems == []
+    rotation = certificates.rotate_key()
+    assert rotation.old_keyid == old.keyid
+    assert certificates.verify_log().problems == []
+
+
+def test_rotation_closes_the_keys_window_in_the_sigstore_trusted_root(
+    world: World, api: Any
+) -> None:
+    certify(world.proof)
+    before = api(None).get("/api/v1/trusted-root/").json()
+    assert [set(t["publicKey"]["validFor"]) for t in before["tlogs"]] == [{"start"}]
+    rotation = certificates.rotate_key()
+    after = api(None).get("/api/v1/trusted-root/").json()
+    windows = [t["publicKey"]["validFor"] for t in after["tlogs"]]
+    at = rotation.at.strftime("%Y-%m-%dT%H:%M:%SZ")
+    assert windows == [{"start": windows[0]["start"], "end": at}, {"start": at}]
+    # The timestamp authority does not rotate with the signing key.
+    assert after["timestampAuthorities"] == before["timestampAuthorities"]
+
+
 def test_a_bundle_is_the_same_at_every_download(world: World) -> None:
     first = certify(world.proof)
     before = certificates.bundle_for(first)
@@ -334,7 +379,11 @@ def test_the_retired_private_key_is_deleted_on_rotation(world: World) -> None:
     after = SigningKey.from_file(path)
     assert after.keyid == rotation.new_keyid != before
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert sorted(p.name for p in certificates.keys_dir().iterdir()) == ["signing-key.pem"]
+    # The timestamp authority (tsa.pem) is not a signing key and does not rotate with it.
+    assert sorted(p.name for p in certificates.keys_dir().iterdir()) == [
+        "signing-key.pem",
+        "tsa.pem",
+    ]
     assert before not in path.read_text()
 
 

@@ -57,11 +57,17 @@ def test_download_report_then_verify_report_offline(
                 str(bundle),
                 "--trust-root-out",
                 str(trust_root),
+                "--sigstore-out",
+                str(tmp_path / "certificate.sigstore.json"),
+                "--trusted-root-out",
+                str(tmp_path / "trusted_root.json"),
             ]
         )
         == 0
     )
-    assert f"saved the report bundle of proof {certificate.proof_id}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"saved the report bundle of proof {certificate.proof_id}" in out
+    assert "in Sigstore's format to" in out
 
     # Offline from here on: the platform is no longer asked anything.
     monkeypatch.setenv("DVBENCH_BASE_URL", "http://127.0.0.1:9")
@@ -69,6 +75,12 @@ def test_download_report_then_verify_report_offline(
     out = capsys.readouterr().out
     assert out.startswith("verified: certificate PASSED")
     assert f"log entry {certificate.log_index} of dvbench.localhost/log" in out
+
+    # The Sigstore bundle with the Sigstore trusted root: one trust root file, the
+    # timestamp authority's token checked too.
+    sigstore = ["verify-report", str(tmp_path / "certificate.sigstore.json")]
+    assert main([*sigstore, "--trust-root", str(tmp_path / "trusted_root.json")]) == 0
+    assert capsys.readouterr().out.startswith("verified: certificate PASSED")
 
     # One changed character of the claims, re-encoded as valid JSON, is refused too.
     document = json.loads(bundle.read_text())
@@ -111,3 +123,58 @@ def test_every_flipped_bit_of_a_downloaded_bundle_fails_verification(
             if verify_bundle(bytes(flipped), root).ok:
                 accepted.append((position, bit))
     assert accepted == [], [data[p - 20 : p + 20] for p, _ in accepted[:5]]
+
+
+def test_the_sigstore_bundle_verifies_with_standard_tools(
+    world: World, api: Any, tmp_path: Path
+) -> None:
+    """The platform's own output, checked by Sigstore's verifiers (no DVBench code)."""
+    import base64
+    import copy
+    import shutil
+    import subprocess
+
+    from cryptography.hazmat.primitives.serialization import load_pem_public_key
+    from securesystemslib.dsse import Envelope
+    from securesystemslib.signer import SSlibKey  # type: ignore[attr-defined]
+
+    certificate = certify(world.proof)
+    bundle = api("bob").get(f"/api/v1/proofs/{certificate.proof_id}/sigstore-bundle/").json()
+    response = api(None).get("/api/v1/trusted-root/")  # public, like trust-root/
+    assert response.status_code == 200
+    document = response.json()
+    assert document["mediaType"] == "application/vnd.dev.sigstore.trustedroot+json;version=0.1"
+    assert len(document["tlogs"]) == 1 and len(document["timestampAuthorities"]) == 1
+    entry = bundle["verificationMaterial"]["tlogEntries"][0]
+    assert entry["kindVersion"] == {"kind": "dsse", "version": "0.0.1"}
+    assert "inclusionPromise" in entry
+    assert bundle["verificationMaterial"]["timestampVerificationData"]["rfc3161Timestamps"]
+
+    # securesystemslib, with the key as SSlibKey.from_crypto derives it (no key id by hand).
+    pem = json.loads(api(None).get("/api/v1/trust-root/").content)["keys"][-1]["public_key"]
+    verifier = SSlibKey.from_crypto(load_pem_public_key(pem.encode()))
+    assert verifier.keyid == certificate.keyid
+    assert Envelope.from_dict(copy.deepcopy(bundle["dsseEnvelope"])).verify([verifier], 1)
+
+    # Ours, with the Sigstore trusted root as the one trust root file.
+    assert verify_bundle(bundle, TrustRoot.from_json(json.dumps(document))).ok
+
+    # @sigstore/verify (npm's verifier) with its default policy.
+    node = shutil.which("node")
+    verify_js = Path(__file__).resolve().parents[1] / "sigstore_js" / "verify.js"
+    if node is None or not (verify_js.parent / "node_modules" / "@sigstore" / "verify").is_dir():
+        pytest.skip(
+            "Sigstore's JavaScript verifier is not installed (node, npm ci in tests/sigstore_js)"
+        )
+    (tmp_path / "b.json").write_text(json.dumps(bundle))
+    (tmp_path / "r.json").write_text(json.dumps(document))
+    command = [node, str(verify_js), "b.json", "r.json"]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, check=False)
+    assert (done.returncode, done.stdout.strip()) == (0, "verified"), done
+    envelope = bundle["dsseEnvelope"]
+    payload = bytearray(base64.b64decode(envelope["payload"]))
+    payload[-3] ^= 1
+    envelope["payload"] = base64.b64encode(bytes(payload)).decode()
+    (tmp_path / "b.json").write_text(json.dumps(bundle))
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, check=False)
+    assert done.returncode == 1 and done.stdout.startswith("TLOG_BODY_ERROR"), done

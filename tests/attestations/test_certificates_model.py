@@ -52,7 +52,13 @@ def test_the_certificate_binds_the_transcript_file_by_sha256(world: World) -> No
     subjects = {subject["name"]: subject["digest"] for subject in statement["subject"]}
     world.proof.refresh_from_db()
     assert subjects["records.cborl"] == {"sha256": world.proof.transcript.sha256}
-    assert subjects["zkdv/transcript"] == {"zkdv-transcript": world.proof.transcript_digest}
+    # Every subject whose bytes the auditor holds carries a sha256 beside its custom digest.
+    assert subjects["zkdv/transcript"] == {
+        "zkdv-transcript": world.proof.transcript_digest,
+        "sha256": world.proof.transcript.sha256,
+    }
+    # No model uploaded: the auditor holds no bytes of the final parameters.
+    assert set(subjects["zkdv/final-parameters"]) == {"zkdv-state-root"}
 
 
 def test_thresholds_take_the_compute_claims_evidence_and_settings(
@@ -280,16 +286,33 @@ def test_both_bundles_carry_the_same_certificate_that_standard_tools_check(demo:
     root = TrustRoot.from_json((demo / "trust-root.json").read_bytes())
     key = root.keys[-1]
     envelope = Envelope.from_dict(dict(sigstore["dsseEnvelope"]))
-    assert key.keyid in envelope.verify([SSlibKey.from_crypto(key.public_key, keyid=key.keyid)], 1)
+    # The key as SSlibKey.from_crypto derives it: its key id is the certificate's.
+    assert key.keyid in envelope.verify([SSlibKey.from_crypto(key.public_key)], 1)
     statement = json.loads(base64.b64decode(sigstore["dsseEnvelope"]["payload"]))
     subjects = {subject["name"]: subject["digest"] for subject in statement["subject"]}
     records = (demo / "proof" / "records.cborl").read_bytes()
     assert subjects["records.cborl"]["sha256"] == hashlib.sha256(records).hexdigest()
     weights = (demo / "model" / "model.safetensors").read_bytes()
     assert subjects["model.safetensors"]["sha256"] == hashlib.sha256(weights).hexdigest()
+    # Beside the custom digests, the sha256 of the bytes the auditor holds.
+    assert subjects["zkdv/transcript"]["sha256"] == hashlib.sha256(records).hexdigest()
+    assert subjects["zkdv/final-parameters"]["sha256"] == hashlib.sha256(weights).hexdigest()
     claims = _claims(statement)
     guarantee = claims["detection_guarantee"]["value"]
     assert guarantee["challenges"] > 0 and guarantee["comparison"] == "exact"
     m, f = guarantee["challenges"], guarantee["forged_fraction"]
     assert guarantee["detection_probability"] == pytest.approx(1 - (1 - f) ** m)
     assert claims["final_model"]["value"]["model_signing"]["verified"] is True
+
+
+@pytest.mark.slow
+def test_sigstore_js_verifies_the_demo_certificate(demo: Path) -> None:
+    """@sigstore/verify, default policy, on the demo's certificate and trusted root."""
+    node = shutil.which("node")
+    verify_js = REPO_ROOT / "tests" / "sigstore_js" / "verify.js"
+    if node is None or not (verify_js.parent / "node_modules" / "@sigstore" / "verify").is_dir():
+        pytest.skip(
+            "Sigstore's JavaScript verifier is not installed (node, npm ci in tests/sigstore_js)"
+        )
+    done = _run(demo, node, str(verify_js), "certificate.sigstore.json", "trusted_root.json")
+    assert (done.returncode, done.stdout.strip()) == (0, "verified"), done

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import random
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
@@ -239,16 +240,63 @@ def test_verify_log_passes_on_an_untouched_log(small_log: list[Certificate]) -> 
     assert "log verified: 11 log entries, 11 checkpoints, 1 trust root versions" in out.getvalue()
 
 
+def test_log_entries_are_rekor_dsse_entries_of_their_envelopes(
+    small_log: list[Certificate],
+) -> None:
+    from dvbench.attest import DSSE_KIND, dsse_entry_body, leaf_hash
+
+    for certificate in small_log:
+        entry = certificate.log_entry
+        assert entry.kind == DSSE_KIND and entry.inclusion_promise and entry.rfc3161_timestamp
+        root = certificates.current_trust_root().trust_root()
+        key = root.key(entry.envelope["signatures"][0]["keyid"])
+        assert entry.leaf.encode() == dsse_entry_body(entry.envelope, key.public_key)
+        assert leaf_hash(entry.leaf.encode()).hex() == entry.leaf_hash
+
+
 def test_verify_log_finds_an_altered_envelope(small_log: list[Certificate]) -> None:
     entry = LogEntry.objects.get(index=4)
-    altered = entry.leaf.replace('"payloadType"', '"payloadtype"')
+    altered = entry.envelope_json.replace('"payloadType"', '"payloadtype"')
+    _raw("UPDATE attestations_logentry SET envelope_json = %s WHERE id = %s", [altered, entry.pk])
+    problems = _verify_log_fails()
+    assert "log entry 4: the envelope does not verify" in problems
+
+
+def test_verify_log_finds_an_envelope_that_is_not_the_leafs(small_log: list[Certificate]) -> None:
+    # A validly signed envelope, but another entry's: the leaf does not name it.
+    other = LogEntry.objects.get(index=3)
+    entry = LogEntry.objects.get(index=4)
+    _raw(
+        "UPDATE attestations_logentry SET envelope_json = %s WHERE id = %s",
+        [other.envelope_json, entry.pk],
+    )
+    problems = _verify_log_fails()
+    assert "log entry 4: the certificate names entry 3" in problems
+    assert "log entry 4: the stored leaf is not the dsse entry of the stored envelope" in problems
+
+
+def test_verify_log_finds_an_altered_leaf(small_log: list[Certificate]) -> None:
+    entry = LogEntry.objects.get(index=4)
+    altered = entry.leaf.replace(
+        '"payloadHash":{"algorithm":"sha256","value":"',
+        '"payloadHash":{"algorithm":"sha256","value":"0',
+    )
     _raw("UPDATE attestations_logentry SET leaf = %s WHERE id = %s", [altered, entry.pk])
     problems = _verify_log_fails()
     assert "log entry 4: the stored leaf hash" in problems
-    assert "log entry 4: the envelope does not verify" in problems
+    assert "log entry 4: the stored leaf is not the dsse entry" in problems
     # Every checkpoint from size 5 on covers the altered entry; the earlier ones do not.
     assert "checkpoint at size 5: the root recomputed" in problems
     assert "checkpoint at size 4:" not in problems
+
+
+def test_verify_log_finds_an_altered_signed_entry_timestamp(small_log: list[Certificate]) -> None:
+    entry = LogEntry.objects.get(index=2)
+    forged = base64.b64encode(b"\0" * 64).decode()
+    _raw(
+        "UPDATE attestations_logentry SET inclusion_promise = %s WHERE id = %s", [forged, entry.pk]
+    )
+    assert "log entry 2: signed entry timestamp by key" in _verify_log_fails()
 
 
 def test_verify_log_finds_an_altered_leaf_hash(small_log: list[Certificate]) -> None:

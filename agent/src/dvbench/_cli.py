@@ -269,6 +269,7 @@ def cmd_download_report(args: argparse.Namespace) -> int:
         )
         sigstore = client.download_sigstore_bundle(args.proof_id) if args.sigstore_out else None
         trust_root = client.trust_root() if args.trust_root_out else None
+        trusted = client.trusted_root() if args.trusted_root_out else None
     output.write_bytes(bundle)
     _out(f"saved the report bundle of proof {args.proof_id} to {output}")
     if sigstore is not None:
@@ -279,6 +280,12 @@ def cmd_download_report(args: argparse.Namespace) -> int:
         _out(
             f"saved the platform's current trust root to {args.trust_root_out}; compare it with "
             "a copy you obtained another way before relying on it"
+        )
+    if trusted is not None:
+        Path(args.trusted_root_out).write_bytes(trusted)
+        _out(
+            f"saved the platform's trust root in Sigstore's format to {args.trusted_root_out} "
+            "(for @sigstore/verify and verify-report --trust-root)"
         )
     _out(f"verify offline: dvbench verify-report {output} --trust-root TRUST_ROOT.json")
     # What the platform says; verify-report checks the signature of the same verdict.
@@ -420,6 +427,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--trust-root-out",
         metavar="FILE",
         help="also save the platform's current trust root (pin it; verify-report needs one)",
+    )
+    download.add_argument(
+        "--trusted-root-out",
+        metavar="FILE",
+        help="also save the trust root in Sigstore's TrustedRoot format (trusted_root.json)",
     )
     download.add_argument(
         "--sigstore-out",

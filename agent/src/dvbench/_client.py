@@ -539,6 +539,15 @@ class Client:
         params = None if version is None else {"version": int(version)}
         return self.request("GET", "trust-root/", params=params).content
 
+    def trusted_root(self) -> bytes:
+        """The platform's trust root in Sigstore's TrustedRoot v0.1 format (JSON bytes).
+
+        What Sigstore's verifiers take (``trusted_root.json``): the platform's keys as the
+        log's keys with their validity windows, and its timestamp authority. Pin it as
+        you pin the trust root.
+        """
+        return self.request("GET", "trusted-root/").content
+
     def sync(
         self, directory: str | os.PathLike[str], *, progress: bool | None = None
     ) -> SyncResult:

@@ -29,6 +29,11 @@ EXPECTED = {
     "RunFiling", "RunFilings", "Statement", "Subject", "TrainingCertificate", "model_signature_subject",
     # keys
     "Signer", "SigningKey", "TrustRoot", "TrustedKey", "key_id", "load_signing_key",
+    "key_ids", "spki_key_id",
+    # Sigstore: Rekor dsse entries, the signed entry timestamp, RFC 3161, the trusted root
+    "DSSE_KIND", "LEGACY_KIND", "dsse_entry_body", "entry_body", "entry_kind",
+    "inclusion_promise_payload", "TRUSTED_ROOT_MEDIA_TYPE", "sigstore_trusted_root",
+    "TimestampAuthority", "verify_timestamp",
     # log
     "Checkpoint", "MerkleTree", "consistency_proof", "inclusion_proof", "leaf_hash",
     "node_hash", "root_hash", "sign_checkpoint", "verify_checkpoint", "verify_consistency",

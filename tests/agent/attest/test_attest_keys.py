@@ -25,7 +25,9 @@ from dvbench.attest import (
     TrustRoot,
     UnknownKeyError,
     key_id,
+    key_ids,
     load_signing_key,
+    spki_key_id,
 )
 
 REPO = Path(__file__).resolve().parents[3]
@@ -36,16 +38,39 @@ ROTATION = datetime(2026, 7, 1, tzinfo=UTC)
 ED25519_SPKI_PREFIX = bytes.fromhex("302a300506032b6570032100")
 
 
-def test_key_id_is_sha256_of_the_spki_der() -> None:
+def test_key_id_is_securesystemslibs() -> None:
+    """One key id everywhere: what SSlibKey.from_crypto computes (TUF's default key id)."""
+    from securesystemslib.signer import SSlibKey  # type: ignore[attr-defined]
+
+    key = SigningKey.generate()
+    raw = key.public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    document = '{"keytype":"ed25519","keyval":{"public":"' + raw.hex() + '"},"scheme":"ed25519"}'
+    assert key.keyid == key_id(key.public_key) == hashlib.sha256(document.encode()).hexdigest()
+    assert key.keyid == SSlibKey.from_crypto(key.public_key).keyid
+    assert len(key.keyid) == 64
+    assert repr(key) == f"SigningKey(keyid={key.keyid!r})"
+
+
+def test_the_older_spki_key_id_still_names_the_key() -> None:
+    """Trust roots and certificates issued before carry the SHA-256 of the SPKI DER."""
     key = SigningKey.generate()
     der = key.public_key.public_bytes(
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     )
     raw = key.public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     assert der == ED25519_SPKI_PREFIX + raw
-    assert key.keyid == key_id(key.public_key) == hashlib.sha256(der).hexdigest()
-    assert len(key.keyid) == 64
-    assert repr(key) == f"SigningKey(keyid={key.keyid!r})"
+    legacy = hashlib.sha256(der).hexdigest()
+    assert spki_key_id(key.public_key) == legacy != key.keyid
+    assert key_ids(key.public_key) == (key.keyid, legacy)
+    # A trust root listing the key by its old id reads, and both ids find the key.
+    root = TrustRoot.initial(key.public_key, not_before=datetime(2026, 1, 1, tzinfo=UTC))
+    document = root.to_dict()
+    document["keys"][0]["keyid"] = legacy
+    old = TrustRoot.from_dict(document)
+    assert old.keys[0].keyid == legacy
+    assert old.key(key.keyid) is old.key(legacy)
+    with pytest.raises(UnknownKeyError):
+        old.key("ab" * 32)
 
 
 def test_generated_key_files_are_0600_in_a_0700_directory(tmp_path: Path) -> None:
@@ -177,7 +202,7 @@ def _entry(root: TrustRoot, **changes: object) -> dict[str, object]:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"keyid": "ab" * 32}, "is not the SHA-256 of its public key"),
+        ({"keyid": "ab" * 32}, "is neither the key's id"),
         ({"keyid": "AB" * 32}, "lowercase hex"),
         ({"algorithm": "ecdsa"}, "algorithm must be 'ed25519'"),
         (

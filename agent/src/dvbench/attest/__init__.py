@@ -11,7 +11,10 @@ with it and ``dvbench verify-report`` checks with it, on a laptop with no networ
 * the RFC 9162 transparency log's Merkle math and C2SP-style signed checkpoints;
 * the offline report bundle (:func:`make_bundle`, :func:`verify_bundle`), and the same
   certificate as a Sigstore bundle v0.3 (:func:`make_sigstore_bundle`; ``verify_bundle``
-  reads both);
+  reads both), whose log entry is a Rekor ``dsse`` entry (:func:`dsse_entry_body`) with
+  the log's signed entry timestamp and an RFC 3161 timestamp (:func:`verify_timestamp`);
+* the trust root in Sigstore's TrustedRoot format (:func:`sigstore_trusted_root`, read
+  back by :meth:`TrustRoot.from_sigstore`);
 * the log key as a C2SP signed-note verifier key (:func:`note_verifier_key`);
 * the encodings everything above signs: :func:`canonical_json` (also the platform's
   spec digests) and RFC 3339 whole-second times (:func:`format_time`,
@@ -100,9 +103,19 @@ from dvbench.attest._keys import (
     TrustedKey,
     TrustRoot,
     key_id,
+    key_ids,
     load_signing_key,
+    spki_key_id,
 )
 from dvbench.attest._note import note_key_id, note_verifier_key, parse_note_verifier_key
+from dvbench.attest._rekor import (
+    DSSE_KIND,
+    LEGACY_KIND,
+    dsse_entry_body,
+    entry_body,
+    entry_kind,
+    inclusion_promise_payload,
+)
 from dvbench.attest._sigstore import (
     SIGSTORE_BUNDLE_MEDIA_TYPE,
     SIGSTORE_ENTRY_KIND,
@@ -122,6 +135,8 @@ from dvbench.attest._translog import (
     verify_consistency,
     verify_inclusion,
 )
+from dvbench.attest._trusted_root import TRUSTED_ROOT_MEDIA_TYPE, sigstore_trusted_root
+from dvbench.attest._tsa import TimestampAuthority, verify_timestamp
 
 __all__ = [
     "ALGORITHM_ED25519",
@@ -130,8 +145,10 @@ __all__ = [
     "DIGEST_SHA256",
     "DIGEST_STATE_ROOT",
     "DIGEST_TRANSCRIPT",
+    "DSSE_KIND",
     "EMPTY_ROOT",
     "ENV_SIGNING_KEY",
+    "LEGACY_KIND",
     "MAX_CLOCK_SKEW",
     "MODEL_SIGNATURE_FILE",
     "PAYLOAD_TYPE_INTOTO",
@@ -144,6 +161,7 @@ __all__ = [
     "SUBJECT_PARAMETERS",
     "SUBJECT_TRANSCRIPT",
     "SUBJECT_TRANSCRIPT_FILE",
+    "TRUSTED_ROOT_MEDIA_TYPE",
     "TRUST_ROOT_SCHEMA",
     "AttestationError",
     "BundleMismatchError",
@@ -171,17 +189,23 @@ __all__ = [
     "Statement",
     "Subject",
     "SubjectMismatchError",
+    "TimestampAuthority",
     "TrainingCertificate",
     "TrustRoot",
     "TrustedKey",
     "UnknownKeyError",
     "canonical_json",
     "consistency_proof",
+    "dsse_entry_body",
+    "entry_body",
+    "entry_kind",
     "envelope_leaf",
     "envelope_leaf_hash",
     "format_time",
+    "inclusion_promise_payload",
     "inclusion_proof",
     "key_id",
+    "key_ids",
     "leaf_hash",
     "load_signing_key",
     "make_bundle",
@@ -197,6 +221,8 @@ __all__ = [
     "sign_certificate",
     "sign_checkpoint",
     "sign_envelope",
+    "sigstore_trusted_root",
+    "spki_key_id",
     "to_seconds",
     "verify_bundle",
     "verify_certificate",
@@ -204,4 +230,5 @@ __all__ = [
     "verify_consistency",
     "verify_envelope",
     "verify_inclusion",
+    "verify_timestamp",
 ]

@@ -2,20 +2,23 @@
 
 Issuing (the platform, in this order): reserve the next log index; build a
 :class:`~dvbench.attest.TrainingCertificate` naming it; :func:`sign_certificate`;
-append :func:`envelope_leaf_hash` of the envelope to the log; sign a checkpoint; hand
-out :func:`make_bundle`.
+append the leaf hash of the envelope's Rekor ``dsse`` entry
+(``dvbench.attest._rekor.dsse_entry_body``) to the log; sign a checkpoint and the
+entry's signed entry timestamp; hand out :func:`make_bundle`.
 
-The log leaf of a certificate is the canonical JSON of its envelope (UTF-8, keys
-sorted, no whitespace; for the envelope's all-string fields this is RFC 8785 JCS), and
-the leaf hash is ``SHA-256(0x00 || leaf)`` (RFC 9162 section 2.1.1). Hashing the
-envelope exactly as distributed, rather than its decoded payload, makes any change to
-any of its bytes, signature included, a change of leaf.
+The log leaf of a certificate is that ``dsse`` entry body: canonical JSON naming the
+SHA-256 of the envelope's canonical JSON (:func:`envelope_leaf`), of its payload, its
+signature and the key, and the leaf hash is ``SHA-256(0x00 || leaf)`` (RFC 9162 section
+2.1.1). Any change to any byte of the envelope, signature included, is a change of
+leaf. Entries logged before that kind have the envelope's canonical JSON itself as their
+leaf; the bundle's ``inclusion_proof.kind`` says which (absent: the older kind).
 
 The bundle (``format`` :data:`BUNDLE_FORMAT`)::
 
     {"format": "https://dvbench.dev/report-bundle/v1",
      "envelope": {DSSE envelope over the in-toto statement},
-     "inclusion_proof": {"log_index": 41, "tree_size": 42, "hashes": ["<hex>", ...]},
+     "inclusion_proof": {"log_index": 41, "tree_size": 42, "hashes": ["<hex>", ...],
+                         "kind": {"kind": "dsse", "version": "0.0.1"}},
      "checkpoint": "<signed checkpoint note>",
      "trust_root": {the trust root in force at signing}}
 
@@ -54,6 +57,8 @@ from dvbench.attest._errors import (
 from dvbench.attest._intoto import (
     MODEL_SIGNATURE_FILE,
     SUBJECT_MODEL_SIGNING_PREFIX,
+    SUBJECT_PARAMETERS,
+    SUBJECT_TRANSCRIPT,
     SUBJECT_TRANSCRIPT_FILE,
     Statement,
     TrainingCertificate,
@@ -62,6 +67,7 @@ from dvbench.attest._intoto import (
 )
 from dvbench.attest._keys import Signer, TrustedKey, TrustRoot
 from dvbench.attest._note import note_key_id
+from dvbench.attest._rekor import DSSE_KIND, LEGACY_KIND, entry_body
 from dvbench.attest._sigstore import read_sigstore_bundle
 from dvbench.attest._translog import Checkpoint, leaf_hash, verify_checkpoint, verify_inclusion
 
@@ -99,7 +105,11 @@ def sign_certificate(certificate: TrainingCertificate, signer: Signer) -> Envelo
 
 
 def envelope_leaf(envelope: Mapping[str, Any] | Envelope) -> bytes:
-    """The log leaf for an envelope: its canonical JSON bytes."""
+    """The envelope's canonical JSON bytes: the log leaf of the legacy entry kind.
+
+    New entries are Rekor ``dsse`` bodies (:func:`dvbench.attest.dsse_entry_body`),
+    whose ``envelopeHash`` is the SHA-256 of these bytes.
+    """
     return canonical_json(envelope)
 
 
@@ -150,6 +160,7 @@ def make_bundle(
     checkpoint: str,
     tree_size: int,
     trust_root: TrustRoot,
+    kind: Mapping[str, str] = LEGACY_KIND,
 ) -> dict[str, Any]:
     """Assemble the offline report bundle.
 
@@ -160,18 +171,23 @@ def make_bundle(
         checkpoint: the signed checkpoint note.
         tree_size: the checkpoint's tree size.
         trust_root: the trust root named in the certificate.
+        kind: the log entry's kind; ``inclusion_proof.kind`` names it unless it is the
+            legacy kind (bundles of entries logged before the ``dsse`` kind are unchanged).
 
     Returns:
         The bundle, ready for ``json.dumps``.
     """
+    proof: dict[str, Any] = {
+        "log_index": log_index,
+        "tree_size": tree_size,
+        "hashes": [value.hex() for value in inclusion_proof],
+    }
+    if dict(kind) != LEGACY_KIND:
+        proof["kind"] = dict(kind)
     return {
         "format": BUNDLE_FORMAT,
         "envelope": dict(envelope),
-        "inclusion_proof": {
-            "log_index": log_index,
-            "tree_size": tree_size,
-            "hashes": [value.hex() for value in inclusion_proof],
-        },
+        "inclusion_proof": proof,
         "checkpoint": checkpoint,
         "trust_root": trust_root.to_dict(),
     }
@@ -303,17 +319,20 @@ def _check_transcript(certificate: TrainingCertificate, path: str | os.PathLike[
             f"transcript {path} has digest {digest}, the certificate's subject is "
             f"{certificate.transcript_digest}"
         )
-    signed = certificate.sha256_subject(SUBJECT_TRANSCRIPT_FILE)
-    if signed is None:
-        return  # certificates issued before the sha256 subject existed
     location = Path(path)
     records = location / SUBJECT_TRANSCRIPT_FILE if location.is_dir() else location
-    actual = _sha256_file(records)
-    if actual != signed:
-        raise SubjectMismatchError(
-            f"{records} has sha256 {actual}, the certificate's {SUBJECT_TRANSCRIPT_FILE} "
-            f"subject is {signed}"
-        )
+    actual: str | None = None
+    for name, signed in (
+        (SUBJECT_TRANSCRIPT_FILE, certificate.sha256_subject(SUBJECT_TRANSCRIPT_FILE)),
+        (SUBJECT_TRANSCRIPT, certificate.transcript_sha256),
+    ):
+        if signed is None:
+            continue  # certificates issued before the sha256 digests existed
+        actual = actual or _sha256_file(records)
+        if actual != signed:
+            raise SubjectMismatchError(
+                f"{records} has sha256 {actual}, the certificate's {name} subject is {signed}"
+            )
 
 
 def _check_model(certificate: TrainingCertificate, path: str | os.PathLike[str]) -> list[str]:
@@ -350,6 +369,14 @@ def _check_model(certificate: TrainingCertificate, path: str | os.PathLike[str])
                 f"{file} has sha256 {actual}, the certificate's subject {file.name!r} is {signed}"
             )
         checked.append(f"{file.name} sha256 {actual}")
+    signed_weights = certificate.parameters_sha256
+    if signed_weights is not None and len(files) == 1:
+        actual = _sha256_file(files[0])
+        if actual != signed_weights:
+            raise SubjectMismatchError(
+                f"{files[0]} has sha256 {actual}, the certificate's {SUBJECT_PARAMETERS} "
+                f"subject is {signed_weights}"
+            )
     signature = folder / MODEL_SIGNATURE_FILE
     if signature.is_file():
         name, manifest = model_signature_subject(signature.read_bytes())
@@ -365,7 +392,7 @@ def _check_model(certificate: TrainingCertificate, path: str | os.PathLike[str])
 
 def _check_log(
     certificate: TrainingCertificate,
-    envelope: object,
+    leaf: bytes,
     *,
     log_index: int,
     tree_size: int,
@@ -390,7 +417,7 @@ def _check_log(
         if len(value) != 32:
             raise MalformedInputError(f"inclusion proof hash {position} is not 32 bytes")
     verify_inclusion(
-        envelope_leaf_hash(envelope),  # type: ignore[arg-type]
+        leaf_hash(leaf),
         log_index,
         tree_size,
         hashes,
@@ -424,7 +451,17 @@ def _report_bundle(
         document["inclusion_proof"],
         "bundle.inclusion_proof",
         required=("log_index", "tree_size", "hashes"),
+        optional=("kind",),
     )
+    kind = (
+        dict(obj(proof["kind"], "bundle.inclusion_proof.kind", required=("kind", "version")))
+        if "kind" in proof
+        else dict(LEGACY_KIND)
+    )
+    if kind not in (DSSE_KIND, LEGACY_KIND):
+        raise MalformedInputError(
+            f"bundle.inclusion_proof.kind must be {DSSE_KIND}, got {kind!r:.120}"
+        )
     log_index = integer(proof["log_index"], "bundle.inclusion_proof.log_index")
     tree_size = integer(proof["tree_size"], "bundle.inclusion_proof.tree_size")
     hashes = [
@@ -438,7 +475,7 @@ def _report_bundle(
     state["checkpoint"] = checkpoint
     _check_log(
         certificate,
-        document["envelope"],
+        entry_body(kind, document["envelope"], key.public_key),
         log_index=log_index,
         tree_size=tree_size,
         hashes=hashes,
@@ -454,17 +491,19 @@ def _sigstore_bundle(
     envelope, entry = read_sigstore_bundle(document)
     certificate, key = _verify_certificate(envelope, trust_root)
     state.update(certificate=certificate, keyid=key.keyid)
-    if entry.hint != key.keyid:
+    if not key.has_id(entry.hint):
         raise BundleMismatchError(
             f"verificationMaterial.publicKey.hint names key {entry.hint:.80}, the envelope is "
             f"signed by {key.keyid}"
         )
     checkpoint = verify_checkpoint(entry.checkpoint, trust_root)
     state["checkpoint"] = checkpoint
-    if entry.body != envelope_leaf(envelope):  # type: ignore[arg-type]
+    expected = entry_body(entry.kind, envelope, key.public_key)  # type: ignore[arg-type]
+    if entry.body != expected:
         raise BundleMismatchError(
-            "tlogEntries[0].canonicalizedBody is not the canonical JSON of the bundle's "
-            "dsseEnvelope (the log leaf)"
+            f"tlogEntries[0].canonicalizedBody is not the {entry.kind['kind']} "
+            f"{entry.kind['version']} log entry of the bundle's dsseEnvelope "
+            f"(recomputed from the envelope and key {key.keyid})"
         )
     if entry.log_id != note_key_id(checkpoint.origin, key.public_key):
         raise BundleMismatchError(
@@ -480,9 +519,19 @@ def _sigstore_bundle(
             f"tlogEntries[0].integratedTime ({format_time(entry.integrated_time)}) is not the "
             f"signed checkpoint's time ({format_time(checkpoint.timestamp)})"
         )
+    if entry.inclusion_promise is not None:
+        # The log key is the certificate's key (logId was just checked to name it).
+        key.verify(
+            entry.inclusion_promise,
+            entry.promise_payload(),
+            "tlogEntries[0].inclusionPromise (signed entry timestamp)",
+        )
+        key.check_valid_at(entry.integrated_time, "inclusion promise")
+    if entry.timestamps:
+        _check_timestamps(entry.timestamps, envelope, certificate, trust_root)
     _check_log(
         certificate,
-        envelope,
+        entry.body,
         log_index=entry.log_index,
         tree_size=entry.tree_size,
         hashes=entry.hashes,
@@ -490,6 +539,36 @@ def _sigstore_bundle(
         moment=moment,
     )
     return certificate
+
+
+def _check_timestamps(
+    tokens: Sequence[bytes],
+    envelope: object,
+    certificate: TrainingCertificate,
+    trust_root: TrustRoot,
+) -> None:
+    # A DVBench trust root names no timestamp authority: the certificate's time is
+    # signed by its own key and bounded by the signed checkpoint, and the tokens are
+    # checked when the auditor's trust root is the Sigstore trusted root that lists it.
+    if not trust_root.timestamp_authorities:
+        return
+    from dvbench.attest._tsa import verify_timestamp
+
+    signature = _signature_bytes(envelope)
+    for index, token in enumerate(tokens):
+        what = f"verificationMaterial.timestampVerificationData.rfc3161Timestamps[{index}]"
+        moment = verify_timestamp(token, signature, trust_root.timestamp_authorities, what=what)
+        if moment != certificate.issued_at:
+            raise BundleMismatchError(
+                f"{what} stamps the signature at {format_time(moment)}, not at the "
+                f"certificate's signed issuedOn {format_time(certificate.issued_at)}"
+            )
+
+
+def _signature_bytes(envelope: object) -> bytes:
+    from dvbench.attest._dsse import decode_envelope
+
+    return decode_envelope(envelope)[2][0][1]
 
 
 def verify_bundle(

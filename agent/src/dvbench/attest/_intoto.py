@@ -613,6 +613,12 @@ class TrainingCertificate:
         experiment: optional experiment identifier (``org/name``).
         filings: every proof filed for the experiment at signing (absent from
             certificates signed before the platform recorded them).
+        transcript_sha256: hex SHA-256 of the transcript file, also written into the
+            ``zkdv/transcript`` subject beside its ZKDV digest, so that tools matching
+            subjects by SHA-256 find it (None in certificates signed before).
+        parameters_sha256: hex SHA-256 of the final model's weights file, when the trainer
+            uploaded exactly one: written into the ``zkdv/final-parameters`` subject beside
+            its state root (None otherwise, and in certificates signed before).
     """
 
     transcript_digest: str
@@ -630,6 +636,8 @@ class TrainingCertificate:
     experiment: str | None = None
     extra_subjects: tuple[Subject, ...] = field(default=())
     filings: Filings | None = None
+    transcript_sha256: str | None = None
+    parameters_sha256: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "issued_at", to_seconds(self.issued_at))
@@ -669,9 +677,15 @@ class TrainingCertificate:
 
     def to_statement(self) -> Statement:
         """The in-toto Statement carrying this certificate."""
+        transcript = {DIGEST_TRANSCRIPT: self.transcript_digest}
+        if self.transcript_sha256 is not None:
+            transcript[DIGEST_SHA256] = self.transcript_sha256
+        parameters = {DIGEST_STATE_ROOT: self.final_parameter_root}
+        if self.parameters_sha256 is not None:
+            parameters[DIGEST_SHA256] = self.parameters_sha256
         subjects = (
-            Subject(SUBJECT_TRANSCRIPT, {DIGEST_TRANSCRIPT: self.transcript_digest}),
-            Subject(SUBJECT_PARAMETERS, {DIGEST_STATE_ROOT: self.final_parameter_root}),
+            Subject(SUBJECT_TRANSCRIPT, transcript),
+            Subject(SUBJECT_PARAMETERS, parameters),
             *self.extra_subjects,
         )
         return Statement(
@@ -692,6 +706,8 @@ class TrainingCertificate:
             )
         transcript = _single_digest(statement.subject(SUBJECT_TRANSCRIPT), DIGEST_TRANSCRIPT)
         parameters = _single_digest(statement.subject(SUBJECT_PARAMETERS), DIGEST_STATE_ROOT)
+        transcript_sha256 = _optional_digest(statement.subject(SUBJECT_TRANSCRIPT), DIGEST_SHA256)
+        parameters_sha256 = _optional_digest(statement.subject(SUBJECT_PARAMETERS), DIGEST_SHA256)
         what = "predicate"
         data = obj(
             statement.predicate,
@@ -743,6 +759,8 @@ class TrainingCertificate:
             filings=None
             if "filings" not in data
             else Filings.from_dict(data["filings"], f"{what}.filings"),
+            transcript_sha256=transcript_sha256,
+            parameters_sha256=parameters_sha256,
         )
 
 
@@ -750,6 +768,13 @@ def _sha256(value: object, what: str) -> str:
     hex_decode(value, what, size=32)
     assert isinstance(value, str)
     return value
+
+
+def _optional_digest(subject: Subject, algorithm: str) -> str | None:
+    value = subject.digest.get(algorithm)
+    if value is None:
+        return None
+    return _sha256(value, f"subject {subject.name!r} digest {algorithm}")
 
 
 def _single_digest(subject: Subject, algorithm: str) -> str:

@@ -1,8 +1,11 @@
 """Ed25519 signing keys, key ids, and the trust root with validity windows.
 
-A key id is the lowercase hex SHA-256 of the public key's DER SubjectPublicKeyInfo
-(RFC 5280 section 4.1.2.7; RFC 8410 section 4 for Ed25519), so anyone holding the
-public key can recompute it.
+A key id is what securesystemslib's ``SSlibKey.from_crypto`` computes for the key: the
+lowercase hex SHA-256 of ``{"keytype":"ed25519","keyval":{"public":"<hex raw key>"},
+"scheme":"ed25519"}`` (:func:`key_id`), so anyone holding the public key can recompute
+it and DSSE verifiers find the signature by it. Keys registered before that carry the
+hex SHA-256 of their DER SubjectPublicKeyInfo (:func:`spki_key_id`, RFC 5280 section
+4.1.2.7) in the trust roots and certificates of their day; both ids name the key.
 
 The private key comes, in this order, from an explicit PEM file, from the PEM text of
 an environment variable (``DVBENCH_SIGNING_KEY`` by default), or from a file generated
@@ -38,6 +41,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Final, Protocol, runtime_checkable
 
+from cryptography import x509
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import (
@@ -47,6 +51,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 
 from dvbench.attest._encoding import (
     array,
+    b64decode,
     canonical_json,
     format_time,
     hex_decode,
@@ -64,7 +69,8 @@ from dvbench.attest._errors import (
     MalformedInputError,
     UnknownKeyError,
 )
-from dvbench.attest._note import note_verifier_key, parse_note_verifier_key
+from dvbench.attest._note import note_key_id, note_verifier_key, parse_note_verifier_key
+from dvbench.attest._tsa import TimestampAuthority
 
 __all__ = [
     "ALGORITHM_ED25519",
@@ -76,7 +82,9 @@ __all__ = [
     "TrustRoot",
     "TrustedKey",
     "key_id",
+    "key_ids",
     "load_signing_key",
+    "spki_key_id",
 ]
 
 ALGORITHM_ED25519: Final = "ed25519"
@@ -86,11 +94,34 @@ TRUST_ROOT_SCHEMA: Final = "https://dvbench.dev/trust-root/v1"
 
 
 def key_id(public_key: Ed25519PublicKey) -> str:
-    """Hex SHA-256 of the public key's DER SubjectPublicKeyInfo."""
+    """The key's id: what securesystemslib's ``SSlibKey.from_crypto`` computes for it.
+
+    The hex SHA-256 of the canonical JSON
+    ``{"keytype": "ed25519", "keyval": {"public": "<hex raw key>"}, "scheme": "ed25519"}``
+    (TUF and securesystemslib's default key id), so that a DSSE verifier given the key
+    as ``SSlibKey.from_crypto`` derives it finds the envelope's signature by its key id.
+    Keys registered before this id existed keep their :func:`spki_key_id` in the trust
+    root, and both ids name the same key everywhere (:meth:`TrustRoot.key`).
+    """
+    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    document = {"keytype": "ed25519", "keyval": {"public": raw.hex()}, "scheme": "ed25519"}
+    return hashlib.sha256(canonical_json(document)).hexdigest()
+
+
+def spki_key_id(public_key: Ed25519PublicKey) -> str:
+    """The key id of trust roots and certificates issued before :func:`key_id` changed.
+
+    Hex SHA-256 of the public key's DER SubjectPublicKeyInfo.
+    """
     der = public_key.public_bytes(
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     )
     return hashlib.sha256(der).hexdigest()
+
+
+def key_ids(public_key: Ed25519PublicKey) -> tuple[str, str]:
+    """Both ids of a key: :func:`key_id` and the older :func:`spki_key_id`."""
+    return key_id(public_key), spki_key_id(public_key)
 
 
 def _public_pem(public_key: Ed25519PublicKey) -> str:
@@ -277,7 +308,8 @@ class TrustedKey:
     """One public key of the trust root and the window in which it may sign.
 
     Attributes:
-        keyid: hex SHA-256 of the SubjectPublicKeyInfo DER (checked on load).
+        keyid: the key's id as the trust root lists it: :func:`key_id`, or
+            :func:`spki_key_id` for a key registered before that (checked on load).
         public_key: the Ed25519 public key.
         not_before: first second at which the key may sign.
         not_after: first second at which it may no longer sign; None while current.
@@ -303,6 +335,10 @@ class TrustedKey:
             not_before=to_seconds(not_before),
             not_after=None if not_after is None else to_seconds(not_after),
         )
+
+    def has_id(self, keyid: str) -> bool:
+        """Whether ``keyid`` names this key (either form, :func:`key_ids`)."""
+        return keyid == self.keyid or keyid in key_ids(self.public_key)
 
     def valid_at(self, moment: datetime) -> bool:
         """Whether ``not_before <= moment < not_after``."""
@@ -373,9 +409,10 @@ class TrustedKey:
         if pem != _public_pem(public_key):
             # One spelling per key: a re-wrapped or commented PEM would be an alias.
             raise MalformedInputError(f"{what}.public_key is not in canonical PEM form")
-        if key_id(public_key) != keyid:
+        if keyid not in key_ids(public_key):
             raise MalformedInputError(
-                f"{what}.keyid {keyid} is not the SHA-256 of its public key's SubjectPublicKeyInfo"
+                f"{what}.keyid {keyid} is neither the key's id (securesystemslib's "
+                "SSlibKey.from_crypto) nor the SHA-256 of its SubjectPublicKeyInfo"
             )
         not_before = parse_time(entry["not_before"], f"{what}.not_before")
         not_after = (
@@ -400,11 +437,14 @@ class TrustRoot:
         log_origin: the transparency log's name. When set, every key is also given in
             signed-note's verifier-key format under that name (``note_verifier_key``),
             for note-compatible tools; None in trust roots published before it existed.
+        timestamp_authorities: RFC 3161 timestamp authorities, when read from a Sigstore
+            trusted root (:meth:`from_sigstore`); the DVBench document does not list them.
     """
 
     version: int
     keys: tuple[TrustedKey, ...]
     log_origin: str | None = None
+    timestamp_authorities: tuple[TimestampAuthority, ...] = ()
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
@@ -447,7 +487,7 @@ class TrustRoot:
             UnknownKeyError: the trust root does not list it.
         """
         for key in self.keys:
-            if key.keyid == keyid:
+            if key.has_id(keyid):
                 return key
         raise UnknownKeyError(f"key {keyid} is not in the trust root (version {self.version})")
 
@@ -466,7 +506,7 @@ class TrustRoot:
         """
         moment = to_seconds(at)
         incoming = TrustedKey.from_public_key(public_key, not_before=moment)
-        if any(key.keyid == incoming.keyid for key in self.keys):
+        if any(key.has_id(incoming.keyid) for key in self.keys):
             raise ValueError(f"key {incoming.keyid} is already in the trust root")
         keys: list[TrustedKey] = []
         for key in self.keys:
@@ -521,7 +561,7 @@ class TrustRoot:
             name: str | None = None
             if vkey is not None:
                 name, public_key = parse_note_verifier_key(vkey, f"{where}.note_verifier_key")
-                if key_id(public_key) != key.keyid:
+                if not key.has_id(key_id(public_key)):
                     raise MalformedInputError(
                         f"{where}.note_verifier_key is another key than {where}.public_key"
                     )
@@ -535,7 +575,134 @@ class TrustRoot:
 
     @classmethod
     def from_json(cls, data: bytes | str) -> TrustRoot:
-        return cls.from_dict(parse_json(data, "trust root"))
+        """Parse a trust root: the DVBench document, or a Sigstore ``trusted_root.json``."""
+        document = parse_json(data, "trust root")
+        if isinstance(document, Mapping) and "mediaType" in document:
+            return cls.from_sigstore(document)
+        return cls.from_dict(document)
+
+    @classmethod
+    def from_sigstore(cls, data: object, what: str = "trusted root") -> TrustRoot:
+        """Read a Sigstore TrustedRoot v0.1 written by ``dvbench.attest.sigstore_trusted_root``.
+
+        Its log keys are the platform's keys, with their windows (``validFor``), its
+        ``baseUrl`` names the log, and its timestamp authorities are kept. It has no
+        version: ``version`` is 0.
+
+        Raises:
+            MalformedInputError: the document is not such a trusted root.
+        """
+        from dvbench.attest._trusted_root import TRUSTED_ROOT_MEDIA_TYPE
+
+        document = obj(
+            data,
+            what,
+            required=("mediaType", "tlogs"),
+            optional=("certificateAuthorities", "ctlogs", "timestampAuthorities"),
+        )
+        if document["mediaType"] != TRUSTED_ROOT_MEDIA_TYPE:
+            raise MalformedInputError(
+                f"{what}.mediaType must be {TRUSTED_ROOT_MEDIA_TYPE!r}, got "
+                f"{document['mediaType']!r:.80}"
+            )
+        keys: list[TrustedKey] = []
+        origins: set[str] = set()
+        for index, entry in enumerate(array(document["tlogs"], f"{what}.tlogs")):
+            where = f"{what}.tlogs[{index}]"
+            log = obj(entry, where, required=("baseUrl", "hashAlgorithm", "publicKey", "logId"))
+            base = string(log["baseUrl"], f"{where}.baseUrl")
+            if not base.startswith("https://"):
+                raise MalformedInputError(f"{where}.baseUrl must be https://<log origin>")
+            origin = base.removeprefix("https://")
+            key = obj(
+                log["publicKey"],
+                f"{where}.publicKey",
+                required=("rawBytes", "keyDetails", "validFor"),
+            )
+            if key["keyDetails"] != "PKIX_ED25519":
+                raise MalformedInputError(f"{where}.publicKey.keyDetails must be 'PKIX_ED25519'")
+            try:
+                public_key = serialization.load_der_public_key(
+                    b64decode(key["rawBytes"], f"{where}.publicKey.rawBytes")
+                )
+            except (ValueError, UnsupportedAlgorithm):
+                raise MalformedInputError(
+                    f"{where}.publicKey.rawBytes is not a public key"
+                ) from None
+            if not isinstance(public_key, Ed25519PublicKey):
+                raise MalformedInputError(f"{where}.publicKey is not an Ed25519 key")
+            window = obj(
+                key["validFor"],
+                f"{where}.publicKey.validFor",
+                required=("start",),
+                optional=("end",),
+            )
+            not_before = parse_time(window["start"], f"{where}.publicKey.validFor.start")
+            not_after = (
+                parse_time(window["end"], f"{where}.publicKey.validFor.end")
+                if "end" in window
+                else None
+            )
+            log_id = obj(log["logId"], f"{where}.logId", required=("keyId",))["keyId"]
+            if b64decode(log_id, f"{where}.logId.keyId") != note_key_id(origin, public_key):
+                raise MalformedInputError(
+                    f"{where}.logId.keyId is not the signed-note key id of its key under {origin!r}"
+                )
+            origins.add(origin)
+            keys.append(
+                TrustedKey.from_public_key(public_key, not_before=not_before, not_after=not_after)
+            )
+        if not keys or len(origins) != 1:
+            raise MalformedInputError(f"{what}.tlogs must name one log, with at least one key")
+        authorities: list[TimestampAuthority] = []
+        for index, entry in enumerate(
+            array(document.get("timestampAuthorities", []), f"{what}.timestampAuthorities")
+        ):
+            where = f"{what}.timestampAuthorities[{index}]"
+            item = obj(
+                entry, where, required=("certChain", "validFor"), optional=("subject", "uri")
+            )
+            chain_data = obj(item["certChain"], f"{where}.certChain", required=("certificates",))
+            chain = []
+            for position, cert in enumerate(
+                array(chain_data["certificates"], f"{where}.certChain.certificates")
+            ):
+                raw = obj(
+                    cert, f"{where}.certChain.certificates[{position}]", required=("rawBytes",)
+                )["rawBytes"]
+                try:
+                    chain.append(
+                        x509.load_der_x509_certificate(
+                            b64decode(raw, f"{where}.certChain.certificates[{position}].rawBytes")
+                        )
+                    )
+                except ValueError:
+                    raise MalformedInputError(
+                        f"{where}.certChain.certificates[{position}] is not a DER certificate"
+                    ) from None
+            if len(chain) < 2:
+                raise MalformedInputError(
+                    f"{where}.certChain must hold the authority's certificate and its root"
+                )
+            window = obj(
+                item["validFor"], f"{where}.validFor", required=("start",), optional=("end",)
+            )
+            authorities.append(
+                TimestampAuthority(
+                    chain=tuple(chain),
+                    not_before=parse_time(window["start"], f"{where}.validFor.start"),
+                    not_after=parse_time(window["end"], f"{where}.validFor.end")
+                    if "end" in window
+                    else None,
+                    uri=str(item.get("uri", "")),
+                )
+            )
+        return cls(
+            version=0,
+            keys=tuple(keys),
+            log_origin=origins.pop(),
+            timestamp_authorities=tuple(authorities),
+        )
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> TrustRoot:

@@ -6,34 +6,41 @@ report bundle, and the transparency-log entry where Sigstore keeps it::
 
     {"mediaType": "application/vnd.dev.sigstore.bundle.v0.3+json",
      "verificationMaterial": {
-       "publicKey": {"hint": "<key id: hex SHA-256 of the key's SubjectPublicKeyInfo>"},
+       "publicKey": {"hint": "<key id: securesystemslib's id of the platform key>"},
        "tlogEntries": [{
          "logIndex": "41",
          "logId": {"keyId": "<base64 SHA-256(origin || 0x0A || 0x01 || raw key)>"},
-         "kindVersion": {"kind": "dvbench-certificate", "version": "0.0.1"},
+         "kindVersion": {"kind": "dsse", "version": "0.0.1"},
          "integratedTime": "<the checkpoint's signed time, Unix seconds>",
+         "inclusionPromise": {"signedEntryTimestamp": "<base64 Ed25519 signature>"},
          "inclusionProof": {"logIndex": "41", "rootHash": "<base64>", "treeSize": "42",
                             "hashes": ["<base64>", ...],
                             "checkpoint": {"envelope": "<the signed checkpoint note>"}},
-         "canonicalizedBody": "<base64 of the log leaf: the envelope's canonical JSON>"}]},
+         "canonicalizedBody": "<base64 of the log leaf: the Rekor dsse entry body>"}],
+       "timestampVerificationData": {"rfc3161Timestamps": [
+         {"signedTimestamp": "<base64 DER TimeStampResp over the envelope's signature>"}]}},
      "dsseEnvelope": {the DSSE envelope, byte for byte as in the report bundle}}
 
-Where the formats differ:
-
 * The key is a bare Ed25519 key named by a hint (no Fulcio certificate, no identity):
-  the auditor's trust root says which keys are the platform's and when each was valid.
-* The log entry is not a Rekor entry. Its ``canonicalizedBody`` is the DVBench log leaf
-  (the envelope's canonical JSON), so ``kindVersion`` names its own kind, and
-  ``SHA-256(0x00 || body)`` is the leaf hash the RFC 6962 inclusion proof starts from.
+  the auditor's trust root (DVBench's, or the Sigstore ``trusted_root.json`` of
+  ``dvbench.attest._trusted_root``) says which keys are the platform's and when each
+  was valid.
+* The log entry is a Rekor v1 ``dsse`` 0.0.1 entry (``dvbench.attest._rekor``), which a
+  verifier recomputes from the envelope and the key; ``SHA-256(0x00 || body)`` is the
+  leaf hash the RFC 6962 inclusion proof starts from. Entries logged before carry the
+  legacy kind (the envelope's canonical JSON as the body), without an inclusion promise
+  or a timestamp, and still verify.
 * ``logId.keyId`` is the checkpoint key's signed-note key ID: its first four bytes are the
   key hash on the checkpoint's signature line, which is how a Sigstore client finds the
   signature that verifies the checkpoint.
-* There is no inclusion promise (SET): the signed checkpoint's timestamp line is the
-  signed time, and ``integratedTime`` repeats it.
+* Signed time: the inclusion promise (the log key's signed entry timestamp over the
+  entry and ``integratedTime``, the signed checkpoint's time) and an RFC 3161 timestamp
+  by the platform's timestamp authority over the envelope's signature (``issuedOn``).
 * The trust root is not inside: it is the auditor's own copy, as ever.
 
-:func:`verify_sigstore_bundle` checks all of it offline (``dvbench verify-report`` does so
-whenever it is given a Sigstore bundle).
+``verify_bundle`` checks all of it offline (``dvbench verify-report`` does so
+whenever it is given a Sigstore bundle); ``@sigstore/verify`` does too, with its
+default policy, against the Sigstore trusted root.
 """
 
 from __future__ import annotations
@@ -49,6 +56,12 @@ from dvbench.attest._encoding import array, b64decode, b64encode, obj, string
 from dvbench.attest._errors import BundleMismatchError, MalformedInputError
 from dvbench.attest._keys import key_id
 from dvbench.attest._note import note_key_id
+from dvbench.attest._rekor import (
+    DSSE_KIND,
+    LEGACY_KIND,
+    entry_body,
+    inclusion_promise_payload,
+)
 from dvbench.attest._translog import Checkpoint
 
 __all__ = [
@@ -60,9 +73,10 @@ __all__ = [
 ]
 
 SIGSTORE_BUNDLE_MEDIA_TYPE: Final = "application/vnd.dev.sigstore.bundle.v0.3+json"
-#: ``kindVersion`` of a DVBench log entry: not a Rekor kind, so no Rekor-specific
-#: verifier mistakes the body for one of its own.
-SIGSTORE_ENTRY_KIND: Final = {"kind": "dvbench-certificate", "version": "0.0.1"}
+#: ``kindVersion`` of a log entry: Rekor v1's ``dsse`` 0.0.1 (``dvbench.attest._rekor``).
+#: Entries logged before it carry :data:`~dvbench.attest._rekor.LEGACY_KIND`.
+SIGSTORE_ENTRY_KIND: Final = DSSE_KIND
+_KINDS: Final = (DSSE_KIND, LEGACY_KIND)
 
 
 def _u64(value: object, what: str) -> int:
@@ -82,6 +96,10 @@ def make_sigstore_bundle(
     inclusion_proof: Sequence[bytes],
     checkpoint: str,
     public_key: Ed25519PublicKey,
+    kind: Mapping[str, str] = DSSE_KIND,
+    inclusion_promise: bytes | None = None,
+    timestamps: Sequence[bytes] = (),
+    hint: str | None = None,
 ) -> dict[str, Any]:
     """The certificate as a Sigstore bundle v0.3 (see the module docstring).
 
@@ -91,35 +109,45 @@ def make_sigstore_bundle(
         inclusion_proof: the audit path from that leaf to the checkpoint's root.
         checkpoint: the signed checkpoint note that the proof leads to.
         public_key: the platform key that signed the certificate and the checkpoint.
+        kind: the log entry's kind (``dvbench.attest._rekor``); the legacy kind only
+            for entries logged before the ``dsse`` kind.
+        inclusion_promise: the log's signed entry timestamp over the entry, if any.
+        timestamps: RFC 3161 timestamp tokens (DER) over the envelope's signature.
+        hint: the key id to name (default: :func:`key_id` of ``public_key``; an older
+            certificate names the id its envelope carries).
 
     Returns:
         The bundle, ready for ``json.dumps``.
     """
-    from dvbench.attest._bundle import envelope_leaf
-
     body, _, _ = checkpoint.partition("\n\n")
     head = Checkpoint.parse_body(body + "\n")
+    entry: dict[str, Any] = {
+        "logIndex": str(log_index),
+        "logId": {"keyId": b64encode(note_key_id(head.origin, public_key))},
+        "kindVersion": dict(kind),
+        "integratedTime": str(int(head.timestamp.timestamp())),
+    }
+    if inclusion_promise is not None:
+        entry["inclusionPromise"] = {"signedEntryTimestamp": b64encode(inclusion_promise)}
+    entry["inclusionProof"] = {
+        "logIndex": str(log_index),
+        "rootHash": b64encode(head.root_hash),
+        "treeSize": str(head.tree_size),
+        "hashes": [b64encode(value) for value in inclusion_proof],
+        "checkpoint": {"envelope": checkpoint},
+    }
+    entry["canonicalizedBody"] = b64encode(entry_body(kind, envelope, public_key))
+    material: dict[str, Any] = {
+        "publicKey": {"hint": hint or key_id(public_key)},
+        "tlogEntries": [entry],
+    }
+    if timestamps:
+        material["timestampVerificationData"] = {
+            "rfc3161Timestamps": [{"signedTimestamp": b64encode(token)} for token in timestamps]
+        }
     return {
         "mediaType": SIGSTORE_BUNDLE_MEDIA_TYPE,
-        "verificationMaterial": {
-            "publicKey": {"hint": key_id(public_key)},
-            "tlogEntries": [
-                {
-                    "logIndex": str(log_index),
-                    "logId": {"keyId": b64encode(note_key_id(head.origin, public_key))},
-                    "kindVersion": dict(SIGSTORE_ENTRY_KIND),
-                    "integratedTime": str(int(head.timestamp.timestamp())),
-                    "inclusionProof": {
-                        "logIndex": str(log_index),
-                        "rootHash": b64encode(head.root_hash),
-                        "treeSize": str(head.tree_size),
-                        "hashes": [b64encode(value) for value in inclusion_proof],
-                        "checkpoint": {"envelope": checkpoint},
-                    },
-                    "canonicalizedBody": b64encode(envelope_leaf(envelope)),
-                }
-            ],
-        },
+        "verificationMaterial": material,
         "dsseEnvelope": dict(envelope),
     }
 
@@ -140,6 +168,9 @@ class SigstoreLogEntry:
         hashes: list[bytes],
         checkpoint: str,
         body: bytes,
+        kind: dict[str, str] | None = None,
+        inclusion_promise: bytes | None = None,
+        timestamps: tuple[bytes, ...] = (),
     ) -> None:
         self.hint = hint
         self.log_index = log_index
@@ -151,6 +182,18 @@ class SigstoreLogEntry:
         self.hashes = hashes
         self.checkpoint = checkpoint
         self.body = body
+        self.kind = dict(DSSE_KIND) if kind is None else kind
+        self.inclusion_promise = inclusion_promise
+        self.timestamps = timestamps
+
+    def promise_payload(self) -> bytes:
+        """What :attr:`inclusion_promise` must sign (``dvbench.attest._rekor``)."""
+        return inclusion_promise_payload(
+            self.body,
+            integrated_time=int(self.integrated_time.timestamp()),
+            log_index=self.log_index,
+            log_id=self.log_id,
+        )
 
 
 def read_sigstore_bundle(data: object) -> tuple[object, SigstoreLogEntry]:
@@ -173,7 +216,22 @@ def read_sigstore_bundle(data: object) -> tuple[object, SigstoreLogEntry]:
         document["verificationMaterial"],
         "bundle.verificationMaterial",
         required=("publicKey", "tlogEntries"),
+        optional=("timestampVerificationData",),
     )
+    timestamps: list[bytes] = []
+    if "timestampVerificationData" in material:
+        where = "bundle.verificationMaterial.timestampVerificationData"
+        data = obj(material["timestampVerificationData"], where, required=("rfc3161Timestamps",))
+        for index, item in enumerate(
+            array(data["rfc3161Timestamps"], f"{where}.rfc3161Timestamps")
+        ):
+            token = obj(item, f"{where}.rfc3161Timestamps[{index}]", required=("signedTimestamp",))
+            timestamps.append(
+                b64decode(
+                    token["signedTimestamp"],
+                    f"{where}.rfc3161Timestamps[{index}].signedTimestamp",
+                )
+            )
     key = obj(material["publicKey"], "bundle.verificationMaterial.publicKey", required=("hint",))
     hint = string(key["hint"], "bundle.verificationMaterial.publicKey.hint")
     entries = array(material["tlogEntries"], "bundle.verificationMaterial.tlogEntries")
@@ -193,11 +251,23 @@ def read_sigstore_bundle(data: object) -> tuple[object, SigstoreLogEntry]:
             "inclusionProof",
             "canonicalizedBody",
         ),
+        optional=("inclusionPromise",),
     )
     kind = obj(entry["kindVersion"], f"{what}.kindVersion", required=("kind", "version"))
-    if dict(kind) != SIGSTORE_ENTRY_KIND:
+    if dict(kind) not in _KINDS:
         raise MalformedInputError(
-            f"{what}.kindVersion must be {SIGSTORE_ENTRY_KIND}, got {dict(kind)!r:.120}"
+            f"{what}.kindVersion must be {DSSE_KIND} (or {LEGACY_KIND} for entries logged "
+            f"before it), got {dict(kind)!r:.120}"
+        )
+    promise: bytes | None = None
+    if "inclusionPromise" in entry:
+        promise = b64decode(
+            obj(
+                entry["inclusionPromise"],
+                f"{what}.inclusionPromise",
+                required=("signedEntryTimestamp",),
+            )["signedEntryTimestamp"],
+            f"{what}.inclusionPromise.signedEntryTimestamp",
         )
     log_id = b64decode(
         obj(entry["logId"], f"{what}.logId", required=("keyId",))["keyId"], f"{what}.logId.keyId"
@@ -231,6 +301,9 @@ def read_sigstore_bundle(data: object) -> tuple[object, SigstoreLogEntry]:
         ],
         checkpoint=note,
         body=b64decode(entry["canonicalizedBody"], f"{what}.canonicalizedBody"),
+        kind=dict(kind),
+        inclusion_promise=promise,
+        timestamps=tuple(timestamps),
     )
     if fields.proof_index != fields.log_index:
         raise BundleMismatchError(
