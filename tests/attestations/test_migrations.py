@@ -24,8 +24,8 @@ from django.utils import timezone
 #: The newest migration of each of the platform's apps before the apps were split, and
 #: each split app's last migration before this round's changes of the schema, so that
 #: those are undone too (accounts 0002: invitations by username; experiments 0002: a
-#: spec's token unit; certificates 0003: a certificate's tokens; uploads 0003: part
-#: reservations).
+#: spec's token unit; certificates 0003 and 0004: a certificate's tokens, a log entry's
+#: envelope and signed time; uploads 0003: part reservations).
 RELEASED = [
     ("attestations", "0006_organization_kinds_invitations_filings"),
     ("accounts", "0001_initial"),
@@ -128,6 +128,10 @@ ADDED = {
     ("attestations_invitation", "username"),
     ("attestations_experimentspec", "token_unit"),
     ("attestations_certificate", "tokens"),
+    # certificates 0004: a log entry keeps its envelope and its signed time (Rekor dsse).
+    ("attestations_logentry", "envelope_json"),
+    ("attestations_logentry", "inclusion_promise"),
+    ("attestations_logentry", "rfc3161_timestamp"),
 }
 #: Tables added since the release: empty after the migration.
 NEW_TABLES = {"attestations_partreservation"}
