@@ -225,10 +225,9 @@ class _Program:
         """One update's ``tokens`` in ``unit`` (:func:`zkdv.batch.count_tokens`), from the
         shapes of its batch inputs (a PRNG key or scalar shared by every row aside)."""
         if unit not in self._tokens:
-            leaves = [(leaf.shape, leaf.dtype) for leaf in self.traced.layout.leaves]
-            shared = [leaf.shared for leaf in self.traced.layout.leaves]
+            leaves = self.traced.layout.leaves
             self._tokens[unit] = count_tokens(
-                [leaf for leaf, whole in zip(leaves, shared, strict=True) if not whole], unit
+                [(leaf.shape, leaf.dtype) for leaf in leaves if not leaf.shared], unit
             )
         return self._tokens[unit]
 
