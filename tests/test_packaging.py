@@ -37,9 +37,12 @@ SOURCES = AGENT / "src"
 DISTRIBUTIONS = ("zkdv", "dvbench")
 SERVER_ONLY = {"django", "celery", "psycopg", "psycopg-binary", "gunicorn", "redis", "kombu"}
 HEAVY = ("jax", "jaxlib", "flax", "optax", "torch", "django", "celery", "psycopg", "kombu")
-FRAMEWORKS = {"jax", "jaxlib", "flax", "optax", "torch", "transformers"}
+FRAMEWORKS = {
+    *("jax", "jaxlib", "flax", "optax", "torch", "transformers"),
+    *("accelerate", "peft", "lightning"),
+}
 CLIENT_ONLY = {"httpx", "cryptography"}
-EXTRAS = ("jax", "torch", "hf")
+EXTRAS = ("jax", "torch", "hf", "peft", "lightning", "jit")
 # Imported by zkdv.torch only inside ``try: ... except ImportError`` (bfloat16 arrays when
 # JAX's ml_dtypes happens to be installed); never required, so not declared.
 OPTIONAL_IMPORTS = {"zkdv": {"ml_dtypes"}, "dvbench": set()}
@@ -145,7 +148,14 @@ def test_the_zkdv_extras_are_the_frameworks() -> None:
     assert {str(Requirement(item)) for item in extras["hf"]} == {
         "torch==2.13.0",
         "transformers>=5.0",
+        "accelerate>=1.10",
     }
+    assert {str(Requirement(item)) for item in extras["peft"]} == {"zkdv[hf]", "peft>=0.17"}
+    assert {str(Requirement(item)) for item in extras["lightning"]} == {
+        "torch==2.13.0",
+        "lightning>=2.5",
+    }
+    assert {str(Requirement(item)) for item in extras["jit"]} == {"numba>=0.68", "scipy>=1.11"}
 
 
 def test_dvbench_pins_its_zkdv_and_forwards_every_zkdv_extra() -> None:
@@ -232,8 +242,8 @@ def test_the_environment_matches_the_lock() -> None:
 def test_bootstrap_installs_both_distributions_through_the_lock() -> None:
     script = (REPO_ROOT / "scripts" / "bootstrap").read_text()
     assert "-c constraints.txt" in script
-    assert "-e './agent/zkdv[jax,torch,hf]'" in script
-    assert "-e './agent/dvbench[jax,torch,hf,signing,examples]'" in script
+    assert "-e './agent/zkdv[jax,torch,hf,peft,lightning,jit]'" in script
+    assert "-e './agent/dvbench[jax,torch,hf,peft,lightning,jit,signing,examples]'" in script
     # The stamp must change when either agent project does.
     assert "agent/zkdv/pyproject.toml agent/dvbench/pyproject.toml" in script
 
@@ -528,7 +538,10 @@ def test_every_extra_resolves_to_its_framework_and_only_to_it(
     wanted = {
         "jax": {"jax", "jaxlib", "flax", "optax", "flatbuffers"},
         "torch": {"torch"},
-        "hf": {"torch", "transformers"},
+        "hf": {"torch", "transformers", "accelerate"},
+        "peft": {"torch", "transformers", "accelerate", "peft"},
+        "lightning": {"torch", "lightning"},
+        "jit": {"numba", "llvmlite", "scipy"},
     }
     for extra, frameworks in wanted.items():
         zkdv = set(plans[f"zkdv[{extra}]"])
