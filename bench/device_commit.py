@@ -17,13 +17,16 @@ Every device result is also compared with the host's roots (bit-identical or the
 fails). Ratios are printed against the floor: the issue's goal on a GPU is device
 hashing in at most 1.5x one HBM read of the committed state.
 
-``--gpu-check`` (for a GPU machine; at most ~7.5 minutes): runs the device tests
-(``tests/agent/jax/test_device_commit.py``, ``test_jax_device_path.py``,
-``tests/agent/torch/test_device_kernels.py``), ``bench/jax_overhead.py --quick`` and
-``bench/torch_overhead.py --quick`` (the MLP and LM step overhead; JAX takes the device
-path by default there), this benchmark at 4 GiB, then at 1 GiB with the Torch kernels
-also through ``torch.compile``; each part under its own time limit, so one that hangs
-costs only its own part.
+``--gpu-check`` (for a GPU machine; at most 465 s in all, under 8 minutes): runs the
+device tests (``tests/agent/jax/test_device_commit.py``, ``test_jax_device_path.py``,
+``tests/agent/torch/test_device_kernels.py``, ``tests/agent/test_device_merkle.py``,
+``tests/agent/test_probes.py``), ``bench/jax_overhead.py --quick`` (LM and the
+state-heavy MLP; JAX takes the device path by default there),
+``bench/torch_overhead.py --quick`` (LM and MLP) and ``--recipe lm --quick`` (the
+default policy and p = 0 side by side, with their difference), ``bench/probe_cost.py``
+(exact probes against their floor), this benchmark at 4 GiB, then at 1 GiB with the
+Torch kernels also through ``torch.compile``; each part under its own time limit, cut to
+what is left of the whole, so one that hangs costs only its own part.
 """
 
 from __future__ import annotations
@@ -205,7 +208,18 @@ def bench(args: argparse.Namespace) -> None:
         run_torch(leaves, args, host)
 
 
-def _run(command: list[str], limit: int) -> int:
+#: The whole --gpu-check, in seconds: under 8 minutes with the interpreter's start-up.
+GPU_CHECK_SECONDS = 465
+
+
+def _run(command: list[str], limit: int, deadline: float | None = None) -> int:
+    """Run one part under ``limit`` seconds, cut to what is left before ``deadline``."""
+    if deadline is not None:
+        left = int(deadline - time.monotonic())
+        if left < 10:
+            print(f"\n$ {' '.join(command)}   skipped: the check's time is spent", flush=True)
+            return 124
+        limit = min(limit, left)
     print(f"\n$ {' '.join(command)}   (limit {limit} s)", flush=True)
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'agent' / 'src'}:{ROOT}"}
     try:
@@ -217,9 +231,9 @@ def _run(command: list[str], limit: int) -> int:
 
 def gpu_check(args: argparse.Namespace) -> int:
     python = sys.executable
-    failures = 0
-    failures += bool(
-        _run(
+    deadline = time.monotonic() + GPU_CHECK_SECONDS
+    parts: list[tuple[list[str], int]] = [
+        (
             [
                 python,
                 "-m",
@@ -230,18 +244,24 @@ def gpu_check(args: argparse.Namespace) -> int:
                 "tests/agent/jax/test_jax_device_path.py",
                 "tests/agent/torch/test_device_kernels.py",
                 "tests/agent/test_device_merkle.py",
+                "tests/agent/test_probes.py",
             ],
-            140,
-        )
-    )
-    failures += bool(_run([python, "bench/jax_overhead.py", "--quick"], 80))
-    failures += bool(_run([python, "bench/torch_overhead.py", "--quick"], 60))
-    failures += bool(_run([python, __file__, "--mib", "4096", "--repeat", "3"], 90))
-    # Last: the Inductor compile of the Torch kernels may not finish in its time.
-    failures += bool(
-        _run([python, __file__, "--mib", "1024", "--repeat", "3", "--torch-compiled"], 80)
-    )
-    print(f"\ngpu-check: {failures} part(s) failed or timed out")
+            120,
+        ),
+        # The step overhead: JAX LM and the state-heavy MLP (device path by default),
+        # Torch LM and MLP, the Torch LM recipe (bf16 autocast, accumulation, clipping,
+        # schedule) with the default policy and p = 0 side by side, and exact probes
+        # against their floor (host work: the same on any machine).
+        ([python, "bench/jax_overhead.py", "--quick"], 75),
+        ([python, "bench/torch_overhead.py", "--quick"], 50),
+        ([python, "bench/torch_overhead.py", "--recipe", "lm", "--quick"], 60),
+        ([python, "bench/probe_cost.py", "--repeat", "3", "--steps", "10", "--rounds", "2"], 20),
+        ([python, __file__, "--mib", "4096", "--repeat", "3"], 65),
+        # Last: the Inductor compile of the Torch kernels may not finish in its time.
+        ([python, __file__, "--mib", "1024", "--repeat", "3", "--torch-compiled"], 70),
+    ]
+    failures = sum(bool(_run(command, limit, deadline)) for command, limit in parts)
+    print(f"\ngpu-check: {failures} part(s) failed, timed out or skipped")
     return 1 if failures else 0
 
 

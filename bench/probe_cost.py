@@ -1,6 +1,6 @@
 """What exact probes cost the host path: the same probe rows, two ways, side by side.
 
-    python bench/probe_cost.py [--repeat 7] [--steps 20]
+    python bench/probe_cost.py [--repeat 7] [--steps 20] [--rounds 3]
 
 Probes are exact in any summation order (``zkdv.probes``: Ozaki splitting, float64
 products of integer slices) so that the host and the device paths write the same bits.
@@ -13,12 +13,18 @@ and of a two-layer toy, the time per training step of
 * **exact, one call per array**: ``ProbeSet.project_rows`` three times per leaf;
 * **exact, per step**: ``ProbeSet.project_steps``, as the Torch host path runs it: the
   leaves of one width in one split and finish, the pre-update probe reused from the
-  previous step's post-update probe;
+  previous step's post-update probe; on the numpy path, and (where Numba is installed,
+  the default path then) as one compiled pass per width class: split, products and
+  finish in one loop that holds no interpreter lock, with the same bits;
 * **floor of exactness**: the float64 products alone, for the arrays a step projects
   (post-update and delta rows, two slices each), split beforehand. Two slices are what
   the exact definition needs: a row's probe keeps ``2w`` bits below its peak, more than
-  one float64 product of ``w``-bit matrix entries over ``d`` terms can sum exactly.
+  one float64 product of ``w``-bit matrix entries over ``d`` terms can sum exactly. In
+  single-threaded row blocks, as the exact path runs them (``zkdv.probes._gemm``: waking
+  every BLAS thread for a probe costs more than it saves while training owns the cores).
 
+Each variant's best block over ``--rounds`` interleaved rounds, with its ratio to the
+float32 product and to the floor; the goal is the exact path within 1.5x of its floor.
 One thread, no training running beside it: this is the work itself. In a training run
 the commit thread shares the cores with the step, so the wall time it takes is larger
 (``docs/torch.md``, "What exact probes cost on the host path").
@@ -27,13 +33,14 @@ the commit thread shares the cores with the step, so the wall time it takes is l
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 
 import numpy as np
 
 from zkdv.merkle import LeafSpec
-from zkdv.probes import ProbeSet, exact_rows
+from zkdv.probes import JIT_ENV, ProbeSet, _gemm, _kernel, exact_rows
 
 PROBE_RATIO = 0.01  # ZKDVConfig's default
 
@@ -65,7 +72,9 @@ def best(run: Callable[[], object], repeat: int, steps: int) -> float:
     return fastest * 1e3
 
 
-def measure(name: str, leaf_shapes: list[tuple[int, ...]], repeat: int, steps: int) -> None:
+def measure(
+    name: str, leaf_shapes: list[tuple[int, ...]], repeat: int, steps: int, rounds: int
+) -> None:
     rng = np.random.default_rng(0)
     specs = [LeafSpec(f"p{i}", "float32", shape) for i, shape in enumerate(leaf_shapes)]
     probes = ProbeSet.create(specs, PROBE_RATIO, bytes(16))
@@ -99,22 +108,46 @@ def measure(name: str, leaf_shapes: list[tuple[int, ...]], repeat: int, steps: i
     ]
     wide = [m.astype(np.float64) for m in probes.matrices]
 
-    def floor() -> None:
-        for slices, matrix in zip(split, wide, strict=True):
-            _ = slices @ matrix
+    products = [np.empty((len(a), m.shape[1])) for a, m in zip(split, wide, strict=True)]
 
+    def floor() -> None:
+        # In single-threaded row blocks, as the exact path runs its products (_gemm).
+        for slices, matrix, out in zip(split, wide, products, strict=True):
+            _gemm(slices, matrix, out)
+
+    def numpy_path(run: Callable[[], object]) -> Callable[[], object]:
+        def wrapped() -> object:
+            os.environ[JIT_ENV] = "0"
+            try:
+                return run()
+            finally:
+                os.environ[JIT_ENV] = "1"
+
+        return wrapped
+
+    compiled = _kernel() is not None
+    runs: dict[str, Callable[[], object]] = {
+        "float32 product": plain,
+        "exact, one call per array": numpy_path(one_each),
+        "exact, per step, numpy": numpy_path(per_step),
+    }
+    if compiled:
+        runs["exact, per step, compiled"] = per_step
+    runs["floor of exactness"] = floor
+    # Interleaved rounds, the best of each: machine noise hits every variant alike.
+    times: dict[str, float] = dict.fromkeys(runs, float("inf"))
+    for _ in range(rounds):
+        for label, run in runs.items():
+            times[label] = min(times[label], best(run, repeat, steps))
     rows = sum(len(r) for r in before)
     floats = sum(r.size for r in before)
-    figures = {
-        "float32 product": best(plain, repeat, steps),
-        "exact, one call per array": best(one_each, repeat, steps),
-        "exact, per step": best(per_step, repeat, steps),
-        "floor of exactness": best(floor, repeat, steps),
-    }
     print(f"[{name}] {len(leaf_shapes)} leaves, {rows} probe rows, {floats:,} floats in them")
-    reference = figures["float32 product"]
-    for label, ms in figures.items():
-        print(f"  {label:<28} {ms:8.3f} ms/step  {ms / reference:5.2f} x float32 product")
+    reference, bottom = times["float32 product"], times["floor of exactness"]
+    for label, ms in times.items():
+        print(
+            f"  {label:<28} {ms:8.3f} ms/step  {ms / reference:5.2f} x float32 product  "
+            f"{ms / bottom:5.2f} x the floor"
+        )
 
 
 def main() -> int:
@@ -123,9 +156,12 @@ def main() -> int:
     )
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    path = "compiled (Numba)" if _kernel() is not None else "numpy only (Numba not installed)"
+    print(f"exact probes: {path}; load average {os.getloadavg()[0]:.2f}")
     for name, leaf_shapes in shapes().items():
-        measure(name, leaf_shapes, args.repeat, args.steps)
+        measure(name, leaf_shapes, args.repeat, args.steps, args.rounds)
     return 0
 
 

@@ -1,7 +1,8 @@
 """ZKDV's Torch overhead: a plain eager step versus the ZKDV transaction, side by side.
 
     python bench/torch_overhead.py [--quick] [--rounds 3] [--steps 12] [--only lm|mlp]
-                                   [--recipe lm] [--stat min] [--checked]
+                                   [--recipe lm|hf-trainer] [--no-autocast] [--stat min]
+                                   [--checked]
                                    [--program torch.export|aot-inductor] [--chunk-bytes N]
 
 Two workloads, each trained with ``torch.optim.Adam`` in eager mode:
@@ -22,7 +23,11 @@ For each workload the same step runs as plain eager code, inside ``proof.transac
 with the default policy (p = 0.01, N = 12), inside ``proof.transaction`` with checks off
 (p = 0: commitments, probes, snapshots and files only), and with ``--checked`` also
 under ``SamplingPolicy.DEBUGCheckEvery(1)``, in interleaved blocks of ``--steps`` steps
-so that machine noise hits all alike. A sampled check replays on average 6.5 steps
+so that machine noise hits all alike; the order of the variants rotates every round, so
+none always runs right after the same other one. For every variant the time the
+training thread spent waiting inside ZKDV (admission, the mutation barrier, a free
+snapshot slot) is printed, and the default policy's block time minus p = 0's in the
+same round: on a step without a check the two do the same work. A sampled check replays on average 6.5 steps
 (the challenged one and half a snapshot window before it) and, under the default
 ``UNCHECKED`` overlap policy, training waits for it: with p = 0.01 that is about
 0.01 x 6.5 = 6.5 % of the forward-backward compute on average, concentrated in the
@@ -43,10 +48,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -175,13 +182,13 @@ def mlp_workload() -> Workload:
 RECIPE_LM = lm_recipe.LMConfig(vocab=256, width=128, heads=4, layers=2, context=256)
 
 
-def recipe_lm_workload() -> Workload:
+def recipe_lm_workload(autocast: bool = True) -> Workload:
     config = RECIPE_LM
     batches = lm_recipe.token_batches(config, steps=10**6, micro_batches=2, rows=8, seed=3)
 
     def step(model: nn.Module, optimizer: Any, batch: Any, forward: Forward, backward: Backward):
         for micro in batch.unbind(0):
-            with torch.autocast(device_type=DEVICE.type, dtype=torch.bfloat16):
+            with torch.autocast(device_type=DEVICE.type, dtype=torch.bfloat16, enabled=autocast):
                 logits = forward(model, micro[:, :-1])
             loss = functional.cross_entropy(
                 logits.float().reshape(-1, config.vocab), micro[:, 1:].reshape(-1)
@@ -207,6 +214,33 @@ def recipe_lm_workload() -> Workload:
     )
 
 
+def _time_waits(proof: Any, total: list[float]) -> None:
+    """Add to ``total[0]`` the seconds the training thread waits in ``proof``: admission,
+    the mutation barrier and a free snapshot slot (wrapping the instance's methods)."""
+    main = threading.main_thread()
+
+    def timed(function: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                if threading.current_thread() is main:
+                    total[0] += time.perf_counter() - start
+
+        return wrapper
+
+    proof._admit = timed(proof._admit)
+    proof._barrier = timed(proof._barrier)
+    start_replays = proof._start_replays
+
+    def started(*args: Any, **kwargs: Any) -> None:
+        start_replays(*args, **kwargs)
+        proof._checkpoint.take = timed(proof._checkpoint.take)
+
+    proof._start_replays = started
+
+
 def _call(model: nn.Module, *args: Any) -> Any:
     return model(*args)
 
@@ -226,6 +260,11 @@ def run(
     workload = factory()
     template, batch = workload.model, workload.batch
     variants: dict[str, dict[str, Any]] = {}
+    # Seconds the training thread spent waiting in ZKDV (admission, the mutation
+    # barrier, a free snapshot slot), per variant.
+    waits: dict[str, list[float]] = {
+        label: [0.0] for label in ("eager", "zkdv", "zkdv p=0", "check-every-1")
+    }
 
     def make(label: str, policy: zkdv.SamplingPolicy | None) -> None:
         model = copy.deepcopy(template)
@@ -248,6 +287,8 @@ def run(
             def attested_step(model: nn.Module, optimizer: Any, data: Any) -> None:
                 workload.step(model, optimizer, data, proof.forward, proof.backward)
 
+            _time_waits(proof, waits[label])
+
         variants[label] = {
             "proof": proof,
             "model": model,
@@ -255,6 +296,7 @@ def run(
             "schedule": None if workload.schedule is None else workload.schedule(optimizer),
             "times": [],
             "cpu": [],
+            "waits": [],
             "i": 0,
             "seal": 0.0,
         }
@@ -270,6 +312,7 @@ def run(
         model, optimizer, proof = v["model"], v["optimizer"], v["proof"]
         data = [batch(v["i"] + k) for k in range(steps)]
         _sync()
+        waited = waits[label][0]
         cpu = time.process_time()
         start = time.perf_counter()
         for item in data:
@@ -285,6 +328,7 @@ def run(
         if proof is not None:
             proof.join()
         v["cpu"].append((time.process_time() - cpu) / steps)
+        v["waits"].append((waits[label][0] - waited) / steps)
         return (time.perf_counter() - start) / steps
 
     for label, v in variants.items():  # seal (first transaction) and warm up
@@ -295,8 +339,14 @@ def run(
         block(label, 2)
     for v in variants.values():
         v["cpu"].clear()
-    for _ in range(args.rounds):
-        for label in variants:
+        v["waits"].clear()
+    labels = list(variants)
+    for round_ in range(args.rounds):
+        # Rotated every round: no variant always runs right after the same other one
+        # (a block pays for what the block before it left behind: dirty pages being
+        # written back, a cold cache), so position does not pass for overhead.
+        shift = round_ % len(labels)
+        for label in labels[shift:] + labels[:shift]:
             variants[label]["times"].append(block(label, args.steps))
 
     eager = variants["eager"]
@@ -331,6 +381,14 @@ def run(
         "blake3_ms": min(hashes) * 1e3,
         "blake3_cpu_ms": min(hash_cpu) * 1e3,
         "cpu_ms": {label: STATISTICS[args.stat](v["cpu"]) * 1e3 for label, v in variants.items()},
+        "wait_ms": {
+            label: STATISTICS[args.stat](v["waits"]) * 1e3 for label, v in variants.items()
+        },
+        # Per round, the default policy's block time minus p = 0's (same round).
+        "paired_ms": [
+            (a - b) * 1e3
+            for a, b in zip(variants["zkdv"]["times"], variants["zkdv p=0"]["times"], strict=True)
+        ],
         "load": os.getloadavg()[0],
         "ms": ms,
         "floor": floor,
@@ -357,8 +415,16 @@ def report(result: dict[str, Any], program: str) -> None:
         cpu = result["cpu_ms"][label]
         print(
             f"  {label:14s} {value:8.1f} ms/step  ratio {value / base:6.3f}  "
-            f"CPU {cpu:8.1f} ms/step{drawn}"
+            f"CPU {cpu:8.1f} ms/step  training thread waiting in ZKDV "
+            f"{result['wait_ms'][label]:6.2f} ms/step{drawn}"
         )
+    paired = result["paired_ms"]
+    print(
+        f"  default policy - p=0, same round: median {statistics.median(paired):+.1f} ms/step "
+        f"(rounds {', '.join(f'{d:+.1f}' for d in paired)}); "
+        f"{result['checks'].get('zkdv', 0)} vs {result['checks'].get('zkdv p=0', 0)} "
+        "sampled checks"
+    )
     for label in ("zkdv", "zkdv p=0"):
         added = ms[label] - base
         print(
@@ -384,9 +450,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--only", choices=("lm", "mlp"))
     parser.add_argument(
-        "--recipe", choices=("lm",), help="run the LM recipe of examples/torch/lm.py instead"
+        "--recipe",
+        choices=("lm", "hf-trainer"),
+        help="run the LM recipe of examples/torch/lm.py instead, or a Hugging Face Trainer "
+        "run with zkdv.integrations (bench/hf_trainer_overhead.py)",
     )
     parser.add_argument("--checked", action="store_true", help="add DEBUGCheckEvery(1)")
+    parser.add_argument(
+        "--no-autocast",
+        dest="autocast",
+        action="store_false",
+        help="the recipe without its bf16 autocast (a CPU without native bfloat16 runs it "
+        "~10x slower, which hides the overhead in noise)",
+    )
     parser.add_argument(
         "--program",
         choices=("aot-inductor", "torch.export"),
@@ -408,6 +484,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.steps = 2, 6
+    if args.recipe == "hf-trainer":
+        import hf_trainer_overhead
+
+        options = ["--rounds", str(args.rounds), "--steps", str(args.steps)]
+        hf_trainer_overhead.main([*options, *([] if args.autocast else ["--no-autocast"])])
+        return
     print(
         f"torch {torch.__version__} on {DEVICE} ({torch.get_num_threads()} threads), "
         f"{os.cpu_count()} cpus; {args.rounds} rounds x {args.steps} steps per variant; "
@@ -416,7 +498,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="zkdv-bench-") as root:
         if args.recipe == "lm":
             torch.manual_seed(0)
-            report(run("recipe lm", recipe_lm_workload, args, root), args.program)
+            name = "recipe lm" + ("" if args.autocast else " (no autocast)")
+            factory = functools.partial(recipe_lm_workload, autocast=args.autocast)
+            report(run(name, factory, args, root), args.program)
             return
         for name, workload in (("lm", lm_workload), ("mlp", mlp_workload)):
             if args.only in (None, name):

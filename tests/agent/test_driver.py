@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import zkdv
 from zkdv.driver import Driver, ReplayOutcome, Submission
 from zkdv.files import read_batch, read_state, snapshot_path
+from zkdv.records import iter_records
 from zkdv.sampling import Challenge
 from zkdv.testing import LinearSGD
 from zkdv.verify import verify_transcript
@@ -190,3 +192,51 @@ def test_lifecycle_errors_say_what_to_do(tmp_path: Path) -> None:
     assert "rolling_window=9 exceeds the committed batch row width of 5" in str(raised.value)
     with pytest.raises(zkdv.ZKDVError, match="closed"):
         proof.step(params, state, _batches(1)[0])
+
+
+def test_steps_never_wait_for_the_transcript_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writes and fsyncs leave the commit stage: training goes on while the disk stalls.
+
+    The writer thread is held at its first fsync (the root record's); seven steps still
+    complete, their records and batch files wait in the writer's bounded queue, and
+    ``close()`` writes them all, in order.
+    """
+    from zkdv.records import RECORDS_FILE, TranscriptWriter
+
+    gate = threading.Event()
+    original = TranscriptWriter._fsync
+
+    def stalled(writer: TranscriptWriter) -> None:
+        gate.wait()
+        original(writer)
+
+    monkeypatch.setattr(TranscriptWriter, "_fsync", stalled)
+    finished = threading.Event()
+    outcome: list[object] = []
+
+    def train() -> None:
+        try:
+            outcome.append(_run(tmp_path, zkdv.SamplingPolicy(update_check_probability=0.0)))
+        finally:
+            finished.set()
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    try:
+        # Not a timing assertion: without the change the steps wait for the gate forever.
+        assert finished.wait(120), "a training step waited for the stalled disk"
+        proof = outcome[0][0]  # type: ignore[index]
+        assert proof.steps == 7
+        # Nothing but the root record reached the file while training ran.
+        assert len(list(iter_records(tmp_path / "proof" / RECORDS_FILE))) == 1
+        assert not (tmp_path / "proof" / "files" / "batch-00000000.u32").exists()
+    finally:
+        gate.set()
+        thread.join()
+    proof.close()
+    report = verify_transcript(tmp_path / "proof")
+    assert report.ok, report.summary()
+    assert report.steps == 7
+    assert read_batch(tmp_path / "proof" / "files" / "batch-00000006.u32").shape == (8, 5)

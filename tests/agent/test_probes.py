@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
+from collections.abc import Iterator
 from fractions import Fraction
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from zkdv import probes as probes_module
 from zkdv.merkle import LeafSpec
 from zkdv.probes import (
     MAX_PROBE_ROWS,
@@ -18,6 +23,21 @@ from zkdv.probes import (
     exact_rows,
     slice_width,
 )
+
+HAS_NUMBA = importlib.util.find_spec("numba") is not None
+PATHS = [
+    pytest.param("compiled", marks=pytest.mark.skipif(not HAS_NUMBA, reason="needs numba")),
+    "numpy",
+]
+
+
+@pytest.fixture(params=PATHS)
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Each test that takes it runs on the compiled pass (Numba) and on the numpy path."""
+    monkeypatch.setenv(probes_module.JIT_ENV, "1" if request.param == "compiled" else "0")
+    yield request.param
+    if request.param == "compiled":
+        assert probes_module._kernel() is not None  # it did not fall back to numpy
 
 
 def test_probe_matrices_are_orthonormal_and_seeded() -> None:
@@ -145,7 +165,7 @@ def test_probes_are_close_to_float64_projection() -> None:
     np.testing.assert_allclose(got, want, rtol=2**-23, atol=1e-30)
 
 
-def test_special_values_are_canonical() -> None:
+def test_special_values_are_canonical(path: str) -> None:
     spec = LeafSpec("w", "float32", (4, 3))
     probes = ProbeSet.create([spec], 1.0, bytes(16))
     values = np.array(
@@ -159,6 +179,14 @@ def test_special_values_are_canonical() -> None:
 @settings(max_examples=30, deadline=None)
 @given(d=st.sampled_from([1, 7, 64, 513]), seed=st.integers(0, 2**32 - 1))
 def test_rows_projected_together_have_the_bits_of_one_call_each(d: int, seed: int) -> None:
+    # (hypothesis and a function-scoped fixture do not mix: the paths are swept inside.)
+    for setting in ("1", "0"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(probes_module.JIT_ENV, setting)
+            _rows_projected_together(d, seed)
+
+
+def _rows_projected_together(d: int, seed: int) -> None:
     """Arrays of several leaves (some of the same width, some not) in one call."""
     rng = np.random.default_rng(seed)
     shapes = [(40, d), (3, 5), (90, d), (d,)]
@@ -212,3 +240,63 @@ def test_a_step_reuses_the_previous_post_probe_only_for_the_same_bits() -> None:
     changed, _, _ = _step(probes, start, live.copy())
     assert changed.view(np.uint32).tobytes() == fresh(start)
     assert changed is not post2
+
+
+def _exact_probe(row: np.ndarray, matrix: np.ndarray) -> np.ndarray:
+    """One row's probe from its definition, in exact rational arithmetic.
+
+    Subnormals flushed; ``u = trunc(v * 2**(2w - e))`` per element (``2**e`` above the
+    row's peak); the probe ``float32(float64(sum(u * q) / 2**(2w - e)))`` (the float64
+    rounding of the exact sum, then float32), below float32's smallest normal +0, and
+    the quiet NaN for a row holding an infinity or NaN.
+    """
+    d, k = matrix.shape
+    values = [float(v) for v in row]
+    if not all(math.isfinite(v) for v in values):
+        return np.full(k, 0x7FC00000, dtype=np.uint32).view(np.float32)
+    values = [0.0 if abs(v) < 2.0**-126 else v for v in values]
+    _, top = math.frexp(max(abs(v) for v in values))
+    shift = 2 * slice_width(d) - top
+    units = [math.trunc(Fraction(v) * Fraction(2) ** shift) for v in values]
+    out = np.zeros(k, dtype=np.float32)
+    for j in range(k):
+        exact = sum(u * Fraction(float(matrix[i, j])) for i, u in enumerate(units) if u)
+        total = float(Fraction(exact) / Fraction(2) ** shift)
+        out[j] = 0.0 if abs(total) < 2.0**-126 else np.float32(total)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("d", "ratio"), [(1, 1.0), (7, 0.5), (64, 0.1), (128, 0.01), (300, 0.02), (513, 0.01)]
+)
+def test_probes_have_the_bits_of_exact_rational_arithmetic(path: str, d: int, ratio: float) -> None:
+    rng = np.random.default_rng(d)
+    probes = ProbeSet.create([LeafSpec("w", "float32", (6, d))], ratio, bytes(16))
+    values = _wide_rows(rng, 6, d)
+    values[3] = (rng.standard_normal(d) * 2.0**-120).astype(np.float32)  # a small row
+    values[3, 0] = np.float32(1e-40)  # with a subnormal that the flush removes
+    values[4, -1] = np.inf
+    got = probes.project_rows(0, values)
+    for row, probe in zip(values, got, strict=True):
+        want = _exact_probe(row, probes.matrices[0])
+        assert probe.view(np.uint32).tobytes() == want.view(np.uint32).tobytes()
+
+
+def test_without_numba_probes_take_the_numpy_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.import_module
+
+    def without_numba(name: str, package: str | None = None) -> object:
+        if name == "numba":
+            raise ImportError("No module named 'numba'")
+        return real(name, package)
+
+    monkeypatch.setattr(importlib, "import_module", without_numba)
+    monkeypatch.setattr(probes_module, "_kernel_state", {})
+    monkeypatch.setenv(probes_module.JIT_ENV, "1")
+    assert probes_module._kernel() is None
+    probes = ProbeSet.create([LeafSpec("w", "float32", (5, 64))], 0.1, bytes(16))
+    values = _wide_rows(np.random.default_rng(5), 5, 64)
+    got = probes.project_rows(0, values)
+    for row, probe in zip(values, got, strict=True):
+        want = _exact_probe(row, probes.matrices[0])
+        assert probe.view(np.uint32).tobytes() == want.view(np.uint32).tobytes()

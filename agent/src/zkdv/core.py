@@ -101,6 +101,10 @@ class ZKDVCore:
         snapshot_interval: steps between replay snapshots.
         max_in_flight: pipeline admission bound (recorded for the verifier's context).
         experiment: ``{"name": "owner/name", "spec_digest": hex}`` when bound to DVBench.
+        background_writes: write the transcript, its probes and the files handed to
+            :meth:`submit_file` on a writer thread (:class:`~zkdv.records.TranscriptWriter`
+            with ``background=True``: what is committed when is said there); otherwise
+            every record is written before the call that appends it returns.
     """
 
     def __init__(
@@ -114,8 +118,10 @@ class ZKDVCore:
         snapshot_interval: int,
         max_in_flight: int,
         experiment: dict[str, str] | None = None,
+        background_writes: bool = False,
     ) -> None:
         self.path = Path(path)
+        self.background_writes = background_writes
         self.config = config
         self.prover = prover
         self.rolling_window = rolling_window
@@ -232,7 +238,7 @@ class ZKDVCore:
             "probe_seed": probe_seed,
             "created": self.clock(),
         }
-        self._writer = TranscriptWriter(self.path)
+        self._writer = TranscriptWriter(self.path, background=self.background_writes)
         with self._lock:
             self._writer.append(root, sync=True)
         self.last_roots = roots
@@ -376,21 +382,37 @@ class ZKDVCore:
                 {"t": "snap", "i": step, "roots": roots.to_record(), "files": entries}, sync=True
             )
 
+    def submit_file(self, job: Callable[[], object], nbytes: int = 0) -> None:
+        """Run a file write on the transcript's writer, before any record appended later.
+
+        Args:
+            job: writes one file the next records refer to (a committed batch).
+            nbytes: the memory the job holds until it runs (the writer's back-pressure).
+        """
+        self._require_open().submit(job, nbytes)
+
+    def flush(self) -> None:
+        """Wait until every record and file queued so far is written (committed)."""
+        if self._writer is not None:
+            self._writer.flush()
+
     def close(self) -> bytes:
         """Write the close record; returns the transcript digest."""
         writer = self._require_open()
         assert self.last_roots is not None
         with self._lock:
-            self.digest = writer.append(
-                {
-                    "t": "close",
-                    "steps": self.steps,
-                    "checks": self.checks,
-                    "final": self.last_roots.to_record(),
-                },
-                sync=True,
-            )
-            writer.close()
+            try:
+                self.digest = writer.append(
+                    {
+                        "t": "close",
+                        "steps": self.steps,
+                        "checks": self.checks,
+                        "final": self.last_roots.to_record(),
+                    },
+                    sync=True,
+                )
+            finally:
+                writer.close()
         return self.digest
 
     def abort(self) -> None:

@@ -45,9 +45,12 @@ routines of matrix multiplication"): with ``L = ceil(log2 d)`` and
 
 from __future__ import annotations
 
+import importlib
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -206,6 +209,121 @@ def _project_groups(values: np.ndarray, parts: Sequence[Part]) -> np.ndarray:
     return exact_finish(products, scale, slice_width(values.shape[1]), bad)
 
 
+# --- One compiled pass per width class (Numba) ---------------------------------------------
+# The same arithmetic as exact_rows, the products and exact_finish, row by row in one
+# compiled loop: every slice is the same integer, every product sum is exact in any order
+# (the module docstring), and the finish is the same two float64 operations and rounding,
+# so the bits are those of the numpy path (tests/agent/test_probes.py compares both with
+# exact rational arithmetic). It releases the interpreter lock while it runs, so the
+# training thread keeps running Python beside the commit stage.
+
+#: Set to ``0`` to project with numpy even where Numba is installed.
+JIT_ENV = "ZKDV_PROBES_JIT"
+_kernel_state: dict[str, Any] = {}
+
+
+def _kernel() -> Any:
+    """The compiled pass, or None without Numba (or with ``ZKDV_PROBES_JIT=0``)."""
+    if os.environ.get(JIT_ENV, "1") == "0":
+        return None
+    if "kernel" not in _kernel_state:
+        try:
+            numba = importlib.import_module("numba")
+        except ImportError:
+            _kernel_state["kernel"] = None
+        else:
+            _kernel_state["kernel"] = _compile(numba)
+    return _kernel_state["kernel"]
+
+
+def _compile(numba: Any) -> Any:
+    """Compile the pass once per process (about a second) and try it on a tiny input: a
+    Numba that cannot build it (no SciPy for its BLAS, say) leaves the numpy path."""
+    try:
+        kernel = numba.njit(nogil=True, cache=False, error_model="numpy")(_project_pass)
+        out = np.empty((1, 1), dtype=np.float32)
+        matrix = np.ones((1, 2, 1), dtype=np.float64)
+        kernel(np.ones((1, 2), np.float32), matrix, np.array([[0, 0, 1]]), 26, 2, out)
+    except Exception:  # noqa: BLE001 - any failure to build means: use numpy
+        return None
+    return kernel
+
+
+def _project_pass(
+    values: np.ndarray,
+    matrices: np.ndarray,
+    parts: np.ndarray,
+    width: int,
+    block: int,
+    out: np.ndarray,
+) -> None:  # pragma: no cover - compiled by Numba (its bits are tested against numpy's)
+    """Exact probes of float32 rows ``values`` ``(r, d)`` into float32 ``out`` ``(r, k)``.
+
+    ``parts[i] = (slot, start, stop)``: rows ``start:stop`` use ``matrices[slot]``, a
+    probe matrix in float64, ``(d, k)``. Rows are split ``block // 2`` at a time into
+    ``block`` slice rows, whose product is one single-threaded BLAS call (``_gemm``'s
+    reason).
+    """
+    d = values.shape[1]
+    k = out.shape[1]
+    unit = 2.0**width
+    tiny = 2.0**-126
+    rows = max(1, block // 2)
+    slices = np.empty((2 * rows, d), np.float64)
+    scales = np.empty(rows, np.float64)
+    bad = np.zeros(rows, np.bool_)
+    bits = out.view(np.uint32)
+    words = values.view(np.uint32)
+    cell = np.empty(1, np.uint32)
+    magnitude = cell.view(np.float32)
+    for part in range(parts.shape[0]):
+        q = matrices[parts[part, 0]]
+        for begin in range(parts[part, 1], parts[part, 2], rows):
+            n = min(rows, parts[part, 2] - begin)
+            for r in range(n):
+                row = begin + r
+                # The peak magnitude from the bits: for float32, the order of the
+                # magnitudes is that of the bits without the sign (an integer maximum,
+                # which vectorises); at or above an infinity's it holds an inf or NaN.
+                peak_bits = np.uint32(0)
+                for i in range(d):
+                    peak_bits = max(peak_bits, words[row, i] & np.uint32(0x7FFFFFFF))
+                bad[r] = peak_bits >= np.uint32(0x7F800000)
+                if bad[r]:
+                    slices[r] = 0.0
+                    slices[n + r] = 0.0
+                    continue
+                # Below the smallest normal: only subnormals and zeros, flushed to zero.
+                cell[0] = peak_bits
+                peak = 0.0 if peak_bits < np.uint32(0x00800000) else np.float64(magnitude[0])
+                _, top = math.frexp(peak)
+                scale = math.ldexp(1.0, width - top)
+                scales[r] = scale
+                for i in range(d):
+                    v = np.float64(values[row, i])
+                    # Subnormals are flushed, as exact_rows does (in a row above its
+                    # flush threshold they make zero slices anyway).
+                    x = v * scale if abs(v) >= tiny else 0.0  # exact: a power of two
+                    # Truncation toward zero through int64: |x| < 2**w, exact.
+                    whole = np.float64(np.int64(x))
+                    slices[r, i] = whole
+                    slices[n + r, i] = np.float64(np.int64((x - whole) * unit))
+            # Exact in any summation order (the module docstring): BLAS's is as good as any.
+            products = np.dot(slices[: 2 * n], q)
+            for r in range(n):
+                row = begin + r
+                if bad[r]:
+                    for j in range(k):
+                        bits[row, j] = 0x7FC00000
+                    continue
+                scale = scales[r]
+                for j in range(k):
+                    # exact_finish: the same two operations and one rounding.
+                    total = products[r, j] / scale
+                    total += products[n + r, j] / (scale * unit)
+                    out[row, j] = np.float32(0.0) if abs(total) < tiny else np.float32(total)
+
+
 def _gemm(a: np.ndarray, q: np.ndarray, out: np.ndarray) -> None:
     """``out = a @ q`` in row blocks that keep each product single-threaded."""
     step = max(1, _SINGLE_THREAD_GEMM // max(1, q.shape[0] * q.shape[1]))
@@ -227,6 +345,10 @@ class ProbeSet:
     rows: tuple[np.ndarray | None, ...]
     #: The matrices in float64 (:meth:`_matrix64`).
     _wide: dict[int, np.ndarray] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    #: Per last dimension, the stacked float64 matrices (:meth:`_stacked`).
+    _by_width: dict[int, tuple[np.ndarray, dict[int, int]]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
     #: Per leaf, the bytes of the rows of the last post-update probe :meth:`project_steps`
@@ -296,15 +418,26 @@ class ProbeSet:
         for index, (leaf, _) in enumerate(jobs):
             groups.setdefault(int(self.matrices[leaf].shape[0]), []).append(index)
         results: list[list[np.ndarray]] = [[] for _ in jobs]
-        for indices in groups.values():
+        kernel = _kernel()
+        for d, indices in groups.items():
             arrays = [array for index in indices for array in jobs[index][1]]
             values = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-            parts, start = [], 0
+            spans, start = [], 0
             for index in indices:
                 stop = start + sum(len(array) for array in jobs[index][1])
-                parts.append((self._matrix64(jobs[index][0]), start, stop))
+                spans.append((jobs[index][0], start, stop))
                 start = stop
-            probes = _project_groups(values, parts)
+            if kernel is not None and d > 0:
+                stacked, slots = self._stacked(d)
+                parts = np.array([(slots[leaf], a, b) for leaf, a, b in spans], dtype=np.int64)
+                values = np.ascontiguousarray(values, dtype=np.float32)
+                probes = np.empty((len(values), stacked.shape[2]), dtype=np.float32)
+                block = max(2, _SINGLE_THREAD_GEMM // max(1, d * stacked.shape[2]))
+                kernel(values, stacked, parts, slice_width(d), block, probes)
+            else:
+                probes = _project_groups(
+                    values, [(self._matrix64(leaf), a, b) for leaf, a, b in spans]
+                )
             start = 0
             for index in indices:
                 for array in jobs[index][1]:
@@ -360,6 +493,16 @@ class ProbeSet:
 
     def project_all(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         return [self.project(i, array) for i, array in enumerate(arrays)]
+
+    def _stacked(self, d: int) -> tuple[np.ndarray, dict[int, int]]:
+        """The float64 matrices of every leaf of last dimension ``d``, stacked ``(n, d, k)``,
+        and each such leaf's slot in the stack (built on first use)."""
+        held = self._by_width.get(d)
+        if held is None:
+            leaves = [leaf for leaf, m in enumerate(self.matrices) if m.shape[0] == d]
+            stacked = np.ascontiguousarray(np.stack([self._matrix64(leaf) for leaf in leaves]))
+            held = self._by_width[d] = (stacked, {leaf: n for n, leaf in enumerate(leaves)})
+        return held
 
     def _matrix64(self, leaf: int) -> np.ndarray:
         """A leaf's matrix in float64, as the exact products take it (built on first use)."""

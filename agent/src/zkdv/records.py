@@ -66,18 +66,42 @@ Durability
 ----------
 :class:`TranscriptWriter` opens the file with ``O_APPEND`` and writes each record with a
 single ``write`` of its complete encoding, so a crash can only leave a truncated *last*
-record, never damage an earlier one; the reader reports such a tail precisely. The
-writer ``fsync``\\ s after the root, after every check and snapshot record, every
+record, never damage an earlier one; the reader reports such a tail precisely. A step's
+probe block is written to ``probes.bin`` (unbuffered) before the record that binds it.
+The writer ``fsync``\\ s after the root, after every check and snapshot record, every
 ``fsync_every`` step records, and at close.
+
+With ``background=True`` (what :class:`~zkdv.core.ZKDVCore` uses under a training run)
+the caller only encodes and hashes: the chain and the record's hash (hence the sampling
+decision) are fixed at once, and the bytes go to one writer thread that performs every
+``write`` and ``fsync``, and every file job handed to :meth:`TranscriptWriter.submit`,
+strictly in submission order. So, for a step of a training run:
+
+* it is **decided** when its record is hashed (on the commit stage);
+* it is **committed** when the writer has handed its bytes to the kernel, after the
+  batch and gradient files and the probe block it refers to: from then on it survives
+  the process being killed (``kill -9``), and every record before it does too;
+* it is **durable** (survives a power loss or an OS crash) after the next ``fsync``:
+  at the latest ``fsync_every`` step records later, at the next snapshot or check
+  record, or at close.
+
+The writer holds at most ``max_pending_bytes`` of queued work (a single larger item is
+admitted alone); beyond that :meth:`TranscriptWriter.append` and
+:meth:`TranscriptWriter.submit` wait, which is the pipeline's back-pressure when the
+disk falls behind. :meth:`TranscriptWriter.flush` waits until everything queued is
+committed; ``close()`` also ``fsync``\\ s. A write that fails stops every later one and
+is raised by the next call.
 """
 
 from __future__ import annotations
 
 import io
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import IO, Any, BinaryIO
+from typing import IO, Any
 
 import cbor2
 
@@ -101,6 +125,9 @@ PROBES_FILE = "probes.bin"
 # A record larger than this is malformed: the largest legitimate one is a root record
 # whose schema lists every leaf of a very large model.
 MAX_RECORD_BYTES = 64 * 1024 * 1024
+#: A background writer's default bound on queued work (records, probes and files).
+DEFAULT_PENDING_BYTES = 256 * 1024 * 1024
+_APPEND_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
 
 
 def encode(record: dict[str, Any]) -> bytes:
@@ -124,9 +151,20 @@ class TranscriptWriter:
             transcript: a run never appends to another run's records.
         fsync_every: fsync after this many step records (roots, checks, snapshots and
             the close record are always synced).
+        background: write and fsync on one writer thread, in submission order (see the
+            module's "Durability"); otherwise every call writes before it returns.
+        max_pending_bytes: with ``background``, the most bytes of queued work before a
+            call waits for the writer (back-pressure).
     """
 
-    def __init__(self, directory: str | os.PathLike[str], *, fsync_every: int = 64) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        fsync_every: int = 64,
+        background: bool = False,
+        max_pending_bytes: int = DEFAULT_PENDING_BYTES,
+    ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.path = self.directory / RECORDS_FILE
@@ -134,63 +172,167 @@ class TranscriptWriter:
             raise FileExistsError(
                 f"{self.path} already holds a transcript; use a new proof directory per run"
             )
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-        self._fd: int | None = os.open(self.path, flags, 0o644)
-        self._probes: BinaryIO | None = None
+        self._fd: int | None = os.open(self.path, _APPEND_FLAGS, 0o644)
+        self._probes: int | None = None
         self._probe_offset = 0
         self._prev = ZERO_DIGEST
         self._unsynced = 0
         self._fsync_every = max(1, fsync_every)
         self.records = 0
+        # Encoding, chaining and queueing happen under one lock, so the writer thread
+        # receives records in chain order whichever thread appends them.
+        self._order = threading.Lock()
+        self._space = threading.Condition()
+        self._pending = 0
+        self._pending_jobs = 0
+        self._max_pending = max(1, int(max_pending_bytes))
+        self._error: BaseException | None = None
+        # One worker: FIFO. An executor's worker is joined at interpreter exit, so
+        # records queued when a script ends without close() are still written.
+        self._executor = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="zkdv-writer")
+            if background
+            else None
+        )
 
     @property
     def digest(self) -> bytes:
-        """Hash of the last record written (the transcript digest once closed)."""
+        """Hash of the last record appended (the transcript digest once closed)."""
         return self._prev
+
+    @property
+    def background(self) -> bool:
+        return self._executor is not None
 
     def append(self, record: dict[str, Any], *, sync: bool = False) -> bytes:
-        """Chain, encode and append one record; returns its hash."""
-        if self._fd is None:
-            raise ValueError("transcript writer is closed")
-        record = {**record, "prev": self._prev}
-        encoded = encode(record)
-        view = memoryview(encoded)
-        while view:
-            written = os.write(self._fd, view)
-            view = view[written:]
-        self._prev = record_hash(encoded)
-        self.records += 1
-        self._unsynced += 1
-        if sync or self._unsynced >= self._fsync_every:
-            self.sync()
-        return self._prev
+        """Chain, encode and append one record; returns its hash.
+
+        With ``background`` the record is queued: its hash and place in the chain are
+        final, its bytes reach the file when the writer thread gets to them.
+        """
+        with self._order:
+            fd = self._require_fd()
+            record = {**record, "prev": self._prev}
+            encoded = encode(record)
+            self._prev = record_hash(encoded)
+            self.records += 1
+            self._unsynced += 1
+            self._enqueue(lambda: _write_all(fd, memoryview(encoded)), len(encoded))
+            if sync or self._unsynced >= self._fsync_every:
+                self._unsynced = 0
+                self._enqueue(self._fsync, 0)
+            return self._prev
 
     def append_probes(self, data: bytes | memoryview) -> dict[str, Any]:
-        """Append probe floats to the sidecar; returns the step record's ``probe`` field."""
-        if self._probes is None:
-            self._probes = open(self.directory / PROBES_FILE, "wb")  # noqa: SIM115 - owned
-        offset = self._probe_offset
-        self._probes.write(data)
-        self._probe_offset += len(data)
-        return {"off": offset, "len": len(data), "digest": hash_bytes(Domain.PROBE, data)}
+        """Append probe floats to the sidecar; returns the step record's ``probe`` field.
+
+        ``data`` must not change afterwards: with ``background`` it is written later,
+        before any record appended after this call.
+        """
+        with self._order:
+            self._require_fd()
+            if self._probes is None:
+                self._probes = os.open(self.directory / PROBES_FILE, _APPEND_FLAGS, 0o644)
+            fd = self._probes
+            view = memoryview(data).cast("B")
+            offset = self._probe_offset
+            self._probe_offset += len(view)
+            self._enqueue(lambda: _write_all(fd, view), len(view))
+            return {"off": offset, "len": len(view), "digest": hash_bytes(Domain.PROBE, view)}
+
+    def submit(self, job: Callable[[], object], nbytes: int = 0) -> None:
+        """Run ``job`` on the writer, after everything appended or submitted before.
+
+        A file the next record refers to (a committed batch) is submitted before that
+        record, so a record is never committed before its files. ``nbytes``: what the
+        job holds in memory until it runs, counted against ``max_pending_bytes``.
+        """
+        with self._order:
+            self._require_fd()
+            self._enqueue(job, nbytes)
+
+    def flush(self) -> None:
+        """Wait until everything queued is written (committed, not necessarily synced).
+
+        Raises:
+            OSError: (or whatever a job raised) a queued write failed.
+        """
+        if self._executor is not None:
+            with self._space:
+                while self._pending_jobs and self._error is None:
+                    self._space.wait()
+        self._raise()
 
     def sync(self) -> None:
-        if self._probes is not None:
-            self._probes.flush()
-            os.fsync(self._probes.fileno())
-        if self._fd is not None:
-            os.fsync(self._fd)
+        """Write everything queued, then ``fsync`` both files before returning."""
+        self.flush()
+        self._fsync()
         self._unsynced = 0
 
     def close(self) -> None:
         if self._fd is None:
             return
-        self.sync()
-        os.close(self._fd)
-        self._fd = None
+        try:
+            self.sync()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+            os.close(self._fd)
+            self._fd = None
+            if self._probes is not None:
+                os.close(self._probes)
+                self._probes = None
+
+    # --- the writer thread -------------------------------------------------------------
+    def _require_fd(self) -> int:
+        if self._fd is None:
+            raise ValueError("transcript writer is closed")
+        self._raise()
+        return self._fd
+
+    def _raise(self) -> None:
+        error = self._error
+        if error is not None:
+            raise OSError(f"ZKDV transcript writer failed: {error}") from error
+
+    def _enqueue(self, job: Callable[[], object], nbytes: int) -> None:
+        executor = self._executor
+        if executor is None:
+            job()
+            return
+        with self._space:
+            # Back-pressure: wait for room, but always admit an item into an empty queue.
+            while self._pending and self._pending + nbytes > self._max_pending:
+                if self._error is not None:
+                    break
+                self._space.wait()
+            self._raise()
+            self._pending += nbytes
+            self._pending_jobs += 1
+        executor.submit(self._run, job, nbytes)
+
+    def _run(self, job: Callable[[], object], nbytes: int) -> None:
+        try:
+            if self._error is None:
+                job()
+        except BaseException as error:  # noqa: BLE001 - kept, raised by the next call
+            self._error = error
+        finally:
+            with self._space:
+                self._pending -= nbytes
+                self._pending_jobs -= 1
+                self._space.notify_all()
+
+    def _fsync(self) -> None:
         if self._probes is not None:
-            self._probes.close()
-            self._probes = None
+            os.fsync(self._probes)
+        if self._fd is not None:
+            os.fsync(self._fd)
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 class Record:

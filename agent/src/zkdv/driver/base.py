@@ -28,6 +28,7 @@ the same point.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from collections.abc import Callable
@@ -199,6 +200,9 @@ class Driver:
             probe_ratio=self.probe_ratio,
             snapshot_interval=self._replay_snapshot_interval,
             max_in_flight=self._max_in_flight,
+            # Writes and fsyncs leave the commit stage: it releases the live state (and
+            # the training thread's mutation barrier) without waiting for the disk.
+            background_writes=True,
         )
         self._started = True
 
@@ -226,8 +230,25 @@ class Driver:
         self._experiment = {**(self._experiment or {}), "regime": regime}
 
     def join(self) -> None:
-        """Wait for every queued commitment and sampled check without closing."""
+        """Wait for every queued commitment and sampled check without closing.
+
+        On return every record of the steps submitted so far is committed: written to
+        the transcript, with the files it refers to (``docs/transcript.md``,
+        "Durability").
+        """
         self._queue.join()
+        self._flush()
+
+    def _flush(self) -> None:
+        """Wait for the transcript's writer; a failed write poisons the pipeline."""
+        core = self._core
+        if core is None:
+            return
+        try:
+            core.flush()
+        except OSError as error:  # the writer's failure (zkdv.records)
+            self._queue.poison(error)
+            self._queue.check()
 
     def close(self) -> None:
         """Wait for all commitments and checks, flush the tape, release resources.
@@ -265,7 +286,10 @@ class Driver:
                     self._queue.close()
                     core = self._core
                     if core is not None and core.opened:
-                        self.digest = core.close()
+                        try:
+                            self.digest = core.close()
+                        except OSError as error:  # the writer failed: the run is poisoned
+                            self._queue.poison(error)
             self._queue.check()
         except ZKDVPoisonedError as error:
             failure = error
@@ -478,9 +502,21 @@ class Driver:
                 )
             batch = sub.batch()
             if self._keep_files:
-                write_batch(batch_path(self.path, pending.index), np.asarray(batch))
+                # On the writer, ahead of the step's record: the record is committed
+                # only after its files are (docs/transcript.md, "Durability").
+                words = np.asarray(batch)
+                core.submit_file(
+                    functools.partial(write_batch, batch_path(self.path, pending.index), words),
+                    words.nbytes,
+                )
                 if computed is not None and computed[1] is not None:
-                    write_state(gradient_path(self.path, pending.index), computed[1])
+                    leaves = computed[1]
+                    core.submit_file(
+                        functools.partial(
+                            write_state, gradient_path(self.path, pending.index), leaves
+                        ),
+                        sum(np.asarray(array).nbytes for _, array in leaves),
+                    )
             snapshot = sub.snapshot
             if snapshot is not None:
                 sub.snapshot = None
@@ -542,6 +578,8 @@ class Driver:
         sub = pending.submission
         try:
             acquired.set()
+            # A replay may read the files of its window (committed gradients).
+            core.flush()
             outcome = sub.replay(challenge)
             if outcome.committed_delta is not None:
                 committed = (outcome.committed_delta, committed[1])

@@ -211,7 +211,17 @@ class TorchStep(Submission):
             return committer.commitment(self.index, pending), files
         leaves = [(name, host_array(tensor)) for name, tensor in tensors]
         self.proof.transfers.add(self.index, "gradient", sum(array.nbytes for _, array in leaves))
-        return leaves, leaves if keep else None
+        if not keep:
+            return leaves, None
+        # The file is written after the commit stage releases the live state: it keeps
+        # the step's own copies (gradients, buffers) and copies what is live (a
+        # GradScaler's scalars), which the next step may change.
+        owned = {id(t) for t in (*gradients, *self.post_buffers) if t is not None}
+        files = [
+            (name, array if id(tensor) in owned else array.copy())
+            for (name, array), (_, tensor) in zip(leaves, tensors, strict=True)
+        ]
+        return leaves, files
 
     def probes(self, probes: ProbeSet) -> tuple[list[np.ndarray], ...] | None:
         committer = self.proof._device_committer
