@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "agent" / "src")]
 
-TORCH_RECIPES = ("bn", "cnn", "hf", "lm")
+TORCH_RECIPES = ("bn", "cnn", "hf", "lm", "hf-trainer", "lightning")
 JAX_RECIPES = ("jax-digits", "jax-batchstats", "jax-lm")
 JAX_STEPS = 12
 #: Torch environments: (name, kernel family, threads, program kind).
@@ -130,7 +130,7 @@ def main() -> int:
                 environments = list(JAX_ENVIRONMENTS)
             else:
                 # An AOT Inductor program refuses random operators: the dropout recipes
-                # (hf, lm) have none.
+                # (hf, lm, hf-trainer, lightning) have none.
                 aot = not args.no_aot and recipe in ("bn", "cnn")
                 environments = [e for e in TORCH_ENVIRONMENTS if aot or e[3] != "aot-inductor"]
             for environment in environments:

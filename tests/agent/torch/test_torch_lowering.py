@@ -57,6 +57,48 @@ def test_calling_the_prepared_module_directly_traces_its_state(tmp_path: Path) -
     assert verdict.ok and all(e.exact for e in verdict.evidence), verdict.message
 
 
+def test_loss_backward_in_the_attested_step_is_proof_backward(tmp_path: Path) -> None:
+    # What frameworks' own steps call (Accelerate's backward, Lightning's closure): the
+    # trace differentiates it as proof.backward does, micro-batches accumulating.
+    from provers import torch_replay
+
+    every_step = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy.DEBUGCheckEvery(1))
+    proof = zkdv.torch.ZKDV(tmp_path / "proof", every_step)
+    proof.start(rolling_window=2)
+    model = nn.Linear(3, 2)
+    model, optimizer = proof.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @proof.attest
+    def step(model, optimizer, batch):
+        inputs, targets = batch
+        for rows in (slice(0, 2), slice(2, 4)):
+            (functional.cross_entropy(model(inputs[rows]), targets[rows]) / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    try:
+        for _ in range(3):
+            batch = (torch.randn(4, 3), torch.randint(2, (4,)))
+            with proof.transaction(batch=batch):
+                step(model, optimizer, batch)
+    finally:
+        proof.close()
+    report = verify_transcript(tmp_path / "proof")
+    assert report.ok and report.checks == 3, report.summary()
+    verdict = torch_replay.verify_challenge(tmp_path / "proof", 0, through=2)
+    assert verdict.ok and all(e.exact for e in verdict.evidence), verdict.message
+
+
+def test_loss_backward_with_inputs_in_the_attested_step_is_refused(tmp_path: Path) -> None:
+    def attested(proof, model, optimizer, batch):
+        loss = functional.cross_entropy(model(batch[0]), batch[1])
+        loss.backward(inputs=[model.weight])
+        optimizer.step()
+
+    with pytest.raises(RuntimeError, match=r"loss\.backward\(inputs=\.\.\.\) inside the attested"):
+        _run(tmp_path, nn.Linear(3, 2), attested)
+
+
 def test_forward_of_an_unprepared_model_is_rejected(tmp_path: Path) -> None:
     other = nn.Linear(3, 2)
 

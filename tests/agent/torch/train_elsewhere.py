@@ -26,9 +26,8 @@ def main(argv: list[str]) -> None:
         if kind == "forgery":
             recipes.FORGERIES[name](directory / run, name, recipes.NO_CHECKS)
         else:
-            recipes.RECIPES[name](
-                directory / run, seed=int(seed[0]), zkdv_config=recipes.EVERY_STEP
-            )
+            recipe = recipes.RECIPES.get(name) or recipes.FRAMEWORK_RECIPES[name]
+            recipe(directory / run, seed=int(seed[0]), zkdv_config=recipes.EVERY_STEP)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,11 @@ traced gradients and is recorded with them. The prepared optimizer's ``step()`` 
 the transition: the gradients it reads are the parameters' ``.grad`` at that moment.
 When the capture ends, every parameter's ``.grad`` is restored to what it was before.
 Outside a capture these calls are ordinary eager Torch.
+
+``loss.backward()`` works inside the capture too (a Torch function mode routes
+``Tensor.backward`` to :meth:`AttestationCapture.backward`), so a step that frameworks
+write for you (Hugging Face's ``Trainer.training_step``, which calls Accelerate's
+``backward``, or Lightning's closure) is attested as it is.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from contextvars import ContextVar, Token
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 __all__ = ["AttestationCapture", "current_capture"]
 
@@ -27,6 +33,11 @@ _CURRENT: ContextVar[AttestationCapture | None] = ContextVar("zkdv_torch_capture
 
 NO_BACKWARD = "call proof.backward(loss) before optimizer.step()"
 TWO_STEPS = "an attested Torch step may call optimizer.step() once"
+BACKWARD_OPTIONS = (
+    "loss.backward({options}) inside the attested step is not supported; call "
+    "loss.backward() (or proof.backward(loss)) and let the step differentiate with respect "
+    "to every trained parameter"
+)
 FOREIGN_OPTIMIZER = (
     "the attested function stepped an optimizer that was not prepared with this proof; "
     "pass it through proof.prepare() first"
@@ -89,6 +100,7 @@ class AttestationCapture:
         self.transition: Any = None
         self.backward_calls = 0
         self._token: Token[AttestationCapture | None] | None = None
+        self._mode: _RouteBackward | None = None
 
     def backward(self, loss: torch.Tensor, gradient: Any = None) -> None:
         """Add ``d loss / d parameters`` to the parameters' gradients, as backward does."""
@@ -160,9 +172,14 @@ class AttestationCapture:
             for parameter in self.live:
                 parameter.grad = None
         self._token = _CURRENT.set(self)
+        self._mode = _RouteBackward(self)
+        self._mode.__enter__()  # type: ignore[no-untyped-call]
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            self._mode = None
         if self._token is not None:
             _CURRENT.reset(self._token)
             self._token = None
@@ -170,3 +187,31 @@ class AttestationCapture:
             for parameter, saved in zip(self.live, self._saved, strict=True):
                 parameter.grad = saved
             self._saved = []
+
+
+class _RouteBackward(TorchFunctionMode):
+    """``loss.backward()`` in the attested step does what ``proof.backward(loss)`` does."""
+
+    def __init__(self, capture: AttestationCapture) -> None:
+        super().__init__()
+        self.capture = capture
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is not torch.Tensor.backward:
+            return func(*args, **kwargs)
+        loss, *rest = args
+        options = dict(
+            zip(("gradient", "retain_graph", "create_graph", "inputs"), rest, strict=False)
+        )
+        options.update(kwargs)
+        gradient = options.pop("gradient", None)
+        # retain_graph only keeps buffers alive in eager autograd; the trace needs none.
+        options.pop("retain_graph", None)
+        used = {name: value for name, value in options.items() if value not in (None, False)}
+        if used:
+            raise RuntimeError(BACKWARD_OPTIONS.format(options=", ".join(f"{k}=..." for k in used)))
+        self.capture.backward(loss, gradient)
+        return None

@@ -218,6 +218,7 @@ def trace(
     # Reads of tensor values (``if mask.all():``) are allowed: the trace keeps the branch
     # taken, and the batch-dependent ones become guards (zkdv.torch.guards).
     graph = make_fx(function, tracing_mode="real", _error_on_data_dependent_ops=False)(*arguments)
+    _one_cpu_device(graph)
     captured = []
     for node in graph.graph.nodes:
         if node.op != "get_attr":
@@ -312,3 +313,18 @@ def lower(
     else:
         program, material = artifact.export_roundtrip(graph, detached)
     return LoweredProgram(program, material, kind, flags, graph, guards)
+
+
+def _one_cpu_device(graph: torch.fx.GraphModule) -> None:
+    """Name the CPU ``cpu`` in every device argument of the traced graph.
+
+    Eager Torch has one CPU device, but a step that moves tensors to ``cpu:0`` (what
+    Accelerate's ``device`` is in a multi-process CPU run) records that name, and the
+    export's fake tensors then see two devices.
+    """
+    cpu = torch.device("cpu")
+    for node in graph.graph.nodes:
+        device = node.kwargs.get("device")
+        if isinstance(device, torch.device) and device.type == "cpu" and device.index is not None:
+            node.kwargs = {**node.kwargs, "device": cpu}
+    graph.recompile()
