@@ -62,8 +62,9 @@ class Organization(models.Model):
         max_length=8, choices=OrganizationKind.choices, default=OrganizationKind.LAB
     )
     created = models.DateTimeField(default=timezone.now)
-    #: The key the challenge seeds of this organisation's proofs derive from
-    #: (``attestations.challenges.replay.draw``): hex, made on first use, never shown.
+    #: The per-organisation key challenge seeds derived from before the v3 seed context
+    #: (hex, never shown). No longer read: every seed now derives from the platform-wide
+    #: key, :func:`attestations.challenges.secret.challenge_key`; the column is kept.
     challenge_key = models.CharField(max_length=64, blank=True, editable=False)
 
     class Meta:

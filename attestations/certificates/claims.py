@@ -327,7 +327,10 @@ def _take(facts: RunFacts, data: dict[str, Any]) -> None:
 
 @dataclass(frozen=True)
 class Limits:
-    """The declared spec a run is held to (from :class:`~attestations.models.ExperimentSpec`)."""
+    """The declared spec a run is held to.
+
+    Read from :class:`~attestations.experiments.models.ExperimentSpec`.
+    """
 
     max_flops: Decimal | None = None
     max_tokens: Decimal | None = None

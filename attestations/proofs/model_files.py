@@ -3,7 +3,7 @@
 A proof directory keeps the final model under ``model/`` (dvbench's ``proof.save_model``):
 safetensors files, and optionally a model_signing signature and its public key. The
 weights must hold exactly the transcript's final parameters; that is checked when they
-are attached (``attestations.challenges.replay``) and again when the certificate is
+are attached (``attestations.challenges.answers``) and again when the certificate is
 issued (``attestations.certificates.subjects``).
 """
 

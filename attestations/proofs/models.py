@@ -115,7 +115,7 @@ class Proof(models.Model):
     created = models.DateTimeField(default=timezone.now)
     claimed = models.DateTimeField(null=True, blank=True)
     verified = models.DateTimeField(null=True, blank=True)
-    # The challenge plan (attestations/challenges/replay.py). The seed is the platform's secret
+    # The challenge plan (attestations/challenges/draw.py). The seed is the platform's secret
     # until the verdict is final: only its SHA-256 is shown while answers are pending,
     # so the trainer cannot predict which steps a re-filed transcript would face.
     challenge_seed = models.CharField(max_length=64, blank=True)

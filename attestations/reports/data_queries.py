@@ -8,7 +8,7 @@ How it is answered. Each step record commits its batch by a Merkle root over the
 by ``win``, a digest of the sorted multiset of the rolling-window fingerprints
 (:mod:`zkdv.batch`). A digest cannot be searched, so the platform answers from the batch
 files the trainer attached to the proof (``files/batch-<step>.u32``, see
-:class:`~attestations.models.ProofArtifact`): each file is first checked against its
+:class:`~attestations.proofs.models.ProofArtifact`): each file is first checked against its
 step's committed root and window digest (a file that does not match is reported and never
 searched), then searched exactly with :func:`zkdv.batch.contains_window` (fingerprints,
 then a word-by-word comparison). Steps whose batch the platform does not hold are counted,

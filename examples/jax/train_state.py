@@ -16,10 +16,7 @@ import zkdv
 
 # Initialize ZKDV once, before compiling the training step.
 config = zkdv.ZKDVConfig(
-    sampling_policy=zkdv.SamplingPolicy(
-        state_check_probability=0.01,
-        update_check_probability=0.01,
-    ),
+    sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.01),
 )
 proof = zkdv.jax.ZKDV("proof", config)
 proof.start(rolling_window=2, probe_ratio=0.01)

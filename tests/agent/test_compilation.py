@@ -14,7 +14,7 @@ from zkdv.compilation import PyTreeAdapter, ResultSchema, jax_trees, torch_trees
 def test_importing_zkdv_and_its_mechanics_imports_no_framework() -> None:
     code = (
         "import sys, zkdv, zkdv.compilation, zkdv.transaction, zkdv.signature, "
-        "zkdv.flowcontrol, zkdv.control\n"
+        "zkdv.driver.flowcontrol, zkdv.driver.control\n"
         "zkdv.compilation.PyTreeAdapter\n"
         "print(sorted(m for m in ('jax', 'torch') if m in sys.modules))"
     )

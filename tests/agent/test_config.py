@@ -1,4 +1,4 @@
-"""Public configuration: validation and the state_check_probability resolution."""
+"""Public configuration: validation, defaults and the record form."""
 
 from __future__ import annotations
 
@@ -9,20 +9,7 @@ import pytest
 import zkdv
 
 
-def test_readme_quick_start_config_is_accepted_with_a_deprecation_warning() -> None:
-    with pytest.warns(DeprecationWarning, match="update_check_probability") as caught:
-        policy = zkdv.SamplingPolicy(state_check_probability=0.01, update_check_probability=0.01)
-    assert caught[0].filename == __file__  # points at the caller, not at zkdv
-    assert policy.probability == 0.01
-
-
-def test_state_probability_alone_sets_the_update_probability() -> None:
-    with pytest.warns(DeprecationWarning):
-        policy = zkdv.SamplingPolicy(state_check_probability=0.2)
-    assert policy.probability == 0.2
-
-
-def test_the_sentinel_is_silent() -> None:
+def test_a_sampling_policy_warns_of_nothing() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert zkdv.SamplingPolicy(update_check_probability=0.03).probability == 0.03

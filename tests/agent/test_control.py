@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from zkdv.control import HostControl
+from zkdv.driver.control import HostControl
 from zkdv.errors import ZKDVError
 
 LOOPBACK = ("127.0.0.1", 0)

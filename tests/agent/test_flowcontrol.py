@@ -11,8 +11,8 @@ from concurrent.futures import Future
 
 import pytest
 
+from zkdv.driver.flowcontrol import Admission, PipelineQueue
 from zkdv.errors import ZKDVError, ZKDVPoisonedError
-from zkdv.flowcontrol import Admission, PipelineQueue
 from zkdv.overlap import ALWAYS, NEVER, UNCHECKED, Policy
 
 TIMEOUT = 5.0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +15,6 @@ __all__ = [
     "ZKDVConfig",
 ]
 
-STATE_CHECK_SENTINEL = -1.0
 # 1 MiB: opening one coordinate discloses one chunk, and smaller chunks cost Python
 # overhead per chunk that drops commitment throughput below 0.85 of raw BLAKE3 on two
 # cores (bench/commit_throughput.py: 0.62 at 64 KiB, 0.78 at 256 KiB, 0.90 at 1 MiB).
@@ -24,12 +22,6 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 
 #: Where state commitments, probes and challenged values are computed (ZKDVConfig).
 COMMITMENT_PATHS = ("auto", "host", "device")
-
-STATE_CHECK_DEPRECATED = (
-    "SamplingPolicy(state_check_probability=...) is deprecated and has no separate "
-    "effect: every sampled check covers one update coordinate and one optimizer-state "
-    "coordinate. Configure update_check_probability instead."
-)
 
 
 def _probability(name: str, value: float) -> float:
@@ -47,25 +39,16 @@ class SamplingPolicy:
     step ``t``'s record (Fiat-Shamir), so a verifier recomputes every decision.
 
     Args:
-        update_check_probability: probability that a step is re-executed and checked.
-        state_check_probability: kept for backwards compatibility and should not be
-            configured; its only meaningful value is the sentinel ``-1.0``. Any other
-            value is accepted with a ``DeprecationWarning`` (the README quick start
-            passes one) and is used as the update probability only when
-            ``update_check_probability`` is not given.
+        update_check_probability: probability that a step is re-executed and checked
+            (0.01 when not given). Every sampled check covers one update coordinate and
+            one optimizer-state coordinate.
     """
 
     update_check_probability: float | None = None
-    state_check_probability: float = STATE_CHECK_SENTINEL
     check_every: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         update = self.update_check_probability
-        if self.state_check_probability != STATE_CHECK_SENTINEL:
-            state = _probability("state_check_probability", self.state_check_probability)
-            warnings.warn(STATE_CHECK_DEPRECATED, DeprecationWarning, stacklevel=3)
-            if update is None:
-                update = state
         object.__setattr__(
             self,
             "update_check_probability",

@@ -157,14 +157,14 @@ def test_the_driver_imports_in_any_order() -> None:
     import sys
 
     statements = (
-        "from zkdv.driver.torch import ZKDV",
+        "from zkdv.torch._driver import ZKDV",
         "from zkdv.torch import ZKDV",
         "import zkdv; ZKDV = zkdv.torch.ZKDV",
     )
     # Fresh interpreters, started together: each import order needs its own process.
     runs = [
         subprocess.Popen(
-            [sys.executable, "-c", f"{s}; import zkdv.driver.torch as d; assert ZKDV is d.ZKDV"],
+            [sys.executable, "-c", f"{s}; import zkdv.torch._driver as d; assert ZKDV is d.ZKDV"],
             stderr=subprocess.PIPE,
             text=True,
         )

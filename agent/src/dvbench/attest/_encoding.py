@@ -26,7 +26,8 @@ _TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 def canonical_json(document: Any) -> bytes:
     """UTF-8 JSON with sorted keys and no insignificant whitespace.
 
-    The same encoding as the platform's spec digests (``attestations.models``). For
+    The encoding of the spec digests (:func:`dvbench.spec_digest`, which the platform's
+    ``attestations.experiments.models.ExperimentSpec.compute_digest`` calls). For
     documents holding only strings, integers, booleans and null it is the RFC 8785 (JCS)
     encoding; floats are written with Python's shortest round-trip ``repr``.
     """

@@ -15,8 +15,7 @@ holds what is the same for every framework:
 * :mod:`zkdv.driver.control`: :class:`~zkdv.driver.control.HostControl`, the channel
   on which rank 0 tells the other ranks its decisions.
 
-``zkdv.driver.jax`` and ``zkdv.driver.torch`` name each frontend's driver at the layout
-of the API reference; the drivers live in their frontend packages.
+The frontends' drivers live in their own packages (``zkdv.jax.ZKDV``, ``zkdv.torch.ZKDV``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ are documented in ``docs/jax.md``.
 
 Under ``jax.distributed`` (several processes, one SPMD program) process 0 owns the
 transcript; the others (followers) run the same program and learn over
-:class:`~zkdv.control.HostControl`, before each step, whether rank 0 may go on, so every
+:class:`~zkdv.driver.control.HostControl`, before each step, whether rank 0 may go on, so every
 process stops at the same step. The packed batch is all-gathered inside the step, so
 rank 0 commits the global batch without a separate collective, and the committed state
 must be replicated across processes (data parallelism; sharding within a process is

@@ -194,7 +194,8 @@ def environment(
         "fsdp": model.mesh,
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-        # How each step record's FLOPs were obtained (attestations/claims.py reads it).
+        # How each step record's FLOPs were obtained (attestations/certificates/claims.py
+        # reads it).
         "flops": {
             "method": "torch.utils.flop_counter"
             if program_flops is not None
