@@ -136,9 +136,10 @@ def main(argv: list[str] | None = None) -> None:
     checks: dict[str, int] = dict.fromkeys(POLICIES, 0)
     last: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="zkdv-bench-trainer-") as root:
-        for _ in range(args.rounds):
+        for round_ in range(args.rounds):
             for label in POLICIES:
-                result = _one(label, args.steps, Path(root), weights, bf16=args.autocast)
+                directory = Path(root) / f"round-{round_}"
+                result = _one(label, args.steps, directory, weights, bf16=args.autocast)
                 times[label].append(result["step_ms"])
                 firsts[label].append(result["first_ms"])
                 checks[label] += result["checks"]

@@ -57,18 +57,32 @@ def _fit(path: Path, config: zkdv.ZKDVConfig, module: Any = None, **options: Any
 
 
 @pytest.mark.slow
-def test_a_lightning_run_proves_every_step_and_replays_exactly(tmp_path: Path) -> None:
-    callback = _fit(tmp_path / "proof", EVERY_STEP)
+def test_a_lightning_run_proves_every_step_and_replays_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wandb = pytest.importorskip("wandb")
+    from lightning.pytorch.loggers import WandbLogger
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = WandbLogger(offline=True, save_dir=str(tmp_path))
+    try:
+        callback = _fit(tmp_path / "proof", EVERY_STEP, logger=logger)
+        tracked = dict(logger.experiment.config)
+    finally:
+        wandb.finish()
     report = verify_transcript(tmp_path / "proof")
     assert report.ok and report.checks == STEPS, report.summary()
     assert callback.digest == report.digest
+    # The trainer's logger (W&B, offline) records the proof.
+    assert tracked["zkdv/transcript_digest"] == report.digest
+    assert tracked["zkdv/steps"] == STEPS
     steps = [r.data for r in iter_records(tmp_path / "proof") if r.data["t"] == "step"]
     # OneCycle, stepped by Lightning after each optimizer step: one rate per step.
     rates = [step["hp"][0]["lr"] for step in steps]
     assert len(set(rates)) == STEPS and max(rates) <= 3e-3
     # Every micro-batch of a step is committed: two batches of four sequences.
-    assert report.root["env"]["batch"]["leaves"][0]["shape"][0] == 4
-    assert len(report.root["env"]["batch"]["leaves"]) == 2
+    leaves = report.root["env"]["batch"]["leaves"]
+    assert [leaf["shape"] for leaf in leaves] == [[4, 17], [4, 17]]
     replays_every_step_exactly(tmp_path / "proof")
 
 

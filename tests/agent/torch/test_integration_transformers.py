@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -229,6 +230,12 @@ def test_a_forged_lora_run_is_rejected(
 # --- accelerate launch --------------------------------------------------------------------
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 @pytest.mark.slow
 def test_the_trainer_script_proves_under_accelerate_launch_with_two_processes(
     tmp_path: Path,
@@ -239,6 +246,7 @@ def test_the_trainer_script_proves_under_accelerate_launch_with_two_processes(
     command = [
         *(sys.executable, "-m", "accelerate.commands.launch"),
         *("--multi_gpu", "--num_processes", "2", "--num_machines", "1"),
+        *("--main_process_port", str(_free_port())),
         *("--mixed_precision", "no", "--dynamo_backend", "no"),
         str(EXAMPLES / "hf_trainer.py"),
         *("--proof-dir", str(tmp_path / "proof"), "--steps", "4", "--max-grad-norm", "0"),
