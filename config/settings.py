@@ -170,7 +170,7 @@ CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BEAT_SCHEDULE = {
     "expire-challenges": {"task": "attestations.tasks.expire_challenges", "schedule": 300.0},
     "expire-uploads": {"task": "attestations.tasks.expire_uploads", "schedule": 3600.0},
-    # Re-send ingest for proofs whose message was lost (attestations.tasks).
+    # Re-send ingest for proofs whose message was lost (attestations.proofs.tasks).
     "requeue-stale-ingests": {
         "task": "attestations.tasks.requeue_stale_ingests",
         "schedule": 300.0,
@@ -290,6 +290,10 @@ class DVBenchSettings(TypedDict):
     MAX_BLOB_BYTES: int
     MAX_PART_BYTES: int
     UPLOAD_TTL_SECONDS: int
+    S3_DIRECT_UPLOADS: bool
+    S3_PRESIGN_SECONDS: int
+    S3_PUBLIC_ENDPOINT_URL: str
+    S3_COPY_MAX_BYTES: int
     API_KEY_TTL_DAYS: int
     API_KEY_MAX_DAYS: int
     SUDO_SECONDS: int
@@ -313,6 +317,17 @@ DVBENCH: DVBenchSettings = {
     "MAX_BLOB_BYTES": envint("DVBENCH_MAX_BLOB_BYTES", 8 * 1024**3, minimum=1024),
     "MAX_PART_BYTES": envint("DVBENCH_MAX_PART_BYTES", 64 * 1024**2, minimum=1024),
     "UPLOAD_TTL_SECONDS": envint("DVBENCH_UPLOAD_TTL_SECONDS", 7 * 24 * 3600, minimum=60),
+    # With S3 storage, clients PUT parts to presigned S3 URLs and the web server never
+    # proxies the bytes (attestations/uploads/s3.py); off: parts go through the API.
+    "S3_DIRECT_UPLOADS": envbool("DVBENCH_S3_DIRECT_UPLOADS", True),
+    # Lifetime of a presigned part URL: long enough to send one part, no longer.
+    "S3_PRESIGN_SECONDS": envint("DVBENCH_S3_PRESIGN_SECONDS", 900, minimum=10),
+    # The S3 endpoint as the training machines reach it, when not as the platform does
+    # (compose's http://minio:9000 is not a name outside compose): presigned URLs use it.
+    "S3_PUBLIC_ENDPOINT_URL": envstr("DVBENCH_S3_PUBLIC_ENDPOINT_URL"),
+    # Largest object whose SHA-256 S3 computes in one server-side copy (S3's own limit is
+    # 5 GiB); a larger one is streamed once from S3 and hashed by the worker.
+    "S3_COPY_MAX_BYTES": envint("DVBENCH_S3_COPY_MAX_BYTES", 5 * 1024**3, minimum=1),
     "API_KEY_TTL_DAYS": envint("DVBENCH_API_KEY_TTL_DAYS", 90, minimum=1),
     # No key lives longer than this, whoever asks (a longer `days` is a 400).
     "API_KEY_MAX_DAYS": envint("DVBENCH_API_KEY_MAX_DAYS", 365, minimum=1),

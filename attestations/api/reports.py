@@ -6,7 +6,7 @@ Who sees what:
   every organisation (they read claims and certificates, never artifacts); anyone else
   gets 404, so proof ids cannot be probed;
 * data-content queries: the organisation's trainers, auditors and admins
-  (:attr:`~attestations.models.Capability.AUDIT`); a regulator gets 403. Every query is
+  (:attr:`~attestations.accounts.models.Capability.AUDIT`); a regulator gets 403. Every query is
   an audit event.
 """
 

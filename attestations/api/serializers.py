@@ -28,6 +28,7 @@ from attestations.http.fields import StrictCharField, StrictIntegerField
 from attestations.http.permissions import require
 from attestations.proofs.models import Job, Proof, ProofArtifact
 from attestations.uploads.models import ArtifactKind, Upload, UploadPart
+from attestations.uploads.s3 import MIN_PART_BYTES as S3_MIN_PART_BYTES
 from attestations.uploads.services import max_part_bytes
 
 
@@ -613,6 +614,13 @@ class UploadPartSerializer(serializers.ModelSerializer[UploadPart]):
         fields = ["number", "size", "sha256"]
 
 
+class UploadPartURLRequestSerializer(serializers.Serializer[Any]):
+    """A direct upload's part, declared before it is sent to object storage."""
+
+    size = StrictIntegerField(min_value=1, help_text="The part's size in bytes.")
+    sha256 = Sha256Field(help_text="SHA-256 (hex) of the part's bytes.")
+
+
 class UploadSerializer(serializers.ModelSerializer[Upload]):
     experiment = FullNameField(
         source="experiment.full_name", help_text="The experiment, as owner/name."
@@ -627,8 +635,14 @@ class UploadSerializer(serializers.ModelSerializer[Upload]):
         default="",
         help_text="The file's path in the proof directory (informational).",
     )
-    parts = UploadPartSerializer(many=True, read_only=True)
-    received_bytes = serializers.IntegerField(read_only=True)
+    parts = serializers.SerializerMethodField()
+    received_bytes = serializers.SerializerMethodField()
+    direct = serializers.BooleanField(
+        read_only=True,
+        help_text="Parts go straight to object storage: ask for each part's URL "
+        "(POST uploads/{id}/parts/{n}/url/) and PUT it there.",
+    )
+    min_part_bytes = serializers.SerializerMethodField()
     blob_sha256 = serializers.CharField(source="blob.sha256", read_only=True, allow_null=True)
     proof = serializers.SerializerMethodField()
     max_part_bytes = serializers.SerializerMethodField()
@@ -646,6 +660,8 @@ class UploadSerializer(serializers.ModelSerializer[Upload]):
             "reason",
             "received_bytes",
             "parts",
+            "direct",
+            "min_part_bytes",
             "max_part_bytes",
             "blob_sha256",
             "proof",
@@ -667,6 +683,35 @@ class UploadSerializer(serializers.ModelSerializer[Upload]):
 
     def get_max_part_bytes(self, upload: Upload) -> int:
         return max_part_bytes()
+
+    @extend_schema_field(
+        serializers.IntegerField(
+            help_text="The least size of any part but the last (object storage's, 5 MiB, "
+            "for a direct upload; 1 otherwise)"
+        )
+    )
+    def get_min_part_bytes(self, upload: Upload) -> int:
+        return S3_MIN_PART_BYTES if upload.direct else 1
+
+    def _parts(self, upload: Upload) -> list[dict[str, Any]]:
+        held = self.context.get("direct_parts")
+        if held is not None:
+            return list(held)
+        return [dict(UploadPartSerializer(part).data) for part in upload.parts.all()]
+
+    @extend_schema_field(
+        UploadPartSerializer(
+            many=True,
+            help_text="Parts received; for an open direct upload, the declared parts object "
+            "storage holds",
+        )
+    )
+    def get_parts(self, upload: Upload) -> list[dict[str, Any]]:
+        return self._parts(upload)
+
+    @extend_schema_field(serializers.IntegerField())
+    def get_received_bytes(self, upload: Upload) -> int:
+        return sum(int(part["size"]) for part in self._parts(upload))
 
 
 class ChallengeSerializer(serializers.ModelSerializer[Challenge]):

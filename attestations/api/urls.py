@@ -38,6 +38,7 @@ GET     audit-events/                                    the audit trail (not re
 GET     uploads/ · POST uploads/                         upload sessions; open one
 GET     uploads/{id}/                                    state and parts received (resume)
 PUT     uploads/{id}/parts/{n}/                          part n, header X-Part-SHA256
+POST    uploads/{id}/parts/{n}/url/                      direct (S3): part n's presigned URL
 POST    uploads/{id}/complete/                           verify, store, file a transcript
 POST    uploads/{id}/abort/                              abort (kept, aborted)
 GET     schema/ · docs/ · redoc/                         OpenAPI document, Swagger, ReDoc
@@ -117,6 +118,11 @@ urlpatterns = [
         rf"^uploads/{UUID}/parts/(?P<number>[0-9]{{1,18}})/?$",
         api.UploadPartView.as_view(),
         name="part",
+    ),
+    re_path(
+        rf"^uploads/{UUID}/parts/(?P<number>[0-9]{{1,18}})/url/?$",
+        api.UploadPartURL.as_view(),
+        name="part-url",
     ),
     re_path(rf"^uploads/{UUID}/complete/?$", api.UploadComplete.as_view(), name="complete"),
     re_path(rf"^uploads/{UUID}/abort/?$", api.UploadAbort.as_view(), name="abort"),

@@ -57,12 +57,13 @@ from attestations.api.serializers import (
     ProofArtifactSerializer,
     ProofSerializer,
     SpecSerializer,
+    UploadPartURLRequestSerializer,
     UploadSerializer,
 )
 from attestations.audit.models import AuditEvent
 from attestations.challenges import replay
 from attestations.challenges.models import Challenge, ChallengeOrigin, ChallengeStatus
-from attestations.core.conf import client_ip
+from attestations.core.conf import api_datetime, client_ip
 from attestations.core.errors import ConflictError, InvalidRequestError, NotFoundError
 from attestations.experiments.models import (
     Experiment,
@@ -878,8 +879,14 @@ class UploadDetail(APIView):
 
     @extend_schema(responses=UploadSerializer)
     def get(self, request: Request, pk: Any) -> Response:
-        """The upload's state and the parts received so far (to resume after a failure)."""
-        return Response(UploadSerializer(_upload(request, pk, Capability.ARTIFACTS)).data)
+        """The upload's state and the parts received so far (to resume after a failure).
+
+        For a direct upload (``direct``: parts go straight to object storage), ``parts``
+        are the declared parts object storage holds with their declared size.
+        """
+        upload = _upload(request, pk, Capability.ARTIFACTS)
+        context = {"direct_parts": uploads.direct_parts(upload)} if upload.direct else {}
+        return Response(UploadSerializer(upload, context=context).data)
 
 
 class UploadAbort(APIView):
@@ -953,6 +960,62 @@ def _empty() -> Any:
     import io
 
     return io.BytesIO(b"")
+
+
+class UploadPartURL(APIView):
+    permission_classes = [HasCapability]
+
+    @extend_schema(
+        request=UploadPartURLRequestSerializer,
+        parameters=[
+            OpenApiParameter(
+                "number",
+                {"type": "integer", "minimum": 1, "maximum": uploads.MAX_PARTS},
+                OpenApiParameter.PATH,
+                description=f"The part's number, 1 to {uploads.MAX_PARTS}.",
+            )
+        ],
+        responses=inline_serializer(
+            "UploadPartURL",
+            {
+                "number": serializers.IntegerField(),
+                "size": serializers.IntegerField(),
+                "sha256": serializers.CharField(),
+                "method": serializers.CharField(),
+                "url": serializers.CharField(),
+                "headers": serializers.DictField(child=serializers.CharField()),
+                "expires": serializers.DateTimeField(),
+            },
+        ),
+    )
+    def post(self, request: Request, pk: Any, number: int) -> Response:
+        """Declare part ``number`` of a direct upload; returns where to PUT it.
+
+        The URL is presigned for object storage: it is valid for this upload's object, this
+        part number, the declared ``size`` (Content-Length) and ``sha256`` (sent as
+        ``x-amz-checksum-sha256``, base64), until ``expires``. Send exactly ``headers``.
+        Declaring a part again replaces its declaration (a new URL).
+        """
+        upload = _upload(request, pk, Capability.WRITE)
+        serializer = UploadPartURLRequestSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        issued = uploads.declare_part(
+            upload,
+            int(number),
+            size=serializer.validated_data["size"],
+            sha256=serializer.validated_data["sha256"],
+        )
+        return Response(
+            {
+                "number": issued.part.number,
+                "size": issued.part.size,
+                "sha256": issued.part.sha256,
+                "method": "PUT",
+                "url": issued.url,
+                "headers": issued.headers,
+                "expires": api_datetime(issued.expires),
+            }
+        )
 
 
 class UploadComplete(APIView):

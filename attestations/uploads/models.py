@@ -71,6 +71,9 @@ class Upload(models.Model):
         max_length=16, choices=UploadStatus.choices, default=UploadStatus.OPEN
     )
     reason = models.CharField(max_length=64, blank=True)
+    #: S3's id of the multipart upload a direct upload's parts go to (``uploads/s3.py``);
+    #: empty when the parts go through the API. Never shown to clients.
+    s3_upload_id = models.CharField(max_length=1024, blank=True, default="")
     blob = models.ForeignKey(Blob, on_delete=models.PROTECT, null=True, related_name="uploads")
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+"
@@ -104,6 +107,16 @@ class Upload(models.Model):
             return self.duplicate_of_id
 
     @property
+    def direct(self) -> bool:
+        """Whether the client PUTs the parts straight to S3 through presigned URLs."""
+        return bool(self.s3_upload_id)
+
+    @property
+    def staging_object(self) -> str:
+        """The storage name a direct upload's parts are assembled under, in S3."""
+        return f"{self.staging_prefix}/object"
+
+    @property
     def staging_prefix(self) -> str:
         return f"staging/uploads/{self.id}"
 
@@ -117,6 +130,10 @@ class Upload(models.Model):
 
 
 class UploadPart(models.Model):
+    """A part received (staged under ``storage_name``), or, for a direct upload, a part
+    declared (its size and SHA-256, bound into its presigned URL; ``storage_name`` empty):
+    what S3 holds is checked against it at completion."""
+
     upload = models.ForeignKey(Upload, on_delete=models.CASCADE, related_name="parts")
     number = models.PositiveIntegerField()
     size = models.PositiveBigIntegerField()

@@ -7,8 +7,9 @@ from typing import Any
 import pytest
 
 from tests.attestations.base import api, storage, world
+from tests.attestations.s3 import s3, s3_direct, s3_endpoint
 
-__all__ = ["api", "programless_transcripts", "storage", "world"]
+__all__ = ["api", "programless_transcripts", "s3", "s3_direct", "s3_endpoint", "storage", "world"]
 
 
 @pytest.fixture

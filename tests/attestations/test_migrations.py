@@ -25,7 +25,7 @@ from django.utils import timezone
 #: each split app's last migration before this round's changes of the schema, so that
 #: those are undone too (accounts 0002: invitations by username; experiments 0002: a
 #: spec's token unit; certificates 0003 and 0004: a certificate's tokens, a log entry's
-#: envelope and signed time; uploads 0003: part reservations).
+#: envelope and signed time; uploads 0003: part reservations, 0004: direct uploads).
 RELEASED = [
     ("attestations", "0006_organization_kinds_invitations_filings"),
     ("accounts", "0001_initial"),
@@ -132,6 +132,8 @@ ADDED = {
     ("attestations_logentry", "envelope_json"),
     ("attestations_logentry", "inclusion_promise"),
     ("attestations_logentry", "rfc3161_timestamp"),
+    # uploads 0004: S3's multipart upload id of a direct upload (empty for older ones).
+    ("attestations_upload", "s3_upload_id"),
 }
 #: Tables added since the release: empty after the migration.
 NEW_TABLES = {"attestations_partreservation"}

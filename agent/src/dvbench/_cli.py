@@ -189,6 +189,9 @@ def cmd_sync(args: argparse.Namespace) -> int:
             _err("DVBENCH_MODE=offline: unset it to sync")
             return 1
         progress = False if args.no_progress else None
+        if args.parallel is not None and args.parallel < 1:
+            _err(f"--parallel must be at least 1, got {args.parallel}")
+            return 2
         for directory in directories:
             try:
                 result = sync_directory(
@@ -199,6 +202,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
                     experiment=args.experiment,
                     wait=args.wait,
                     timeout=args.timeout,
+                    parallel=args.parallel,
                 )
             except DVBenchError as error:
                 _err(f"dvbench sync {directory}: {_explain(error)}")
@@ -371,6 +375,12 @@ def build_parser() -> argparse.ArgumentParser:
     sync.add_argument("--partial", action="store_true", help="files only, for an unfinished run")
     sync.add_argument("--experiment", help="owner/name, for a proof written by zkdv alone")
     sync.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sync.add_argument(
+        "--parallel",
+        type=int,
+        metavar="N",
+        help="parts of one file in flight at once (default: DVBENCH_UPLOAD_PARALLEL, 1)",
+    )
     sync.add_argument(
         "--wait",
         action="store_true",

@@ -6,9 +6,10 @@ import email.utils
 import logging
 import os
 import random
+import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ from dvbench._exceptions import (
     NetworkError,
     NotFoundError,
     PermissionDeniedError,
+    error_class,
     from_response,
 )
 
@@ -57,6 +59,25 @@ def _normalise_base_url(url: str) -> str:
             f"base URL {url!r} must start with http:// or https:// (set DVBENCH_BASE_URL)"
         )
     return url
+
+
+def _redacted(url: str) -> str:
+    """A URL without its query: a presigned URL's query is its credential."""
+    return url.split("?", 1)[0]
+
+
+def _storage_error(response: httpx.Response) -> APIError:
+    """The error of an object-storage answer (S3's XML ``<Code>`` and ``<Message>``)."""
+    text = response.text[:2000]
+    code = re.search(r"<Code>([^<]*)</Code>", text)
+    message = re.search(r"<Message>([^<]*)</Message>", text)
+    return error_class(response.status_code)(
+        f"object storage refused the part: {message.group(1) if message else text[:200]} "
+        f"(HTTP {response.status_code})",
+        status_code=response.status_code,
+        code=code.group(1) if code else None,
+        response=response,
+    )
 
 
 def retry_after_seconds(response: httpx.Response) -> float | None:
@@ -143,6 +164,8 @@ class Client:
             http_client.headers.update(headers)
         self._http = http_client
         self._sleep: Callable[[float], None] = time.sleep
+        # Presigned object-storage URLs of direct uploads: no API key, no base URL.
+        self._storage_http: httpx.Client | None = None
         self._closed = False
         self._lock = threading.Lock()
 
@@ -162,6 +185,8 @@ class Client:
             self._closed = True
             if self._owns_http:
                 self._http.close()
+            if self._storage_http is not None:
+                self._storage_http.close()
 
     def __enter__(self) -> Client:
         return self
@@ -195,7 +220,7 @@ class Client:
         path: str,
         *,
         json: Any = None,
-        content: bytes | None = None,
+        content: bytes | Iterable[bytes] | None = None,
         params: Mapping[str, Any] | None = None,
         headers: Mapping[str, str] | None = None,
         timeout: float | httpx.Timeout | None = None,
@@ -227,30 +252,49 @@ class Client:
         # links are used as they are.
         url = path if path.startswith(("/", "http://", "https://")) else f"{API_PREFIX}/{path}"
         attempts = self.max_retries + 1 if retry else 1
+
+        def send() -> httpx.Response:
+            return self._http.request(
+                method,
+                url,
+                json=json,
+                content=content,
+                params=params,
+                headers=headers,
+                timeout=timeout if timeout is not None else self.timeout,
+            )
+
+        return self._retrying(send, method, url, attempts, from_response, self.base_url)
+
+    def _retrying(
+        self,
+        send: Callable[[], httpx.Response],
+        method: str,
+        url: str,
+        attempts: int,
+        error: Callable[[httpx.Response], APIError],
+        where: str,
+    ) -> httpx.Response:
         last_error: Exception | None = None
         for attempt in range(attempts):
             response: httpx.Response | None = None
             try:
-                response = self._http.request(
-                    method,
-                    url,
-                    json=json,
-                    content=content,
-                    params=params,
-                    headers=headers,
-                    timeout=timeout if timeout is not None else self.timeout,
-                )
-            except httpx.TransportError as error:
+                response = send()
+            except httpx.TransportError as failure:
                 # Connect and read timeouts, refused and reset connections, a proxy that
                 # dropped the body half-way: all worth another try.
-                last_error = error
-                reason = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+                last_error = failure
+                reason = (
+                    f"{type(failure).__name__}: {failure}"
+                    if str(failure)
+                    else type(failure).__name__
+                )
             else:
                 if response.status_code < 400:
                     return response
                 if response.status_code not in RETRY_STATUSES:
-                    raise from_response(response)
-                last_error = from_response(response)
+                    raise error(response)
+                last_error = error(response)
                 reason = f"HTTP {response.status_code}"
             if attempt + 1 >= attempts:
                 break
@@ -258,7 +302,7 @@ class Client:
             log.warning(
                 "dvbench: %s %s failed (%s); retry %d of %d in %.1f s",
                 method,
-                url,
+                _redacted(url),
                 reason,
                 attempt + 1,
                 attempts - 1,
@@ -268,11 +312,40 @@ class Client:
         if isinstance(last_error, APIError):
             raise last_error
         raise NetworkError(
-            f"could not reach {self.base_url} ({method} {url}) after {attempts} attempt(s): "
+            f"could not reach {where} ({method} {_redacted(url)}) after {attempts} attempt(s): "
             f"{last_error}; check DVBENCH_BASE_URL and your network, or set "
             "DVBENCH_MODE=offline and run `dvbench sync` later",
             attempts=attempts,
         ) from last_error
+
+    def put_presigned(
+        self, url: str, *, content: Iterable[bytes], headers: Mapping[str, str]
+    ) -> httpx.Response:
+        """PUT a body to a presigned object-storage URL (a part of a direct upload).
+
+        Sent without the API key (the URL is the credential) on a connection pool of its
+        own, and retried like :meth:`request`: ``content`` must be iterable again for
+        each attempt.
+
+        Raises:
+            APIError: object storage refused it; ``code`` is its error code
+                (``AccessDenied`` for a URL that expired, ``BadDigest``, ...).
+            NetworkError: no answer after every retry.
+        """
+        with self._lock:
+            if self._storage_http is None:
+                self._storage_http = httpx.Client(
+                    timeout=self.timeout, headers={"User-Agent": USER_AGENT}
+                )
+            storage = self._storage_http
+
+        def send() -> httpx.Response:
+            return storage.put(url, content=content, headers=dict(headers))
+
+        host = httpx.URL(url).host
+        return self._retrying(
+            send, "PUT", url, self.max_retries + 1, _storage_error, f"object storage {host}"
+        )
 
     def get(self, path: str, **kwargs: Any) -> Any:
         """GET and decode JSON (see :meth:`request`)."""

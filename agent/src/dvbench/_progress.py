@@ -5,9 +5,14 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import TextIO
 
-__all__ = ["Progress", "format_bytes"]
+__all__ = ["Progress", "ProgressCallback", "format_bytes"]
+
+#: Called as ``callback(done, total)`` with bytes done (sent, resumed or deduplicated) and
+#: bytes expected (0 while unknown), after every part and every deduplicated file.
+ProgressCallback = Callable[[int, int], None]
 
 
 def format_bytes(count: float) -> str:
@@ -26,10 +31,18 @@ class Progress:
         enabled: draw at all; default: only when ``stream`` is a terminal, so logs and
             CI output never fill with carriage returns.
         stream: where to draw (stderr).
+        callback: also told every change, as ``callback(done, total)``, whether or not
+            the bar is drawn: from the uploading threads, one call at a time (keep it
+            quick), ``done`` never decreasing.
     """
 
     def __init__(
-        self, total: int = 0, *, enabled: bool | None = None, stream: TextIO | None = None
+        self,
+        total: int = 0,
+        *,
+        enabled: bool | None = None,
+        stream: TextIO | None = None,
+        callback: ProgressCallback | None = None,
     ) -> None:
         self.stream = stream if stream is not None else sys.stderr
         if enabled is None:
@@ -46,6 +59,11 @@ class Progress:
         self._width = 0
         self._label = ""
         self._lock = threading.Lock()
+        self.callback = callback
+
+    @property
+    def done(self) -> int:
+        return self.sent + self.skipped + self.deduplicated
 
     def label(self, text: str) -> None:
         self._label = text
@@ -54,19 +72,26 @@ class Progress:
     def add(self, sent: int) -> None:
         with self._lock:
             self.sent += sent
-        self._draw()
+        self._changed()
 
     def skip(self, count: int) -> None:
         """Bytes the platform already had from an interrupted earlier attempt."""
         with self._lock:
             self.skipped += count
-        self._draw()
+        self._changed()
 
     def dedup(self, count: int) -> None:
         """A whole file the platform already stores under its content address."""
         with self._lock:
             self.deduplicated += count
             self.deduplicated_files += 1
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.callback is not None:
+            # Read and reported under the lock: calls never go back in ``done``.
+            with self._lock:
+                self.callback(self.done, self.total)
         self._draw()
 
     @property
@@ -75,7 +100,7 @@ class Progress:
         return self.sent / elapsed
 
     def line(self) -> str:
-        done = self.sent + self.skipped + self.deduplicated
+        done = self.done
         text = f"dvbench: {format_bytes(done)}"
         if self.total:
             text += f" / {format_bytes(self.total)} ({100 * done / self.total:.0f}%)"

@@ -29,7 +29,7 @@ from dvbench._exceptions import (
     NetworkError,
     UploadError,
 )
-from dvbench._progress import Progress
+from dvbench._progress import Progress, ProgressCallback
 from dvbench._sync import TRANSCRIPT, Manifest, SyncResult, Uploader, release, settle
 
 if TYPE_CHECKING:
@@ -270,7 +270,13 @@ class DVBenchProof:
             )
         return saved
 
-    def finish(self, *, wait: bool = False, timeout: float = 1800.0) -> SyncResult:
+    def finish(
+        self,
+        *,
+        wait: bool = False,
+        timeout: float = 1800.0,
+        on_progress: ProgressCallback | None = None,
+    ) -> SyncResult:
         """Close the driver, upload the proof, report its verdict, release temporary storage.
 
         Waits for every commitment and sampled check (``close()``), then for the
@@ -294,6 +300,9 @@ class DVBenchProof:
                 are drawn) and raise :class:`CertificateFailedError` unless it records
                 PASSED.
             timeout: with ``wait``, seconds to wait for the certificate.
+            on_progress: called as ``on_progress(done, total)`` in bytes as the upload
+                goes (every part, every deduplicated file), from the uploading threads;
+                the same figures as the progress bar, whether or not it is drawn.
 
         Returns:
             What was uploaded, deduplicated and resumed, the proof's id, and its verdict.
@@ -336,7 +345,7 @@ class DVBenchProof:
                 print(result.summary(), file=sys.stderr)
                 state.result = result
                 return result
-            bar = Progress(enabled=state.progress)
+            bar = Progress(enabled=state.progress, callback=on_progress)
             state.uploader.progress = bar
             try:
                 result = state.uploader.run(final=True)

@@ -57,7 +57,7 @@ from dvbench._exceptions import (
     NotFoundError,
     UploadError,
 )
-from dvbench._progress import Progress, format_bytes
+from dvbench._progress import Progress, ProgressCallback, format_bytes
 
 if TYPE_CHECKING:
     from dvbench._client import Client
@@ -80,6 +80,12 @@ LOCK = ".dvbench-sync.lock"
 FORMAT = "dvbench.sync/v1"
 TRANSCRIPT = "records.cborl"
 HASH_CHUNK = 1024 * 1024
+#: Pieces a part is read and sent in: the memory one part in flight takes.
+STREAM_CHUNK = 1024 * 1024
+#: Refusals of a completion whose upload the platform failed and discarded: the bytes
+#: that arrived were not the file's (changed meanwhile, or damaged in transit), so a
+#: fresh upload sends them again.
+RESEND_CODES = frozenset({"blob_digest_mismatch", "part_digest_mismatch", "incomplete_body"})
 #: How long a completion may take to answer: the platform checks the transcript's
 #: identity (and, with tasks run in-process, verifies it) before it answers.
 COMPLETE_TIMEOUT = httpx.Timeout(300.0, connect=10.0)
@@ -107,6 +113,46 @@ def kind_of(relative: str) -> str | None:
     if relative.startswith("model/") and relative.count("/") == 1 and model_file:
         return "artifact"
     return None
+
+
+def _range_digest(descriptor: int, offset: int, size: int) -> str:
+    """SHA-256 of ``size`` bytes of an open file from ``offset``, one reused buffer."""
+    digest = hashlib.sha256()
+    buffer = bytearray(min(STREAM_CHUNK, max(size, 1)))
+    view = memoryview(buffer)
+    done = 0
+    while done < size:
+        want = min(len(buffer), size - done)
+        count = os.preadv(descriptor, [view[:want]], offset + done)
+        if count == 0:
+            raise UploadError(f"the file ended {size - done} bytes early; was it truncated?")
+        digest.update(view[:count])
+        done += count
+    return digest.hexdigest()
+
+
+class _FileRange:
+    """``size`` bytes of an open file from ``offset``, read piece by piece as httpx sends.
+
+    Iterable again for each attempt, so a retried request reads the part from the file
+    again instead of keeping it in memory.
+    """
+
+    def __init__(self, descriptor: int, offset: int, size: int) -> None:
+        self.descriptor, self.offset, self.size = descriptor, offset, size
+
+    def __iter__(self) -> Iterator[bytes]:
+        done = 0
+        while done < self.size:
+            piece = os.pread(
+                self.descriptor, min(STREAM_CHUNK, self.size - done), self.offset + done
+            )
+            if not piece:
+                raise UploadError(
+                    f"the file ended {self.size - done} bytes early; was it truncated?"
+                )
+            done += len(piece)
+            yield piece
 
 
 def _now() -> str:
@@ -318,15 +364,24 @@ class Uploader:
         client: an online :class:`~dvbench.Client`.
         manifest: the directory's manifest (created or loaded).
         progress: where to count bytes (a quiet one if None).
+        parallel: parts of one file in flight at once (default: the client's
+            ``settings.parallel``, ``DVBENCH_UPLOAD_PARALLEL``).
     """
 
     def __init__(
-        self, client: Client, manifest: Manifest, progress: Progress | None = None
+        self,
+        client: Client,
+        manifest: Manifest,
+        progress: Progress | None = None,
+        *,
+        parallel: int | None = None,
     ) -> None:
         self.client = client
         self.manifest = manifest
         self.directory = manifest.directory
         self.progress = progress or Progress(enabled=False)
+        configured = parallel if parallel is not None else getattr(client.settings, "parallel", 1)
+        self.parallel = max(1, int(configured))
         self._known: dict[tuple[str, str], int | None] | None = None
         self._local_lock = threading.Lock()
         self._count_lock = threading.Lock()
@@ -464,7 +519,9 @@ class Uploader:
                 return True, {}, state.get("proof")
             if state is not None and state.get("status") in ("open", "completing"):
                 if not entry.get("part_size"):
-                    self.manifest.change(entry, part_size=state.get("max_part_bytes"))
+                    self.manifest.change(entry, part_size=self._part_size(state))
+                if bool(state.get("direct")) != bool(entry.get("direct")):
+                    self.manifest.change(entry, direct=bool(state.get("direct")))
                 parts = {int(p["number"]): str(p["sha256"]) for p in state.get("parts", [])}
                 return False, parts, None
             # Aborted, failed or expired: start again with a new upload.
@@ -480,15 +537,23 @@ class Uploader:
                 "name": relative,
             },
         )
-        limit = int(created.get("max_part_bytes") or self.client.settings.part_size)
         self.manifest.change(
             entry,
             upload_id=created["id"],
-            part_size=min(self.client.settings.part_size, limit),
+            part_size=self._part_size(created),
+            direct=bool(created.get("direct")),
             parts={},
             status="uploading",
         )
         return False, {}, None
+
+    def _part_size(self, upload: dict[str, Any]) -> int:
+        """``DVBENCH_PART_SIZE`` within the upload's bounds (a direct upload's parts but
+        the last are at least object storage's least part size, 5 MiB)."""
+        wanted = int(self.client.settings.part_size)
+        limit = int(upload.get("max_part_bytes") or wanted)
+        least = int(upload.get("min_part_bytes") or 1)
+        return max(least, min(wanted, limit))
 
     def _send(self, relative: str, entry: dict[str, Any]) -> bool:
         """One attempt at sending and completing; False if it must start over."""
@@ -496,31 +561,95 @@ class Uploader:
         if complete:
             self._completed(entry, {"proof": proof})
             return True
-        path = self.directory / relative
         size, part_size = int(entry["size"]), int(entry["part_size"])
         count = max(1, -(-size // part_size))
-        with open(path, "rb") as handle:
-            for number in range(1, count + 1):
-                handle.seek((number - 1) * part_size)
-                chunk = handle.read(part_size)
-                digest = hashlib.sha256(chunk).hexdigest()
-                if server.get(number) == digest:
-                    self.progress.skip(len(chunk))
-                    self._count(bytes_resumed=len(chunk))
-                    continue
-                self.client.request(
-                    "PUT",
-                    f"uploads/{entry['upload_id']}/parts/{number}/",
-                    content=chunk,
-                    headers={
-                        "X-Part-SHA256": digest,
-                        "Content-Type": "application/octet-stream",
-                    },
-                )
-                self.manifest.add_part(entry, number, digest)
-                self.progress.add(len(chunk))
-                self._count(bytes_sent=len(chunk))
+        descriptor = os.open(self.directory / relative, os.O_RDONLY)
+        try:
+            numbers = range(1, count + 1)
+            if self.parallel <= 1 or count == 1:
+                for number in numbers:
+                    self._send_part(descriptor, entry, number, part_size, server)
+            else:
+                # One part in memory per thread: ``parallel`` parts at most.
+                with ThreadPoolExecutor(
+                    min(self.parallel, count), thread_name_prefix="dvbench-part"
+                ) as pool:
+                    futures = [
+                        pool.submit(self._send_part, descriptor, entry, n, part_size, server)
+                        for n in numbers
+                    ]
+                    wait(futures, return_when=FIRST_EXCEPTION)
+                    for future in futures:
+                        future.cancel()
+                for future in futures:
+                    if not future.cancelled() and future.exception() is not None:
+                        raise future.exception()  # type: ignore[misc]
+        finally:
+            os.close(descriptor)
         return self._complete(relative, entry)
+
+    def _send_part(
+        self,
+        descriptor: int,
+        entry: dict[str, Any],
+        number: int,
+        part_size: int,
+        server: dict[int, str],
+    ) -> None:
+        """Hash and send part ``number`` (unless the platform holds it already).
+
+        The part is read twice from the file, in ``STREAM_CHUNK`` pieces: once to hash it,
+        once as it is sent (and again by a retry, which the client makes with backoff;
+        sending a part again replaces it). Memory is one piece per part in flight, whatever
+        the part and file sizes. ``pread`` lets the threads share one descriptor.
+        """
+        offset = (number - 1) * part_size
+        sent = max(0, min(part_size, int(entry["size"]) - offset))
+        digest = _range_digest(descriptor, offset, sent)
+        if server.get(number) == digest:
+            self.progress.skip(sent)
+            self._count(bytes_resumed=sent)
+            return
+        if entry.get("direct"):
+            self._put_direct(entry, number, _FileRange(descriptor, offset, sent), digest)
+        else:
+            self.client.request(
+                "PUT",
+                f"uploads/{entry['upload_id']}/parts/{number}/",
+                content=_FileRange(descriptor, offset, sent),
+                headers={
+                    "X-Part-SHA256": digest,
+                    "Content-Type": "application/octet-stream",
+                    "Content-Length": str(sent),
+                },
+            )
+        self.manifest.add_part(entry, number, digest)
+        self.progress.add(sent)
+        self._count(bytes_sent=sent)
+
+    def _put_direct(
+        self, entry: dict[str, Any], number: int, body: _FileRange, digest: str
+    ) -> None:
+        """Send a part of a direct upload straight to object storage.
+
+        The platform declares the part (its size and SHA-256) and answers with a
+        presigned URL bound to them; the bytes go to object storage, never through the
+        platform. Retried with backoff like any request; a URL that expired while the
+        part waited (403) is asked for again once.
+        """
+        for attempt in range(2):
+            issued = self.client.post(
+                f"uploads/{entry['upload_id']}/parts/{number}/url/",
+                {"size": body.size, "sha256": digest},
+            )
+            try:
+                self.client.put_presigned(
+                    str(issued["url"]), content=body, headers=dict(issued.get("headers") or {})
+                )
+                return
+            except APIError as error:
+                if error.status_code != 403 or attempt:
+                    raise
 
     def _complete(self, relative: str, entry: dict[str, Any]) -> bool:
         upload_id = entry["upload_id"]
@@ -536,7 +665,7 @@ class Uploader:
                         "dvbench: %s: %s; sending the missing parts", relative, error.message
                     )
                     return False
-                if isinstance(error, BadRequestError) and error.code == "blob_digest_mismatch":
+                if isinstance(error, BadRequestError) and error.code in RESEND_CODES:
                     # The platform discarded the parts; if the file changed meanwhile its
                     # new digest starts a new upload, else the bytes were corrupted in
                     # transit and a fresh attempt resends them.
@@ -770,6 +899,8 @@ def sync_directory(
     experiment: str | None = None,
     wait: bool = False,
     timeout: float = 1800.0,
+    parallel: int | None = None,
+    on_progress: ProgressCallback | None = None,
 ) -> SyncResult:
     """Upload a proof directory incrementally; see the module docstring.
 
@@ -784,6 +915,11 @@ def sync_directory(
         wait: wait (up to ``timeout`` seconds) for the certificate, answering challenges
             drawn meanwhile; ``result.verdict`` says PASSED, FAILED, error or pending.
             Without it the verdict is asked once (usually still pending).
+        parallel: parts of one file in flight at once (default
+            ``DVBENCH_UPLOAD_PARALLEL``, 1: in order).
+        on_progress: called as ``on_progress(done, total)`` in bytes after every part
+            sent or found on the platform and every deduplicated file, from the
+            uploading threads.
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -793,8 +929,8 @@ def sync_directory(
     manifest = Manifest.load(directory)
     if client.offline:
         return SyncResult(directory, manifest.experiment, offline=True)
-    bar = Progress(enabled=progress)
-    uploader = Uploader(client, manifest, bar)
+    bar = Progress(enabled=progress, callback=on_progress)
+    uploader = Uploader(client, manifest, bar, parallel=parallel)
     try:
         result = uploader.run(final=not partial)
     except DVBenchError as error:
