@@ -131,6 +131,10 @@ def test_beat_sends_the_periodic_tasks_from_one_replica() -> None:
         "attestations.tasks.expire_uploads",
         "attestations.tasks.expire_challenges",
     } <= tasks
+    # What the worker's autodiscovery imports: every app's tasks module (run alone, this
+    # test would otherwise see only the tasks other tests happened to import).
+    import attestations.challenges.tasks
+    import attestations.proofs.tasks
     import attestations.tasks
     import attestations.uploads.tasks  # noqa: F401
     from config.celery_app import app as platform_app
