@@ -29,6 +29,7 @@ import pytest
 from django.conf import settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+DEMO_TIMEOUT_SECONDS = 600
 #: The queues a test worker consumes: every queue the settings route tasks to.
 WORKER_QUEUES = ("ingest", "replay")
 WORKER_START_TIMEOUT_SECONDS = 60.0
@@ -188,3 +189,86 @@ def _tasks_run_in_process(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
     finally:
         app.conf.task_always_eager = previous
+
+
+@dataclass
+class EmbeddedDemo:
+    """``manage.py demo`` on embedded defaults, its flow complete, still serving.
+
+    ``root`` looks like the repository's folder as a newcomer has it after
+    ``./scripts/demo``: the demo's data in ``root/.data``, its report in
+    ``root/.data/demo-report``.
+    """
+
+    root: Path
+    url: str
+    printed: list[str]
+    environment: dict[str, str]
+
+    @property
+    def data(self) -> Path:
+        return self.root / ".data"
+
+    @property
+    def report(self) -> Path:
+        return self.data / "demo-report"
+
+
+@pytest.fixture(scope="session")
+def embedded_demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedDemo]:
+    """The README's first command, run once for the session (it trains, proves, certifies
+    and verifies a run: a minute of this suite's time each), shared by the tests that read
+    its output (tests/test_demo_flow.py), its report (tests/attestations/
+    test_certificates_model.py) and its live server (tests/test_guides.py).
+
+    SQLite, tasks in-process and gunicorn, in a subprocess on a data directory of its own:
+    the in-memory SQLite database of the test run cannot take the SDK's concurrent uploads.
+    The services are removed from its environment, so it runs the same in CI.
+    """
+    import re
+    import threading
+
+    root = tmp_path_factory.mktemp("demo")
+    environment = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("DJANGO_", "DVBENCH_", "DATABASE_URL", "REDIS_URL", "PYTHON"))
+    }
+    # A third of the demo's steps: the same flow, cheaper (the services flow test trains
+    # the full run).
+    environment.update(PYTHONUNBUFFERED="1", DIGITS_STEPS="20")
+    command = [sys.executable, "manage.py", "demo", "--port", "0"]
+    server = subprocess.Popen(
+        command,
+        cwd=REPO_ROOT,
+        env={**environment, "DVBENCH_DATA_DIR": str(root / ".data")},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    printed: list[str] = []
+    complete, url = threading.Event(), []
+
+    def read() -> None:
+        assert server.stdout is not None
+        for line in server.stdout:
+            printed.append(line.rstrip("\n"))
+            found = re.search(r"serving at (http://[^/\s]+)/", line)
+            if found:
+                url.append(found.group(1))
+            if "Demo complete" in line or "Demo incomplete" in line:
+                complete.set()
+        complete.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert complete.wait(DEMO_TIMEOUT_SECONDS), "the demo did not finish its flow in time"
+        text = "\n".join(printed)
+        assert url and "Demo complete" in text, text
+        yield EmbeddedDemo(root, url[0], printed, environment)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()

@@ -1,6 +1,6 @@
 """The README's first command, end to end, as a test: the flow ``./scripts/demo`` runs.
 
-Two ways, both in CI. ``manage.py demo --exit`` itself, in a subprocess on the embedded
+Two ways, both in CI. ``manage.py demo`` itself, in a subprocess on the embedded
 defaults (SQLite, tasks in-process, gunicorn). And, with ``DATABASE_URL`` and
 ``REDIS_URL`` set, the same flow (:func:`demo.flow.run`) against a live
 server in this process writing to PostgreSQL, whose tasks travel over Redis to a real
@@ -11,7 +11,6 @@ process, the REST API, and the ``dvbench`` CLI.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,12 +19,10 @@ import pytest
 
 from demo import flow as demo_flow
 from demo.flow import Account, Outcome
-from tests.conftest import WorkerProcess
+from tests.conftest import EmbeddedDemo, WorkerProcess
 
 pytestmark = pytest.mark.slow
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEMO_TIMEOUT_SECONDS = 300
 
 
 def _accounts(data_dir: Path) -> dict[str, Account]:
@@ -104,48 +101,30 @@ def test_the_demo_flow_passes_on_postgresql_redis_and_a_real_worker(
     assert "replay_challenge" in celery_worker_process.log()
 
 
-def test_the_demo_command_runs_the_flow_on_embedded_defaults(tmp_path: Path) -> None:
-    """``manage.py demo --exit`` (what ./scripts/demo runs): SQLite, tasks in-process.
+def test_the_demo_command_runs_the_flow_on_embedded_defaults(
+    embedded_demo: EmbeddedDemo, tmp_path: Path
+) -> None:
+    """``manage.py demo`` (what ./scripts/demo runs): SQLite, tasks in-process, gunicorn.
 
-    The real command in a subprocess, gunicorn included, on a data directory of its own,
-    rather than a live server in this process: the in-memory SQLite database of the
-    test run cannot take the SDK's concurrent uploads. It runs in CI too (the services
-    are removed from its environment): this is the README's first command.
+    The session's demo (tests/conftest.py), shared with the guides and the certificate
+    tests: the real command in a subprocess on a data directory of its own. It runs in CI
+    too (the services are removed from its environment): this is the README's first
+    command.
     """
-    environment = {
-        key: value
-        for key, value in os.environ.items()
-        if not key.startswith(("DJANGO_", "DVBENCH_", "DATABASE_URL", "REDIS_URL"))
-    }
-    # A third of the demo's steps: the same flow, cheaper in CI (the flow test above
-    # trains the full run).
-    environment.update(
-        DVBENCH_DATA_DIR=str(tmp_path / "data"), PYTHONUNBUFFERED="1", DIGITS_STEPS="20"
-    )
-    report = tmp_path / "report"
-    finished = subprocess.run(
-        [sys.executable, "manage.py", "demo", "--port", "0", "--exit", "--report-dir", str(report)],
-        cwd=REPO_ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=DEMO_TIMEOUT_SECONDS,
-        check=False,
-    )
-    printed = finished.stdout + finished.stderr
-    assert finished.returncode == 0, printed
-    assert [
-        line.split("]")[0] for line in finished.stdout.splitlines() if line.startswith("[")
-    ] == [f"[{n}/12" for n in range(2, 13)], printed
+    printed = "\n".join(embedded_demo.printed)
+    assert [line.split("]")[0] for line in embedded_demo.printed if line.startswith("[")] == [
+        f"[{n}/12" for n in range(2, 13)
+    ], printed
     assert (
         "Demo complete: proof 1 of demo/digits-jax: valid, certificate PASSED, report verified offline"
         in printed
     )
     assert "not available" not in printed
     assert "dataset_commitment matches the declared" in printed
+    report = embedded_demo.report
     assert (report / "report.pdf").read_bytes().startswith(b"%PDF-")
     assert "demo/digits-jax" in (report / "report.html").read_text()
-    accounts = json.loads((tmp_path / "data" / "demo-accounts.json").read_text())
+    accounts = json.loads((embedded_demo.data / "demo-accounts.json").read_text())
     assert sorted(accounts) == ["admin", "auditor", "regulator", "trainer"]
     assert accounts["regulator"]["password"] in printed  # the credentials are printed
     files = {"bundle": report / "bundle.json", "trust root": report / "trust-root.json"}

@@ -1,4 +1,4 @@
-"""The README and the role guides run as written, in order, against a fresh demo.
+"""The README and the role guides run as written, in order, against the session's demo.
 
 Sybil parses the Markdown (fenced blocks, ``<!-- skip: next "why" -->``), and each block
 is run the way its reader would run it:
@@ -31,7 +31,6 @@ import re
 import shlex
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -44,6 +43,8 @@ from sybil import Document, Example, Region, Sybil
 from sybil.parsers.markdown import CodeBlockParser, SkipParser
 from sybil.parsers.markdown.lexers import DirectiveInHTMLCommentLexer
 
+from tests.conftest import EmbeddedDemo
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: In the order a newcomer reads them: the trainers' runs give the regulator's log two
 #: entries and more.
@@ -55,7 +56,6 @@ GUIDES = [
 ]
 #: Whose key ``dvb_...`` stands for, per guide.
 READER = {"docs/quickstart-trainers.md": "trainer", "docs/quickstart-auditors.md": "auditor"}
-DEMO_TIMEOUT_SECONDS = 600
 BLOCK_TIMEOUT_SECONDS = 600
 
 pytestmark = pytest.mark.slow
@@ -160,11 +160,11 @@ def _check_excerpt(example: Example) -> None:
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workspace]:
-    root = tmp_path_factory.mktemp("guides")
+def workspace(embedded_demo: EmbeddedDemo) -> Workspace:
+    """The guides' folder is the demo's (``.data`` beside ``agent/`` and ``examples/``)."""
+    root = embedded_demo.root
     for name in ("agent", "examples"):
         (root / name).symlink_to(REPO_ROOT / name)
-    data = root / ".data"
     # The guide's `pip install` goes into a venv of its own that sees .venv's packages
     # (a .pth file): offline and quick, and .venv's editable installs stay as they are.
     venv = root / "venv"
@@ -177,60 +177,22 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workspace]:
     (site / "zz-dvbench-dev.pth").write_text(
         "\n".join(p for p in sys.path if p.endswith("site-packages")) + "\n"
     )
-    base = {
-        key: value
-        for key, value in os.environ.items()
-        if not key.startswith(("DJANGO_", "DVBENCH_", "DATABASE_URL", "REDIS_URL", "PYTHON"))
+    home = root / "home"
+    home.mkdir()
+    environment = {
+        **embedded_demo.environment,
+        "HOME": str(home),
+        "XDG_CONFIG_HOME": str(home / ".config"),
+        "XDG_CACHE_HOME": str(home / ".cache"),
+        "PATH": os.pathsep.join(
+            [str(venv / "bin"), str(Path(sys.executable).parent), "/usr/bin", "/bin"]
+        ),
+        "PIP_NO_INDEX": "1",
+        "PIP_NO_BUILD_ISOLATION": "0",  # pip reads this one inverted: 0 = no isolation
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
     }
-    base.update(DVBENCH_DATA_DIR=str(data), PYTHONUNBUFFERED="1", DIGITS_STEPS="20")
-    server = subprocess.Popen(
-        [sys.executable, "manage.py", "demo", "--port", "0"],
-        cwd=REPO_ROOT,
-        env=base,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    printed: list[str] = []
-    complete, url = threading.Event(), []
-
-    def read() -> None:
-        assert server.stdout is not None
-        for line in server.stdout:
-            printed.append(line)
-            found = re.search(r"serving at (http://[^/\s]+)/", line)
-            if found:
-                url.append(found.group(1))
-            if "Demo complete" in line or "Demo incomplete" in line:
-                complete.set()
-        complete.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        assert complete.wait(DEMO_TIMEOUT_SECONDS), "the demo did not finish its flow in time"
-        assert url and any("Demo complete" in line for line in printed), "".join(printed)
-        home = root / "home"
-        home.mkdir()
-        environment = {
-            **{k: v for k, v in base.items() if k != "DVBENCH_DATA_DIR"},
-            "HOME": str(home),
-            "XDG_CONFIG_HOME": str(home / ".config"),
-            "XDG_CACHE_HOME": str(home / ".cache"),
-            "PATH": os.pathsep.join(
-                [str(venv / "bin"), str(Path(sys.executable).parent), "/usr/bin", "/bin"]
-            ),
-            "PIP_NO_INDEX": "1",
-            "PIP_NO_BUILD_ISOLATION": "0",  # pip reads this one inverted: 0 = no isolation
-            "PIP_DISABLE_PIP_VERSION_CHECK": "1",
-        }
-        accounts = json.loads((data / "demo-accounts.json").read_text())
-        yield Workspace(root, url[0], accounts, environment)
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+    accounts = json.loads((embedded_demo.data / "demo-accounts.json").read_text())
+    return Workspace(root, embedded_demo.url, accounts, environment)
 
 
 def test_the_guides_run_as_written_in_order(workspace: Workspace) -> None:

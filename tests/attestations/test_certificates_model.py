@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from dvbench._model import write_safetensors
 from dvbench.attest import TrustRoot, note_verifier_key, verify_bundle
 from tests.attestations.base import World, error_of, upload_blob
 from tests.attestations.certificate_helpers import certify, finalize, new_proof
+from tests.conftest import EmbeddedDemo
 
 Api = Callable[[str | None], APIClient]
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -219,31 +219,10 @@ def test_a_model_outside_the_model_folder_is_refused(world: World, api: Api) -> 
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``manage.py demo --exit`` on embedded defaults; its report folder."""
-    folder = tmp_path_factory.mktemp("model-demo")
-    environment = {
-        key: value
-        for key, value in os.environ.items()
-        if not key.startswith(("DJANGO_", "DVBENCH_", "DATABASE_URL", "REDIS_URL"))
-    }
-    environment.update(
-        DVBENCH_DATA_DIR=str(folder / "data"), PYTHONUNBUFFERED="1", DIGITS_STEPS="20"
-    )
-    report = folder / "report"
-    command = [sys.executable, "manage.py", "demo", "--port", "0", "--exit"]
-    finished = subprocess.run(
-        [*command, "--report-dir", str(report)],
-        cwd=REPO_ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=400,
-        check=False,
-    )
-    assert finished.returncode == 0, finished.stdout + finished.stderr
-    assert "Verification succeeded" in finished.stdout, finished.stdout
-    return report
+def demo(embedded_demo: EmbeddedDemo) -> Path:
+    """The report folder of the session's demo (tests/conftest.py)."""
+    assert "Verification succeeded" in "\n".join(embedded_demo.printed)
+    return embedded_demo.report
 
 
 def _run(folder: Path, *command: str) -> subprocess.CompletedProcess[str]:

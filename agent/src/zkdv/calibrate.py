@@ -109,6 +109,21 @@ KERNELS = {
 }
 
 
+def kernel_families(flags: set[str] | None = None) -> list[str]:
+    """The Torch CPU kernel families this CPU runs, from its ``/proc/cpuinfo`` flags.
+
+    ``ATEN_CPU_CAPABILITY`` is obeyed without a check: a family the CPU lacks dies of an
+    illegal instruction rather than falling back.
+    """
+    flags = _cpu_flags() if flags is None else flags
+    families = ["default"]
+    if "avx2" in flags:
+        families.append("avx2")
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        families.append("avx512")
+    return families
+
+
 def kernels(capability: str) -> dict[str, str]:
     """The environment variables of a Torch process on CPU kernel family ``capability``."""
     return {"ATEN_CPU_CAPABILITY": capability, **KERNELS[capability]}
@@ -128,12 +143,7 @@ def default_environments(root: dict[str, Any]) -> list[Environment]:
     if root.get("prover") == "whitebox-torch":
         threads = int(env.get("threads") or 1)
         trained = str(env.get("cpu_capability") or "").lower()
-        capabilities = ["default"]
-        if "avx2" in flags:
-            capabilities.append("avx2")
-        if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-            capabilities.append("avx512")
-        for capability in capabilities:
+        for capability in kernel_families(flags):
             if capability != trained:
                 out.append(Environment(f"kernels={capability}", kernels(capability), threads))
         for count in sorted({1, 2 * threads} - {threads}):

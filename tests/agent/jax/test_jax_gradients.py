@@ -1,8 +1,9 @@
 """Committed gradients: what a JAX run commits, and honest runs replayed elsewhere.
 
 The three recipes of ``recipes.py`` (the digits example, a batch-statistics classifier,
-the LM recipe) are trained under five other (instruction set, cores) environments, two
-seeds each, ten runs per recipe, one subprocess per environment, as a lab whose machine
+the LM recipe) are trained under five other (instruction set, cores) environments, each
+recipe under at least one (``ZKDV_TEST_MATRIX=full``: two seeds each, ten runs per recipe),
+one subprocess per environment, as a lab whose machine
 is not the platform's worker, and replayed window by window here, on this machine's own
 instruction set and cores: every window passes, within a tenth of the gradient bounds,
 and no step is claimed exact where the instruction set has no FMA. The same recipes
@@ -30,6 +31,7 @@ from jax_helpers import apply_fn, batches, init_params, loss
 import zkdv
 from provers import jax_replay
 from provers.replay import Transcript, windows
+from tests.matrix import cell_id, cells
 from zkdv.config import GradientBounds
 from zkdv.jax.contrib import TrainState
 from zkdv.verify import verify_transcript
@@ -64,6 +66,9 @@ def _worst_margin(verdicts: list[Any]) -> float:
 #: none is this process's pair (it replays on every core it may use, at its own ISA).
 ENVIRONMENTS = [("SSE4_2", 1), ("SSE4_2", 2), ("AVX", 1), ("AVX", 2), ("AVX2", 1)]
 RUNS = 2
+#: Every (environment, recipe, seed) under ZKDV_TEST_MATRIX=full; else each environment
+#: and each recipe (tests/matrix.py).
+CELLS = cells(len(ENVIRONMENTS), list(recipes.RECIPES), RUNS)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +91,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
                 ),
             }
             cpus = sorted(os.sched_getaffinity(0))[:cores]
-            seeds = ",".join(str(RUNS * pair + run) for run in range(RUNS))
+            names = sorted({name for p, name, _ in CELLS if p == pair})
+            seeds = ",".join(sorted({str(RUNS * pair + run) for p, _, run in CELLS if p == pair}))
             done_ = subprocess.run(
                 [
                     "taskset",
@@ -95,7 +101,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
                     sys.executable,
                     str(Path(recipes.__file__)),
                     str(directory),
-                    ",".join(recipes.RECIPES),
+                    ",".join(names),
                     str(STEPS),
                     str(CHECK_EVERY),
                     seeds,
@@ -114,9 +120,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", range(RUNS))
-@pytest.mark.parametrize("name", list(recipes.RECIPES))
-@pytest.mark.parametrize("pair", range(len(ENVIRONMENTS)))
+@pytest.mark.parametrize(("pair", "name", "run"), CELLS, ids=map(cell_id, CELLS))
 def test_runs_trained_on_another_instruction_set_and_cores_replay_within_bounds(
     pair: int, name: str, run: int, trained: Callable[[int], Path]
 ) -> None:

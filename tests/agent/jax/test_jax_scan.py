@@ -7,6 +7,7 @@ the one-update transition from a snapshot, which may fall inside a call.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -249,7 +250,12 @@ def test_attest_apply_fn_replaces_apply_fn_in_the_replayed_update(make_proof) ->
     forged = make_proof(interval=3, name="wrong")
     with pytest.raises(zkdv.ZKDVPoisonedError) as raised:
         _train(forged, 2, attest_apply_fn=wrong)
-    assert "sampled check of step 0 failed" in str(raised.value.__cause__)
+    # A sampled check compares one drawn coordinate of the update and one of the optimizer
+    # state. Adam's first update is lr * sign(g) whatever the gradient's scale, and a small
+    # second moment (0.001 g^2) sits inside the absolute tolerance: where the draw (it
+    # follows the run's bits, so the machine) lands on such a pair, step 0 passes and a
+    # later step's check catches the forgery (seen in CI: step 1).
+    assert re.match(r"sampled check of step [0-5] failed", str(raised.value.__cause__))
 
 
 def test_a_batch_replaced_after_commitment_inside_a_call_fails_the_check(

@@ -6,8 +6,9 @@ capped together, :func:`zkdv.calibrate.kernels`) and another thread count, with 
 SDK's sampled check at every step, and is then replayed window by window by the
 platform's prover here: every step's recomputed gradient must land within the run's
 bounds and the canonical update of the committed gradient must reproduce the committed
-state bit for bit. Five (kernel family, threads) pairs and two seeds per recipe, ten runs
-each; ``docs/reliability.md`` reports a larger sweep. Every forgery of the recipe tests
+state bit for bit. Five (kernel family, threads) pairs, each recipe on at least one
+(``ZKDV_TEST_MATRIX=full``: every pair, two seeds per recipe, ten runs each;
+``tests/matrix.py``); ``docs/reliability.md`` reports a larger sweep. Every forgery of the recipe tests
 is then trained on other kernels too, and still caught.
 """
 
@@ -25,6 +26,7 @@ import torch
 from provers import torch_replay
 from provers.replay import Transcript, windows
 from tests.agent.torch.test_torch_recipes import FORGERIES, STEPS, assert_caught
+from tests.matrix import cell_id, cells
 from zkdv.calibrate import kernels
 from zkdv.verify import verify_transcript
 
@@ -38,6 +40,8 @@ PAIRS = [(OTHER[i % len(OTHER)], threads) for i, threads in enumerate((1, 2, 4, 
 
 RECIPES = ("bn", "cnn", "hf", "lm")
 RUNS = 2
+#: Every (pair, recipe, seed) under ZKDV_TEST_MATRIX=full; else each pair and each recipe.
+CELLS = cells(len(PAIRS), RECIPES, RUNS)
 
 
 def _train(directory: Path, runs: list[str], capability: str, threads: int) -> None:
@@ -75,9 +79,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
         if pair not in done:
             directory = tmp_path_factory.mktemp(f"pair{pair}")
             capability, threads = PAIRS[pair]
-            names = [
-                f"recipe:{recipe}:{100 * pair + run}" for recipe in RECIPES for run in range(RUNS)
-            ]
+            names = [f"recipe:{recipe}:{100 * pair + run}" for p, recipe, run in CELLS if p == pair]
             _train(directory, names, capability, threads)
             done[pair] = directory
         return done[pair]
@@ -86,9 +88,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", range(RUNS))
-@pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("pair", range(len(PAIRS)))
+@pytest.mark.parametrize(("pair", "recipe", "run"), CELLS, ids=map(cell_id, CELLS))
 def test_an_honest_run_passes_the_replay_on_other_kernels(
     pair: int, recipe: str, run: int, trained: Callable[[int], Path]
 ) -> None:
