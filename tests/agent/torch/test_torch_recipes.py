@@ -41,6 +41,7 @@ from torch.nn import functional
 
 import zkdv
 from provers import torch_replay
+from tests.matrix import FULL
 from tests.torch_forgeries import hide_learning_rate
 from tests.torch_replays import replay_rejects, replays_every_step_exactly
 from zkdv.records import iter_records
@@ -195,10 +196,19 @@ FRAMEWORK_RECIPES: dict[str, Callable[..., None]] = {
 }
 
 
+#: (recipe, run, threads): every recipe once, on one thread and two in turn; under
+#: ZKDV_TEST_MATRIX=full two seeds of each on both (tests/matrix.py).
+HONEST = (
+    [(r, run, t) for r in sorted(RECIPES) for run in range(2) for t in (1, 2)]
+    if FULL
+    else [(r, 0, 1 + i % 2) for i, r in enumerate(sorted(RECIPES))]
+)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("run", range(2))
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@pytest.mark.parametrize(
+    ("recipe", "run", "threads"), HONEST, ids=["-".join(map(str, c)) for c in HONEST]
+)
 def test_honest_runs_pass_every_check_and_replay(
     recipe: str, run: int, threads: int, tmp_path: Path
 ) -> None:
