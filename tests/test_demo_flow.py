@@ -24,7 +24,6 @@ from tests.conftest import EmbeddedDemo, WorkerProcess
 pytestmark = pytest.mark.slow
 
 
-
 def _accounts(data_dir: Path) -> dict[str, Account]:
     from attestations.management.commands.demo import (
         ensure_admin,
