@@ -34,7 +34,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from attestations.accounts.models import Capability
-from attestations.certificates import services as certificates
+from attestations.certificates import keys, translog
 from attestations.certificates import subjects as certificate_subjects
 from attestations.certificates.models import (
     Certificate,
@@ -266,7 +266,7 @@ def _integer(request: Request, name: str, *, required: bool = True) -> int | Non
     return int(raw)
 
 
-def _out_of_range(error: certificates.LogRangeError) -> NotFoundError:
+def _out_of_range(error: translog.LogRangeError) -> NotFoundError:
     # A well-formed request for a leaf or tree size the log does not have (yet).
     return NotFoundError(str(error), code="out_of_range", field=error.field)
 
@@ -323,7 +323,7 @@ class TrustRootView(APIView):
         version = _integer(request, "version", required=False)
         if version is None:
             try:
-                row = certificates.current_trust_root()
+                row = keys.current_trust_root()
             except KeyConfigurationError as error:
                 raise SigningUnavailableError(error.message) from None
         else:
@@ -356,7 +356,7 @@ class TrustedRootView(APIView):
     )
     def get(self, request: Request) -> HttpResponse:
         try:
-            document = certificates.trusted_root()
+            document = keys.trusted_root()
         except KeyConfigurationError as error:
             raise SigningUnavailableError(error.message) from None
         body = json.dumps(document, indent=2, sort_keys=True) + "\n"
@@ -405,7 +405,7 @@ class LogCheckpointView(APIView):
 
     @extend_schema(responses=CheckpointSerializer)
     def get(self, request: Request) -> Response:
-        checkpoint = certificates.latest_checkpoint()
+        checkpoint = translog.latest_checkpoint()
         if checkpoint is None:
             raise NotFoundError("The log is empty: no checkpoint has been signed yet.")
         return Response(checkpoint.to_dict())
@@ -436,7 +436,7 @@ class LogVerifierKeyView(APIView):
         "trust root carries the same strings (`note_verifier_key` of each key). Public.",
     )
     def get(self, request: Request) -> Response:
-        return Response(certificates.verifier_keys())
+        return Response(keys.verifier_keys())
 
 
 class LogEntryView(APIView):
@@ -484,11 +484,11 @@ class InclusionProofView(APIView):
         assert index is not None
         tree_size = _integer(request, "tree_size", required=False)
         if tree_size is None:
-            latest = certificates.latest_checkpoint()
+            latest = translog.latest_checkpoint()
             tree_size = latest.tree_size if latest is not None else 0
         try:
-            hashes, root = certificates.inclusion(index, tree_size)
-        except certificates.LogRangeError as error:
+            hashes, root = translog.inclusion(index, tree_size)
+        except translog.LogRangeError as error:
             raise _out_of_range(error) from None
         leaf = LogEntry.objects.values_list("leaf_hash", flat=True).get(index=index)
         return Response(
@@ -521,8 +521,8 @@ class ConsistencyProofView(APIView):
         second = _integer(request, "second")
         assert first is not None and second is not None
         try:
-            hashes, first_root, second_root = certificates.consistency(first, second)
-        except certificates.LogRangeError as error:
+            hashes, first_root, second_root = translog.consistency(first, second)
+        except translog.LogRangeError as error:
             raise _out_of_range(error) from None
         return Response(
             {
@@ -568,7 +568,7 @@ class ProofBundleView(APIView):
     )
     def get(self, request: Request, pk: int) -> HttpResponse:
         certificate = _visible_certificate(request, pk)
-        bundle = certificates.bundle_for(certificate)
+        bundle = translog.bundle_for(certificate)
         response = HttpResponse(
             json.dumps(bundle, indent=2, sort_keys=True) + "\n", content_type="application/json"
         )
@@ -598,7 +598,7 @@ class ProofSigstoreBundleView(APIView):
     )
     def get(self, request: Request, pk: int) -> HttpResponse:
         certificate = _visible_certificate(request, pk)
-        bundle = certificates.sigstore_bundle_for(certificate)
+        bundle = translog.sigstore_bundle_for(certificate)
         response = HttpResponse(
             json.dumps(bundle, indent=2, sort_keys=True) + "\n", content_type="application/json"
         )

@@ -56,6 +56,7 @@ __all__ = [
     "compute_claims",
     "evaluate",
     "summarize",
+    "whole_claim",
 ]
 
 #: The schema tag of :meth:`ClaimSet.to_dict`; bump it when the document changes.
@@ -966,3 +967,17 @@ def compute_claims(proof: Proof, *, use_cache: bool = True) -> ClaimSet:
     result = evaluate(facts, Limits.of(proof.spec), replay)
     cache.set(key, result.to_dict(), _CACHE_SECONDS)
     return result
+
+
+def whole_claim(claims: Sequence[Claim], name: str) -> Decimal | None:
+    """The claim ``name``'s number as a whole Decimal (a searchable column), if numeric.
+
+    A certificate row repeats its signed ``flops`` and ``tokens`` this way: issuance
+    writes them, and the log's re-verification checks them against the signed claims.
+    """
+    for claim in claims:
+        value = claim.value
+        numeric = isinstance(value, int | float) and not isinstance(value, bool)
+        if claim.name == name and numeric:
+            return Decimal(int(value))
+    return None

@@ -5,7 +5,7 @@ What lives where:
 * :class:`PlatformKey`: the *public* half of every key the platform has signed with and
   its validity window. Private keys never enter the database: they come from
   ``DVBENCH_SIGNING_KEY_FILE`` / ``DVBENCH_SIGNING_KEY`` or from
-  ``$DVBENCH_DATA_DIR/keys/`` (see ``attestations/certificates/services.py``).
+  ``$DVBENCH_DATA_DIR/keys/`` (see ``attestations/certificates/keys.py``).
 * :class:`TrustRootVersion`: every published trust root document, verbatim. A bundle
   carries the version a certificate was signed under, so old versions are kept.
 * :class:`LogEntry` and :class:`LogCheckpoint`: the RFC 9162 Merkle log of issued

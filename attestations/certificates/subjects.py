@@ -1,7 +1,8 @@
 """What a certificate binds and states beyond the run's claims: files, model, thresholds, odds.
 
-Kept apart from ``attestations/certificates/services.py`` (keys, signing, the log) so that each
-addition to the certificate is one function here, called once at issuance:
+Kept apart from issuance (``attestations/certificates/issuance.py``: what is signed, by
+which key, into which log entry) so that each addition to the certificate is one function
+here, called once at issuance:
 
 * :func:`file_subjects`: ``sha256`` subjects for tools that match files by SHA-256: the
   transcript file as uploaded (``records.cborl``), and the final model's files when the

@@ -13,7 +13,7 @@ import logging
 from celery import shared_task
 from django.db import OperationalError
 
-from attestations.certificates import services as certificates
+from attestations.certificates import issuance
 from attestations.proofs.models import Proof
 
 log = logging.getLogger(__name__)
@@ -43,11 +43,11 @@ def issue_certificate(proof_id: int) -> str | None:
             issues what is missing.
     """
     try:
-        certificate = certificates.issue_certificate(proof_id)
+        certificate = issuance.issue_certificate(proof_id)
     except Proof.DoesNotExist:
         log.warning("issue_certificate: proof %s does not exist", proof_id)
         return None
-    except certificates.CertificateNotIssuableError as error:
+    except issuance.CertificateNotIssuableError as error:
         log.warning("issue_certificate: %s", error)
         return None
     return f"certificate {certificate.pk}"

@@ -16,7 +16,7 @@ from typing import Any
 from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 
-from attestations.certificates import services as certificates
+from attestations.certificates import issuance
 from attestations.certificates.models import Certificate
 from attestations.experiments.models import Experiment
 from attestations.proofs.models import Proof, ProofStatus
@@ -108,6 +108,6 @@ def new_proof(experiment: Experiment, **kwargs: Any) -> Proof:
 
 def certify(proof: Proof, **kwargs: Any) -> Certificate:
     """Finalize (unless already final with a report) and issue the certificate."""
-    if kwargs or proof.status not in certificates.CERTIFIED_STATUSES or not proof.report:
+    if kwargs or proof.status not in issuance.CERTIFIED_STATUSES or not proof.report:
         finalize(proof, **kwargs)
-    return certificates.issue_certificate(proof.pk)
+    return issuance.issue_certificate(proof.pk)

@@ -11,7 +11,7 @@ import pytest
 from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 
-from attestations.certificates import services as certificates
+from attestations.certificates import issuance, translog
 from attestations.certificates.models import Certificate
 from dvbench.attest import LEGACY_KIND, canonical_json
 from tests.attestations.base import World
@@ -32,9 +32,7 @@ def _migrate(targets: list[tuple[str, str]]) -> None:
 def test_the_backfill_reads_the_signed_claim(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     # Certificates signed before this column existed were logged before the dsse entry
     # kind too: their leaf is the envelope's canonical JSON, which the backfill reads.
-    monkeypatch.setattr(
-        certificates, "dsse_entry_body", lambda envelope, key: canonical_json(envelope)
-    )
+    monkeypatch.setattr(issuance, "dsse_entry_body", lambda envelope, key: canonical_json(envelope))
     certificate = certify(world.proof)
     assert certificate.log_entry.kind == LEGACY_KIND
     signed = certificate.claim_value("tokens")
@@ -53,7 +51,7 @@ def test_the_backfill_reads_the_signed_claim(world: World, monkeypatch: pytest.M
         _migrate(AFTER)
     row = Certificate.objects.get(pk=certificate.pk)
     assert row.tokens == signed
-    assert certificates.verify_log().problems == []
+    assert translog.verify_log().problems == []
     if connection.vendor == "postgresql":
         from django.db import InternalError, ProgrammingError, transaction
 

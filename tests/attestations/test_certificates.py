@@ -20,7 +20,7 @@ from securesystemslib.dsse import Envelope as SslibEnvelope
 from securesystemslib.signer import SSlibKey  # type: ignore[attr-defined]
 
 from attestations.audit.models import AuditEvent
-from attestations.certificates import services as certificates
+from attestations.certificates import issuance, keys, translog
 from attestations.certificates.models import (
     Certificate,
     LogCheckpoint,
@@ -51,7 +51,7 @@ from tests.attestations.certificate_helpers import certify, finalize, new_proof
 
 
 def _trust_root() -> TrustRoot:
-    return certificates.current_trust_root().trust_root()
+    return keys.current_trust_root().trust_root()
 
 
 def test_a_valid_proof_gets_a_passed_certificate_that_our_library_verifies(world: World) -> None:
@@ -78,7 +78,7 @@ def test_a_valid_proof_gets_a_passed_certificate_that_our_library_verifies(world
     assert claims["limit_violations"].value == []
     assert certificate.flops == int(claims["flops"].value)
     # Never challenged: the documented "no replay" evidence.
-    assert signed.replay.challenge_seed == certificates.NO_REPLAY_SEED
+    assert signed.replay.challenge_seed == issuance.NO_REPLAY_SEED
     assert signed.replay.challenged_steps == ()
     assert dict(signed.replay.tolerance) == report["root"]["config"]["tolerance"]
 
@@ -258,7 +258,7 @@ def test_a_key_from_the_environment_setting_signs(world: World, settings: Any) -
 def test_a_configured_key_outside_the_trust_root_refuses_to_sign(
     world: World, settings: Any
 ) -> None:
-    certificates.current_trust_root()  # the generated key becomes version 1
+    keys.current_trust_root()  # the generated key becomes version 1
     stranger = SigningKey.generate()
     settings.DVBENCH = {**settings.DVBENCH, "SIGNING_KEY": stranger.private_pem().decode()}
     finalize(world.proof)
@@ -269,8 +269,8 @@ def test_a_configured_key_outside_the_trust_root_refuses_to_sign(
 
 def test_rotation_starts_a_new_key_and_old_certificates_still_verify(world: World) -> None:
     old = certify(world.proof)
-    old_bundle = certificates.bundle_for(old)
-    rotation = certificates.rotate_key()
+    old_bundle = translog.bundle_for(old)
+    rotation = keys.rotate_key()
     assert rotation.old_keyid == old.keyid and rotation.new_keyid != old.keyid
     assert rotation.trust_root.version == 2
     retired = PlatformKey.objects.get(keyid=old.keyid)
@@ -285,14 +285,14 @@ def test_rotation_starts_a_new_key_and_old_certificates_still_verify(world: Worl
     # Both certificates verify against the latest trust root, each at its own time.
     later = rotation.at + timedelta(minutes=1)
     assert verify_bundle(old_bundle, latest, now=later).ok
-    assert verify_bundle(certificates.bundle_for(old), latest, now=later).ok
-    assert verify_bundle(certificates.bundle_for(new), latest, now=later).ok
+    assert verify_bundle(translog.bundle_for(old), latest, now=later).ok
+    assert verify_bundle(translog.bundle_for(new), latest, now=later).ok
     # An auditor who pinned version 1 still verifies the old certificate's bundle: its
     # checkpoint was signed at issuance, by the key version 1 lists.
     first = TrustRootVersion.objects.get(version=1).trust_root()
-    assert verify_bundle(certificates.bundle_for(old), first, now=later).ok
-    assert not verify_bundle(certificates.bundle_for(new), first, now=later).ok
-    report = certificates.verify_log()
+    assert verify_bundle(translog.bundle_for(old), first, now=later).ok
+    assert not verify_bundle(translog.bundle_for(new), first, now=later).ok
+    report = translog.verify_log()
     assert report.ok and report.trust_roots == 2, report.problems
 
 
@@ -300,10 +300,10 @@ def test_a_key_registered_under_its_old_spki_id_keeps_signing(
     world: World, api: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A platform whose key, trust root and certificates predate securesystemslib key ids."""
-    import dvbench.attest._keys as keys
+    import dvbench.attest._keys as attest_keys
 
     with monkeypatch.context() as old_world:
-        old_world.setattr(keys, "key_id", keys.spki_key_id)
+        old_world.setattr(attest_keys, "key_id", attest_keys.spki_key_id)
         old = certify(world.proof)
     assert old.keyid == spki_key_id(
         load_pem_public_key(PlatformKey.objects.get().public_key.encode())
@@ -315,14 +315,14 @@ def test_a_key_registered_under_its_old_spki_id_keeps_signing(
     assert new.keyid == SSlibKey.from_crypto(_trust_root().keys[0].public_key).keyid
     root = _trust_root()
     for certificate in (old, new):
-        assert verify_bundle(certificates.bundle_for(certificate), root).ok
-        assert verify_bundle(certificates.sigstore_bundle_for(certificate), root).ok
+        assert verify_bundle(translog.bundle_for(certificate), root).ok
+        assert verify_bundle(translog.sigstore_bundle_for(certificate), root).ok
     trusted = TrustRoot.from_json(api(None).get("/api/v1/trusted-root/").content)
-    assert verify_bundle(certificates.sigstore_bundle_for(new), trusted).ok
-    assert certificates.verify_log().problems == []
-    rotation = certificates.rotate_key()
+    assert verify_bundle(translog.sigstore_bundle_for(new), trusted).ok
+    assert translog.verify_log().problems == []
+    rotation = keys.rotate_key()
     assert rotation.old_keyid == old.keyid
-    assert certificates.verify_log().problems == []
+    assert translog.verify_log().problems == []
 
 
 def test_rotation_closes_the_keys_window_in_the_sigstore_trusted_root(
@@ -331,7 +331,7 @@ def test_rotation_closes_the_keys_window_in_the_sigstore_trusted_root(
     certify(world.proof)
     before = api(None).get("/api/v1/trusted-root/").json()
     assert [set(t["publicKey"]["validFor"]) for t in before["tlogs"]] == [{"start"}]
-    rotation = certificates.rotate_key()
+    rotation = keys.rotate_key()
     after = api(None).get("/api/v1/trusted-root/").json()
     windows = [t["publicKey"]["validFor"] for t in after["tlogs"]]
     at = rotation.at.strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -342,16 +342,16 @@ def test_rotation_closes_the_keys_window_in_the_sigstore_trusted_root(
 
 def test_a_bundle_is_the_same_at_every_download(world: World) -> None:
     first = certify(world.proof)
-    before = certificates.bundle_for(first)
+    before = translog.bundle_for(first)
     certify(new_proof(world.experiment, seed=1))
-    assert certificates.bundle_for(first) == before
+    assert translog.bundle_for(first) == before
     assert before["inclusion_proof"]["tree_size"] == first.log_index + 1
 
 
 def test_a_certificate_signed_by_a_key_outside_its_window_fails(world: World) -> None:
     old = certify(world.proof)
-    retired = SigningKey.from_file(certificates.keys_dir() / "signing-key.pem")
-    certificates.rotate_key()
+    retired = SigningKey.from_file(keys.keys_dir() / "signing-key.pem")
+    keys.rotate_key()
     root = _trust_root()
     signed = verify_certificate(old.envelope, root)
     # The retired key signs a certificate dated after its window closed.
@@ -373,14 +373,14 @@ def test_a_certificate_signed_by_a_key_outside_its_window_fails(world: World) ->
 
 def test_the_retired_private_key_is_deleted_on_rotation(world: World) -> None:
     certify(world.proof)
-    path = certificates.keys_dir() / "signing-key.pem"
+    path = keys.keys_dir() / "signing-key.pem"
     before = SigningKey.from_file(path).keyid
-    rotation = certificates.rotate_key()
+    rotation = keys.rotate_key()
     after = SigningKey.from_file(path)
     assert after.keyid == rotation.new_keyid != before
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     # The timestamp authority (tsa.pem) is not a signing key and does not rotate with it.
-    assert sorted(p.name for p in certificates.keys_dir().iterdir()) == [
+    assert sorted(p.name for p in keys.keys_dir().iterdir()) == [
         "signing-key.pem",
         "tsa.pem",
     ]
@@ -388,12 +388,12 @@ def test_the_retired_private_key_is_deleted_on_rotation(world: World) -> None:
 
 
 def test_rotating_to_the_configured_key_twice_is_refused(world: World, settings: Any) -> None:
-    certificates.current_trust_root()
+    keys.current_trust_root()
     incoming = SigningKey.generate()
     settings.DVBENCH = {**settings.DVBENCH, "SIGNING_KEY": incoming.private_pem().decode()}
-    assert certificates.rotate_key().new_keyid == incoming.keyid
+    assert keys.rotate_key().new_keyid == incoming.keyid
     with pytest.raises(KeyConfigurationError, match="already in the trust root"):
-        certificates.rotate_key()
+        keys.rotate_key()
     assert TrustRootVersion.objects.count() == 2
 
 
@@ -414,7 +414,7 @@ def test_the_rotate_signing_key_command(world: World, tmp_path: Path, settings: 
 
     from django.core.management import CommandError, call_command
 
-    first = certificates.current_trust_root().trust_root().keys[0].keyid
+    first = keys.current_trust_root().trust_root().keys[0].keyid
     out = StringIO()
     call_command("rotate_signing_key", stdout=out)
     assert f"key {first} retired" in out.getvalue() and "trust root version 2" in out.getvalue()
@@ -423,7 +423,7 @@ def test_the_rotate_signing_key_command(world: World, tmp_path: Path, settings: 
     path = tmp_path / "incoming.pem"
     path.write_bytes(imported.private_pem())
     call_command("rotate_signing_key", "--key-file", str(path), stdout=out)
-    assert SigningKey.from_file(certificates.keys_dir() / "signing-key.pem").keyid == imported.keyid
+    assert SigningKey.from_file(keys.keys_dir() / "signing-key.pem").keyid == imported.keyid
     assert PlatformKey.objects.get(keyid=imported.keyid).source == "imported"
 
     settings.DVBENCH = {
@@ -444,7 +444,7 @@ def test_issue_certificates_issues_what_a_failed_task_left_missing(
 
     from django.core.management import call_command
 
-    certificates.current_trust_root()
+    keys.current_trust_root()
     original = settings.DVBENCH
     settings.DVBENCH = {**original, "SIGNING_KEY": SigningKey.generate().private_pem().decode()}
     finalize(world.proof)

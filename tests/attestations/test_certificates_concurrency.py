@@ -16,7 +16,7 @@ from django.contrib.auth.models import User
 from django.db import connection, connections
 
 from attestations.accounts.models import Organization
-from attestations.certificates import services as certificates
+from attestations.certificates import issuance, keys, translog
 from attestations.certificates.models import Certificate, LogCheckpoint, LogEntry
 from attestations.certificates.tasks import issue_certificate
 from attestations.experiments.models import Experiment
@@ -78,9 +78,9 @@ def test_concurrent_issuance_issues_once_per_proof_and_keeps_the_log_gapless(
     if connection.vendor != "postgresql":
         pytest.skip("needs PostgreSQL: SQLite serialises writers by locking the whole file")
     proofs = _proofs(3)
-    certificates.current_trust_root()  # the first key, registered once before the race
+    keys.current_trust_root()  # the first key, registered once before the race
     calls = [
-        (lambda pk=proof.pk: certificates.issue_certificate(pk).pk)
+        (lambda pk=proof.pk: issuance.issue_certificate(pk).pk)
         for proof in (*proofs, proofs[0], proofs[0], proofs[1])
     ]
     results = _race(calls)
@@ -90,7 +90,7 @@ def test_concurrent_issuance_issues_once_per_proof_and_keeps_the_log_gapless(
     assert Certificate.objects.count() == 3
     assert sorted(LogEntry.objects.values_list("index", flat=True)) == [0, 1, 2]
     assert sorted(LogCheckpoint.objects.values_list("tree_size", flat=True)) == [1, 2, 3]
-    report = certificates.verify_log()
+    report = translog.verify_log()
     assert report.ok, report.problems
 
 
@@ -105,5 +105,5 @@ def test_the_task_through_a_real_worker_issues_once(
     certificate = Certificate.objects.get()
     assert results == (f"certificate {certificate.pk}",) * 2, celery_worker_process.log()[-2000:]
     assert certificate.proof_id == proof.pk and LogEntry.objects.count() == 1
-    report = certificates.verify_log()
+    report = translog.verify_log()
     assert report.ok, report.problems

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from rest_framework.test import APIClient
 
-from attestations.certificates import services as certificates
+from attestations.certificates import issuance, keys
 from attestations.proofs.models import ProofStatus
 from dvbench._model import write_safetensors
 from dvbench.attest import TrustRoot, note_verifier_key, verify_bundle
@@ -151,9 +151,9 @@ def test_the_verifier_key_is_published_in_the_trust_root_and_the_api(world: Worl
     published = anonymous.get("/api/v1/log/verifier-key/").json()
     root = TrustRoot.from_json(anonymous.get("/api/v1/trust-root/").content)
     key = root.keys[-1]
-    expected = note_verifier_key(certificates.log_origin(), key.public_key)
+    expected = note_verifier_key(keys.log_origin(), key.public_key)
     assert published["verifier_key"] == expected == root.note_verifier_key(key.keyid)
-    assert published["origin"] == root.log_origin == certificates.log_origin()
+    assert published["origin"] == root.log_origin == keys.log_origin()
     # Every checkpoint's signature line starts with the verifier key's hash.
     note = anonymous.get("/api/v1/log/checkpoint/").json()["note"]
     line = note.split("\n\n")[1]
@@ -199,7 +199,7 @@ def test_uploaded_weights_must_be_the_final_parameters(
     accepted = _attach(client, proof.pk, "model/model.safetensors", good.read_bytes())
     assert accepted.status_code == 201, accepted.content
     finalize(proof)
-    statement = _statement(certificates.issue_certificate(proof.pk))
+    statement = _statement(issuance.issue_certificate(proof.pk))
     subjects = {subject["name"]: subject["digest"] for subject in statement["subject"]}
     assert subjects["model.safetensors"] == {
         "sha256": hashlib.sha256(good.read_bytes()).hexdigest()

@@ -27,7 +27,7 @@ import pytest
 from rest_framework.test import APIClient
 
 from attestations.audit.models import AuditEvent
-from attestations.certificates import services as certificates
+from attestations.certificates import issuance, keys
 from attestations.challenges import replay
 from attestations.experiments.models import Experiment
 from attestations.proofs.ingest import ingest
@@ -159,8 +159,8 @@ def test_a_second_proof_of_the_same_digest_draws_nothing(
     assert f"proof {first.pk}" in twin.message
     assert twin.challenges.count() == 0 and twin.challenge_seed == ""
     # A duplicate is certified by the proof it repeats, never on its own.
-    with pytest.raises(certificates.CertificateNotIssuableError):
-        certificates.issue_certificate(twin.pk)
+    with pytest.raises(issuance.CertificateNotIssuableError):
+        issuance.issue_certificate(twin.pk)
 
 
 def test_a_near_duplicate_gets_the_same_draw_and_more(
@@ -277,10 +277,8 @@ def test_a_certificate_lists_every_proof_filed_for_its_experiment(
     )
     # Give the second its verdict as the replays would (they are not run here).
     Proof.objects.filter(pk=certified.pk).update(status=ProofStatus.VALID)
-    certificate = certificates.issue_certificate(certified.pk)
-    signed = verify_certificate(
-        certificate.envelope, certificates.current_trust_root().trust_root()
-    )
+    certificate = issuance.issue_certificate(certified.pk)
+    signed = verify_certificate(certificate.envelope, keys.current_trust_root().trust_root())
     assert signed.filings is not None and signed.filings.count == 2
     assert [(f.proof, f.status, f.reason, f.challenge_filing) for f in signed.filings.proofs] == [
         (abandoned.pk, "rejected", "challenge_expired", 1),

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from rest_framework.test import APIClient
 
-from attestations.certificates import services as certificates
+from attestations.certificates import keys
 from attestations.certificates.models import Certificate
 from attestations.proofs.models import ProofStatus
 from dvbench.attest import TrustRoot, verify_bundle
@@ -113,7 +113,7 @@ def test_the_bundle_from_the_api_verifies_offline(certified: Certificate, api: A
 
 
 def test_earlier_trust_root_versions_stay_published(certified: Certificate, api: Api) -> None:
-    certificates.rotate_key()
+    keys.rotate_key()
     client = api(None)
     latest = TrustRoot.from_json(client.get("/api/v1/trust-root/").content)
     first = TrustRoot.from_json(client.get("/api/v1/trust-root/?version=1").content)
@@ -138,7 +138,7 @@ def many(world: World, monkeypatch: pytest.MonkeyPatch) -> dict[str, Certificate
     """Four certificates issued in four months: acme passed, acme failed, a long acme run, evil."""
     clock = {"now": datetime(2026, 1, 10, 12, tzinfo=UTC)}
     # The signing clock (certificates and checkpoints take their time from it).
-    monkeypatch.setattr(certificates, "_now", lambda: clock["now"])
+    monkeypatch.setattr(keys, "now", lambda: clock["now"])
     issued: dict[str, Certificate] = {}
     for month, (name, proof) in enumerate(
         (

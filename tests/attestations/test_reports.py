@@ -219,7 +219,7 @@ def test_the_chart_scales_to_the_budget_and_marks_the_crossing() -> None:
 @pytest.fixture
 def certified(world: World, tmp_path: Path, programless_transcripts: None) -> Proof:
     """A proof verified by the real verifier, with the certificate the platform issues."""
-    from attestations.certificates.services import issue_certificate
+    from attestations.certificates.issuance import issue_certificate
     from attestations.proofs.ingest import ingest
 
     filed, _ = filed_proof(world, tmp_path)

@@ -13,7 +13,7 @@ from django.core.management import CommandError, call_command
 from django.db import connection
 from rest_framework.test import APIClient
 
-from attestations.certificates import services as certificates
+from attestations.certificates import issuance, keys, translog
 from attestations.certificates.models import Certificate, LogCheckpoint, LogEntry
 from attestations.proofs.models import Proof
 from dvbench.attest import (
@@ -49,7 +49,7 @@ def _issue_many(world: World, count: int) -> list[Certificate]:
         )
         for _ in range(count)
     )
-    return [certificates.issue_certificate(proof.pk) for proof in proofs]
+    return [issuance.issue_certificate(proof.pk) for proof in proofs]
 
 
 @pytest.fixture
@@ -67,8 +67,8 @@ def _check_every_inclusion_proof() -> None:
         leaf_hash(entry.leaf.encode()) for entry in LogEntry.objects.order_by("index").iterator()
     ]
     assert len(leaves) == LOG_SIZE
-    with certificates._TREE.lock:
-        tree = certificates._TREE.synced()
+    with translog._TREE.lock:
+        tree = translog._TREE.synced()
     for size in range(1, LOG_SIZE + 1):
         root = tree.root(size)
         assert root.hex() == LogCheckpoint.objects.get(tree_size=size).root_hash
@@ -248,7 +248,7 @@ def test_log_entries_are_rekor_dsse_entries_of_their_envelopes(
     for certificate in small_log:
         entry = certificate.log_entry
         assert entry.kind == DSSE_KIND and entry.inclusion_promise and entry.rfc3161_timestamp
-        root = certificates.current_trust_root().trust_root()
+        root = keys.current_trust_root().trust_root()
         key = root.key(entry.envelope["signatures"][0]["keyid"])
         assert entry.leaf.encode() == dsse_entry_body(entry.envelope, key.public_key)
         assert leaf_hash(entry.leaf.encode()).hex() == entry.leaf_hash
@@ -337,12 +337,12 @@ def test_certificate_issued_after_a_rolled_back_append_is_consistent(world: Worl
         spec=world.experiment.current_spec,
         transcript=world.proof.transcript,
     )
-    with pytest.raises(certificates.CertificateNotIssuableError):
-        certificates.issue_certificate(second.pk)  # still pending
+    with pytest.raises(issuance.CertificateNotIssuableError):
+        issuance.issue_certificate(second.pk)  # still pending
     finalize(second)
-    certificate = certificates.issue_certificate(second.pk)
+    certificate = issuance.issue_certificate(second.pk)
     assert certificate.log_index == 1
-    report = certificates.verify_log()
+    report = translog.verify_log()
     assert report.ok, report.problems
 
 

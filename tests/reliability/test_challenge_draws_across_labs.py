@@ -19,7 +19,7 @@ import pytest
 from rest_framework.test import APIClient
 
 from attestations.accounts.models import Membership, Role
-from attestations.certificates import services as certificates
+from attestations.certificates import issuance, keys
 from attestations.challenges import replay
 from attestations.challenges.secret import challenge_key
 from attestations.experiments.models import Experiment
@@ -152,7 +152,7 @@ def _valid_certificate(proof: Proof) -> Any:
     Proof.objects.filter(pk=proof.pk).update(
         status=ProofStatus.VALID, challenge_seed_revealed=proof.challenges_drawn
     )
-    return certificates.issue_certificate(proof.pk)
+    return issuance.issue_certificate(proof.pk)
 
 
 def test_each_certificate_lists_the_other_labs_filing_without_naming_it(
@@ -166,7 +166,7 @@ def test_each_certificate_lists_the_other_labs_filing_without_naming_it(
     ours = file(api("alice"), acme, run(tmp_path, acme, "a"), capture)
     theirs = file(api("mallory"), evil, run(tmp_path, evil, "b", rerun=1), capture)
     mine, other = _valid_certificate(ours), _valid_certificate(theirs)
-    trust = certificates.current_trust_root().trust_root()
+    trust = keys.current_trust_root().trust_root()
 
     # Acme's was signed while evil's filing was still open; evil's after acme's verdict.
     for certificate, proof, elsewhere, status, stranger in (

@@ -12,7 +12,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from attestations.certificates import services as certificates
+from attestations.certificates import issuance
 from attestations.proofs.models import DUPLICATE_TRANSCRIPT, Proof
 from dvbench.attest import AttestationError
 
@@ -31,7 +31,7 @@ class Command(BaseCommand):
         else:
             ids = list(
                 Proof.objects.filter(
-                    status__in=certificates.CERTIFIED_STATUSES, certificate__isnull=True
+                    status__in=issuance.CERTIFIED_STATUSES, certificate__isnull=True
                 )
                 .exclude(reason=DUPLICATE_TRANSCRIPT)
                 .order_by("pk")
@@ -40,11 +40,11 @@ class Command(BaseCommand):
         failures = 0
         for proof_id in ids:
             try:
-                certificate = certificates.issue_certificate(proof_id)
+                certificate = issuance.issue_certificate(proof_id)
             except Proof.DoesNotExist:
                 self.stderr.write(f"proof {proof_id}: no such proof")
                 failures += 1
-            except certificates.CertificateNotIssuableError as error:
+            except issuance.CertificateNotIssuableError as error:
                 self.stderr.write(f"proof {proof_id}: {error}")
                 failures += 1
             except AttestationError as error:

@@ -19,7 +19,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from attestations.certificates.services import rotate_key
+from attestations.certificates.keys import rotate_key
 from dvbench.attest import AttestationError, SigningKey
 
 

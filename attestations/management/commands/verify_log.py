@@ -13,7 +13,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from attestations.certificates.services import verify_log
+from attestations.certificates.translog import verify_log
 
 
 class Command(BaseCommand):
