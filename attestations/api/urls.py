@@ -47,14 +47,20 @@ GET     schema/ · docs/ · redoc/                         OpenAPI document, Swa
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.urls import include, path, re_path
 from drf_spectacular.views import (
     SpectacularAPIView,
     SpectacularRedocView,
     SpectacularSwaggerSplitView,
 )
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
 
-from attestations.api import views as api
+from attestations.api import accounts, audit, challenges, experiments, proofs, uploads
+from attestations.core.errors import NotFoundError
 
 app_name = "api"
 
@@ -62,70 +68,89 @@ NAME = r"(?P<owner>[a-z0-9-]+)/(?P<name>[a-z0-9._-]+)"
 UUID = r"(?P<pk>[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})"
 SLUG = r"(?P<slug>[a-z0-9-]+)"
 
+
+class UnknownEndpoint(APIView):
+    """Any other path under /api/v1/: a 404 in the API's error format, not an HTML page."""
+
+    permission_classes: list[Any] = []
+    schema = None
+
+    def _missing(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        raise NotFoundError(f"No API endpoint {request.path}; see /api/v1/docs/.", field="path")
+
+    get = post = put = patch = delete = head = options = _missing
+
+
 urlpatterns = [
-    re_path(r"^me/?$", api.MeView.as_view(), name="me"),
-    re_path(r"^organizations/?$", api.OrganizationList.as_view(), name="organizations"),
-    re_path(rf"^organizations/{SLUG}/members/?$", api.MemberList.as_view(), name="members"),
+    re_path(r"^me/?$", accounts.MeView.as_view(), name="me"),
+    re_path(r"^organizations/?$", accounts.OrganizationList.as_view(), name="organizations"),
+    re_path(rf"^organizations/{SLUG}/members/?$", accounts.MemberList.as_view(), name="members"),
     re_path(
         rf"^organizations/{SLUG}/members/(?P<username>[\w.@+-]+)/?$",
-        api.MemberDetail.as_view(),
+        accounts.MemberDetail.as_view(),
         name="member",
     ),
     re_path(
         rf"^organizations/{SLUG}/invitations/?$",
-        api.OrganizationInvitationList.as_view(),
+        accounts.OrganizationInvitationList.as_view(),
         name="org-invitations",
     ),
     re_path(
         rf"^organizations/{SLUG}/invitations/{UUID}/?$",
-        api.OrganizationInvitationDetail.as_view(),
+        accounts.OrganizationInvitationDetail.as_view(),
         name="org-invitation",
     ),
-    re_path(r"^invitations/?$", api.MyInvitationList.as_view(), name="invitations"),
-    re_path(rf"^invitations/{UUID}/accept/?$", api.InvitationAccept.as_view(), name="accept"),
-    re_path(rf"^invitations/{UUID}/decline/?$", api.InvitationDecline.as_view(), name="decline"),
-    re_path(r"^keys/?$", api.ApiKeyList.as_view(), name="keys"),
-    re_path(r"^keys/confirm-password/?$", api.ApiKeyConfirmPassword.as_view(), name="sudo"),
-    re_path(r"^keys/(?P<pk>[0-9]{1,18})/?$", api.ApiKeyDetail.as_view(), name="key"),
-    re_path(r"^keys/(?P<pk>[0-9]{1,18})/revoke/?$", api.ApiKeyRevoke.as_view(), name="revoke"),
-    re_path(r"^experiments/?$", api.ExperimentList.as_view(), name="experiments"),
-    re_path(rf"^experiments/{NAME}/?$", api.ExperimentDetail.as_view(), name="experiment"),
-    re_path(rf"^experiments/{NAME}/specs/?$", api.SpecList.as_view(), name="specs"),
+    re_path(r"^invitations/?$", accounts.MyInvitationList.as_view(), name="invitations"),
+    re_path(rf"^invitations/{UUID}/accept/?$", accounts.InvitationAccept.as_view(), name="accept"),
+    re_path(
+        rf"^invitations/{UUID}/decline/?$", accounts.InvitationDecline.as_view(), name="decline"
+    ),
+    re_path(r"^keys/?$", accounts.ApiKeyList.as_view(), name="keys"),
+    re_path(r"^keys/confirm-password/?$", accounts.ApiKeyConfirmPassword.as_view(), name="sudo"),
+    re_path(r"^keys/(?P<pk>[0-9]{1,18})/?$", accounts.ApiKeyDetail.as_view(), name="key"),
+    re_path(r"^keys/(?P<pk>[0-9]{1,18})/revoke/?$", accounts.ApiKeyRevoke.as_view(), name="revoke"),
+    re_path(r"^experiments/?$", experiments.ExperimentList.as_view(), name="experiments"),
+    re_path(rf"^experiments/{NAME}/?$", experiments.ExperimentDetail.as_view(), name="experiment"),
+    re_path(rf"^experiments/{NAME}/specs/?$", experiments.SpecList.as_view(), name="specs"),
     re_path(
         rf"^experiments/{NAME}/specs/(?P<version>[0-9]{{1,18}})/?$",
-        api.SpecDetail.as_view(),
+        experiments.SpecDetail.as_view(),
         name="spec",
     ),
-    re_path(r"^proofs/?$", api.ProofList.as_view(), name="proofs"),
-    re_path(r"^proofs/(?P<pk>[0-9]{1,18})/?$", api.ProofDetail.as_view(), name="proof"),
+    re_path(r"^proofs/?$", proofs.ProofList.as_view(), name="proofs"),
+    re_path(r"^proofs/(?P<pk>[0-9]{1,18})/?$", proofs.ProofDetail.as_view(), name="proof"),
     re_path(
         r"^proofs/(?P<pk>[0-9]{1,18})/transcript/?$",
-        api.ProofTranscript.as_view(),
+        proofs.ProofTranscript.as_view(),
         name="transcript",
     ),
     re_path(
-        r"^proofs/(?P<pk>[0-9]{1,18})/challenges/?$", api.ChallengeList.as_view(), name="challenges"
+        r"^proofs/(?P<pk>[0-9]{1,18})/challenges/?$",
+        challenges.ChallengeList.as_view(),
+        name="challenges",
     ),
     re_path(
-        r"^proofs/(?P<pk>[0-9]{1,18})/artifacts/?$", api.ProofArtifacts.as_view(), name="artifacts"
+        r"^proofs/(?P<pk>[0-9]{1,18})/artifacts/?$",
+        proofs.ProofArtifacts.as_view(),
+        name="artifacts",
     ),
-    re_path(r"^jobs/?$", api.JobList.as_view(), name="jobs"),
-    re_path(rf"^jobs/{UUID}/?$", api.JobDetail.as_view(), name="job"),
-    re_path(r"^audit-events/?$", api.AuditEventList.as_view(), name="audit-events"),
-    re_path(r"^uploads/?$", api.UploadList.as_view(), name="uploads"),
-    re_path(rf"^uploads/{UUID}/?$", api.UploadDetail.as_view(), name="upload"),
+    re_path(r"^jobs/?$", proofs.JobList.as_view(), name="jobs"),
+    re_path(rf"^jobs/{UUID}/?$", proofs.JobDetail.as_view(), name="job"),
+    re_path(r"^audit-events/?$", audit.AuditEventList.as_view(), name="audit-events"),
+    re_path(r"^uploads/?$", uploads.UploadList.as_view(), name="uploads"),
+    re_path(rf"^uploads/{UUID}/?$", uploads.UploadDetail.as_view(), name="upload"),
     re_path(
         rf"^uploads/{UUID}/parts/(?P<number>[0-9]{{1,18}})/?$",
-        api.UploadPartView.as_view(),
+        uploads.UploadPartView.as_view(),
         name="part",
     ),
     re_path(
         rf"^uploads/{UUID}/parts/(?P<number>[0-9]{{1,18}})/url/?$",
-        api.UploadPartURL.as_view(),
+        uploads.UploadPartURL.as_view(),
         name="part-url",
     ),
-    re_path(rf"^uploads/{UUID}/complete/?$", api.UploadComplete.as_view(), name="complete"),
-    re_path(rf"^uploads/{UUID}/abort/?$", api.UploadAbort.as_view(), name="abort"),
+    re_path(rf"^uploads/{UUID}/complete/?$", uploads.UploadComplete.as_view(), name="complete"),
+    re_path(rf"^uploads/{UUID}/abort/?$", uploads.UploadAbort.as_view(), name="abort"),
     path("", include("attestations.api.certificate_urls")),
     path("", include("attestations.api.report_urls")),
     path("schema/", SpectacularAPIView.as_view(), name="schema"),
@@ -133,5 +158,5 @@ urlpatterns = [
     # Content-Security-Policy allows no inline script.
     path("docs/", SpectacularSwaggerSplitView.as_view(url_name="api:schema"), name="docs"),
     path("redoc/", SpectacularRedocView.as_view(url_name="api:schema"), name="redoc"),
-    re_path(r"^.*$", api.UnknownEndpoint.as_view(), name="unknown"),
+    re_path(r"^.*$", UnknownEndpoint.as_view(), name="unknown"),
 ]

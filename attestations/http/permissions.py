@@ -8,11 +8,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.contrib.auth.models import User
 from django.http import HttpRequest
 from rest_framework import exceptions, permissions
 from rest_framework.request import Request
 
 from attestations.accounts.models import Access, Capability
+
+
+def authenticated_user(request: Request) -> User:
+    """The authenticated user (for views that require one)."""
+    assert isinstance(request.user, User)
+    return request.user
 
 
 def get_access(request: HttpRequest | Request) -> Access:

@@ -6,7 +6,7 @@ import json
 
 from rest_framework.renderers import JSONRenderer
 
-from attestations.api.serializers import ExperimentSerializer
+from attestations.api.experiments import ExperimentSerializer
 from attestations.experiments.models import Experiment
 from tests.attestations.base import World
 
