@@ -110,6 +110,9 @@ TEMPLATES = [
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
             ],
+            # The web pages' filters: attestations.web is not an app, so its library is
+            # named here (the auditors' report's filters are the reports app's own).
+            "libraries": {"dvbench": "attestations.web.filters"},
         },
     },
 ]

@@ -286,7 +286,7 @@ def test_a_budget_far_above_the_run_gets_a_log_axis() -> None:
 
 
 def test_hexgroups_groups_only_digests() -> None:
-    from attestations.templatetags.report_format import hexgroups
+    from attestations.reports.templatetags.report_format import hexgroups
 
     digest = "ab" * 32
     assert hexgroups(f"batch {digest} (matches)") == (

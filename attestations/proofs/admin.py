@@ -1,16 +1,9 @@
-"""Django admin: operators manage organisations and memberships; records are read-only.
-
-The admin site is the operator's (staff accounts): it is one of the two places an agency
-is made and the regulator role granted (the other is ``manage.py agency``). The rules of
-``Membership.clean`` and ``Organization.clean`` hold here too: a regulator only in an
-agency, nobody in both a lab and an agency.
-"""
+"""Django admin: filed proofs, their attached files and background jobs, read-only."""
 
 from __future__ import annotations
 
 from django.contrib import admin
 
-from attestations.challenges.models import Challenge
 from attestations.core.admin import ReadOnlyAdmin
 from attestations.proofs.models import Job, Proof, ProofArtifact
 
@@ -19,17 +12,6 @@ from attestations.proofs.models import Job, Proof, ProofArtifact
 class ProofAdmin(ReadOnlyAdmin):
     list_display = ["pk", "experiment", "status", "reason", "created"]
     list_filter = ["status"]
-
-
-@admin.register(Challenge)
-class ChallengeAdmin(ReadOnlyAdmin):
-    """What the platform asked a proof to answer, and how each replay went."""
-
-    list_display = ["pk", "proof", "step", "through", "origin", "status", "reason", "created"]
-    list_filter = ["status", "origin"]
-    search_fields = ["reason", "message"]
-    list_select_related = ["proof"]
-    raw_id_fields = ["proof"]
 
 
 @admin.register(ProofArtifact)

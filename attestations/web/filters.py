@@ -1,4 +1,4 @@
-"""Template filters for the web UI."""
+"""Template filters for the web UI (``{% load dvbench %}``; ``TEMPLATES`` in config/settings.py)."""
 
 from __future__ import annotations
 
