@@ -8,6 +8,7 @@ is ``ready`` (:func:`mark_ready`) and queued on the ``replay`` queue (:func:`enq
 from __future__ import annotations
 
 import logging
+import mmap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -15,7 +16,6 @@ from typing import Any
 
 import numpy as np
 from django.contrib.auth.models import User
-from django.core.files.storage import default_storage
 from django.db import transaction
 from django.utils import timezone
 
@@ -36,6 +36,7 @@ from attestations.proofs.models import (
     ProofArtifact,
 )
 from attestations.uploads.models import ArtifactKind, Blob, UploadStatus
+from attestations.uploads.services import mapped
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ def _in_layout(name: str, kind: str) -> bool:
 
 
 def _commitment_check(
-    index: TranscriptIndex, name: str, data: bytes
+    index: TranscriptIndex, name: str, data: bytes | mmap.mmap
 ) -> tuple[str, str, dict[str, Any]] | None:
     """Check a file against what the transcript commits for it.
 
@@ -120,7 +121,7 @@ def _commitment_check(
     base = name.rsplit("/", 1)[-1]
     if name == index.program_file:
         program = index.root.get("program") or {}
-        if hash_bytes(Domain.FILE, data) != program.get("digest"):
+        if hash_bytes(Domain.FILE, memoryview(data)) != program.get("digest"):
             return (
                 "program_mismatch",
                 f"{name} ({len(data)} bytes) does not hash to the program digest the "
@@ -203,7 +204,7 @@ def _commitment_check(
 
 
 def _gradient_check(
-    index: TranscriptIndex, name: str, base: str, data: bytes
+    index: TranscriptIndex, name: str, base: str, data: bytes | mmap.mmap
 ) -> tuple[str, str, dict[str, Any]] | None:
     """A step's computed values (``files/grad-<step>.bin``) against its ``grad`` root."""
     from zkdv.config import ZKDVConfig
@@ -321,8 +322,8 @@ def attach(
         if claim.name in needed or claim.name.startswith("program."):
             if index is None:
                 index = TranscriptIndex.of(proof)
-            with default_storage.open(blob.storage_name, "rb") as handle:
-                problem = _commitment_check(index, claim.name, handle.read())
+            with mapped(blob.storage_name) as data:
+                problem = _commitment_check(index, claim.name, data)
             if problem is not None:
                 code, message, detail = problem
                 raise ArtifactMismatchError(

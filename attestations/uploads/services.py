@@ -38,8 +38,10 @@ import contextlib
 import errno
 import hashlib
 import logging
+import mmap
 import os
 import secrets
+import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -676,6 +678,35 @@ def _assemble_local(sources: list[Path], path: Path) -> str:
     return digest
 
 
+@contextlib.contextmanager
+def mapped(name: str) -> Iterator[bytes | mmap.mmap]:
+    """A stored file's bytes, mapped read-only rather than read into memory.
+
+    Local storage maps the file where it lies; remote storage (S3) streams it once into
+    a temporary file, which is mapped. Either way a checked snapshot of many gigabytes
+    costs page cache, not the worker's memory.
+    """
+    with contextlib.ExitStack() as stack:
+        path = _local_path(name)
+        if path is None:
+            path = stack.enter_context(_temporary_path(".blob"))
+            with default_storage.open(name, "rb") as source, open(path, "wb") as out:
+                shutil.copyfileobj(source, out, 1 << 20)
+        with open(path, "rb") as handle:
+            if os.fstat(handle.fileno()).st_size == 0:
+                region = None
+            else:
+                region = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        if region is None:
+            yield b""
+            return
+        try:
+            yield region
+        finally:
+            with contextlib.suppress(BufferError):  # arrays still view it: freed with them
+                region.close()
+
+
 def _local_path(name: str) -> Path | None:
     """The file behind a storage name, when storage is a local filesystem."""
     try:
@@ -775,8 +806,9 @@ def complete(upload: Upload, *, user: User, ip: str | None = None) -> Upload:
         _require_open(locked, "complete")
         parts = _check_parts(locked)
         rules.before_complete(upload)
-        Upload.objects.filter(pk=upload.pk).update(status=UploadStatus.COMPLETING)
-    upload.status = UploadStatus.COMPLETING
+        lease = timezone.now() + completion_lease(upload.size)
+        Upload.objects.filter(pk=upload.pk).update(status=UploadStatus.COMPLETING, expires=lease)
+    upload.status, upload.expires = UploadStatus.COMPLETING, lease
     if upload.direct:
         return _complete_direct(upload, parts, rules, user=user, ip=ip)
     try:
@@ -797,10 +829,7 @@ def complete(upload: Upload, *, user: User, ip: str | None = None) -> Upload:
         raise
     except BaseException:
         # Anything unexpected (storage down): the session may be completed again.
-        Upload.objects.filter(pk=upload.pk, status=UploadStatus.COMPLETING).update(
-            status=UploadStatus.OPEN
-        )
-        upload.status = UploadStatus.OPEN
+        _reopen(upload)
         raise
     try:
         names = _record_completion(upload, blob, rules, user=user, ip=ip)
@@ -831,9 +860,12 @@ def _record_completion(
     """Record the upload complete; returns the staged files to delete once committed."""
     with transaction.atomic():
         locked = _lock(upload)
-        if locked.status != UploadStatus.COMPLETING:  # pragma: no cover - nothing else may
+        if locked.status != UploadStatus.COMPLETING:
+            # The claim outlived its lease and expire_stale reopened it (the blob is
+            # stored: completing again reuses it).
             raise UploadNotOpenError(
-                f"upload {upload.id} is {locked.status}; it was being completed",
+                f"upload {upload.id} is {locked.status}; its completion outlived its lease "
+                "and was reopened: complete it again",
                 field="status",
                 detail={"status": locked.status},
             )
@@ -1118,10 +1150,12 @@ def _verify_direct(upload: Upload, parts: list[UploadPart], rules: KindRules) ->
 
 
 def _reopen(upload: Upload) -> None:
+    """Back to open after a completion that stopped short; resumable for the TTL again."""
+    expires = timezone.now() + timedelta(seconds=dvbench_int("UPLOAD_TTL_SECONDS"))
     Upload.objects.filter(pk=upload.pk, status=UploadStatus.COMPLETING).update(
-        status=UploadStatus.OPEN
+        status=UploadStatus.OPEN, expires=expires
     )
-    upload.status = UploadStatus.OPEN
+    upload.status, upload.expires = UploadStatus.OPEN, expires
 
 
 def _complete_direct(
@@ -1177,13 +1211,44 @@ def abort(upload: Upload, *, user: User, ip: str | None = None) -> Upload:
     return upload
 
 
+#: A completion claim's lease: the time to hash and join the parts at a slow disk's pace
+#: (32 MiB/s), plus ten minutes. A claim whose worker died is reopened after it.
+LEASE_SECONDS, LEASE_BYTES_PER_SECOND = 600, 32 << 20
+
+
+def completion_lease(size: int) -> timedelta:
+    """How long a completion of ``size`` bytes may hold its claim (``completing``)."""
+    return timedelta(seconds=LEASE_SECONDS + size // LEASE_BYTES_PER_SECOND)
+
+
 def expire_stale(now: Any = None) -> int:
     """Abort open uploads past their expiry; returns how many were removed.
 
     Each upload is expired under its row lock and only if it is still open and expired
     then; one another request holds (a completion being claimed) is left for the next run.
+    A completion claim past its lease (:func:`completion_lease`: the worker died or was
+    killed mid-completion) is reopened first, so the client's retry completes it.
     """
     cutoff = now or timezone.now()
+    for pk in Upload.objects.filter(status=UploadStatus.COMPLETING, expires__lt=cutoff).values_list(
+        "pk", flat=True
+    ):
+        with transaction.atomic():
+            stuck = (
+                Upload.objects.select_for_update(skip_locked=True)
+                .filter(pk=pk, status=UploadStatus.COMPLETING, expires__lt=cutoff)
+                .first()
+            )
+            if stuck is None:
+                continue
+            _reopen(stuck)
+            AuditEvent.record(
+                "upload.reopened",
+                organization=stuck.experiment.owner,
+                target=stuck,
+                detail={"reason": "completion_lease_expired"},
+            )
+            log.warning("upload %s: completion claim past its lease, reopened", pk)
     stale = Upload.objects.filter(status=UploadStatus.OPEN, expires__lt=cutoff)
     count = 0
     for pk in list(stale.values_list("pk", flat=True)):

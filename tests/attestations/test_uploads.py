@@ -277,6 +277,47 @@ def test_expired_uploads_are_cleaned(world: World, api: Api, storage: Path) -> N
     assert Upload.objects.get(pk=created["id"]).reason == "expired"
 
 
+def test_a_completion_whose_worker_died_is_reopened_after_its_lease(
+    world: World, api: Api, storage: Path
+) -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from attestations.audit.models import AuditEvent
+    from attestations.uploads import services as uploads
+
+    client = api("alice")
+    data = os.urandom(2500)
+    created = open_upload(client, data)
+    put_parts(client, created["id"], data, 1000)
+    # What a worker killed mid-completion leaves: the claim committed, nothing after it.
+    claimed = timezone.now() + uploads.completion_lease(len(data))
+    Upload.objects.filter(pk=created["id"]).update(status=UploadStatus.COMPLETING, expires=claimed)
+    refused = client.post(f"/api/v1/uploads/{created['id']}/complete/")
+    assert refused.status_code == 409, refused.content
+    # Within the lease the claim is a live worker's: left alone.
+    assert uploads.expire_stale(claimed - timedelta(seconds=1)) == 0
+    assert Upload.objects.get(pk=created["id"]).status == UploadStatus.COMPLETING
+    # Past it, reopened with its parts (not expired: the client's retry completes it).
+    assert uploads.expire_stale(claimed + timedelta(seconds=1)) == 0
+    reopened = Upload.objects.get(pk=created["id"])
+    assert reopened.status == UploadStatus.OPEN and reopened.expires > timezone.now()
+    assert reopened.parts.count() == 3
+    assert AuditEvent.objects.filter(action="upload.reopened").count() == 1
+    done = client.post(f"/api/v1/uploads/{created['id']}/complete/")
+    assert done.status_code == 200, done.content
+    assert (storage / Blob.objects.get(sha256=sha256(data)).storage_name).read_bytes() == data
+
+
+def test_a_completion_lease_grows_with_the_upload() -> None:
+    from attestations.uploads.services import completion_lease
+
+    assert completion_lease(0).total_seconds() == 600
+    # A terabyte hashed and joined at 32 MiB/s: about nine and a half hours.
+    assert 9 * 3600 < completion_lease(1 << 40).total_seconds() < 10 * 3600
+
+
 def test_a_single_part_is_moved_into_place(world: World, api: Api, storage: Path) -> None:
     data = os.urandom(800)
     assert upload_blob(api("alice"), data).status_code == 200
@@ -411,7 +452,9 @@ def test_a_completing_upload_refuses_parts_abort_and_expiry(
     created = open_upload(client, data)
     put_parts(client, created["id"], data, 1000)
     # Another request has claimed the completion and is assembling the parts.
-    Upload.objects.filter(pk=created["id"]).update(status=UploadStatus.COMPLETING)
+    Upload.objects.filter(pk=created["id"]).update(
+        status=UploadStatus.COMPLETING, expires=timezone.now() + uploads.completion_lease(2000)
+    )
     staged = sorted(name for name in stored_files(storage) if name.startswith("staging/"))
     part = put_parts(client, created["id"], data[:1000], 1000)[0]
     aborted = client.post(f"/api/v1/uploads/{created['id']}/abort/")
@@ -422,7 +465,8 @@ def test_a_completing_upload_refuses_parts_abort_and_expiry(
         assert (error["code"], error["field"]) == ("upload_not_open", "status")
         assert error["detail"] == {"status": "completing"}
         assert "is completing; " in error["message"] and action in error["message"]
-    assert uploads.expire_stale(timezone.now() + timedelta(days=30)) == 1  # world's
+    # Within its lease the claim is left alone (past it: the test above).
+    assert uploads.expire_stale(timezone.now() + timedelta(minutes=5)) == 0
     assert Upload.objects.get(pk=created["id"]).status == UploadStatus.COMPLETING
     assert sorted(n for n in stored_files(storage) if n.startswith("staging/")) == staged
     assert UploadPart.objects.filter(upload_id=created["id"]).count() == 2
