@@ -30,8 +30,9 @@ the one implementation of ``c_i`` that the lab and the platform share.
 What this prototype does not do (``docs/scale.md``, "What is prototyped"): it runs beside
 a transcript rather than inside one, hashes on the host rather than on the device, slices
 whole transformer blocks (not sublayers, and not the head; the embedding only through
-the input check), trains in float32 without dropout or clipping, and answers challenges
-from memory rather than from an object store.
+the input check), and trains in float32 without dropout or clipping. It answers
+challenges from memory; :mod:`zkdv.sliced_store` writes a step's files to the lab's own
+object store, from which the platform reads the opened ranges instead.
 """
 
 from __future__ import annotations

@@ -1,0 +1,379 @@
+"""Read a sliced challenge's opened bytes from the lab's own object store (prototype).
+
+The lab keeps each step's files in its own bucket (:mod:`zkdv.sliced_store` says where
+each tensor and row lies) and grants the platform pre-signed ``GET`` URLs for them
+(:class:`zkdv.sliced_store.Grant`). :class:`RangeReader` checks the grant (this run's,
+unexpired, every URL an object under the granted prefix of the granted bucket) and reads
+byte ranges with HTTP ``Range`` requests, coalescing adjacent ranges of one object into
+one request and counting what moved. :func:`fetch_slice` reads exactly what a slice
+opens and builds the :class:`zkdv.sliced.SliceOpening` that
+:func:`provers.sliced.verify_slice` checks, with audit paths the platform computes itself
+from the digest sections; :func:`verify_slice_from_store` does both.
+
+Nothing read is trusted: every tensor and row is checked against the step's committed
+roots. A grant the platform cannot use (expired, another run's, a URL outside its scope)
+raises :class:`GrantError`, before anything is read. A store that does not serve what
+the manifest places there (a missing object, a refused or short read, a malformed
+manifest) fails the slice with reason ``store``, the lab's fault, like an opening that
+does not hash.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from provers.sliced import SliceTolerances, SliceVerdict, verify_slice
+from zkdv.hashing import DIGEST_BYTES
+from zkdv.merkle import inclusion_path, merkle_root
+from zkdv.sliced import (
+    ACTIVATION,
+    GRADIENT,
+    BatchRowOpening,
+    BlockLayout,
+    DigestPath,
+    RowOpening,
+    SliceAnswer,
+    SliceChallenge,
+    SliceOpening,
+    StepCommitment,
+    TensorOpening,
+)
+from zkdv.sliced_store import ByteRange, Grant, StepLayout, object_names
+
+__all__ = [
+    "FetchedSlice",
+    "GrantError",
+    "RangeReader",
+    "StoreError",
+    "Transfer",
+    "coalesce",
+    "fetch_slice",
+    "verify_slice_from_store",
+]
+
+
+class GrantError(Exception):
+    """The lab's grant cannot be used: expired, another run's, or beyond its scope."""
+
+
+class StoreError(Exception):
+    """The lab's store did not serve what the slice needs (the lab's fault)."""
+
+
+@dataclass
+class Transfer:
+    """What moved: HTTP requests made, ranges asked for, and body bytes received."""
+
+    requests: int = 0
+    ranges: int = 0
+    bytes: int = 0
+
+
+def coalesce(ranges: Sequence[ByteRange]) -> list[ByteRange]:
+    """The fewest spans that cover ``ranges``: adjacent or overlapping ranges of one
+    object merge; empty ranges are dropped. No gap is ever read."""
+    spans: list[ByteRange] = []
+    for r in sorted({r for r in ranges if r.size > 0}):
+        last = spans[-1] if spans else None
+        if last is not None and last.name == r.name and r.start <= last.stop:
+            spans[-1] = ByteRange(r.name, last.start, max(last.stop, r.stop))
+        else:
+            spans.append(r)
+    return spans
+
+
+def _utc(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat(timespec="seconds")
+
+
+class RangeReader:
+    """Ranged ``GET`` reads through a lab's grant, for the run whose digest is ``run``.
+
+    ``budget`` caps the bytes one reader may move (the schema's slice size, say), so a
+    manifest that lies about shapes cannot make the platform read a whole snapshot.
+
+    Raises:
+        GrantError: the grant is another run's, has expired at ``now`` (default: the
+            clock), or holds a URL that is not a plain object under its bucket's prefix
+            at its endpoint.
+    """
+
+    def __init__(
+        self,
+        grant: Grant,
+        *,
+        run: bytes,
+        now: float | None = None,
+        timeout: float = 30.0,
+        budget: int | None = None,
+    ) -> None:
+        if grant.run != run:
+            raise GrantError(
+                f"the grant is for run {grant.run.hex()[:16]}..., not this run "
+                f"{run.hex()[:16]}...: a grant is accepted only for the run it names"
+            )
+        now = time.time() if now is None else now
+        if now >= grant.expires:
+            raise GrantError(
+                f"the grant expired at {_utc(grant.expires)} (now {_utc(now)}): "
+                "ask the lab for a fresh one"
+            )
+        for name, url in grant.urls.items():
+            _check_url(grant, name, url)
+        self.grant = grant
+        self.timeout = timeout
+        self.budget = budget
+        self.transfer = Transfer()
+
+    def _get(self, name: str, span: tuple[int, int] | None) -> bytes:
+        url = self.grant.urls.get(name)
+        if url is None:
+            raise StoreError(f"the grant names no object {name!r}")
+        request = urllib.request.Request(url, method="GET")  # noqa: S310 - http(s), checked
+        if span is not None:
+            request.add_header("Range", f"bytes={span[0]}-{span[1] - 1}")
+        self.transfer.requests += 1
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:  # noqa: S310 - checked URL
+                body: bytes = response.read()
+                status = int(response.status)
+        except urllib.error.HTTPError as error:
+            why = {
+                403: "refused (the grant is expired, revoked or not this object's)",
+                404: "no such object",
+                416: "the range lies beyond the object's end",
+            }.get(error.code, error.reason)
+            raise StoreError(f"{name}: HTTP {error.code}, {why}") from error
+        except (urllib.error.URLError, OSError) as error:
+            raise StoreError(f"{name}: the store cannot be reached: {error}") from error
+        self.transfer.bytes += len(body)
+        if span is not None:
+            if status != 206:
+                raise StoreError(f"{name}: the store ignored the Range header (HTTP {status})")
+            if len(body) != span[1] - span[0]:
+                raise StoreError(
+                    f"{name}: asked for bytes {span[0]}-{span[1] - 1}, got {len(body)} bytes"
+                )
+        return body
+
+    def read_object(self, name: str) -> bytes:
+        """One whole object (the manifest, whose size the platform does not know)."""
+        return self._get(name, None)
+
+    def read(self, ranges: Sequence[ByteRange]) -> dict[ByteRange, bytes]:
+        """The bytes of each range, read in :func:`coalesce`'s spans."""
+        self.transfer.ranges += len(ranges)
+        planned = coalesce(ranges)
+        asked = self.transfer.bytes + sum(span.size for span in planned)
+        if self.budget is not None and asked > self.budget:
+            raise StoreError(f"the slice would read {asked} bytes, over the budget {self.budget}")
+        spans = {span: self._get(span.name, (span.start, span.stop)) for span in planned}
+        out: dict[ByteRange, bytes] = {}
+        for r in ranges:
+            if r.size <= 0:
+                out[r] = b""
+                continue
+            span = next(
+                s for s in spans if s.name == r.name and s.start <= r.start and r.stop <= s.stop
+            )
+            out[r] = spans[span][r.start - span.start : r.stop - span.start]
+        return out
+
+
+def _check_url(grant: Grant, name: str, url: str) -> None:
+    if not name or "/" in name or name in (".", ".."):
+        raise GrantError(f"the grant names an object {name!r} that is not a plain file name")
+    parts = urllib.parse.urlsplit(url)
+    endpoint = urllib.parse.urlsplit(grant.endpoint)
+    path = urllib.parse.unquote(parts.path)
+    key = grant.key(name)
+    path_style = parts.netloc == endpoint.netloc and path == f"/{grant.bucket}/{key}"
+    host_style = parts.netloc == f"{grant.bucket}.{endpoint.netloc}" and path == f"/{key}"
+    if parts.scheme not in ("http", "https") or parts.scheme != endpoint.scheme:
+        raise GrantError(f"the grant's URL for {name!r} is not http(s) at {grant.endpoint}")
+    if not (path_style or host_style):
+        raise GrantError(
+            f"the grant's URL for {name!r} is not object {key!r} of bucket {grant.bucket!r} "
+            f"at {grant.endpoint}"
+        )
+
+
+@dataclass
+class FetchedSlice:
+    opening: SliceOpening
+    files: StepLayout
+
+
+def fetch_slice(
+    reader: RangeReader,
+    commitment: StepCommitment,
+    challenge: SliceChallenge,
+    sequences: Sequence[tuple[int, int]],
+    *,
+    names: Sequence[str],
+    layout: BlockLayout,
+    inputs: Sequence[str] = (),
+) -> FetchedSlice:
+    """Read what the slice opens from the lab's store and assemble the opening.
+
+    One request for the manifest, then one request per coalesced span: the block's
+    tensors of the pre-state, the optimizer state and the gradient (each contiguous in
+    its file), the digest sections of the five state trees and of the row and batch
+    trees, the opened sequences' boundary rows, and with ``inputs`` the embedding tensors
+    and the opened batch rows.
+
+    Raises:
+        StoreError: a read failed or the manifest does not fit the commitment.
+    """
+    step = challenge.step
+    try:
+        files = StepLayout.from_bytes(reader.read_object(object_names(step)["manifest"]))
+    except ValueError as error:
+        raise StoreError(f"step {step}: {error}") from error
+    if files.step != step or files.shape != commitment.shape:
+        raise StoreError(f"step {step}: the manifest does not describe the committed step")
+    b = challenge.block
+    block_names = layout.names(b)
+    order = list(names)
+    try:
+        params = [order.index(n) for n in block_names]
+        embedding = [order.index(n) for n in inputs]
+    except ValueError as error:
+        raise StoreError(f"the block names a parameter the run does not have: {error}") from error
+    opt = [3 * i + k for i in params for k in range(3)]
+    for tree, indices in (("params", params + embedding), ("opt_state", opt), ("grad", params)):
+        if indices and max(indices) >= len(files.specs[tree]):
+            raise StoreError(f"step {step}: the manifest's {tree} file is shorter than the run")
+    wanted_rows = [(bd, kind) for bd in (b, b + 1) for kind in (ACTIVATION, GRADIENT)]
+    if inputs and b != 0:
+        wanted_rows.append((0, ACTIVATION))
+    sections: tuple[str, ...] = ("params", "opt_state", "grad", "post_params", "post_opt_state")
+    sections += ("rows", "batch") if inputs else ("rows",)
+
+    ranges = [files.tensor("params", i) for i in params + embedding]
+    ranges += [files.tensor("opt_state", i) for i in opt]
+    ranges += [files.tensor("grad", i) for i in params]
+    ranges += [files.digests(s) for s in sections]
+    ranges += [files.boundary_row(m, bd, kind, r) for m, r in sequences for bd, kind in wanted_rows]
+    if inputs:
+        ranges += [files.batch(m, r) for m, r in sequences]
+    data = reader.read(ranges)
+
+    digests = {}
+    for s in sections:
+        blob = data[files.digests(s)]
+        digests[s] = [blob[i : i + DIGEST_BYTES] for i in range(0, len(blob), DIGEST_BYTES)]
+    roots = {s: merkle_root(d) for s, d in digests.items()}
+
+    def tensor(tree: str, section: str, index: int) -> TensorOpening:
+        leaves = digests[section]
+        return TensorOpening(
+            index=index,
+            count=len(leaves),
+            spec=files.specs[tree][index],
+            data=data[files.tensor(tree, index)],
+            path=tuple(inclusion_path(leaves, index)) if index < len(leaves) else (),
+            tensors_root=roots[section],
+        )
+
+    def post(section: str, index: int) -> DigestPath:
+        leaves = digests[section]
+        path = tuple(inclusion_path(leaves, index)) if index < len(leaves) else ()
+        return DigestPath(index, len(leaves), path, roots[section])
+
+    row_dtype = np.dtype(files.row[0]).newbyteorder("<")
+    row_count = len(digests["rows"])
+    rows = []
+    for m, r in sequences:
+        for bd, kind in wanted_rows:
+            index = (
+                (m * files.shape[1] + bd) * 2 + (0 if kind == ACTIVATION else 1)
+            ) * files.shape[2] + r
+            array = np.frombuffer(data[files.boundary_row(m, bd, kind, r)], dtype=row_dtype)
+            path = tuple(inclusion_path(digests["rows"], index)) if index < row_count else ()
+            rows.append(RowOpening(m, bd, kind, r, array.reshape(files.row[1]), path))
+    batch_rows: tuple[BatchRowOpening, ...] = ()
+    if inputs:
+        batch_dtype = np.dtype(files.batch_row[0]).newbyteorder("<")
+        leaves = digests["batch"]
+        batch_rows = tuple(
+            BatchRowOpening(
+                m,
+                r,
+                np.frombuffer(data[files.batch(m, r)], dtype=batch_dtype).reshape(
+                    files.batch_row[1]
+                ),
+                tuple(inclusion_path(leaves, m * files.shape[2] + r))
+                if m * files.shape[2] + r < len(leaves)
+                else (),
+            )
+            for m, r in sequences
+        )
+    opening = SliceOpening(
+        params=tuple(tensor("params", "params", i) for i in params),
+        opt_state=tuple(tensor("opt_state", "opt_state", i) for i in opt),
+        grad=tuple(tensor("grad", "grad", i) for i in params),
+        post_params=tuple(post("post_params", i) for i in params),
+        post_opt_state=tuple(post("post_opt_state", i) for i in opt),
+        rows=tuple(rows),
+        inputs=tuple(tensor("params", "params", i) for i in embedding),
+        batch_rows=batch_rows,
+    )
+    return FetchedSlice(opening, files)
+
+
+def verify_slice_from_store(
+    reader: RangeReader,
+    commitment: StepCommitment,
+    challenge: SliceChallenge,
+    answer: SliceAnswer,
+    sequences: Sequence[tuple[int, int]],
+    *,
+    names: Sequence[str],
+    layout: BlockLayout,
+    block: Any,
+    chunk_bytes: int,
+    tolerances: SliceTolerances | None = None,
+    inputs: Sequence[str] = (),
+    embed: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor] | None = None,
+) -> SliceVerdict:
+    """:func:`fetch_slice`, then :func:`provers.sliced.verify_slice` on what it read.
+
+    A :class:`StoreError` is the verdict's ``store`` failure; the bytes moved are
+    ``reader.transfer``.
+    """
+    started = time.perf_counter()
+    try:
+        fetched = fetch_slice(
+            reader, commitment, challenge, sequences, names=names, layout=layout, inputs=inputs
+        )
+    except StoreError as error:
+        verdict = SliceVerdict(ok=True).fail("store", str(error))
+        verdict.seconds = time.perf_counter() - started
+        return verdict
+    verdict = verify_slice(
+        commitment,
+        challenge,
+        answer,
+        sequences,
+        fetched.opening,
+        names=names,
+        layout=layout,
+        block=block,
+        chunk_bytes=chunk_bytes,
+        tolerances=tolerances,
+        inputs=inputs,
+        embed=embed,
+    )
+    verdict.seconds = time.perf_counter() - started
+    return verdict
