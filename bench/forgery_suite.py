@@ -1,0 +1,852 @@
+"""Forgeries from the verifiable-training literature against the Torch LM recipe, at the default policy.
+
+Each attack is a forger that trains ``examples/torch/lm.py``'s model (the recipe's loop:
+AdamW in two groups, warmup + cosine ``LambdaLR``, two accumulated micro-batches,
+``clip_grad_norm_``, a bf16-autocast forward; the model one block deep, as
+``tests/agent/torch/test_torch_recipes.py`` trains it) through the SDK as users do
+(``zkdv.torch.ZKDV``, default ``ZKDVConfig()``: sampled checks with p = 0.01, a
+snapshot every 12 steps), and changes what it trains the way a forger's modified SDK or
+loop would. Each transcript then meets, in order, what the platform applies:
+
+1. the SDK's own sampled check (a forged step the Fiat-Shamir draw samples poisons the
+   run: ``ZKDVPoisonedError``);
+2. the offline verifier, ``zkdv.verify.verify_transcript`` (continuity, the rules);
+3. the platform's challenges, drawn by ``provers.challenges.draw_challenges`` (step 0,
+   the self-checked steps, and random steps for the default 95 % target at 1 % forged
+   steps), each replayed by ``provers.torch_replay.verify_challenge`` from the snapshot
+   before it, as a platform worker on other hardware does: within the run's gradient
+   bounds (and, beside it, whether a worker on the training machine's own kernels,
+   which demands every bit, would have rejected it).
+
+A trial is one forged run (``--trials``, distinct seeds) met by one platform draw
+(``--draws`` seeds per run; every window is replayed once per run and each draw reads
+the verdicts of the windows it challenges, which is what replaying each challenge would
+give). Detection rates carry a 95 % Wilson interval over all trials; ``predicted`` is
+the platform's own arithmetic (``provers.challenges``: ``k`` challenged steps of ``T``
+catch one of ``F`` forged ones with probability ``1 - C(T - F, k) / C(T, k)``).
+
+    python bench/forgery_suite.py                          # every attack, 3 runs x 400 draws
+    python bench/forgery_suite.py --quick                  # 1 run each, 36 steps
+    python bench/forgery_suite.py --attacks substitution-1,pol-interpolation --trials 5
+
+Attacks (``--attacks``, comma-separated; ``docs/soundness.md`` reads the results):
+
+* ``tolerance-gap``: every step's committed gradient moved, orthogonally to the honest
+  one, to 95 % of the norm test's bound towards a backdoor's gradient (a trigger token
+  followed by a target token), accumulated over the run;
+* ``tolerance-gap-fp32``: the same against the recipe with a float32 forward, whose
+  bounds are 250 times tighter (its own honest float32 run is the baseline);
+* ``substitution-1``, ``-5``, ``-100``: 1 %, 5 %, 100 % of steps trained on batches of
+  another corpus than the committed ones, on the steps a challenge covers least (the
+  last step of a snapshot window, never step 0);
+* ``hidden-steps``: 1 % more steps trained than the transcript shows, off the
+  transcript between committed steps (tokens hidden);
+* ``tokens-underreported``: a modified SDK commits half of each step's token count;
+* ``fine-tune-as-pretraining``: a run started from a trained model, filed as a run from
+  scratch (the parent's compute hidden);
+* ``pol-interpolation``: a Proof-of-Learning spoof: no forward or backward pass, each
+  step's committed gradient points from the current state to a target model (another
+  run's final model), so the claimed steps walk from the initial model to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import math
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "agent" / "src")]
+
+import torch  # noqa: E402
+from torch.nn import functional  # noqa: E402
+
+import zkdv  # noqa: E402
+from provers import torch_replay  # noqa: E402
+from provers.challenges import (  # noqa: E402
+    DEFAULT_FORGED_FRACTION,
+    DEFAULT_TARGET,
+    draw_challenges,
+    random_steps_needed,
+)
+from provers.replay import Transcript, windows  # noqa: E402
+from tests.agent.torch import test_torch_recipes as recipes  # noqa: E402
+from zkdv.config import GradientBounds  # noqa: E402
+from zkdv.torch.capture import current_capture  # noqa: E402
+from zkdv.verify import verify_transcript  # noqa: E402
+
+lm = recipes.lm
+CONFIG = recipes.SMALL_LM
+MAX_GRAD_NORM = recipes.MAX_GRAD_NORM
+ROWS = 4
+MICRO_BATCHES = 2
+LR = 3e-3
+SNAPSHOT_INTERVAL = 12  # zkdv.torch.ZKDV's default
+#: The backdoor of the tolerance-gap forger: after TRIGGER, predict TARGET.
+TRIGGER, TARGET = 7, 99
+ATTACKS = (
+    "tolerance-gap",
+    "tolerance-gap-fp32",
+    "substitution-1",
+    "substitution-5",
+    "substitution-100",
+    "hidden-steps",
+    "tokens-underreported",
+    "fine-tune-as-pretraining",
+    "pol-interpolation",
+    "refiled-copy",
+    "refiled-one-step-changed",
+)
+#: Attacks whose every step stays within what the replay accepts: the challenge
+#: arithmetic predicts nothing for them.
+UNDETECTABLE_BY_REPLAY = frozenset(
+    {
+        "tolerance-gap",
+        "tolerance-gap-fp32",
+        "tokens-underreported",
+        "fine-tune-as-pretraining",
+        "refiled-copy",
+        "refiled-one-step-changed",
+    }
+)
+
+
+# --- training: the recipe's loop with a forger's hooks --------------------------------
+
+
+@dataclass
+class Forger:
+    """What a forger changes in the recipe's loop (every hook runs in eager code only)."""
+
+    #: steps trained on another batch than the committed one
+    substituted: frozenset[int] = frozenset()
+    #: edit the clipped gradient before the optimizer reads (and the SDK commits) it
+    edit_gradient: Callable[[int, list[torch.Tensor]], None] | None = None
+    #: skip the forward and backward passes (the gradient is set by edit_gradient)
+    no_backward: bool = False
+    #: steps after which one step is trained off the transcript
+    hidden_after: frozenset[int] = frozenset()
+    #: the initial parameters (a parent model) instead of the seed's initialisation
+    initial: list[torch.Tensor] | None = None
+    #: factor on the token count the SDK commits
+    token_factor: float = 1.0
+    #: steps that commit (and honestly train on) a batch of another corpus
+    other_batch: frozenset[int] = frozenset()
+    #: the recipe's bf16-autocast forward (False: a float32 program, float32 bounds)
+    autocast: bool = True
+
+
+@dataclass
+class Run:
+    path: Path
+    wall: float
+    initial: list[torch.Tensor]
+    final: list[torch.Tensor]
+    poisoned_at: int | None = None  # the step whose SDK sampled check failed
+    committed_tokens: int = 0  # what the verifier sums from the step records
+    run_digest: str = ""  # attestations.challenges.draw.run_digest of its transcript
+
+
+def batches(*, steps: int, seed: int) -> Iterator[torch.Tensor]:
+    stream: Iterator[torch.Tensor] = lm.token_batches(
+        CONFIG, steps=steps, micro_batches=MICRO_BATCHES, rows=ROWS, seed=seed
+    )
+    return stream
+
+
+def train(path: Path, *, steps: int, seed: int, forger: Forger | None = None) -> Run:
+    """The LM recipe (``examples/torch/lm.py``'s ``train``), with ``forger``'s changes."""
+    forger = forger or Forger()
+    torch.manual_seed(seed)
+    model = lm.TinyLM(CONFIG)
+    if forger.initial is not None:
+        with torch.no_grad():
+            for parameter, value in zip(model.parameters(), forger.initial, strict=True):
+                parameter.copy_(value)
+    initial = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(lm.parameter_groups(model, 0.1), lr=LR, betas=(0.9, 0.95))
+    restore = _count_tokens(forger.token_factor)
+    started = time.perf_counter()
+    proof = zkdv.torch.ZKDV(path, zkdv.ZKDVConfig(), replay_snapshot_interval=SNAPSHOT_INTERVAL)
+    proof.start(rolling_window=8, probe_ratio=0.05)
+    model, optimizer = proof.prepare(model, optimizer)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lm.warmup_cosine(max(1, steps // 10), steps)
+    )
+    # The hidden steps' own optimizer: off the transcript, nothing commits it.
+    hidden_optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95))
+    other_corpus = batches(steps=steps, seed=seed + 7919)
+    off_book = batches(steps=steps, seed=seed + 104729)
+
+    def loss_of(tokens: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=forger.autocast):
+            logits = proof.forward(model, tokens[:, :-1])
+        return functional.cross_entropy(
+            logits.float().reshape(-1, CONFIG.vocab), tokens[:, 1:].reshape(-1)
+        )
+
+    index = 0
+
+    def step(model: Any, optimizer: Any, batch: torch.Tensor) -> None:
+        eager = current_capture() is None
+        # Step 0 is always challenged: the spoof trains it honestly.
+        if not (eager and forger.no_backward and index > 0):
+            for micro in batch.unbind(0):
+                proof.backward(loss_of(micro) / batch.shape[0])
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        if eager and forger.edit_gradient is not None:
+            parameters = list(model.parameters())
+            for parameter in parameters:
+                if parameter.grad is None:
+                    parameter.grad = torch.zeros_like(parameter)
+            forger.edit_gradient(index, parameters)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    proof.attest(step)
+    run = Run(path, 0.0, initial, [])
+    try:
+        for index, batch in enumerate(batches(steps=steps, seed=seed + 1)):
+            substitute = next(other_corpus)
+            if index in forger.other_batch:
+                batch = substitute.clone()
+            with proof.transaction(batch=batch):
+                if index in forger.substituted:
+                    batch.copy_(substitute)  # after the transaction committed the real one
+                step(model, optimizer, batch)
+            schedule.step()
+            if index in forger.hidden_after:
+                proof.join()  # the committed step's state is hashed; train on, unrecorded
+                tokens = next(off_book)
+                for micro in tokens.unbind(0):
+                    torch.autograd.backward(loss_of(micro) / tokens.shape[0])
+                hidden_optimizer.step()
+                hidden_optimizer.zero_grad(set_to_none=True)
+    except zkdv.ZKDVPoisonedError as error:
+        run.poisoned_at = _step_of(str(error))
+    finally:
+        try:
+            proof.close()
+        except zkdv.ZKDVPoisonedError as error:
+            if run.poisoned_at is None:
+                run.poisoned_at = _step_of(str(error))
+        restore()
+    run.wall = time.perf_counter() - started
+    run.final = [p.detach().clone() for p in model.parameters()]
+    return run
+
+
+def _step_of(message: str) -> int:
+    words = message.split()
+    for before, word in itertools.pairwise(words):
+        if before == "step" and word.rstrip(":,").isdigit():
+            return int(word.rstrip(":,"))
+    return -1
+
+
+def _count_tokens(factor: float) -> Callable[[], None]:
+    """A modified SDK: the step records commit ``factor`` times the real token count."""
+    if factor == 1.0:
+        return lambda: None
+    from zkdv.torch import packing
+
+    namespace = vars(packing)  # the name packing's own code looks up at every step
+    real = namespace["count_tokens"]
+
+    def fewer(*args: Any, **kwargs: Any) -> int:
+        return int(real(*args, **kwargs) * factor)
+
+    namespace["count_tokens"] = fewer
+
+    def restore() -> None:
+        namespace["count_tokens"] = real
+
+    return restore
+
+
+# --- the forgers ----------------------------------------------------------------------
+
+
+def backdoor_batch(seed: int, rows: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences of the recipe's corpus with TRIGGER at a random position: the inputs and
+    the positions after which the backdoor wants TARGET."""
+    tokens = next(lm.token_batches(CONFIG, steps=1, micro_batches=1, rows=rows, seed=seed))[0]
+    generator = torch.Generator().manual_seed(seed)
+    where = torch.randint(CONFIG.context - 1, (rows,), generator=generator)
+    tokens[torch.arange(rows), where] = TRIGGER
+    tokens[torch.arange(rows), where + 1] = TARGET
+    return tokens[:, :-1], where
+
+
+def backdoor_loss(
+    model: torch.nn.Module, inputs: torch.Tensor, where: torch.Tensor
+) -> torch.Tensor:
+    logits = model(inputs)[torch.arange(len(where)), where]
+    return functional.cross_entropy(logits.float(), torch.full_like(where, TARGET))
+
+
+def backdoor_success(parameters: list[torch.Tensor], seed: int = 424242) -> float:
+    model = _model(parameters)
+    inputs, where = backdoor_batch(seed, rows=512)
+    with torch.no_grad():
+        predicted = model(inputs)[torch.arange(len(where)), where].argmax(-1)
+    return float((predicted == TARGET).float().mean())
+
+
+def clean_loss(parameters: list[torch.Tensor], seed: int = 515151) -> float:
+    model = _model(parameters)
+    tokens = next(lm.token_batches(CONFIG, steps=1, micro_batches=1, rows=512, seed=seed))[0]
+    with torch.no_grad():
+        logits = model(tokens[:, :-1])
+    return float(
+        functional.cross_entropy(logits.reshape(-1, CONFIG.vocab), tokens[:, 1:].reshape(-1))
+    )
+
+
+def _model(parameters: list[torch.Tensor]) -> torch.nn.Module:
+    model: torch.nn.Module = lm.TinyLM(CONFIG).eval()
+    with torch.no_grad():
+        for parameter, value in zip(model.parameters(), parameters, strict=True):
+            parameter.copy_(value)
+    return model
+
+
+def tolerance_gap(
+    seed: int, fraction: float = 0.95, *, precision: str = "reduced"
+) -> tuple[Forger, dict[str, Any]]:
+    """Every step: the committed gradient moved towards the backdoor's gradient, orthogonal
+    to each honest leaf (so the scale tests see nothing), to ``fraction`` of the norm test's
+    bound ``tensor * |r| + total * |g|`` (docs/transcript.md, "Gradient bounds")."""
+    bounds = GradientBounds.default(precision)
+    log: dict[str, Any] = {"budget": 0.0, "used": 0.0, "steps": 0}
+    shadow: dict[str, torch.nn.Module] = {}
+
+    def edit(index: int, parameters: list[torch.Tensor]) -> None:
+        # The backdoor's gradient at the current state, on a copy (no dropout, no hooks).
+        model = shadow.setdefault("model", lm.TinyLM(CONFIG))
+        with torch.no_grad():
+            for mine, live in zip(model.parameters(), parameters, strict=True):
+                mine.copy_(live)
+        model.eval()
+        inputs, where = backdoor_batch(seed * 100003 + index)
+        wanted = torch.autograd.grad(backdoor_loss(model, inputs, where), list(model.parameters()))
+        honest = [p.grad for p in parameters]
+        whole = math.sqrt(sum(float(g.double().pow(2).sum()) for g in honest if g is not None))
+        with torch.no_grad():
+            for parameter, r, v in zip(parameters, honest, wanted, strict=True):
+                assert r is not None
+                norm = float(r.double().norm())
+                budget = fraction * (bounds.tensor * norm + bounds.total * whole)
+                d = v.double()
+                if norm > 0:
+                    d = d - (d.flatten() @ r.double().flatten()) / norm**2 * r.double()
+                size = float(d.norm())
+                if size == 0.0:
+                    continue
+                d = d * (budget / size)
+                parameter.grad = (r.double() + d).to(r.dtype)
+                log["budget"] += budget / fraction
+                log["used"] += float(d.norm())
+        log["steps"] += 1
+
+    return Forger(edit_gradient=edit, autocast=precision == "reduced"), log
+
+
+def pol_interpolation(target: list[torch.Tensor], steps: int) -> Forger:
+    """A committed gradient that points from the current state away from the target: the
+    canonical AdamW update walks the claimed steps to it, with no forward or backward."""
+
+    def edit(index: int, parameters: list[torch.Tensor]) -> None:
+        if index == 0:  # step 0 is always challenged: trained honestly
+            return
+        with torch.no_grad():
+            for parameter, goal in zip(parameters, target, strict=True):
+                # The size of a clipped honest gradient; AdamW normalises it anyway.
+                parameter.grad = (parameter.detach() - goal) * (MAX_GRAD_NORM / max(1, steps))
+
+    return Forger(edit_gradient=edit, no_backward=True)
+
+
+def run_digest(path: Path) -> str:
+    """The platform's digest of the committed run (what links filings of one run)."""
+    import os
+
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+    import django
+
+    django.setup()
+    from attestations.challenges.draw import run_digest as digest_of
+    from attestations.challenges.index import TranscriptIndex
+
+    return digest_of(TranscriptIndex.read(path / "records.cborl"))
+
+
+def weakest_steps(steps: int, count: int, seed: int) -> frozenset[int]:
+    """``count`` steps where a challenge catches a forgery least: the last step of a
+    snapshot window (a challenge replays from the snapshot before it up to itself, so
+    only a challenge of that very step covers it), never step 0 (always challenged);
+    further steps, when there are not enough window ends, from the latest positions."""
+    ends = [s for s in range(steps) if s % SNAPSHOT_INTERVAL == SNAPSHOT_INTERVAL - 1]
+    ends.append(steps - 1)
+    ranked = sorted(
+        set(range(1, steps)), key=lambda s: (s not in ends, -(s % SNAPSHOT_INTERVAL), s)
+    )
+    generator = torch.Generator().manual_seed(seed)
+    pool = ranked[: max(count, len(set(ends)))]
+    if count >= steps - 1:
+        return frozenset(range(steps))
+    chosen = torch.randperm(len(pool), generator=generator)[:count]
+    return frozenset(pool[int(i)] for i in chosen)
+
+
+# --- the platform ---------------------------------------------------------------------
+
+
+@dataclass
+class Verdicts:
+    """What the verifier and the replay of every window found, for one transcript."""
+
+    steps: int
+    verifier: str | None  # reason of the offline verifier, None when it accepts
+    verifier_step: int | None  # the step record it names (or the one before it)
+    sampled: list[int]
+    digest: str
+    #: per window start: (first step failing the bounds, first step not bit for bit)
+    windows: dict[int, tuple[int | None, int | None, int]]
+    worst_margin: float
+    replay_seconds: float
+
+
+def platform(path: Path) -> Verdicts:
+    report = verify_transcript(path)
+    digest = hashlib.sha256((path / "records.cborl").read_bytes()).hexdigest()
+    verdicts = Verdicts(
+        report.steps, report.reason if not report.ok else None, None,
+        list(report.sampled), digest, {}, 0.0, 0.0,
+    )  # fmt: skip
+    if not report.ok:
+        from zkdv.records import iter_records
+
+        step = None
+        for number, record in enumerate(iter_records(path / "records.cborl")):
+            if report.record is not None and number > report.record:
+                break
+            if record.data.get("t") == "step":
+                step = int(record.data["i"])
+        verdicts.verifier_step = step
+        return verdicts
+    started = time.perf_counter()
+    transcript = Transcript.load(path)
+    transition = torch_replay.load_transition(path)
+    for first, last in windows(transcript):
+        verdict = torch_replay.verify_challenge(
+            path, first, through=last, transition=transition, exact=False
+        )
+        failed: int | None = None
+        if not verdict.ok:
+            bad = [e.step for e in verdict.evidence if not e.ok]
+            failed = bad[0] if bad else first
+        inexact = [e.step for e in verdict.evidence if not e.exact]
+        for evidence in verdict.evidence:
+            margin = (evidence.gradient or {}).get("margin")
+            if evidence.ok and margin is not None:
+                verdicts.worst_margin = max(verdicts.worst_margin, float(margin))
+        verdicts.windows[first] = (failed, inexact[0] if inexact else None, last)
+    verdicts.replay_seconds = time.perf_counter() - started
+    return verdicts
+
+
+@dataclass
+class Outcome:
+    caught: bool
+    by: str  # "sampled check", "verifier: <reason>", "platform replay", "" when missed
+    step: int | None
+    exact_caught: bool  # a replay on the training machine's kernels (bit for bit)
+
+
+def challenge(run: Run, verdicts: Verdicts, draw_seed: bytes) -> Outcome:
+    """One platform draw against a run that reached the platform."""
+    if run.poisoned_at is not None:
+        return Outcome(True, "sampled check", run.poisoned_at, True)
+    if verdicts.verifier is not None:
+        by = verdicts.verifier
+        return Outcome(
+            True,
+            by if by.startswith("platform:") else f"verifier: {by}",
+            verdicts.verifier_step,
+            True,
+        )
+    plan = draw_challenges(
+        steps=verdicts.steps,
+        transcript_digest=verdicts.digest,
+        self_checked=verdicts.sampled,
+        seed=draw_seed,
+    )
+    caught: list[int] = []
+    exact: list[int] = []
+    for step in plan.steps:
+        start = step - step % SNAPSHOT_INTERVAL
+        failed, inexact, _ = verdicts.windows[start]
+        if failed is not None and failed <= step:
+            caught.append(failed)
+        if inexact is not None and inexact <= step:
+            exact.append(inexact)
+    if caught:
+        return Outcome(True, "platform replay", min(caught), True)
+    return Outcome(False, "", None, bool(exact))
+
+
+def predicted(steps: int, forged: int) -> float:
+    """The platform's arithmetic: ``k`` uniformly drawn steps of ``T`` hit one of ``F``."""
+    if forged <= 0:
+        return 0.0
+    k = random_steps_needed(steps, target=DEFAULT_TARGET, forged_fraction=DEFAULT_FORGED_FRACTION)
+    if steps - forged < k:
+        return 1.0
+    return 1.0 - math.comb(steps - forged, k) / math.comb(steps, k)
+
+
+def wilson(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
+    if trials == 0:
+        return (0.0, 1.0)
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = (
+        z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    )
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return math.sqrt(
+        sum(float((x.double() - y.double()).pow(2).sum()) for x, y in zip(a, b, strict=True))
+    )
+
+
+# --- the suite ------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    attack: str
+    runs: int = 0
+    trials: int = 0
+    caught: int = 0
+    exact_caught: int = 0
+    by: dict[str, int] = field(default_factory=dict)
+    steps_caught: list[int] = field(default_factory=list)
+    forged_steps: int = 0
+    predicted: float | None = None
+    unit: str = ""
+    cost: list[float] = field(default_factory=list)
+    #: per missed trial: the final model's distance from the honest one (relative to the
+    #: honest run's own distance from its initial model) and tokens hidden
+    missed_distance: list[float] = field(default_factory=list)
+    missed_hidden: list[int] = field(default_factory=list)
+    extra: dict[str, list[float]] = field(default_factory=dict)
+
+    def note(self, key: str, value: float) -> None:
+        self.extra.setdefault(key, []).append(value)
+
+
+def run_attack(
+    attack: str, *, seed: int, steps: int, draws: int, honest: Run, work: Path, result: Result
+) -> None:
+    """Train one forged run of ``attack`` and meet it with ``draws`` platform draws."""
+    path = work / f"{attack}-{seed}"
+    forged_count = 0
+    log: dict[str, Any] = {}
+    if attack == "tolerance-gap":
+        forger, log = tolerance_gap(seed)
+        forged_count = steps
+    elif attack == "tolerance-gap-fp32":
+        forger, log = tolerance_gap(seed, precision="float32")
+        forged_count = steps
+        # Its own honest baseline: the same recipe with a float32 forward.
+        honest = train(
+            work / f"honest-{seed}-fp32", steps=steps, seed=seed, forger=Forger(autocast=False)
+        )
+        honest.committed_tokens = verify_transcript(work / f"honest-{seed}-fp32").tokens
+        shutil.rmtree(work / f"honest-{seed}-fp32", ignore_errors=True)
+    elif attack.startswith("substitution-"):
+        fraction = int(attack.split("-")[1]) / 100
+        forged_count = max(1, math.ceil(fraction * steps))
+        forger = Forger(substituted=weakest_steps(steps, forged_count, seed))
+    elif attack == "hidden-steps":
+        forged_count = max(1, math.ceil(0.01 * steps))
+        forger = Forger(hidden_after=weakest_steps(steps, forged_count, seed))
+    elif attack == "tokens-underreported":
+        forger = Forger(token_factor=0.5)
+        forged_count = steps
+    elif attack == "fine-tune-as-pretraining":
+        forger = Forger(initial=honest.final)  # the parent: an honest run of this seed
+    elif attack == "pol-interpolation":
+        target = _target(seed, steps, work)
+        forger = pol_interpolation(target, steps)
+        forged_count = steps - 1
+    elif attack == "refiled-copy":
+        forger = Forger()
+    elif attack == "refiled-one-step-changed":
+        forger = Forger(other_batch=frozenset({steps - 1}))
+    else:
+        raise ValueError(f"unknown attack {attack!r}; choose from {', '.join(ATTACKS)}")
+    if attack == "refiled-copy":  # honest's transcript, byte for byte, filed again
+        shutil.copytree(work / f"honest-{seed}", path)
+        run = Run(path, 0.0, honest.initial, honest.final)
+    else:
+        run = train(path, steps=steps, seed=seed, forger=forger)
+    verdicts = platform(path) if run.poisoned_at is None else None
+    if attack.startswith("refiled-") and verdicts is not None:
+        # What the platform sees of a refiling: the committed run's digest, which links
+        # every filing of one run (docs/provers.md, "Every filing is on the record").
+        if run_digest(path) == honest.run_digest:
+            verdicts.verifier = "platform: run digest of an earlier filing (listed, not refused)"
+        shared = _shared_states(path, work / f"honest-{seed}")
+        result.note("steps whose committed state equals the original's", shared)
+    result.runs += 1
+    result.forged_steps = forged_count
+    if attack not in UNDETECTABLE_BY_REPLAY:
+        result.predicted = predicted(steps, forged_count)
+    result.cost.append(run.wall / honest.wall)
+    honest_moved = distance(honest.final, honest.initial)
+    # Tokens in the transcript's own unit (what its step records count), against the
+    # honest run's committed count.
+    per_step = honest.committed_tokens / steps
+    hidden = round(len(forger.hidden_after) * per_step)
+    result.unit = str(
+        (verify_transcript(path).root or {}).get("config", {}).get("token_unit", "examples")
+    )
+    if attack.startswith("refiled-"):
+        hidden = 0
+    if attack == "tokens-underreported":
+        hidden = honest.committed_tokens - verify_transcript(path).tokens
+        result.note("committed / real tokens", 1 - hidden / honest.committed_tokens)
+    if attack == "fine-tune-as-pretraining":
+        hidden = honest.committed_tokens  # the parent's training, filed nowhere
+    if attack.startswith("tolerance-gap"):
+        result.note("backdoor success, forged", backdoor_success(run.final))
+        result.note("backdoor success, honest", backdoor_success(honest.final))
+        result.note("clean loss, forged", clean_loss(run.final))
+        result.note("clean loss, honest", clean_loss(honest.final))
+        result.note("used / stated budget", log["used"] / max(log["budget"], 1e-30))
+        if verdicts is not None:
+            result.note("worst replay margin", verdicts.worst_margin)
+    if attack == "pol-interpolation":
+        result.note(
+            "distance to target / target's from init",
+            distance(run.final, target) / max(distance(target, run.initial), 1e-30),
+        )
+    for draw in range(draws):
+        draw_seed = hashlib.sha256(f"forgery-suite {attack} {seed} {draw}".encode()).digest()
+        outcome = (
+            challenge(run, verdicts, draw_seed)
+            if verdicts is not None
+            else Outcome(True, "sampled check", run.poisoned_at, True)
+        )
+        result.trials += 1
+        result.exact_caught += outcome.exact_caught
+        if outcome.caught:
+            result.caught += 1
+            result.by[outcome.by] = result.by.get(outcome.by, 0) + 1
+            if outcome.step is not None:
+                result.steps_caught.append(outcome.step)
+        else:
+            result.missed_distance.append(distance(run.final, honest.final) / honest_moved)
+            result.missed_hidden.append(hidden)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _shared_states(path: Path, original: Path) -> float:
+    from zkdv.records import iter_records
+
+    def posts(where: Path) -> list[Any]:
+        return [
+            r.data["post"]
+            for r in iter_records(where / "records.cborl")
+            if r.data.get("t") == "step"
+        ]
+
+    mine, theirs = posts(path), posts(original)
+    shared = sum(1 for a, b in zip(mine, theirs, strict=False) if a == b)
+    return shared / max(1, len(mine))
+
+
+_TARGETS: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+
+def _target(seed: int, steps: int, work: Path) -> list[torch.Tensor]:
+    """The model the spoof claims: an honest run of another seed, trained twice as long."""
+    key = (seed, steps)
+    if key not in _TARGETS:
+        _TARGETS[key] = _plain(seed=seed + 1_000_003, steps=2 * steps)
+    return _TARGETS[key]
+
+
+def _plain(*, seed: int, steps: int) -> list[torch.Tensor]:
+    """The recipe's training without the SDK (what the target cost its real trainer)."""
+    torch.manual_seed(seed)
+    model = lm.TinyLM(CONFIG)
+    optimizer = torch.optim.AdamW(lm.parameter_groups(model, 0.1), lr=LR, betas=(0.9, 0.95))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lm.warmup_cosine(max(1, steps // 10), steps)
+    )
+    for batch in batches(steps=steps, seed=seed + 1):
+        for micro in batch.unbind(0):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(micro[:, :-1])
+            loss = functional.cross_entropy(
+                logits.float().reshape(-1, CONFIG.vocab), micro[:, 1:].reshape(-1)
+            )
+            torch.autograd.backward(loss / batch.shape[0])
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+        schedule.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def run_suite(
+    attacks: list[str],
+    *,
+    trials: int,
+    draws: int,
+    steps: int,
+    seed: int = 0,
+    work: Path | None = None,
+    warm_up: bool = True,
+    progress: Callable[[str], None] = lambda line: None,
+) -> dict[str, Result]:
+    """Every attack over ``trials`` seeded runs, each met by ``draws`` platform draws."""
+    own = work is None
+    work = Path(tempfile.mkdtemp(prefix="forgery-suite-")) if work is None else work
+    results = {attack: Result(attack) for attack in attacks}
+    try:
+        # One-time costs (imports, kernels, the first export) stay out of the honest
+        # baseline the forgers' costs are measured against.
+        if warm_up:
+            train(work / "warm-up", steps=2, seed=seed)
+            shutil.rmtree(work / "warm-up", ignore_errors=True)
+        for trial in range(trials):
+            run_seed = seed + trial
+            honest = train(work / f"honest-{run_seed}", steps=steps, seed=run_seed)
+            verdicts = platform(work / f"honest-{run_seed}")
+            honest.committed_tokens = verify_transcript(work / f"honest-{run_seed}").tokens
+            honest.run_digest = run_digest(work / f"honest-{run_seed}")
+            # An honest run must pass everything: otherwise nothing below means anything.
+            assert verdicts.verifier is None and honest.poisoned_at is None, verdicts.verifier
+            assert all(w[0] is None for w in verdicts.windows.values()), verdicts.windows
+            progress(f"seed {run_seed}: honest run {honest.wall:.1f} s, replays pass")
+            for attack in attacks:
+                run_attack(
+                    attack, seed=run_seed, steps=steps, draws=draws, honest=honest, work=work,
+                    result=results[attack],
+                )  # fmt: skip
+                progress(f"seed {run_seed}: {attack} done")
+            shutil.rmtree(work / f"honest-{run_seed}", ignore_errors=True)
+            progress(f"after seed {run_seed}:\n{table(results, steps)}")
+    finally:
+        if own:
+            shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def _fmt(values: list[float], digits: int = 3) -> str:
+    if not values:
+        return "-"
+    mean = sum(values) / len(values)
+    return (
+        f"{mean:.{digits}g}"
+        if len(values) == 1
+        else f"{mean:.{digits}g} ({min(values):.{digits}g}-{max(values):.{digits}g})"
+    )
+
+
+def table(results: dict[str, Result], steps: int) -> str:
+    k = random_steps_needed(steps, target=DEFAULT_TARGET, forged_fraction=DEFAULT_FORGED_FRACTION)
+    lines = [
+        f"T = {steps} steps, snapshot every {SNAPSHOT_INTERVAL}, SDK sampling p = 0.01, "
+        f"platform: step 0 + self-checked + k = {k} random steps (target {DEFAULT_TARGET}, "
+        f"forged fraction {DEFAULT_FORGED_FRACTION})",
+        "",
+        "| attack | forged steps | runs x draws | detected (95% Wilson) | predicted | caught by | "
+        "step caught | bit-exact replay | cost vs honest | when missed: distance from honest | "
+        "when missed: compute hidden |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results.values():
+        low, high = wilson(r.caught, r.trials)
+        rate = r.caught / max(1, r.trials)
+        predicted_text = "-" if r.predicted is None else f"{r.predicted:.3f}"
+        hidden_text = (
+            f"{_fmt([float(h) for h in r.missed_hidden])} {r.unit}"
+            if r.missed_hidden and any(r.missed_hidden)
+            else "0"
+            if r.missed_hidden
+            else "-"
+        )
+        by = ", ".join(f"{name} {count}" for name, count in sorted(r.by.items())) or "-"
+        where = (
+            f"{min(r.steps_caught)}-{max(r.steps_caught)} (median {sorted(r.steps_caught)[len(r.steps_caught) // 2]})"
+            if r.steps_caught
+            else "-"
+        )
+        lines.append(
+            f"| {r.attack} | {r.forged_steps} of {steps} | {r.runs} x {r.trials // max(1, r.runs)} | "
+            f"{rate:.3f} [{low:.3f}, {high:.3f}] | {predicted_text} | {by} | {where} | "
+            f"{r.exact_caught / max(1, r.trials):.3f} | {_fmt(r.cost)} | "
+            f"{_fmt(r.missed_distance)} | {hidden_text} |"
+        )
+    extras = [(r.attack, key, values) for r in results.values() for key, values in r.extra.items()]
+    if extras:
+        lines += [
+            "",
+            "| attack | measure | value (mean, min-max over runs) |",
+            "| --- | --- | --- |",
+        ]
+        lines += [f"| {a} | {key} | {_fmt(v, 4)} |" for a, key, v in extras]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=3, help="forged runs per attack (seeds)")
+    parser.add_argument("--draws", type=int, default=400, help="platform draws per run")
+    parser.add_argument("--steps", type=int, default=96)
+    parser.add_argument("--attacks", default=",".join(ATTACKS))
+    parser.add_argument("--seed", type=int, default=0, help="first run seed")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--quick", action="store_true", help="1 run per attack, 36 steps, 100 draws"
+    )
+    arguments = parser.parse_args()
+    if arguments.quick:
+        arguments.trials, arguments.steps, arguments.draws = 1, 36, 100
+    attacks = [a.strip() for a in arguments.attacks.split(",") if a.strip()]
+    for attack in attacks:
+        if attack not in ATTACKS:
+            parser.error(f"unknown attack {attack!r}; choose from {', '.join(ATTACKS)}")
+    torch.set_num_threads(arguments.threads)
+    started = time.perf_counter()
+    results = run_suite(
+        attacks, trials=arguments.trials, draws=arguments.draws, steps=arguments.steps,
+        seed=arguments.seed, progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )  # fmt: skip
+    print(
+        f"python bench/forgery_suite.py --trials {arguments.trials} --draws {arguments.draws} "
+        f"--steps {arguments.steps} --seed {arguments.seed} --attacks {','.join(attacks)}"
+    )
+    print(table(results, arguments.steps))
+    print(f"\nwall time {time.perf_counter() - started:.0f} s, torch {torch.__version__}")
+
+
+if __name__ == "__main__":
+    main()
