@@ -141,7 +141,7 @@ def main() -> None:
 
         call_command("migrate", verbosity=0)
         from attestations.accounts.models import Organization
-        from attestations.challenges import replay
+        from attestations.challenges import answers, execution
         from attestations.challenges.models import Challenge
         from attestations.experiments.models import Experiment
         from attestations.proofs.models import Proof
@@ -168,11 +168,11 @@ def main() -> None:
             data = (run / name).read_bytes()
             store(experiment, user, kind_of(name), data, name)
             claims.append(
-                replay.FileClaim(name, kind_of(name), sha256(data).hexdigest(), len(data))
+                answers.FileClaim(name, kind_of(name), sha256(data).hexdigest(), len(data))
             )
-        replay._TRANSITIONS.clear()  # the worker starts cold: the artifact load counts
+        execution._TRANSITIONS.clear()  # the worker starts cold: the artifact load counts
         started = time.perf_counter()
-        replay.attach(proof, claims, user=user)  # ready -> queued -> replayed (in process)
+        answers.attach(proof, claims, user=user)  # ready -> queued -> replayed (in process)
         platform = time.perf_counter() - started
         proof.refresh_from_db()
         assert proof.status == "valid", (proof.status, proof.reason, proof.message)

@@ -27,8 +27,9 @@ from attestations.accounts.models import (
     Capability,
     Organization,
 )
-from attestations.challenges import replay
+from attestations.challenges.answers import FileClaim, attach
 from attestations.challenges.models import ChallengeStatus
+from attestations.challenges.verdicts import expire_if_due
 from attestations.core.conf import api_datetime, client_ip
 from attestations.core.errors import ConflictError, NotFoundError
 from attestations.http.fields import Sha256Field, StrictCharField, StrictIntegerField
@@ -200,7 +201,7 @@ class ProofDetail(generics.RetrieveAPIView[Proof]):
 
     def get_object(self) -> Proof:
         proof = super().get_object()
-        if replay.expire_if_due(proof):
+        if expire_if_due(proof):
             proof = super().get_object()
         return proof
 
@@ -249,7 +250,7 @@ def visible_proof(request: Request, pk: int) -> Proof:
     )
     if proof is None:
         raise NotFoundError(f"No proof {pk}.")
-    if replay.expire_if_due(proof):
+    if expire_if_due(proof):
         proof.refresh_from_db()
     return proof
 
@@ -289,7 +290,7 @@ class ProofArtifacts(APIView):
         require(request, Capability.WRITE, proof.experiment.owner_id)
         body = ArtifactListSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        claims = [replay.FileClaim(**item) for item in body.validated_data["files"]]
+        claims = [FileClaim(**item) for item in body.validated_data["files"]]
         if proof.is_final:
             raise ConflictError(
                 f"proof {proof.pk} is final ({proof.status}); its files can no longer change",
@@ -297,7 +298,7 @@ class ProofArtifacts(APIView):
                 field="files",
                 detail={"status": proof.status},
             )
-        artifacts, fresh = replay.attach(
+        artifacts, fresh = attach(
             proof,
             claims,
             user=authenticated_user(request),

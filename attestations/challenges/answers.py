@@ -15,6 +15,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 import numpy as np
+from celery import current_app
 from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils import timezone
@@ -402,9 +403,15 @@ def mark_ready(proof: Proof) -> list[int]:
     return ready
 
 
-def enqueue(challenge_ids: Iterable[int]) -> None:
-    from attestations.challenges.tasks import replay_challenge
+#: The Celery task that replays one challenge (``attestations.challenges.tasks``). It is
+#: sent by name: the tasks run this module's stages, so importing them here would loop.
+REPLAY_TASK = "attestations.tasks.replay_challenge"
 
+
+def enqueue(challenge_ids: Iterable[int]) -> None:
+    """Queue each challenge's replay on the ``replay`` queue (in process when tasks run
+    eagerly), recording the task id on the challenge."""
     for challenge_id in challenge_ids:
-        result = replay_challenge.apply_async((challenge_id,), queue="replay")
+        task = current_app.signature(REPLAY_TASK, args=(challenge_id,))
+        result = task.apply_async(queue="replay")
         Challenge.objects.filter(pk=challenge_id).update(task_id=str(result.id))

@@ -11,8 +11,9 @@ class ChallengesConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from attestations.challenges import replay
+        # The Celery tasks register here: answers.enqueue sends the replay task by name.
+        from attestations.challenges import draw, tasks  # noqa: F401
         from attestations.proofs.ingest import register_challenger
 
         # A transcript the verifier accepts is challenged (attestations/proofs/ingest.py).
-        register_challenger(replay)
+        register_challenger(draw)

@@ -28,6 +28,7 @@ from attestations.challenges.models import (
 )
 from attestations.challenges.policy import ChallengePolicy
 from attestations.challenges.secret import challenge_key
+from attestations.experiments.models import Experiment
 from attestations.proofs.models import (
     DUPLICATE_TRANSCRIPT,
     Job,
@@ -159,7 +160,6 @@ def draw(proof: Proof, *, policy: ChallengePolicy | None = None) -> list[Challen
     * the ``n``-th challenged proof of the experiment is drawn for the target
       :func:`filing_target` gives, so all filings together keep the policy's bound.
     """
-    from attestations.experiments.models import Experiment
     from provers.challenges import draw_challenges
 
     if proof.challenges_drawn is not None:

@@ -24,7 +24,7 @@ from attestations.challenges.models import (
     Challenge,
     ChallengeStatus,
 )
-from attestations.challenges.verdicts import _progress, settle
+from attestations.challenges.verdicts import progress, settle
 from attestations.challenges.workspace import proof_directory
 from attestations.core.db import take_claim
 from attestations.proofs.models import (
@@ -169,7 +169,7 @@ def record_verdict(challenge: Challenge, verdict: Mapping[str, Any]) -> bool:
                 "attempts": challenge.attempts,
             },
         )
-        _progress(challenge.proof_id)
+        progress(challenge.proof_id)
         settle(challenge.proof_id)
     return True
 
@@ -187,7 +187,7 @@ def record_error(challenge_id: int, reason: str, message: str) -> None:
         )
         if done:
             proof_id = Challenge.objects.values_list("proof_id", flat=True).get(pk=challenge_id)
-            _progress(proof_id)
+            progress(proof_id)
             settle(proof_id)
 
 

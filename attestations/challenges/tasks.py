@@ -1,6 +1,7 @@
 """Celery tasks of challenges: replay one, and expire those left unanswered.
 
-Thin wrappers that pass ids, claim, then delegate to :mod:`attestations.challenges.replay`.
+Thin wrappers that pass ids, claim, then delegate to :mod:`~attestations.challenges.execution`
+and :mod:`~attestations.challenges.verdicts`.
 Task names keep their ``attestations.tasks.`` prefix: they are the names in queued
 messages, routes (``attestations.tasks.replay_*`` to the ``replay`` queue) and the beat
 schedule.
@@ -13,8 +14,10 @@ import logging
 from celery import Task, shared_task
 from django.conf import settings
 
-from attestations.challenges import replay
+from attestations.challenges import execution, verdicts
+from attestations.challenges.answers import REPLAY_TASK
 from attestations.challenges.models import Challenge
+from attestations.challenges.workspace import BlobCorruptError
 from attestations.core.transient import TRANSIENT_ERRORS
 
 log = logging.getLogger(__name__)
@@ -22,7 +25,7 @@ log = logging.getLogger(__name__)
 
 @shared_task(
     bind=True,
-    name="attestations.tasks.replay_challenge",
+    name=REPLAY_TASK,
     acks_late=True,
     reject_on_worker_lost=True,
     max_retries=5,
@@ -45,24 +48,24 @@ def replay_challenge(self: Task, challenge_id: int) -> str | None:  # type: igno
     """
     from celery.exceptions import SoftTimeLimitExceeded
 
-    if not replay.claim(challenge_id):
+    if not execution.claim(challenge_id):
         return None
     try:
         challenge = Challenge.objects.select_related("proof__transcript", "proof__experiment").get(
             pk=challenge_id
         )
-        verdict = replay.replay_one(challenge)
-        replay.record_verdict(challenge, verdict)
-    except replay.BlobCorruptError as error:
-        replay.record_error(challenge_id, "blob_corrupt", str(error))
+        verdict = execution.replay_one(challenge)
+        execution.record_verdict(challenge, verdict)
+    except BlobCorruptError as error:
+        execution.record_error(challenge_id, "blob_corrupt", str(error))
     except SoftTimeLimitExceeded:
-        replay.record_error(
+        execution.record_error(
             challenge_id, "replay_timeout", "the replay ran past the task's soft time limit"
         )
     except TRANSIENT_ERRORS as error:
-        replay.release_claim(challenge_id)
+        execution.release_claim(challenge_id)
         if self.request.retries >= (self.max_retries or 0):
-            replay.record_error(
+            execution.record_error(
                 challenge_id, "replay_unavailable", f"{type(error).__name__}: {error}"
             )
             raise
@@ -72,7 +75,7 @@ def replay_challenge(self: Task, challenge_id: int) -> str | None:  # type: igno
         ) from error
     except Exception as error:
         log.exception("replaying challenge %s failed", challenge_id)
-        replay.record_error(challenge_id, "replay_failed", f"{type(error).__name__}: {error}")
+        execution.record_error(challenge_id, "replay_failed", f"{type(error).__name__}: {error}")
     return str(Challenge.objects.values_list("status", flat=True).get(pk=challenge_id))
 
 
@@ -83,4 +86,4 @@ def expire_challenges() -> int:
     Each expiry rejects its proof (``challenge_expired``). Idempotent: an expired
     challenge is final and is not touched again.
     """
-    return replay.expire()
+    return verdicts.expire()

@@ -34,7 +34,8 @@ from attestations.proofs.models import (
 log = logging.getLogger(__name__)
 
 
-def _progress(proof_id: int) -> None:
+def progress(proof_id: int) -> None:
+    """Record on the proof's replay job how many challenged steps are final."""
     job = Job.objects.filter(proof_id=proof_id, kind="replay").order_by("-created").first()
     if job is None:
         return
@@ -139,7 +140,7 @@ def expire_proof(proof_id: int, now: Any = None) -> int:
             finished=now,
         )
         if expired:
-            _progress(proof_id)
+            progress(proof_id)
             settle(proof_id)
     return expired
 

@@ -31,8 +31,8 @@ from attestations.accounts.models import (
     Organization,
 )
 from attestations.audit.models import AuditEvent
-from attestations.challenges import replay
 from attestations.challenges.models import Challenge
+from attestations.challenges.verdicts import expire_if_due
 from attestations.core.conf import client_ip
 from attestations.core.errors import DVBenchError
 from attestations.experiments.models import Experiment
@@ -243,7 +243,7 @@ def proof_detail(request: HttpRequest, pk: int) -> HttpResponse:
         ),
         pk=pk,
     )
-    if replay.expire_if_due(proof):
+    if expire_if_due(proof):
         proof.refresh_from_db()
     job = Job.objects.filter(proof=proof).order_by("-created").first()
     challenges = list(proof.challenges.order_by("step", "through"))

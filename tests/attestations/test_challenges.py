@@ -299,9 +299,9 @@ def _flaky_replay(monkeypatch: pytest.MonkeyPatch, failures: int) -> list[tuple[
     ``(challenge id, attempts)`` as each replay found them, faulted or not: a retry can
     only claim the challenge again if the failed try gave its claim back.
     """
-    from attestations.challenges import replay
+    from attestations.challenges import execution
 
-    real = replay.replay_one
+    real = execution.replay_one
     hit: list[tuple[int, int]] = []
 
     def replay_one(challenge: Challenge) -> Any:
@@ -310,7 +310,7 @@ def _flaky_replay(monkeypatch: pytest.MonkeyPatch, failures: int) -> list[tuple[
             raise OSError(5, "Input/output error", "media/blobs")
         return real(challenge)
 
-    monkeypatch.setattr(replay, "replay_one", replay_one)
+    monkeypatch.setattr(execution, "replay_one", replay_one)
     return hit
 
 

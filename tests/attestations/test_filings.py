@@ -10,7 +10,7 @@ whichever draw missed the forged steps. Here:
   on, re-chained; a rerun from the same seed) are the same committed run: the same seed,
   so the steps of the first draw are challenged again, with more besides;
 * each further challenged proof of an experiment is drawn for half the miss probability
-  of the one before (``replay.filing_target``), so all filings together keep the
+  of the one before (``draw.filing_target``), so all filings together keep the
   policy's bound; at most ``MAX_PROOFS_PER_EXPERIMENT`` are filed;
 * every proof stays visible with its verdict, and each certificate lists them all.
 """
@@ -28,7 +28,8 @@ from rest_framework.test import APIClient
 
 from attestations.audit.models import AuditEvent
 from attestations.certificates import issuance, keys
-from attestations.challenges import replay
+from attestations.challenges.draw import filing_target
+from attestations.challenges.verdicts import expire_proof
 from attestations.experiments.models import Experiment
 from attestations.proofs.ingest import ingest
 from attestations.proofs.models import Proof, ProofStatus
@@ -108,9 +109,7 @@ def file(client: APIClient, data: bytes, capture: Any) -> Proof:
 def abandon(proof: Proof) -> None:
     """Let the proof's challenges expire unanswered (its deadline passes)."""
     assert proof.challenge_deadline is not None
-    with_capture = replay.expire_proof(
-        proof.pk, now=proof.challenge_deadline + timedelta(seconds=1)
-    )
+    with_capture = expire_proof(proof.pk, now=proof.challenge_deadline + timedelta(seconds=1))
     assert with_capture > 0
     proof.refresh_from_db()
     assert (proof.status, proof.reason) == (ProofStatus.REJECTED, "challenge_expired")
@@ -204,12 +203,12 @@ def test_a_rerun_from_the_same_seed_is_the_same_committed_run(
     assert other.challenge_run_digest != first.challenge_run_digest
     assert other.challenge_seed != first.challenge_seed
     assert other.challenge_filing == 3
-    assert other.challenge_target == pytest.approx(replay.filing_target(0.95, 3))
+    assert other.challenge_target == pytest.approx(filing_target(0.95, 3))
 
 
 def test_each_filing_halves_the_miss_probability(settings: Any) -> None:
     target = 0.95
-    misses = [1 - replay.filing_target(target, n) for n in range(1, 40)]
+    misses = [1 - filing_target(target, n) for n in range(1, 40)]
     assert misses[0] == pytest.approx((1 - target) / 2)
     assert all(b == pytest.approx(a / 2) for a, b in pairwise(misses))
     # Whatever the number of filings, a run with the forged fraction escapes them all
@@ -217,11 +216,11 @@ def test_each_filing_halves_the_miss_probability(settings: Any) -> None:
     assert sum(misses) < 1 - target
     # The price: about ln 2 / -ln(1 - f) more random steps per filing (69 at f = 1 %).
     needed = [
-        random_steps_needed(10**6, target=replay.filing_target(target, n), forged_fraction=0.01)
+        random_steps_needed(10**6, target=filing_target(target, n), forged_fraction=0.01)
         for n in (1, 2, 3)
     ]
     assert [b - a for a, b in pairwise(needed)] == [69, 69]
-    assert replay.filing_target(0.0, 5) == 0.0
+    assert filing_target(0.0, 5) == 0.0
 
 
 def test_filings_are_limited_and_every_one_stays_on_the_record(

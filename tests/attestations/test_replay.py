@@ -343,7 +343,7 @@ def test_an_honest_torch_run_passes_every_challenge(
     seed = bytes.fromhex(proof.challenge_seed)
     assert proof.revealed_seed == proof.challenge_seed
     assert seed_commitment(seed) == proof.challenge_seed_commitment
-    # The draw is bound to the committed run (attestations.challenges.replay.run_digest), whose digest
+    # The draw is bound to the committed run (attestations.challenges.draw.run_digest), whose digest
     # the challenge plan publishes beside the seed.
     plan = draw_challenges(
         steps=STEPS,
@@ -706,8 +706,8 @@ def test_a_worker_killed_mid_replay_completes_the_challenge_exactly_once(
 
     if not services_configured():
         pytest.skip("needs real PostgreSQL and Redis")
-    from attestations.challenges import replay
     from attestations.challenges.tasks import replay_challenge
+    from attestations.challenges.workspace import proof_directory
 
     _, key = setup_org({"torch-run": TORCH_SPEC})
     client = client_for(key)
@@ -784,7 +784,7 @@ def test_a_worker_killed_mid_replay_completes_the_challenge_exactly_once(
         == 1
     )
     # The same verdict as replaying it here, directly.
-    directory = replay.proof_directory(proof, challenge.needed_files)
+    directory = proof_directory(proof, challenge.needed_files)
     import provers
 
     direct = provers.verify_challenge(directory, 5)

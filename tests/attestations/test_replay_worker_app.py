@@ -8,7 +8,7 @@ seconds, not minutes.
 ``DVBENCH_REPLAY_TEST_DELAY`` (seconds) makes a replay pause after its challenge is
 claimed, before it replays: it gives the test a moment in which the challenge is claimed
 but not finished. The pause is this module's, wrapped around
-``attestations.challenges.replay.replay_one`` in the test's workers only; production code
+``attestations.challenges.execution.replay_one`` in the test's workers only; production code
 has no such hook. Nothing else differs from ``config.celery_app``.
 """
 
@@ -43,12 +43,12 @@ def _pause_replays(**kwargs: Any) -> None:
     delay = _test_delay()
     if not delay:
         return
-    from attestations.challenges import replay
+    from attestations.challenges import execution
 
-    if getattr(replay.replay_one, "paused_for_tests", False):
+    if getattr(execution.replay_one, "paused_for_tests", False):
         return
 
-    replay_one = replay.replay_one
+    replay_one = execution.replay_one
 
     @functools.wraps(replay_one)
     def paused(*args: Any, **kwargs: Any) -> Any:
@@ -56,7 +56,7 @@ def _pause_replays(**kwargs: Any) -> None:
         return replay_one(*args, **kwargs)
 
     paused.paused_for_tests = True  # type: ignore[attr-defined]
-    replay.replay_one = paused  # type: ignore[assignment]
+    execution.replay_one = paused  # type: ignore[assignment]
 
 
 __all__ = ["app"]

@@ -20,7 +20,7 @@ from rest_framework.test import APIClient
 
 from attestations.accounts.models import Membership, Role
 from attestations.certificates import issuance, keys
-from attestations.challenges import replay
+from attestations.challenges.draw import challenge_seed, filing_target
 from attestations.challenges.secret import challenge_key
 from attestations.experiments.models import Experiment
 from attestations.proofs.models import Proof, ProofStatus
@@ -105,7 +105,7 @@ def test_a_rerun_filed_in_another_lab_gets_the_same_plan(
     assert steps_of(second) == steps_of(first)
     assert 0 < len(steps_of(first)) < STEPS
     # What the seed is: the platform's key and the run digest, nothing of the organisation.
-    assert bytes.fromhex(first.challenge_seed) == replay.challenge_seed(
+    assert bytes.fromhex(first.challenge_seed) == challenge_seed(
         challenge_key(), first.challenge_run_digest
     )
     # Both labs' trainers read the same commitment in their proof's challenge plan.
@@ -131,7 +131,7 @@ def test_a_run_is_never_drawn_for_less_than_before_nor_anew_under_a_new_key(
         file(api("alice"), acme, run(tmp_path, acme, label, seed=seed), capture)
     big = file(api("alice"), acme, run(tmp_path, acme, "a"), capture)
     assert big.challenge_filing == 3
-    assert big.challenge_target == pytest.approx(replay.filing_target(0.95, 3))
+    assert big.challenge_target == pytest.approx(filing_target(0.95, 3))
     # The operator changes the challenge key (or a worker has another one): a run drawn
     # before keeps its seed, and evil's first filing of it is drawn for acme's target.
     settings.DVBENCH = {**settings.DVBENCH, "CHALLENGE_KEY": "ab" * 32}
@@ -142,7 +142,7 @@ def test_a_run_is_never_drawn_for_less_than_before_nor_anew_under_a_new_key(
     assert steps_of(small) == steps_of(big)
     # A run never drawn before gets its seed from the new key.
     fresh = file(api("mallory"), evil, run(tmp_path, evil, "c", seed=3), capture)
-    assert bytes.fromhex(fresh.challenge_seed) == replay.challenge_seed(
+    assert bytes.fromhex(fresh.challenge_seed) == challenge_seed(
         bytes.fromhex("ab" * 32), fresh.challenge_run_digest
     )
 
@@ -183,7 +183,7 @@ def test_each_certificate_lists_the_other_labs_filing_without_naming_it(
         assert format_time(listed.filed_on) == format_time(to_seconds(elsewhere.created))
         assert (listed.status, listed.reason, listed.same_organization) == (status, "", False)
         assert listed.transcript_digest == elsewhere.transcript_digest
-        assert listed.challenge_target == pytest.approx(replay.filing_target(0.95, 1))
+        assert listed.challenge_target == pytest.approx(filing_target(0.95, 1))
         payload = base64.b64decode(certificate.envelope["payload"]).decode()
         for name in stranger:
             assert name not in payload
