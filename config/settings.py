@@ -234,6 +234,13 @@ DEFAULT_REGULATORY_THRESHOLDS: list[dict[str, Any]] = [
         "description": "EU AI Act Art. 51(2): systemic-risk presumption (training compute "
         "above 10^25 FLOP)",
     },
+    {
+        "name": "us-frontier-model",
+        "flops": 10**26,
+        "description": "California SB 53 (signed 29 Sep 2025) and New York's RAISE Act: "
+        "frontier model (more than 10^26 integer or floating-point operations, fine-tuning "
+        "and reinforcement learning included; this certificate counts this run's)",
+    },
 ]
 
 

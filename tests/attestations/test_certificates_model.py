@@ -81,12 +81,16 @@ def test_thresholds_take_the_compute_claims_evidence_and_settings(
     assert rows["huge"]["threshold"] == 10**25
 
 
-def test_the_default_thresholds_are_the_eu_ai_acts(world: World) -> None:
+def test_the_default_thresholds_are_the_eu_ai_acts_and_the_us_frontier_laws(
+    world: World,
+) -> None:
     rows = _claims(_statement(certify(world.proof)))["regulatory_thresholds"]["value"]
     assert [(row["name"], row["threshold"]) for row in rows] == [
         ("eu-ai-act-gpai", 10**23),
         ("eu-ai-act-systemic-risk", 10**25),
+        ("us-frontier-model", 10**26),
     ]
+    assert "SB 53" in rows[2]["description"] and "RAISE Act" in rows[2]["description"]
 
 
 def test_a_bad_threshold_setting_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
