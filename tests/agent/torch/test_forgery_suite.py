@@ -89,7 +89,9 @@ def test_the_tolerance_gap_forger_passes_the_bounds_and_plants_its_backdoor(
     extra = {key: values[0] for key, values in result.extra.items()}
     assert 0.9 < extra["worst replay margin"] <= 0.95 + 1e-6
     assert extra["backdoor success, honest"] == 0.0
-    assert extra["backdoor success, forged"] > 0.05
+    # 0.125 here (64 of 512 triggered inputs) at this seed and length; another CPU's
+    # kernels move the trajectory a little, so the bar is 10 of 512, still none honest.
+    assert extra["backdoor success, forged"] >= 10 / 512
     assert abs(extra["clean loss, forged"] - extra["clean loss, honest"]) < 0.05
 
 
