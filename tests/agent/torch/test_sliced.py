@@ -8,11 +8,7 @@ float32 without dropout; the platform is :func:`provers.sliced.verify_slice`.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -21,22 +17,10 @@ import torch
 from torch.nn import functional
 
 from provers.sliced import SliceVerdict, replay_whole_step, verify_slice
+from tests.examples import torch_example
 from zkdv import sliced
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-
-
-def _example(name: str) -> ModuleType:
-    path = REPO_ROOT / "examples" / "torch" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"zkdv_torch_example_{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-lm = _example("lm")
+lm = torch_example("lm")
 CONFIG = lm.LMConfig(width=16, heads=2, layers=2, context=8, dropout=0.0)
 MICRO, ROWS, STEPS, OPENED = 2, 4, 3, 2
 GROUP = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}

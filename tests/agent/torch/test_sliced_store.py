@@ -10,12 +10,8 @@ Against a real S3 API: ``tests/attestations/s3.py``'s ``moto_server`` (or the on
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -25,25 +21,14 @@ from torch.nn import functional
 from provers.sliced import verify_slice
 from provers.sliced_store import GrantError, RangeReader, coalesce, verify_slice_from_store
 from tests.attestations.s3 import CREDENTIALS, REGION, s3_endpoint
+from tests.examples import torch_example
 from zkdv import sliced, sliced_store
 from zkdv.sliced_store import ByteRange
 
 __all__ = ["s3_endpoint"]  # the session's S3 API, a fixture
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
 
-
-def _example(name: str) -> ModuleType:
-    path = REPO_ROOT / "examples" / "torch" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"zkdv_torch_example_{name}_store", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-lm = _example("lm")
+lm = torch_example("lm")
 CONFIG = lm.LMConfig(width=16, heads=2, layers=4, context=8, dropout=0.0)
 MICRO, ROWS, STEPS = 2, 4, 2
 GROUP = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}

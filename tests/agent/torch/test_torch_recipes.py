@@ -26,12 +26,9 @@ the platform's replay (here and, trained on other kernels, there).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -41,6 +38,7 @@ from torch.nn import functional
 
 import zkdv
 from provers import torch_replay
+from tests.examples import torch_example
 from tests.matrix import FULL
 from tests.torch_forgeries import hide_learning_rate
 from tests.torch_replays import replay_rejects, replays_every_step_exactly
@@ -48,23 +46,12 @@ from zkdv.records import iter_records
 from zkdv.torch.capture import current_capture
 from zkdv.verify import verify_transcript
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
 EVERY_STEP = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy.DEBUGCheckEvery(1))
 NO_CHECKS = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.0))
 STEPS = 8
 
 
-def _example(name: str) -> ModuleType:
-    path = REPO_ROOT / "examples" / "torch" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"zkdv_torch_example_{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-lm = _example("lm")
+lm = torch_example("lm")
 
 
 def _bn(path: Path, *, seed: int, zkdv_config: zkdv.ZKDVConfig, steps: int = STEPS) -> None:
@@ -103,7 +90,7 @@ def _bn(path: Path, *, seed: int, zkdv_config: zkdv.ZKDVConfig, steps: int = STE
 
 
 def _hf(path: Path, *, seed: int, zkdv_config: zkdv.ZKDVConfig, steps: int = STEPS) -> None:
-    hf = _example("hf_finetune")
+    hf = torch_example("hf_finetune")
     hf.train(path, steps=steps, seed=seed, zkdv_config=zkdv_config, rows=4, width=16)
 
 
@@ -171,7 +158,7 @@ def _hf_trainer(path: Path, *, seed: int, zkdv_config: zkdv.ZKDVConfig, steps: i
     from zkdv.integrations.transformers import prove
 
     with tempfile.TemporaryDirectory(prefix="hf-trainer-") as output:
-        trainer = _example("hf_trainer").make_trainer(output, seed=seed, max_steps=steps)
+        trainer = torch_example("hf_trainer").make_trainer(output, seed=seed, max_steps=steps)
         prove(trainer, path, config=zkdv_config)
         trainer.train()
 
@@ -180,7 +167,7 @@ def _lightning(path: Path, *, seed: int, zkdv_config: zkdv.ZKDVConfig, steps: in
     """``examples/torch/lightning_lm.py``'s run, proved by zkdv.integrations."""
     from zkdv.integrations.lightning import ZKDVCallback
 
-    example = _example("lightning_lm")
+    example = torch_example("lightning_lm")
     callback = ZKDVCallback(path, config=zkdv_config)
     torch.manual_seed(seed)
     example.make_trainer([callback], steps=steps).fit(
