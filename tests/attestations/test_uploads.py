@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
 from rest_framework.test import APIClient
@@ -277,6 +278,19 @@ def test_expired_uploads_are_cleaned(world: World, api: Api, storage: Path) -> N
     assert Upload.objects.get(pk=created["id"]).reason == "expired"
 
 
+def _claim_completion(upload_id: str, size: int) -> datetime:
+    """Leave an upload as a request that claimed its completion does: ``completing``, its
+    lease (:func:`attestations.uploads.services.completion_lease`) in ``expires``; returns
+    the lease's end."""
+    from django.utils import timezone
+
+    from attestations.uploads.services import completion_lease
+
+    until = timezone.now() + completion_lease(size)
+    Upload.objects.filter(pk=upload_id).update(status=UploadStatus.COMPLETING, expires=until)
+    return until
+
+
 def test_a_completion_whose_worker_died_is_reopened_after_its_lease(
     world: World, api: Api, storage: Path
 ) -> None:
@@ -292,8 +306,7 @@ def test_a_completion_whose_worker_died_is_reopened_after_its_lease(
     created = open_upload(client, data)
     put_parts(client, created["id"], data, 1000)
     # What a worker killed mid-completion leaves: the claim committed, nothing after it.
-    claimed = timezone.now() + uploads.completion_lease(len(data))
-    Upload.objects.filter(pk=created["id"]).update(status=UploadStatus.COMPLETING, expires=claimed)
+    claimed = _claim_completion(created["id"], len(data))
     refused = client.post(f"/api/v1/uploads/{created['id']}/complete/")
     assert refused.status_code == 409, refused.content
     # Within the lease the claim is a live worker's: left alone.
@@ -452,9 +465,7 @@ def test_a_completing_upload_refuses_parts_abort_and_expiry(
     created = open_upload(client, data)
     put_parts(client, created["id"], data, 1000)
     # Another request has claimed the completion and is assembling the parts.
-    Upload.objects.filter(pk=created["id"]).update(
-        status=UploadStatus.COMPLETING, expires=timezone.now() + uploads.completion_lease(2000)
-    )
+    _claim_completion(created["id"], 2000)
     staged = sorted(name for name in stored_files(storage) if name.startswith("staging/"))
     part = put_parts(client, created["id"], data[:1000], 1000)[0]
     aborted = client.post(f"/api/v1/uploads/{created['id']}/abort/")
