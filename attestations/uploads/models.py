@@ -140,6 +140,12 @@ class UploadPart(models.Model):
     sha256 = models.CharField(max_length=64)
     storage_name = models.CharField(max_length=255)
     created = models.DateTimeField(default=timezone.now)
+    # The whole file's SHA-256 state before and after this part's bytes (see
+    # ``uploads.sha256state``), when the part was hashed on from the part before it:
+    # completion takes up the last state of the unbroken chain from part 1 and hashes
+    # only what follows it. Empty when the part came before its predecessor.
+    chain_base = models.BinaryField(null=True, blank=True, editable=False)
+    chain = models.BinaryField(null=True, blank=True, editable=False)
 
     class Meta:
         db_table = "attestations_uploadpart"
