@@ -75,7 +75,13 @@ def django_env(data_dir: Path, part_mib: int, upload_mib: int) -> dict[str, str]
         DVBENCH_MAX_PART_BYTES=str(part_mib * 1024 * 1024),
         DVBENCH_MAX_BLOB_BYTES=str(max(upload_mib, 1) * 1024 * 1024 * 2),
         DVBENCH_LOG_LEVEL="WARNING",
-        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "agent" / "src")]),
+        PYTHONPATH=os.pathsep.join(
+            [
+                str(ROOT),
+                str(ROOT / "agent" / "zkdv" / "src"),
+                str(ROOT / "agent" / "dvbench" / "src"),
+            ]
+        ),
     )
     return env
 
@@ -142,7 +148,13 @@ def sdk_upload_rss(served: Served, mib: int, part_mib: int, parallel: int) -> tu
     env.update(
         DVBENCH_PART_SIZE=str(part_mib << 20),
         DVBENCH_UPLOAD_PARALLEL=str(parallel),
-        PYTHONPATH=os.pathsep.join([str(ROOT / "agent" / "src"), env.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join(
+            [
+                str(ROOT / "agent" / "zkdv" / "src"),
+                str(ROOT / "agent" / "dvbench" / "src"),
+                env.get("PYTHONPATH", ""),
+            ]
+        ),
     )
     out = subprocess.run(
         [

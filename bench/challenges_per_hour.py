@@ -34,7 +34,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "agent" / "src")]
+sys.path[:0] = [
+    str(ROOT),
+    str(ROOT / "agent" / "zkdv" / "src"),
+    str(ROOT / "agent" / "dvbench" / "src"),
+]
 
 FEATURES, CLASSES = 64, 10
 

@@ -25,7 +25,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "agent" / "src")]
+sys.path[:0] = [
+    str(ROOT),
+    str(ROOT / "agent" / "zkdv" / "src"),
+    str(ROOT / "agent" / "dvbench" / "src"),
+]
 
 TORCH_RECIPES = ("bn", "cnn", "hf", "lm", "hf-trainer", "lightning")
 JAX_RECIPES = ("jax-digits", "jax-batchstats", "jax-lm")

@@ -221,7 +221,10 @@ def _run(command: list[str], limit: int, deadline: float | None = None) -> int:
             return 124
         limit = min(limit, left)
     print(f"\n$ {' '.join(command)}   (limit {limit} s)", flush=True)
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'agent' / 'src'}:{ROOT}"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT / 'agent' / 'zkdv' / 'src'}:{ROOT / 'agent' / 'dvbench' / 'src'}:{ROOT}",
+    }
     try:
         return subprocess.run(command, cwd=ROOT, env=env, timeout=limit).returncode
     except subprocess.TimeoutExpired:

@@ -58,7 +58,11 @@ def main() -> int:
             ).stdout
         )
         os.environ.update(env)
-        sys.path[:0] = [str(ROOT), str(ROOT / "agent" / "src")]
+        sys.path[:0] = [
+            str(ROOT),
+            str(ROOT / "agent" / "zkdv" / "src"),
+            str(ROOT / "agent" / "dvbench" / "src"),
+        ]
         import django
 
         django.setup()

@@ -41,7 +41,8 @@ import numpy as np
 
 sys.path[:0] = [
     str(Path(__file__).resolve().parents[1]),
-    str(Path(__file__).resolve().parents[1] / "agent" / "src"),
+    str(Path(__file__).resolve().parents[1] / "agent" / "zkdv" / "src"),
+    str(Path(__file__).resolve().parents[1] / "agent" / "dvbench" / "src"),
 ]
 
 import zkdv  # noqa: E402

@@ -266,7 +266,11 @@ def measure(args: argparse.Namespace) -> None:
     import importlib.util
     import time
 
-    sys.path[:0] = [str(ROOT), str(ROOT / "agent" / "src")]
+    sys.path[:0] = [
+        str(ROOT),
+        str(ROOT / "agent" / "zkdv" / "src"),
+        str(ROOT / "agent" / "dvbench" / "src"),
+    ]
     import torch
     from torch.nn import functional
 

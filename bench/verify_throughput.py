@@ -36,7 +36,7 @@ from zkdv.records import RECORDS_FILE, iter_records
 from zkdv.verify import verify_transcript
 
 REPO = Path(__file__).resolve().parent.parent
-VERIFIER = "agent/src/zkdv/verify.py"
+VERIFIER = "agent/zkdv/src/zkdv/verify.py"
 SNAPSHOT_INTERVAL = 12
 
 

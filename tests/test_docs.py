@@ -2,7 +2,7 @@
 
 Each test builds a small site with the real tools and the repository's docstring extension
 (scripts/griffe_extensions.py): a page and a package named ``zkdv`` whose docstrings use
-Sphinx roles the way agent/src does.
+Sphinx roles the way agent/*/src does.
 """
 
 from __future__ import annotations
@@ -57,12 +57,12 @@ def build(tmp_path: Path, *, extra: str = "", page: str = "") -> tuple[int, str,
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "index.md").write_text(f"# Home\n\n## Install\n\n{page}\n")
     (tmp_path / "docs" / "api.md").write_text("# API\n\n::: zkdv\n")
-    # The repository's own configuration, pointed at this package instead of agent/src.
+    # The repository's own configuration, pointed at this package instead of agent/*/src.
     config = (REPO_ROOT / "zensical.toml").read_text()
-    assert 'paths = ["agent/src"]' in config
+    assert 'paths = ["agent/zkdv/src", "agent/dvbench/src"]' in config
     assert 'extensions = ["scripts/griffe_extensions.py"]' in config
     config = re.sub(r"(?ms)^nav = \[.*?^\]\n", 'nav = ["index.md", "api.md"]\n', config)
-    config = config.replace('paths = ["agent/src"]', 'paths = ["src"]')
+    config = config.replace('paths = ["agent/zkdv/src", "agent/dvbench/src"]', 'paths = ["src"]')
     config = config.replace('"scripts/griffe_extensions.py"', f'"{EXTENSION}"')
     tomllib.loads(config)
     (tmp_path / "zensical.toml").write_text(config)

@@ -13,7 +13,11 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: Where top-level import names live: the repository root (the server) and the SDK.
-IMPORT_ROOTS = (REPO_ROOT, REPO_ROOT / "agent" / "src")
+IMPORT_ROOTS = (
+    REPO_ROOT,
+    REPO_ROOT / "agent" / "zkdv" / "src",
+    REPO_ROOT / "agent" / "dvbench" / "src",
+)
 DESIGN_CARD = (
     "manage.py",
     "pyproject.toml",
@@ -131,8 +135,8 @@ def test_the_readme_sets_up_with_exactly_two_commands() -> None:
 
 
 def _private_modules(package: str) -> set[str]:
-    """Dotted names of the modules under ``agent/src/<package>`` whose name starts with "_"."""
-    src = REPO_ROOT / "agent" / "src"
+    """Dotted names of the modules under ``agent/<package>/src`` whose name starts with "_"."""
+    src = REPO_ROOT / "agent" / package / "src"
     return {
         ".".join(path.relative_to(src).with_suffix("").parts)
         for path in (src / package).rglob("_*.py")
@@ -165,7 +169,7 @@ def test_the_import_contracts_name_every_private_module(package: str, contract: 
 
 
 def test_the_driver_runtime_is_one_package_and_each_frontend_holds_its_driver() -> None:
-    zkdv = REPO_ROOT / "agent" / "src" / "zkdv"
+    zkdv = REPO_ROOT / "agent" / "zkdv" / "src" / "zkdv"
     runtime = {path.name for path in (zkdv / "driver").glob("*.py")}
     assert {"base.py", "protocol.py", "pipeline.py", "flowcontrol.py", "control.py"} <= runtime
     assert (zkdv / "jax" / "_driver.py").exists() and (zkdv / "torch" / "_driver.py").exists()

@@ -33,7 +33,6 @@ from packaging.version import Version
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 AGENT = REPO_ROOT / "agent"
-SOURCES = AGENT / "src"
 DISTRIBUTIONS = ("zkdv", "dvbench")
 SERVER_ONLY = {"django", "celery", "psycopg", "psycopg-binary", "gunicorn", "redis", "kombu"}
 HEAVY = ("jax", "jaxlib", "flax", "optax", "torch", "django", "celery", "psycopg", "kombu")
@@ -82,15 +81,20 @@ def lock() -> dict[str, str]:
     return pins
 
 
+def sources(name: str) -> Path:
+    """The src folder of distribution ``name`` (``agent/<name>/src``)."""
+    return AGENT / name / "src"
+
+
 def package_version(name: str) -> str:
-    """``__version__`` of agent/src/<name>, read without importing it."""
-    tree = ast.parse((SOURCES / name / "__init__.py").read_text())
+    """``__version__`` of agent/<name>/src/<name>, read without importing it."""
+    tree = ast.parse((sources(name) / name / "__init__.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
             isinstance(target, ast.Name) and target.id == "__version__" for target in node.targets
         ):
             return str(ast.literal_eval(node.value))
-    raise AssertionError(f"agent/src/{name}/__init__.py sets no __version__")
+    raise AssertionError(f"agent/{name}/src/{name}/__init__.py sets no __version__")
 
 
 def modules_loaded_by(statement: str) -> list[str]:
@@ -203,7 +207,7 @@ def test_each_distribution_imports_only_what_it_declares(name: str) -> None:
         declared |= {canonical(item.name) for item in requirements(project("zkdv"))}
     own = {"zkdv"} if name == "zkdv" else {"zkdv", "dvbench"}
     undeclared = {}
-    for module, path in imported_modules(SOURCES / name):
+    for module, path in imported_modules(sources(name) / name):
         if module in sys.stdlib_module_names or module in own | OPTIONAL_IMPORTS[name]:
             continue
         distributions = {canonical(dist) for dist in providers.get(module, [module])}
@@ -253,7 +257,7 @@ def test_bootstrap_installs_both_distributions_through_the_lock() -> None:
 
 def pip_environment() -> dict[str, str]:
     """pip without this machine's configuration (indexes, find-links, constraints, cache),
-    and Python without PYTHONPATH (the tests put agent/src on it, which would hide what a
+    and Python without PYTHONPATH (the tests put agent/*/src on it, which would hide what a
     fresh environment really installed)."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("PIP_")}
     env.pop("PYTHONPATH", None)
@@ -377,13 +381,13 @@ def test_each_wheel_holds_its_own_package_and_nothing_else(built_wheels: dict[st
         with zipfile.ZipFile(wheel) as archive:
             names = set(archive.namelist())
         assert {entry.split("/")[0] for entry in names} == {name, info}
-        sources = {
-            path.relative_to(SOURCES).as_posix()
-            for path in (SOURCES / name).rglob("*")
+        expected = {
+            path.relative_to(sources(name)).as_posix()
+            for path in (sources(name) / name).rglob("*")
             if path.suffix == ".py" or path.name == "py.typed"
         }
         packaged = {entry for entry in names if not entry.startswith(f"{info}/")}
-        assert packaged == sources, name
+        assert packaged == expected, name
 
 
 @pytest.mark.slow

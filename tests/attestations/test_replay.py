@@ -393,7 +393,11 @@ def _trained_elsewhere(path: Path) -> Path:
     result = subprocess.run(
         [sys.executable, "-c", script, str(path)],
         cwd=root,
-        env={**os.environ, **kernels("default"), "PYTHONPATH": f"{root}:{root / 'agent/src'}"},
+        env={
+            **os.environ,
+            **kernels("default"),
+            "PYTHONPATH": f"{root}:{root / 'agent/zkdv/src'}:{root / 'agent/dvbench/src'}",
+        },
         capture_output=True,
         text=True,
         check=False,

@@ -308,7 +308,10 @@ def test_dispatch_imports_only_the_framework_it_needs() -> None:
         "print(sorted(m for m in ('jax', 'torch') if m in sys.modules))"
     )
     root = Path(__file__).resolve().parents[2]
-    env = {"PYTHONPATH": f"{root}:{root / 'agent' / 'src'}", "PATH": "/usr/bin:/bin"}
+    env = {
+        "PYTHONPATH": f"{root}:{root / 'agent' / 'zkdv' / 'src'}:{root / 'agent' / 'dvbench' / 'src'}",
+        "PATH": "/usr/bin:/bin",
+    }
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )

@@ -198,7 +198,13 @@ class Stack:
             DVBENCH_MAX_PROOFS_PER_EXPERIMENT="100",
             DVBENCH_LOG_LEVEL="INFO",
             DJANGO_SETTINGS_MODULE="config.settings",
-            PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "agent" / "src")]),
+            PYTHONPATH=os.pathsep.join(
+                [
+                    str(REPO),
+                    str(REPO / "agent" / "zkdv" / "src"),
+                    str(REPO / "agent" / "dvbench" / "src"),
+                ]
+            ),
             PYTHONUNBUFFERED="1",
         )
         return environment

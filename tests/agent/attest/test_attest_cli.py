@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -166,7 +167,12 @@ def test_it_runs_as_a_module_without_django(files: tuple[Path, Path]) -> None:
         text=True,
         timeout=60,
         cwd=REPO,
-        env={"PYTHONPATH": str(REPO / "agent" / "src"), "PATH": "/usr/bin:/bin"},
+        env={
+            "PYTHONPATH": os.pathsep.join(
+                [str(REPO / "agent" / "zkdv" / "src"), str(REPO / "agent" / "dvbench" / "src")]
+            ),
+            "PATH": "/usr/bin:/bin",
+        },
         check=False,
     )
     assert result.returncode == 0, result.stderr

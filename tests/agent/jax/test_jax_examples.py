@@ -14,7 +14,13 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def _run(script: str, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "agent" / "src"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [
+            str(ROOT / "agent" / "zkdv" / "src"),
+            str(ROOT / "agent" / "dvbench" / "src"),
+            env.get("PYTHONPATH", ""),
+        ]
+    )
     env.pop("ZKDV_JAX_EXPORT_PLATFORMS", None)  # the default: cpu and cuda as well
     return subprocess.run(
         [sys.executable, str(ROOT / "examples" / "jax" / script), *args],
@@ -29,7 +35,9 @@ def _run(script: str, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]
 
 def _verify(proof: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT / "agent" / "src")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / "agent" / "zkdv" / "src"), str(ROOT / "agent" / "dvbench" / "src")]
+    )
     return subprocess.run(
         [sys.executable, "-m", "zkdv", "verify", str(proof)],
         env=env,
@@ -82,7 +90,9 @@ def _replay_in_a_fresh_process(proof: Path) -> str:
         "    print(first, last)\n"
     )
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "agent" / "src")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), str(ROOT / "agent" / "zkdv" / "src"), str(ROOT / "agent" / "dvbench" / "src")]
+    )
     result = subprocess.run(
         [sys.executable, "-c", code, str(proof)],
         env=env,

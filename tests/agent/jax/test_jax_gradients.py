@@ -87,7 +87,12 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
                 "XLA_FLAGS": f"--xla_cpu_max_isa={isa}",
                 "ZKDV_JAX_EXPORT_PLATFORMS": "",
                 "PYTHONPATH": os.pathsep.join(
-                    [str(ROOT / "agent" / "src"), str(ROOT), str(Path(__file__).parent)]
+                    [
+                        str(ROOT / "agent" / "zkdv" / "src"),
+                        str(ROOT / "agent" / "dvbench" / "src"),
+                        str(ROOT),
+                        str(Path(__file__).parent),
+                    ]
                 ),
             }
             cpus = sorted(os.sched_getaffinity(0))[:cores]

@@ -83,7 +83,9 @@ def test_named_shardings_are_preserved_and_one_logical_update_is_committed(
     # model code written for explicit-axis meshes (out_sharding=...) is out of scope.
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    env["PYTHONPATH"] = str(ROOT / "agent" / "src")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / "agent" / "zkdv" / "src"), str(ROOT / "agent" / "dvbench" / "src")]
+    )
     script = tmp_path / "multidevice.py"
     script.write_text(SCRIPT.format(axis="Auto", commitments=commitments))
     result = subprocess.run(

@@ -537,7 +537,12 @@ def fingerprints() -> dict[str, Any]:
 def test_it_is_identical_across_cpu_kernels_and_threads() -> None:
     environment = {
         **os.environ,
-        "PYTHONPATH": str(REPO_ROOT / "agent" / "src"),
+        "PYTHONPATH": os.pathsep.join(
+            [
+                str(REPO_ROOT / "agent" / "zkdv" / "src"),
+                str(REPO_ROOT / "agent" / "dvbench" / "src"),
+            ]
+        ),
         # Three processes of up to four OpenMP threads share the CPUs: threads that
         # spin while they wait would take twice as long (the results are the same).
         "OMP_WAIT_POLICY": "PASSIVE",

@@ -49,7 +49,13 @@ def _train(directory: Path, runs: list[str], capability: str, threads: int) -> N
     env = {
         **os.environ,
         **kernels(capability),
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "agent" / "src")]),
+        "PYTHONPATH": os.pathsep.join(
+            [
+                str(ROOT),
+                str(ROOT / "agent" / "zkdv" / "src"),
+                str(ROOT / "agent" / "dvbench" / "src"),
+            ]
+        ),
     }
     result = subprocess.run(
         [

@@ -166,7 +166,11 @@ def _run(tmp_path: Path, mode: str) -> list[dict[str, Any]]:
     script.write_text(WORKER)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO_ROOT / "agent" / "src"), env.get("PYTHONPATH", "")]
+        [
+            str(REPO_ROOT / "agent" / "zkdv" / "src"),
+            str(REPO_ROOT / "agent" / "dvbench" / "src"),
+            env.get("PYTHONPATH", ""),
+        ]
     )
     env["ZKDV_TORCH_PROGRAM"] = "torch.export"
     result = subprocess.run(

@@ -28,7 +28,11 @@ def _quick_start() -> str:
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO_ROOT / "agent" / "src"), env.get("PYTHONPATH", "")]
+        [
+            str(REPO_ROOT / "agent" / "zkdv" / "src"),
+            str(REPO_ROOT / "agent" / "dvbench" / "src"),
+            env.get("PYTHONPATH", ""),
+        ]
     )
     return env
 
