@@ -65,14 +65,20 @@ def _train(directory: Path, recipe: str, seeds: int, environment: tuple[str, str
         env["XLA_FLAGS"] = f"--xla_cpu_max_isa={family}"
         cores = sorted(os.sched_getaffinity(0))[:threads]
         prefix = ["taskset", "--cpu-list", ",".join(map(str, cores))]
-        script = str(ROOT / "tests" / "agent" / "jax" / "recipes.py")
+        script = str(ROOT / "tests" / "agent" / "zkdv" / "jax" / "recipes.py")
         seeds_ = ",".join(str(seed) for seed in range(seeds))
         command = [script, str(directory), recipe[4:], str(JAX_STEPS), "3", seeds_]
     else:
         env.update(kernels(family) if family else {})
         env["ZKDV_TORCH_PROGRAM"] = kind
         runs = [f"recipe:{recipe}:{seed}" for seed in range(seeds)]
-        command = ["-m", "tests.agent.torch.train_elsewhere", str(directory), str(threads), *runs]
+        command = [
+            "-m",
+            "tests.agent.zkdv.torch.train_elsewhere",
+            str(directory),
+            str(threads),
+            *runs,
+        ]
     result = subprocess.run(
         [*prefix, sys.executable, *command],
         cwd=ROOT,

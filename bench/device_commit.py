@@ -18,9 +18,9 @@ fails). Ratios are printed against the floor: the issue's goal on a GPU is devic
 hashing in at most 1.5x one HBM read of the committed state.
 
 ``--gpu-check`` (for a GPU machine; at most 465 s in all, under 8 minutes): runs the
-device tests (``tests/agent/jax/test_device_commit.py``, ``test_jax_device_path.py``,
-``tests/agent/torch/test_device_kernels.py``, ``tests/agent/test_device_merkle.py``,
-``tests/agent/test_probes.py``), ``bench/jax_overhead.py --quick`` (LM and the
+device tests (``tests/agent/zkdv/jax/test_device_commit.py``, ``test_jax_device_path.py``,
+``tests/agent/zkdv/torch/test_device_kernels.py``, ``tests/agent/zkdv/test_device_merkle.py``,
+``tests/agent/zkdv/test_probes.py``), ``bench/jax_overhead.py --quick`` (LM and the
 state-heavy MLP; JAX takes the device path by default there),
 ``bench/torch_overhead.py --quick`` (LM and MLP) and ``--recipe lm --quick`` (the
 default policy and p = 0 side by side, with their difference), ``bench/probe_cost.py``
@@ -243,11 +243,11 @@ def gpu_check(args: argparse.Namespace) -> int:
                 "pytest",
                 "-q",
                 "-x",
-                "tests/agent/jax/test_device_commit.py",
-                "tests/agent/jax/test_jax_device_path.py",
-                "tests/agent/torch/test_device_kernels.py",
-                "tests/agent/test_device_merkle.py",
-                "tests/agent/test_probes.py",
+                "tests/agent/zkdv/jax/test_device_commit.py",
+                "tests/agent/zkdv/jax/test_jax_device_path.py",
+                "tests/agent/zkdv/torch/test_device_kernels.py",
+                "tests/agent/zkdv/test_device_merkle.py",
+                "tests/agent/zkdv/test_probes.py",
             ],
             120,
         ),

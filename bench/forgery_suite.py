@@ -3,7 +3,7 @@
 Each attack is a forger that trains ``examples/torch/lm.py``'s model (the recipe's loop:
 AdamW in two groups, warmup + cosine ``LambdaLR``, two accumulated micro-batches,
 ``clip_grad_norm_``, a bf16-autocast forward; the model one block deep, as
-``tests/agent/torch/test_torch_recipes.py`` trains it) through the SDK as users do
+``tests/agent/zkdv/torch/test_torch_recipes.py`` trains it) through the SDK as users do
 (``zkdv.torch.ZKDV``, default ``ZKDVConfig()``: sampled checks with p = 0.01, a
 snapshot every 12 steps), and changes what it trains the way a forger's modified SDK or
 loop would. Each transcript then meets, in order, what the platform applies:
@@ -83,7 +83,7 @@ from provers.challenges import (  # noqa: E402
     random_steps_needed,
 )
 from provers.replay import Transcript, windows  # noqa: E402
-from tests.agent.torch import test_torch_recipes as recipes  # noqa: E402
+from tests.agent.zkdv.torch import test_torch_recipes as recipes  # noqa: E402
 from zkdv.config import GradientBounds  # noqa: E402
 from zkdv.torch.capture import current_capture  # noqa: E402
 from zkdv.verify import verify_transcript  # noqa: E402

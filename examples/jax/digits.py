@@ -23,7 +23,7 @@ test accuracy, steps) for scripts that drive this one.
 declare in the experiment's spec and exits: the SHA-256 of the batch roots of the exact
 batches this run trains on, in step order (what the platform's dataset claim checks).
 
-The model, the step and :func:`train` can be imported (``tests/agent/jax`` trains them
+The model, the step and :func:`train` can be imported (``tests/agent/zkdv/jax`` trains them
 on other CPU instruction sets and replays them): the run commits each step's gradient
 and the platform replays Adam's update from it bit for bit (``docs/jax.md``).
 """

@@ -15,7 +15,7 @@ It trains ``LM_STEPS`` steps (default 24) of ``LM_BLOCKS`` blocks (default 2) wi
 sampled self-check in four, then
 prints the loss, verifies the transcript and replays every window with the platform's
 prover (``provers.jax_replay``) when it is importable (a repository checkout).
-:func:`train` is imported by ``tests/agent/jax``, which trains the recipe on another CPU
+:func:`train` is imported by ``tests/agent/zkdv/jax``, which trains the recipe on another CPU
 instruction set and replays it.
 """
 

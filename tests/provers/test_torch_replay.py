@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# Shared with tests/agent/torch: a warm Inductor cache makes the AOT test's compile faster.
+# Shared with tests/agent/zkdv/torch: a warm Inductor cache makes the AOT test's compile faster.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / ".data" / "torchinductor"))
 
 torch = pytest.importorskip("torch")

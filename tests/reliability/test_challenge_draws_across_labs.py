@@ -28,7 +28,7 @@ from dvbench.attest import format_time, to_seconds, verify_certificate
 from provers.challenges import seed_commitment
 from tests.attestations.base import SPEC, World, make_user, upload_blob
 from tests.attestations.certificate_helpers import SGD
-from tests.attestations.test_filings import STEPS, programmed, steps_of
+from tests.attestations.challenges.test_filings import STEPS, programmed, steps_of
 from zkdv.config import SamplingPolicy
 from zkdv.testing import write_synthetic_transcript
 

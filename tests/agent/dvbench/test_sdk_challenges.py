@@ -1,6 +1,6 @@
 """The SDK answers the platform's challenges: only the challenged files leave the lab.
 
-A real zkdv.torch run (from ``tests/attestations/test_replay.py``) is synced to the live
+A real zkdv.torch run (from ``tests/attestations/challenges/test_replay.py``) is synced to the live
 platform with the default ``DVBENCH_UPLOAD_FILES=challenged``: the transcript, program
 and probes go up, the platform draws its challenges (here with a low detection target,
 so that some steps are not challenged), and the SDK sends the snapshot and batch files
@@ -21,7 +21,7 @@ pytest.importorskip("torch")
 
 from dvbench import Client
 from dvbench._sync import MANIFEST, sync_directory
-from tests.attestations.test_replay import TORCH_SPEC, train_torch
+from tests.attestations.challenges.test_replay import TORCH_SPEC, train_torch
 
 NAME = "acme/torch-run"
 

@@ -213,7 +213,7 @@ def _project_groups(values: np.ndarray, parts: Sequence[Part]) -> np.ndarray:
 # The same arithmetic as exact_rows, the products and exact_finish, row by row in one
 # compiled loop: every slice is the same integer, every product sum is exact in any order
 # (the module docstring), and the finish is the same two float64 operations and rounding,
-# so the bits are those of the numpy path (tests/agent/test_probes.py compares both with
+# so the bits are those of the numpy path (tests/agent/zkdv/test_probes.py compares both with
 # exact rational arithmetic). It releases the interpreter lock while it runs, so the
 # training thread keeps running Python beside the commit stage.
 

@@ -1,0 +1,187 @@
+"""Honest JAX training recipes, trained in-process or in a subprocess under another ISA.
+
+Three recipes, each a function ``(proof, steps, seed) -> None`` training under a started
+``zkdv.jax.ZKDV`` (the seed draws the initial parameters and the order of the data):
+
+* ``digits``: the Flax digits example (``examples/jax/digits.py``), Adam;
+* ``batchstats``: a Flax classifier whose first ``Dense`` is followed by batch
+  standardisation ``(h - h.mean(0)) / sqrt(h.var(0) + 1e-5)``, then a ``BatchNorm``
+  whose ``batch_stats`` the step passes to ``apply_gradients`` (carried state), AdamW;
+* ``lm``: the causal transformer LM recipe (``examples/jax/lm.py``, one block): warmup
+  + cosine schedule, ``clip_by_global_norm``, two micro-batches accumulated inside the
+  step, AdamW.
+
+``python recipes.py DIR NAME[,NAME...] STEPS CHECK_EVERY [SEED,...]`` trains every named
+recipe with every seed (default 0) into ``DIR/NAME-SEED``, one process for all of them
+(the tests run it under ``XLA_FLAGS=--xla_cpu_max_isa=SSE4_2`` and on one core, as a
+lab's machine that is not the platform's worker), and prints one JSON line per run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import linen as nn
+from flax import struct
+
+import zkdv
+from zkdv.jax.contrib import TrainState
+from zkdv.verify import verify_transcript
+
+EXAMPLES = Path(__file__).resolve().parents[4] / "examples" / "jax"
+INTERVAL = 4
+
+
+def example(name: str) -> Any:
+    """Import ``examples/jax/<name>.py`` as a module (its ``main()`` does not run)."""
+    module = sys.modules.get(f"zkdv_jax_example_{name}")
+    if module is not None:
+        return module
+    spec = importlib.util.spec_from_file_location(
+        f"zkdv_jax_example_{name}", EXAMPLES / f"{name}.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _shuffled(rows: np.ndarray, seed: int) -> np.ndarray:
+    return rows if seed == 0 else np.random.default_rng(seed).permutation(rows)
+
+
+def digits(proof: zkdv.jax.ZKDV, steps: int, seed: int = 0) -> None:
+    module = example("digits")
+    rows, _ = module.digit_rows()
+    module.train(proof, _shuffled(rows, seed), steps, seed=seed)
+
+
+class BatchStatClassifier(nn.Module):
+    """Dense, batch standardisation, Dense, BatchNorm, Dense: ten classes of 64 pixels."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+        h = nn.Dense(32)(x)
+        # The mean subtraction makes the first bias's true gradient zero: what remains
+        # is rounding noise, which Adam would amplify to a full +-lr step.
+        h = (h - h.mean(0)) / jnp.sqrt(h.var(0) + 1e-5)
+        h = nn.Dense(32)(nn.relu(h))
+        h = nn.BatchNorm(use_running_average=not train, momentum=0.9)(h)
+        return nn.Dense(10)(nn.relu(h))
+
+
+class BatchStatState(TrainState):
+    batch_stats: Any = struct.field(pytree_node=True)
+
+
+def batchstats(proof: zkdv.jax.ZKDV, steps: int, seed: int = 0) -> None:
+    rows, _ = example("digits").digit_rows()
+    rows = _shuffled(rows, seed)
+    model = BatchStatClassifier()
+    variables = model.init(jax.random.key(seed), jnp.zeros((2, 64)), train=False)
+    state = BatchStatState.create(
+        proof=proof,
+        apply_fn=model.apply,
+        params=variables["params"],
+        tx=optax.adamw(3e-3, weight_decay=1e-4),
+        batch_stats=variables["batch_stats"],
+    )
+
+    @proof.jit(donate_argnums=(0,))
+    def step(state: Any, batch: jax.Array) -> Any:
+        pixels = batch[:, :64].astype(jnp.float32) / 16.0
+        labels = batch[:, 64].astype(jnp.int32)
+
+        def loss(params: Any) -> tuple[jax.Array, Any]:
+            logits, updates = state.apply_fn(
+                {"params": params, "batch_stats": state.batch_stats},
+                pixels,
+                train=True,
+                mutable=["batch_stats"],
+            )
+            value = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+            return value, updates
+
+        grads, updates = jax.grad(loss, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads, batch_stats=updates["batch_stats"])
+
+    for index in range(steps):
+        state = step(state, jnp.asarray(rows[(index % 30) * 50 :][:50]))
+
+
+def lm(proof: zkdv.jax.ZKDV, steps: int, seed: int = 0) -> None:
+    # One block: the recipe whole, at a third of the compile time of the example's two.
+    example("lm").train(proof, steps, blocks=1, seed=seed)
+
+
+RECIPES: dict[str, Callable[[zkdv.jax.ZKDV, int, int], None]] = {
+    "digits": digits,
+    "batchstats": batchstats,
+    "lm": lm,
+}
+
+
+def train(
+    name: str,
+    path: Path,
+    steps: int,
+    policy: zkdv.SamplingPolicy | None = None,
+    *,
+    seed: int = 0,
+    before: Callable[[zkdv.jax.ZKDV], None] | None = None,
+) -> Path:
+    """Train recipe ``name`` from ``seed`` into ``path``; ``before(proof)`` may patch the
+    proof first."""
+    proof = zkdv.jax.ZKDV(
+        path,
+        zkdv.ZKDVConfig(
+            sampling_policy=policy or zkdv.SamplingPolicy(update_check_probability=0.0)
+        ),
+        replay_snapshot_interval=INTERVAL,
+    )
+    proof.start(rolling_window=2, probe_ratio=0.25)
+    if before is not None:
+        before(proof)
+    RECIPES[name](proof, steps, seed)
+    proof.close()
+    return path
+
+
+def main() -> None:
+    directory, names, steps, every = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    seeds = [int(seed) for seed in (sys.argv[5] if len(sys.argv) > 5 else "0").split(",")]
+    for name in names.split(","):
+        for seed in seeds:
+            path = train(
+                name,
+                Path(directory) / f"{name}-{seed}",
+                steps,
+                zkdv.SamplingPolicy.DEBUGCheckEvery(every),
+                seed=seed,
+            )
+            env = verify_transcript(path).root["env"]
+            print(
+                json.dumps(
+                    {
+                        "recipe": name,
+                        "seed": seed,
+                        "isa": env["cpu_isa"],
+                        "threads": env["threads"],
+                    }
+                ),
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

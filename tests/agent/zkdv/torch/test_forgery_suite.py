@@ -1,0 +1,103 @@
+"""The forgery suite (``bench/forgery_suite.py``) at one fixed seed: each family caught, or
+its limitation measured exactly as ``docs/soundness.md`` states it.
+
+One run of each attack on the LM recipe, 24 steps (two snapshot windows), the default
+sampling policy, 20 platform draws per run. The full sweep (more seeds, 96 steps, every
+attack) is the bench's; its tables are in ``docs/soundness.md``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[4]
+STEPS = 24
+DRAWS = 20
+ATTACKS = [
+    "tolerance-gap",  # (a)
+    "substitution-5",  # (b)
+    "hidden-steps",  # (c)
+    "tokens-underreported",  # (c), a limitation
+    "pol-interpolation",  # (d)
+]
+#: The platform's replay, or the SDK's own sampled check when its draw (which follows
+#: the records' hashes, timestamps included) lands on a forged step first.
+CAUGHT_BY_A_CHECK = {"platform replay", "sampled check"}
+
+
+def _suite() -> ModuleType:
+    path = REPO_ROOT / "bench" / "forgery_suite.py"
+    spec = importlib.util.spec_from_file_location("forgery_suite", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    suite = _suite()
+    work = tmp_path_factory.mktemp("forgeries")
+    # No warm-up run: the costs it keeps honest are not asserted here.
+    return suite.run_suite(  # type: ignore[no-any-return]
+        ATTACKS, trials=1, draws=DRAWS, steps=STEPS, seed=0, work=work, warm_up=False
+    )
+
+
+@pytest.mark.slow
+def test_substituted_batches_are_caught_by_the_platform_replay(results: dict[str, Any]) -> None:
+    # 2 of 24 steps, both at the end of a snapshot window: only a challenge of that very
+    # step replays it, and at 24 steps the platform challenges 23 of them.
+    result = results["substitution-5"]
+    assert (result.caught, result.trials) == (DRAWS, DRAWS)
+    assert set(result.by) <= CAUGHT_BY_A_CHECK
+    assert set(result.steps_caught) <= {11, 23}
+
+
+@pytest.mark.slow
+def test_steps_trained_off_the_transcript_break_continuity(results: dict[str, Any]) -> None:
+    result = results["hidden-steps"]
+    assert result.by == {"verifier: probe_discontinuity": DRAWS}
+
+
+@pytest.mark.slow
+def test_a_proof_of_learning_spoof_fails_its_first_challenged_step(results: dict[str, Any]) -> None:
+    result = results["pol-interpolation"]
+    assert (result.caught, result.trials) == (DRAWS, DRAWS)
+    assert set(result.by) <= CAUGHT_BY_A_CHECK
+    if result.by == {"platform replay": DRAWS}:
+        assert set(result.steps_caught) == {1}  # the first spoofed step; step 0 was honest
+
+
+@pytest.mark.slow
+def test_the_tolerance_gap_forger_passes_the_bounds_and_plants_its_backdoor(
+    results: dict[str, Any],
+) -> None:
+    # The limitation docs/soundness.md states: within the reduced-precision bounds every
+    # step passes a replay on other hardware, and the pushes add up; only a replay on the
+    # training machine's kernels (bit for bit) sees it.
+    result = results["tolerance-gap"]
+    assert result.caught == 0
+    assert result.exact_caught == DRAWS
+    extra = {key: values[0] for key, values in result.extra.items()}
+    assert 0.9 < extra["worst replay margin"] <= 0.95 + 1e-6
+    assert extra["backdoor success, honest"] == 0.0
+    # 0.125 here (64 of 512 triggered inputs) at this seed and length; another CPU's
+    # kernels move the trajectory a little, so the bar is 10 of 512, still none honest.
+    assert extra["backdoor success, forged"] >= 10 / 512
+    assert abs(extra["clean loss, forged"] - extra["clean loss, honest"]) < 0.05
+
+
+@pytest.mark.slow
+def test_an_underreported_token_count_is_not_caught(results: dict[str, Any]) -> None:
+    # The limitation: a step's `tokens` is committed, never recomputed from its batch.
+    result = results["tokens-underreported"]
+    assert result.caught == 0 and result.exact_caught == 0
+    assert result.extra["committed / real tokens"] == [0.5]
