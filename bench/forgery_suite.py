@@ -41,7 +41,8 @@ Attacks (``--attacks``, comma-separated; ``docs/soundness.md`` reads the results
   last step of a snapshot window, never step 0);
 * ``hidden-steps``: 1 % more steps trained than the transcript shows, off the
   transcript between committed steps (tokens hidden);
-* ``tokens-underreported``: a modified SDK commits half of each step's token count;
+* ``tokens-underreported``: a modified SDK commits half of each step's token count
+  (the platform's replay recounts every step record against the program's batch);
 * ``fine-tune-as-pretraining``: a run started from a trained model, filed as a run from
   scratch (the parent's compute hidden);
 * ``pol-interpolation``: a Proof-of-Learning spoof: no forward or backward pass, each
@@ -116,7 +117,6 @@ UNDETECTABLE_BY_REPLAY = frozenset(
     {
         "tolerance-gap",
         "tolerance-gap-fp32",
-        "tokens-underreported",
         "fine-tune-as-pretraining",
         "refiled-copy",
         "refiled-one-step-changed",

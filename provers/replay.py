@@ -164,6 +164,7 @@ def replay(
                     "the run commits its gradients but this prover cannot split its step "
                     "into the gradient program and the optimizer",
                 )
+        _check_tokens(transcript, transition)
         end = step if through is None else through
         if step not in transcript.steps or end not in transcript.steps or end < step:
             raise ReplayError(
@@ -192,6 +193,27 @@ def replay(
 
 
 State = tuple[Leaves, Leaves, Leaves]
+
+
+def _check_tokens(transcript: Transcript, transition: Transition) -> None:
+    """Every step record's ``tokens`` is what the program's batch holds.
+
+    The count a certificate's compute claims sum is the trainer's to write; the program
+    the platform replays fixes the batch's shapes, so a count under- or over-reported on
+    any step, challenged or not, is caught at the first replay.
+    """
+    if transition.tokens is None:
+        return
+    unit = transcript.config.token_unit
+    for k in sorted(transcript.steps):
+        claimed = transcript.steps[k].get("tokens")
+        if claimed != transition.tokens:
+            raise ReplayError(
+                "tokens_mismatch",
+                f"step {k}: the record claims {claimed} tokens (unit {unit!r}) but the "
+                f"committed program trains {transition.tokens} per step (the shapes of its "
+                "batch)",
+            )
 
 
 def _checked_batch(transcript: Transcript, k: int, verdict: ReplayVerdict) -> np.ndarray:

@@ -641,8 +641,14 @@ def _over(
 TOKEN_CLAIM_UNITS = {"examples": "example", "tokens": "token", None: "batch element"}
 
 
-def _tokens_part(facts: RunFacts, totals: _Totals, limits: Limits, total: int) -> _Part:
+def _tokens_part(
+    facts: RunFacts, totals: _Totals, limits: Limits, total: int, replayed: Evidence
+) -> _Part:
     """The token claim in the run's unit, held to ``max_tokens`` in the spec's unit.
+
+    Every replay recounts every step record's ``tokens`` against the batch the committed
+    program takes and fails on a mismatch (``tokens_mismatch``, docs/provers.md), so after
+    passing replays the count is verified by replay, not only committed.
 
     A run that counts in another unit than the spec declares cannot be held to its
     ``max_tokens``: with a declared maximum, that is a violation in itself (a lab must
@@ -671,12 +677,12 @@ def _tokens_part(facts: RunFacts, totals: _Totals, limits: Limits, total: int) -
             ),
             *violations,
         )
-    return _Part(
-        Claim("tokens", total, Evidence.COMMITTED, TOKEN_CLAIM_UNITS[unit]), details, violations
-    )
+    return _Part(Claim("tokens", total, replayed, TOKEN_CLAIM_UNITS[unit]), details, violations)
 
 
-def _compute_parts(facts: RunFacts, totals: _Totals, limits: Limits) -> list[_Part]:
+def _compute_parts(
+    facts: RunFacts, totals: _Totals, limits: Limits, replayed: Evidence
+) -> list[_Part]:
     n = int(totals.steps.size)
     last = (lambda a: a[-1].item()) if n else (lambda a: 0)
     committed = Evidence.COMMITTED
@@ -689,7 +695,7 @@ def _compute_parts(facts: RunFacts, totals: _Totals, limits: Limits) -> list[_Pa
                 "failed_checks": len(facts.failed_checks),
             },
         ),
-        _tokens_part(facts, totals, limits, int(last(totals.tokens))),
+        _tokens_part(facts, totals, limits, int(last(totals.tokens)), replayed),
         _Part(
             Claim("flops", round(float(last(totals.flops))), committed, "FLOP"),
             {**totals.flops_details, "limit": _opt(limits.max_flops)},
@@ -873,7 +879,7 @@ def evaluate(facts: RunFacts, limits: Limits, replay: ReplayFacts | None = None)
     replayed = Evidence.REPLAYED if replay.verified else Evidence.COMMITTED
     totals = _totals(facts, root)
     parts = [
-        *_compute_parts(facts, totals, limits),
+        *_compute_parts(facts, totals, limits, replayed),
         _optimizer_part(root, limits, replayed),
         _regime_part(facts, root, limits),
         _program_part(facts, root, replayed),

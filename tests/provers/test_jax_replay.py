@@ -32,6 +32,7 @@ import zkdv  # noqa: E402
 from provers import jax_replay  # noqa: E402
 from provers.replay import Transcript, windows  # noqa: E402
 from zkdv.files import batch_path, gradient_path, snapshot_path  # noqa: E402
+from zkdv.jax import _program  # noqa: E402
 from zkdv.jax.contrib import TrainState  # noqa: E402
 from zkdv.verify import verify_transcript  # noqa: E402
 
@@ -172,6 +173,31 @@ def test_honest_run_replays_every_window_bit_for_bit(runs: dict[str, Path]) -> N
         assert [e.step for e in verdict.evidence] == list(range(first, last + 1))
         # The same artifact on the same backend reproduces the committed roots exactly.
         assert all(e.exact and e.batch_ok for e in verdict.evidence)
+
+
+def test_every_step_record_counts_what_the_program_trains(runs: dict[str, Path]) -> None:
+    transcript = Transcript.load(runs["honest"])
+    transition = jax_replay.load_transition(runs["honest"])
+    # The default unit counts examples: 4 rows of the (4, 7) batch per step.
+    assert transition.tokens == 4
+    assert {record["tokens"] for record in transcript.steps.values()} == {4}
+
+
+def test_an_underreported_token_count_fails_every_replay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A modified SDK commits half of each step's count: the chain, the probes and the
+    # replayed states are all honest, and the offline verifier has no program to count.
+    counted = _program._Program.tokens
+    monkeypatch.setattr(_program._Program, "tokens", lambda self, unit: counted(self, unit) // 2)
+    path = _train(tmp_path / "half")
+    monkeypatch.undo()
+    assert verify_transcript(path).ok
+    for step in (0, 7):
+        verdict = provers.verify_challenge(path, step)
+        assert (verdict.ok, verdict.reason) == (False, "tokens_mismatch")
+        assert "step 0: the record claims 2 tokens" in str(verdict.message)
+        assert "trains 4 per step" in str(verdict.message)
 
 
 def test_package_dispatches_on_the_prover(runs: dict[str, Path]) -> None:

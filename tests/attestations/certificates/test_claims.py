@@ -235,9 +235,12 @@ def test_optimizer_from_the_torch_root_record_and_replay_evidence() -> None:
     replayed = evaluate(facts, Limits(), ReplayFacts(passed=(0, 3)))
     assert replayed.claim("optimizer").evidence == Evidence.REPLAYED  # type: ignore[union-attr]
     assert replayed.claim("program_digest").evidence == Evidence.REPLAYED  # type: ignore[union-attr]
+    # Each replay recounted every step record's tokens against the program's batch.
+    assert replayed.claim("tokens").evidence == Evidence.REPLAYED  # type: ignore[union-attr]
     # A failed replay takes that back.
     failed = evaluate(facts, Limits(), ReplayFacts(passed=(0,), failed=(3,)))
     assert failed.claim("optimizer").evidence == Evidence.COMMITTED  # type: ignore[union-attr]
+    assert failed.claim("tokens").evidence == Evidence.COMMITTED  # type: ignore[union-attr]
 
 
 def test_an_optimizer_other_than_declared_is_a_violation() -> None:

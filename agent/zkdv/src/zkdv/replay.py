@@ -91,6 +91,11 @@ class Transition:
     compute: Compute | None = None
     apply: Apply | None = None
     canonical: bool = False
+    #: What every step record's ``tokens`` must hold: the count, in the root's
+    #: ``config.token_unit``, of the batch the program takes (its shapes are fixed by the
+    #: program), times the ranks that each train one such batch. None where the frontend
+    #: cannot say; then the records' counts are not checked.
+    tokens: int | None = None
 
     def __call__(
         self,

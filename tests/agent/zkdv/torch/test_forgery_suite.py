@@ -23,7 +23,7 @@ ATTACKS = [
     "tolerance-gap",  # (a)
     "substitution-5",  # (b)
     "hidden-steps",  # (c)
-    "tokens-underreported",  # (c), a limitation
+    "tokens-underreported",  # (c)
     "pol-interpolation",  # (d)
 ]
 #: The platform's replay, or the SDK's own sampled check when its draw (which follows
@@ -96,8 +96,12 @@ def test_the_tolerance_gap_forger_passes_the_bounds_and_plants_its_backdoor(
 
 
 @pytest.mark.slow
-def test_an_underreported_token_count_is_not_caught(results: dict[str, Any]) -> None:
-    # The limitation: a step's `tokens` is committed, never recomputed from its batch.
+def test_an_underreported_token_count_is_caught_at_the_first_replay(
+    results: dict[str, Any],
+) -> None:
+    # Every replay recounts every step record against the batch the committed program
+    # takes (tokens_mismatch), so whichever step a draw challenges, the claim is caught.
     result = results["tokens-underreported"]
-    assert result.caught == 0 and result.exact_caught == 0
+    assert (result.caught, result.trials) == (DRAWS, DRAWS)
+    assert result.by == {"platform replay": DRAWS}
     assert result.extra["committed / real tokens"] == [0.5]

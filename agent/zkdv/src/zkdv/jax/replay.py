@@ -22,12 +22,15 @@ opt_state_after)``, replayed whole.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 import jax
 import numpy as np
 
+from zkdv.batch import count_tokens
+from zkdv.config import TOKEN_UNITS
 from zkdv.jax._export import exact_environment_values
 from zkdv.jax.artifact import Artifact
 from zkdv.replay import Leaves, ReplayError, Transition, program_material, root_record
@@ -129,8 +132,9 @@ def transition(artifact: Artifact, root: dict[str, Any]) -> Transition:
     schema = root["schema"]
     param_paths = [str(s["path"]) for s in schema["params"]]
     opt_paths = [str(s["path"]) for s in schema["opt_state"]]
+    tokens = _tokens(artifact, root)
     if artifact.commits:
-        return _committed(artifact, param_paths, opt_paths)
+        return dataclasses.replace(_committed(artifact, param_paths, opt_paths), tokens=tokens)
     if artifact.transition is None:
         raise ReplayError(
             "unsupported_program",
@@ -156,7 +160,18 @@ def transition(artifact: Artifact, root: dict[str, Any]) -> Transition:
             list(zip(param_paths, (np.asarray(a) for a in deltas), strict=True)),
         )
 
-    return Transition(transition)
+    return Transition(transition, tokens=tokens)
+
+
+def _tokens(artifact: Artifact, root: dict[str, Any]) -> int:
+    """A step record's ``tokens`` as the SDK counts it: the program's per-example batch
+    inputs (a PRNG key or scalar shared by every row aside) in the root's unit."""
+    unit = str((root.get("config") or {}).get("token_unit", TOKEN_UNITS[0]))
+    leaves = [(leaf.shape, leaf.dtype) for leaf in artifact.layout.leaves if not leaf.shared]
+    try:
+        return count_tokens(leaves, unit)
+    except ValueError as error:
+        raise ReplayError("invalid_transcript", f"the program's batch: {error}") from None
 
 
 def _committed(artifact: Artifact, param_paths: list[str], opt_paths: list[str]) -> Transition:

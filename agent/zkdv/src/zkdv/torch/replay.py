@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
+from zkdv.batch import count_tokens
+from zkdv.config import TOKEN_UNITS
 from zkdv.gradients import leaf_name, split_name
 from zkdv.replay import Leaves, ReplayError, Transition, program_material, root_record
 from zkdv.torch import artifact, strides
@@ -196,6 +198,20 @@ def _states(bridge: OptimizerBridge, leaves: list[torch.Tensor]) -> list[State]:
     if bridge.scaled:  # a GradScaler's state follows, its leaves in sorted entry order
         states.append({entry: next(supply) for entry in SCALER_ENTRIES})
     return states
+
+
+def _tokens(root: dict[str, Any], env: dict[str, Any]) -> int:
+    """A step record's ``tokens`` as the SDK counts it: the program's batch tensors (the
+    root's ``env.batch``) in the root's unit, on each of ``env.world_size`` ranks."""
+    unit = str((root.get("config") or {}).get("token_unit", TOKEN_UNITS[0]))
+    leaves = [leaf for leaf in (env.get("batch") or {}).get("leaves", []) if leaf is not None]
+    try:
+        per_rank = count_tokens([(leaf["shape"], leaf["dtype"]) for leaf in leaves], unit)
+    except (KeyError, TypeError, ValueError) as error:
+        raise ReplayError(
+            "invalid_transcript", f"the root's env.batch cannot be counted in {unit!r}: {error}"
+        ) from None
+    return per_rank * int(env.get("world_size", 1))
 
 
 def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
@@ -409,4 +425,5 @@ def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
         compute if computed_names else None,
         apply if computed_names else None,
         canonical=bridge.canonical,
+        tokens=_tokens(root, env),
     )
