@@ -2,23 +2,39 @@
 
 Pure functions with no Django: they take bytes and files and return verdicts.
 
-:func:`verify_challenge` replays one challenged step (or a window, ``through=``) of a
-stored proof directory with the prover its root record names: ``whitebox-jax``
-(:mod:`provers.jax_replay`) or ``whitebox-torch`` (:mod:`provers.torch_replay`). The
-framework of the other prover is never imported, so a worker needs only its own.
+A :class:`Prover` is one proof's replay: it reads the proof's root record once, picks the
+module of the prover the record names (``whitebox-jax``, :mod:`provers.jax_replay`, or
+``whitebox-torch``, :mod:`provers.torch_replay`; the framework of the other prover is
+never imported, so a worker needs only its own), loads the committed program on its
+first challenge and keeps it for the next. :func:`open_prover` keeps the provers of the
+last few proofs a worker replayed; :func:`verify_challenge` replays one challenged step
+(or a window, ``through=``) with a prover of its own.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
-from zkdv.replay import program_material, root_record
+from zkdv.replay import ReplayError, program_material, root_record
 
 if TYPE_CHECKING:
     from provers.replay import ReplayVerdict, Transition
 
-__all__ = ["PROVERS", "program_material", "require_exact", "root_record", "verify_challenge"]
+__all__ = [
+    "PROVERS",
+    "Prover",
+    "open_prover",
+    "program_material",
+    "require_exact",
+    "root_record",
+    "verify_challenge",
+]
 
 #: Prover name (the root record's ``prover``) to the module that replays it.
 PROVERS = {"whitebox-jax": "provers.jax_replay", "whitebox-torch": "provers.torch_replay"}
@@ -57,6 +73,87 @@ def require_exact(verdict: ReplayVerdict) -> ReplayVerdict:
     return verdict
 
 
+class Prover:
+    """One proof's replay prover: its root record read once, its program loaded once.
+
+    Open one with :meth:`open` (or :func:`open_prover`, which keeps it for the proof's
+    next challenge); :meth:`verify` replays a challenge. The transcript itself is read
+    again by every replay: the files a challenge needs arrive with it.
+    """
+
+    def __init__(self, directory: Path, root: dict[str, object], module: ModuleType) -> None:
+        self.directory = directory
+        self.root = root
+        self.module = module
+        self._transition: Transition | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, proof_dir: str | os.PathLike[str]) -> Prover:
+        """The prover the proof's root record names.
+
+        Raises:
+            zkdv.replay.ReplayError: the root record cannot be read (``invalid_transcript``,
+                ``missing_file``), or it names no prover this package has
+                (``unknown_prover``).
+        """
+        root = root_record(proof_dir)
+        prover = root.get("prover")
+        name = PROVERS.get(str(prover))
+        if name is None:
+            raise ReplayError(
+                "unknown_prover", f"no replay prover for {prover!r}; known: {sorted(PROVERS)}"
+            )
+        return cls(Path(proof_dir), root, importlib.import_module(name))
+
+    def transition(self) -> Transition | None:
+        """The committed program as a state transition, loaded on first use.
+
+        None when it cannot be loaded: :meth:`verify` then loads it again and reports why.
+        """
+        with self._lock:
+            if self._transition is None:
+                try:
+                    self._transition = self.module.load_transition(self.directory)
+                except ReplayError:
+                    return None
+            return self._transition
+
+    def verify(self, step: int, *, through: int | None = None) -> ReplayVerdict:
+        """Replay the challenged ``step`` (through ``through``, a whole window)."""
+        verdict: ReplayVerdict = self.module.verify_challenge(
+            self.directory, step, through=through, transition=self.transition()
+        )
+        return verdict
+
+
+#: The provers of the last proofs replayed in this process, by the caller's key (the
+#: transcript's digest): a worker that checks several challenges of one proof loads its
+#: program once. Two: a loaded program holds the model's compiled code.
+_OPEN: OrderedDict[str, Prover] = OrderedDict()
+_OPEN_KEPT = 2
+_OPEN_LOCK = threading.Lock()
+
+
+def open_prover(proof_dir: str | os.PathLike[str], key: str) -> Prover:
+    """The prover of the proof stored under ``key``, opened once per process.
+
+    Raises:
+        zkdv.replay.ReplayError: as :meth:`Prover.open`.
+    """
+    with _OPEN_LOCK:
+        prover = _OPEN.get(key)
+        if prover is not None and prover.directory == Path(proof_dir):
+            _OPEN.move_to_end(key)
+            return prover
+    prover = Prover.open(proof_dir)
+    with _OPEN_LOCK:
+        _OPEN[key] = prover
+        while len(_OPEN) > _OPEN_KEPT:
+            _OPEN.popitem(last=False)
+    return prover
+
+
 def verify_challenge(
     proof_dir: str | os.PathLike[str],
     step: int,
@@ -71,30 +168,17 @@ def verify_challenge(
         step: the challenged step.
         through: replay on to this step (a whole window).
         transition: an already loaded transition of this proof, to skip the
-            one-time artifact load when a worker checks several challenges.
+            one-time artifact load when a caller checks several challenges.
 
     Returns:
         The verdict; a bad proof is a failed verdict with a reason, never an exception.
     """
-    import importlib
-
     from provers.replay import ReplayVerdict
-    from zkdv.replay import ReplayError
 
     try:
-        prover = root_record(proof_dir).get("prover")
+        prover = Prover.open(proof_dir)
     except ReplayError as error:
         return ReplayVerdict(ok=False, step=step, reason=error.reason, message=error.message)
-    name = PROVERS.get(str(prover))
-    if name is None:
-        return ReplayVerdict(
-            ok=False,
-            step=step,
-            reason="unknown_prover",
-            message=f"no replay prover for {prover!r}; known: {sorted(PROVERS)}",
-        )
-    module = importlib.import_module(name)
-    verdict: ReplayVerdict = module.verify_challenge(
-        proof_dir, step, through=through, transition=transition
-    )
-    return verdict
+    if transition is not None:
+        prover._transition = transition
+    return prover.verify(step, through=through)

@@ -18,6 +18,7 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
+import provers
 from attestations.audit.models import AuditEvent
 from attestations.challenges.index import PROBES
 from attestations.challenges.models import (
@@ -30,6 +31,7 @@ from attestations.core.db import take_claim
 from attestations.proofs.models import (
     Proof,
 )
+from provers.replay import ReplayError, ReplayVerdict
 
 log = logging.getLogger(__name__)
 
@@ -48,40 +50,11 @@ def claim(challenge_id: int) -> bool:
     )
 
 
-_TRANSITIONS: OrderedDict[str, Any] = OrderedDict()
-_TRANSITIONS_KEPT = 2
-_TRANSITIONS_LOCK = threading.Lock()
-
-
-def _transition(proof: Proof, directory: Path) -> Any | None:
-    import importlib
-
-    from provers import PROVERS, root_record
-    from provers.replay import ReplayError
-
-    key = proof.transcript.sha256
-    with _TRANSITIONS_LOCK:
-        if key in _TRANSITIONS:
-            _TRANSITIONS.move_to_end(key)
-            return _TRANSITIONS[key]
-    try:
-        name = PROVERS.get(str(root_record(directory).get("prover")))
-        if name is None:
-            return None
-        transition = importlib.import_module(name).load_transition(directory)
-    except ReplayError:
-        return None  # verify_challenge loads it again and reports why it cannot
-    with _TRANSITIONS_LOCK:
-        _TRANSITIONS[key] = transition
-        while len(_TRANSITIONS) > _TRANSITIONS_KEPT:
-            _TRANSITIONS.popitem(last=False)
-    return transition
-
-
 #: Probe files already checked against their transcript, by ``(transcript, probes)``
 #: SHA-256: the first replay of a proof checks the whole file, later ones reuse that.
 _PROBES_CHECKED: OrderedDict[tuple[str, str], dict[str, Any] | None] = OrderedDict()
 _PROBES_KEPT = 16
+_PROBES_LOCK = threading.Lock()
 
 
 def check_probes(proof: Proof, directory: Path) -> dict[str, Any] | None:
@@ -103,7 +76,7 @@ def check_probes(proof: Proof, directory: Path) -> dict[str, Any] | None:
     if artifact is None or not path.exists():
         return None
     key = (proof.transcript.sha256, artifact.sha256)
-    with _TRANSITIONS_LOCK:
+    with _PROBES_LOCK:
         if key in _PROBES_CHECKED:
             return _PROBES_CHECKED[key]
     report = verify_transcript(directory)
@@ -118,7 +91,7 @@ def check_probes(proof: Proof, directory: Path) -> dict[str, Any] | None:
             "field": report.field,
             "evidence": [],
         }
-    with _TRANSITIONS_LOCK:
+    with _PROBES_LOCK:
         _PROBES_CHECKED[key] = failure
         while len(_PROBES_CHECKED) > _PROBES_KEPT:
             _PROBES_CHECKED.popitem(last=False)
@@ -126,19 +99,23 @@ def check_probes(proof: Proof, directory: Path) -> dict[str, Any] | None:
 
 
 def replay_one(challenge: Challenge) -> dict[str, Any]:
-    """Materialise and replay one claimed challenge; returns the verdict's dict."""
-    import provers
+    """Materialise and replay one claimed challenge; returns the verdict's dict.
 
+    The proof's prover (:func:`provers.open_prover`) is kept between challenges, so a
+    worker reads the root record and loads the committed program once per proof.
+    """
     proof = challenge.proof
     directory = proof_directory(proof, challenge.needed_files)
     failure = check_probes(proof, directory)
     if failure is not None:
         return {**failure, "step": challenge.step}
-    transition = _transition(proof, directory)
-    verdict = provers.verify_challenge(
-        directory, challenge.step, through=challenge.through, transition=transition
-    )
-    return verdict.to_dict()
+    try:
+        prover = provers.open_prover(directory, key=proof.transcript.sha256)
+    except ReplayError as error:
+        return ReplayVerdict(
+            ok=False, step=challenge.step, reason=error.reason, message=error.message
+        ).to_dict()
+    return prover.verify(challenge.step, through=challenge.through).to_dict()
 
 
 def record_verdict(challenge: Challenge, verdict: Mapping[str, Any]) -> bool:
