@@ -34,6 +34,7 @@ from provers.replay import Transcript, windows  # noqa: E402
 from zkdv.files import batch_path, gradient_path, snapshot_path  # noqa: E402
 from zkdv.jax import _program  # noqa: E402
 from zkdv.jax.contrib import TrainState  # noqa: E402
+from zkdv.replay import ReplayError  # noqa: E402
 from zkdv.verify import verify_transcript  # noqa: E402
 
 STEPS = 8
@@ -198,6 +199,28 @@ def test_an_underreported_token_count_fails_every_replay(
         assert (verdict.ok, verdict.reason) == (False, "tokens_mismatch")
         assert "step 0: the record claims 2 tokens" in str(verdict.message)
         assert "trains 4 per step" in str(verdict.message)
+
+
+def test_a_prover_loads_its_program_once_for_every_challenge(
+    runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loads: list[Path] = []
+    original = jax_replay.load_transition
+
+    def counted(path: Path) -> Any:
+        loads.append(Path(path))
+        return original(path)
+
+    monkeypatch.setattr(jax_replay, "load_transition", counted)
+    prover = provers.open_prover(runs["honest"], key="the honest run")
+    assert prover.root["prover"] == "whitebox-jax"
+    assert provers.open_prover(runs["honest"], key="the honest run") is prover
+    assert prover.verify(2).ok and prover.verify(5, through=5).ok
+    assert loads == [runs["honest"]]
+    # A directory without a transcript has no prover to open.
+    with pytest.raises(ReplayError) as raised:
+        provers.Prover.open(tmp_path)
+    assert raised.value.reason in {"missing_file", "invalid_transcript"}
 
 
 def test_package_dispatches_on_the_prover(runs: dict[str, Path]) -> None:
