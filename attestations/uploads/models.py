@@ -146,6 +146,12 @@ class UploadPart(models.Model):
     # only what follows it. Empty when the part came before its predecessor.
     chain_base = models.BinaryField(null=True, blank=True, editable=False)
     chain = models.BinaryField(null=True, blank=True, editable=False)
+    # Where the part's bytes start in the file ``storage_name`` names: set for a part
+    # written in place into the upload's data file (``uploads.disk``), else None (the
+    # part is a file of its own).
+    offset = models.PositiveBigIntegerField(
+        null=True, blank=True, editable=False, db_column="data_offset"
+    )
 
     class Meta:
         db_table = "attestations_uploadpart"

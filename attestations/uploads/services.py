@@ -7,14 +7,17 @@ The life of an upload:
    received plus parts in flight never exceed it), then the body is streamed to a local
    temporary file while it is hashed and counted (a body ending before its
    Content-Length is ``incomplete_body``), checked against the ``X-Part-SHA256`` header,
-   then moved under the staging prefix ``staging/uploads/<id>/``. Putting the same part
-   again replaces it, so a retried request is harmless (PUT is idempotent).
+   then moved under the staging prefix ``staging/uploads/<id>/``; on local disk a part
+   sent in order is written in place into the upload's data file instead
+   (:mod:`attestations.uploads.disk`). Putting the same part again replaces it, so a
+   retried request is harmless (PUT is idempotent).
 3. ``complete``: the upload is claimed (``open`` to ``completing``); the parts (which
    must be 1..N with sizes summing to the declared size) are concatenated into a
    temporary file and the whole digest is finished. A part sent after its predecessor
    was hashed into the whole as it was written (``uploads.sha256state`` saves the
    digest's state with the part), so completion hashes only parts that came out of
-   order: in-order uploads hash each byte once. Only if it matches is the file
+   order: in-order uploads hash each byte once. When the parts lie end to end in the
+   data file, it is renamed into place: nothing is copied. Only if it matches is the file
    saved under its content address ``blobs/sha256/ab/cd/<hex>``; a blob already stored
    under that address is reused. The upload becomes ``complete`` and the staged parts
    are removed; a refused file makes it ``failed``.
@@ -38,7 +41,6 @@ app imports nothing above it.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import logging
 import mmap
@@ -71,7 +73,7 @@ from attestations.core.errors import (
     PayloadTooLargeError,
 )
 from attestations.experiments.models import Experiment
-from attestations.uploads import s3, sha256state
+from attestations.uploads import disk, s3, sha256state
 from attestations.uploads.errors import (
     DigestMismatchError,
     IncompleteBodyError,
@@ -88,8 +90,6 @@ log = logging.getLogger(__name__)
 # GiB received against ~9 s in 256 KiB chunks; 4 MiB chunks were slower again (large
 # fresh buffers cost more than the calls they save).
 CHUNK_BYTES = 1024 * 1024
-#: Reading already-stored parts into one reused buffer, larger reads cost less.
-HASH_BUFFER_BYTES = 1024 * 1024
 MAX_PARTS = 10_000
 PART_DIGEST_HEADER = "X-Part-SHA256"
 
@@ -287,10 +287,12 @@ def _bytes(queryset: Any) -> int:
 def _drop_parts(locked: Upload) -> list[str]:
     """Delete the rows of the parts and reservations of a locked upload; returns the files."""
     # A direct upload's parts are declarations (no staged file): S3 holds its bytes.
-    names = [n for n in locked.parts.values_list("storage_name", flat=True) if n]
+    names = {n for n in locked.parts.values_list("storage_name", flat=True) if n}
+    if not locked.direct:
+        names.add(disk.data_name(locked))  # written by a refused part, if by none stored
     locked.parts.all().delete()
     locked.reservations.all().delete()
-    return names
+    return sorted(names)
 
 
 def _delete_files(names: list[str]) -> None:
@@ -362,13 +364,15 @@ def _release(reservation: int | None) -> None:
 
 def _stream_to_file(
     stream: IO[bytes],
-    path: Path,
+    target: Path | disk.Slot,
     limit: int,
     number: int,
     expected: int | None,
     chain: sha256state.ResumableSHA256 | None = None,
 ) -> tuple[int, str]:
-    """Copy ``stream`` to ``path`` in chunks, hashing as it goes; never more than ``limit``.
+    """Copy ``stream`` to ``target`` in chunks, hashing as it goes; never more than ``limit``.
+
+    ``target`` is a file of the part's own, or its slot in the upload's data file.
 
     With ``expected`` (the Content-Length) reads no more than that, and raises
     :class:`IncompleteBodyError` when the body ends before it. With ``chain`` (the whole
@@ -379,7 +383,9 @@ def _stream_to_file(
     digest = hashlib.sha256()
     size = 0
     with contextlib.ExitStack() as stack:
-        out = stack.enter_context(open(path, "wb"))
+        out: Any = (
+            target if isinstance(target, disk.Slot) else stack.enter_context(open(target, "wb"))
+        )
         pool = None
         if chain is not None:
             pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="dvbench-chain"))
@@ -409,7 +415,10 @@ def _stream_to_file(
             # The server reads an HTTP body only up to its Content-Length and sees the
             # end early when the client closes its side: what came is not the part.
             raise IncompleteBodyError(f"part {number}", expected, size)
-        _sync(out)
+        if isinstance(out, disk.Slot):
+            out.sync()
+        else:
+            _sync(out)
     return size, digest.hexdigest()
 
 
@@ -490,9 +499,18 @@ def put_part(
         reservation = _reserve(upload, number, content_length)
     base = _chain_base(upload, number)
     chain = None if base is None else sha256state.ResumableSHA256(base)
+    slot = None
     try:
-        with _temporary_path(".part") as path:
-            size, got = _stream_to_file(stream, path, limit, number, content_length, chain)
+        with contextlib.ExitStack() as stack:
+            # In order: written in place into the upload's data file (its range locked
+            # until the part is registered); else a file of its own (``uploads.disk``).
+            slot = disk.claim(upload, number, content_length)
+            if slot is not None:
+                stack.enter_context(slot)
+            target = slot or stack.enter_context(_temporary_path(".part"))
+            if slot is not None:
+                stack.callback(_abandon_unless_stored, slot, upload, number)
+            size, got = _stream_to_file(stream, target, limit, number, content_length, chain)
             if size == 0:
                 raise InvalidRequestError(
                     f"part {number} is empty; every part holds at least one byte",
@@ -509,13 +527,37 @@ def put_part(
                 )
             after = None if chain is None else chain.state()
             part, replaced = _register(
-                upload, number, path, size, got, reservation, chain=(base, after)
+                upload, number, target, size, got, reservation, chain=(base, after)
             )
+    except UploadNotOpenError:
+        if slot is not None:
+            _discard_if_closed(upload)
+        raise
     finally:
         _release(reservation)
-    if replaced and replaced != part.storage_name:
+    if replaced and replaced not in (part.storage_name, disk.data_name(upload)):
         _delete_quietly(replaced)
     return part
+
+
+def _abandon_unless_stored(slot: disk.Slot, upload: Upload, number: int) -> None:
+    """A refused in-place part leaves nothing behind (runs before its slot is unlocked)."""
+    stored = UploadPart.objects.filter(
+        upload=upload, number=number, storage_name=slot.name, offset=slot.offset
+    ).exists()
+    if not stored:
+        slot.abandon()
+
+
+def _discard_if_closed(upload: Upload) -> None:
+    """Remove a data file a refused in-place part wrote after its upload was closed.
+
+    Abort, expiry, failure and completion remove (or rename) the data file; a request
+    that was already writing may have created it again. Nothing reads it then.
+    """
+    status = Upload.objects.filter(pk=upload.pk).values_list("status", flat=True).first()
+    if status in (UploadStatus.ABORTED, UploadStatus.FAILED, UploadStatus.COMPLETE):
+        disk.discard(upload)
 
 
 def _chain_base(upload: Upload, number: int) -> bytes | None:
@@ -536,7 +578,7 @@ def _chain_base(upload: Upload, number: int) -> bytes | None:
 def _register(
     upload: Upload,
     number: int,
-    path: Path,
+    target: Path | disk.Slot,
     size: int,
     sha256: str,
     reservation: int | None,
@@ -558,11 +600,16 @@ def _register(
             total = _bytes(locked.parts.exclude(number=number)) + size
             if total > locked.size:
                 raise _size_exceeded(number, total, locked.size)
-            # A fresh staging name per attempt: a concurrent retry of the same part never
-            # overwrites a file another request is about to register.
-            name = default_storage.save(
-                f"{upload.part_name(number)}.{secrets.token_hex(4)}", _LocalFile(path)
-            )
+            if isinstance(target, disk.Slot):
+                offset: int | None = target.offset
+                name = target.name
+            else:
+                offset = None
+                # A fresh staging name per attempt: a concurrent retry of the same part
+                # never overwrites a file another request is about to register.
+                name = default_storage.save(
+                    f"{upload.part_name(number)}.{secrets.token_hex(4)}", _LocalFile(target)
+                )
             part = UploadPart.objects.filter(upload=locked, number=number).first()
             replaced: str | None = None
             if part is None:
@@ -571,13 +618,14 @@ def _register(
                 replaced = part.storage_name
             part.size, part.sha256, part.storage_name = size, sha256, name
             part.chain_base, part.chain = chain
+            part.offset = offset
             part.created = timezone.now()
             part.save()
             if reservation is not None:
                 # The claim becomes the part's bytes in the same commit.
                 PartReservation.objects.filter(pk=reservation).delete()
     except BaseException:
-        if name is not None:
+        if name is not None and not isinstance(target, disk.Slot):
             _delete_quietly(name)
         raise
     return part, replaced
@@ -660,10 +708,10 @@ def _assemble(parts: list[UploadPart], path: Path) -> str:
     durable before their part was recorded; the copy that joins them is checked by size.
     """
     whole = _Whole(parts)
-    sources = [_local_path(part.storage_name) for part in parts]
-    if all(source is not None for source in sources):
-        local = [source for source in sources if source is not None]
-        return _assemble_local(local, path, whole)
+    pieces = disk.segments(parts)
+    if pieces is not None:
+        disk.assemble(pieces, path, pieces[whole.chained :], whole)
+        return str(whole.digest.hexdigest())
     with open(path, "wb") as out:
         for index, part in enumerate(parts):
             with default_storage.open(part.storage_name, "rb") as handle:
@@ -673,81 +721,6 @@ def _assemble(parts: list[UploadPart], path: Path) -> str:
                     out.write(chunk)
         _sync(out)
     return str(whole.digest.hexdigest())
-
-
-def _hash_files(sources: list[Path], whole: _Whole) -> str:
-    # One reused buffer: fresh large buffers cost more than the copies they save.
-    buffer = bytearray(HASH_BUFFER_BYTES)
-    view = memoryview(buffer)
-    for source in sources[whole.chained :]:
-        with open(source, "rb", buffering=0) as handle:
-            while count := handle.readinto(buffer):
-                whole(view[:count])
-    return str(whole.digest.hexdigest())
-
-
-#: ``copy_file_range`` errors that mean "not here": fall back to reading and writing.
-_NO_COPY_FILE_RANGE = frozenset({errno.ENOSYS, errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP})
-
-
-def _copy_range(source: int, target: int, size: int) -> None:
-    """Append ``size`` bytes of ``source`` to ``target``, in the kernel where it can.
-
-    ``copy_file_range`` copies page cache to page cache, so no byte passes through Python;
-    a kernel or filesystem without it gets a read/write loop for what is left.
-    """
-    done = 0
-    try:
-        while done < size:
-            copied = os.copy_file_range(source, target, min(size - done, 1 << 30))
-            if copied == 0:
-                break
-            done += copied
-    except OSError as error:
-        # Not supported here (an old kernel, across filesystems): copy the rest by hand.
-        # Anything else (a full disk) is an error of the completion.
-        if error.errno not in _NO_COPY_FILE_RANGE:
-            raise
-    if done < size:
-        os.lseek(source, done, os.SEEK_SET)
-        with open(target, "wb", closefd=False) as out:
-            while chunk := os.read(source, HASH_BUFFER_BYTES):
-                out.write(chunk)  # a buffered write: it writes all of it, or raises
-
-
-def _concatenate(sources: list[Path], path: Path) -> None:
-    target = os.open(path, os.O_WRONLY | os.O_TRUNC)
-    try:
-        expected = 0
-        for source in sources:
-            handle = os.open(source, os.O_RDONLY)
-            try:
-                size = os.fstat(handle).st_size
-                _copy_range(handle, target, size)
-                expected += size
-            finally:
-                os.close(handle)
-        # The digest is taken from the parts, so the copy must be checked to be whole.
-        written = os.fstat(target).st_size
-        if written != expected:
-            raise OSError(f"assembled {written} bytes of {expected}")
-        os.fsync(target)
-    finally:
-        os.close(target)
-
-
-def _assemble_local(sources: list[Path], path: Path, whole: _Whole) -> str:
-    """Concatenate local part files into ``path`` and hash the whole, side by side.
-
-    The kernel copies (``copy_file_range``) while this thread hashes the same parts from
-    the page cache; both release the GIL, so the wall time is the hash's, not the hash's
-    plus a copy's, and no byte is written by Python. One ``fsync`` makes the whole durable.
-    """
-    with ThreadPoolExecutor(1, thread_name_prefix="dvbench-assemble") as pool:
-        copied = pool.submit(_concatenate, sources, path)
-        digest = _hash_files(sources, whole)
-        copied.result()
-    return digest
 
 
 @contextlib.contextmanager
@@ -779,24 +752,17 @@ def mapped(name: str) -> Iterator[bytes | mmap.mmap]:
                 region.close()
 
 
-def _local_path(name: str) -> Path | None:
-    """The file behind a storage name, when storage is a local filesystem."""
-    try:
-        return Path(default_storage.path(name))
-    except NotImplementedError:  # remote storage (S3): no paths
-        return None
+_local_path = disk.local_path
 
 
-def _adopt_part(part: UploadPart, sha256: str, size: int) -> Blob | None:
-    """A one-part upload on local storage: rename the verified part into place.
+def _adopt(source: Path, sha256: str, size: int) -> Blob:
+    """Rename a verified local file that holds the whole blob into its content address.
 
-    The part's digest was computed from its bytes as they arrived, so when it equals
-    the declared whole digest the part *is* the blob and no byte needs copying or
-    hashing again. Returns None when storage is not local (the caller assembles).
+    A one-part upload's part, or the data file of an upload whose parts lie in it end to
+    end: their digest was computed from the bytes as they arrived, so when it equals the
+    declared whole digest the file *is* the blob and no byte needs copying or hashing
+    again.
     """
-    source = _local_path(part.storage_name)
-    if source is None:
-        return None
     existing = Blob.objects.filter(sha256=sha256).first()
     if existing is not None and default_storage.exists(existing.storage_name):
         return existing
@@ -884,13 +850,21 @@ def complete(upload: Upload, *, user: User, ip: str | None = None) -> Upload:
     if upload.direct:
         return _complete_direct(upload, parts, rules, user=user, ip=ip)
     try:
+        data = disk.in_place(upload, parts)
         single = _local_path(parts[0].storage_name) if len(parts) == 1 else None
-        if single is not None:
+        if data is not None:
+            # The parts lie end to end in the data file: it is the blob.
+            whole = _Whole(parts)
+            pieces = disk.segments(parts) or []
+            disk.hash_segments(pieces[whole.chained :], whole)
+            _check_whole_digest(upload, str(whole.digest.hexdigest()))
+            disk.settle(data, upload.size)
+            rules.check_file(upload, data)
+            blob = _adopt(data, upload.sha256, upload.size)
+        elif single is not None:
             _check_whole_digest(upload, parts[0].sha256)
             rules.check_file(upload, single)
-            adopted = _adopt_part(parts[0], upload.sha256, upload.size)
-            assert adopted is not None
-            blob = adopted
+            blob = _adopt(single, upload.sha256, upload.size)
         else:
             with _temporary_path(".blob") as path:
                 _check_whole_digest(upload, _assemble(parts, path))

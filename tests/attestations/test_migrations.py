@@ -134,6 +134,11 @@ ADDED = {
     ("attestations_logentry", "rfc3161_timestamp"),
     # uploads 0004: S3's multipart upload id of a direct upload (empty for older ones).
     ("attestations_upload", "s3_upload_id"),
+    # uploads 0005: a part's digest states and its offset in the data file (NULL for
+    # older parts: completion hashes them, and each is a file of its own).
+    ("attestations_uploadpart", "chain_base"),
+    ("attestations_uploadpart", "chain"),
+    ("attestations_uploadpart", "data_offset"),
 }
 #: Tables added since the release: empty after the migration.
 NEW_TABLES = {"attestations_partreservation"}
@@ -183,6 +188,8 @@ def test_migrating_from_the_released_schema_keeps_every_row() -> None:
             # A spec declared before the unit existed counts examples (experiments 0002).
             cursor.execute("SELECT token_unit FROM attestations_experimentspec")
             assert cursor.fetchall() == [("examples",)]
+            cursor.execute("SELECT chain_base, chain, data_offset FROM attestations_uploadpart")
+            assert cursor.fetchall() == [(None, None, None)]
         # And the current models read each row.
         for model in current_apps.get_models():
             if model._meta.db_table in before:

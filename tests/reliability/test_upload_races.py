@@ -40,6 +40,7 @@ from django.db import connection
 from django.utils import timezone
 
 from attestations.accounts.models import ApiKey
+from attestations.uploads import disk
 from attestations.uploads import services as uploads
 from attestations.uploads.models import Blob, PartReservation, Upload, UploadPart, UploadStatus
 from attestations.uploads.tasks import expire_uploads
@@ -162,31 +163,39 @@ def status_of(response: requests.Response, allowed: dict[int, set[str] | None]) 
     return status
 
 
-def staged(media: Path, upload: Upload) -> dict[str, str]:
-    """The staged files of ``upload``: storage name to SHA-256 of the bytes."""
+def staged(media: Path, upload: Upload) -> set[str]:
+    """The staged files of ``upload``, by storage name."""
     prefix = upload.staging_prefix + "/"
-    return {
-        name: hashlib.sha256((media / name).read_bytes()).hexdigest()
-        for name in stored_files(media)
-        if name.startswith(prefix)
-    }
+    return {name for name in stored_files(media) if name.startswith(prefix)}
+
+
+def part_bytes(media: Path, part: UploadPart) -> bytes:
+    """A stored part's bytes: a file of its own, or its range of the upload's data file."""
+    with (media / part.storage_name).open("rb") as handle:
+        handle.seek(part.offset or 0)
+        return handle.read(part.size)
 
 
 def check_consistent(server: Server, upload: Upload, data: bytes | None = None) -> str:
     """Assert ``upload`` is in one consistent state; returns the state."""
     upload = Upload.objects.get(pk=upload.pk)
-    rows = {p.storage_name: p for p in UploadPart.objects.filter(upload=upload)}
+    rows = list(UploadPart.objects.filter(upload=upload))
     files = staged(server.media, upload)
-    received = sum(p.size for p in rows.values())
+    received = sum(p.size for p in rows)
     assert received <= upload.size, f"received {received} > declared {upload.size}"
     assert not PartReservation.objects.filter(upload=upload).exists(), "a reservation leaked"
     tmp = Path(str(django_settings.DVBENCH["DATA_DIR"])) / "tmp"
     assert not list(tmp.glob("*")), f"temporary files left: {list(tmp.glob('*'))}"
     if upload.status == UploadStatus.OPEN:
-        assert set(files) == set(rows), f"staged {sorted(files)} but rows {sorted(rows)}"
-        for name, part in rows.items():
-            assert files[name] == part.sha256, f"{name} does not hash to its row"
-        assert len({p.number for p in rows.values()}) == len(rows)
+        named = {p.storage_name for p in rows}
+        # The files the rows name, and at most the data file beside them (its in-place
+        # parts all sent again as files of their own); each part's bytes hash to its row.
+        assert named <= files, f"rows name {sorted(named - files)}, not staged"
+        assert files - named <= {disk.data_name(upload)}, f"staged {sorted(files - named)}"
+        for part in rows:
+            digest = hashlib.sha256(part_bytes(server.media, part)).hexdigest()
+            assert digest == part.sha256, f"part {part.number} does not hash to its row"
+        assert len({p.number for p in rows}) == len(rows)
     else:
         assert upload.status in (UploadStatus.COMPLETE, UploadStatus.ABORTED, UploadStatus.FAILED)
         assert not rows, f"{upload.status} upload keeps part rows"

@@ -15,4 +15,11 @@ class Migration(migrations.Migration):
             name="chain",
             field=models.BinaryField(blank=True, editable=False, null=True),
         ),
+        migrations.AddField(
+            model_name="uploadpart",
+            name="offset",
+            field=models.PositiveBigIntegerField(
+                blank=True, db_column="data_offset", editable=False, null=True
+            ),
+        ),
     ]

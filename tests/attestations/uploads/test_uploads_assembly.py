@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from rest_framework.test import APIClient
 
-from attestations.uploads import services, sha256state
+from attestations.uploads import disk, services, sha256state
 from attestations.uploads.models import Blob, Upload, UploadPart, UploadStatus
 from tests.attestations.base import World, error_of, open_upload, put_parts, sha256, stored_files
 
@@ -25,13 +25,21 @@ def _refuse(code: int) -> Callable[..., int]:
     return copy_file_range
 
 
+def _put_last_first(client: APIClient, upload_id: str, data: bytes, size: int) -> None:
+    """The last part before the others: it lies in a file of its own, so completion joins
+    the pieces (the parts sent in order lie end to end in the data file)."""
+    chunks = [data[i : i + size] for i in range(0, len(data), size)]
+    for number in (len(chunks), *range(1, len(chunks))):
+        _put(client, upload_id, number, chunks[number - 1])
+
+
 def test_parts_are_joined_where_copy_file_range_is_missing(
     world: World, api: Api, storage: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(os, "copy_file_range", _refuse(errno.ENOSYS))
     data = os.urandom(3500)
     created = open_upload(api("alice"), data)
-    put_parts(api("alice"), created["id"], data, 1000)
+    _put_last_first(api("alice"), created["id"], data, 1000)
     response = api("alice").post(f"/api/v1/uploads/{created['id']}/complete/")
     assert response.status_code == 200, response.content
     blob = Blob.objects.get(sha256=sha256(data))
@@ -44,7 +52,7 @@ def test_a_full_disk_while_joining_keeps_the_upload_open(
     client = api("alice")
     data = os.urandom(2500)
     created = open_upload(client, data)
-    put_parts(client, created["id"], data, 1000)
+    _put_last_first(client, created["id"], data, 1000)
     with monkeypatch.context() as full:
         full.setattr(os, "copy_file_range", _refuse(errno.ENOSPC))
         response = client.post(f"/api/v1/uploads/{created['id']}/complete/")
@@ -52,7 +60,7 @@ def test_a_full_disk_while_joining_keeps_the_upload_open(
     assert error_of(response)["code"] == "insufficient_storage"
     # Nothing stored, no temporary file left; the parts are kept and the upload is open.
     assert not Blob.objects.filter(sha256=sha256(data)).exists()
-    assert not list((storage.parent / "tmp").iterdir())
+    assert not list((storage.parent / "tmp").glob("*"))
     assert Upload.objects.get(pk=created["id"]).status == UploadStatus.OPEN
     assert UploadPart.objects.filter(upload_id=created["id"]).count() == 3
     # Space is back: the same completion succeeds with the parts already sent.
@@ -148,3 +156,84 @@ def test_without_a_resumable_hash_completion_hashes_every_part(
     _complete(client, created["id"], data, storage)
     assert sum(hashed_at_completion) == len(data)
     assert not UploadPart.objects.exclude(chain=None).exists()
+
+
+def test_parts_sent_in_order_lie_in_one_file_that_becomes_the_blob(
+    world: World, api: Api, storage: Path, hashed_at_completion: list[int]
+) -> None:
+    client = api("alice")
+    data = os.urandom(2 * 1000 + 500)
+    created = open_upload(client, data)
+    put_parts(client, created["id"], data, 1000)
+    upload = Upload.objects.get(pk=created["id"])
+    parts = list(UploadPart.objects.filter(upload=upload).order_by("number"))
+    assert {part.storage_name for part in parts} == {disk.data_name(upload)}
+    assert [part.offset for part in parts] == [0, 1000, 2000]
+    staged = storage / disk.data_name(upload)
+    assert staged.read_bytes() == data
+    inode = staged.stat().st_ino
+    _complete(client, created["id"], data, storage)
+    # Completion renamed the data file into place: no byte copied or hashed again.
+    assert (storage / Blob.address(sha256(data))).stat().st_ino == inode
+    assert sum(hashed_at_completion) == 0
+    assert not any(name.startswith("staging/") for name in stored_files(storage))
+
+
+def test_a_refused_part_takes_back_what_it_wrote(world: World, api: Api, storage: Path) -> None:
+    client = api("alice")
+    data = os.urandom(3000)
+    created = open_upload(client, data)
+    _put(client, created["id"], 1, data[:1000])
+    refused = client.put(
+        f"/api/v1/uploads/{created['id']}/parts/2/",
+        data=data[1000:2000],
+        content_type="application/octet-stream",
+        HTTP_X_PART_SHA256=sha256(b"other bytes"),
+    )
+    assert error_of(refused)["code"] == "part_digest_mismatch"
+    upload = Upload.objects.get(pk=created["id"])
+    assert (storage / disk.data_name(upload)).read_bytes() == data[:1000]
+    # The part sent again goes where the refused one was.
+    _put(client, created["id"], 2, data[1000:2000])
+    _put(client, created["id"], 3, data[2000:])
+    assert UploadPart.objects.get(upload=upload, number=2).offset == 1000
+    _complete(client, created["id"], data, storage)
+
+
+def test_a_stored_part_sent_again_never_writes_over_its_bytes(
+    world: World, api: Api, storage: Path
+) -> None:
+    client = api("alice")
+    data = os.urandom(2000)
+    created = open_upload(client, data)
+    _put(client, created["id"], 1, os.urandom(1000))  # the wrong bytes, stored
+    _put(client, created["id"], 2, data[1000:])
+    upload = Upload.objects.get(pk=created["id"])
+    in_place = (storage / disk.data_name(upload)).read_bytes()
+    _put(client, created["id"], 1, data[:1000])  # sent again: a file of its own
+    assert (storage / disk.data_name(upload)).read_bytes() == in_place
+    first = UploadPart.objects.get(upload=upload, number=1)
+    assert first.offset is None and first.storage_name != disk.data_name(upload)
+    _complete(client, created["id"], data, storage)
+    assert not any(name.startswith("staging/") for name in stored_files(storage))
+
+
+def test_one_range_is_written_by_one_request_at_a_time(world: World, api: Api) -> None:
+    client = api("alice")
+    created = open_upload(client, os.urandom(2000))
+    upload = Upload.objects.get(pk=created["id"])
+    first = disk.claim(upload, 1, 1000)
+    assert first is not None
+    try:
+        # Another request for the same part (its retry) writes a file of its own.
+        assert disk.claim(upload, 1, 1000) is None
+        assert disk.claim(upload, 1, 10) is None
+        # Part 2 goes in place only after part 1 is stored.
+        assert disk.claim(upload, 2, 1000) is None
+    finally:
+        first.abandon()
+        first.close()
+    second = disk.claim(upload, 1, 1000)
+    assert second is not None
+    second.abandon()
+    second.close()
