@@ -221,7 +221,8 @@ def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
         proof_dir: the proof directory (``records.cborl`` and the program artifact).
 
     Returns:
-        ``(params, opt_state, buffers, batch) -> (params, opt_state, buffers, deltas)``.
+        ``(params, opt_state, buffers, batch) -> (params, opt_state, buffers, deltas)``,
+        split into ``compute`` and ``apply`` for a run that commits its gradients.
 
     Raises:
         provers.replay.ReplayError: ``program_mismatch`` when the artifact does not hash
@@ -242,14 +243,21 @@ def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
             "program_mismatch", f"the {kind} program artifact cannot be loaded: {error}"
         ) from None
     env = root.get("env") or {}
-    schema = root["schema"]
-    names = [str(spec["path"]) for spec in schema["params"]]
-    placeholders = {
-        str(spec["path"]): torch.nn.Parameter(
-            torch.zeros(tuple(spec["shape"]), dtype=_torch_dtype(spec["dtype"]))
-        )
-        for spec in schema["params"]
-    }
+    step = _Step(program, env, root["schema"])
+    committed = bool(step.computed_names)
+    return Transition(
+        step.whole,
+        step.compute if committed else None,
+        step.apply if committed else None,
+        canonical=step.bridge.canonical,
+        tokens=_tokens(root, env),
+    )
+
+
+def _bridge(
+    env: dict[str, Any], schema: dict[str, Any], placeholders: dict[str, torch.nn.Parameter]
+) -> OptimizerBridge:
+    """The recorded optimizer (and loss scaler), checked against the committed schema."""
     bridge = _optimizer(env, placeholders)
     scaler_options = env.get("grad_scaler")
     if scaler_options is not None:
@@ -257,58 +265,93 @@ def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
             raise ReplayError("unsupported_program", "the root's env.grad_scaler is malformed")
         bridge.bind_scaler(None, scaler_options)
     state_paths = [str(spec["path"]) for spec in schema["opt_state"]]
-    if bridge.leaf_paths(names) != state_paths:
+    if bridge.leaf_paths(list(placeholders)) != state_paths:
         raise ReplayError(
             "program_mismatch",
             "the recorded optimizer's state layout is not the committed optimizer-state schema",
         )
-    unused_names = set((env.get("program") or {}).get("unused_gradients") or [])
-    run_seed = _run_seed(env)
-    orders = env.get("dim_orders") or {}
+    return bridge
 
-    def laid_out(tree: str, leaves: Leaves) -> list[torch.Tensor]:
+
+class _Step:
+    """One committed step of a Torch run, rebuilt: the gradient program (through the
+    training pipeline, on the CPU) and the recorded optimizer, on host leaves."""
+
+    def __init__(self, program: Any, env: dict[str, Any], schema: dict[str, Any]) -> None:
+        self.names = [str(spec["path"]) for spec in schema["params"]]
+        placeholders = {
+            str(spec["path"]): torch.nn.Parameter(
+                torch.zeros(tuple(spec["shape"]), dtype=_torch_dtype(spec["dtype"]))
+            )
+            for spec in schema["params"]
+        }
+        self.bridge = _bridge(env, schema, placeholders)
+        self.state_paths = [str(spec["path"]) for spec in schema["opt_state"]]
+        self.buffer_names = [str(spec["path"]) for spec in schema["buffers"]]
+        self.computed_names = [str(spec["path"]) for spec in schema.get("grad") or []]
+        self.trained = {
+            path
+            for tree, path in (split_name(name) for name in self.computed_names)
+            if tree == "params"
+        }
+        self.orders = env.get("dim_orders") or {}
+        unused = set((env.get("program") or {}).get("unused_gradients") or [])
+        run_seed = _run_seed(env)
+        self.pipeline = Pipeline(
+            program,
+            [name in unused for name in self.names],
+            self.bridge,
+            _batch_layout(env),
+            ReplayCheckpoint(interval=1, capacity=1),
+            parameter_sizes=[p.numel() for p in placeholders.values()],
+            state_sizes=[
+                int(np.prod(spec["shape"], dtype=np.int64)) for spec in schema["opt_state"]
+            ],
+            buffer_count=len(schema["buffers"]),
+            device=torch.device("cpu"),
+            world_size=int(env.get("world_size", 1)),
+            run_seed=run_seed,
+        )
+        if program.random and run_seed is None:
+            raise ReplayError(
+                "program_mismatch",
+                "the program draws random numbers but the root record commits no seed (env.rng)",
+            )
+
+    def laid_out(self, tree: str, leaves: Leaves) -> list[torch.Tensor]:
         """The leaves as tensors, each in the memory format training kept it in."""
-        recorded = orders.get(tree) or {}
+        recorded = self.orders.get(tree) or {}
         return [strides.in_order(_tensor(array), recorded.get(name)) for name, array in leaves]
 
-    pipeline = Pipeline(
-        program,
-        [name in unused_names for name in names],
-        bridge,
-        _batch_layout(env),
-        ReplayCheckpoint(interval=1, capacity=1),
-        parameter_sizes=[p.numel() for p in placeholders.values()],
-        state_sizes=[int(np.prod(spec["shape"], dtype=np.int64)) for spec in schema["opt_state"]],
-        buffer_count=len(schema["buffers"]),
-        device=torch.device("cpu"),
-        world_size=int(env.get("world_size", 1)),
-        run_seed=run_seed,
-    )
-    if program.random and run_seed is None:
-        raise ReplayError(
-            "program_mismatch",
-            "the program draws random numbers but the root record commits no seed (env.rng)",
-        )
-
-    buffer_names = [str(spec["path"]) for spec in schema["buffers"]]
-    computed_names = [str(spec["path"]) for spec in schema.get("grad") or []]
-    trained = {
-        path for tree, path in (split_name(name) for name in computed_names) if tree == "params"
-    }
-
     def prepared(
-        params: Leaves, opt_state: Leaves, buffers: Leaves
+        self, params: Leaves, opt_state: Leaves, buffers: Leaves
     ) -> tuple[list[torch.Tensor], list[State], list[torch.Tensor]]:
         return (
-            laid_out("params", params),
-            _states(bridge, laid_out("opt_state", opt_state)),
-            laid_out("buffers", buffers),
+            self.laid_out("params", params),
+            _states(self.bridge, self.laid_out("opt_state", opt_state)),
+            self.laid_out("buffers", buffers),
         )
 
-    def step_options(step: dict[str, Any]) -> Any:
-        return step.get("hp")
+    def gradients(
+        self,
+        before: list[torch.Tensor],
+        states: list[State],
+        buffers: list[torch.Tensor],
+        batch: np.ndarray,
+        step: dict[str, Any],
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor], Any]:
+        """The gradient program on the pre-state: gradients, buffers after, the scaler."""
+        gradients, buffers_after, scaler = self.pipeline.gradients(
+            before,
+            buffers,
+            np.asarray(batch),
+            int(step["i"]),
+            states[-1] if self.bridge.scaled else None,
+        )
+        return gradients, buffers_after, scaler
 
     def update(
+        self,
         before: list[torch.Tensor],
         states: list[State],
         gradients: list[torch.Tensor | None],
@@ -316,70 +359,69 @@ def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
         scaler: Any,
     ) -> tuple[list[torch.Tensor], list[State]]:
         try:
-            return bridge.step(before, states, gradients, step_options(step), scaler=scaler)
+            return self.bridge.step(before, states, gradients, step.get("hp"), scaler=scaler)
         except (TypeError, ValueError) as error:
             raise ReplayError(
                 "invalid_transcript", f"step {step['i']}'s optimizer options (hp): {error}"
             ) from None
 
-    def named_state(
-        after: list[torch.Tensor], states_after: list[State], buffers_after: list[torch.Tensor]
-    ) -> tuple[Leaves, Leaves, Leaves]:
+    def finished(
+        self,
+        before: list[torch.Tensor],
+        after: list[torch.Tensor],
+        states_after: list[State],
+        buffers_after: list[torch.Tensor],
+    ) -> tuple[Leaves, Leaves, Leaves, Leaves]:
+        """The post-state as named host leaves, and the deltas ``post - pre`` in float32
+        (what the committed delta probe projects)."""
+        deltas = [a.float() - b.float() for a, b in zip(after, before, strict=True)]
         return (
-            [(n, host_array(t)) for n, t in zip(names, after, strict=True)],
+            [(n, host_array(t)) for n, t in zip(self.names, after, strict=True)],
             [
                 (n, host_array(t))
-                for n, t in zip(state_paths, bridge.leaves(states_after, after), strict=True)
+                for n, t in zip(
+                    self.state_paths, self.bridge.leaves(states_after, after), strict=True
+                )
             ],
-            [(n, host_array(t)) for n, t in zip(buffer_names, buffers_after, strict=True)],
+            [(n, host_array(t)) for n, t in zip(self.buffer_names, buffers_after, strict=True)],
+            [(n, host_array(t)) for n, t in zip(self.names, deltas, strict=True)],
         )
 
-    def transition(
+    def whole(
+        self,
         params: Leaves,
         opt_state: Leaves,
         buffers: Leaves,
         batch: np.ndarray,
         step: dict[str, Any],
     ) -> tuple[Leaves, Leaves, Leaves, Leaves]:
-        before, states, buffers_before = prepared(params, opt_state, buffers)
+        """The whole step: the gradient program, then the optimizer on its gradients."""
+        before, states, buffers_before = self.prepared(params, opt_state, buffers)
         with torch.no_grad():
-            gradients, buffers_after, scaler = pipeline.gradients(
-                before,
-                buffers_before,
-                np.asarray(batch),
-                int(step["i"]),
-                states[-1] if bridge.scaled else None,
+            gradients, buffers_after, scaler = self.gradients(
+                before, states, buffers_before, batch, step
             )
-            after, states_after = update(before, states, gradients, step, scaler)
-            # The committed delta probe projects ``post - pre`` in float32.
-            deltas = [a.float() - b.float() for a, b in zip(after, before, strict=True)]
-        return (
-            *named_state(after, states_after, buffers_after),
-            [(n, host_array(t)) for n, t in zip(names, deltas, strict=True)],
-        )
+            after, states_after = self.update(before, states, gradients, step, scaler)
+            return self.finished(before, after, states_after, buffers_after)
 
     def compute(
-        params: Leaves, opt_state: Leaves, buffers: Leaves, batch: np.ndarray, step: dict[str, Any]
+        self, params: Leaves, opt_state: Leaves, buffers: Leaves, batch: np.ndarray, step: Any
     ) -> Leaves:
         """The step's computed values: the gradient program on the committed pre-state."""
-        before, states, buffers_before = prepared(params, opt_state, buffers)
+        before, states, buffers_before = self.prepared(params, opt_state, buffers)
         with torch.no_grad():
-            gradients, buffers_after, scaler = pipeline.gradients(
-                before,
-                buffers_before,
-                np.asarray(batch),
-                int(step["i"]),
-                states[-1] if bridge.scaled else None,
+            gradients, buffers_after, scaler = self.gradients(
+                before, states, buffers_before, batch, step
             )
         out: list[tuple[str, np.ndarray]] = []
-        for name, gradient, placeholder in zip(names, gradients, before, strict=True):
-            if name in trained:
+        for name, gradient, placeholder in zip(self.names, gradients, before, strict=True):
+            if name in self.trained:
                 # A parameter the program gives no gradient this step reads as zeros.
                 value = torch.zeros_like(placeholder) if gradient is None else gradient
                 out.append((leaf_name("params", name), host_array(value)))
         out += [
             (leaf_name("buffers", name), host_array(buffer))
-            for name, buffer in zip(buffer_names, buffers_after, strict=True)
+            for name, buffer in zip(self.buffer_names, buffers_after, strict=True)
         ]
         if scaler is not None:
             _, growth_tracker, scale = scaler
@@ -390,17 +432,17 @@ def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
         return out
 
     def apply(
-        params: Leaves, opt_state: Leaves, buffers: Leaves, committed: Leaves, step: dict[str, Any]
+        self, params: Leaves, opt_state: Leaves, buffers: Leaves, committed: Leaves, step: Any
     ) -> tuple[Leaves, Leaves, Leaves, Leaves]:
         """The optimizer applied to the committed gradient; the committed buffers kept."""
-        before, states, _ = prepared(params, opt_state, buffers)
+        before, states, _ = self.prepared(params, opt_state, buffers)
         values = dict(committed)
         gradients: list[torch.Tensor | None] = [
-            _tensor(values[leaf_name("params", name)]) if name in trained else None
-            for name in names
+            _tensor(values[leaf_name("params", name)]) if name in self.trained else None
+            for name in self.names
         ]
         scaler = None
-        if bridge.scaled:
+        if self.bridge.scaled:
             present = [gradient for gradient in gradients if gradient is not None]
             overflow = not all(bool(torch.isfinite(g).all()) for g in present)
             scaler = (
@@ -408,22 +450,9 @@ def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
                 _tensor(values[leaf_name("opt_state", f"{SCALER}.growth_tracker")]),
                 _tensor(values[leaf_name("opt_state", f"{SCALER}.scale")]),
             )
+        buffers_after = self.laid_out(
+            "buffers", [(name, values[leaf_name("buffers", name)]) for name in self.buffer_names]
+        )
         with torch.no_grad():
-            after, states_after = update(before, states, gradients, step, scaler)
-            # The committed delta probe projects ``post - pre`` in float32.
-            deltas = [a.float() - b.float() for a, b in zip(after, before, strict=True)]
-        buffers_after = laid_out(
-            "buffers", [(name, values[leaf_name("buffers", name)]) for name in buffer_names]
-        )
-        return (
-            *named_state(after, states_after, buffers_after),
-            [(n, host_array(t)) for n, t in zip(names, deltas, strict=True)],
-        )
-
-    return Transition(
-        transition,
-        compute if computed_names else None,
-        apply if computed_names else None,
-        canonical=bridge.canonical,
-        tokens=_tokens(root, env),
-    )
+            after, states_after = self.update(before, states, gradients, step, scaler)
+            return self.finished(before, after, states_after, buffers_after)
