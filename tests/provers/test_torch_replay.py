@@ -258,12 +258,18 @@ def test_visible_parameter_change_is_caught_by_the_offline_probe_check(
     assert torch_replay.verify_challenge(runs["visible"], 4).reason == "invalid_transcript"
 
 
-def test_parameter_change_racing_the_commitment_fails_replay(runs: dict[str, Path]) -> None:
-    # The edit lands in step 3's committed update or in step 4's pre-state, depending on
-    # the commit thread; 1e-3 is within the probes' tolerance either way, and the exact
-    # replay names the step it landed in.
+def test_parameter_change_racing_the_commitment_is_caught(runs: dict[str, Path]) -> None:
+    # Where the edit lands depends on the commit thread, and so on the machine's load:
+    # usually in step 3's committed update, within the probes' tolerance, where the exact
+    # replay names the step; when the commitment of step 3 has already read the weights,
+    # between steps 3 and 4, where the offline verifier sees the probes jump (seen once,
+    # at load 4, with a CI run beside it). Either way the forgery is caught.
     path = runs["racing"]
-    assert verify_transcript(path).ok
+    report = verify_transcript(path)
+    if not report.ok:
+        assert report.reason == "probe_discontinuity", report
+        assert "step 4" in str(report.message)
+        return
     verdict = torch_replay.verify_challenge(path, 3, through=5)
     assert (verdict.ok, verdict.reason) == (False, "replay_mismatch")
     assert str(verdict.message).startswith(("step 3:", "step 4:"))
