@@ -172,6 +172,14 @@ def verify_slice(
         verdict.seconds = time.perf_counter() - started
 
 
+class _RefusedError(Exception):
+    """One of the checks failed: its name (the verdict's reason) and why."""
+
+    def __init__(self, check: str, message: str) -> None:
+        super().__init__(message)
+        self.check, self.message = check, message
+
+
 def _verify(
     verdict: SliceVerdict,
     commitment: StepCommitment,
@@ -187,20 +195,48 @@ def _verify(
     inputs: Sequence[str],
     embed: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor] | None,
 ) -> SliceVerdict:
+    """The checks of ``docs/scale.md`` in order; the first that fails names the verdict."""
     b = challenge.block
-    micro_batches, boundaries, rows = commitment.shape
+    try:
+        prefix = _check_tensors(commitment, b, opening, names, layout, chunk_bytes, inputs)
+        rows = _check_rows(commitment, b, opening, sequences, bool(inputs))
+        if inputs and embed is not None:  # 8, first, since it is cheap
+            _check_input(verdict, opening, rows, embed, tol)
+        directions = projection_directions(
+            challenge.seed, [t.spec for t in opening.params], challenge.projections
+        )
+        _check_sequences(
+            verdict, commitment, challenge, answer, rows, opening, prefix, block, directions, tol
+        )
+        _check_freivalds(verdict, answer, opening, directions, tol)
+        _check_update(commitment, opening, chunk_bytes)
+    except _RefusedError as refused:
+        return verdict.fail(refused.check, refused.message)
+    return verdict
+
+
+def _check_tensors(
+    commitment: StepCommitment,
+    b: int,
+    opening: SliceOpening,
+    names: Sequence[str],
+    layout: BlockLayout,
+    chunk_bytes: int,
+    inputs: Sequence[str],
+) -> str:
+    """1. The block's tensors, each at the position the committed order gives it, hash to
+    the committed roots. Returns the block's prefix."""
+    boundaries = commitment.shape[1]
     if not 0 <= b < boundaries - 1 or boundaries - 1 != layout.count:
-        return verdict.fail("schema", f"block {b} is not one of the run's {layout.count}")
+        raise _RefusedError("schema", f"block {b} is not one of the run's {layout.count}")
     prefix, block_names = layout.blocks[b]
     if not set(block_names) <= set(names):
-        return verdict.fail("schema", f"block {prefix} names parameters the run does not have")
+        raise _RefusedError("schema", f"block {prefix} names parameters the run does not have")
     if (len(opening.post_params), len(opening.post_opt_state)) != (
         len(block_names),
         3 * len(block_names),
     ):
-        return verdict.fail("tensor_opening", "the post-state paths are not the block's")
-
-    # 1. The block's tensors, each at the position the committed order gives it.
+        raise _RefusedError("tensor_opening", "the post-state paths are not the block's")
     indices = [list(names).index(n) for n in block_names]
     expected = [
         (opening.params, [(i, n) for i, n in zip(indices, block_names, strict=True)], 0),
@@ -216,24 +252,48 @@ def _verify(
         (opening.grad, [(i, f"params:{n}") for i, n in zip(indices, block_names, strict=True)], 2),
     ]
     if not set(inputs) <= set(names):
-        return verdict.fail("schema", "the input check names parameters the run does not have")
+        raise _RefusedError("schema", "the input check names parameters the run does not have")
     if inputs:
         expected.append((opening.inputs, [(list(names).index(n), n) for n in inputs], 0))
     elif opening.inputs or opening.batch_rows:
-        return verdict.fail("tensor_opening", "an input opening for a slice without one")
+        raise _RefusedError("tensor_opening", "an input opening for a slice without one")
     roots = (commitment.pre[0], commitment.pre[1], commitment.grad)
     for opened, wanted, tree in expected:
         if [(t.index, t.spec.path) for t in opened] != wanted:
-            return verdict.fail(
+            raise _RefusedError(
                 "tensor_opening", f"tree {tree}: the opened tensors are not the block's"
             )
         for t in opened:
             if not t.verify(roots[tree], chunk_bytes):
-                return verdict.fail(
+                raise _RefusedError(
                     "tensor_opening", f"{t.spec.path} does not hash to the committed root"
                 )
+    return prefix
 
-    # 2. The drawn sequences' rows at the block's two boundaries, and nothing else.
+
+class _Rows:
+    """The opened boundary rows of the drawn sequences, by (micro-batch, boundary, kind,
+    row)."""
+
+    def __init__(self, got: dict[tuple[int, int, str, int], Any], sequences: Sequence[Any]):
+        self.got = got
+        self.sequences = list(sequences)
+
+    def __call__(self, boundary: int, kind: str) -> torch.Tensor:
+        return torch.from_numpy(
+            np.stack([self.got[(m, boundary, kind, r)].data for m, r in self.sequences])
+        )
+
+
+def _check_rows(
+    commitment: StepCommitment,
+    b: int,
+    opening: SliceOpening,
+    sequences: Sequence[tuple[int, int]],
+    inputs: bool,
+) -> _Rows:
+    """2. The drawn sequences' rows at the block's two boundaries, and nothing else, hash
+    to the committed boundary root (and their batch rows to the batch root)."""
     wanted_rows = {
         (m, boundary, kind, r)
         for m, r in sequences
@@ -243,101 +303,134 @@ def _verify(
     if inputs:
         wanted_rows |= {(m, 0, ACTIVATION, r) for m, r in sequences}
         if [(o.micro, o.row) for o in opening.batch_rows] != list(sequences):
-            return verdict.fail("row_opening", "the opened batch rows are not the drawn sequences'")
+            raise _RefusedError("row_opening", "the opened batch rows are not the drawn sequences'")
         for batch_row in opening.batch_rows:
             if not batch_row.verify(commitment.batch, commitment.shape):
-                return verdict.fail(
+                raise _RefusedError(
                     "row_opening",
                     f"batch row {batch_row.row} of micro-batch {batch_row.micro} does not "
                     "hash to the committed batch root",
                 )
     got = {(o.micro, o.boundary, o.kind, o.row): o for o in opening.rows}
     if set(got) != wanted_rows or len(got) != len(opening.rows):
-        return verdict.fail("row_opening", "the opened rows are not the drawn sequences'")
+        raise _RefusedError("row_opening", "the opened rows are not the drawn sequences'")
     shapes = {(o.data.dtype.str, o.data.shape) for o in opening.rows}
     if len(shapes) != 1 or next(iter(shapes))[0] != "<f4" or len(next(iter(shapes))[1]) != 2:
-        return verdict.fail("row_opening", "the opened rows are not float32 rows of one shape")
+        raise _RefusedError("row_opening", "the opened rows are not float32 rows of one shape")
     for o in opening.rows:
         if not o.verify(commitment.boundary, commitment.shape):
-            return verdict.fail(
+            raise _RefusedError(
                 "row_opening",
                 f"boundary {o.boundary} {o.kind} of micro-batch {o.micro} row {o.row} does "
                 "not hash to the committed boundary root",
             )
+    return _Rows(got, sequences)
 
-    def rows_of(boundary: int, kind: str) -> torch.Tensor:
-        return torch.from_numpy(np.stack([got[(m, boundary, kind, r)].data for m, r in sequences]))
 
-    # 8, first, since it is cheap: the committed batch, embedded, is boundary 0.
-    if inputs and embed is not None:
-        tables = {t.spec.path: torch.from_numpy(t.array()) for t in opening.inputs}
-        committed_inputs = rows_of(0, ACTIVATION)
-        for i, batch_row in enumerate(opening.batch_rows):
-            try:
-                with torch.no_grad():
-                    embedded = embed(tables, torch.from_numpy(np.array(batch_row.data)))
-                ratio = _relative(committed_inputs[i], embedded) / tol.activation
-            except (RuntimeError, IndexError, ValueError) as error:
-                # Committed rows of the wrong shape or out-of-range tokens: the lab's fault.
-                return verdict.fail("input", f"the input check cannot run: {error}")
-            verdict.margins["input"] = max(verdict.margins.get("input", 0.0), ratio)
-            if ratio > 1.0:
-                return verdict.fail(
-                    "input",
-                    f"micro-batch {batch_row.micro} row {batch_row.row}: the committed batch "
-                    "row, embedded, is "
-                    f"not the committed boundary-0 activation ({ratio:.3g} times the bound)",
-                )
+def _worst(verdict: SliceVerdict, check: str, ratio: float) -> None:
+    verdict.margins[check] = max(verdict.margins.get(check, 0.0), ratio)
 
-    # 3-5. Forward, backward and projections of the opened sequences, recomputed.
+
+def _check_input(
+    verdict: SliceVerdict,
+    opening: SliceOpening,
+    rows: _Rows,
+    embed: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor],
+    tol: SliceTolerances,
+) -> None:
+    """8. The committed batch rows, embedded, are the committed boundary-0 activations."""
+    tables = {t.spec.path: torch.from_numpy(t.array()) for t in opening.inputs}
+    committed_inputs = rows(0, ACTIVATION)
+    for i, batch_row in enumerate(opening.batch_rows):
+        try:
+            with torch.no_grad():
+                embedded = embed(tables, torch.from_numpy(np.array(batch_row.data)))
+            ratio = _relative(committed_inputs[i], embedded) / tol.activation
+        except (RuntimeError, IndexError, ValueError) as error:
+            # Committed rows of the wrong shape or out-of-range tokens: the lab's fault.
+            raise _RefusedError("input", f"the input check cannot run: {error}") from None
+        _worst(verdict, "input", ratio)
+        if ratio > 1.0:
+            raise _RefusedError(
+                "input",
+                f"micro-batch {batch_row.micro} row {batch_row.row}: the committed batch "
+                "row, embedded, is "
+                f"not the committed boundary-0 activation ({ratio:.3g} times the bound)",
+            )
+
+
+def _check_sequences(
+    verdict: SliceVerdict,
+    commitment: StepCommitment,
+    challenge: SliceChallenge,
+    answer: SliceAnswer,
+    rows: _Rows,
+    opening: SliceOpening,
+    prefix: str,
+    block: Any,
+    directions: Any,
+    tol: SliceTolerances,
+) -> None:
+    """3-5. Forward, backward and projections of the opened sequences, recomputed and
+    held to the committed boundaries and the answered projections."""
+    b = challenge.block
+    micro_batches, _, row_count = commitment.shape
     weights = {t.spec.path[len(prefix) + 1 :]: torch.from_numpy(t.array()) for t in opening.params}
-    directions = projection_directions(
-        challenge.seed, [t.spec for t in opening.params], challenge.projections
-    )
     try:
         h_out, dh_in, c, norms = sequence_projections(
-            block, weights, rows_of(b, ACTIVATION), rows_of(b + 1, GRADIENT), directions
+            block, weights, rows(b, ACTIVATION), rows(b + 1, GRADIENT), directions
         )
-        committed_out = rows_of(b + 1, ACTIVATION)
+        committed_out = rows(b + 1, ACTIVATION)
         if committed_out.shape != h_out.shape:
             raise ValueError(
                 f"committed rows {tuple(committed_out.shape)}, recomputed {tuple(h_out.shape)}"
             )
     except (RuntimeError, ValueError) as error:
         # Rows or tensors the block cannot take (the lab committed them): a failed check.
-        return verdict.fail("forward", f"the block cannot run on the opened rows: {error}")
+        raise _RefusedError(
+            "forward", f"the block cannot run on the opened rows: {error}"
+        ) from None
     for name, recomputed, committed in (
-        ("forward", h_out, rows_of(b + 1, ACTIVATION)),
-        ("backward", dh_in, rows_of(b, GRADIENT)),
+        ("forward", h_out, committed_out),
+        ("backward", dh_in, rows(b, GRADIENT)),
     ):
-        for i, (m, r) in enumerate(sequences):
+        for i, (m, r) in enumerate(rows.sequences):
             ratio = _relative(committed[i], recomputed[i]) / tol.activation
-            verdict.margins[name] = max(verdict.margins.get(name, 0.0), ratio)
+            _worst(verdict, name, ratio)
             if ratio > 1.0:
-                return verdict.fail(
+                raise _RefusedError(
                     name,
                     f"micro-batch {m} row {r}: the committed {name} boundary differs from the "
                     f"recomputed one by {ratio:.3g} times the bound",
                 )
-    if answer.projections.shape != (challenge.projections, micro_batches, rows):
-        return verdict.fail("projection", "the answer does not project every sequence")
+    if answer.projections.shape != (challenge.projections, micro_batches, row_count):
+        raise _RefusedError("projection", "the answer does not project every sequence")
     if not np.isfinite(answer.projections).all():
-        return verdict.fail("projection", "the answer holds a non-finite projection")
+        raise _RefusedError("projection", "the answer holds a non-finite projection")
     direction_norms = [math.sqrt(sum(inner(x, x) for x in d)) for d in directions]
     for q in range(challenge.projections):
-        for i, (m, r) in enumerate(sequences):
+        for i, (m, r) in enumerate(rows.sequences):
             bound = tol.projection * direction_norms[q] * norms[i]
             difference = abs(float(answer.projections[q, m, r]) - float(c[q, i]))
             ratio = difference / bound if bound > 0 else (math.inf if difference else 0.0)
-            verdict.margins["projection"] = max(verdict.margins.get("projection", 0.0), ratio)
+            _worst(verdict, "projection", ratio)
             if ratio > 1.0:
-                return verdict.fail(
+                raise _RefusedError(
                     "projection",
                     f"micro-batch {m} row {r}: the answered projection {q} is not the "
                     f"recomputed one ({ratio:.3g} times the bound)",
                 )
 
-    # 6. Freivalds: every sequence's c sums to <R, G> for the committed gradient.
+
+def _check_freivalds(
+    verdict: SliceVerdict,
+    answer: SliceAnswer,
+    opening: SliceOpening,
+    directions: Any,
+    tol: SliceTolerances,
+) -> None:
+    """6. Freivalds: every sequence's projections sum to <R, G> for the committed
+    gradient."""
     gradient = [t.array().astype(np.float64) for t in opening.grad]
     g_norm = math.sqrt(sum(inner(g, g) for g in gradient))
     for q, direction in enumerate(directions):
@@ -345,15 +438,18 @@ def _verify(
         answered = float(answer.projections[q].sum())
         bound = tol.freivalds * g_norm
         ratio = abs(answered - along) / bound if bound > 0 else math.inf
-        verdict.margins["freivalds"] = max(verdict.margins.get("freivalds", 0.0), ratio)
+        _worst(verdict, "freivalds", ratio)
         if ratio > 1.0:
-            return verdict.fail(
+            raise _RefusedError(
                 "freivalds",
                 f"direction {q}: <R, G> of the committed gradient is {along:.6g}, the "
                 f"sequences' projections sum to {answered:.6g} ({ratio:.3g} times the bound)",
             )
 
-    # 7. The optimizer, exactly: the canonical update of the opened pre-state.
+
+def _check_update(commitment: StepCommitment, opening: SliceOpening, chunk_bytes: int) -> None:
+    """7. The optimizer, exactly: the canonical update of the opened pre-state is the
+    opened post-state."""
     parameters = [torch.from_numpy(t.array()) for t in opening.params]
     states = []
     for i in range(len(parameters)):
@@ -379,7 +475,7 @@ def _verify(
     )
     for i, (p, t) in enumerate(zip(parameters, opening.params, strict=True)):
         if not opening.post_params[i].verify(commitment.post[0], t.spec, p.numpy(), chunk_bytes):
-            return verdict.fail(
+            raise _RefusedError(
                 "update", f"{t.spec.path}: the canonical update is not the committed post-state"
             )
         for k, key in enumerate(("exp_avg", "exp_avg_sq", "step")):
@@ -388,10 +484,9 @@ def _verify(
             if not opening.post_opt_state[3 * i + k].verify(
                 commitment.post[1], spec, array, chunk_bytes
             ):
-                return verdict.fail(
+                raise _RefusedError(
                     "update", f"{spec.path}: the canonical update is not the committed post-state"
                 )
-    return verdict
 
 
 def replay_whole_step(
