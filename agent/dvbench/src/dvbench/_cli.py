@@ -337,16 +337,36 @@ def build_parser() -> argparse.ArgumentParser:
         "DVBENCH_TIMEOUT, DVBENCH_MAX_RETRIES (see docs/sdk.md).",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in (
+        _add_login,
+        _add_status,
+        _add_experiments,
+        _add_sync,
+        _add_proofs,
+        _add_download_report,
+        _add_verify_report,
+    ):
+        add(commands)
+    return parser
 
+
+def _add_login(commands: Any) -> None:
+    """``dvbench login``: store an API key."""
     login = commands.add_parser("login", help="store an API key (mode 0600)")
     login.add_argument("--key", help="the key (default: prompt, or read from stdin)")
     login.add_argument("--base-url", help="the platform's URL (default: DVBENCH_BASE_URL)")
     login.add_argument("--no-verify", action="store_true", help="store without asking /me")
     login.set_defaults(handler=cmd_login)
 
+
+def _add_status(commands: Any) -> None:
+    """``dvbench status``: who am I, and can I reach the platform."""
     status = commands.add_parser("status", help="who am I, and can I reach the platform")
     status.set_defaults(handler=cmd_status)
 
+
+def _add_experiments(commands: Any) -> None:
+    """``dvbench experiments list | create | spec-version``."""
     experiments = commands.add_parser("experiments", help="list or register experiments")
     actions = experiments.add_subparsers(dest="action", metavar="ACTION")
     listing = actions.add_parser("list", help="experiments visible to this key")
@@ -368,6 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     revise.add_argument("--spec", required=True, help="JSON file with the declared spec")
     revise.set_defaults(handler=cmd_experiments_spec_version)
 
+
+def _add_sync(commands: Any) -> None:
+    """``dvbench sync``: upload proof directories left on disk."""
     sync = commands.add_parser("sync", help="upload proof directories left on disk")
     sync.add_argument(
         "directories", nargs="*", metavar="DIR", help="default: every unsynced run in the cache"
@@ -399,6 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sync.set_defaults(handler=cmd_sync)
 
+
+def _add_proofs(commands: Any) -> None:
+    """``dvbench proofs show``: a filed proof's verdict."""
     proofs = commands.add_parser("proofs", help="a filed proof's verdict")
     proof_actions = proofs.add_subparsers(dest="action", metavar="ACTION")
     show = proof_actions.add_parser(
@@ -426,6 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true", help="print the verdict as JSON")
     show.set_defaults(handler=cmd_proofs_show)
 
+
+def _add_download_report(commands: Any) -> None:
+    """``dvbench download-report``: a proof's signed report bundle."""
     download = commands.add_parser(
         "download-report", help="download a proof's signed report bundle (JSON)"
     )
@@ -455,12 +484,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     download.set_defaults(handler=cmd_download_report)
 
+
+def _add_verify_report(commands: Any) -> None:
+    """``dvbench verify-report``: parsed by ``dvbench.attest``'s own parser."""
     slot = commands.add_parser(
         "verify-report", help="verify a signed report offline", add_help=False
     )
     slot.add_argument("rest", nargs=argparse.REMAINDER)
     slot.set_defaults(handler=None, slot="verify-report")
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
