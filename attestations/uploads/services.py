@@ -428,31 +428,12 @@ def _sync(out: IO[bytes]) -> None:
     os.fsync(out.fileno())
 
 
-def put_part(
-    upload: Upload,
-    number: int,
-    *,
-    stream: IO[bytes],
-    declared_sha256: str | None,
-    content_length: int | None,
-) -> UploadPart:
-    """Store part ``number`` of ``upload`` from ``stream``; replaces an earlier copy.
-
-    With ``content_length`` (the HTTP API always has it) the bytes are reserved against
-    the declared size before the body is read; the part is registered under the upload's
-    row lock, where its state and size are checked once more.
-
-    Raises:
-        UploadNotOpenError: the upload is completing, complete, aborted or failed (409).
-        InvalidRequestError: bad part number or missing/malformed digest header.
-        PayloadTooLargeError: the body exceeds ``MAX_PART_BYTES``.
-        IncompleteBodyError: the body ended before ``content_length`` bytes (400).
-        DigestMismatchError: the body does not hash to the declared digest.
-        SizeExceededError: the parts received and in flight would exceed the upload's
-            declared size (409).
-    """
-    # The request's own shape first (number, digest header, length), then the upload's
-    # state: a malformed request is a 400 whatever state the upload is in.
+def _check_part_request(
+    upload: Upload, number: int, declared_sha256: str | None, content_length: int | None
+) -> tuple[str, int]:
+    """The part request's own shape (number, digest header, length), before the upload's
+    state: a malformed request is a 400 whatever state the upload is in. Returns the
+    declared digest, normalised, and the part limit."""
     if not 1 <= number <= MAX_PARTS:
         raise InvalidRequestError(
             f"part number must be between 1 and {MAX_PARTS}, got {number}",
@@ -491,6 +472,33 @@ def put_part(
             field="Content-Length",
             detail={"limit": limit, "got": content_length},
         )
+    return declared, limit
+
+
+def put_part(
+    upload: Upload,
+    number: int,
+    *,
+    stream: IO[bytes],
+    declared_sha256: str | None,
+    content_length: int | None,
+) -> UploadPart:
+    """Store part ``number`` of ``upload`` from ``stream``; replaces an earlier copy.
+
+    With ``content_length`` (the HTTP API always has it) the bytes are reserved against
+    the declared size before the body is read; the part is registered under the upload's
+    row lock, where its state and size are checked once more.
+
+    Raises:
+        UploadNotOpenError: the upload is completing, complete, aborted or failed (409).
+        InvalidRequestError: bad part number or missing/malformed digest header.
+        PayloadTooLargeError: the body exceeds ``MAX_PART_BYTES``.
+        IncompleteBodyError: the body ended before ``content_length`` bytes (400).
+        DigestMismatchError: the body does not hash to the declared digest.
+        SizeExceededError: the parts received and in flight would exceed the upload's
+            declared size (409).
+    """
+    declared, limit = _check_part_request(upload, number, declared_sha256, content_length)
     if content_length is None:
         with transaction.atomic():
             _require_open(_lock(upload), "part")
