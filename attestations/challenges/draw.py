@@ -207,59 +207,80 @@ def draw(proof: Proof, *, policy: ChallengePolicy | None = None) -> list[Challen
             target=target,
             forged_fraction=policy.forged_fraction,
         )
-        own, now = set(plan.self_checked), timezone.now()
-        rows = []
-        for step in plan.steps:
-            origin = (
-                ChallengeOrigin.GENESIS
-                if step == plan.genesis
-                else ChallengeOrigin.SELF_CHECKED
-                if step in own
-                else ChallengeOrigin.RANDOM
-            )
-            rows.append(
-                Challenge(
-                    proof=proof,
-                    step=step,
-                    origin=origin,
-                    needed_files=index.files_for(step, None),
-                    steps_total=index.steps_to_replay(step, None),
-                    created=now,
-                )
-            )
+        now = timezone.now()
+        rows = _challenges(proof, plan, index, now)
         created = Challenge.objects.bulk_create(rows)
-        proof.challenge_seed = plan.seed.hex()
-        proof.challenge_seed_commitment = plan.commitment
-        proof.challenge_target = plan.target
-        proof.challenge_forged_fraction = plan.forged_fraction
-        proof.challenge_filing = filing
-        proof.challenge_run_digest = digest
-        proof.challenges_drawn = now
-        proof.challenge_deadline = now + policy.ttl
-        proof.status = ProofStatus.CHALLENGED
-        proof.save()
-        Job.objects.create(
-            kind="replay",
-            organization_id=proof.experiment.owner_id,
-            proof=proof,
-            steps_total=sum(row.steps_total for row in rows),
-        )
-        AuditEvent.record(
-            "proof.challenged",
-            organization=proof.experiment.owner,
-            target=proof,
-            detail={
-                "experiment": proof.experiment.full_name,
-                "challenges": len(rows),
-                "steps": list(plan.steps),
-                "seed_commitment": plan.commitment,
-                "target": plan.target,
-                "forged_fraction": plan.forged_fraction,
-                "filing": filing,
-                "run_digest": digest,
-                "deadline": proof.challenge_deadline.isoformat(),
-            },
-        )
+        _record_plan(proof, plan, policy, filing=filing, digest=digest, rows=rows, now=now)
         # Files attached before the draw (an "upload everything" client) answer at once.
         mark_ready(proof)
     return created
+
+
+def _challenges(proof: Proof, plan: Any, index: TranscriptIndex, now: Any) -> list[Challenge]:
+    """One challenge per drawn step, named by where it came from, with what it needs."""
+    own = set(plan.self_checked)
+    rows = []
+    for step in plan.steps:
+        origin = (
+            ChallengeOrigin.GENESIS
+            if step == plan.genesis
+            else ChallengeOrigin.SELF_CHECKED
+            if step in own
+            else ChallengeOrigin.RANDOM
+        )
+        rows.append(
+            Challenge(
+                proof=proof,
+                step=step,
+                origin=origin,
+                needed_files=index.files_for(step, None),
+                steps_total=index.steps_to_replay(step, None),
+                created=now,
+            )
+        )
+    return rows
+
+
+def _record_plan(
+    proof: Proof,
+    plan: Any,
+    policy: ChallengePolicy,
+    *,
+    filing: int,
+    digest: str,
+    rows: list[Challenge],
+    now: Any,
+) -> None:
+    """The proof challenged: its plan stored, its replay job opened, the draw audited."""
+    proof.challenge_seed = plan.seed.hex()
+    proof.challenge_seed_commitment = plan.commitment
+    proof.challenge_target = plan.target
+    proof.challenge_forged_fraction = plan.forged_fraction
+    proof.challenge_filing = filing
+    proof.challenge_run_digest = digest
+    proof.challenges_drawn = now
+    proof.challenge_deadline = now + policy.ttl
+    proof.status = ProofStatus.CHALLENGED
+    proof.save()
+    Job.objects.create(
+        kind="replay",
+        organization_id=proof.experiment.owner_id,
+        proof=proof,
+        steps_total=sum(row.steps_total for row in rows),
+    )
+    AuditEvent.record(
+        "proof.challenged",
+        organization=proof.experiment.owner,
+        target=proof,
+        detail={
+            "experiment": proof.experiment.full_name,
+            "challenges": len(rows),
+            "steps": list(plan.steps),
+            "seed_commitment": plan.commitment,
+            "target": plan.target,
+            "forged_fraction": plan.forged_fraction,
+            "filing": filing,
+            "run_digest": digest,
+            "deadline": proof.challenge_deadline.isoformat(),
+        },
+    )
