@@ -7,9 +7,10 @@ is ``ready`` (:func:`mark_ready`) and queued on the ``replay`` queue (:func:`enq
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
@@ -272,67 +273,17 @@ def attach(
             bad file (a malformed list, a name attached with other bytes, a file that
             does not match its commitment); nothing was stored.
     """
-    names_seen: dict[str, int] = {}
-    for position, claim in enumerate(claims):
-        check_name(claim.name, claim.kind, position)
-        if claim.name in names_seen:
-            raise ArtifactRejectedError(
-                f"files[{position}].name: {claim.name!r} is listed twice "
-                f"(also files[{names_seen[claim.name]}])",
-                code="duplicate_name",
-                field=f"files[{position}].name",
-            )
-        names_seen[claim.name] = position
+    _check_names(claims)
     blobs = _owned_blobs(proof, claims)
     existing = {a.name: a for a in proof.artifacts.all()}
     needed = _needed(proof)
-    index: TranscriptIndex | None = None
+    index = functools.cache(lambda: TranscriptIndex.of(proof))  # read only if needed
     fresh: list[ProofArtifact] = []
     for position, claim in enumerate(claims):
         blob = blobs[claim.sha256]
-        if blob.size != claim.size:
-            raise ArtifactRejectedError(
-                f"files[{position}].size: {claim.name} declares {claim.size} bytes; the stored "
-                f"blob sha256:{claim.sha256} has {blob.size}",
-                code="size_mismatch",
-                field=f"files[{position}].size",
-                detail={"expected": blob.size, "got": claim.size},
-            )
-        known = existing.get(claim.name)
-        if known is not None:
-            if known.sha256 != claim.sha256:
-                raise ArtifactConflictError(
-                    f"files[{position}]: {claim.name} is already attached to proof {proof.pk} "
-                    f"with sha256 {known.sha256}; a proof's files never change",
-                    code="artifact_conflict",
-                    field=f"files[{position}].sha256",
-                    detail={"attached": known.sha256, "got": claim.sha256},
-                )
+        if _attached_before(proof, position, claim, blob, existing.get(claim.name)):
             continue
-        if claim.name.endswith(".safetensors"):
-            # The final weights must be the transcript's final parameters (checked again
-            # when the certificate is issued, should the proof not be verified yet).
-            problem_text = check_weights(proof, claim.name, blob.storage_name, blob.size)
-            if problem_text is not None:
-                raise ArtifactMismatchError(
-                    f"files[{position}]: {problem_text}",
-                    code="model_mismatch",
-                    field=f"files[{position}].sha256",
-                    detail={"file": claim.name},
-                )
-        if claim.name in needed or claim.name.startswith("program."):
-            if index is None:
-                index = TranscriptIndex.of(proof)
-            with mapped(blob.storage_name) as data:
-                problem = _commitment_check(index, claim.name, data)
-            if problem is not None:
-                code, message, detail = problem
-                raise ArtifactMismatchError(
-                    f"files[{position}]: {message}",
-                    code=code,
-                    field=f"files[{position}].sha256",
-                    detail=detail,
-                )
+        _check_content(proof, position, claim, blob, needed, index)
         fresh.append(
             ProofArtifact(
                 proof=proof,
@@ -358,6 +309,81 @@ def attach(
         mark_ready(proof)
     names = [claim.name for claim in claims]
     return list(proof.artifacts.filter(name__in=names).select_related("blob")), len(fresh)
+
+
+def _check_names(claims: Sequence[FileClaim]) -> None:
+    """Every name is one a proof's file may have, and none is listed twice."""
+    names_seen: dict[str, int] = {}
+    for position, claim in enumerate(claims):
+        check_name(claim.name, claim.kind, position)
+        if claim.name in names_seen:
+            raise ArtifactRejectedError(
+                f"files[{position}].name: {claim.name!r} is listed twice "
+                f"(also files[{names_seen[claim.name]}])",
+                code="duplicate_name",
+                field=f"files[{position}].name",
+            )
+        names_seen[claim.name] = position
+
+
+def _attached_before(
+    proof: Proof, position: int, claim: FileClaim, blob: Blob, known: ProofArtifact | None
+) -> bool:
+    """Whether the file is attached already (the same bytes); a size that is not the
+    blob's, or a name attached with other bytes, is refused."""
+    if blob.size != claim.size:
+        raise ArtifactRejectedError(
+            f"files[{position}].size: {claim.name} declares {claim.size} bytes; the stored "
+            f"blob sha256:{claim.sha256} has {blob.size}",
+            code="size_mismatch",
+            field=f"files[{position}].size",
+            detail={"expected": blob.size, "got": claim.size},
+        )
+    if known is None:
+        return False
+    if known.sha256 != claim.sha256:
+        raise ArtifactConflictError(
+            f"files[{position}]: {claim.name} is already attached to proof {proof.pk} "
+            f"with sha256 {known.sha256}; a proof's files never change",
+            code="artifact_conflict",
+            field=f"files[{position}].sha256",
+            detail={"attached": known.sha256, "got": claim.sha256},
+        )
+    return True
+
+
+def _check_content(
+    proof: Proof,
+    position: int,
+    claim: FileClaim,
+    blob: Blob,
+    needed: set[str],
+    index: Callable[[], TranscriptIndex],
+) -> None:
+    """A new file's bytes against what the transcript commits: the final weights against
+    its final parameters, a file a challenge needs against its commitment."""
+    if claim.name.endswith(".safetensors"):
+        # The final weights must be the transcript's final parameters (checked again
+        # when the certificate is issued, should the proof not be verified yet).
+        problem_text = check_weights(proof, claim.name, blob.storage_name, blob.size)
+        if problem_text is not None:
+            raise ArtifactMismatchError(
+                f"files[{position}]: {problem_text}",
+                code="model_mismatch",
+                field=f"files[{position}].sha256",
+                detail={"file": claim.name},
+            )
+    if claim.name in needed or claim.name.startswith("program."):
+        with mapped(blob.storage_name) as data:
+            problem = _commitment_check(index(), claim.name, data)
+        if problem is not None:
+            code, message, detail = problem
+            raise ArtifactMismatchError(
+                f"files[{position}]: {message}",
+                code=code,
+                field=f"files[{position}].sha256",
+                detail=detail,
+            )
 
 
 def _owned_blobs(proof: Proof, claims: Sequence[FileClaim]) -> dict[str, Blob]:
