@@ -706,6 +706,9 @@ class _Whole:
     def __call__(self, data: bytes | memoryview) -> None:
         self.digest.update(data)
 
+    def hexdigest(self) -> str:
+        return str(self.digest.hexdigest())
+
 
 def _assemble(parts: list[UploadPart], path: Path) -> str:
     """Concatenate the parts into ``path``; returns the SHA-256 of the whole.
@@ -719,7 +722,7 @@ def _assemble(parts: list[UploadPart], path: Path) -> str:
     pieces = disk.segments(parts)
     if pieces is not None:
         disk.assemble(pieces, path, pieces[whole.chained :], whole)
-        return str(whole.digest.hexdigest())
+        return whole.hexdigest()
     with open(path, "wb") as out:
         for index, part in enumerate(parts):
             with default_storage.open(part.storage_name, "rb") as handle:
@@ -728,7 +731,7 @@ def _assemble(parts: list[UploadPart], path: Path) -> str:
                         whole(chunk)
                     out.write(chunk)
         _sync(out)
-    return str(whole.digest.hexdigest())
+    return whole.hexdigest()
 
 
 @contextlib.contextmanager
@@ -740,7 +743,7 @@ def mapped(name: str) -> Iterator[bytes | mmap.mmap]:
     costs page cache, not the worker's memory.
     """
     with contextlib.ExitStack() as stack:
-        path = _local_path(name)
+        path = disk.local_path(name)
         if path is None:
             path = stack.enter_context(_temporary_path(".blob"))
             with default_storage.open(name, "rb") as source, open(path, "wb") as out:
@@ -760,9 +763,6 @@ def mapped(name: str) -> Iterator[bytes | mmap.mmap]:
                 region.close()
 
 
-_local_path = disk.local_path
-
-
 def _adopt(source: Path, sha256: str, size: int) -> Blob:
     """Rename a verified local file that holds the whole blob into its content address.
 
@@ -775,7 +775,7 @@ def _adopt(source: Path, sha256: str, size: int) -> Blob:
     if existing is not None and default_storage.exists(existing.storage_name):
         return existing
     address = Blob.address(sha256)
-    target = _local_path(address)
+    target = disk.local_path(address)
     assert target is not None
     target.parent.mkdir(parents=True, exist_ok=True)
     os.replace(source, target)  # atomic: readers see no blob or the whole blob
@@ -859,13 +859,13 @@ def complete(upload: Upload, *, user: User, ip: str | None = None) -> Upload:
         return _complete_direct(upload, parts, rules, user=user, ip=ip)
     try:
         data = disk.in_place(upload, parts)
-        single = _local_path(parts[0].storage_name) if len(parts) == 1 else None
+        single = disk.local_path(parts[0].storage_name) if len(parts) == 1 else None
         if data is not None:
             # The parts lie end to end in the data file: it is the blob.
             whole = _Whole(parts)
             pieces = disk.segments(parts) or []
             disk.hash_segments(pieces[whole.chained :], whole)
-            _check_whole_digest(upload, str(whole.digest.hexdigest()))
+            _check_whole_digest(upload, whole.hexdigest())
             disk.settle(data, upload.size)
             rules.check_file(upload, data)
             blob = _adopt(data, upload.sha256, upload.size)
