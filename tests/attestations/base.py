@@ -88,6 +88,13 @@ def storage(settings: Any, tmp_path: Path) -> Path:
     return media
 
 
+def part_bytes(root: Path, part: Any) -> bytes:
+    """A stored part's bytes: a file of its own, or its range of the upload's data file."""
+    with (root / part.storage_name).open("rb") as handle:
+        handle.seek(part.offset or 0)
+        return handle.read(part.size)
+
+
 def stored_files(root: Path) -> list[str]:
     """Every file under a storage root, relative, sorted."""
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())

@@ -24,7 +24,7 @@ from rest_framework.test import APIClient
 
 from attestations.uploads import disk
 from attestations.uploads.models import Blob, Upload, UploadPart, UploadStatus
-from tests.attestations.base import World, error_of, sha256, stored_files
+from tests.attestations.base import World, error_of, part_bytes, sha256, stored_files
 from tests.reliability.fuzz import budget
 
 Api = Callable[[str | None], APIClient]
@@ -217,9 +217,7 @@ def test_part_rejects_hostile_requests_clearly(
     if response.status_code == 200:
         # Only a part whose bytes match its declared digest is ever accepted.
         part = UploadPart.objects.get(upload=world.upload, number=number)
-        with (storage / part.storage_name).open("rb") as handle:  # its own file, or its range
-            handle.seek(part.offset or 0)
-            stored = handle.read(part.size)
+        stored = part_bytes(storage, part)  # its own file, or its range
         assert stored == body[: part.size]
         assert part.sha256 == sha256(stored)
     check_storage(storage, world)

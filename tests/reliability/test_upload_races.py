@@ -44,7 +44,7 @@ from attestations.uploads import disk
 from attestations.uploads import services as uploads
 from attestations.uploads.models import Blob, PartReservation, Upload, UploadPart, UploadStatus
 from attestations.uploads.tasks import expire_uploads
-from tests.attestations.base import World, sha256, stored_files
+from tests.attestations.base import World, part_bytes, sha256, stored_files
 from tests.conftest import SERVICES_SKIP_REASON, services_configured
 
 pytestmark = [
@@ -167,13 +167,6 @@ def staged(media: Path, upload: Upload) -> set[str]:
     """The staged files of ``upload``, by storage name."""
     prefix = upload.staging_prefix + "/"
     return {name for name in stored_files(media) if name.startswith(prefix)}
-
-
-def part_bytes(media: Path, part: UploadPart) -> bytes:
-    """A stored part's bytes: a file of its own, or its range of the upload's data file."""
-    with (media / part.storage_name).open("rb") as handle:
-        handle.seek(part.offset or 0)
-        return handle.read(part.size)
 
 
 def check_consistent(server: Server, upload: Upload, data: bytes | None = None) -> str:
