@@ -11,13 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.sources import AGENT_SOURCES
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: Where top-level import names live: the repository root (the server) and the SDK.
-IMPORT_ROOTS = (
-    REPO_ROOT,
-    REPO_ROOT / "agent" / "zkdv" / "src",
-    REPO_ROOT / "agent" / "dvbench" / "src",
-)
+IMPORT_ROOTS = (REPO_ROOT, *AGENT_SOURCES)
 DESIGN_CARD = (
     "manage.py",
     "pyproject.toml",

@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from tests.sources import AGENT_PYTHONPATH
+
 jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 pytest.importorskip("flax")
@@ -358,7 +360,7 @@ def test_dispatch_imports_only_the_framework_it_needs() -> None:
     )
     root = Path(__file__).resolve().parents[2]
     env = {
-        "PYTHONPATH": f"{root}:{root / 'agent' / 'zkdv' / 'src'}:{root / 'agent' / 'dvbench' / 'src'}",
+        "PYTHONPATH": f"{root}:{AGENT_PYTHONPATH}",
         "PATH": "/usr/bin:/bin",
     }
     out = subprocess.run(

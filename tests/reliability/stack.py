@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.sources import AGENT_PYTHONPATH
+
 REPO = Path(__file__).resolve().parent.parent.parent
 
 
@@ -201,8 +203,7 @@ class Stack:
             PYTHONPATH=os.pathsep.join(
                 [
                     str(REPO),
-                    str(REPO / "agent" / "zkdv" / "src"),
-                    str(REPO / "agent" / "dvbench" / "src"),
+                    AGENT_PYTHONPATH,
                 ]
             ),
             PYTHONUNBUFFERED="1",

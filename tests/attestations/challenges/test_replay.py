@@ -32,6 +32,7 @@ from attestations.challenges.models import Challenge, ChallengeStatus
 from attestations.experiments.models import Experiment, ExperimentSpec
 from attestations.proofs.models import Proof, ProofArtifact, ProofStatus
 from tests.attestations.base import put_parts, sha256
+from tests.sources import AGENT_PYTHONPATH
 from tests.torch_forgeries import hide_learning_rate
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -396,7 +397,7 @@ def _trained_elsewhere(path: Path) -> Path:
         env={
             **os.environ,
             **kernels("default"),
-            "PYTHONPATH": f"{root}:{root / 'agent/zkdv/src'}:{root / 'agent/dvbench/src'}",
+            "PYTHONPATH": f"{root}:{AGENT_PYTHONPATH}",
         },
         capture_output=True,
         text=True,

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 
 from dvbench.attest import Result, TrustRoot
 from dvbench.attest.cli import verify_report_main
+from tests.sources import AGENT_PYTHONPATH
 from zkdv.testing import write_synthetic_transcript
 from zkdv.verify import verify_transcript
 
@@ -168,9 +168,7 @@ def test_it_runs_as_a_module_without_django(files: tuple[Path, Path]) -> None:
         timeout=60,
         cwd=REPO,
         env={
-            "PYTHONPATH": os.pathsep.join(
-                [str(REPO / "agent" / "zkdv" / "src"), str(REPO / "agent" / "dvbench" / "src")]
-            ),
+            "PYTHONPATH": AGENT_PYTHONPATH,
             "PATH": "/usr/bin:/bin",
         },
         check=False,

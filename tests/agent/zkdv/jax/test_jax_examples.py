@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.sources import AGENT_PYTHONPATH
+
 ROOT = Path(__file__).resolve().parents[4]
 
 
@@ -16,8 +18,7 @@ def _run(script: str, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [
-            str(ROOT / "agent" / "zkdv" / "src"),
-            str(ROOT / "agent" / "dvbench" / "src"),
+            AGENT_PYTHONPATH,
             env.get("PYTHONPATH", ""),
         ]
     )
@@ -35,9 +36,7 @@ def _run(script: str, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]
 
 def _verify(proof: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / "agent" / "zkdv" / "src"), str(ROOT / "agent" / "dvbench" / "src")]
-    )
+    env["PYTHONPATH"] = AGENT_PYTHONPATH
     return subprocess.run(
         [sys.executable, "-m", "zkdv", "verify", str(proof)],
         env=env,
@@ -90,9 +89,7 @@ def _replay_in_a_fresh_process(proof: Path) -> str:
         "    print(first, last)\n"
     )
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), str(ROOT / "agent" / "zkdv" / "src"), str(ROOT / "agent" / "dvbench" / "src")]
-    )
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), AGENT_PYTHONPATH])
     result = subprocess.run(
         [sys.executable, "-c", code, str(proof)],
         env=env,

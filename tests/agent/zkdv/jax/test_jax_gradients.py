@@ -32,6 +32,7 @@ import zkdv
 from provers import jax_replay
 from provers.replay import Transcript, windows
 from tests.matrix import cell_id, cells
+from tests.sources import AGENT_PYTHONPATH
 from zkdv.config import GradientBounds
 from zkdv.jax.contrib import TrainState
 from zkdv.verify import verify_transcript
@@ -88,8 +89,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
                 "ZKDV_JAX_EXPORT_PLATFORMS": "",
                 "PYTHONPATH": os.pathsep.join(
                     [
-                        str(ROOT / "agent" / "zkdv" / "src"),
-                        str(ROOT / "agent" / "dvbench" / "src"),
+                        AGENT_PYTHONPATH,
                         str(ROOT),
                         str(Path(__file__).parent),
                     ]

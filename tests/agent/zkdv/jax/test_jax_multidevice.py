@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.sources import AGENT_PYTHONPATH
+
 ROOT = Path(__file__).resolve().parents[4]
 
 SCRIPT = textwrap.dedent(
@@ -83,9 +85,7 @@ def test_named_shardings_are_preserved_and_one_logical_update_is_committed(
     # model code written for explicit-axis meshes (out_sharding=...) is out of scope.
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / "agent" / "zkdv" / "src"), str(ROOT / "agent" / "dvbench" / "src")]
-    )
+    env["PYTHONPATH"] = AGENT_PYTHONPATH
     script = tmp_path / "multidevice.py"
     script.write_text(SCRIPT.format(axis="Auto", commitments=commitments))
     result = subprocess.run(

@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.sources import AGENT_PYTHONPATH
 from zkdv.calibrate import kernel_families
 from zkdv.torch.optimizers import OptimizerRegistry, canonical, pack_optimizer_state
 from zkdv.torch.optimizers.canonical import CANONICAL_VERSION, supports, update
@@ -537,12 +538,8 @@ def fingerprints() -> dict[str, Any]:
 def test_it_is_identical_across_cpu_kernels_and_threads() -> None:
     environment = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [
-                str(REPO_ROOT / "agent" / "zkdv" / "src"),
-                str(REPO_ROOT / "agent" / "dvbench" / "src"),
-            ]
-        ),
+        # The repository too: this file runs as the script, and imports tests.sources.
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), AGENT_PYTHONPATH]),
         # Three processes of up to four OpenMP threads share the CPUs: threads that
         # spin while they wait would take twice as long (the results are the same).
         "OMP_WAIT_POLICY": "PASSIVE",

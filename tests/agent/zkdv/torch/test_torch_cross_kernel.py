@@ -27,6 +27,7 @@ from provers import torch_replay
 from provers.replay import Transcript, windows
 from tests.agent.zkdv.torch.test_torch_recipes import FORGERIES, STEPS, assert_caught
 from tests.matrix import cell_id, cells
+from tests.sources import AGENT_PYTHONPATH
 from zkdv.calibrate import kernels
 from zkdv.verify import verify_transcript
 
@@ -52,8 +53,7 @@ def _train(directory: Path, runs: list[str], capability: str, threads: int) -> N
         "PYTHONPATH": os.pathsep.join(
             [
                 str(ROOT),
-                str(ROOT / "agent" / "zkdv" / "src"),
-                str(ROOT / "agent" / "dvbench" / "src"),
+                AGENT_PYTHONPATH,
             ]
         ),
     }

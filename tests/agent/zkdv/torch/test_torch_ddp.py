@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.sources import AGENT_PYTHONPATH
 from zkdv.records import iter_records
 from zkdv.verify import verify_transcript
 
@@ -122,8 +123,7 @@ def _run(tmp_path: Path, tamper: bool) -> list[dict]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [
-            str(REPO_ROOT / "agent" / "zkdv" / "src"),
-            str(REPO_ROOT / "agent" / "dvbench" / "src"),
+            AGENT_PYTHONPATH,
             env.get("PYTHONPATH", ""),
         ]
     )

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from provers.torch_replay import exact_environment, verify_challenge
+from tests.sources import AGENT_PYTHONPATH
 from zkdv.config import DEFAULT_CHUNK_BYTES
 from zkdv.merkle import commit_state
 from zkdv.records import iter_records
@@ -167,8 +168,7 @@ def _run(tmp_path: Path, mode: str) -> list[dict[str, Any]]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [
-            str(REPO_ROOT / "agent" / "zkdv" / "src"),
-            str(REPO_ROOT / "agent" / "dvbench" / "src"),
+            AGENT_PYTHONPATH,
             env.get("PYTHONPATH", ""),
         ]
     )

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.sources import AGENT_PYTHONPATH
 from zkdv.verify import verify_transcript
 
 REPO_ROOT = Path(__file__).resolve().parents[4]
@@ -29,8 +30,7 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [
-            str(REPO_ROOT / "agent" / "zkdv" / "src"),
-            str(REPO_ROOT / "agent" / "dvbench" / "src"),
+            AGENT_PYTHONPATH,
             env.get("PYTHONPATH", ""),
         ]
     )
