@@ -10,19 +10,25 @@ from torch import nn
 from torch.nn import functional
 
 import zkdv
+from provers import torch_replay
 from zkdv.verify import verify_transcript
 
 
+# Every step is re-executed and compared, so a step that trains something other than
+# the attested function fails here, not only when the run's bits happen to draw a check.
+EVERY_STEP = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy(update_check_probability=1.0))
+
+
 def _run(tmp_path: Path, model: nn.Module, attested) -> None:
-    proof = zkdv.torch.ZKDV(tmp_path / "proof")
+    """Train one step of `attested` itself, the step a lab attests and runs."""
+    proof = zkdv.torch.ZKDV(tmp_path / "proof", config=EVERY_STEP)
     proof.start(rolling_window=2)
     model, optimizer = proof.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     proof.attest(lambda m, o, b: attested(proof, m, o, b))
     batch = (torch.randn(4, 3), torch.randint(2, (4,)))
     try:
         with proof.transaction(batch=batch):
-            proof.backward(functional.cross_entropy(model(batch[0]), batch[1]))
-            optimizer.step()
+            attested(proof, model, optimizer, batch)
     finally:
         proof.close()
 
@@ -45,8 +51,6 @@ def test_calling_the_prepared_module_directly_traces_its_state(tmp_path: Path) -
     # The traced state stays in place for the whole attested step (activation
     # checkpointing recomputes in the backward pass), so model(x) computes with it, as
     # proof.forward(model, x) does: the program's gradients are the step's.
-    from provers import torch_replay
-
     def attested(proof, model, optimizer, batch):
         proof.backward(functional.cross_entropy(model(batch[0]), batch[1]))
         optimizer.step()
@@ -159,6 +163,8 @@ def test_literal_tensors_and_stateless_modules_pass_through(tmp_path: Path) -> N
 
     _run(tmp_path, nn.Linear(3, 2), attested)
     assert verify_transcript(tmp_path / "proof").ok
+    verdict = torch_replay.verify_challenge(tmp_path / "proof", 0)
+    assert verdict.ok and all(e.exact for e in verdict.evidence), verdict.message
 
 
 def test_the_attested_step_must_step_the_optimizer(tmp_path: Path) -> None:
