@@ -13,7 +13,6 @@ import zkdv
 from provers import torch_replay
 from zkdv.verify import verify_transcript
 
-
 # Every step is re-executed and compared, so a step that trains something other than
 # the attested function fails here, not only when the run's bits happen to draw a check.
 EVERY_STEP = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy(update_check_probability=1.0))
