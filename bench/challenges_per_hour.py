@@ -98,6 +98,7 @@ def train(path: Path, name: str, digest: str, args: argparse.Namespace) -> Path:
 
 def store(experiment: Any, user: Any, kind: str, data: bytes, name: str = "") -> Any:
     from attestations.uploads import services as uploads
+    from attestations.uploads.parts import put_part
 
     upload = uploads.create(
         experiment=experiment,
@@ -107,7 +108,7 @@ def store(experiment: Any, user: Any, kind: str, data: bytes, name: str = "") ->
         user=user,
         name=name,
     )
-    uploads.put_part(
+    put_part(
         upload, 1, stream=BytesIO(data), declared_sha256=upload.sha256, content_length=len(data)
     )
     return uploads.complete(upload, user=user)

@@ -2,7 +2,7 @@
 
 Routes: ``uploads/`` and ``uploads/{id}/`` with its ``parts/``, ``complete/`` and
 ``abort/`` (``attestations/api/urls.py``). A completed transcript upload is filed as a
-proof (``attestations/uploads/services.py``).
+proof (``attestations/uploads/``: ``services``, ``parts`` and ``direct``).
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ from attestations.http.fields import Sha256Field, StrictCharField, StrictInteger
 from attestations.http.filters import QueryFilters
 from attestations.http.pagination import CursorPage
 from attestations.http.permissions import HasCapability, get_access, require
+from attestations.uploads import direct, parts
 from attestations.uploads import services as uploads
+from attestations.uploads.limits import MAX_PARTS, PART_DIGEST_HEADER, max_part_bytes
 from attestations.uploads.models import ArtifactKind, Upload, UploadPart, UploadStatus
 from attestations.uploads.s3 import MIN_PART_BYTES as S3_MIN_PART_BYTES
-from attestations.uploads.services import max_part_bytes
 
 
 class UploadPartSerializer(serializers.ModelSerializer[UploadPart]):
@@ -245,7 +246,7 @@ class UploadDetail(APIView):
         are the declared parts object storage holds with their declared size.
         """
         upload = _upload(request, pk, Capability.ARTIFACTS)
-        context = {"direct_parts": uploads.direct_parts(upload)} if upload.direct else {}
+        context = {"direct_parts": direct.direct_parts(upload)} if upload.direct else {}
         return Response(UploadSerializer(upload, context=context).data)
 
 
@@ -273,12 +274,12 @@ class UploadPartView(APIView):
         parameters=[
             OpenApiParameter(
                 "number",
-                {"type": "integer", "minimum": 1, "maximum": uploads.MAX_PARTS},
+                {"type": "integer", "minimum": 1, "maximum": MAX_PARTS},
                 OpenApiParameter.PATH,
-                description=f"The part's number, 1 to {uploads.MAX_PARTS}.",
+                description=f"The part's number, 1 to {MAX_PARTS}.",
             ),
             OpenApiParameter(
-                uploads.PART_DIGEST_HEADER,
+                PART_DIGEST_HEADER,
                 {"type": "string", "pattern": "^[0-9a-fA-F]{64}$"},
                 OpenApiParameter.HEADER,
                 required=True,
@@ -306,11 +307,11 @@ class UploadPartView(APIView):
             # Django reads nothing from a body of unknown length; say so instead of
             # reporting the digest of an empty part.
             raise LengthRequiredError(field="Content-Length")
-        part = uploads.put_part(
+        part = parts.put_part(
             upload,
             int(number),
             stream=request.stream if request.stream is not None else _empty(),
-            declared_sha256=request.headers.get(uploads.PART_DIGEST_HEADER),
+            declared_sha256=request.headers.get(PART_DIGEST_HEADER),
             content_length=content_length,
         )
         return Response({"number": part.number, "size": part.size, "sha256": part.sha256})
@@ -330,9 +331,9 @@ class UploadPartURL(APIView):
         parameters=[
             OpenApiParameter(
                 "number",
-                {"type": "integer", "minimum": 1, "maximum": uploads.MAX_PARTS},
+                {"type": "integer", "minimum": 1, "maximum": MAX_PARTS},
                 OpenApiParameter.PATH,
-                description=f"The part's number, 1 to {uploads.MAX_PARTS}.",
+                description=f"The part's number, 1 to {MAX_PARTS}.",
             )
         ],
         responses=inline_serializer(
@@ -359,7 +360,7 @@ class UploadPartURL(APIView):
         upload = _upload(request, pk, Capability.WRITE)
         serializer = UploadPartURLRequestSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        issued = uploads.declare_part(
+        issued = direct.declare_part(
             upload,
             int(number),
             size=serializer.validated_data["size"],

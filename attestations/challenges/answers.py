@@ -37,8 +37,8 @@ from attestations.proofs.models import (
     Proof,
     ProofArtifact,
 )
+from attestations.uploads.blobs import mapped
 from attestations.uploads.models import ArtifactKind, Blob, UploadStatus
-from attestations.uploads.services import mapped
 
 log = logging.getLogger(__name__)
 

@@ -101,7 +101,7 @@ def add_error_responses(
     upload = schemas.get("UploadRequest", {}).get("properties", {}).get("size")
     if upload is not None:
         # The configured limit, as this server enforces it (400 blob_too_large past it).
-        from attestations.uploads.services import max_blob_bytes
+        from attestations.uploads.limits import max_blob_bytes
 
         upload["maximum"] = max_blob_bytes()
     for name, component in schemas.items():
@@ -132,7 +132,7 @@ def add_error_responses(
                 body["required"] = True
                 binary = body.get("content", {}).get("application/octet-stream")
                 if binary is not None:
-                    from attestations.uploads.services import max_part_bytes
+                    from attestations.uploads.limits import max_part_bytes
 
                     # An upload part: 1 byte to the configured part limit (413 beyond).
                     binary["schema"] = {

@@ -12,8 +12,8 @@ class ProofsConfig(AppConfig):
 
     def ready(self) -> None:
         from attestations.proofs.filing import TranscriptFiling
+        from attestations.uploads.kinds import register_kind
         from attestations.uploads.models import ArtifactKind
-        from attestations.uploads.services import register_kind
 
         # A completed transcript upload is filed as a proof (attestations/proofs/filing.py).
         register_kind(ArtifactKind.TRANSCRIPT, TranscriptFiling())

@@ -24,8 +24,8 @@ from attestations.core.conf import dvbench_int
 from attestations.experiments.models import Experiment
 from attestations.proofs.errors import TooManyProofsError, TranscriptRejectedError
 from attestations.proofs.models import Job, Proof, ProofStatus
+from attestations.uploads.kinds import KindRules
 from attestations.uploads.models import Upload
-from attestations.uploads.services import KindRules
 
 
 class TranscriptFiling(KindRules):

@@ -3,7 +3,7 @@
 A :class:`Blob` is stored once under its content address, whoever uploaded it; an
 :class:`Upload` is one resumable multipart session of one file (a transcript, a program,
 a snapshot, a batch), whose parts are checked as they arrive. Moving bytes through
-storage is ``attestations/uploads/services.py``.
+storage is ``attestations/uploads/services.py`` and the modules it names.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ class PartReservation(models.Model):
     """Bytes a part PUT in flight has claimed against its upload's declared size.
 
     Taken under the upload's row lock before the part's body is read, and released when
-    the part is registered or refused (``attestations/uploads/services.py``), so parts
+    the part is registered or refused (``attestations/uploads/parts.py``), so parts
     sent in parallel never stage more than was declared. A reservation older than
     ``services.RESERVATION_SECONDS`` belongs to a request that died without releasing it
     (a killed worker) and no longer counts.

@@ -287,6 +287,7 @@ import hashlib, io, tempfile
 from pathlib import Path
 from django.contrib.auth.models import User
 from attestations.uploads import services as uploads
+from attestations.uploads.parts import put_part
 from attestations.accounts.models import ApiKey, Membership, Organization
 from attestations.experiments.models import Experiment
 from zkdv.records import RECORDS_FILE
@@ -306,7 +307,7 @@ for i in range(count):
         data = (Path(tmp) / RECORDS_FILE).read_bytes()
     digest = hashlib.sha256(data).hexdigest()
     upload = uploads.create(experiment=experiment, kind="transcript", size=len(data), sha256=digest, user=user)
-    uploads.put_part(upload, 1, stream=io.BytesIO(data), declared_sha256=digest, content_length=len(data))
+    put_part(upload, 1, stream=io.BytesIO(data), declared_sha256=digest, content_length=len(data))
     upload = uploads.complete(upload, user=user)
     ids.append(upload.proof.pk)
 print(json.dumps(ids))

@@ -43,6 +43,7 @@ from attestations.accounts.models import ApiKey
 from attestations.uploads import disk
 from attestations.uploads import services as uploads
 from attestations.uploads.models import Blob, PartReservation, Upload, UploadPart, UploadStatus
+from attestations.uploads.parts import put_part
 from attestations.uploads.tasks import expire_uploads
 from tests.attestations.base import World, part_bytes, sha256, stored_files
 from tests.conftest import SERVICES_SKIP_REASON, services_configured
@@ -141,7 +142,7 @@ def open_upload(world: World, data: bytes, *, parts: int = 0) -> Upload:
     )
     for number in range(1, parts + 1):
         chunk = data[(number - 1) * PART : number * PART]
-        uploads.put_part(
+        put_part(
             upload,
             number,
             stream=io.BytesIO(chunk),

@@ -244,6 +244,7 @@ def test_ingest_through_a_real_worker(
     from attestations.accounts.models import Membership, Organization
     from attestations.experiments.models import Experiment
     from attestations.uploads import services as uploads
+    from attestations.uploads.parts import put_part
 
     org = Organization.objects.create(slug="acme", name="Acme")
     alice = User.objects.create_user("alice", password="x" * 20)
@@ -260,7 +261,7 @@ def test_ingest_through_a_real_worker(
     )
     from io import BytesIO
 
-    uploads.put_part(
+    put_part(
         upload, 1, stream=BytesIO(data), declared_sha256=upload.sha256, content_length=len(data)
     )
     uploads.complete(upload, user=alice)

@@ -196,14 +196,12 @@ def test_it_rejects_an_oversized_body_without_content_length(
     from io import BytesIO
 
     from attestations.core.errors import PayloadTooLargeError
-    from attestations.uploads import services as uploads
+    from attestations.uploads.parts import put_part
 
     upload = Upload.objects.get(pk=open_upload(api("alice"), os.urandom(70 * 1024))["id"])
     body = os.urandom(64 * 1024 + 1)
     try:
-        uploads.put_part(
-            upload, 1, stream=BytesIO(body), declared_sha256=sha256(body), content_length=None
-        )
+        put_part(upload, 1, stream=BytesIO(body), declared_sha256=sha256(body), content_length=None)
     except PayloadTooLargeError as error:
         assert error.error_code == "part_too_large"
     else:
@@ -419,8 +417,8 @@ def test_a_reservation_left_by_a_dead_request_lapses(world: World, api: Api, sto
 
     from django.utils import timezone
 
-    from attestations.uploads import services as uploads
     from attestations.uploads.models import PartReservation
+    from attestations.uploads.parts import RESERVATION_SECONDS
 
     client = api("alice")
     data = os.urandom(2000)
@@ -429,7 +427,7 @@ def test_a_reservation_left_by_a_dead_request_lapses(world: World, api: Api, sto
         upload_id=created["id"],
         number=2,
         size=2000,
-        created=timezone.now() - timedelta(seconds=uploads.RESERVATION_SECONDS + 1),
+        created=timezone.now() - timedelta(seconds=RESERVATION_SECONDS + 1),
     )
     for response in put_parts(client, created["id"], data, 1000):
         assert response.status_code == 200, response.content

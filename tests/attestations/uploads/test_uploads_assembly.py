@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from rest_framework.test import APIClient
 
-from attestations.uploads import disk, services, sha256state
+from attestations.uploads import blobs, disk, sha256state
 from attestations.uploads.models import Blob, Upload, UploadPart, UploadStatus
 from tests.attestations.base import World, error_of, open_upload, put_parts, sha256, stored_files
 
@@ -74,13 +74,13 @@ def test_a_full_disk_while_joining_keeps_the_upload_open(
 def hashed_at_completion(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The number of bytes completion hashes itself (after the parts' chain of states)."""
     counted: list[int] = []
-    original = services._Whole.__call__
+    original = blobs.Whole.__call__
 
     def count(whole: Any, data: bytes | memoryview) -> None:
         counted.append(len(data))
         original(whole, data)
 
-    monkeypatch.setattr(services._Whole, "__call__", count)
+    monkeypatch.setattr(blobs.Whole, "__call__", count)
     return counted
 
 
