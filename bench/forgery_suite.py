@@ -86,7 +86,7 @@ from provers.challenges import (  # noqa: E402
 from provers.replay import Transcript, windows  # noqa: E402
 from tests.agent.zkdv.torch import test_torch_recipes as recipes  # noqa: E402
 from zkdv.config import GradientBounds  # noqa: E402
-from zkdv.torch.capture import current_capture  # noqa: E402
+from zkdv.torch._capture import current_capture  # noqa: E402
 from zkdv.verify import verify_transcript  # noqa: E402
 
 lm = recipes.lm
@@ -261,9 +261,9 @@ def _count_tokens(factor: float) -> Callable[[], None]:
     """A modified SDK: the step records commit ``factor`` times the real token count."""
     if factor == 1.0:
         return lambda: None
-    from zkdv.torch import packing
+    from zkdv.torch import _packing
 
-    namespace = vars(packing)  # the name packing's own code looks up at every step
+    namespace = vars(_packing)  # the name _packing's own code looks up at every step
     real = namespace["count_tokens"]
 
     def fewer(*args: Any, **kwargs: Any) -> int:

@@ -26,8 +26,7 @@ import torch
 from provers import require_exact
 from provers.replay import ReplayVerdict, Transcript, replay
 from zkdv.replay import ReplayError, Transition
-from zkdv.torch import artifact
-from zkdv.torch.replay import PROGRAM_KINDS, PROVER, load_transition
+from zkdv.torch.replay import PROGRAM_KINDS, PROVER, TORCH_EXPORT, load_transition
 
 __all__ = [
     "PROGRAM_KINDS",
@@ -53,7 +52,7 @@ def exact_environment(root: dict[str, Any]) -> bool:
     env = root.get("env") or {}
     program = root.get("program") or {}
     return (
-        program.get("kind") == artifact.TORCH_EXPORT
+        program.get("kind") == TORCH_EXPORT
         and env.get("torch") == torch.__version__
         and env.get("device_kind") == "cpu"
         # The same kernels: Torch picks AVX2 or AVX512 code by the CPU, and they round

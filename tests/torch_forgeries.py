@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zkdv.torch.eager import current_transaction
+from zkdv.torch._eager import current_transaction
 
 
 def hide_learning_rate(optimizer: Any, factor: float, group: int | None = None) -> None:
@@ -18,7 +18,7 @@ def hide_learning_rate(optimizer: Any, factor: float, group: int | None = None) 
     the transcript commits the rate its groups say.
 
     Args:
-        optimizer: the :class:`~zkdv.torch.prepared.PreparedOptimizer`.
+        optimizer: the :class:`~zkdv.torch._prepared.PreparedOptimizer`.
         factor: how much larger the rate of the update is than the committed one.
         group: the parameter group to change (None: every group).
     """

@@ -39,7 +39,7 @@ from torch.nn import functional
 import zkdv
 import zkdv.batch
 from dvbench import Client
-from zkdv.torch.packing import BatchLayout
+from zkdv.torch import BatchLayout
 
 EXPERIMENT = sys.argv[1] if len(sys.argv) > 1 else "your-name/digits-torch"
 STEPS = int(os.environ.get("DIGITS_STEPS", "60"))
@@ -72,7 +72,7 @@ def dataset_commitment(steps: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
     """SHA-256 of the committed batch roots in step order, computed before training.
 
     Each batch is packed into uint32 rows exactly as a transaction packs it
-    (zkdv.torch.packing) and committed with zkdv.batch.commit_batch.
+    (zkdv.torch.BatchLayout) and committed with zkdv.batch.commit_batch.
     """
     layout = BatchLayout.of(steps[0], min_words=ROLLING_WINDOW)
     roots = (zkdv.batch.commit_batch(layout.pack(b), ROLLING_WINDOW).root for b in steps)

@@ -427,7 +427,7 @@ def _parameter_arrays(params: Any, backend: str) -> list[Any]:
     import numpy as np
 
     if backend == "torch" or hasattr(params, "named_parameters"):
-        from zkdv.torch.eager import host_array
+        from zkdv.torch import host_array
 
         if not hasattr(params, "named_parameters"):
             raise TypeError("with backend='torch', save_model takes the torch.nn.Module trained")

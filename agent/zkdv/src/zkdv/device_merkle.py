@@ -1,6 +1,6 @@
 """State commitments computed where the state lives: BLAKE3 and ``zkdv.merkle`` as array code.
 
-The frontends' device paths (``zkdv.jax.device_merkle``, ``zkdv.torch.device_merkle``)
+The frontends' device paths (``zkdv.jax.device_merkle``, ``zkdv.torch._device_merkle``)
 hash a state's chunks on the accelerator and hand the host one 32-byte chunk root per
 leaf. The roots are bit-identical to :func:`zkdv.merkle.commit_state`'s, because the
 algorithm here *is* that scheme, written once against a tiny array interface

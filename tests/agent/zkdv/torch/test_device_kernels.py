@@ -1,4 +1,4 @@
-"""Torch device kernels (``zkdv.torch.device_merkle``, ``zkdv.torch.device_probes``).
+"""Torch device kernels (``zkdv.torch._device_merkle``, ``zkdv.torch._device_probes``).
 
 They are ready for the Torch driver to call (docs/torch.md, "Device-side commitments"):
 here they run eagerly on CPU tensors and must give the host path's commitments and
@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from zkdv.merkle import LeafSpec, commit_state
 from zkdv.probes import ProbeSet
-from zkdv.torch.device_merkle import chunk_roots, leaf_spec, roots_bytes, state_commitment
-from zkdv.torch.device_probes import DeviceProbes
-from zkdv.torch.eager import host_array
+from zkdv.torch._device_merkle import chunk_roots, leaf_spec, roots_bytes, state_commitment
+from zkdv.torch._device_probes import DeviceProbes
+from zkdv.torch._eager import host_array
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -22,7 +22,7 @@ import torch
 import zkdv
 from tests.torch_replays import replay_rejects, replays_every_step_exactly
 from zkdv.records import iter_records
-from zkdv.torch.capture import current_capture
+from zkdv.torch._capture import current_capture
 from zkdv.verify import verify_transcript
 
 pytest.importorskip("lightning")

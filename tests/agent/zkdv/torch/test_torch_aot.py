@@ -17,7 +17,7 @@ from torch.nn import functional
 import zkdv
 from zkdv.core import file_digest
 from zkdv.records import iter_records
-from zkdv.torch import artifact
+from zkdv.torch import _artifact
 from zkdv.verify import verify_transcript
 
 pytestmark = [pytest.mark.aot, pytest.mark.slow]
@@ -69,7 +69,7 @@ def test_aot_artifact_is_committed_reloaded_and_replays_within_tolerance(
         assert tolerance.close(check["param"]["replayed"], check["param"]["committed"])
 
     # Two loads of the committed bytes are bitwise equal to each other; close to eager.
-    first, second = artifact.load(material), artifact.load(material)
+    first, second = _artifact.load(material), _artifact.load(material)
     inputs = (*(p.detach() for p in model.parameters()), *batches[0])
     compiled = first(*inputs)
     for a, b in zip(compiled, second(*inputs), strict=True):

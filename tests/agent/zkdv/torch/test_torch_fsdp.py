@@ -26,7 +26,7 @@ from tests.sources import AGENT_PYTHONPATH
 from zkdv.config import DEFAULT_CHUNK_BYTES
 from zkdv.merkle import commit_state
 from zkdv.records import iter_records
-from zkdv.torch.model import plain_structure, refresh_structure
+from zkdv.torch._model import plain_structure, refresh_structure
 from zkdv.verify import verify_transcript
 
 REPO_ROOT = Path(__file__).resolve().parents[4]

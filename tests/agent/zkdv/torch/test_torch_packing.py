@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zkdv.torch.packing import BatchLayout
+from zkdv.torch._packing import BatchLayout
 
 DTYPES = [
     torch.float32,

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import zkdv
+from zkdv.torch._prepared import PreparedOptimizer
 from zkdv.torch.optimizers import OptimizerContract
 from zkdv.torch.optimizers.sgd import SGDContract
-from zkdv.torch.prepared import PreparedOptimizer
 from zkdv.verify import verify_transcript
 
 

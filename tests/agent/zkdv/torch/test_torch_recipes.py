@@ -43,7 +43,7 @@ from tests.matrix import FULL
 from tests.torch_forgeries import hide_learning_rate
 from tests.torch_replays import replay_rejects, replays_every_step_exactly
 from zkdv.records import iter_records
-from zkdv.torch.capture import current_capture
+from zkdv.torch._capture import current_capture
 from zkdv.verify import verify_transcript
 
 EVERY_STEP = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy.DEBUGCheckEvery(1))

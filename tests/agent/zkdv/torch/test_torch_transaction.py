@@ -25,7 +25,7 @@ from tests.torch_forgeries import hide_learning_rate
 from zkdv.files import TREES, read_batch, read_state, snapshot_path
 from zkdv.merkle import LeafSpec
 from zkdv.records import iter_records
-from zkdv.torch.packing import BatchLayout
+from zkdv.torch._packing import BatchLayout
 from zkdv.verify import verify_transcript
 
 EVERY_STEP = zkdv.ZKDVConfig(

@@ -166,7 +166,7 @@ def _instrument(trainer: Any, run: TrainerProof) -> None:
     @functools.wraps(create_optimizer)
     def prepared_optimizer(*args: Any, **kwargs: Any) -> Any:
         optimizer = create_optimizer(*args, **kwargs)
-        if not isinstance(optimizer, zkdv.torch.prepared.PreparedOptimizer):
+        if not isinstance(optimizer, zkdv.torch._prepared.PreparedOptimizer):
             _, optimizer = proof.prepare(trainer.model, optimizer)
             trainer.optimizer = optimizer
         return optimizer

@@ -4,44 +4,23 @@
 and optimizer, decorate the step with ``@proof.attest``, and run each step inside
 ``with proof.transaction(batch=...)``. See ``docs/torch.md``.
 
-The driver is :mod:`zkdv.torch._driver` (sealing in :mod:`zkdv.torch._sealing`); the
-eager objects it hands out are :mod:`zkdv.torch.eager` and :mod:`zkdv.torch.prepared`.
+What is public: the driver :class:`ZKDV`; :func:`host_array` (bit-exact host copies of
+tensors, what commitments hash); :class:`BatchLayout` (a batch packed into the committed
+rows, so a dataset commitment can be computed before training); the functional
+optimizer contracts (:mod:`zkdv.torch.optimizers`, with the canonical update); and the
+provers' replay interface (:mod:`zkdv.torch.replay`). ``zkdv.torch.generated`` is a
+stable import target for lowered program code. Every other module is private: the driver
+is :mod:`zkdv.torch._driver` (sealing in :mod:`zkdv.torch._sealing`); the eager objects
+it hands out are :mod:`zkdv.torch._eager` and :mod:`zkdv.torch._prepared`.
 
 Importing this module imports Torch; ``import zkdv`` alone does not.
 """
 
 from __future__ import annotations
 
-from zkdv.torch import (
-    arrays,
-    artifact,
-    capture,
-    checkpoint,
-    eager,
-    generated,
-    lowering,
-    model,
-    optimizers,
-    packing,
-    pipeline,
-    prepared,
-)
+from zkdv.torch import generated, optimizers
+from zkdv.torch._arrays import host_array
 from zkdv.torch._driver import ZKDV
-from zkdv.torch.arrays import host_array
+from zkdv.torch._packing import BatchLayout
 
-__all__ = [
-    "ZKDV",
-    "arrays",
-    "artifact",
-    "capture",
-    "checkpoint",
-    "eager",
-    "generated",
-    "host_array",
-    "lowering",
-    "model",
-    "optimizers",
-    "packing",
-    "pipeline",
-    "prepared",
-]
+__all__ = ["ZKDV", "BatchLayout", "generated", "host_array", "optimizers"]

@@ -1,15 +1,18 @@
 """The Torch driver: ``zkdv.torch.ZKDV``.
 
 The public API is documented in ``docs/torch.md`` and in the Torch quick start. This
-module wires the eager objects (:mod:`zkdv.torch.prepared`, :mod:`zkdv.torch.eager`)
+module wires the eager objects (:mod:`zkdv.torch._prepared`, :mod:`zkdv.torch._eager`)
 to the shared :class:`~zkdv.driver.Driver` pipeline through its
 :class:`~zkdv.driver.protocol.Runtime`, seals the attested program on the first
-transaction (:mod:`zkdv.torch._sealing`, :mod:`zkdv.torch.lowering`) and answers
-sampled checks by replaying from snapshots (:mod:`zkdv.torch.pipeline`).
+transaction (:mod:`zkdv.torch._sealing`, :mod:`zkdv.torch._lowering`) and answers
+sampled checks by replaying from snapshots (:mod:`zkdv.torch._pipeline`). What
+``optimizer.step()`` does inside a transaction is :mod:`zkdv.torch._update`; a step's
+computed values, named and read back, are :mod:`zkdv.torch._computed`.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -25,26 +28,24 @@ from torch import nn
 from zkdv.config import GradientBounds, ZKDVConfig
 from zkdv.driver import Driver, ReplayOutcome
 from zkdv.errors import ZKDVError, ZKDVPoisonedError
-from zkdv.files import gradient_path, read_state
-from zkdv.gradients import compare, leaf_name
 from zkdv.sampling import Challenge
-from zkdv.torch import artifact, rng
+from zkdv.torch import _artifact, _rng
+from zkdv.torch._capture import current_capture
+from zkdv.torch._checkpoint import ReplayCheckpoint
+from zkdv.torch._computed import committed_values, computed_leaves
+from zkdv.torch._device import DeviceCommitter
+from zkdv.torch._device_merkle import leaf_spec
+from zkdv.torch._eager import EagerTransaction, Layout, TorchStep
+from zkdv.torch._lowering import LoweredProgram, count_flops
+from zkdv.torch._model import UNPREPARED_MODEL, PreparedModel
+from zkdv.torch._packing import BatchLayout
+from zkdv.torch._pipeline import Pipeline
+from zkdv.torch._prepared import PreparedOptimizer
+from zkdv.torch._scaler import PreparedGradScaler
 from zkdv.torch._sealing import CUDA_NONDETERMINISTIC, environment, gradient_program, trace
-from zkdv.torch.arrays import host_array, tensor_like
-from zkdv.torch.capture import current_capture
-from zkdv.torch.checkpoint import ReplayCheckpoint, StepInputs
-from zkdv.torch.device import DeviceCommitter
-from zkdv.torch.device_merkle import leaf_spec
-from zkdv.torch.eager import EagerTransaction, Layout, TorchStep, current_transaction
-from zkdv.torch.lowering import LoweredProgram, count_flops
-from zkdv.torch.model import UNPREPARED_MODEL, PreparedModel
 from zkdv.torch.optimizers.base import OptimizerContract
-from zkdv.torch.optimizers.bridge import SCALER, SCALER_ENTRIES, OptimizerBridge
+from zkdv.torch.optimizers.bridge import OptimizerBridge
 from zkdv.torch.optimizers.registry import OptimizerRegistry
-from zkdv.torch.packing import BatchLayout
-from zkdv.torch.pipeline import CommittedValues, Pipeline
-from zkdv.torch.prepared import PreparedOptimizer
-from zkdv.torch.scaler import PreparedGradScaler
 from zkdv.transfers import TransferLog
 
 __all__ = ["PROGRAM_KIND_ENV", "ZKDV"]
@@ -60,15 +61,6 @@ NOT_ATTESTED = (
 NO_MODEL = "ZKDV has no prepared model; pass the root module through proof.prepare() first"
 NO_OPTIMIZER = "ZKDV has no prepared optimizer; pass it through proof.prepare() first"
 NO_STEP = "a ZKDV transaction must call optimizer.step() on the prepared optimizer exactly once"
-FSDP_NO_STATES = (
-    "ZKDV under FSDP2 lost the gathered optimizer state of the step before snapshot "
-    "step {step}; the snapshot cannot be taken"
-)
-TWO_STEPS = "a ZKDV transaction may call optimizer.step() only once"
-NO_GRADIENT = (
-    "parameter {name} has no gradient at step {step}, but the sealed attested step computes "
-    "one for it; every step must differentiate the same parameters"
-)
 
 
 #: HostControl key of rank 0's sealing outcome (the first transaction only).
@@ -84,25 +76,6 @@ SETTINGS_CHANGED = (
     "replay would compute something else: {what}. Keep the settings of the first "
     "transaction for the whole run"
 )
-FROZEN_CHANGED = (
-    "parameters that require gradients changed after attestation ({names}); the attested "
-    "program differentiates exactly the parameters that required gradients when it was "
-    "sealed, so create a new proof for the new set of trained parameters"
-)
-
-
-def _global_pre_hooks() -> dict[Any, Any]:
-    """``torch.optim``'s global optimizer-step pre-hooks (``register_optimizer_step_pre_hook``)."""
-    from torch.optim import optimizer as module
-
-    return module._global_optimizer_pre_hooks
-
-
-def _global_post_hooks() -> dict[Any, Any]:
-    """``torch.optim``'s global optimizer-step post-hooks."""
-    from torch.optim import optimizer as module
-
-    return module._global_optimizer_post_hooks
 
 
 @dataclass(frozen=True)
@@ -111,10 +84,6 @@ class _FirstState:
 
     parameters: tuple[torch.Tensor, ...] | None = None
     states: list[dict[str, Any]] | None = None
-
-
-class _StepDroppedError(Exception):
-    """Under DDP, a poisoned owner finishes the step natively and reports at the next entry."""
 
 
 STEP_ABORTED = (
@@ -161,7 +130,7 @@ class ZKDV(Driver):
         self._optimizer_registry = OptimizerRegistry()
         self._prepared_compiled: Pipeline | None = None
         #: Sealed program kind; set before the first transaction to override.
-        self.program_kind = os.environ.get(PROGRAM_KIND_ENV) or artifact.TORCH_EXPORT
+        self.program_kind = os.environ.get(PROGRAM_KIND_ENV) or _artifact.TORCH_EXPORT
         #: Seconds the first transaction spent sealing the program (one-time cost).
         self.sealing_seconds = 0.0
         #: FLOPs of one rank's gradient program (Torch's FLOP counter), set at sealing.
@@ -198,7 +167,7 @@ class ZKDV(Driver):
 
         A module becomes the prepared root model (returned unchanged: its layout is
         bound inside the proof); an optimizer is returned as a
-        :class:`~zkdv.torch.prepared.PreparedOptimizer`. Anything else is returned
+        :class:`~zkdv.torch._prepared.PreparedOptimizer`. Anything else is returned
         as is.
 
         Returns:
@@ -448,8 +417,8 @@ class ZKDV(Driver):
         if self._run_seed is None:
             return
         devices = {parameter.device for parameter in self._require_prepared_model().parameters}
-        generators = rng.StepGenerators(
-            rng.step_seed(self._run_seed, index, self.runtime.rank), devices
+        generators = _rng.StepGenerators(
+            _rng.step_seed(self._run_seed, index, self.runtime.rank), devices
         )
         # Entered here, left when the transaction closes (EagerTransaction.__exit__).
         transaction.generators = generators.__enter__()
@@ -529,250 +498,6 @@ class ZKDV(Driver):
         distributed.all_gather(gathered, local)
         return np.concatenate([part.cpu().numpy().view(np.uint32) for part in gathered])
 
-    def _step_prepared_transaction(
-        self,
-        transaction: EagerTransaction,
-        optimizer: PreparedOptimizer,
-        closure: Callable[[], float] | None,
-    ) -> Any:
-        if optimizer is not self._prepared_optimizer:
-            raise RuntimeError("the transaction stepped an optimizer this proof did not prepare")
-        if transaction.stepped:
-            raise RuntimeError(TWO_STEPS)
-        optimizer.bridge.validate_configuration()
-        model = self._require_prepared_model()
-        self._validate_frozen(model)
-        # FSDP2: every rank gathers the live pre-update parameters (the probes' and the
-        # snapshot's pre-state), so a shard changed between steps is seen as in one process.
-        parameters = model.full_parameters()
-        canonical = self._canonical(optimizer.bridge)
-        if not self.follower:
-            # The options are read after the step's pre-hooks on the canonical path.
-            self._before_update(transaction, optimizer, parameters, options=not canonical)
-        if canonical:
-            result = self._canonical_step(transaction, optimizer, closure)
-        else:
-            if not self.follower and not transaction.dropped and self._commits_gradients:
-                transaction.gradients = self._step_gradients(transaction.index)
-            result = optimizer.optimizer.step(closure)
-        transaction.stepped = True
-        return result
-
-    def _canonical(self, bridge: OptimizerBridge) -> bool:
-        """Whether training applies the canonical update (every rank decides alike)."""
-        return bridge.canonical and not self._fsdp
-
-    def _canonical_step(
-        self,
-        transaction: EagerTransaction,
-        optimizer: PreparedOptimizer,
-        closure: Callable[[], float] | None,
-    ) -> Any:
-        """``optimizer.step()`` as the canonical update of the step's gradient.
-
-        What ``torch.optim.Optimizer.step`` does around the update is kept: the closure,
-        the global and the optimizer's own step hooks. The options are read after the
-        pre-hooks, so what a hook sets is what the step commits and applies; the
-        gradients the update reads are copied first and committed as they were read.
-        """
-        native = optimizer.optimizer
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        arguments: tuple[Any, ...] = ()
-        keywords: dict[str, Any] = {}
-        for hook in (*_global_pre_hooks().values(), *native._optimizer_step_pre_hooks.values()):
-            changed = hook(native, arguments, keywords)
-            if changed is not None:
-                arguments, keywords = changed
-        bridge = optimizer.bridge
-        hyperparameters = bridge.hyperparameters()
-        if self.follower:
-            gradients = [
-                parameter.grad if held else None
-                for parameter, held in zip(
-                    self._require_prepared_model().state_parameters, bridge.held, strict=True
-                )
-            ]
-        else:
-            gradients = self._step_gradients(transaction.index)
-            if not transaction.dropped:
-                self._commit_options(transaction, hyperparameters)
-                transaction.gradients = gradients
-        bridge.update_live(gradients, hyperparameters)
-        for hook in (*native._optimizer_step_post_hooks.values(), *_global_post_hooks().values()):
-            hook(native, arguments, keywords)
-        return loss
-
-    def _step_gradients(self, index: int) -> list[torch.Tensor | None]:
-        """Copies of the gradients this step's update reads (None: not trained).
-
-        The committed gradient is what the optimizer read, after accumulation, clipping
-        and unscaling: copied now, since ``zero_grad(set_to_none=False)`` or the next
-        backward pass may write into the same tensors while the commitment is pending.
-
-        Raises:
-            RuntimeError: a parameter the sealed program computes a gradient for has
-                none at this step.
-        """
-        model = self._require_prepared_model()
-        trained = self._trained
-        assert trained is not None, "the program is sealed before the first update"
-        out: list[torch.Tensor | None] = []
-        with torch.no_grad():
-            for name, parameter, train in zip(
-                model.parameter_names, model.state_parameters, trained, strict=True
-            ):
-                if not train:
-                    out.append(None)
-                    continue
-                gradient = parameter.grad
-                if gradient is None:
-                    raise RuntimeError(NO_GRADIENT.format(name=name, step=index))
-                out.append(gradient.detach().clone())
-        return out
-
-    def _commit_options(
-        self, transaction: EagerTransaction, hyperparameters: list[dict[str, Any]]
-    ) -> None:
-        """Fix the step's dynamic options: committed, and replayed with it."""
-        transaction.hyperparameters = hyperparameters
-        assert self._checkpoint is not None and transaction.words is not None
-        self._checkpoint.keep_inputs(
-            transaction.index, StepInputs(transaction.words, transaction.hyperparameters)
-        )
-
-    def _skipped_by_scaler(self, optimizer: Any) -> None:
-        """After a prepared GradScaler's step: one it skipped (an overflow) still counts.
-
-        Its transaction commits the step with the parameters and optimizer state
-        unchanged, and the scaler's state as its update leaves it.
-        """
-        transaction = current_transaction()
-        if transaction is None or transaction.proof is not self or transaction.stepped:
-            return
-        prepared = self._prepared_optimizer
-        if prepared is None or optimizer is not prepared:
-            raise RuntimeError("the transaction stepped an optimizer this proof did not prepare")
-        prepared.bridge.validate_configuration()
-        model = self._require_prepared_model()
-        self._validate_frozen(model)
-        if not self.follower:
-            self._before_update(transaction, prepared, model.full_parameters())
-            if not transaction.dropped and self._commits_gradients:
-                # The overflowed gradient: a replay skips the update because of it.
-                transaction.gradients = self._step_gradients(transaction.index)
-        transaction.stepped = True
-
-    def _before_update(
-        self,
-        transaction: EagerTransaction,
-        optimizer: PreparedOptimizer,
-        parameters: tuple[torch.Tensor, ...],
-        *,
-        options: bool = True,
-    ) -> None:
-        """Owner: wait for the previous commitment, copy the pre-state, fix the options.
-
-        Args:
-            options: fix the step's dynamic options now (the canonical step fixes them
-                after the optimizer's pre-hooks instead).
-        """
-        try:
-            # The previous step's commitment may still be hashing the live state.
-            self._wait_released()
-            if self.runtime.snapshot_due(transaction.index):
-                assert self._checkpoint is not None
-                transaction.snapshot = self._checkpoint.take(
-                    transaction.index,
-                    parameters,
-                    self._pre_states(transaction.index),
-                    transaction.buffers_before,
-                    self._poison_check,
-                )
-            committer = self._device_committer
-            if committer is not None:
-                # On the device: the rows the probes read, before the update overwrites them.
-                transaction.pre_rows = committer.select(parameters)
-            elif transaction.snapshot is None:
-                transaction.pre_rows = self._probe_rows(parameters)
-            if options:
-                self._commit_options(transaction, optimizer.bridge.hyperparameters())
-        except _StepDroppedError:
-            transaction.dropped = True
-
-    def _validate_frozen(self, model: PreparedModel) -> None:
-        """Refuse a change of which parameters require gradients since sealing."""
-        sealed = self._requires_grad
-        if sealed is None:
-            return
-        now = tuple(parameter.requires_grad for parameter in model.state_parameters)
-        if now != sealed:
-            names = ", ".join(
-                f"{name}: {before} -> {after}"
-                for name, before, after in zip(model.parameter_names, sealed, now, strict=True)
-                if before != after
-            )
-            raise RuntimeError(FROZEN_CHANGED.format(names=names))
-
-    def _pre_states(self, index: int) -> list[dict[str, Any]]:
-        """The optimizer state before step ``index`` (rank 0, at the optimizer step).
-
-        Under FSDP2 it is the full state gathered at the previous step's end: the
-        optimizer state only changes inside ``optimizer.step()``, and gathering it again
-        here would cost a second all-gather of the state on every rank.
-        """
-        if not self._fsdp:
-            return self._bridge().live_states()
-        states = self._full_states
-        if states is None:
-            raise ZKDVError(FSDP_NO_STATES.format(step=index))
-        self._full_states = None
-        return states
-
-    def _probe_rows(self, parameters: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-        """Copies of the pre-update rows the probes read (at most 64 rows per leaf)."""
-        core = self.runtime.core
-        # The probe set exists: step 0 is a snapshot step, and the barrier waited for
-        # the previous commitment, which opened the transcript.
-        assert core is not None and core.probes is not None
-        probes = core.probes
-        if self._probe_index is None:
-            # Index tensors on each parameter's device, built once: indexing a tensor
-            # with a numpy array converts the array on every call.
-            self._probe_index = [
-                None if rows is None else torch.from_numpy(rows).to(parameter.device)
-                for rows, parameter in zip(probes.rows, parameters, strict=True)
-            ]
-        out = []
-        with torch.no_grad():
-            for leaf, (parameter, index) in enumerate(
-                zip(parameters, self._probe_index, strict=True)
-            ):
-                spec = probes.specs[leaf]
-                last = spec.shape[-1] if spec.shape else 1
-                matrix = parameter.reshape(spec.size // last if last else 0, last)
-                out.append(matrix.clone() if index is None else matrix.index_select(0, index))
-        return out
-
-    def _poison_check(self) -> None:
-        runtime = self.runtime
-        if not runtime.multi_process:
-            runtime.check()
-        elif runtime.poisoned is not None:
-            raise _StepDroppedError
-
-    def _wait_released(self) -> None:
-        runtime = self.runtime
-        if not runtime.multi_process:
-            runtime.barrier()
-            return
-        # Under DDP a failure is reported to every rank at the next entry; here the step
-        # only stops waiting (a poisoned pipeline skips the commitment it waits for).
-        if not runtime.barrier(raise_poison=False):
-            raise _StepDroppedError
-
     def _close_prepared_transaction(self, transaction: EagerTransaction) -> None:
         if not transaction.stepped:
             if transaction.admission is not None:
@@ -814,7 +539,7 @@ class ZKDV(Driver):
             gradients = transaction.gradients
             computed = None
             if gradients is not None:
-                computed = committer.roots(self._computed_leaves(gradients, post_buffers))
+                computed = committer.roots(computed_leaves(self, gradients, post_buffers))
             device = (
                 (
                     committer.roots(list(zip(names.parameter_names, parameters, strict=True))),
@@ -842,39 +567,6 @@ class ZKDV(Driver):
             if not runtime.multi_process:
                 raise
             transaction.admission.cancel()  # reported to every rank at the next entry
-
-    def _computed_leaves(
-        self,
-        gradients: list[torch.Tensor | None],
-        post_buffers: list[torch.Tensor],
-        *,
-        scaler_state: list[torch.Tensor] | None = None,
-    ) -> list[tuple[str, torch.Tensor]]:
-        """A step's computed values, named (:mod:`zkdv.gradients`): the gradients the
-        update read, every buffer after the step, a GradScaler's state after it (the live
-        one, or ``scaler_state``: ``(growth_tracker, scale)``)."""
-        layout = self._layout
-        leaves = [
-            (leaf_name("params", name), gradient)
-            for name, gradient in zip(layout.parameter_names, gradients, strict=True)
-            if gradient is not None
-        ]
-        leaves += [
-            (leaf_name("buffers", name), buffer)
-            for name, buffer in zip(layout.buffer_names, post_buffers, strict=True)
-        ]
-        scaler = self._prepared_scaler
-        if scaler is not None:
-            state = (
-                scaler.live_state()
-                if scaler_state is None
-                else dict(zip(SCALER_ENTRIES, scaler_state, strict=True))
-            )
-            leaves += [
-                (leaf_name("opt_state", f"{SCALER}.{entry}"), state[entry].detach())
-                for entry in SCALER_ENTRIES
-            ]
-        return leaves
 
     def _abort_prepared_transaction(self, transaction: EagerTransaction) -> None:
         if transaction.admission is not None:
@@ -971,7 +663,7 @@ class ZKDV(Driver):
             )
         )
         self._sealed_settings = self._settings()
-        self._run_seed = rng.run_seed() if lowered.program.random else None
+        self._run_seed = _rng.run_seed() if lowered.program.random else None
         self._program_flops = count_flops(lowered.graph, arguments)
         return lowered
 
@@ -1005,64 +697,10 @@ class ZKDV(Driver):
             device=device,
             world_size=runtime.world_size,
             run_seed=self._run_seed,
-            committed=self._committed_values if self._commits_gradients else None,
+            committed=functools.partial(committed_values, self)
+            if self._commits_gradients
+            else None,
         )
-
-    def _committed_values(self, step: int) -> CommittedValues | None:
-        """Step ``step``'s committed computed values, read back from its gradient file.
-
-        What a sampled check applies the canonical update to, as the platform's replay
-        does: None where the run keeps no files (``ZKDV_KEEP_FILES=0``), and the check
-        then recomputes every step of its window.
-        """
-        core = self.runtime.core
-        path = gradient_path(self.path, step)
-        if core is None or core.grad_specs is None or not path.exists():
-            return None
-        leaves, _ = read_state(path, core.grad_specs, core.config.chunk_bytes)
-        values = dict(leaves)
-        model = self._require_prepared_model()
-        gradients: list[torch.Tensor | None] = [
-            tensor_like(values[leaf_name("params", name)], parameter)
-            if leaf_name("params", name) in values
-            else None
-            for name, parameter in zip(model.parameter_names, model.state_parameters, strict=True)
-        ]
-        buffers = [
-            tensor_like(values[leaf_name("buffers", name)], buffer)
-            for name, buffer in zip(model.buffer_names, model.buffers, strict=True)
-        ]
-        scaler = None
-        prepared = self._prepared_scaler
-        if prepared is not None:
-            present = [g for g in gradients if g is not None]
-            overflow = not all(bool(torch.isfinite(g).all()) for g in present)
-            live = prepared.live_state()
-            scaler = [
-                torch.tensor(1.0 if overflow else 0.0),
-                *(
-                    tensor_like(values[leaf_name("opt_state", f"{SCALER}.{entry}")], live[entry])
-                    for entry in SCALER_ENTRIES
-                ),
-            ]
-        bounds = self.config.gradient_bounds or self._bounds
-        assert bounds is not None
-
-        def within(
-            recomputed: list[torch.Tensor | None],
-            buffers_after: list[torch.Tensor],
-            scaler_after: list[torch.Tensor] | None,
-        ) -> bool:
-            trained = self._trained or ()
-            named = self._computed_leaves(
-                [g if train else None for g, train in zip(recomputed, trained, strict=True)],
-                buffers_after,
-                scaler_state=None if scaler_after is None else scaler_after[1:],
-            )
-            replayed = [(name, host_array(t)) for name, t in named]
-            return compare(replayed, leaves, bounds).ok
-
-        return CommittedValues(gradients, buffers, scaler, within)
 
     def _commit_program(
         self,
@@ -1090,7 +728,7 @@ class ZKDV(Driver):
             run_seed=self._run_seed,
             program_flops=self._program_flops,
         )
-        compiled = lowered.kind == artifact.AOT_INDUCTOR
+        compiled = lowered.kind == _artifact.AOT_INDUCTOR
         bounds = GradientBounds.default(env["precision"]["kind"], compiled=compiled)
         self.runtime.set_program(lowered.kind, lowered.material, env=env, bounds=bounds)
 

@@ -3,7 +3,7 @@
 The first transaction of a :class:`~zkdv.torch.ZKDV` proof seals the program that every
 sampled check (and the platform) replays. :func:`gradient_program` turns the
 ``@proof.attest`` function into the gradient program and :func:`trace` lowers it
-(:mod:`zkdv.torch.lowering`);
+(:mod:`zkdv.torch._lowering`);
 :func:`environment` writes down everything a replay must reproduce besides the
 program's bytes (the root record's ``env``). The driver (:mod:`zkdv.torch._driver`)
 runs these steps in order in ``ZKDV._seal``.
@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
-from zkdv.torch import rng, strides
-from zkdv.torch.eager import EagerTransaction, Layout
-from zkdv.torch.lowering import LoweredProgram, gradient_function, lower
-from zkdv.torch.model import PreparedModel
+from zkdv.torch import _rng, _strides
+from zkdv.torch._eager import EagerTransaction, Layout
+from zkdv.torch._lowering import LoweredProgram, gradient_function, lower
+from zkdv.torch._model import PreparedModel
+from zkdv.torch._packing import BatchLayout
+from zkdv.torch._prepared import PreparedOptimizer
 from zkdv.torch.optimizers import canonical
-from zkdv.torch.packing import BatchLayout
-from zkdv.torch.prepared import PreparedOptimizer
 
 __all__ = [
     "CUDA_NONDETERMINISTIC",
@@ -119,7 +119,7 @@ def trace(
     devices = {parameter.device for parameter in parameters}
     # Tracing runs the step once for real: its random draws must not advance the
     # caller's generators.
-    with rng.StepGenerators(0, devices):
+    with _rng.StepGenerators(0, devices):
         lowered = lower(
             function,
             arguments,
@@ -129,7 +129,7 @@ def trace(
         )
     restores = getattr(function, "rng_restores", [])
     if lowered.program.random and restores:
-        raise RuntimeError(rng.RESTORED.format(where=", ".join(sorted(set(restores)))))
+        raise RuntimeError(_rng.RESTORED.format(where=", ".join(sorted(set(restores)))))
     return lowered, arguments
 
 
@@ -202,30 +202,18 @@ def environment(
             else "6 x parameters x tokens",
             "per_rank": program_flops,
         },
-        # Everything a server needs to rebuild the optimizer's transition: the
-        # contract, every group's options and which parameters each group holds.
-        "optimizer": {
-            "contract": bridge.contract.name,
-            "groups": bridge.options(),
-            "group_parameters": _group_parameters(model, optimizer),
-            # Per group, the options every step record's ``hp`` carries.
-            "dynamic": [list(names) for names in bridge.dynamic],
-            # The update training applied: the canonical one (bitwise reproducible on any
-            # hardware, zkdv.torch.optimizers.canonical), or the contract's own.
-            "canonical": canonical.CANONICAL_VERSION if bridge.canonical else None,
-            "canonical_reason": bridge.canonical_reason,
-        },
+        "optimizer": _optimizer_record(model, optimizer),
         # A GradScaler's options; its state is committed with the optimizer's.
         "grad_scaler": bridge.scaler_options,
         # The seed of the step's random operators (dropout), when it has any.
-        "rng": None if run_seed is None else {"seed": run_seed, "derivation": rng.RNG_VERSION},
+        "rng": None if run_seed is None else {"seed": run_seed, "derivation": _rng.RNG_VERSION},
         "batch": layout.to_dict(),
         # Leaves whose memory format is not C order (channels_last): every replay
         # rebuilds them so, or its kernels would differ from training's.
         "dim_orders": {
-            "params": strides.orders(model.parameter_names, parameters),
-            "opt_state": strides.orders(leaves.state_paths, state_leaves),
-            "buffers": strides.orders(model.buffer_names, buffers_before),
+            "params": _strides.orders(model.parameter_names, parameters),
+            "opt_state": _strides.orders(leaves.state_paths, state_leaves),
+            "buffers": _strides.orders(model.buffer_names, buffers_before),
         },
         "program": {
             "kind": lowered.kind,
@@ -237,9 +225,27 @@ def environment(
                 if skip
             ],
             # Values read from the batch that the program branched on at sealing;
-            # every later batch is checked to read the same (zkdv.torch.guards).
+            # every later batch is checked to read the same (zkdv.torch._guards).
             "guards": lowered.guards.to_record(),
         },
+    }
+
+
+def _optimizer_record(model: PreparedModel, optimizer: PreparedOptimizer) -> dict[str, Any]:
+    """The root record's ``env.optimizer``: everything a server needs to rebuild the
+    optimizer's transition (the contract, every group's options and which parameters
+    each group holds) and the update training applied."""
+    bridge = optimizer.bridge
+    return {
+        "contract": bridge.contract.name,
+        "groups": bridge.options(),
+        "group_parameters": _group_parameters(model, optimizer),
+        # Per group, the options every step record's ``hp`` carries.
+        "dynamic": [list(names) for names in bridge.dynamic],
+        # The update training applied: the canonical one (bitwise reproducible on any
+        # hardware, zkdv.torch.optimizers.canonical), or the contract's own.
+        "canonical": canonical.CANONICAL_VERSION if bridge.canonical else None,
+        "canonical_reason": bridge.canonical_reason,
     }
 
 

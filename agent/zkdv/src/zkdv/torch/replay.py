@@ -12,9 +12,9 @@ A Torch run commits two things that together make its transition
   (:mod:`zkdv.torch.optimizers.canonical`); and the batch packing in ``env.batch``.
 
 :func:`load_transition` checks the artifact's digest, loads it with
-:func:`zkdv.torch.artifact.load`, rebuilds the optimizer from the recorded options and
+:func:`zkdv.torch._artifact.load`, rebuilds the optimizer from the recorded options and
 returns a :class:`zkdv.replay.Transition` whose halves are the SDK's own code: the
-gradient program through :meth:`zkdv.torch.pipeline.Pipeline.gradients` (DDP rows
+gradient program through :meth:`zkdv.torch._pipeline.Pipeline.gradients` (DDP rows
 averaged as the all-reduce does) and the update through
 :meth:`zkdv.torch.optimizers.bridge.OptimizerBridge.step`, exactly what answers the SDK's
 sampled checks (STYLE rule 12). The platform's prover (``provers.torch_replay``) and
@@ -34,20 +34,22 @@ from zkdv.batch import count_tokens
 from zkdv.config import TOKEN_UNITS
 from zkdv.gradients import leaf_name, split_name
 from zkdv.replay import Leaves, ReplayError, Transition, program_material, root_record
-from zkdv.torch import artifact, strides
-from zkdv.torch.arrays import host_array
-from zkdv.torch.checkpoint import ReplayCheckpoint
+from zkdv.torch import _artifact, _strides
+from zkdv.torch._arrays import host_array
+from zkdv.torch._artifact import AOT_INDUCTOR, TORCH_EXPORT
+from zkdv.torch._checkpoint import ReplayCheckpoint
+from zkdv.torch._packing import PACKING_VERSION, BatchLayout, LeafLayout
+from zkdv.torch._pipeline import Pipeline
+from zkdv.torch._rng import RNG_VERSION
 from zkdv.torch.optimizers.bridge import SCALER, SCALER_ENTRIES, OptimizerBridge
 from zkdv.torch.optimizers.canonical import CANONICAL_VERSION
 from zkdv.torch.optimizers.registry import OptimizerRegistry
-from zkdv.torch.packing import PACKING_VERSION, BatchLayout, LeafLayout
-from zkdv.torch.pipeline import Pipeline
-from zkdv.torch.rng import RNG_VERSION
 
-__all__ = ["PROGRAM_KINDS", "PROVER", "load_transition"]
+__all__ = ["AOT_INDUCTOR", "PROGRAM_KINDS", "PROVER", "TORCH_EXPORT", "load_transition"]
 
 PROVER = "whitebox-torch"
-PROGRAM_KINDS = (artifact.AOT_INDUCTOR, artifact.TORCH_EXPORT)
+#: The sealed program kinds a transcript may commit (``program.pt2``, ``program.bin``).
+PROGRAM_KINDS = (AOT_INDUCTOR, TORCH_EXPORT)
 
 State = dict[str, Any]
 
@@ -237,7 +239,7 @@ def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
         )
     kind, material = program_material(proof_dir, root, PROGRAM_KINDS)
     try:
-        program = artifact.load(material, kind)
+        program = _artifact.load(material, kind)
     except Exception as error:  # noqa: BLE001 - any loader failure means a bad artifact
         raise ReplayError(
             "program_mismatch", f"the {kind} program artifact cannot be loaded: {error}"
@@ -321,7 +323,7 @@ class _Step:
     def laid_out(self, tree: str, leaves: Leaves) -> list[torch.Tensor]:
         """The leaves as tensors, each in the memory format training kept it in."""
         recorded = self.orders.get(tree) or {}
-        return [strides.in_order(_tensor(array), recorded.get(name)) for name, array in leaves]
+        return [_strides.in_order(_tensor(array), recorded.get(name)) for name, array in leaves]
 
     def prepared(
         self, params: Leaves, opt_state: Leaves, buffers: Leaves

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from zkdv.torch.model import full
+from zkdv.torch._model import full
 from zkdv.torch.optimizers import canonical as canonical_update
 from zkdv.torch.optimizers.base import TENSOR_OPTIONS_UNSUPPORTED, OptimizerContract
 from zkdv.torch.optimizers.buffers import pack_optimizer_state

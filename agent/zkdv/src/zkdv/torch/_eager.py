@@ -27,8 +27,9 @@ from zkdv import overlap as overlap_policy
 from zkdv.driver import Leaves, ReplayOutcome, Submission
 from zkdv.probes import ProbeSet
 from zkdv.sampling import Challenge
-from zkdv.torch.arrays import host_array
-from zkdv.torch.pipeline import FlatIndex, element
+from zkdv.torch._arrays import host_array
+from zkdv.torch._computed import computed_leaves
+from zkdv.torch._pipeline import FlatIndex, element
 
 if TYPE_CHECKING:
     from zkdv.torch._driver import ZKDV
@@ -141,7 +142,7 @@ class TorchStep(Submission):
         self._layout = proof._layout
         #: On the device path: ``(roots of each tree, probes, roots of the computed
         #: values)`` dispatched on the device, read back by the commit stage
-        #: (:mod:`zkdv.torch.device`); None on the host path.
+        #: (:mod:`zkdv.torch._device`); None on the host path.
         self.device = device
         if transaction.snapshot is not None:
             snap = transaction.snapshot
@@ -195,7 +196,7 @@ class TorchStep(Submission):
         gradients = self.gradients
         if gradients is None:
             return None
-        tensors = self.proof._computed_leaves(gradients, self.post_buffers)
+        tensors = computed_leaves(self.proof, gradients, self.post_buffers)
         committer = self.proof._device_committer
         keep = self.proof.runtime.keep_files
         if self.device is not None and committer is not None:

@@ -3,7 +3,7 @@
 :class:`Pipeline` holds what a sampled check needs once the first transaction sealed
 the program: the committed layout (parameter, optimizer-state and buffer leaves), the
 loaded program artifact, the optimizer's functional contract, the batch packing, and
-the :class:`~zkdv.torch.checkpoint.ReplayCheckpoint`. :meth:`Pipeline.replay`
+the :class:`~zkdv.torch._checkpoint.ReplayCheckpoint`. :meth:`Pipeline.replay`
 recomputes one challenged step from the snapshot that precedes it:
 
     for each step k from the snapshot to the challenged step t:
@@ -27,10 +27,10 @@ import torch
 
 from zkdv.driver.pipeline import ReplayOutcome
 from zkdv.sampling import Challenge
-from zkdv.torch.checkpoint import ReplayCheckpoint
+from zkdv.torch._checkpoint import ReplayCheckpoint
+from zkdv.torch._packing import BatchLayout
+from zkdv.torch._rng import step_seed
 from zkdv.torch.optimizers.bridge import OptimizerBridge
-from zkdv.torch.packing import BatchLayout
-from zkdv.torch.rng import step_seed
 
 __all__ = ["CommittedValues", "FlatIndex", "Pipeline"]
 

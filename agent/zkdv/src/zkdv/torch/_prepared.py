@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zkdv.torch.capture import current_capture
-from zkdv.torch.eager import current_transaction
+from zkdv.torch import _update
+from zkdv.torch._capture import current_capture
+from zkdv.torch._eager import current_transaction
 from zkdv.torch.optimizers.bridge import OptimizerBridge
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         transaction = current_transaction()
         if transaction is None or transaction.proof is not self.proof:
             return self.optimizer.step(closure)
-        return self.proof._step_prepared_transaction(transaction, self, closure)
+        return _update.step(self.proof, transaction, self, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients; inside the traced attested function, gradients are values."""

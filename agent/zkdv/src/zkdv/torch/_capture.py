@@ -53,7 +53,7 @@ class AttestationCapture:
     """Collect gradients and the optimizer transition during attested execution.
 
     Args:
-        model: the prepared model (:class:`~zkdv.torch.model.PreparedModel`).
+        model: the prepared model (:class:`~zkdv.torch._model.PreparedModel`).
         model_state: ``(parameters, buffers)`` standing in for the module's state;
             the buffers are cloned, so in-place buffer updates (BatchNorm running
             statistics) land on the capture's copies.

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zkdv.torch.capture import current_capture
+from zkdv.torch import _update
+from zkdv.torch._capture import current_capture
 from zkdv.torch.optimizers.bridge import SCALER
 from zkdv.torch.optimizers.bridge import SCALER_ENTRIES as ENTRIES
 
@@ -144,7 +145,7 @@ class PreparedGradScaler:
         if capture is None:
             result = self.scaler.step(optimizer, *args, **kwargs)
             # A step the scaler skipped (an overflow) is still a committed step.
-            self.proof._skipped_by_scaler(optimizer)
+            _update.skipped_by_scaler(self.proof, optimizer)
             return result
         if capture.found_inf is None:
             self.unscale_(optimizer)

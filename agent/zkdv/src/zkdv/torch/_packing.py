@@ -34,7 +34,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from zkdv.batch import count_tokens
-from zkdv.torch.strides import dim_order, in_order
+from zkdv.torch._strides import dim_order, in_order
 
 __all__ = ["BatchLayout", "LeafLayout"]
 
@@ -51,7 +51,7 @@ class LeafLayout:
     words: int
     row_bytes: int
     #: The tensor's dimension order when it is not C order (``channels_last`` images),
-    #: which the unpacked tensor takes again (:mod:`zkdv.torch.strides`).
+    #: which the unpacked tensor takes again (:mod:`zkdv.torch._strides`).
     dim_order: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:

@@ -5,11 +5,11 @@ there: on a GPU that is a full device-to-host copy of the state per step. On the
 path (``ZKDVConfig(commitments="device")``, or ``"auto"`` with the parameters on CUDA in
 a single process) the training thread dispatches, right after the optimizer step and
 on its own stream, the Merkle chunk root of every state leaf
-(:func:`zkdv.torch.device_merkle.chunk_roots`) and the probes
-(:class:`zkdv.torch.device_probes.DeviceProbes`); the commit stage reads back 32 bytes
+(:func:`zkdv.torch._device_merkle.chunk_roots`) and the probes
+(:class:`zkdv.torch._device_probes.DeviceProbes`); the commit stage reads back 32 bytes
 per leaf and the probe values, and finishes the tensor digests and state roots on the
 host. The full state reaches the host only at snapshot steps, through the
-:class:`~zkdv.torch.checkpoint.ReplayCheckpoint`'s reused pinned buffers. The bytes
+:class:`~zkdv.torch._checkpoint.ReplayCheckpoint`'s reused pinned buffers. The bytes
 written are the host path's, bit for bit (both use the same exact probe arithmetic).
 
 Leaves that live on the host anyway (``torch.optim``'s non-capturable ``step``
@@ -29,9 +29,9 @@ import torch
 from zkdv.device_merkle import state_commitment
 from zkdv.merkle import StateCommitment, chunk_hashes, merkle_root
 from zkdv.probes import ProbeSet
-from zkdv.torch.device_merkle import chunk_roots, leaf_spec, roots_bytes
-from zkdv.torch.device_probes import DeviceProbes
-from zkdv.torch.eager import host_array
+from zkdv.torch._arrays import host_array
+from zkdv.torch._device_merkle import chunk_roots, leaf_spec, roots_bytes
+from zkdv.torch._device_probes import DeviceProbes
 from zkdv.transfers import TransferLog
 
 __all__ = ["DeviceCommitter", "PendingProbes", "PendingRoots"]

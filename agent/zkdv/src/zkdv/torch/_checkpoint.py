@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from zkdv.torch.strides import dim_order, empty_in_order
+from zkdv.torch._strides import dim_order, empty_in_order
 
 __all__ = ["ReplayCheckpoint", "Snapshot", "StepInputs"]
 

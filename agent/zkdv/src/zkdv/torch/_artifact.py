@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from zkdv.torch import rng
+from zkdv.torch import _rng
 
 __all__ = ["AOT_INDUCTOR", "TORCH_EXPORT", "export_roundtrip", "load", "reproducible", "roundtrip"]
 
@@ -39,7 +39,7 @@ class LoadedProgram:
     """A loaded program artifact: call it with the flat inputs, get the flat outputs.
 
     A ``torch.export`` program that draws random numbers (dropout) has every random
-    operator bound to a private generator (:func:`zkdv.torch.rng.bind_generator`); each
+    operator bound to a private generator (:func:`zkdv.torch._rng.bind_generator`); each
     call then needs the step's ``seed``.
     """
 
@@ -48,7 +48,7 @@ class LoadedProgram:
         self._runner = runner
         # AOT Inductor maps the package's shared library; keep its files alive.
         self._directory = directory
-        self.random = kind == TORCH_EXPORT and rng.bind_generator(runner)
+        self.random = kind == TORCH_EXPORT and _rng.bind_generator(runner)
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, *arguments: torch.Tensor, seed: int | None = None) -> list[torch.Tensor]:
@@ -63,7 +63,7 @@ class LoadedProgram:
             if generator is None:
                 generator = self._generators[device] = torch.Generator(device=device)
             generator.manual_seed(seed)
-            setattr(self._runner, rng.GENERATOR_ATTRIBUTE, generator)
+            setattr(self._runner, _rng.GENERATOR_ATTRIBUTE, generator)
         with torch.no_grad():
             outputs = self._runner(*arguments)
         return list(outputs)

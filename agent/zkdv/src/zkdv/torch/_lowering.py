@@ -13,7 +13,7 @@ autograd natively.) The result is a state-free graph::
 The gradients are the ones ``optimizer.step()`` reads: ``proof.backward`` leaves them in
 the parameters' ``.grad`` (several calls accumulate micro-batches), and whatever the
 function does to them before the step (``clip_grad_norm_``, ``clip_grad_value_``,
-unscaling) is traced with them (:mod:`zkdv.torch.capture`). Parameters that do not
+unscaling) is traced with them (:mod:`zkdv.torch._capture`). Parameters that do not
 require gradients get none, as in eager training.
 
 Two properties are then enforced on the graph:
@@ -22,7 +22,7 @@ Two properties are then enforced on the graph:
   (the parameters of a module outside the prepared root) appears as a graph constant;
   constants that are only literal tensors created inside the function are allowed;
 * no **unreplayable randomness**: random operators must take a generator, which the
-  replay binds to one seeded from the committed run seed (:mod:`zkdv.torch.rng`); a
+  replay binds to one seeded from the committed run seed (:mod:`zkdv.torch._rng`); a
   compiled program may hold none.
 
 The optimizer's transition is not part of the graph: the prepared optimizer's step
@@ -41,10 +41,10 @@ import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from zkdv.torch import artifact, rng
-from zkdv.torch.capture import AttestationCapture
-from zkdv.torch.guards import Guards, extract
-from zkdv.torch.rng import SEEDABLE, UNSEEDABLE, random_kind
+from zkdv.torch import _artifact, _rng
+from zkdv.torch._capture import AttestationCapture
+from zkdv.torch._guards import Guards, extract
+from zkdv.torch._rng import SEEDABLE, UNSEEDABLE, random_kind
 
 __all__ = [
     "COMPILED_RANDOM",
@@ -103,12 +103,45 @@ class LoweredProgram:
         guards: the batch-dependent branches the program assumes.
     """
 
-    program: artifact.LoadedProgram
+    program: _artifact.LoadedProgram
     material: bytearray
     kind: str
     unused: tuple[bool, ...]
     graph: fx.GraphModule
     guards: Guards
+
+
+def _flat_inputs(
+    tensors: tuple[torch.Tensor, ...],
+    requires: tuple[bool, ...],
+    parameter_count: int,
+    buffer_count: int,
+    *,
+    scaler: bool,
+) -> tuple[
+    tuple[torch.Tensor, ...],
+    tuple[torch.Tensor, ...],
+    dict[str, torch.Tensor] | None,
+    list[torch.Tensor],
+]:
+    """The flat gradient function's inputs, split: the parameters (differentiated where
+    ``requires`` says they require gradients), the buffers, a GradScaler's state
+    (``scaler``: copies) and the batch tensors."""
+    parameters = tuple(
+        tensor.detach().requires_grad_(wanted)
+        for tensor, wanted in zip(tensors[:parameter_count], requires, strict=True)
+    )
+    buffers = tuple(tensors[parameter_count : parameter_count + buffer_count])
+    rest = parameter_count + buffer_count
+    scaler_state = None
+    if scaler:
+        # Copies: the scaler's update changes them in place.
+        scaler_state = {
+            "growth_tracker": tensors[rest].clone(),
+            "scale": tensors[rest + 1].clone(),
+        }
+        rest += 2
+    return parameters, buffers, scaler_state, list(tensors[rest:])
 
 
 def gradient_function(
@@ -131,7 +164,7 @@ def gradient_function(
     returns the gradients the step reads, then the buffers after the forward. With a
     prepared GradScaler (``scaler``) its scale and growth tracker are inputs after the
     buffers, and ``found_inf`` and the scale and growth tracker after the step are
-    outputs after the buffers (:mod:`zkdv.torch.scaler`).
+    outputs after the buffers (:mod:`zkdv.torch._scaler`).
 
     Returns:
         The flat function and a list that the first call fills with the per-parameter
@@ -147,21 +180,10 @@ def gradient_function(
     requires = tuple(parameter.requires_grad for parameter in model.state_parameters)
 
     def flat(*tensors: torch.Tensor) -> list[torch.Tensor]:
-        parameters = tuple(
-            tensor.detach().requires_grad_(wanted)
-            for tensor, wanted in zip(tensors[:parameter_count], requires, strict=True)
+        parameters, buffers, scaler_state, batch_tensors = _flat_inputs(
+            tensors, requires, parameter_count, buffer_count, scaler=scaler
         )
-        buffers = tuple(tensors[parameter_count : parameter_count + buffer_count])
-        rest = parameter_count + buffer_count
-        scaler_state = None
-        if scaler:
-            # Copies: the scaler's update changes them in place.
-            scaler_state = {
-                "growth_tracker": tensors[rest].clone(),
-                "scale": tensors[rest + 1].clone(),
-            }
-            rest += 2
-        batch = rebuild_batch(list(tensors[rest:]))
+        batch = rebuild_batch(batch_tensors)
         with (
             torch.enable_grad(),
             AttestationCapture(
@@ -174,7 +196,7 @@ def gradient_function(
                 scaler_state=scaler_state,
             ) as capture,
             model.substituted(capture.model_state),
-            rng.watch_restores(restores),
+            _rng.watch_restores(restores),
         ):
             function(model.public, optimizer, batch)
         if capture.transition is None or capture.gradients is None:
@@ -202,13 +224,13 @@ def trace(
     function: Callable[..., Any],
     arguments: tuple[torch.Tensor, ...],
     *,
-    kind: str = artifact.TORCH_EXPORT,
+    kind: str = _artifact.TORCH_EXPORT,
 ) -> fx.GraphModule:
     """Capture ``function`` once and reject unprepared state and unreplayable randomness.
 
     Random operators that take a generator (dropout's ``bernoulli_``, ``rand``,
     ``normal``...) are allowed in an eager-kernel (``torch.export``) program: ZKDV draws
-    them from a generator it seeds per step (:mod:`zkdv.torch.rng`). Random operators
+    them from a generator it seeds per step (:mod:`zkdv.torch._rng`). Random operators
     without a generator argument, and any random operator in a compiled program, are
     refused.
 
@@ -216,7 +238,7 @@ def trace(
         RuntimeError: with :data:`UNPREPARED_STATE` or :data:`RANDOM_OPERATIONS`.
     """
     # Reads of tensor values (``if mask.all():``) are allowed: the trace keeps the branch
-    # taken, and the batch-dependent ones become guards (zkdv.torch.guards).
+    # taken, and the batch-dependent ones become guards (zkdv.torch._guards).
     graph = make_fx(function, tracing_mode="real", _error_on_data_dependent_ops=False)(*arguments)
     _one_cpu_device(graph)
     captured = []
@@ -237,10 +259,10 @@ def trace(
         _schema_name(node)
         for node in graph.graph.nodes
         if random_kind(node) == UNSEEDABLE
-        or (random_kind(node) == SEEDABLE and kind != artifact.TORCH_EXPORT)
+        or (random_kind(node) == SEEDABLE and kind != _artifact.TORCH_EXPORT)
     )
     if refused:
-        message = RANDOM_OPERATIONS if kind == artifact.TORCH_EXPORT else COMPILED_RANDOM
+        message = RANDOM_OPERATIONS if kind == _artifact.TORCH_EXPORT else COMPILED_RANDOM
         raise RuntimeError(message.format(operations=refused))
     return graph
 
@@ -281,7 +303,7 @@ def lower(
     function: Callable[..., list[torch.Tensor]],
     arguments: tuple[torch.Tensor, ...],
     *,
-    kind: str = artifact.TORCH_EXPORT,
+    kind: str = _artifact.TORCH_EXPORT,
     unused: list[bool] | None = None,
     first_batch: int | None = None,
 ) -> LoweredProgram:
@@ -299,19 +321,19 @@ def lower(
         RuntimeError: the function captures unprepared state or random operators.
         ValueError: an unknown program kind.
     """
-    if kind not in (artifact.AOT_INDUCTOR, artifact.TORCH_EXPORT):
+    if kind not in (_artifact.AOT_INDUCTOR, _artifact.TORCH_EXPORT):
         raise ValueError(
             f"unknown ZKDV Torch program kind {kind!r}; use "
-            f"{artifact.AOT_INDUCTOR!r} or {artifact.TORCH_EXPORT!r}"
+            f"{_artifact.AOT_INDUCTOR!r} or {_artifact.TORCH_EXPORT!r}"
         )
     graph = trace(function, arguments, kind=kind)
     guards = extract(graph, arguments, len(arguments) if first_batch is None else first_batch)
     flags = tuple(unused or ())
     detached = tuple(argument.detach() for argument in arguments)
-    if kind == artifact.AOT_INDUCTOR:
-        program, material = artifact.roundtrip(graph, detached)
+    if kind == _artifact.AOT_INDUCTOR:
+        program, material = _artifact.roundtrip(graph, detached)
     else:
-        program, material = artifact.export_roundtrip(graph, detached)
+        program, material = _artifact.export_roundtrip(graph, detached)
     return LoweredProgram(program, material, kind, flags, graph, guards)
 
 
