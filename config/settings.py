@@ -78,6 +78,7 @@ INSTALLED_APPS = [
     "attestations.challenges",
     "attestations.certificates",
     "attestations.reports",
+    "attestations.workers",
 ]
 
 MIDDLEWARE = [

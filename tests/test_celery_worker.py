@@ -8,8 +8,8 @@ import pytest
 from celery.result import AsyncResult, EagerResult
 from django.db import connection
 
-from attestations.models import WorkerHeartbeat
-from attestations.tasks import heartbeat
+from attestations.workers.models import WorkerHeartbeat
+from attestations.workers.tasks import heartbeat
 
 pytestmark = pytest.mark.services
 

@@ -1,10 +1,17 @@
 """Migrating a database of today's schema, with a row in every table, loses nothing.
 
 The server's apps keep the tables they had when all models lived in one app
-(``attestations_*``). This test starts from the schema the last release shipped
-(:data:`RELEASED`), writes one row to every table of the platform (each foreign key
-pointing at another written row), migrates to the newest migrations, and reads every
-row back unchanged, through SQL and through the current models.
+(``attestations_*``). This test builds the schema the last release shipped
+(:data:`RELEASED`) with the migrations it shipped, writes one row to every table of the
+platform (each foreign key pointing at another written row), migrates to the newest
+migrations, and reads every row back unchanged, through SQL and through the current
+models.
+
+The apps' migrations are squashed since (``replaces``): a new database is made by the
+squashed ones, while a database made before has recorded the migrations they replace.
+The released schema is therefore built by the original migrations (a loader that does
+not substitute the squashed ones), and the newest is reached the way a deployed database
+reaches it: by the ordinary loader, which goes on from the originals recorded.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import pytest
 from django.apps import apps as current_apps
 from django.db import connection, models
 from django.db.migrations.executor import MigrationExecutor
+from django.db.migrations.loader import MigrationLoader
 from django.utils import timezone
 
 #: The newest migration of each of the platform's apps before the apps were split, and
@@ -163,21 +171,35 @@ def _snapshot(tables: list[str]) -> dict[str, list[tuple[Any, ...]]]:
     return snapshot
 
 
+def _released_executor() -> MigrationExecutor:
+    """An executor that sees the migrations as released: squashed ones do not replace them."""
+    executor = MigrationExecutor(connection)
+    executor.loader = MigrationLoader(connection, replace_migrations=False)
+    return executor
+
+
+def _migrate_to_newest() -> None:
+    """Whatever the test left, the newest schema again, for the tests after it."""
+    executor = MigrationExecutor(connection)
+    executor.migrate(executor.loader.graph.leaf_nodes())
+
+
 @pytest.mark.django_db(transaction=True)
 def test_migrating_from_the_released_schema_keeps_every_row() -> None:
-    executor = MigrationExecutor(connection)
-    newest = executor.loader.graph.leaf_nodes()
-    executor.migrate(RELEASED)
+    # Nothing of the platform's schema: the squashed migrations made this database.
+    MigrationExecutor(connection).migrate([(PLATFORM, None)])
     try:
-        executor.loader.build_graph()
-        written = _fill(executor.loader.project_state(RELEASED).apps)
+        released = _released_executor()
+        released.migrate(RELEASED)
+        released.loader.build_graph()
+        written = _fill(released.loader.project_state(RELEASED).apps)
         tables = _tables()
         assert set(tables) == written - {"auth_user"}  # a row in every table
         before = _snapshot(tables)
         assert all(len(rows) == 1 for rows in before.values()), before
 
         executor = MigrationExecutor(connection)
-        executor.migrate(newest)
+        executor.migrate(executor.loader.graph.leaf_nodes())
 
         assert set(_tables()) == set(tables) | NEW_TABLES
         assert _snapshot(tables) == before
@@ -196,4 +218,4 @@ def test_migrating_from_the_released_schema_keeps_every_row() -> None:
                 assert model._base_manager.count() == 1, model
                 assert model._base_manager.get() is not None
     finally:
-        MigrationExecutor(connection).migrate(newest)
+        _migrate_to_newest()

@@ -1,9 +1,7 @@
-"""Celery tasks of the platform as a whole: the worker heartbeat.
+"""The workers' own task: the heartbeat.
 
-Each app's tasks are in its own ``tasks`` module (``attestations.proofs.tasks``,
-``attestations.challenges.tasks``, ...), found by Celery's autodiscovery. Task names keep
-the ``attestations.tasks.`` prefix they had before the apps were split: they are the names
-in queued messages and in the beat schedule (``config/settings.py``).
+Task names keep the ``attestations.tasks.`` prefix they had before the apps were split:
+they are the names in queued messages and in the beat schedule (``config/settings.py``).
 """
 
 from __future__ import annotations
@@ -12,7 +10,7 @@ import socket
 
 from celery import shared_task
 
-from attestations.models import WorkerHeartbeat
+from attestations.workers.models import WorkerHeartbeat
 
 
 @shared_task(name="attestations.tasks.heartbeat", acks_late=True, reject_on_worker_lost=True)

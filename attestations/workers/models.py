@@ -1,7 +1,5 @@
-"""Models of the platform as a whole, owned by no domain app.
-
-The domain models live in the apps under ``attestations/`` (README, "Layout"); this app
-keeps only the worker heartbeat that ``/health`` and the Celery smoke test write.
+"""The worker heartbeat: a row a Celery worker writes when asked, so a test or an operator
+sees that a task went through the broker to a worker and its write reached the database.
 """
 
 from __future__ import annotations
@@ -15,6 +13,10 @@ class WorkerHeartbeat(models.Model):
     token = models.CharField(max_length=64, unique=True)
     hostname = models.CharField(max_length=255)
     created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        # Created by the attestations app's first migration, when it held every model.
+        db_table = "attestations_workerheartbeat"
 
     def __str__(self) -> str:
         return f"heartbeat {self.token} from {self.hostname}"
