@@ -7,7 +7,8 @@ Writes a transcript of ``--steps`` steps through the real :class:`~zkdv.core.ZKD
 state size; a snapshot record every 12 steps, as the frontends' default interval puts
 them), then times :func:`zkdv.verify.verify_transcript` without probes, alternating in
 one process with the verifier at git revision ``--baseline`` (default ``main``; the one
-before issue 17's rules is ``423cb1a``), loaded from ``git show`` into a module of its
+before issue 17's rules is ``423cb1a``, the last single-module one ``52ad281``), loaded
+from ``git show`` into a module (or, since the verifier is a package, a package) of its
 own. Both see the same bytes; each round verifies them once with each, and the medians
 are compared. Targets: at least 100,000 step records per second, and a step record
 without probes <= 1 KiB.
@@ -36,7 +37,10 @@ from zkdv.records import RECORDS_FILE, iter_records
 from zkdv.verify import verify_transcript
 
 REPO = Path(__file__).resolve().parent.parent
-VERIFIER = "agent/zkdv/src/zkdv/verify.py"
+VERIFIER = "agent/zkdv/src/zkdv/verify"
+#: The verifier before it became a package: one module.
+VERIFIER_MODULE = f"{VERIFIER}.py"
+BASELINE = "zkdv_verify_baseline"
 SNAPSHOT_INTERVAL = 12
 
 
@@ -65,22 +69,36 @@ def write(path: Path, steps: int) -> None:
     core.close()
 
 
+def git(*args: str) -> bytes:
+    return subprocess.run(["git", *args], cwd=REPO, check=True, capture_output=True).stdout
+
+
 def baseline(revision: str) -> tuple[ModuleType, str]:
-    """The verifier module at ``revision``, and the commit it resolved to."""
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", f"{revision}^{{commit}}"],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    source = subprocess.run(
-        ["git", "show", f"{commit}:{VERIFIER}"], cwd=REPO, check=True, capture_output=True
-    ).stdout
+    """The verifier at ``revision``, and the commit it resolved to.
+
+    A package's modules import one another as ``zkdv.verify._...``; in the copy they
+    import the copy's modules instead, so the baseline is the revision's code throughout.
+    """
+    commit = git("rev-parse", "--short", f"{revision}^{{commit}}").decode().strip()
     folder = Path(tempfile.mkdtemp(prefix="verify-baseline-"))
-    file = folder / "zkdv_verify_baseline.py"
-    file.write_bytes(source)
-    spec = importlib.util.spec_from_file_location("zkdv_verify_baseline", file)
+    listed = subprocess.run(
+        ["git", "ls-tree", "--name-only", f"{commit}:{VERIFIER}"], cwd=REPO, capture_output=True
+    )
+    if listed.returncode == 0:  # a package
+        package = folder / BASELINE
+        package.mkdir()
+        for name in listed.stdout.decode().split():
+            if name.endswith(".py"):
+                source = git("show", f"{commit}:{VERIFIER}/{name}")
+                renamed = source.replace(b"zkdv.verify.", f"{BASELINE}.".encode())
+                (package / name).write_bytes(renamed)
+        spec = importlib.util.spec_from_file_location(
+            BASELINE, package / "__init__.py", submodule_search_locations=[str(package)]
+        )
+    else:
+        file = folder / f"{BASELINE}.py"
+        file.write_bytes(git("show", f"{commit}:{VERIFIER_MODULE}"))
+        spec = importlib.util.spec_from_file_location(BASELINE, file)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -103,7 +121,9 @@ def main() -> None:
     parser.add_argument("--baseline", default="main", help="git revision of the old verifier")
     args = parser.parse_args()
     old, commit = baseline(args.baseline)
-    same = Path(old.__file__ or "").read_bytes() == (REPO / VERIFIER).read_bytes()
+    same = (
+        subprocess.run(["git", "diff", "--quiet", commit, "--", VERIFIER], cwd=REPO).returncode == 0
+    )
     with tempfile.TemporaryDirectory() as directory:
         path = Path(directory)
         start = time.perf_counter()
@@ -120,7 +140,7 @@ def main() -> None:
         # Alternate, so a change of load during the run meets both alike.
         runs["old"].append(timed(old.verify_transcript, data))
         runs["new"].append(timed(verify_transcript, data))
-    note = "  (the same file as this tree's: pass --baseline REV)" if same else ""
+    note = "  (the same code as this tree's: pass --baseline REV)" if same else ""
     print(f"old: {VERIFIER} at {commit}{note}; new: this tree; {args.rounds} rounds each")
     rates = {}
     for name, samples in runs.items():

@@ -21,7 +21,8 @@ from zkdv.merkle import LeafSpec
 from zkdv.probes import ProbeSet
 from zkdv.records import RECORDS_FILE, encode, iter_records, record_hash
 from zkdv.testing import write_synthetic_transcript
-from zkdv.verify import _probe_floats, verify_transcript
+from zkdv.verify import verify_transcript
+from zkdv.verify._root import probe_floats as _probe_floats
 
 Records = list[dict[str, Any]]
 NO_CHECKS = SamplingPolicy(update_check_probability=0.0)
