@@ -275,12 +275,7 @@ class ZKDVCore:
             raise RuntimeError(
                 f"steps must be committed in order: expected {self.steps}, got {step}"
             )
-        array = as_batch(batch)
-        if array.shape[1] != self.batch_cols:
-            raise ValueError(
-                f"step {step} batch has {array.shape[1]} uint32 columns; the first step fixed "
-                f"{self.batch_cols} (the batch representation must stay compatible)"
-            )
+        array = self._step_batch(step, batch)
         batch_commitment = commit_batch(array, self.rolling_window)
         committed = [self.commit(leaves) for leaves in (params, opt_state, buffers)]
         roots = StateRoots(*(c.root for c in committed))
@@ -290,20 +285,48 @@ class ZKDVCore:
             "batch": batch_commitment.to_record(),
             "post": roots.to_record(),
             "probe": None,
-            # Without a frontend's count: the committed rows are the examples, and a
-            # packed token row holds one word per token.
-            "tokens": int(
-                tokens
-                if tokens is not None
-                else array.shape[0]
-                if self.config.token_unit == "examples"  # noqa: S105 - a unit, not a secret
-                else array.size
-            ),
+            "tokens": self._step_tokens(tokens, array),
             "flops": None if flops is None else float(flops),
             "time": [float(started or self.clock()), self.clock()],
         }
         if hyperparameters is not None:
             record["hp"] = hyperparameters
+        grad_root = self._grad_root(step, grad)
+        if grad_root is not None:
+            record["grad"] = grad_root
+        with self._lock:
+            if probes is not None:
+                record["probe"] = writer.append_probes(_packed_probes(probes))
+            record_hash = writer.append(record)
+        self.steps += 1
+        self.last_roots = roots
+        challenge = self._sampler.decide(step, record_hash)
+        return StepResult(record_hash, roots, challenge, committed[0], committed[1])
+
+    def _step_batch(self, step: int, batch: Any) -> np.ndarray:
+        """The step's batch as uint32 rows, as wide as the first step's."""
+        array = as_batch(batch)
+        if array.shape[1] != self.batch_cols:
+            raise ValueError(
+                f"step {step} batch has {array.shape[1]} uint32 columns; the first step fixed "
+                f"{self.batch_cols} (the batch representation must stay compatible)"
+            )
+        return array
+
+    def _step_tokens(self, tokens: int | None, array: np.ndarray) -> int:
+        """The step's ``tokens``: the frontend's count, else counted from the batch."""
+        # Without a frontend's count: the committed rows are the examples, and a
+        # packed token row holds one word per token.
+        return int(
+            tokens
+            if tokens is not None
+            else array.shape[0]
+            if self.config.token_unit == "examples"  # noqa: S105 - a unit, not a secret
+            else array.size
+        )
+
+    def _grad_root(self, step: int, grad: State | None) -> bytes | None:
+        """The root of the step's computed values, which the root record may require."""
         if self.grad_specs is not None:
             if grad is None:
                 raise RuntimeError(f"step {step} has no computed values; the root commits them")
@@ -312,23 +335,10 @@ class ZKDVCore:
                 raise RuntimeError(
                     f"step {step}'s computed values have another layout than the root's schema.grad"
                 )
-            record["grad"] = computed.root
-        elif grad is not None:
+            return computed.root
+        if grad is not None:
             raise RuntimeError("computed values are committed only when the root declares them")
-        with self._lock:
-            if probes is not None:
-                packed = np.concatenate(
-                    [
-                        np.concatenate([np.asarray(p, dtype="<f4").reshape(-1) for p in part])
-                        for part in probes
-                    ]
-                )
-                record["probe"] = writer.append_probes(packed.view(np.uint8).data)
-            record_hash = writer.append(record)
-        self.steps += 1
-        self.last_roots = roots
-        challenge = self._sampler.decide(step, record_hash)
-        return StepResult(record_hash, roots, challenge, committed[0], committed[1])
+        return None
 
     def record_check(
         self,
@@ -424,3 +434,11 @@ class ZKDVCore:
         if self._writer is None:
             raise RuntimeError("the transcript root has not been written yet")
         return self._writer
+
+
+def _packed_probes(probes: Sequence[Sequence[np.ndarray]]) -> memoryview:
+    """A step's probe arrays, flattened part after part, as little-endian float32 bytes."""
+    packed = np.concatenate(
+        [np.concatenate([np.asarray(p, dtype="<f4").reshape(-1) for p in part]) for part in probes]
+    )
+    return packed.view(np.uint8).data

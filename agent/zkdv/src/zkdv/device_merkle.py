@@ -505,63 +505,11 @@ def chunk_roots(ops: Ops, plan: HashPlan, leaf_words: Sequence[Any]) -> list[Any
         return [ops.zeros((0,)) for _ in range(8)]
     leaf_key = [ops.const(w) for w in key_words(Domain.LEAF)]
     node_key = [ops.const(w) for w in key_words(Domain.NODE)]
-    per = plan.per_message
-    bulk_rows: list[Any] = []
-    odd_rows: list[Any] = []
-    for leaf, words in zip(plan.leaves, leaf_words, strict=True):
-        body, tail = _message(ops, words, leaf, plan.chunk_bytes)
-        if per:
-            if leaf.full:
-                bulk_rows.append(body[: leaf.full].reshape(leaf.full * per, CHUNK_WORDS))
-                odd_rows.append(ops.pad_to(tail[: leaf.full].reshape(leaf.full, 1), CHUNK_WORDS))
-        elif leaf.full:
-            whole = ops.concat([body[: leaf.full], tail[: leaf.full].reshape(leaf.full, 1)], axis=1)
-            odd_rows.append(ops.pad_to(whole, CHUNK_WORDS))
-        if leaf.partial >= 0:
-            count = -(-(leaf.partial + 1) // BLAKE3_CHUNK)
-            row = _fit(ops, body[leaf.full], count * CHUNK_WORDS)
-            odd_rows.append(row.reshape(count, CHUNK_WORDS))
-
+    bulk_rows, odd_rows = _chunk_rows(ops, plan, leaf_words)
     hashes: list[Any] = []
     nbulk = plan.bulk_messages
     if nbulk:
-        matrix = ops.concat(bulk_rows) if len(bulk_rows) > 1 else bulk_rows[0]
-        count = nbulk * per
-        counter = ops.array((np.arange(count) % per).astype(np.uint32))
-
-        def bulk_params(j: Any) -> tuple[Any, Any, Any, Any]:
-            flags = ops.const(KEYED_HASH) | ops.flag(j == 0, CHUNK_START)
-            flags = flags | ops.flag(j == BLOCK_WORDS - 1, CHUNK_END)
-            return counter, ops.const(BLOCK), flags, None
-
-        cv = _chunk_batch(ops, matrix, leaf_key, BLOCK_WORDS, bulk_params, count)
-        # The perfect subtree of each message's ``per`` full chunks (no ROOT: the tail
-        # chunk is the root's right child).
-        cv = [w.reshape(nbulk, per) for w in cv]
-        parent_flags = ops.const(PARENT | KEYED_HASH)
-        if ops.exact_levels:
-            width = per
-            while width > 1:
-                cv = _parent(
-                    ops, leaf_key, [w[:, 0::2] for w in cv], [w[:, 1::2] for w in cv], parent_flags
-                )
-                width //= 2
-        elif per > 1:
-            # One program for every level: each pass writes the parents of adjacent pairs
-            # into the first half of a fixed (nbulk, per) buffer; the rest is scratch.
-            half = per // 2
-
-            def level(_: Any, cv: list[Any]) -> list[Any]:
-                left = [w[:, 0::2] for w in cv]
-                right = [w[:, 1::2] for w in cv]
-                parents = _parent(ops, leaf_key, left, right, parent_flags)
-                return [
-                    ops.concat([p, w[:, half:]], axis=1) for p, w in zip(parents, cv, strict=True)
-                ]
-
-            cv = ops.fori(per.bit_length() - 1, level, cv)
-            cv = [w[:, :1] for w in cv]
-        bulk_roots = [w.reshape(nbulk) for w in cv]
+        bulk_roots = _bulk_roots(ops, plan, bulk_rows, leaf_key)
     odd_count = len(plan.odd_counter)
     odd_cv: list[Any] = []
     if odd_count:
@@ -593,6 +541,69 @@ def chunk_roots(ops: Ops, plan: HashPlan, leaf_words: Sequence[Any]) -> list[Any
         return _merkle_node(ops, node_key, left, right)
 
     return _reduce(ops, plan.merkle_tree, x, nodes)
+
+
+def _chunk_rows(ops: Ops, plan: HashPlan, leaf_words: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """Every leaf's chunks as rows of chunk words: the bulk rows (each message's full
+    chunks, ``per_message`` to a message) and the odd rows (tail and partial chunks)."""
+    per = plan.per_message
+    bulk_rows: list[Any] = []
+    odd_rows: list[Any] = []
+    for leaf, words in zip(plan.leaves, leaf_words, strict=True):
+        body, tail = _message(ops, words, leaf, plan.chunk_bytes)
+        if per:
+            if leaf.full:
+                bulk_rows.append(body[: leaf.full].reshape(leaf.full * per, CHUNK_WORDS))
+                odd_rows.append(ops.pad_to(tail[: leaf.full].reshape(leaf.full, 1), CHUNK_WORDS))
+        elif leaf.full:
+            whole = ops.concat([body[: leaf.full], tail[: leaf.full].reshape(leaf.full, 1)], axis=1)
+            odd_rows.append(ops.pad_to(whole, CHUNK_WORDS))
+        if leaf.partial >= 0:
+            count = -(-(leaf.partial + 1) // BLAKE3_CHUNK)
+            row = _fit(ops, body[leaf.full], count * CHUNK_WORDS)
+            odd_rows.append(row.reshape(count, CHUNK_WORDS))
+    return bulk_rows, odd_rows
+
+
+def _bulk_roots(ops: Ops, plan: HashPlan, bulk_rows: list[Any], leaf_key: list[Any]) -> list[Any]:
+    """The root of the perfect subtree of each bulk message's ``per_message`` full chunks."""
+    per = plan.per_message
+    nbulk = plan.bulk_messages
+    matrix = ops.concat(bulk_rows) if len(bulk_rows) > 1 else bulk_rows[0]
+    count = nbulk * per
+    counter = ops.array((np.arange(count) % per).astype(np.uint32))
+
+    def bulk_params(j: Any) -> tuple[Any, Any, Any, Any]:
+        flags = ops.const(KEYED_HASH) | ops.flag(j == 0, CHUNK_START)
+        flags = flags | ops.flag(j == BLOCK_WORDS - 1, CHUNK_END)
+        return counter, ops.const(BLOCK), flags, None
+
+    cv = _chunk_batch(ops, matrix, leaf_key, BLOCK_WORDS, bulk_params, count)
+    # The perfect subtree of each message's ``per`` full chunks (no ROOT: the tail
+    # chunk is the root's right child).
+    cv = [w.reshape(nbulk, per) for w in cv]
+    parent_flags = ops.const(PARENT | KEYED_HASH)
+    if ops.exact_levels:
+        width = per
+        while width > 1:
+            cv = _parent(
+                ops, leaf_key, [w[:, 0::2] for w in cv], [w[:, 1::2] for w in cv], parent_flags
+            )
+            width //= 2
+    elif per > 1:
+        # One program for every level: each pass writes the parents of adjacent pairs
+        # into the first half of a fixed (nbulk, per) buffer; the rest is scratch.
+        half = per // 2
+
+        def level(_: Any, cv: list[Any]) -> list[Any]:
+            left = [w[:, 0::2] for w in cv]
+            right = [w[:, 1::2] for w in cv]
+            parents = _parent(ops, leaf_key, left, right, parent_flags)
+            return [ops.concat([p, w[:, half:]], axis=1) for p, w in zip(parents, cv, strict=True)]
+
+        cv = ops.fori(per.bit_length() - 1, level, cv)
+        cv = [w[:, :1] for w in cv]
+    return [w.reshape(nbulk) for w in cv]
 
 
 def _reduce(

@@ -173,10 +173,7 @@ def write_synthetic_transcript(
     Returns:
         ``proof_dir``, which then holds ``records.cborl``, ``probes.bin`` and ``files/``.
     """
-    if forge not in (None, "outside_step", "batches", "lr", "scaled_gradient"):
-        raise ValueError(f"unknown forgery {forge!r}")
-    if forge == "scaled_gradient" and not gradients:
-        raise ValueError("the scaled_gradient forgery needs gradients=True")
+    _check_forgery(forge, gradients)
     core = _synthetic_core(
         proof_dir,
         experiment=experiment,
@@ -189,47 +186,103 @@ def write_synthetic_transcript(
         snapshot_interval=snapshot_interval,
         rerun=rerun,
     )
-    model = LinearSGD(features)
-    forged_model = LinearSGD(features, lr=0.1) if forge == "lr" else model
-    params, state = model.init(seed)
-    rng = np.random.default_rng(seed + 1)
-    batches = [
-        rng.integers(0, 1000, size=(rows, features + 1), dtype=np.uint32) for _ in range(steps)
-    ]
-    core.open(
-        params=_leaves(params),
-        opt_state=_leaves(state),
-        buffers=[],
-        batch_cols=features + 1,
-        program=None,
-        env=dict(SYNTHETIC_ENV),
-        grad=[LeafSpec.of(name, array) for name, array in _computed(params)] if gradients else None,
-        bounds=GradientBounds.default("float32"),
+    run = _SyntheticRun(
+        core,
+        proof_dir,
+        seed,
+        steps,
+        features,
+        rows,
+        forge,
+        forge_step,
+        gradients,
+        snapshot_interval,
     )
-    forged = forge is not None
-    # The pre-state of the latest snapshot step: a sampled check replays from it, as the
-    # frontends do (the check record's ``from`` and ``replayed`` say so).
-    snapshot = (params, state)
-    for step, batch in enumerate(batches):
-        if step % snapshot_interval == 0 and core.last_roots is not None:
-            _write_snapshot(core, proof_dir, step, params, state)
-            snapshot = (params, state)
-        write_batch(batch_path(proof_dir, step), batch)
-        claimed_pre = params  # what the probes claim the step started from
-        params, trained_on = _forged_inputs(forge, forge_step, step, params, batch, rng)
-        stepper = forged_model if step >= forge_step else model
+    run.train()
+    return Path(proof_dir)
+
+
+def _check_forgery(forge: str | None, gradients: bool) -> None:
+    if forge not in (None, "outside_step", "batches", "lr", "scaled_gradient"):
+        raise ValueError(f"unknown forgery {forge!r}")
+    if forge == "scaled_gradient" and not gradients:
+        raise ValueError("the scaled_gradient forgery needs gradients=True")
+
+
+class _SyntheticRun:
+    """A synthetic run in progress: the core it commits through, how it trains (honestly,
+    or forged from ``forge_step``), its batches and its state."""
+
+    def __init__(
+        self,
+        core: ZKDVCore,
+        proof_dir: str | os.PathLike[str],
+        seed: int,
+        steps: int,
+        features: int,
+        rows: int,
+        forge: str | None,
+        forge_step: int,
+        gradients: bool,
+        snapshot_interval: int,
+    ) -> None:
+        self.core, self.proof_dir = core, proof_dir
+        self.forge, self.forge_step, self.gradients = forge, forge_step, gradients
+        self.snapshot_interval = snapshot_interval
+        self.flops = 6.0 * features * rows
+        self.model = LinearSGD(features)
+        self.forged_model = LinearSGD(features, lr=0.1) if forge == "lr" else self.model
+        self.params, self.state = self.model.init(seed)
+        self.rng = np.random.default_rng(seed + 1)
+        self.batches = [
+            self.rng.integers(0, 1000, size=(rows, features + 1), dtype=np.uint32)
+            for _ in range(steps)
+        ]
+        # The pre-state of the latest snapshot step: a sampled check replays from it, as
+        # the frontends do (the check record's ``from`` and ``replayed`` say so).
+        self.snapshot = (self.params, self.state)
+
+    def train(self) -> None:
+        """Write the root, every step (with its snapshot and check), and the close."""
+        core, params, state = self.core, self.params, self.state
+        core.open(
+            params=_leaves(params),
+            opt_state=_leaves(state),
+            buffers=[],
+            batch_cols=self.model.features + 1,
+            program=None,
+            env=dict(SYNTHETIC_ENV),
+            grad=[LeafSpec.of(name, array) for name, array in _computed(params)]
+            if self.gradients
+            else None,
+            bounds=GradientBounds.default("float32"),
+        )
+        for step, batch in enumerate(self.batches):
+            if step % self.snapshot_interval == 0 and core.last_roots is not None:
+                _write_snapshot(core, self.proof_dir, step, self.params, self.state)
+                self.snapshot = (self.params, self.state)
+            self._step(step, batch)
+        core.close()
+
+    def _step(self, step: int, batch: np.ndarray) -> None:
+        """Train step ``step`` on ``batch``, commit it, and answer its check if sampled."""
+        core, forge, forge_step = self.core, self.forge, self.forge_step
+        write_batch(batch_path(self.proof_dir, step), batch)
+        claimed_pre = self.params  # what the probes claim the step started from
+        params, trained_on = _forged_inputs(forge, forge_step, step, self.params, batch, self.rng)
+        stepper = self.forged_model if step >= forge_step else self.model
         before_params = params
         grads = stepper.gradients(params, trained_on)
         if forge == "scaled_gradient" and step >= forge_step:
             grads = {k: (v * np.float32(1.01)).astype(np.float32) for k, v in grads.items()}
-        deltas, params, state = stepper.apply(params, state, grads)
-        computed = _computed(grads) if gradients else None
+        deltas, self.params, self.state = stepper.apply(params, self.state, grads)
+        computed = _computed(grads) if self.gradients else None
         if computed is not None:
-            write_state(gradient_path(proof_dir, step), computed)
+            write_state(gradient_path(self.proof_dir, step), computed)
         # A forger keeps the probes of the steps it forges self-consistent.
-        lying = forged and step >= forge_step
+        lying = forge is not None and step >= forge_step
         probes: tuple[list[np.ndarray], ...] = _probes(
-            core, claimed_pre if lying else before_params, params, deltas, lying
+            core, claimed_pre if lying else before_params, self.params, deltas, lying
         )
         if computed is not None:
             assert core.probes is not None
@@ -237,23 +290,24 @@ def write_synthetic_transcript(
         result = core.commit_step(
             step,
             batch=batch,
-            params=_leaves(params),
-            opt_state=_leaves(state),
+            params=_leaves(self.params),
+            opt_state=_leaves(self.state),
             buffers=[],
             probes=probes,
-            flops=6.0 * features * rows,
+            flops=self.flops,
             grad=computed,
         )
         if result.challenge is None:
-            continue
-        start = step - step % snapshot_interval
+            return
+        start = step - step % self.snapshot_interval
         # A forged run answers with its committed values; an honest one replays.
+        committed = (deltas, self.state)
         replayed = (
-            (deltas, state) if forged else _replay(model, snapshot, batches[start : step + 1])
+            committed
+            if forge is not None
+            else _replay(self.model, self.snapshot, self.batches[start : step + 1])
         )
-        _record_check(core, result.challenge, start, step, (deltas, state), replayed)
-    core.close()
-    return Path(proof_dir)
+        _record_check(core, result.challenge, start, step, committed, replayed)
 
 
 def _synthetic_core(

@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from zkdv.config import GradientBounds, ZKDVConfig
-from zkdv.core import ProgramInfo, ZKDVCore
+from zkdv.core import ProgramInfo, State, ZKDVCore
 from zkdv.driver.control import HostControl
 from zkdv.driver.flowcontrol import Admission, PipelineQueue, unannotated
 from zkdv.driver.pipeline import Leaves, PendingUpdate
@@ -61,6 +61,7 @@ from zkdv.files import (
     write_batch,
     write_state,
 )
+from zkdv.merkle import StateCommitment
 from zkdv.overlap import Policy
 from zkdv.sampling import Challenge
 
@@ -483,49 +484,12 @@ class Driver:
             # Hashed once: the first step's commitment also fixes the root's schema.grad.
             grad = None if computed is None else core.commit(computed[0])
             if not core.opened:
-                params, opt_state, buffers = sub.initial_state()
-                bound = self._experiment
-                # A regime is recorded only with an experiment binding: the root's
-                # experiment map is {name, spec_digest[, regime]} or null.
-                core.experiment = bound if bound is not None and "name" in bound else None
-                batch = sub.batch()
-                core.open(
-                    params=params,
-                    opt_state=opt_state,
-                    buffers=buffers,
-                    batch_cols=int(np.asarray(batch).reshape(len(batch), -1).shape[1]),
-                    program=self._program,
-                    env=self._env,
-                    shardings=self._shardings,
-                    grad=None if grad is None else grad.specs,
-                    bounds=self._bounds,
-                )
+                self._open(core, sub, grad)
             batch = sub.batch()
             if self._keep_files:
-                # On the writer, ahead of the step's record: the record is committed
-                # only after its files are (docs/transcript.md, "Durability").
-                words = np.asarray(batch)
-                core.submit_file(
-                    functools.partial(write_batch, batch_path(self.path, pending.index), words),
-                    words.nbytes,
-                )
-                if computed is not None and computed[1] is not None:
-                    leaves = computed[1]
-                    core.submit_file(
-                        functools.partial(
-                            write_state, gradient_path(self.path, pending.index), leaves
-                        ),
-                        sum(np.asarray(array).nbytes for _, array in leaves),
-                    )
-            snapshot = sub.snapshot
-            if snapshot is not None:
-                sub.snapshot = None
-                assert core.last_roots is not None
-                # Its roots are the post roots of the previous step, already computed:
-                # the file needs no second hash; the platform recomputes them.
-                core.record_snapshot(pending.index, core.last_roots, {})
-                if self._keep_files:
-                    self._queue.submit_snapshot(self._write_snapshot, pending.index, snapshot, sub)
+                self._submit_step_files(core, pending.index, batch, computed)
+            if sub.snapshot is not None:
+                self._record_snapshot(core, pending)
             params, opt_state, buffers = sub.post_state()
             assert core.probes is not None
             probes = sub.probes(core.probes)
@@ -543,28 +507,85 @@ class Driver:
                 grad=grad,
             )
             pending.result = result
-            challenge = result.challenge
-            if challenge is None:
-                sub.release_views()
-                pending.released.set()
-                sub.retire()
-                pending.retired.set()
-                return
-            committed = sub.capture(challenge)
-            sub.release_views()
-            pending.released.set()
-            done, acquired = threading.Event(), threading.Event()
-            # The fence is registered before retirement so no admission slips between.
-            self._queue.fence(done, sub.policy, acquired=acquired)
-            pending.retired.set()
-            self._queue.submit_check(
-                self._check, core, pending, challenge, committed, done, acquired
-            )
+            self._hand_on(core, pending, result.challenge)
         except BaseException:
             pending.released.set()
             pending.retired.set()
             sub.retire()
             raise
+
+    def _open(self, core: ZKDVCore, sub: Submission, grad: StateCommitment | None) -> None:
+        """Write the root record, from the first committed step's initial state and batch."""
+        params, opt_state, buffers = sub.initial_state()
+        bound = self._experiment
+        # A regime is recorded only with an experiment binding: the root's
+        # experiment map is {name, spec_digest[, regime]} or null.
+        core.experiment = bound if bound is not None and "name" in bound else None
+        batch = sub.batch()
+        core.open(
+            params=params,
+            opt_state=opt_state,
+            buffers=buffers,
+            batch_cols=int(np.asarray(batch).reshape(len(batch), -1).shape[1]),
+            program=self._program,
+            env=self._env,
+            shardings=self._shardings,
+            grad=None if grad is None else grad.specs,
+            bounds=self._bounds,
+        )
+
+    def _submit_step_files(
+        self,
+        core: ZKDVCore,
+        index: int,
+        batch: np.ndarray,
+        computed: tuple[State, Leaves | None] | None,
+    ) -> None:
+        """Queue the step's batch file, and its gradient file if it has one."""
+        # On the writer, ahead of the step's record: the record is committed
+        # only after its files are (docs/transcript.md, "Durability").
+        words = np.asarray(batch)
+        core.submit_file(
+            functools.partial(write_batch, batch_path(self.path, index), words),
+            words.nbytes,
+        )
+        if computed is not None and computed[1] is not None:
+            leaves = computed[1]
+            core.submit_file(
+                functools.partial(write_state, gradient_path(self.path, index), leaves),
+                sum(np.asarray(array).nbytes for _, array in leaves),
+            )
+
+    def _record_snapshot(self, core: ZKDVCore, pending: PendingUpdate) -> None:
+        """Record the snapshot of the step's pre-state, and queue its files if kept."""
+        sub = pending.submission
+        snapshot = sub.snapshot
+        assert snapshot is not None
+        sub.snapshot = None
+        assert core.last_roots is not None
+        # Its roots are the post roots of the previous step, already computed:
+        # the file needs no second hash; the platform recomputes them.
+        core.record_snapshot(pending.index, core.last_roots, {})
+        if self._keep_files:
+            self._queue.submit_snapshot(self._write_snapshot, pending.index, snapshot, sub)
+
+    def _hand_on(self, core: ZKDVCore, pending: PendingUpdate, challenge: Challenge | None) -> None:
+        """After the step's record: retire an unsampled step; queue a sampled one's check."""
+        sub = pending.submission
+        if challenge is None:
+            sub.release_views()
+            pending.released.set()
+            sub.retire()
+            pending.retired.set()
+            return
+        committed = sub.capture(challenge)
+        sub.release_views()
+        pending.released.set()
+        done, acquired = threading.Event(), threading.Event()
+        # The fence is registered before retirement so no admission slips between.
+        self._queue.fence(done, sub.policy, acquired=acquired)
+        pending.retired.set()
+        self._queue.submit_check(self._check, core, pending, challenge, committed, done, acquired)
 
     def _check(
         self,
