@@ -44,7 +44,8 @@ import numpy as np
 
 from zkdv.hashing import DIGEST_BYTES
 from zkdv.merkle import LeafSpec
-from zkdv.sliced import TorchLab, _batch_leaves, _row_leaves
+from zkdv.sliced import TorchLab
+from zkdv.sliced._commitment import _batch_leaves, _row_leaves
 
 __all__ = [
     "GRANT_VERSION",
