@@ -47,8 +47,11 @@ from zkdv.jax import _messages
 from zkdv.jax._device import DeviceCommitter, SnapshotPool, TransferLog, host_shardings, leaf_specs
 from zkdv.jax._export import (
     _SOURCES,
+    _apply_state_specs,
     _attest_from_transition,
     _check_attest_outputs,
+    _committed_material,
+    _computed_specs,
     _derived_transition,
     _describe_sharding,
     _environment,
@@ -68,7 +71,7 @@ from zkdv.jax._program import (
     _Traced,
 )
 from zkdv.jax._steps import _DeviceStep, _Step
-from zkdv.jax.artifact import Artifact, dumps, dumps_committed
+from zkdv.jax.artifact import Artifact, dumps
 from zkdv.jax.device_merkle import default_schedule
 from zkdv.overlap import Policy
 from zkdv.sampling import Challenge
@@ -406,22 +409,12 @@ class ZKDV(Driver):
         traced = program.traced
         spec = traced.update
         assert spec is not None and program.specs is not None
-        inputs = [*program.specs[0], *program.specs[1]]
-        by_position = {
-            position: inputs[i] for i, position in enumerate((*program.donated, *program.kept))
-        }
-        zero_spec = program.specs[2]
-        apply_params = tuple(by_position[p] for p in traced.param_positions)
-        apply_opt = tuple(by_position[p] for p in traced.opt_positions)
+        apply_params, apply_opt, zero_spec = _apply_state_specs(program)
         # Traced without donation: the apply program reads the parameters after it.
         production, trace = program.jitted, program.trace
         apply, outcome = apply_function(spec)
         try:
-            computed_avals = trace.out_info[1 : 1 + len(traced.computed_names)]
-            apply_computed = tuple(
-                jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=w)  # type: ignore[no-untyped-call]
-                for a, w in zip(computed_avals, spec.weak[2], strict=True)
-            )
+            apply_computed = _computed_specs(program, spec.weak[2])
             exported, applied = export_committed(
                 production,
                 program.specs,
@@ -439,28 +432,8 @@ class ZKDV(Driver):
             position in program.donated for position in traced.param_positions
         )
         program.deltas = jax.jit(deltas, donate_argnums=(1,) if donate else ())
-        material = dumps_committed(
-            source=_SOURCES.get(traced.registration.source, "zkdv.jax.Transaction"),
-            production=exported,
-            apply=applied,
-            inputs={
-                "count": len(program.avals),
-                "donated": list(program.donated),
-                "kept": list(program.kept),
-                "params": list(traced.param_positions),
-                "opt_state": list(traced.opt_positions),
-                "batch": list(traced.batch_positions),
-            },
-            outputs={
-                "batch": 0,
-                "computed": 1,
-                "count": traced.schema.outputs - traced.schema.hidden_leaves,
-            },
-            computed=list(zip(traced.computed_names, apply_computed, strict=True)),
-            optimizer=optimizer,
-            params=list(zip(traced.param_paths, param_specs, strict=True)),
-            opt_state=list(zip(traced.opt_paths, opt_specs, strict=True)),
-            layout=traced.layout,
+        material = _committed_material(
+            program, (exported, applied), apply_computed, optimizer, (param_specs, opt_specs)
         )
         artifact = Artifact.loads(material)
         # The step runs the committed programs: compiled once, here, and shared with

@@ -26,9 +26,10 @@ from zkdv.errors import (
 )
 from zkdv.jax import _context, _messages
 from zkdv.jax._tree import index
+from zkdv.jax.artifact import dumps_committed
 
 if TYPE_CHECKING:
-    from zkdv.jax._program import _Traced
+    from zkdv.jax._program import _Program, _Traced
 
 __all__ = [
     "ISAS",
@@ -335,6 +336,71 @@ def export_committed(
             failure = error
     assert failure is not None
     raise failure
+
+
+def _apply_state_specs(program: _Program) -> tuple[tuple[Any, ...], tuple[Any, ...], Any]:
+    """The apply program's parameter, optimizer-state and zero specs: the step's own."""
+    assert program.specs is not None
+    traced = program.traced
+    inputs = [*program.specs[0], *program.specs[1]]
+    by_position = {
+        position: inputs[i] for i, position in enumerate((*program.donated, *program.kept))
+    }
+    zero_spec = program.specs[2]
+    apply_params = tuple(by_position[p] for p in traced.param_positions)
+    apply_opt = tuple(by_position[p] for p in traced.opt_positions)
+    return apply_params, apply_opt, zero_spec
+
+
+def _computed_specs(program: _Program, weak: Sequence[bool]) -> tuple[Any, ...]:
+    """The apply program's specs of the computed values, as the production trace outputs
+    them, with the weak types the update declared."""
+    computed_avals = program.trace.out_info[1 : 1 + len(program.traced.computed_names)]
+    return tuple(
+        jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=w)  # type: ignore[no-untyped-call]
+        for a, w in zip(computed_avals, weak, strict=True)
+    )
+
+
+def _committed_material(
+    program: _Program,
+    exported: tuple[export.Exported, export.Exported],
+    computed: tuple[Any, ...],
+    optimizer: dict[str, Any],
+    state_specs: tuple[tuple[Any, ...], tuple[Any, ...]],
+) -> bytes:
+    """The version-2 artifact of a run that commits its gradients (:func:`dumps_committed`).
+
+    ``exported`` is the production and the apply program, ``computed`` the apply
+    program's specs of the computed values, ``state_specs`` the parameters' and the
+    optimizer state's.
+    """
+    traced = program.traced
+    production, applied = exported
+    param_specs, opt_specs = state_specs
+    return dumps_committed(
+        source=_SOURCES.get(traced.registration.source, "zkdv.jax.Transaction"),
+        production=production,
+        apply=applied,
+        inputs={
+            "count": len(program.avals),
+            "donated": list(program.donated),
+            "kept": list(program.kept),
+            "params": list(traced.param_positions),
+            "opt_state": list(traced.opt_positions),
+            "batch": list(traced.batch_positions),
+        },
+        outputs={
+            "batch": 0,
+            "computed": 1,
+            "count": traced.schema.outputs - traced.schema.hidden_leaves,
+        },
+        computed=list(zip(traced.computed_names, computed, strict=True)),
+        optimizer=optimizer,
+        params=list(zip(traced.param_paths, param_specs, strict=True)),
+        opt_state=list(zip(traced.opt_paths, opt_specs, strict=True)),
+        layout=traced.layout,
+    )
 
 
 def _export_programs(

@@ -313,36 +313,11 @@ def describe(
     new_params = jax.tree.leaves(recorded.new_params)
     if len(grad_leaves) != len(tx_leaves) or len(new_params) != len(tx_leaves):
         raise ZKDVError(_messages.GRADIENT_STRUCTURE)
-    gradient: dict[int, Any] = {}
-    for position, grad, new in zip(tx_params, grad_leaves, new_params, strict=True):
-        if params_after[position] is not new:
-            raise ZKDVError(_messages.PARAMETER_WRITTEN)
-        gradient[position] = grad
-    overwrite_ids = {id(leaf) for leaf in overwrite}
-    overwritten = []
-    for position, (before, after) in enumerate(zip(params_before, params_after, strict=True)):
-        if position in gradient:
-            continue
-        if id(after) in overwrite_ids:
-            overwritten.append(position)
-            gradient[position] = after
-        elif after is not before:
-            raise ZKDVError(_messages.PARAMETER_WRITTEN)
-    for position, grad in gradient.items():
-        param = params_before[position]
-        if jnp.shape(grad) != jnp.shape(param) or jnp.result_type(grad) != jnp.result_type(param):
-            raise ZKDVError(
-                _messages.GRADIENT_DTYPE.format(
-                    got=f"{jnp.result_type(grad)}{list(jnp.shape(grad))}",
-                    want=f"{jnp.result_type(param)}{list(jnp.shape(param))}",
-                )
-            )
-    state = _positions(jax.tree.leaves(recorded.state), opt_before, "optimizer state")
-    new_state = jax.tree.leaves(recorded.new_state)
-    if len(new_state) != len(state) or any(
-        opt_after[p] is not leaf for p, leaf in zip(state, new_state, strict=True)
-    ):
-        raise ZKDVError(_messages.STATE_NOT_RETURNED)
+    gradient, overwritten = _gradients(
+        tx_params, grad_leaves, new_params, overwrite, params_before, params_after
+    )
+    _check_gradient_types(gradient, params_before)
+    state = _state_positions(recorded, opt_before, opt_after)
     counter_positions = _positions(counters, opt_before, "step counter")
     fixed = set(state) | set(counter_positions)
     carried = tuple(
@@ -365,6 +340,63 @@ def describe(
         weak=(_weak(params_before), _weak(opt_before), _weak(computed)),
     )
     return spec, computed
+
+
+def _gradients(
+    tx_params: tuple[int, ...],
+    grad_leaves: Sequence[Any],
+    new_params: Sequence[Any],
+    overwrite: Sequence[Any],
+    params_before: Sequence[Any],
+    params_after: Sequence[Any],
+) -> tuple[dict[int, Any], list[int]]:
+    """Each updated parameter's gradient by position, and the overwritten positions.
+
+    A parameter the optimizer updates takes its gradient; one that the step replaced by
+    a gradient leaf of ``overwrite`` takes that leaf. Any other written parameter fails.
+    """
+    gradient: dict[int, Any] = {}
+    for position, grad, new in zip(tx_params, grad_leaves, new_params, strict=True):
+        if params_after[position] is not new:
+            raise ZKDVError(_messages.PARAMETER_WRITTEN)
+        gradient[position] = grad
+    overwrite_ids = {id(leaf) for leaf in overwrite}
+    overwritten = []
+    for position, (before, after) in enumerate(zip(params_before, params_after, strict=True)):
+        if position in gradient:
+            continue
+        if id(after) in overwrite_ids:
+            overwritten.append(position)
+            gradient[position] = after
+        elif after is not before:
+            raise ZKDVError(_messages.PARAMETER_WRITTEN)
+    return gradient, overwritten
+
+
+def _check_gradient_types(gradient: dict[int, Any], params_before: Sequence[Any]) -> None:
+    """Each gradient has its parameter's shape and dtype."""
+    for position, grad in gradient.items():
+        param = params_before[position]
+        if jnp.shape(grad) != jnp.shape(param) or jnp.result_type(grad) != jnp.result_type(param):
+            raise ZKDVError(
+                _messages.GRADIENT_DTYPE.format(
+                    got=f"{jnp.result_type(grad)}{list(jnp.shape(grad))}",
+                    want=f"{jnp.result_type(param)}{list(jnp.shape(param))}",
+                )
+            )
+
+
+def _state_positions(
+    recorded: Recorded, opt_before: Sequence[Any], opt_after: Sequence[Any]
+) -> tuple[int, ...]:
+    """Where the optimizer's state sits in the continuity leaves; the step returns its update."""
+    state = _positions(jax.tree.leaves(recorded.state), opt_before, "optimizer state")
+    new_state = jax.tree.leaves(recorded.new_state)
+    if len(new_state) != len(state) or any(
+        opt_after[p] is not leaf for p, leaf in zip(state, new_state, strict=True)
+    ):
+        raise ZKDVError(_messages.STATE_NOT_RETURNED)
+    return state
 
 
 Apply = Callable[..., tuple[tuple[Any, ...], tuple[Any, ...]]]

@@ -118,6 +118,33 @@ def scan(
     replay_update = replay.update
     assert replay_update is not None
     init_leaves = jax.tree.leaves(init)
+    layout, hoisted = _batch_layout(xs, init_leaves, update, replay)
+    body = _committing_body(trace, update, layout, hoisted)
+    final, (ys, hidden, packed) = lax.scan(body, init, xs, **options)
+    deltas, params_stacked, opt_stacked = hidden
+    count = int(packed.shape[0])
+    updates = ScanUpdates(
+        count=count,
+        reverse=bool(reverse),
+        per_loop=count if unroll is True else max(1, min(int(unroll), count)),
+        layout=layout,
+        packed=packed,
+        stacked=[*params_stacked, *opt_stacked],
+        counts=(len(update.param_positions), len(update.opt_positions)),
+        transition=_transition(replay, replay_update, layout),
+    )
+    context.open(_registration(update, init_leaves, final, deltas, updates))
+    return final, ys
+
+
+def _batch_layout(
+    xs: Any, init_leaves: list[Any], update: _Update, replay: _Trace
+) -> tuple[BatchLayout, list[Any]]:
+    """The per-update batch's layout, and the traced constants it carries.
+
+    One update's batch is its slice of ``xs``, the carry leaves that are not the state
+    and the body's traced (step-computed) constants, in that order.
+    """
     # Arrays with the types the loop sees (a Python scalar in the carry is a weak array).
     x_leaves = [] if xs is None else [jnp.asarray(x)[0] for x in jax.tree.leaves(xs)]
     carried = [jnp.asarray(init_leaves[i]) for i in update.other_positions]
@@ -127,8 +154,13 @@ def scan(
         + [update.carry_paths[i] for i in update.other_positions]
         + [f"closure[{i}]" for i in range(len(hoisted))]
     )
-    layout = BatchLayout.of(paths, [*x_leaves, *carried, *hoisted])
-    counts = (len(update.param_positions), len(update.opt_positions))
+    return BatchLayout.of(paths, [*x_leaves, *carried, *hoisted]), hoisted
+
+
+def _committing_body(
+    trace: _Trace, update: _Update, layout: BatchLayout, hoisted: list[Any]
+) -> Callable[[Any, Any], tuple[Any, Any]]:
+    """The production scan's body: the traced body, and each update's packed batch."""
 
     def body(carry: Any, x: Any) -> tuple[Any, Any]:
         outputs = trace.call(carry, x)
@@ -142,11 +174,15 @@ def scan(
         )
         return outputs[0], (outputs[1], outputs[2], packed)
 
-    final, (ys, hidden, packed) = lax.scan(body, init, xs, **options)
-    deltas, params_stacked, opt_stacked = hidden
+    return body
+
+
+def _registration(
+    update: _Update, init_leaves: list[Any], final: Any, deltas: Any, updates: ScanUpdates
+) -> _context.Registration:
+    """The step's registration of the scan's updates: the state before and after them."""
     final_leaves = jax.tree.leaves(final)
-    count = int(packed.shape[0])
-    registration = _context.Registration(
+    return _context.Registration(
         "train_state",
         jax.tree.unflatten(update.param_tree, [init_leaves[i] for i in update.param_positions]),
         jax.tree.unflatten(update.opt_tree, [init_leaves[i] for i in update.opt_positions]),
@@ -160,19 +196,8 @@ def scan(
             update.opt_tree, [final_leaves[i] for i in update.opt_positions]
         ),
         completed=True,
-        scan=ScanUpdates(
-            count=count,
-            reverse=bool(reverse),
-            per_loop=count if unroll is True else max(1, min(int(unroll), count)),
-            layout=layout,
-            packed=packed,
-            stacked=[*params_stacked, *opt_stacked],
-            counts=counts,
-            transition=_transition(replay, replay_update, layout),
-        ),
+        scan=updates,
     )
-    context.open(registration)
-    return final, ys
 
 
 def _slice_spec(x: Any) -> Any:

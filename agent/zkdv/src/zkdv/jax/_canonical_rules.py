@@ -1,0 +1,346 @@
+"""The jaxpr interpreter of ``zkdv-jax-canonical-v1`` and its rule for each primitive.
+
+:class:`_Evaluator` runs a jaxpr equation by equation over the fenced arithmetic of
+:mod:`zkdv.jax._canonical_arithmetic`: exact operations as XLA does them, each float
+operation by its rule below (control flow evaluated with these rules inside), and every
+other primitive raises :class:`~zkdv.jax.canonical.NotCanonical` with the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core
+
+from zkdv.jax._canonical_arithmetic import (
+    _F32,
+    _F64,
+    _FORMATS,
+    CANONICAL_VERSION,
+    NotCanonical,
+    _Arithmetic,
+    _is_float,
+)
+
+_Rule = Callable[["_Evaluator", Any, list[Any]], list[Any]]
+
+
+class _Evaluator(_Arithmetic):
+    """The jaxpr interpreter over fenced arithmetic; built with x64 enabled."""
+
+    def run_closed(self, closed: Any, args: Sequence[Any]) -> list[Any]:
+        consts = [self.fence(jnp.asarray(c)) for c in closed.consts]
+        return self.run(closed.jaxpr, consts, args)
+
+    def run_any(self, jaxpr: Any, args: Sequence[Any]) -> list[Any]:
+        if isinstance(jaxpr, core.ClosedJaxpr):
+            return self.run_closed(jaxpr, args)
+        return self.run(jaxpr, [], args)
+
+    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+        env: dict[Any, Any] = {}
+
+        def read(var: Any) -> Any:
+            if isinstance(var, core.Literal):
+                aval: Any = var.aval
+                return _fence_constant(np.asarray(var.val, dtype=aval.dtype))
+            return env[var]
+
+        env.update(zip(jaxpr.constvars, consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+        for eqn in jaxpr.eqns:
+            outputs = self.equation(eqn, [read(v) for v in eqn.invars])
+            for var, value in zip(eqn.outvars, outputs, strict=True):
+                if not isinstance(var, core.DropVar):
+                    env[var] = value
+        return [read(v) for v in jaxpr.outvars]
+
+    def equation(self, eqn: Any, args: list[Any]) -> list[Any]:
+        name = eqn.primitive.name
+        dtypes = [getattr(v.aval, "dtype", None) for v in (*eqn.invars, *eqn.outvars)]
+        if any(d is None or jnp.issubdtype(d, jnp.complexfloating) for d in dtypes):
+            raise NotCanonical(
+                f"{CANONICAL_VERSION} has no rule for the JAX primitive '{name}' on "
+                f"{', '.join(str(d) for d in dtypes)}: only real and integer arrays are"
+                " canonical"
+            )
+        nested = any(True for _ in core.jaxprs_in_params(eqn.params))
+        if name in _EXACT or not (nested or any(_is_float(d) for d in dtypes)):
+            # Exact on every backend: data movement, comparisons, integer arithmetic. Their
+            # float results are (flushed) operands, except for conversions.
+            if name == "bitcast_convert_type":
+                args = [self.seal(a) for a in args]
+            if name in _CONVERSIONS:
+                return [self.fence(y) for y in _bind(eqn, args)]
+            return _bind(eqn, args)
+        rule = _RULES.get(name)
+        if rule is not None:
+            return rule(self, eqn, args)
+        reason = _REASONS.get(name, "no canonical rule is defined for it")
+        raise NotCanonical(
+            f"{CANONICAL_VERSION} cannot evaluate the JAX primitive '{name}' on floats: "
+            f"{reason}. Run this computation outside the canonical region."
+        )
+
+
+def _fence_constant(value: np.ndarray[Any, Any]) -> Any:
+    """A literal fenced and sealed here: a constant is not the result of an operation."""
+    fmt = _FORMATS.get(value.dtype)
+    if fmt is not None:
+        bits = value.view(fmt.bits).copy()
+        magnitude = bits & fmt.bits.type(fmt.magnitude)
+        bits[magnitude <= fmt.min_normal] &= fmt.bits.type(fmt.sign)
+        bits[magnitude > fmt.exponent] = fmt.nan
+        value = bits.view(value.dtype)
+    return jnp.asarray(value)
+
+
+def _bind(eqn: Any, args: Sequence[Any]) -> list[Any]:
+    result = eqn.primitive.bind(*args, **eqn.params)
+    return list(result) if eqn.primitive.multiple_results else [result]
+
+
+def _out_dtype(eqn: Any) -> Any:
+    return eqn.outvars[0].aval.dtype
+
+
+# --- Rules ----------------------------------------------------------------------------
+
+
+def _ieee(ev: _Evaluator, op: Callable[..., Any], args: Sequence[Any], native_f32: bool) -> Any:
+    """An IEEE operation: native where it is correctly rounded, else in float64."""
+    dtype = np.dtype(args[0].dtype)
+    if dtype == _F64 or (dtype == _F32 and native_f32):
+        return ev.fence(op(*args))
+    # One float64 operation on exactly converted operands, rounded at once: nothing to
+    # fuse it with, and no float64 subnormal can arise from narrower operands.
+    return ev.round(op(*[ev.wide(a) for a in args]), dtype)
+
+
+def _arithmetic(native_f32: bool) -> _Rule:
+    def rule(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
+        op = functools.partial(eqn.primitive.bind, **eqn.params)
+        return [_ieee(ev, op, args, native_f32)]
+
+    return rule
+
+
+def _cumulative(combine: Callable[[_Evaluator, Any, Any], Any]) -> _Rule:
+    """``cumsum`` and friends, one element after the other along the axis."""
+
+    def rule(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
+        axis, reverse = eqn.params["axis"], eqn.params["reverse"]
+        x = jnp.moveaxis(args[0], axis, 0)
+        if x.shape[0] <= 1:
+            return [args[0]]
+
+        def step(carry: Any, row: Any) -> tuple[Any, Any]:
+            carry = combine(ev, carry, row)
+            return carry, carry
+
+        if reverse:
+            _, ys = lax.scan(step, x[-1], x[:-1], reverse=True)
+            result = jnp.concatenate([ys, x[-1:]])
+        else:
+            _, ys = lax.scan(step, x[0], x[1:])
+            result = jnp.concatenate([x[:1], ys])
+        return [jnp.moveaxis(result, 0, axis)]
+
+    return rule
+
+
+def _float64_formula(formula: Callable[[_Evaluator, Any], Any]) -> _Rule:
+    def rule(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
+        return [ev.round(formula(ev, ev.wide(args[0])), _out_dtype(eqn))]
+
+    return rule
+
+
+def _rsqrt(ev: _Evaluator, x: Any) -> Any:
+    return ev.div(1.0, ev.fence(jnp.sqrt(x)))
+
+
+def _integer_pow(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
+    return [ev.round(ev.power_static(ev.wide(args[0]), eqn.params["y"]), _out_dtype(eqn))]
+
+
+def _square(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
+    return [ev.round(ev.power_static(ev.wide(args[0]), 2), _out_dtype(eqn))]
+
+
+def _pow(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
+    x, y = args
+    dtype = _out_dtype(eqn)
+    exponent = eqn.invars[1]
+    if not _is_float(y.dtype):
+        x, y = jnp.broadcast_arrays(ev.wide(x), y)
+        return [ev.round(ev.power_dynamic(x, y), dtype)]
+    if isinstance(exponent, core.Literal) and np.ndim(exponent.val) == 0:
+        value = float(exponent.val)
+        if value.is_integer() and abs(value) < 2**31:  # x ** 2.0 as written in code
+            return [ev.round(ev.power_static(ev.wide(x), int(value)), dtype)]
+        if abs(value) == 0.5:  # x ** 0.5, x ** -0.5: correctly rounded square roots
+            wide = ev.wide(x)
+            # pow(-0, y) = +0 and pow(-inf, y) = +inf for y = 0.5 (C99), unlike sqrt.
+            wide = jnp.where((wide == 0.0) | (wide == -jnp.inf), jnp.abs(wide), wide)
+            root = ev.fence(jnp.sqrt(wide))
+            return [ev.round(root if value > 0 else ev.div(1.0, root), dtype)]
+    x, y = jnp.broadcast_arrays(ev.wide(x), ev.wide(y))
+    return [ev.round(ev.power(x, y), dtype)]
+
+
+def _maximum(largest: bool) -> _Rule:
+    def rule(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
+        a, b = args
+        return [ev.maximum(a, b, largest=largest)]
+
+    return rule
+
+
+def _clamp(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
+    low, x, high = args
+    return [ev.maximum(ev.maximum(x, low, largest=True), high, largest=False)]
+
+
+def _reduce_extreme(largest: bool) -> _Rule:
+    def rule(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
+        return [ev.extreme(args[0], tuple(eqn.params["axes"]), largest)]
+
+    return rule
+
+
+def _reduce_sum(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
+    return [ev.exact_sum(args[0], tuple(eqn.params["axes"]), _out_dtype(eqn))]
+
+
+def _inline(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        if key in eqn.params:
+            return ev.run_any(eqn.params[key], args)
+    raise NotCanonical(f"{CANONICAL_VERSION} found no jaxpr in '{eqn.primitive.name}'")
+
+
+def _cond(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
+    index, *operands = args
+
+    def branch(closed: Any) -> Callable[..., tuple[Any, ...]]:
+        return lambda *xs: tuple(ev.run_closed(closed, xs))
+
+    return list(lax.switch(index, [branch(b) for b in eqn.params["branches"]], *operands))
+
+
+def _while(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
+    p = eqn.params
+    split = p["cond_nconsts"] + p["body_nconsts"]
+    cond_consts, body_consts = args[: p["cond_nconsts"]], args[p["cond_nconsts"] : split]
+
+    def cond(carry: Any) -> Any:
+        return ev.run_closed(p["cond_jaxpr"], [*cond_consts, *carry])[0]
+
+    def body(carry: Any) -> tuple[Any, ...]:
+        return tuple(ev.run_closed(p["body_jaxpr"], [*body_consts, *carry]))
+
+    return list(lax.while_loop(cond, body, tuple(args[split:])))
+
+
+def _scan(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
+    p = eqn.params
+    consts = args[: p["num_consts"]]
+    init = tuple(args[p["num_consts"] : p["num_consts"] + p["num_carry"]])
+    xs = tuple(args[p["num_consts"] + p["num_carry"] :])
+
+    def body(carry: tuple[Any, ...], x: tuple[Any, ...]) -> tuple[Any, Any]:
+        outputs = ev.run_closed(p["jaxpr"], [*consts, *carry, *x])
+        return tuple(outputs[: p["num_carry"]]), tuple(outputs[p["num_carry"] :])
+
+    carry, ys = lax.scan(
+        body, init, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
+    )
+    return [*carry, *ys]
+
+
+_RULES: dict[str, _Rule] = {
+    "add": _arithmetic(native_f32=True),
+    "add_any": _arithmetic(native_f32=True),
+    "sub": _arithmetic(native_f32=True),
+    "mul": _arithmetic(native_f32=True),
+    "div": _arithmetic(native_f32=False),
+    "sqrt": _arithmetic(native_f32=False),
+    "rsqrt": _float64_formula(_rsqrt),
+    "integer_pow": _integer_pow,
+    "square": _square,
+    "pow": _pow,
+    "exp": _float64_formula(_Evaluator.exp),
+    "exp2": _float64_formula(_Evaluator.exp2),
+    "expm1": _float64_formula(_Evaluator.expm1),
+    "log": _float64_formula(_Evaluator.log),
+    "log1p": _float64_formula(_Evaluator.log1p),
+    "sin": _float64_formula(_Evaluator.sin),
+    "cos": _float64_formula(_Evaluator.cos),
+    "tan": _float64_formula(_Evaluator.tan),
+    "tanh": _float64_formula(_Evaluator.tanh),
+    "logistic": _float64_formula(_Evaluator.logistic),
+    "sinh": _float64_formula(_Evaluator.sinh),
+    "cosh": _float64_formula(_Evaluator.cosh),
+    "max": _maximum(largest=True),
+    "min": _maximum(largest=False),
+    "clamp": _clamp,
+    "reduce_max": _reduce_extreme(largest=True),
+    "reduce_min": _reduce_extreme(largest=False),
+    "reduce_sum": _reduce_sum,
+    "cumsum": _cumulative(lambda ev, a, b: _ieee(ev, lax.add, (a, b), native_f32=True)),
+    "cumprod": _cumulative(lambda ev, a, b: _ieee(ev, lax.mul, (a, b), native_f32=True)),
+    "cummax": _cumulative(lambda ev, a, b: ev.maximum(a, b, largest=True)),
+    "cummin": _cumulative(lambda ev, a, b: ev.maximum(a, b, largest=False)),
+    "jit": _inline,
+    "pjit": _inline,
+    "closed_call": _inline,
+    "core_call": _inline,
+    "checkpoint": _inline,
+    "remat": _inline,
+    "remat2": _inline,
+    "custom_jvp_call": _inline,
+    "custom_vjp_call": _inline,
+    "custom_vjp_call_jaxpr": _inline,
+    "cond": _cond,
+    "while": _while,
+    "scan": _scan,
+}
+
+# Exact operations on floats, evaluated as XLA does (then fenced).
+_EXACT = frozenset(
+    {
+        "neg", "abs", "sign", "floor", "ceil", "round", "is_finite", "nextafter",
+        "copy", "copy_p", "select_n", "eq", "ne", "lt", "le", "gt", "ge",
+        "convert_element_type", "bitcast_convert_type", "reduce_precision",
+        "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "rev",
+        "slice", "dynamic_slice", "dynamic_update_slice", "concatenate", "pad", "gather",
+        "split", "stack", "unstack", "tile", "zeros_like", "iota", "argmax", "argmin",
+        "stop_gradient", "optimization_barrier", "layout_constraint",
+        "sharding_constraint", "device_put", "mesh_cast", "reshard",
+    }
+)  # fmt: skip
+
+# Exact operations whose float results are new values, possibly subnormal.
+_CONVERSIONS = frozenset(
+    {"convert_element_type", "bitcast_convert_type", "reduce_precision", "nextafter", "iota"}
+)
+
+_ORDER = "its result depends on the backend's order of additions and use of fused multiply-adds"
+_REASONS = {
+    "dot_general": f"a matrix product or contraction; {_ORDER}",
+    "conv_general_dilated": f"a convolution; {_ORDER}",
+    "reduce_prod": "a product reduction's rounding depends on the backend's order",
+    "cumlogsumexp": f"a cumulative log-sum-exp; {_ORDER}",
+    "sort": "sorting floats has no canonical rule",
+    "scatter": "a scatter's result with repeated indices depends on the backend",
+    "scatter-add": f"a scatter-add; {_ORDER}",
+    "scatter_add": f"a scatter-add; {_ORDER}",
+    "rem": "XLA's float remainder is not exact on every backend",
+    "reduce_window_sum": f"a windowed sum; {_ORDER}",
+}
