@@ -124,7 +124,8 @@ SDK_UPLOAD = r"""
 import os, resource, sys, time
 from pathlib import Path
 from dvbench import Client
-from dvbench._sync import Manifest, Uploader
+from dvbench._manifest import Manifest
+from dvbench._sync import Uploader
 url, key, experiment, directory = sys.argv[1:5]
 relative = "files/snapshot-00000000.params.bin"
 with Client(url, api_key=key) as client:

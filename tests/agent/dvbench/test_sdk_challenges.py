@@ -20,7 +20,8 @@ import pytest
 pytest.importorskip("torch")
 
 from dvbench import Client
-from dvbench._sync import MANIFEST, sync_directory
+from dvbench._manifest import MANIFEST
+from dvbench._sync import sync_directory
 from tests.attestations.challenges.test_replay import TORCH_SPEC, train_torch
 
 NAME = "acme/torch-run"

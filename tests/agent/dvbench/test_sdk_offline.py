@@ -8,7 +8,7 @@ import pytest
 import dvbench
 from dvbench import Client
 from dvbench._cli import main
-from dvbench._sync import Manifest
+from dvbench._manifest import Manifest
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

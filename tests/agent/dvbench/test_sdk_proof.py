@@ -15,8 +15,8 @@ import pytest
 
 import dvbench
 from dvbench import Client
+from dvbench._manifest import MANIFEST, Manifest
 from dvbench._proof import proof_class
-from dvbench._sync import MANIFEST, Manifest
 from zkdv.testing import write_synthetic_transcript
 
 pytestmark = pytest.mark.django_db(transaction=True)

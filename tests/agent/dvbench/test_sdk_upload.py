@@ -15,7 +15,8 @@ import pytest
 import dvbench
 from dvbench import Client
 from dvbench._cli import main as cli
-from dvbench._sync import MANIFEST, Manifest, sync_directory
+from dvbench._manifest import MANIFEST, Manifest
+from dvbench._sync import sync_directory
 from zkdv.testing import write_synthetic_transcript
 
 pytestmark = pytest.mark.django_db(transaction=True)

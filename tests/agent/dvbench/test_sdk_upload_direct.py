@@ -16,7 +16,8 @@ import pytest
 
 from dvbench import Client
 from dvbench._exceptions import DVBenchError
-from dvbench._sync import Manifest, sync_directory
+from dvbench._manifest import Manifest
+from dvbench._sync import sync_directory
 from tests.agent.dvbench.test_sdk_upload import make_run
 from tests.attestations.s3 import CREDENTIALS, REGION, s3_endpoint
 

@@ -8,7 +8,8 @@ import pytest
 
 from dvbench import Client
 from dvbench._cli import main as cli
-from dvbench._sync import Manifest, sync_directory
+from dvbench._manifest import Manifest
+from dvbench._sync import sync_directory
 from tests.agent.dvbench.test_sdk_upload import PART, assert_on_platform, make_run
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -49,7 +49,7 @@ from dvbench._model import (
     check_final_parameters,
 )
 from dvbench._proof import DVBenchProof
-from dvbench._sync import SyncResult
+from dvbench._result import SyncResult
 from dvbench._verdict import Verdict
 
 __version__ = "0.1.0"

@@ -163,8 +163,9 @@ def cmd_experiments_spec_version(args: argparse.Namespace) -> int:
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
+    from dvbench._manifest import pending_directories
     from dvbench._proof import runs_dir
-    from dvbench._sync import pending_directories, sync_directory
+    from dvbench._sync import sync_directory
 
     directories = [Path(d) for d in args.directories]
     if not directories:

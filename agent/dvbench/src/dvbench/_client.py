@@ -30,7 +30,7 @@ from dvbench._exceptions import (
 
 if TYPE_CHECKING:
     from dvbench._experiment import Experiment
-    from dvbench._sync import SyncResult
+    from dvbench._result import SyncResult
     from dvbench._verdict import Verdict
 
 __all__ = ["DEFAULT_TIMEOUT", "Client"]

@@ -29,8 +29,10 @@ from dvbench._exceptions import (
     NetworkError,
     UploadError,
 )
+from dvbench._manifest import TRANSCRIPT, Manifest, sha256_file
 from dvbench._progress import Progress, ProgressCallback
-from dvbench._sync import TRANSCRIPT, Manifest, SyncResult, Uploader, release, settle
+from dvbench._result import SyncResult
+from dvbench._sync import Uploader, release, settle
 
 if TYPE_CHECKING:
     from dvbench._experiment import Experiment
@@ -119,6 +121,63 @@ class _State:
     def stop_background(self) -> None:
         if self.background is not None:
             self.background.stop()
+
+    # --- the steps of DVBenchProof.finish() -----------------------------------------------
+    def settle_again(self, *, wait: bool, timeout: float) -> None:
+        """A finished proof asked again: with ``wait``, wait for its verdict this time."""
+        result = self.result
+        assert result is not None
+        if wait and self.uploader is not None and result.proof_id is not None:
+            settle(self.client, self.uploader, result, wait=True, timeout=timeout)
+            print(result.verdict.summary() if result.verdict else "", file=sys.stderr)
+
+    def nothing_to_upload(self, *, follower: bool) -> SyncResult:
+        """The result of a run that wrote no transcript (a follower rank, or no step)."""
+        directory = self.manifest.directory
+        result = SyncResult(directory, self.experiment.name)
+        if follower:
+            result.notes.append("a follower rank: rank 0 uploads the transcript")
+        else:
+            result.notes.append("no training step ran: there is no transcript to upload")
+            log.warning("dvbench: %s: no training step ran; nothing uploaded", directory)
+        if self.manifest.data.get("ephemeral"):
+            release(directory)
+            result.released = True
+        return result
+
+    def upload(self, on_progress: ProgressCallback | None) -> SyncResult:
+        """Send what is left of the proof, the transcript last, with a progress bar."""
+        assert self.uploader is not None
+        directory = self.manifest.directory
+        bar = Progress(enabled=self.progress, callback=on_progress)
+        self.uploader.progress = bar
+        try:
+            result = self.uploader.run(final=True)
+        except (APIError, NetworkError, UploadError) as error:
+            bar.close()
+            error.add_note(
+                f"The proof is kept in {directory}; call finish() again, or run "
+                f"`dvbench sync {directory}`, to resume the upload."
+            )
+            raise
+        bar.close()
+        return result
+
+    def conclude(self, result: SyncResult, *, wait: bool, timeout: float) -> None:
+        """Ask for (or, with ``wait``, wait for) the verdict, say it, release the directory."""
+        assert self.uploader is not None
+        if wait:
+            # The upload's summary first: waiting for replays can take a while.
+            print(result.summary(), file=sys.stderr)
+        settle(self.client, self.uploader, result, wait=wait, timeout=timeout)
+        if result.complete and self.manifest.data.get("ephemeral"):
+            release(self.manifest.directory)
+            result.released = True
+        self.result = result
+        if wait:
+            print(result.verdict.summary() if result.verdict else "", file=sys.stderr)
+        else:
+            print(result.summary(), file=sys.stderr)
 
 
 class DVBenchProof:
@@ -213,54 +272,20 @@ class DVBenchProof:
                 state commits (another tree, or values changed after the last step).
             ImportError: ``model_signing`` is not installed (``dvbench[signing]``).
         """
-        from dvbench._model import (
-            MODEL_DIR,
-            MODEL_FILE,
-            ModelMismatchError,
-            SavedModel,
-            check_final_parameters,
-            copy_model,
-            sign_model,
-            write_safetensors,
-        )
-        from dvbench._sync import sha256_file
+        from dvbench._model import SavedModel, copy_model, sign_model
         from dvbench.attest import model_signature_subject
 
         if self._dvbench_follower:
             return None
         with self._dvbench.lock:
             self._close_transcript()
-        root, close = _root_and_close(self.directory / TRANSCRIPT)
-        specs = list((root.get("schema") or {}).get("params") or [])
-        arrays = _parameter_arrays(params, str(self._dvbench.manifest.data.get("backend")))
-        if len(arrays) != len(specs):
-            raise ModelMismatchError(
-                f"params has {len(arrays)} leaves; the transcript's parameter schema has "
-                f"{len(specs)} ({', '.join(str(s.get('path')) for s in specs[:4])}, ...)"
-            )
-        value = (close.get("final") or {}).get("p")
-        final = value.hex() if isinstance(value, bytes) else str(value or "")
-        path = self.directory / MODEL_DIR / MODEL_FILE
-        write_safetensors(
-            path,
-            [(str(spec["path"]), array) for spec, array in zip(specs, arrays, strict=True)],
-            metadata={
-                "zkdv.experiment": self.experiment.name,
-                "zkdv.transcript_digest": self.digest.hex() if self.digest else "",
-                "zkdv.final_parameter_root": final,
-            },
+        path = _write_final_model(
+            self.directory,
+            params,
+            backend=str(self._dvbench.manifest.data.get("backend")),
+            experiment=self.experiment.name,
+            digest=self.digest,
         )
-        from zkdv.config import ZKDVConfig
-
-        chunk = ZKDVConfig.from_dict(root["config"]).chunk_bytes
-        try:
-            with open(path, "rb") as handle:
-                check_final_parameters(
-                    handle, path.stat().st_size, specs=specs, chunk_bytes=chunk, final_root=final
-                )
-        except ModelMismatchError:
-            path.unlink(missing_ok=True)
-            raise
         signature, public_key = sign_model(path)
         _, manifest = model_signature_subject(signature.read_bytes())
         saved = SavedModel(path, signature, public_key, sha256_file(path), manifest)
@@ -318,57 +343,19 @@ class DVBenchProof:
         state = self._dvbench
         with state.lock:
             if state.result is not None and (state.result.complete or state.result.offline):
-                result = state.result
-                if wait and state.uploader is not None and result.proof_id is not None:
-                    settle(
-                        self.experiment._client, state.uploader, result, wait=True, timeout=timeout
-                    )
-                    print(result.verdict.summary() if result.verdict else "", file=sys.stderr)
-                return self._verdict_checked(result, wait)
+                state.settle_again(wait=wait, timeout=timeout)
+                return self._verdict_checked(state.result, wait)
             self._close_transcript()
             state.stop_background()
-            directory = self.directory
-            if not (directory / TRANSCRIPT).exists():
-                result = SyncResult(directory, self.experiment.name)
-                if self._dvbench_follower:
-                    result.notes.append("a follower rank: rank 0 uploads the transcript")
-                else:
-                    result.notes.append("no training step ran: there is no transcript to upload")
-                    log.warning("dvbench: %s: no training step ran; nothing uploaded", directory)
-                if state.manifest.data.get("ephemeral"):
-                    release(directory)
-                    result.released = True
-                state.result = result
-                return result
+            if not (self.directory / TRANSCRIPT).exists():
+                state.result = state.nothing_to_upload(follower=self._dvbench_follower)
+                return state.result
             if state.uploader is None:
-                result = SyncResult(directory, self.experiment.name, offline=True)
-                print(result.summary(), file=sys.stderr)
-                state.result = result
-                return result
-            bar = Progress(enabled=state.progress, callback=on_progress)
-            state.uploader.progress = bar
-            try:
-                result = state.uploader.run(final=True)
-            except (APIError, NetworkError, UploadError) as error:
-                bar.close()
-                error.add_note(
-                    f"The proof is kept in {directory}; call finish() again, or run "
-                    f"`dvbench sync {directory}`, to resume the upload."
-                )
-                raise
-            bar.close()
-            if wait:
-                # The upload's summary first: waiting for replays can take a while.
-                print(result.summary(), file=sys.stderr)
-            settle(self.experiment._client, state.uploader, result, wait=wait, timeout=timeout)
-            if result.complete and state.manifest.data.get("ephemeral"):
-                release(directory)
-                result.released = True
-            state.result = result
-            if wait:
-                print(result.verdict.summary() if result.verdict else "", file=sys.stderr)
-            else:
-                print(result.summary(), file=sys.stderr)
+                state.result = SyncResult(self.directory, self.experiment.name, offline=True)
+                print(state.result.summary(), file=sys.stderr)
+                return state.result
+            result = state.upload(on_progress)
+            state.conclude(result, wait=wait, timeout=timeout)
             return self._verdict_checked(result, wait)
 
     @staticmethod
@@ -403,6 +390,58 @@ class DVBenchProof:
             self.close()
         except Exception:
             log.warning("dvbench: closing the proof after an error failed too", exc_info=True)
+
+
+def _write_final_model(
+    directory: Path, params: Any, *, backend: str, experiment: str, digest: bytes | None
+) -> Path:
+    """Write ``params`` as the proof's ``model/model.safetensors`` and check it is the final state.
+
+    The tensors are named and ordered as the transcript's parameter schema; the file must
+    commit to the close record's final parameter root, or it is removed.
+
+    Raises:
+        ModelMismatchError: ``params`` are not the parameters the final state commits.
+    """
+    from dvbench._model import (
+        MODEL_DIR,
+        MODEL_FILE,
+        ModelMismatchError,
+        check_final_parameters,
+        write_safetensors,
+    )
+    from zkdv.config import ZKDVConfig
+
+    root, close = _root_and_close(directory / TRANSCRIPT)
+    specs = list((root.get("schema") or {}).get("params") or [])
+    arrays = _parameter_arrays(params, backend)
+    if len(arrays) != len(specs):
+        raise ModelMismatchError(
+            f"params has {len(arrays)} leaves; the transcript's parameter schema has "
+            f"{len(specs)} ({', '.join(str(s.get('path')) for s in specs[:4])}, ...)"
+        )
+    value = (close.get("final") or {}).get("p")
+    final = value.hex() if isinstance(value, bytes) else str(value or "")
+    path = directory / MODEL_DIR / MODEL_FILE
+    write_safetensors(
+        path,
+        [(str(spec["path"]), array) for spec, array in zip(specs, arrays, strict=True)],
+        metadata={
+            "zkdv.experiment": experiment,
+            "zkdv.transcript_digest": digest.hex() if digest else "",
+            "zkdv.final_parameter_root": final,
+        },
+    )
+    chunk = ZKDVConfig.from_dict(root["config"]).chunk_bytes
+    try:
+        with open(path, "rb") as handle:
+            check_final_parameters(
+                handle, path.stat().st_size, specs=specs, chunk_bytes=chunk, final_root=final
+            )
+    except ModelMismatchError:
+        path.unlink(missing_ok=True)
+        raise
+    return path
 
 
 def _root_and_close(records: Path) -> tuple[dict[str, Any], dict[str, Any]]:
