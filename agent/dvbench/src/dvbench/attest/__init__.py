@@ -47,6 +47,21 @@ from dvbench.attest._bundle import (
     verify_bundle,
     verify_certificate,
 )
+from dvbench.attest._certificate import (
+    DIGEST_STATE_ROOT,
+    DIGEST_TRANSCRIPT,
+    PREDICATE_TYPE_TRAINING,
+    SUBJECT_MODEL_SIGNING_PREFIX,
+    SUBJECT_PARAMETERS,
+    SUBJECT_TRANSCRIPT,
+    SUBJECT_TRANSCRIPT_FILE,
+    Claim,
+    Evidence,
+    LogEntryRef,
+    ReplayEvidence,
+    Result,
+    TrainingCertificate,
+)
 from dvbench.attest._dsse import (
     PAYLOAD_TYPE_INTOTO,
     Envelope,
@@ -67,32 +82,8 @@ from dvbench.attest._errors import (
     SubjectMismatchError,
     UnknownKeyError,
 )
-from dvbench.attest._intoto import (
-    DIGEST_SHA256,
-    DIGEST_STATE_ROOT,
-    DIGEST_TRANSCRIPT,
-    MODEL_SIGNATURE_FILE,
-    PREDICATE_TYPE_MODEL_SIGNING,
-    PREDICATE_TYPE_TRAINING,
-    STATEMENT_TYPE,
-    SUBJECT_MODEL_SIGNING_PREFIX,
-    SUBJECT_PARAMETERS,
-    SUBJECT_TRANSCRIPT,
-    SUBJECT_TRANSCRIPT_FILE,
-    Claim,
-    Evidence,
-    Filing,
-    Filings,
-    LogEntryRef,
-    ReplayEvidence,
-    Result,
-    RunFiling,
-    RunFilings,
-    Statement,
-    Subject,
-    TrainingCertificate,
-    model_signature_subject,
-)
+from dvbench.attest._filings import Filing, Filings, RunFiling, RunFilings
+from dvbench.attest._intoto import DIGEST_SHA256, STATEMENT_TYPE, Statement, Subject
 from dvbench.attest._keys import (
     ALGORITHM_ED25519,
     DEFAULT_KEY_FILENAME,
@@ -106,6 +97,11 @@ from dvbench.attest._keys import (
     key_ids,
     load_signing_key,
     spki_key_id,
+)
+from dvbench.attest._model_signing import (
+    MODEL_SIGNATURE_FILE,
+    PREDICATE_TYPE_MODEL_SIGNING,
+    model_signature_subject,
 )
 from dvbench.attest._note import note_key_id, note_verifier_key, parse_note_verifier_key
 from dvbench.attest._rekor import (

@@ -36,6 +36,14 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Final
 
+from dvbench.attest._certificate import (
+    SUBJECT_MODEL_SIGNING_PREFIX,
+    SUBJECT_PARAMETERS,
+    SUBJECT_TRANSCRIPT,
+    SUBJECT_TRANSCRIPT_FILE,
+    TrainingCertificate,
+    certificate_time,
+)
 from dvbench.attest._dsse import PAYLOAD_TYPE_INTOTO, Envelope, _verify_envelope, sign_envelope
 from dvbench.attest._encoding import (
     array,
@@ -54,18 +62,9 @@ from dvbench.attest._errors import (
     SubjectMismatchError,
     UnknownKeyError,
 )
-from dvbench.attest._intoto import (
-    MODEL_SIGNATURE_FILE,
-    SUBJECT_MODEL_SIGNING_PREFIX,
-    SUBJECT_PARAMETERS,
-    SUBJECT_TRANSCRIPT,
-    SUBJECT_TRANSCRIPT_FILE,
-    Statement,
-    TrainingCertificate,
-    certificate_time,
-    model_signature_subject,
-)
+from dvbench.attest._intoto import Statement
 from dvbench.attest._keys import Signer, TrustedKey, TrustRoot
+from dvbench.attest._model_signing import MODEL_SIGNATURE_FILE, model_signature_subject
 from dvbench.attest._note import note_key_id
 from dvbench.attest._rekor import DSSE_KIND, LEGACY_KIND, entry_body
 from dvbench.attest._sigstore import read_sigstore_bundle

@@ -85,6 +85,17 @@ def hex_decode(text: object, what: str, *, size: int | None = None) -> bytes:
     return bytes.fromhex(text)
 
 
+def sha256_hex(value: object, what: str) -> str:
+    """A SHA-256 digest in lowercase hex (32 bytes), returned as given.
+
+    Raises:
+        MalformedInputError: as :func:`hex_decode`.
+    """
+    hex_decode(value, what, size=32)
+    assert isinstance(value, str)
+    return value
+
+
 def format_time(moment: datetime) -> str:
     """RFC 3339 UTC time with whole seconds, e.g. ``2026-11-29T12:00:00Z``.
 

@@ -608,95 +608,17 @@ class TrustRoot:
         keys: list[TrustedKey] = []
         origins: set[str] = set()
         for index, entry in enumerate(array(document["tlogs"], f"{what}.tlogs")):
-            where = f"{what}.tlogs[{index}]"
-            log = obj(entry, where, required=("baseUrl", "hashAlgorithm", "publicKey", "logId"))
-            base = string(log["baseUrl"], f"{where}.baseUrl")
-            if not base.startswith("https://"):
-                raise MalformedInputError(f"{where}.baseUrl must be https://<log origin>")
-            origin = base.removeprefix("https://")
-            key = obj(
-                log["publicKey"],
-                f"{where}.publicKey",
-                required=("rawBytes", "keyDetails", "validFor"),
-            )
-            if key["keyDetails"] != "PKIX_ED25519":
-                raise MalformedInputError(f"{where}.publicKey.keyDetails must be 'PKIX_ED25519'")
-            try:
-                public_key = serialization.load_der_public_key(
-                    b64decode(key["rawBytes"], f"{where}.publicKey.rawBytes")
-                )
-            except (ValueError, UnsupportedAlgorithm):
-                raise MalformedInputError(
-                    f"{where}.publicKey.rawBytes is not a public key"
-                ) from None
-            if not isinstance(public_key, Ed25519PublicKey):
-                raise MalformedInputError(f"{where}.publicKey is not an Ed25519 key")
-            window = obj(
-                key["validFor"],
-                f"{where}.publicKey.validFor",
-                required=("start",),
-                optional=("end",),
-            )
-            not_before = parse_time(window["start"], f"{where}.publicKey.validFor.start")
-            not_after = (
-                parse_time(window["end"], f"{where}.publicKey.validFor.end")
-                if "end" in window
-                else None
-            )
-            log_id = obj(log["logId"], f"{where}.logId", required=("keyId",))["keyId"]
-            if b64decode(log_id, f"{where}.logId.keyId") != note_key_id(origin, public_key):
-                raise MalformedInputError(
-                    f"{where}.logId.keyId is not the signed-note key id of its key under {origin!r}"
-                )
+            origin, key = _sigstore_log_key(entry, f"{what}.tlogs[{index}]")
             origins.add(origin)
-            keys.append(
-                TrustedKey.from_public_key(public_key, not_before=not_before, not_after=not_after)
-            )
+            keys.append(key)
         if not keys or len(origins) != 1:
             raise MalformedInputError(f"{what}.tlogs must name one log, with at least one key")
-        authorities: list[TimestampAuthority] = []
-        for index, entry in enumerate(
-            array(document.get("timestampAuthorities", []), f"{what}.timestampAuthorities")
-        ):
-            where = f"{what}.timestampAuthorities[{index}]"
-            item = obj(
-                entry, where, required=("certChain", "validFor"), optional=("subject", "uri")
+        authorities = [
+            _sigstore_timestamp_authority(entry, f"{what}.timestampAuthorities[{index}]")
+            for index, entry in enumerate(
+                array(document.get("timestampAuthorities", []), f"{what}.timestampAuthorities")
             )
-            chain_data = obj(item["certChain"], f"{where}.certChain", required=("certificates",))
-            chain = []
-            for position, cert in enumerate(
-                array(chain_data["certificates"], f"{where}.certChain.certificates")
-            ):
-                raw = obj(
-                    cert, f"{where}.certChain.certificates[{position}]", required=("rawBytes",)
-                )["rawBytes"]
-                try:
-                    chain.append(
-                        x509.load_der_x509_certificate(
-                            b64decode(raw, f"{where}.certChain.certificates[{position}].rawBytes")
-                        )
-                    )
-                except ValueError:
-                    raise MalformedInputError(
-                        f"{where}.certChain.certificates[{position}] is not a DER certificate"
-                    ) from None
-            if len(chain) < 2:
-                raise MalformedInputError(
-                    f"{where}.certChain must hold the authority's certificate and its root"
-                )
-            window = obj(
-                item["validFor"], f"{where}.validFor", required=("start",), optional=("end",)
-            )
-            authorities.append(
-                TimestampAuthority(
-                    chain=tuple(chain),
-                    not_before=parse_time(window["start"], f"{where}.validFor.start"),
-                    not_after=parse_time(window["end"], f"{where}.validFor.end")
-                    if "end" in window
-                    else None,
-                    uri=str(item.get("uri", "")),
-                )
-            )
+        ]
         return cls(
             version=0,
             keys=tuple(keys),
@@ -716,3 +638,79 @@ class TrustRoot:
         except OSError as error:
             raise MalformedInputError(f"cannot read trust root {path}: {error}") from None
         return cls.from_json(data)
+
+
+def _sigstore_log_key(entry: object, where: str) -> tuple[str, TrustedKey]:
+    """One ``tlogs`` entry of a Sigstore trusted root: the log's origin and its key."""
+    log = obj(entry, where, required=("baseUrl", "hashAlgorithm", "publicKey", "logId"))
+    base = string(log["baseUrl"], f"{where}.baseUrl")
+    if not base.startswith("https://"):
+        raise MalformedInputError(f"{where}.baseUrl must be https://<log origin>")
+    origin = base.removeprefix("https://")
+    key = obj(
+        log["publicKey"],
+        f"{where}.publicKey",
+        required=("rawBytes", "keyDetails", "validFor"),
+    )
+    if key["keyDetails"] != "PKIX_ED25519":
+        raise MalformedInputError(f"{where}.publicKey.keyDetails must be 'PKIX_ED25519'")
+    try:
+        public_key = serialization.load_der_public_key(
+            b64decode(key["rawBytes"], f"{where}.publicKey.rawBytes")
+        )
+    except (ValueError, UnsupportedAlgorithm):
+        raise MalformedInputError(f"{where}.publicKey.rawBytes is not a public key") from None
+    if not isinstance(public_key, Ed25519PublicKey):
+        raise MalformedInputError(f"{where}.publicKey is not an Ed25519 key")
+    window = obj(
+        key["validFor"],
+        f"{where}.publicKey.validFor",
+        required=("start",),
+        optional=("end",),
+    )
+    not_before = parse_time(window["start"], f"{where}.publicKey.validFor.start")
+    not_after = (
+        parse_time(window["end"], f"{where}.publicKey.validFor.end") if "end" in window else None
+    )
+    log_id = obj(log["logId"], f"{where}.logId", required=("keyId",))["keyId"]
+    if b64decode(log_id, f"{where}.logId.keyId") != note_key_id(origin, public_key):
+        raise MalformedInputError(
+            f"{where}.logId.keyId is not the signed-note key id of its key under {origin!r}"
+        )
+    return origin, TrustedKey.from_public_key(
+        public_key, not_before=not_before, not_after=not_after
+    )
+
+
+def _sigstore_timestamp_authority(entry: object, where: str) -> TimestampAuthority:
+    """One ``timestampAuthorities`` entry of a Sigstore trusted root."""
+    item = obj(entry, where, required=("certChain", "validFor"), optional=("subject", "uri"))
+    chain_data = obj(item["certChain"], f"{where}.certChain", required=("certificates",))
+    chain = []
+    for position, cert in enumerate(
+        array(chain_data["certificates"], f"{where}.certChain.certificates")
+    ):
+        raw = obj(cert, f"{where}.certChain.certificates[{position}]", required=("rawBytes",))[
+            "rawBytes"
+        ]
+        try:
+            chain.append(
+                x509.load_der_x509_certificate(
+                    b64decode(raw, f"{where}.certChain.certificates[{position}].rawBytes")
+                )
+            )
+        except ValueError:
+            raise MalformedInputError(
+                f"{where}.certChain.certificates[{position}] is not a DER certificate"
+            ) from None
+    if len(chain) < 2:
+        raise MalformedInputError(
+            f"{where}.certChain must hold the authority's certificate and its root"
+        )
+    window = obj(item["validFor"], f"{where}.validFor", required=("start",), optional=("end",))
+    return TimestampAuthority(
+        chain=tuple(chain),
+        not_before=parse_time(window["start"], f"{where}.validFor.start"),
+        not_after=parse_time(window["end"], f"{where}.validFor.end") if "end" in window else None,
+        uri=str(item.get("uri", "")),
+    )

@@ -218,6 +218,14 @@ def read_sigstore_bundle(data: object) -> tuple[object, SigstoreLogEntry]:
         required=("publicKey", "tlogEntries"),
         optional=("timestampVerificationData",),
     )
+    timestamps = _rfc3161_timestamps(material)
+    key = obj(material["publicKey"], "bundle.verificationMaterial.publicKey", required=("hint",))
+    hint = string(key["hint"], "bundle.verificationMaterial.publicKey.hint")
+    return document["dsseEnvelope"], _log_entry(material, hint=hint, timestamps=timestamps)
+
+
+def _rfc3161_timestamps(material: Mapping[str, Any]) -> tuple[bytes, ...]:
+    """The RFC 3161 timestamp tokens (DER) of ``verificationMaterial``, if any."""
     timestamps: list[bytes] = []
     if "timestampVerificationData" in material:
         where = "bundle.verificationMaterial.timestampVerificationData"
@@ -232,8 +240,13 @@ def read_sigstore_bundle(data: object) -> tuple[object, SigstoreLogEntry]:
                     f"{where}.rfc3161Timestamps[{index}].signedTimestamp",
                 )
             )
-    key = obj(material["publicKey"], "bundle.verificationMaterial.publicKey", required=("hint",))
-    hint = string(key["hint"], "bundle.verificationMaterial.publicKey.hint")
+    return tuple(timestamps)
+
+
+def _log_entry(
+    material: Mapping[str, Any], *, hint: str, timestamps: tuple[bytes, ...]
+) -> SigstoreLogEntry:
+    """The one ``tlogEntries`` entry of ``verificationMaterial``, its fields checked."""
     entries = array(material["tlogEntries"], "bundle.verificationMaterial.tlogEntries")
     if len(entries) != 1:
         raise MalformedInputError(
@@ -253,22 +266,8 @@ def read_sigstore_bundle(data: object) -> tuple[object, SigstoreLogEntry]:
         ),
         optional=("inclusionPromise",),
     )
-    kind = obj(entry["kindVersion"], f"{what}.kindVersion", required=("kind", "version"))
-    if dict(kind) not in _KINDS:
-        raise MalformedInputError(
-            f"{what}.kindVersion must be {DSSE_KIND} (or {LEGACY_KIND} for entries logged "
-            f"before it), got {dict(kind)!r:.120}"
-        )
-    promise: bytes | None = None
-    if "inclusionPromise" in entry:
-        promise = b64decode(
-            obj(
-                entry["inclusionPromise"],
-                f"{what}.inclusionPromise",
-                required=("signedEntryTimestamp",),
-            )["signedEntryTimestamp"],
-            f"{what}.inclusionPromise.signedEntryTimestamp",
-        )
+    kind = _entry_kind(entry, what)
+    promise = _inclusion_promise(entry, what)
     log_id = b64decode(
         obj(entry["logId"], f"{what}.logId", required=("keyId",))["keyId"], f"{what}.logId.keyId"
     )
@@ -282,11 +281,7 @@ def read_sigstore_bundle(data: object) -> tuple[object, SigstoreLogEntry]:
     ]
     if not isinstance(note, str):
         raise MalformedInputError(f"{what}.inclusionProof.checkpoint.envelope must be a string")
-    seconds = _u64(entry["integratedTime"], f"{what}.integratedTime")
-    try:
-        moment = datetime.fromtimestamp(seconds, UTC)
-    except (OverflowError, OSError, ValueError):
-        raise MalformedInputError(f"{what}.integratedTime is not a calendar time") from None
+    moment = _integrated_time(entry, what)
     fields = SigstoreLogEntry(
         hint=hint,
         log_index=_u64(entry["logIndex"], f"{what}.logIndex"),
@@ -301,13 +296,47 @@ def read_sigstore_bundle(data: object) -> tuple[object, SigstoreLogEntry]:
         ],
         checkpoint=note,
         body=b64decode(entry["canonicalizedBody"], f"{what}.canonicalizedBody"),
-        kind=dict(kind),
+        kind=kind,
         inclusion_promise=promise,
-        timestamps=tuple(timestamps),
+        timestamps=timestamps,
     )
     if fields.proof_index != fields.log_index:
         raise BundleMismatchError(
             f"{what}: the inclusion proof is for index {fields.proof_index}, the entry is "
             f"{fields.log_index}"
         )
-    return document["dsseEnvelope"], fields
+    return fields
+
+
+def _entry_kind(entry: Mapping[str, Any], what: str) -> dict[str, str]:
+    """The entry's ``kindVersion``: the ``dsse`` kind, or the legacy one."""
+    kind = obj(entry["kindVersion"], f"{what}.kindVersion", required=("kind", "version"))
+    if dict(kind) not in _KINDS:
+        raise MalformedInputError(
+            f"{what}.kindVersion must be {DSSE_KIND} (or {LEGACY_KIND} for entries logged "
+            f"before it), got {dict(kind)!r:.120}"
+        )
+    return dict(kind)
+
+
+def _inclusion_promise(entry: Mapping[str, Any], what: str) -> bytes | None:
+    """The log's signed entry timestamp over the entry, if it has one."""
+    if "inclusionPromise" not in entry:
+        return None
+    return b64decode(
+        obj(
+            entry["inclusionPromise"],
+            f"{what}.inclusionPromise",
+            required=("signedEntryTimestamp",),
+        )["signedEntryTimestamp"],
+        f"{what}.inclusionPromise.signedEntryTimestamp",
+    )
+
+
+def _integrated_time(entry: Mapping[str, Any], what: str) -> datetime:
+    """``integratedTime``: Unix seconds, as a calendar time."""
+    seconds = _u64(entry["integratedTime"], f"{what}.integratedTime")
+    try:
+        return datetime.fromtimestamp(seconds, UTC)
+    except (OverflowError, OSError, ValueError):
+        raise MalformedInputError(f"{what}.integratedTime is not a calendar time") from None
