@@ -18,24 +18,34 @@ cumulative FLOPs, tokens and GPU-hours are summed step by step, and a violation 
 first step at which the running total passed the limit (the step a policy engine would
 have stopped training at).
 
-:func:`summarize` and :func:`evaluate` are pure functions of the transcript's records and
-the declared limits (tested without a database); :func:`compute_claims` reads a proof's
-stored transcript and caches its result under the transcript's content address, so a page
-view does not re-read a large transcript. See ``docs/claims.md``.
+The facts come from one pass over the records
+(:func:`attestations.certificates.run_facts.summarize`) and the running totals from
+``attestations/certificates/totals.py``; :func:`evaluate` is a pure function of the
+facts and the declared limits (tested without a database); :func:`compute_claims` reads
+a proof's stored transcript and caches its result under the transcript's content
+address, so a page view does not re-read a large transcript. See ``docs/claims.md``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from attestations.certificates.run_facts import (
+    RunFacts,
+    declared_regime,
+    hex_of,
+    observed_optimizer,
+    optimizer_family,
+    summarize,
+)
+from attestations.certificates.totals import RunTotals, first_over, run_totals
 from dvbench.attest import Claim, Evidence
 
 if TYPE_CHECKING:
@@ -50,12 +60,10 @@ __all__ = [
     "ClaimSet",
     "Limits",
     "ReplayFacts",
-    "RunFacts",
     "Series",
     "Violation",
     "compute_claims",
     "evaluate",
-    "summarize",
     "whole_claim",
 ]
 
@@ -219,110 +227,6 @@ class ClaimSet:
         )
 
 
-# --- Facts read from the transcript -----------------------------------------------------
-
-
-@dataclass
-class RunFacts:
-    """What one pass over the records yields; everything claims are computed from."""
-
-    root: dict[str, Any] | None = None
-    step_index: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    flops: list[float | None] = field(default_factory=list)
-    start: list[float] = field(default_factory=list)
-    end: list[float] = field(default_factory=list)
-    batch_roots: list[bytes] = field(default_factory=list)
-    #: Per step, each optimizer group's committed ``lr`` (``hp``), or None without ``hp``.
-    learning_rates: list[tuple[float | None, ...] | None] = field(default_factory=list)
-    checked_steps: list[int] = field(default_factory=list)
-    failed_checks: list[int] = field(default_factory=list)
-    snapshot_steps: list[int] = field(default_factory=list)
-    program_digests: list[str] = field(default_factory=list)
-    program_changes: list[tuple[int, str]] = field(default_factory=list)
-    close: dict[str, Any] | None = None
-    last_post: dict[str, Any] | None = None
-    error: str | None = None
-
-
-def summarize(records: Iterable[Any]) -> RunFacts:
-    """Read the facts claims need from transcript records (:class:`zkdv.records.Record`).
-
-    Reading stops, without raising, at the first record the reader cannot decode; the
-    facts then cover what came before and ``error`` says why.
-    """
-    from zkdv.errors import TranscriptError
-
-    facts = RunFacts()
-    try:
-        for record in records:
-            _take(facts, record.data)
-    except TranscriptError as error:
-        facts.error = f"{error.reason}: {error}"
-    return facts
-
-
-def _hex(value: Any) -> str | None:
-    return value.hex() if isinstance(value, bytes | bytearray) else None
-
-
-def _learning_rates(hyperparameters: Any) -> tuple[float | None, ...] | None:
-    """Each group's ``lr`` from a step's ``hp`` (a group without one: None)."""
-    if not isinstance(hyperparameters, list):
-        return None
-    rates: list[float | None] = []
-    for group in hyperparameters:
-        value = group.get("lr") if isinstance(group, dict) else None
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            rates.append(float(value) if np.isfinite(value) else None)
-        else:
-            rates.append(None)
-    return tuple(rates)
-
-
-def _take(facts: RunFacts, data: dict[str, Any]) -> None:
-    kind = data.get("t")
-    if kind == "step":
-        facts.step_index.append(int(data.get("i", len(facts.step_index))))
-        tokens = data.get("tokens")
-        facts.tokens.append(int(tokens) if isinstance(tokens, int) else 0)
-        flops = data.get("flops")
-        facts.flops.append(float(flops) if isinstance(flops, int | float) else None)
-        times = data.get("time")
-        if isinstance(times, list | tuple) and len(times) == 2:
-            facts.start.append(float(times[0]))
-            facts.end.append(float(times[1]))
-        else:
-            facts.start.append(float("nan"))
-            facts.end.append(float("nan"))
-        batch = data.get("batch")
-        facts.batch_roots.append(
-            batch["root"]
-            if isinstance(batch, dict) and isinstance(batch.get("root"), bytes)
-            else b""
-        )
-        facts.learning_rates.append(_learning_rates(data.get("hp")))
-        if isinstance(data.get("post"), dict):
-            facts.last_post = data["post"]
-        program = data.get("program")
-        if isinstance(program, dict):  # a phase change the verifier rejects; named here too
-            digest = _hex(program.get("digest")) or ""
-            facts.program_digests.append(digest)
-            facts.program_changes.append((facts.step_index[-1], digest))
-    elif kind == "check":
-        step = int(data.get("i", -1))
-        (facts.checked_steps if data.get("ok") is True else facts.failed_checks).append(step)
-    elif kind == "snap":
-        facts.snapshot_steps.append(int(data.get("i", -1)))
-    elif kind == "close":
-        facts.close = data
-    elif kind == "root" and facts.root is None:
-        facts.root = data
-        program = data.get("program")
-        if isinstance(program, dict):
-            facts.program_digests.append(_hex(program.get("digest")) or "")
-
-
 # --- Declared limits and replay outcome -------------------------------------------------
 
 
@@ -381,158 +285,6 @@ class ReplayFacts:
 
 # --- Claims -----------------------------------------------------------------------------
 
-_OPTIMIZER_FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    # Longest names first, so "adamw" is not read as "adam".
-    ("adamw", ("adamw",)),
-    ("adafactor", ("adafactor",)),
-    ("adagrad", ("adagrad",)),
-    ("rmsprop", ("rmsprop",)),
-    ("lamb", ("lamb",)),
-    ("lion", ("lion",)),
-    ("adam", ("adam",)),
-    ("sgd", ("sgd", "momentum", "nesterov")),
-)
-
-
-def optimizer_family(text: str) -> str | None:
-    """The optimizer family a free-text name mentions (``"optax.adamw(3e-4)"``: ``adamw``)."""
-    lowered = text.lower()
-    for family, words in _OPTIMIZER_FAMILIES:
-        if any(re.search(rf"(?<![a-z]){word}(?![a-z])", lowered) for word in words):
-            return family
-    return None
-
-
-def _observed_optimizer(root: Mapping[str, Any]) -> dict[str, Any]:
-    """The optimizer as the transcript states it.
-
-    PyTorch runs record the optimizer contract and every parameter group's options in
-    the root's ``env.optimizer``. JAX runs compile the optimizer into the attested program,
-    so the transcript states it only through the optimizer-state leaves (Adam keeps ``mu``
-    and ``nu``, momentum SGD a ``trace``), from which the family is inferred.
-    """
-    env = root.get("env") if isinstance(root.get("env"), dict) else {}
-    assert isinstance(env, dict)
-    declared = env.get("optimizer")
-    if isinstance(declared, dict):
-        contract = str(declared.get("contract", ""))
-        return {
-            "source": "root.env.optimizer",
-            "family": optimizer_family(contract),
-            "contract": contract,
-            "hyperparameters": declared.get("groups"),
-        }
-    schema = root.get("schema") if isinstance(root.get("schema"), dict) else {}
-    assert isinstance(schema, dict)
-    paths = [
-        str(leaf.get("path", ""))
-        for leaf in schema.get("opt_state") or []
-        if isinstance(leaf, dict)
-    ]
-    names = {part for path in paths for part in re.split(r"[^a-z_]+", path.lower()) if part}
-    family: str | None = None
-    if {"mu", "nu"} <= names or {"exp_avg", "exp_avg_sq"} <= names:
-        family = "adam"
-    elif "trace" in names or "momentum_buffer" in names or any(n.startswith("mu_") for n in names):
-        family = "sgd"
-    return {
-        "source": "root.schema.opt_state",
-        "family": family,
-        "contract": None,
-        "hyperparameters": None,
-        "state_leaves": paths[:32],
-    }
-
-
-def _regime(root: Mapping[str, Any]) -> str | None:
-    """The regime the trainer declared in the root record (``experiment.regime``), if any."""
-    experiment = root.get("experiment")
-    if isinstance(experiment, dict) and isinstance(experiment.get("regime"), str):
-        return str(experiment["regime"])
-    env = root.get("env")
-    if isinstance(env, dict) and isinstance(env.get("regime"), str):
-        return str(env["regime"])
-    return None
-
-
-def flop_replicas(root: Mapping[str, Any]) -> tuple[int, str]:
-    """How many copies of the per-step FLOP count ran, and why.
-
-    JAX: the step's jaxpr has the program's logical shapes, so its count is the whole
-    step's (``env.flops.method``); older JAX roots recorded XLA's cost analysis, which
-    counts one device's partition of an SPMD program, so their step total is that times
-    the devices the program's state is sharded over (the mesh in the root's
-    ``schema.sharding``; 1 when the state is not sharded). PyTorch: the driver already
-    counts every rank's tokens (``tokens = per-rank tokens x world_size``), so its
-    per-step FLOPs are the whole step's.
-    """
-    prover = str(root.get("prover", ""))
-    if prover == "whitebox-torch":
-        return 1, "per-step FLOPs already cover every rank (tokens x world_size)"
-    env = root.get("env") if isinstance(root.get("env"), dict) else {}
-    assert isinstance(env, dict)
-    stated = env.get("flops")
-    if isinstance(stated, dict) and "jaxpr" in str(stated.get("method", "")):
-        return 1, "the jaxpr's logical shapes count the whole step, every device"
-    schema = root.get("schema") if isinstance(root.get("schema"), dict) else {}
-    assert isinstance(schema, dict)
-    sharding = schema.get("sharding")
-    devices = 1
-    if isinstance(sharding, dict):
-        for tree in sharding.values():
-            for leaf in tree or []:
-                if not isinstance(leaf, dict):
-                    continue
-                if isinstance(leaf.get("mesh"), dict):
-                    size = int(np.prod([int(v) for v in leaf["mesh"].values()] or [1]))
-                    devices = max(devices, size)
-                elif isinstance(leaf.get("devices"), int):
-                    devices = max(devices, int(leaf["devices"]))
-    if devices == 1:
-        return 1, "the program's state is not sharded: one device's cost is the step's"
-    return devices, f"per-device XLA cost x {devices} devices of the sharded program"
-
-
-def flop_counter(root: Mapping[str, Any]) -> str:
-    """What produced the per-step FLOP counts, as the root record states it."""
-    env = root.get("env") if isinstance(root.get("env"), dict) else {}
-    assert isinstance(env, dict)
-    stated = env.get("flops")
-    if isinstance(stated, dict) and isinstance(stated.get("method"), str):
-        return str(stated["method"])
-    if root.get("prover") == "whitebox-jax":
-        return "XLA cost analysis of the compiled step program"
-    return "unstated"
-
-
-def gpu_devices(root: Mapping[str, Any]) -> int:
-    """Accelerators the run held: JAX's global ``device_count``, PyTorch's ``world_size``."""
-    env = root.get("env") if isinstance(root.get("env"), dict) else {}
-    assert isinstance(env, dict)
-    for key in ("device_count", "world_size"):
-        value = env.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return 1
-
-
-def _parameter_count(root: Mapping[str, Any]) -> int:
-    schema = root.get("schema") if isinstance(root.get("schema"), dict) else {}
-    assert isinstance(schema, dict)
-    total = 0
-    for leaf in schema.get("params") or []:
-        if isinstance(leaf, dict):
-            total += int(np.prod([int(d) for d in leaf.get("shape") or []] or [1]))
-    return total
-
-
-def _first_over(cumulative: np.ndarray, limit: Decimal | None) -> int | None:
-    """Position of the first running total strictly above ``limit`` (None: never)."""
-    if limit is None or cumulative.size == 0:
-        return None
-    over = np.nonzero(cumulative > float(limit))[0]
-    return int(over[0]) if over.size else None
-
 
 def _limit_number(value: Decimal) -> int | float:
     return int(value) if value == value.to_integral_value() else float(value)
@@ -555,68 +307,11 @@ class _Part:
     violations: tuple[Violation, ...] = ()
 
 
-@dataclass(frozen=True)
-class _Totals:
-    """Running totals after every step, in step order."""
-
-    steps: np.ndarray
-    tokens: np.ndarray
-    flops: np.ndarray
-    hours: np.ndarray
-    flops_details: dict[str, Any]
-    hours_details: dict[str, Any]
-
-
-def _totals(facts: RunFacts, root: Mapping[str, Any]) -> _Totals:
-    steps = np.asarray(facts.step_index, dtype=np.int64)
-    n = int(steps.size)
-    tokens = np.cumsum(np.asarray(facts.tokens, dtype=np.int64))
-    # FLOPs: per-step counts from the program's cost analysis, times the replicas.
-    replicas, why = flop_replicas(root)
-    per_step = np.asarray([np.nan if f is None else f for f in facts.flops], dtype=np.float64)
-    missing = int(np.isnan(per_step).sum())
-    source = "step.flops"
-    if missing:
-        # No count recorded (an older frontend, a backend without cost analysis): the
-        # dense-transformer estimate 6 x parameters x tokens (Kaplan et al. 2020, eq. 2.1).
-        estimate = 6.0 * _parameter_count(root) * np.asarray(facts.tokens, dtype=np.float64)
-        per_step = np.where(np.isnan(per_step), estimate, per_step)
-        source = "6 x parameters x tokens" + (" where step.flops is absent" if missing < n else "")
-    flops = np.cumsum(per_step * replicas)
-    # GPU-hours: devices x wall time since the first step began (the trainer's clock).
-    devices = gpu_devices(root)
-    start = np.asarray(facts.start, dtype=np.float64)
-    end = np.asarray(facts.end, dtype=np.float64)
-    wall = np.zeros(n, np.float64)
-    if n and np.isfinite(start).any():
-        elapsed = np.nan_to_num(end - float(np.nanmin(start)), nan=0.0).clip(min=0.0)
-        wall = np.fmax.accumulate(elapsed)
-    return _Totals(
-        steps,
-        tokens,
-        flops,
-        wall * devices / 3600.0,
-        {
-            "source": source,
-            "counter": flop_counter(root),
-            "steps_without_count": missing,
-            "replicas": replicas,
-            "replicas_reason": why,
-            "prover": root.get("prover"),
-        },
-        {
-            "devices": devices,
-            "wall_seconds": round(float(wall[-1]), 3) if n else 0.0,
-            "source": "devices x (last step end - first step start), step.time",
-        },
-    )
-
-
 def _over(
     limit: str, declared: Decimal | None, totals: np.ndarray, steps: np.ndarray, what: str
 ) -> tuple[Violation, ...]:
     """The violation of a running-total limit at the first step over it, if any."""
-    at = _first_over(totals, declared)
+    at = first_over(totals, declared)
     if at is None or declared is None:
         return ()
     actual = totals[at].item()
@@ -642,7 +337,7 @@ TOKEN_CLAIM_UNITS = {"examples": "example", "tokens": "token", None: "batch elem
 
 
 def _tokens_part(
-    facts: RunFacts, totals: _Totals, limits: Limits, total: int, replayed: Evidence
+    facts: RunFacts, totals: RunTotals, limits: Limits, total: int, replayed: Evidence
 ) -> _Part:
     """The token claim in the run's unit, held to ``max_tokens`` in the spec's unit.
 
@@ -681,7 +376,7 @@ def _tokens_part(
 
 
 def _compute_parts(
-    facts: RunFacts, totals: _Totals, limits: Limits, replayed: Evidence
+    facts: RunFacts, totals: RunTotals, limits: Limits, replayed: Evidence
 ) -> list[_Part]:
     n = int(totals.steps.size)
     last = (lambda a: a[-1].item()) if n else (lambda a: 0)
@@ -710,7 +405,7 @@ def _compute_parts(
 
 
 def _optimizer_part(root: Mapping[str, Any], limits: Limits, replayed: Evidence) -> _Part:
-    observed = _observed_optimizer(root)
+    observed = observed_optimizer(root)
     declared_family = optimizer_family(limits.optimizer)
     matches: bool | None = None
     if declared_family is not None and observed["family"] is not None:
@@ -747,7 +442,7 @@ def _optimizer_part(root: Mapping[str, Any], limits: Limits, replayed: Evidence)
 
 
 def _regime_part(facts: RunFacts, root: Mapping[str, Any], limits: Limits) -> _Part:
-    regime = _regime(root)
+    regime = declared_regime(root)
     allowed = list(limits.allowed_regimes)
     violations: tuple[Violation, ...] = ()
     if regime is not None and allowed and regime not in allowed:
@@ -825,12 +520,12 @@ def _final_root_part(facts: RunFacts) -> _Part:
     root_bytes = final.get("p") if isinstance(final, dict) else None
     details = {
         "source": "close.final.p" if root_bytes is not None else None,
-        "last_step_post": _hex(facts.last_post.get("p")) if facts.last_post else None,
+        "last_step_post": hex_of(facts.last_post.get("p")) if facts.last_post else None,
     }
-    return _Part(Claim("final_parameter_root", _hex(root_bytes), Evidence.COMMITTED), details)
+    return _Part(Claim("final_parameter_root", hex_of(root_bytes), Evidence.COMMITTED), details)
 
 
-def _series(facts: RunFacts, totals: _Totals, violations: Sequence[Violation]) -> Series:
+def _series(facts: RunFacts, totals: RunTotals, violations: Sequence[Violation]) -> Series:
     steps = totals.steps
     keep = [
         int(np.nonzero(steps == v.step)[0][0])
@@ -877,7 +572,7 @@ def evaluate(facts: RunFacts, limits: Limits, replay: ReplayFacts | None = None)
     replay = replay or ReplayFacts()
     root = facts.root or {}
     replayed = Evidence.REPLAYED if replay.verified else Evidence.COMMITTED
-    totals = _totals(facts, root)
+    totals = run_totals(facts, root)
     parts = [
         *_compute_parts(facts, totals, limits, replayed),
         _optimizer_part(root, limits, replayed),

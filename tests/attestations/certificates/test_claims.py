@@ -21,11 +21,10 @@ from attestations.certificates.claims import (
     ClaimSet,
     Limits,
     ReplayFacts,
-    RunFacts,
     compute_claims,
     evaluate,
-    summarize,
 )
+from attestations.certificates.run_facts import RunFacts, summarize
 from attestations.challenges.models import Challenge, ChallengeOrigin, ChallengeStatus
 from attestations.proofs.models import Proof, ProofArtifact, ProofStatus
 from attestations.uploads.models import ArtifactKind, Blob

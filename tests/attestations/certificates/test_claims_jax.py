@@ -19,7 +19,8 @@ import optax
 from flax import linen as nn
 
 import zkdv
-from attestations.certificates.claims import Limits, evaluate, summarize
+from attestations.certificates.claims import Limits, evaluate
+from attestations.certificates.run_facts import summarize
 from dvbench.attest import Evidence
 from zkdv.jax.contrib import TrainState
 from zkdv.records import iter_records

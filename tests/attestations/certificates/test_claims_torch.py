@@ -15,7 +15,8 @@ from torch import nn
 from torch.nn import functional
 
 import zkdv
-from attestations.certificates.claims import Limits, evaluate, summarize
+from attestations.certificates.claims import Limits, evaluate
+from attestations.certificates.run_facts import summarize
 from zkdv.records import iter_records
 
 pytestmark = pytest.mark.slow

@@ -31,7 +31,8 @@ from torch import nn as tnn
 import zkdv
 import zkdv.jax
 import zkdv.torch
-from attestations.certificates.claims import ClaimSet, Limits, evaluate, summarize
+from attestations.certificates.claims import ClaimSet, Limits, evaluate
+from attestations.certificates.run_facts import summarize
 from zkdv.records import iter_records
 
 pytestmark = pytest.mark.slow
