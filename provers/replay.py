@@ -305,19 +305,9 @@ def _replay_halves(
     """One step of a run that commits its gradients (module docstring, point 3)."""
     assert transition.compute is not None and transition.apply is not None
     record = transcript.steps[k]
-    bounds = transcript.bounds
     committed = transcript.committed_computed(k)
     recomputed = transition.compute(*state, batch, record)
-    comparison = compare(recomputed, committed, bounds)
-    gradient = _gradient_evidence(comparison)
-    if not comparison.ok:
-        verdict.evidence.append(StepEvidence(k, True, False, None, False, gradient))
-        raise ReplayError(
-            "replay_mismatch",
-            f"step {k}: the recomputed values differ from the committed ones beyond the "
-            f"run's gradient bounds (tensor {bounds.tensor:g}, total {bounds.total:g}, "
-            f"scale {bounds.scale:g}): {comparison.describe()}",
-        )
+    comparison, gradient = _compared_gradient(transcript, k, recomputed, committed, verdict)
     pre_params = state[0]
     params, opt_state, buffers, deltas = transition.apply(*state, committed, record)
     chunk = transcript.config.chunk_bytes
@@ -333,38 +323,15 @@ def _replay_halves(
             "committed post-update state (the update is canonical: the same bits on any "
             "hardware); the state was changed otherwise than by this step's update",
         )
-    probes = transcript.committed_probes(k)
-    excess: float | None = None
-    if probes is not None:
-        replayed = _replayed_probes(transcript, pre_params, params, deltas)
-        gradients = dict(committed)
-        grad_rows = np.concatenate(
-            [
-                p.reshape(-1)
-                for p in transcript.probes.project_all(
-                    [
-                        gradients.get(f"params:{name}", np.zeros(spec.shape, np.float32))
-                        for (name, _), spec in zip(pre_params, transcript.params, strict=True)
-                    ]
-                )
-            ]
-        )
-        replayed = np.vstack([replayed, grad_rows[None, :]])
-        if roots_exact or transition.canonical:
-            # The same state and gradient give the same probes, bit for bit, anywhere.
-            differs = replayed.view(np.uint32) != probes.view(np.uint32)
-            if differs.any():
-                row, column = (int(i) for i in np.argwhere(differs)[0])
-                verdict.evidence.append(StepEvidence(k, True, False, None, False, gradient))
-                raise ReplayError(
-                    "replay_mismatch",
-                    f"step {k}: the committed {_PROBE_NAMES[row]} probe at coordinate {column} "
-                    "is not the probe of the committed state and gradient",
-                )
-            excess = 0.0
-        else:
-            tol = transcript.config.tolerance
-            excess, row, column = _probe_excess(replayed[:3], probes[:3], tol)
+    excess = _update_probe_excess(
+        transcript,
+        k,
+        (pre_params, params, deltas),
+        committed,
+        bitwise=roots_exact or transition.canonical,
+        verdict=verdict,
+        gradient=gradient,
+    )
     if not roots_exact and (excess is None or excess > 0):
         tol = transcript.config.tolerance
         verdict.evidence.append(StepEvidence(k, True, False, excess, False, gradient))
@@ -381,6 +348,78 @@ def _replay_halves(
         StepEvidence(k, True, roots_exact and comparison.exact, excess, True, gradient)
     )
     return params, opt_state, buffers
+
+
+def _compared_gradient(
+    transcript: Transcript, k: int, recomputed: Leaves, committed: Leaves, verdict: ReplayVerdict
+) -> tuple[Comparison, dict[str, Any]]:
+    """The recomputed values against the committed ones, within the run's gradient bounds."""
+    bounds = transcript.bounds
+    comparison = compare(recomputed, committed, bounds)
+    gradient = _gradient_evidence(comparison)
+    if not comparison.ok:
+        verdict.evidence.append(StepEvidence(k, True, False, None, False, gradient))
+        raise ReplayError(
+            "replay_mismatch",
+            f"step {k}: the recomputed values differ from the committed ones beyond the "
+            f"run's gradient bounds (tensor {bounds.tensor:g}, total {bounds.total:g}, "
+            f"scale {bounds.scale:g}): {comparison.describe()}",
+        )
+    return comparison, gradient
+
+
+def _update_probe_excess(
+    transcript: Transcript,
+    k: int,
+    replayed_leaves: tuple[Leaves, Leaves, Leaves],
+    committed: Leaves,
+    *,
+    bitwise: bool,
+    verdict: ReplayVerdict,
+    gradient: dict[str, Any],
+) -> float | None:
+    """How far the replayed update's probes lie beyond tolerance; None without probes.
+
+    ``replayed_leaves`` are the pre-update parameters, the post-update parameters and the
+    deltas. With ``bitwise`` (the replayed state hashed to the committed roots, or the
+    update is canonical) the probes must match bit for bit: 0.0, or a ``replay_mismatch``.
+    """
+    probes = transcript.committed_probes(k)
+    if probes is None:
+        return None
+    pre_params, params, deltas = replayed_leaves
+    replayed = _replayed_probes(transcript, pre_params, params, deltas)
+    replayed = np.vstack([replayed, _gradient_probes(transcript, pre_params, committed)[None, :]])
+    if not bitwise:
+        excess, _, _ = _probe_excess(replayed[:3], probes[:3], transcript.config.tolerance)
+        return excess
+    # The same state and gradient give the same probes, bit for bit, anywhere.
+    differs = replayed.view(np.uint32) != probes.view(np.uint32)
+    if differs.any():
+        row, column = (int(i) for i in np.argwhere(differs)[0])
+        verdict.evidence.append(StepEvidence(k, True, False, None, False, gradient))
+        raise ReplayError(
+            "replay_mismatch",
+            f"step {k}: the committed {_PROBE_NAMES[row]} probe at coordinate {column} "
+            "is not the probe of the committed state and gradient",
+        )
+    return 0.0
+
+
+def _gradient_probes(transcript: Transcript, pre_params: Leaves, committed: Leaves) -> np.ndarray:
+    """The probes of the committed gradient (zeros for a parameter it has none of)."""
+    gradients = dict(committed)
+    return np.concatenate(
+        [
+            p.reshape(-1)
+            for p in transcript.probes.project_all(
+                [
+                    gradients.get(f"params:{name}", np.zeros(spec.shape, np.float32))
+                    for (name, _), spec in zip(pre_params, transcript.params, strict=True)
+                ]
+            )
+        ]
+    )
 
 
 def windows(transcript: Transcript) -> list[tuple[int, int]]:

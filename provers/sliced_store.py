@@ -235,101 +235,178 @@ def fetch_slice(
     Raises:
         StoreError: a read failed or the manifest does not fit the commitment.
     """
-    step = challenge.step
+    files = _manifest(reader, commitment, challenge.step)
+    plan = _SlicePlan.of(files, challenge, names=names, layout=layout, inputs=inputs)
+    read = _ReadSlice.of(files, reader.read(plan.ranges(files, sequences)), plan.sections)
+    params, opt, embedding = plan.params, plan.opt, plan.embedding
+    opening = SliceOpening(
+        params=tuple(read.tensor("params", "params", i) for i in params),
+        opt_state=tuple(read.tensor("opt_state", "opt_state", i) for i in opt),
+        grad=tuple(read.tensor("grad", "grad", i) for i in params),
+        post_params=tuple(read.post("post_params", i) for i in params),
+        post_opt_state=tuple(read.post("post_opt_state", i) for i in opt),
+        rows=read.rows(sequences, plan.wanted_rows),
+        inputs=tuple(read.tensor("params", "params", i) for i in embedding),
+        batch_rows=read.batch_rows(sequences) if plan.inputs else (),
+    )
+    return FetchedSlice(opening, files)
+
+
+def _manifest(reader: RangeReader, commitment: StepCommitment, step: int) -> StepLayout:
+    """The step's manifest, read whole and checked against the committed step."""
     try:
         files = StepLayout.from_bytes(reader.read_object(object_names(step)["manifest"]))
     except ValueError as error:
         raise StoreError(f"step {step}: {error}") from error
     if files.step != step or files.shape != commitment.shape:
         raise StoreError(f"step {step}: the manifest does not describe the committed step")
-    b = challenge.block
-    block_names = layout.names(b)
-    order = list(names)
-    try:
-        params = [order.index(n) for n in block_names]
-        embedding = [order.index(n) for n in inputs]
-    except ValueError as error:
-        raise StoreError(f"the block names a parameter the run does not have: {error}") from error
-    opt = [3 * i + k for i in params for k in range(3)]
-    for tree, indices in (("params", params + embedding), ("opt_state", opt), ("grad", params)):
-        if indices and max(indices) >= len(files.specs[tree]):
-            raise StoreError(f"step {step}: the manifest's {tree} file is shorter than the run")
-    wanted_rows = [(bd, kind) for bd in (b, b + 1) for kind in (ACTIVATION, GRADIENT)]
-    if inputs and b != 0:
-        wanted_rows.append((0, ACTIVATION))
-    sections: tuple[str, ...] = ("params", "opt_state", "grad", "post_params", "post_opt_state")
-    sections += ("rows", "batch") if inputs else ("rows",)
+    return files
 
-    ranges = [files.tensor("params", i) for i in params + embedding]
-    ranges += [files.tensor("opt_state", i) for i in opt]
-    ranges += [files.tensor("grad", i) for i in params]
-    ranges += [files.digests(s) for s in sections]
-    ranges += [files.boundary_row(m, bd, kind, r) for m, r in sequences for bd, kind in wanted_rows]
-    if inputs:
-        ranges += [files.batch(m, r) for m, r in sequences]
-    data = reader.read(ranges)
 
-    digests = {}
-    for s in sections:
-        blob = data[files.digests(s)]
-        digests[s] = [blob[i : i + DIGEST_BYTES] for i in range(0, len(blob), DIGEST_BYTES)]
-    roots = {s: merkle_root(d) for s, d in digests.items()}
+@dataclass(frozen=True)
+class _SlicePlan:
+    """What a slice opens: tensor indices in each file, boundary rows and digest sections.
 
-    def tensor(tree: str, section: str, index: int) -> TensorOpening:
-        leaves = digests[section]
+    Attributes:
+        params: the block's parameters (their indices in the run's parameter order).
+        embedding: the embedding tensors, with ``inputs``.
+        opt: the block's optimizer-state tensors (three per parameter).
+        wanted_rows: ``(boundary, kind)`` of each row opened per sequence.
+        sections: the digest sections read whole, to build audit paths.
+        inputs: whether the slice opens the batch rows and the embedding.
+    """
+
+    params: list[int]
+    embedding: list[int]
+    opt: list[int]
+    wanted_rows: list[tuple[int, str]]
+    sections: tuple[str, ...]
+    inputs: bool
+
+    @classmethod
+    def of(
+        cls,
+        files: StepLayout,
+        challenge: SliceChallenge,
+        *,
+        names: Sequence[str],
+        layout: BlockLayout,
+        inputs: Sequence[str],
+    ) -> _SlicePlan:
+        step, b = challenge.step, challenge.block
+        block_names = layout.names(b)
+        order = list(names)
+        try:
+            params = [order.index(n) for n in block_names]
+            embedding = [order.index(n) for n in inputs]
+        except ValueError as error:
+            raise StoreError(
+                f"the block names a parameter the run does not have: {error}"
+            ) from error
+        opt = [3 * i + k for i in params for k in range(3)]
+        for tree, indices in (("params", params + embedding), ("opt_state", opt), ("grad", params)):
+            if indices and max(indices) >= len(files.specs[tree]):
+                raise StoreError(f"step {step}: the manifest's {tree} file is shorter than the run")
+        wanted_rows = [(bd, kind) for bd in (b, b + 1) for kind in (ACTIVATION, GRADIENT)]
+        if inputs and b != 0:
+            wanted_rows.append((0, ACTIVATION))
+        sections: tuple[str, ...] = ("params", "opt_state", "grad", "post_params", "post_opt_state")
+        sections += ("rows", "batch") if inputs else ("rows",)
+        return cls(params, embedding, opt, wanted_rows, sections, bool(inputs))
+
+    def ranges(self, files: StepLayout, sequences: Sequence[tuple[int, int]]) -> list[ByteRange]:
+        """Every byte range the slice reads, in the order the plan lists them."""
+        ranges = [files.tensor("params", i) for i in self.params + self.embedding]
+        ranges += [files.tensor("opt_state", i) for i in self.opt]
+        ranges += [files.tensor("grad", i) for i in self.params]
+        ranges += [files.digests(s) for s in self.sections]
+        ranges += [
+            files.boundary_row(m, bd, kind, r)
+            for m, r in sequences
+            for bd, kind in self.wanted_rows
+        ]
+        if self.inputs:
+            ranges += [files.batch(m, r) for m, r in sequences]
+        return ranges
+
+
+@dataclass(frozen=True)
+class _ReadSlice:
+    """The bytes a slice read, with the digest sections split into leaves and their roots.
+
+    Builds each opening with the audit path the platform computes itself from the
+    digest sections (an index past a section's end gets an empty path, which fails).
+    """
+
+    files: StepLayout
+    data: dict[ByteRange, bytes]
+    digests: dict[str, list[bytes]]
+    roots: dict[str, bytes]
+
+    @classmethod
+    def of(
+        cls, files: StepLayout, data: dict[ByteRange, bytes], sections: Sequence[str]
+    ) -> _ReadSlice:
+        digests = {}
+        for s in sections:
+            blob = data[files.digests(s)]
+            digests[s] = [blob[i : i + DIGEST_BYTES] for i in range(0, len(blob), DIGEST_BYTES)]
+        roots = {s: merkle_root(d) for s, d in digests.items()}
+        return cls(files, data, digests, roots)
+
+    def _path(self, section: str, index: int) -> tuple[bytes, ...]:
+        leaves = self.digests[section]
+        return tuple(inclusion_path(leaves, index)) if index < len(leaves) else ()
+
+    def tensor(self, tree: str, section: str, index: int) -> TensorOpening:
         return TensorOpening(
             index=index,
-            count=len(leaves),
-            spec=files.specs[tree][index],
-            data=data[files.tensor(tree, index)],
-            path=tuple(inclusion_path(leaves, index)) if index < len(leaves) else (),
-            tensors_root=roots[section],
+            count=len(self.digests[section]),
+            spec=self.files.specs[tree][index],
+            data=self.data[self.files.tensor(tree, index)],
+            path=self._path(section, index),
+            tensors_root=self.roots[section],
         )
 
-    def post(section: str, index: int) -> DigestPath:
-        leaves = digests[section]
-        path = tuple(inclusion_path(leaves, index)) if index < len(leaves) else ()
-        return DigestPath(index, len(leaves), path, roots[section])
+    def post(self, section: str, index: int) -> DigestPath:
+        leaves = self.digests[section]
+        return DigestPath(index, len(leaves), self._path(section, index), self.roots[section])
 
-    row_dtype = np.dtype(files.row[0]).newbyteorder("<")
-    row_count = len(digests["rows"])
-    rows = []
-    for m, r in sequences:
-        for bd, kind in wanted_rows:
-            index = (
-                (m * files.shape[1] + bd) * 2 + (0 if kind == ACTIVATION else 1)
-            ) * files.shape[2] + r
-            array = np.frombuffer(data[files.boundary_row(m, bd, kind, r)], dtype=row_dtype)
-            path = tuple(inclusion_path(digests["rows"], index)) if index < row_count else ()
-            rows.append(RowOpening(m, bd, kind, r, array.reshape(files.row[1]), path))
-    batch_rows: tuple[BatchRowOpening, ...] = ()
-    if inputs:
+    def rows(
+        self, sequences: Sequence[tuple[int, int]], wanted_rows: Sequence[tuple[int, str]]
+    ) -> tuple[RowOpening, ...]:
+        files = self.files
+        row_dtype = np.dtype(files.row[0]).newbyteorder("<")
+        rows = []
+        for m, r in sequences:
+            for bd, kind in wanted_rows:
+                index = (
+                    (m * files.shape[1] + bd) * 2 + (0 if kind == ACTIVATION else 1)
+                ) * files.shape[2] + r
+                array = np.frombuffer(
+                    self.data[files.boundary_row(m, bd, kind, r)], dtype=row_dtype
+                )
+                rows.append(
+                    RowOpening(
+                        m, bd, kind, r, array.reshape(files.row[1]), self._path("rows", index)
+                    )
+                )
+        return tuple(rows)
+
+    def batch_rows(self, sequences: Sequence[tuple[int, int]]) -> tuple[BatchRowOpening, ...]:
+        files = self.files
         batch_dtype = np.dtype(files.batch_row[0]).newbyteorder("<")
-        leaves = digests["batch"]
-        batch_rows = tuple(
+        return tuple(
             BatchRowOpening(
                 m,
                 r,
-                np.frombuffer(data[files.batch(m, r)], dtype=batch_dtype).reshape(
+                np.frombuffer(self.data[files.batch(m, r)], dtype=batch_dtype).reshape(
                     files.batch_row[1]
                 ),
-                tuple(inclusion_path(leaves, m * files.shape[2] + r))
-                if m * files.shape[2] + r < len(leaves)
-                else (),
+                self._path("batch", m * files.shape[2] + r),
             )
             for m, r in sequences
         )
-    opening = SliceOpening(
-        params=tuple(tensor("params", "params", i) for i in params),
-        opt_state=tuple(tensor("opt_state", "opt_state", i) for i in opt),
-        grad=tuple(tensor("grad", "grad", i) for i in params),
-        post_params=tuple(post("post_params", i) for i in params),
-        post_opt_state=tuple(post("post_opt_state", i) for i in opt),
-        rows=tuple(rows),
-        inputs=tuple(tensor("params", "params", i) for i in embedding),
-        batch_rows=batch_rows,
-    )
-    return FetchedSlice(opening, files)
 
 
 def verify_slice_from_store(

@@ -15,6 +15,7 @@ import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Final
 
 from django.db import IntegrityError, transaction
@@ -22,7 +23,7 @@ from django.db import IntegrityError, transaction
 from attestations.audit.models import AuditEvent
 from attestations.certificates import keys, translog
 from attestations.certificates.claims import compute_claims, whole_claim
-from attestations.certificates.models import Certificate
+from attestations.certificates.models import Certificate, LogEntry, TrustRootVersion
 from attestations.certificates.subjects import (
     check_model,
     file_subjects,
@@ -44,6 +45,7 @@ from dvbench.attest import (
     Result,
     RunFiling,
     RunFilings,
+    SigningKey,
     TrainingCertificate,
     dsse_entry_body,
     inclusion_promise_payload,
@@ -253,7 +255,26 @@ def issue_certificate(proof_id: int) -> Certificate:
         raise
 
 
+@dataclass(frozen=True)
+class _Signer:
+    """The key that signs now, the trust root version that names it, and the signing time."""
+
+    key: SigningKey
+    root: TrustRootVersion
+    moment: datetime
+
+
 def _issue(proof: Proof) -> Certificate:
+    _check_issuable(proof)
+    transcript_digest, parameter_root = _subjects(proof)
+    signer = _current_signer()
+    claim_set = _claims(proof)
+    certificate = _statement(proof, claim_set, signer, transcript_digest, parameter_root)
+    entry = _sign_and_log(certificate, signer)
+    return _store(proof, certificate, claim_set, signer, entry)
+
+
+def _check_issuable(proof: Proof) -> None:
     if proof.status not in CERTIFIED_STATUSES:
         raise CertificateNotIssuableError(
             f"proof {proof.pk} is {proof.status!r}; certificates are issued for "
@@ -264,15 +285,27 @@ def _issue(proof: Proof) -> Certificate:
             f"proof {proof.pk} repeats a transcript already filed for "
             f"{proof.experiment.full_name}; that proof's certificate covers it"
         )
-    transcript_digest, parameter_root = _subjects(proof)
+
+
+def _current_signer() -> _Signer:
+    """The current signing key, registered in the trust root, and a time it may sign at."""
     key, source = keys.signing_key()
     root_row = keys.ensure_current(key, source)
-    trust_root = root_row.trust_root()
-    window = trust_root.key(key.keyid)
+    window = root_row.trust_root().key(key.keyid)
     # Never before the key's start: a rotation starts the new key at the next second.
     moment = max(keys.now(), window.not_before)
     window.check_valid_at(moment, "certificate")
-    claim_set = _claims(proof)
+    return _Signer(key, root_row, moment)
+
+
+def _statement(
+    proof: Proof,
+    claim_set: _ClaimSet,
+    signer: _Signer,
+    transcript_digest: str,
+    parameter_root: str,
+) -> TrainingCertificate:
+    """What the certificate states, placed at the log's next index (not yet signed)."""
     passed = proof.status == ProofStatus.VALID and not claim_set.violations
     replay = _replay_evidence(proof)
     model = check_model(proof)
@@ -285,25 +318,31 @@ def _issue(proof: Proof) -> Certificate:
     claims = (*claim_set.claims, *(claim for claim in stated if claim is not None))
     index = translog.next_index()
     origin = keys.log_origin()
-    certificate = TrainingCertificate(
+    return TrainingCertificate(
         transcript_digest=transcript_digest,
         final_parameter_root=parameter_root,
         verifier_id=keys.verifier_id(),
         verifier_version=_verifier_version(),
-        issued_at=moment,
+        issued_at=signer.moment,
         policy_digest=proof.spec.digest,
         result=Result.PASSED if passed else Result.FAILED,
         claims=claims,
         replay=replay,
         log=LogEntryRef(origin=origin, index=index),
-        trust_root_version=root_row.version,
-        trust_root_digest=root_row.digest,
+        trust_root_version=signer.root.version,
+        trust_root_digest=signer.root.digest,
         experiment=proof.experiment.full_name,
         extra_subjects=file_subjects(proof, model),
         transcript_sha256=proof.transcript.sha256,
         parameters_sha256=weights_sha256(model),
         filings=_filings(proof),
     )
+
+
+def _sign_and_log(certificate: TrainingCertificate, signer: _Signer) -> LogEntry:
+    """Sign the certificate, stamp its signature and append it to the log at its index."""
+    key, moment = signer.key, signer.moment
+    index, origin = certificate.log.index, certificate.log.origin
     envelope = sign_certificate(certificate, key)
     # The leaf is the Rekor dsse entry of the envelope (dvbench.attest._rekor); the
     # envelope itself is stored beside it, and the log's signed entry timestamp makes
@@ -320,7 +359,7 @@ def _issue(proof: Proof) -> Certificate:
     stamped = keys.timestamp_authority().stamp(
         base64.b64decode(envelope["signatures"][0]["sig"]), moment
     )
-    entry = translog.append(
+    return translog.append(
         index,
         leaf,
         envelope,
@@ -330,6 +369,17 @@ def _issue(proof: Proof) -> Certificate:
         moment=moment,
         origin=origin,
     )
+
+
+def _store(
+    proof: Proof,
+    certificate: TrainingCertificate,
+    claim_set: _ClaimSet,
+    signer: _Signer,
+    entry: LogEntry,
+) -> Certificate:
+    """The certificate's row beside its log entry, recorded in the audit trail."""
+    index = certificate.log.index
     row = Certificate.objects.create(
         proof=proof,
         organization=proof.experiment.owner,
@@ -337,11 +387,11 @@ def _issue(proof: Proof) -> Certificate:
         result=certificate.result.value,
         flops=whole_claim(claim_set.claims, "flops"),
         tokens=whole_claim(claim_set.claims, "tokens"),
-        issued=moment,
-        keyid=key.keyid,
-        trust_root_version=root_row.version,
-        transcript_digest=transcript_digest,
-        final_parameter_root=parameter_root,
+        issued=signer.moment,
+        keyid=signer.key.keyid,
+        trust_root_version=signer.root.version,
+        transcript_digest=certificate.transcript_digest,
+        final_parameter_root=certificate.final_parameter_root,
         log_entry=entry,
     )
     AuditEvent.record(
@@ -352,7 +402,7 @@ def _issue(proof: Proof) -> Certificate:
             "proof": proof.pk,
             "result": row.result,
             "log_index": index,
-            "keyid": key.keyid,
+            "keyid": signer.key.keyid,
             "violations": list(claim_set.violations),
         },
     )

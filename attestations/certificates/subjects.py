@@ -337,6 +337,54 @@ def _budget(bounds: Mapping[str, float]) -> dict[str, Any]:
     }
 
 
+#: How closely a replayed step matched, loosest last: bit for bit, within the gradient
+#: bounds, within the tolerance.
+_MATCH_ORDER: Final = {"exact": 0, "bounds": 1, "tolerance": 2}
+
+
+def _replay_matches(
+    challenges: Sequence[tuple[int, int | None, str, Any]],
+) -> tuple[dict[int, tuple[str, float | None]], list[dict[str, Any]]]:
+    """How each replayed step matched (its loosest match and margin), and the workers.
+
+    Read from the evidence of the passed challenges; a step replayed more than once keeps
+    its loosest match, and within bounds its largest divergence-to-bound ratio.
+    """
+    matched: dict[int, tuple[str, float | None]] = {}
+    workers: list[dict[str, Any]] = []
+    for _, _, status, evidence in challenges:
+        if status != ChallengeStatus.PASSED or not isinstance(evidence, Mapping):
+            continue
+        worker = evidence.get("environment")
+        if isinstance(worker, Mapping) and dict(worker) not in workers:
+            workers.append(dict(worker))
+        for item in evidence.get("evidence") or []:
+            if not isinstance(item, Mapping) or not isinstance(item.get("step"), int):
+                continue
+            gradient = item.get("gradient")
+            kind = "exact" if item.get("exact") else "bounds" if gradient else "tolerance"
+            margin = gradient.get("margin") if isinstance(gradient, Mapping) else None
+            previous = matched.get(item["step"])
+            if previous is None or (_MATCH_ORDER[kind], margin or 0.0) > (
+                _MATCH_ORDER[previous[0]],
+                previous[1] or 0.0,
+            ):
+                matched[item["step"]] = (kind, margin)
+    return matched, workers
+
+
+def _replayed_steps(matched: Mapping[int, tuple[str, float | None]]) -> dict[str, Any]:
+    return {
+        "exact": sorted(step for step, (kind, _) in matched.items() if kind == "exact"),
+        "within_bounds": [
+            [step, margin] for step, (kind, margin) in sorted(matched.items()) if kind == "bounds"
+        ],
+        "within_tolerance": sorted(
+            step for step, (kind, _) in matched.items() if kind == "tolerance"
+        ),
+    }
+
+
 def guarantee_claim(
     proof: Proof, tolerance: Mapping[str, float], bounds: Mapping[str, float] | None = None
 ) -> Claim:
@@ -371,29 +419,9 @@ def guarantee_claim(
     drawn = 0
     if challenges and target is not None and fraction and steps:
         drawn = min(random_steps_needed(steps, target=target, forged_fraction=fraction), steps)
-    matched: dict[int, tuple[str, float | None]] = {}
-    workers: list[dict[str, Any]] = []
-    order = {"exact": 0, "bounds": 1, "tolerance": 2}
-    for _, _, status, evidence in challenges:
-        if status != ChallengeStatus.PASSED or not isinstance(evidence, Mapping):
-            continue
-        worker = evidence.get("environment")
-        if isinstance(worker, Mapping) and dict(worker) not in workers:
-            workers.append(dict(worker))
-        for item in evidence.get("evidence") or []:
-            if not isinstance(item, Mapping) or not isinstance(item.get("step"), int):
-                continue
-            gradient = item.get("gradient")
-            kind = "exact" if item.get("exact") else "bounds" if gradient else "tolerance"
-            margin = gradient.get("margin") if isinstance(gradient, Mapping) else None
-            previous = matched.get(item["step"])
-            if previous is None or (order[kind], margin or 0.0) > (
-                order[previous[0]],
-                previous[1] or 0.0,
-            ):
-                matched[item["step"]] = (kind, margin)
+    matched, workers = _replay_matches(challenges)
     kinds = {kind for kind, _ in matched.values()}
-    comparison = None if not kinds else max(kinds, key=order.__getitem__)
+    comparison = None if not kinds else max(kinds, key=_MATCH_ORDER.__getitem__)
     probability = 1.0 - (1.0 - fraction) ** drawn if fraction and drawn else 0.0
     root_env = ((proof.report or {}).get("root") or {}).get("env") or {}
     value = {
@@ -408,17 +436,7 @@ def guarantee_claim(
         "comparison": comparison,
         "gradient_bounds": None if bounds is None else dict(bounds),
         "forger_budget": None if bounds is None else _budget(bounds),
-        "replayed_steps": {
-            "exact": sorted(step for step, (kind, _) in matched.items() if kind == "exact"),
-            "within_bounds": [
-                [step, margin]
-                for step, (kind, margin) in sorted(matched.items())
-                if kind == "bounds"
-            ],
-            "within_tolerance": sorted(
-                step for step, (kind, _) in matched.items() if kind == "tolerance"
-            ),
-        },
+        "replayed_steps": _replayed_steps(matched),
         "environments": {
             "training": {key: root_env[key] for key in _TRAINING_ENVIRONMENT if key in root_env},
             "replay": workers,

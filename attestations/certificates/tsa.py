@@ -71,48 +71,36 @@ class Authority:
             data: the bytes stamped (a certificate's DSSE signature).
             at: the time stated (``genTime``), the certificate's signed ``issuedOn``.
         """
-        leaf = self.chain[0]
-        leaf_der = leaf.public_bytes(serialization.Encoding.DER)
-        info = tsp.TSTInfo(
+        leaf_der = self.chain[0].public_bytes(serialization.Encoding.DER)
+        info_der = _tst_info(data, at)
+        certificate = asn1_x509.Certificate.load(leaf_der)
+        signed_data = cms.SignedData(
             {
-                "version": "v1",
-                "policy": TSA_POLICY,
-                "message_imprint": {
-                    "hash_algorithm": {"algorithm": "sha256"},
-                    "hashed_message": hashlib.sha256(data).digest(),
+                "version": "v3",
+                "digest_algorithms": [algos.DigestAlgorithm({"algorithm": "sha256"})],
+                "encap_content_info": {
+                    "content_type": "tst_info",
+                    "content": core.ParsableOctetString(info_der),
                 },
-                "serial_number": secrets.randbits(63),
-                "gen_time": at.astimezone(UTC),
+                "certificates": [certificate],
+                "signer_infos": [self._signer_info(info_der, leaf_der, certificate)],
             }
         )
-        info_der = info.dump()
-        attributes = [
-            cms.CMSAttribute({"type": "content_type", "values": ["tst_info"]}),
-            cms.CMSAttribute(
-                {"type": "message_digest", "values": [hashlib.sha256(info_der).digest()]}
-            ),
-            cms.CMSAttribute(
-                {
-                    "type": "signing_certificate_v2",
-                    "values": [
-                        {
-                            "certs": [
-                                {
-                                    "hash_algorithm": {"algorithm": "sha256"},
-                                    "cert_hash": hashlib.sha256(leaf_der).digest(),
-                                }
-                            ]
-                        }
-                    ],
-                }
-            ),
-        ]
-        # DER orders a SET OF by encoding; the signature covers these exact bytes.
-        attributes.sort(key=lambda attribute: attribute.dump())
-        signed_attrs = cms.CMSAttributes(attributes)
+        response = tsp.TimeStampResp(
+            {
+                "status": {"status": "granted"},
+                "time_stamp_token": {"content_type": "signed_data", "content": signed_data},
+            }
+        )
+        return bytes(response.dump())
+
+    def _signer_info(
+        self, info_der: bytes, leaf_der: bytes, certificate: asn1_x509.Certificate
+    ) -> cms.SignerInfo:
+        """The authority's signature over the token's signed attributes."""
+        signed_attrs = _signed_attributes(info_der, leaf_der)
         signature = self.key.sign(signed_attrs.dump(), ec.ECDSA(hashes.SHA256()))
-        certificate = asn1_x509.Certificate.load(leaf_der)
-        signer = cms.SignerInfo(
+        return cms.SignerInfo(
             {
                 "version": "v1",
                 "sid": cms.SignerIdentifier(
@@ -129,25 +117,49 @@ class Authority:
                 "signature": signature,
             }
         )
-        signed_data = cms.SignedData(
+
+
+def _tst_info(data: bytes, at: datetime) -> bytes:
+    """The DER ``TSTInfo`` stating that ``data`` (its SHA-256) existed at ``at``."""
+    info = tsp.TSTInfo(
+        {
+            "version": "v1",
+            "policy": TSA_POLICY,
+            "message_imprint": {
+                "hash_algorithm": {"algorithm": "sha256"},
+                "hashed_message": hashlib.sha256(data).digest(),
+            },
+            "serial_number": secrets.randbits(63),
+            "gen_time": at.astimezone(UTC),
+        }
+    )
+    return bytes(info.dump())
+
+
+def _signed_attributes(info_der: bytes, leaf_der: bytes) -> cms.CMSAttributes:
+    """The attributes the signature covers: content type, the TSTInfo's digest, the signer."""
+    attributes = [
+        cms.CMSAttribute({"type": "content_type", "values": ["tst_info"]}),
+        cms.CMSAttribute({"type": "message_digest", "values": [hashlib.sha256(info_der).digest()]}),
+        cms.CMSAttribute(
             {
-                "version": "v3",
-                "digest_algorithms": [algos.DigestAlgorithm({"algorithm": "sha256"})],
-                "encap_content_info": {
-                    "content_type": "tst_info",
-                    "content": core.ParsableOctetString(info_der),
-                },
-                "certificates": [certificate],
-                "signer_infos": [signer],
+                "type": "signing_certificate_v2",
+                "values": [
+                    {
+                        "certs": [
+                            {
+                                "hash_algorithm": {"algorithm": "sha256"},
+                                "cert_hash": hashlib.sha256(leaf_der).digest(),
+                            }
+                        ]
+                    }
+                ],
             }
-        )
-        response = tsp.TimeStampResp(
-            {
-                "status": {"status": "granted"},
-                "time_stamp_token": {"content_type": "signed_data", "content": signed_data},
-            }
-        )
-        return bytes(response.dump())
+        ),
+    ]
+    # DER orders a SET OF by encoding; the signature covers these exact bytes.
+    attributes.sort(key=lambda attribute: attribute.dump())
+    return cms.CMSAttributes(attributes)
 
 
 def _name(common_name: str) -> x509.Name:

@@ -13,7 +13,7 @@ import mmap
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from celery import current_app
@@ -39,6 +39,9 @@ from attestations.proofs.models import (
 )
 from attestations.uploads.blobs import mapped
 from attestations.uploads.models import ArtifactKind, Blob, UploadStatus
+
+if TYPE_CHECKING:
+    from zkdv.merkle import LeafSpec
 
 log = logging.getLogger(__name__)
 
@@ -106,108 +109,140 @@ def _in_layout(name: str, kind: str) -> bool:
     return "/" not in name and (name == PROBES or name.startswith("program."))
 
 
+#: Why a file does not match its commitment: ``(code, message, detail)``.
+_Mismatch = tuple[str, str, dict[str, Any]]
+
+
 def _commitment_check(
     index: TranscriptIndex, name: str, data: bytes | mmap.mmap
-) -> tuple[str, str, dict[str, Any]] | None:
+) -> _Mismatch | None:
     """Check a file against what the transcript commits for it.
 
     Returns:
         None when it matches (or the transcript commits nothing for it), else
         ``(code, message, detail)``.
     """
-    from zkdv.batch import commit_batch
-    from zkdv.config import ZKDVConfig
-    from zkdv.hashing import Domain, hash_bytes
-    from zkdv.merkle import LeafSpec, commit_state
-
     base = name.rsplit("/", 1)[-1]
     if name == index.program_file:
-        program = index.root.get("program") or {}
-        if hash_bytes(Domain.FILE, memoryview(data)) != program.get("digest"):
-            return (
-                "program_mismatch",
-                f"{name} ({len(data)} bytes) does not hash to the program digest the "
-                "transcript's root record commits",
-                {"file": name},
-            )
-        return None
+        return _program_check(index, name, data)
     if base.startswith("snapshot-"):
-        try:
-            step_text, tree, _ = base.removeprefix("snapshot-").split(".")
-            step = int(step_text)
-        except ValueError:
-            return ("unknown_file", f"{name} is not a snapshot file name", {"file": name})
-        snap = index.snapshots.get(step)
-        if snap is None or tree not in ("params", "opt_state", "buffers"):
-            return (
-                "unknown_file",
-                f"{name}: the transcript records no snapshot of {tree} at step {step}",
-                {"file": name, "step": step},
-            )
-        specs = [LeafSpec.from_dict(spec) for spec in index.specs(tree)]
-        expected_size = sum(spec.nbytes for spec in specs)
-        if len(data) != expected_size:
-            return (
-                "snapshot_mismatch",
-                f"{name} holds {len(data)} bytes; the schema of {tree} needs {expected_size}",
-                {"file": name, "step": step, "expected_size": expected_size},
-            )
-        chunk = ZKDVConfig.from_dict(index.root["config"]).chunk_bytes
-        leaves, offset = [], 0
-        raw = np.frombuffer(data, dtype=np.uint8)
-        for spec in specs:
-            dtype = np.dtype(spec.dtype).newbyteorder("<")
-            leaves.append(
-                (spec.path, raw[offset : offset + spec.nbytes].view(dtype).reshape(spec.shape))
-            )
-            offset += spec.nbytes
-        key = {"params": "p", "opt_state": "o", "buffers": "b"}[tree]
-        if commit_state(leaves, chunk).root != snap["roots"][key]:
-            return (
-                "snapshot_mismatch",
-                f"{name} does not hash to the {tree} root the transcript commits for step {step}",
-                {"file": name, "step": step},
-            )
-        return None
+        return _snapshot_check(index, name, base, data)
     if base.startswith("grad-"):
         return _gradient_check(index, name, base, data)
     if base.startswith("batch-"):
-        try:
-            step = int(base.removeprefix("batch-").removesuffix(".u32"))
-        except ValueError:
-            return ("unknown_file", f"{name} is not a batch file name", {"file": name})
-        record = index.steps.get(step)
-        if record is None:
-            return (
-                "unknown_file",
-                f"{name}: the transcript has no step {step}",
-                {"file": name, "step": step},
-            )
-        import struct
+        return _batch_check(index, name, base, data)
+    return None
 
-        if len(data) < 16:
-            return ("batch_mismatch", f"{name} is too short to be a batch file", {"file": name})
-        rows, cols = struct.unpack("<QQ", data[:16])
-        if len(data) != 16 + rows * cols * 4:
-            return (
-                "batch_mismatch",
-                f"{name} declares {rows}x{cols} words but holds {len(data) - 16} bytes",
-                {"file": name, "step": step},
-            )
-        batch = np.frombuffer(data, dtype="<u4", offset=16).reshape(rows, cols)
-        window = int(index.root["config"]["rolling_window"])
-        if commit_batch(batch, window).root != record["batch"]["root"]:
-            return (
-                "batch_mismatch",
-                f"{name} does not hash to step {step}'s committed batch root",
-                {"file": name, "step": step},
-            )
+
+def _leaves(specs: Sequence[LeafSpec], data: bytes | mmap.mmap) -> list[tuple[str, np.ndarray]]:
+    """The little-endian arrays a state file holds, one per leaf spec, in order."""
+    raw = np.frombuffer(data, dtype=np.uint8)
+    leaves, offset = [], 0
+    for spec in specs:
+        dtype = np.dtype(spec.dtype).newbyteorder("<")
+        leaves.append(
+            (spec.path, raw[offset : offset + spec.nbytes].view(dtype).reshape(spec.shape))
+        )
+        offset += spec.nbytes
+    return leaves
+
+
+def _program_check(index: TranscriptIndex, name: str, data: bytes | mmap.mmap) -> _Mismatch | None:
+    """The attested program against the root record's program digest."""
+    from zkdv.hashing import Domain, hash_bytes
+
+    program = index.root.get("program") or {}
+    if hash_bytes(Domain.FILE, memoryview(data)) != program.get("digest"):
+        return (
+            "program_mismatch",
+            f"{name} ({len(data)} bytes) does not hash to the program digest the "
+            "transcript's root record commits",
+            {"file": name},
+        )
+    return None
+
+
+def _snapshot_check(
+    index: TranscriptIndex, name: str, base: str, data: bytes | mmap.mmap
+) -> _Mismatch | None:
+    """A state snapshot (``files/snapshot-<step>.<tree>.bin``) against its committed root."""
+    from zkdv.config import ZKDVConfig
+    from zkdv.merkle import LeafSpec, commit_state
+
+    try:
+        step_text, tree, _ = base.removeprefix("snapshot-").split(".")
+        step = int(step_text)
+    except ValueError:
+        return ("unknown_file", f"{name} is not a snapshot file name", {"file": name})
+    snap = index.snapshots.get(step)
+    if snap is None or tree not in ("params", "opt_state", "buffers"):
+        return (
+            "unknown_file",
+            f"{name}: the transcript records no snapshot of {tree} at step {step}",
+            {"file": name, "step": step},
+        )
+    specs = [LeafSpec.from_dict(spec) for spec in index.specs(tree)]
+    expected_size = sum(spec.nbytes for spec in specs)
+    if len(data) != expected_size:
+        return (
+            "snapshot_mismatch",
+            f"{name} holds {len(data)} bytes; the schema of {tree} needs {expected_size}",
+            {"file": name, "step": step, "expected_size": expected_size},
+        )
+    chunk = ZKDVConfig.from_dict(index.root["config"]).chunk_bytes
+    leaves = _leaves(specs, data)
+    key = {"params": "p", "opt_state": "o", "buffers": "b"}[tree]
+    if commit_state(leaves, chunk).root != snap["roots"][key]:
+        return (
+            "snapshot_mismatch",
+            f"{name} does not hash to the {tree} root the transcript commits for step {step}",
+            {"file": name, "step": step},
+        )
+    return None
+
+
+def _batch_check(
+    index: TranscriptIndex, name: str, base: str, data: bytes | mmap.mmap
+) -> _Mismatch | None:
+    """A step's batch (``files/batch-<step>.u32``) against its committed batch root."""
+    import struct
+
+    from zkdv.batch import commit_batch
+
+    try:
+        step = int(base.removeprefix("batch-").removesuffix(".u32"))
+    except ValueError:
+        return ("unknown_file", f"{name} is not a batch file name", {"file": name})
+    record = index.steps.get(step)
+    if record is None:
+        return (
+            "unknown_file",
+            f"{name}: the transcript has no step {step}",
+            {"file": name, "step": step},
+        )
+    if len(data) < 16:
+        return ("batch_mismatch", f"{name} is too short to be a batch file", {"file": name})
+    rows, cols = struct.unpack("<QQ", data[:16])
+    if len(data) != 16 + rows * cols * 4:
+        return (
+            "batch_mismatch",
+            f"{name} declares {rows}x{cols} words but holds {len(data) - 16} bytes",
+            {"file": name, "step": step},
+        )
+    batch = np.frombuffer(data, dtype="<u4", offset=16).reshape(rows, cols)
+    window = int(index.root["config"]["rolling_window"])
+    if commit_batch(batch, window).root != record["batch"]["root"]:
+        return (
+            "batch_mismatch",
+            f"{name} does not hash to step {step}'s committed batch root",
+            {"file": name, "step": step},
+        )
     return None
 
 
 def _gradient_check(
     index: TranscriptIndex, name: str, base: str, data: bytes | mmap.mmap
-) -> tuple[str, str, dict[str, Any]] | None:
+) -> _Mismatch | None:
     """A step's computed values (``files/grad-<step>.bin``) against its ``grad`` root."""
     from zkdv.config import ZKDVConfig
     from zkdv.merkle import LeafSpec, commit_state
@@ -231,14 +266,7 @@ def _gradient_check(
             f"{name} holds {len(data)} bytes; the root's schema.grad needs {expected_size}",
             {"file": name, "step": step, "expected_size": expected_size},
         )
-    raw = np.frombuffer(data, dtype=np.uint8)
-    leaves, offset = [], 0
-    for spec in specs:
-        dtype = np.dtype(spec.dtype).newbyteorder("<")
-        leaves.append(
-            (spec.path, raw[offset : offset + spec.nbytes].view(dtype).reshape(spec.shape))
-        )
-        offset += spec.nbytes
+    leaves = _leaves(specs, data)
     chunk = ZKDVConfig.from_dict(index.root["config"]).chunk_bytes
     if commit_state(leaves, chunk).root != record["grad"]:
         return (

@@ -17,7 +17,7 @@ import base64
 import io
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from html import escape
@@ -234,6 +234,21 @@ def _line(
 LOG_AXIS_RATIO = 10.0
 
 
+@dataclass(frozen=True)
+class _ComputeFrame:
+    """The compute chart's plot area and scales: ``x`` of a step, ``y`` of a FLOP count."""
+
+    left: int
+    top: int
+    width: int
+    height: int
+    last_step: int
+    y: Callable[[float], float]
+
+    def x(self, step: float) -> float:
+        return self.left + self.width * step / self.last_step
+
+
 def compute_chart_svg(
     series: Series, budget: Decimal | float | None, *, violation_step: int | None = None
 ) -> str:
@@ -252,86 +267,125 @@ def compute_chart_svg(
     left, right, top, bottom = 78, 20, 28, 44
     plot_w, plot_h = CHART_WIDTH - left - right, CHART_HEIGHT - top - bottom
     steps, flops = series.steps, series.flops
-    last_step = max(steps[-1] if steps else 0, 1)
     total = flops[-1] if flops else 0.0
     limit = float(budget) if budget is not None else None
     logarithmic = bool(limit and total > 0 and limit / total > LOG_AXIS_RATIO)
     if logarithmic:
         assert limit is not None
-        smallest = min((value for value in flops if value > 0), default=1.0)
-        low = math.floor(math.log10(smallest))
-        high = math.ceil(math.log10(max(limit, total) * 1.0001))
-        high = max(high, low + 1)
-
-        def y(value: float) -> float:
-            position = (math.log10(max(value, 10.0**low)) - low) / (high - low)
-            return top + plot_h * (1 - position)
-
-        ticks = [(10.0**k, human_number(10.0**k)) for k in range(low, high + 1)]
-        if len(ticks) > 9:  # at most about eight labelled decades
-            stride = math.ceil(len(ticks) / 8)
-            ticks = ticks[::stride]
+        y, ticks = _log_flop_axis(flops, limit, total, top, plot_h)
     else:
-        peak = max([*flops, limit or 0.0, 1.0])
-        ymax = 4 * nice_ceiling(peak * 1.04 / 4)  # four gridlines at round numbers
-
-        def y(value: float) -> float:
-            return top + plot_h * (1 - value / ymax)
-
-        ticks = [(ymax * k / 4, human_number(ymax * k / 4)) for k in range(5)]
-
-    def x(step: float) -> float:
-        return left + plot_w * step / last_step
-
+        y, ticks = _linear_flop_axis(flops, limit, top, plot_h)
+    frame = _ComputeFrame(left, top, plot_w, plot_h, max(steps[-1] if steps else 0, 1), y)
     body = [f'<rect x="0" y="0" width="{CHART_WIDTH}" height="{CHART_HEIGHT}" fill="#ffffff"/>']
+    body += _compute_axes(frame, ticks, logarithmic)
+    body += _budget_line(frame, budget, limit)
+    if steps:
+        body += _flop_curve(frame, series, limit)
+    if violation_step is not None and violation_step in steps:
+        body += _over_budget_mark(frame, series, violation_step)
+    return _svg(CHART_WIDTH, CHART_HEIGHT, "Cumulative compute against the declared budget", body)
+
+
+def _log_flop_axis(
+    flops: Sequence[float], limit: float, total: float, top: int, height: int
+) -> tuple[Callable[[float], float], list[tuple[float, str]]]:
+    """Decades from the smallest positive count to the budget, at most about eight labelled."""
+    smallest = min((value for value in flops if value > 0), default=1.0)
+    low = math.floor(math.log10(smallest))
+    high = math.ceil(math.log10(max(limit, total) * 1.0001))
+    high = max(high, low + 1)
+
+    def y(value: float) -> float:
+        position = (math.log10(max(value, 10.0**low)) - low) / (high - low)
+        return top + height * (1 - position)
+
+    ticks = [(10.0**k, human_number(10.0**k)) for k in range(low, high + 1)]
+    if len(ticks) > 9:  # at most about eight labelled decades
+        stride = math.ceil(len(ticks) / 8)
+        ticks = ticks[::stride]
+    return y, ticks
+
+
+def _linear_flop_axis(
+    flops: Sequence[float], limit: float | None, top: int, height: int
+) -> tuple[Callable[[float], float], list[tuple[float, str]]]:
+    """From zero to a round number above the run and the budget, four gridlines."""
+    peak = max([*flops, limit or 0.0, 1.0])
+    ymax = 4 * nice_ceiling(peak * 1.04 / 4)  # four gridlines at round numbers
+
+    def y(value: float) -> float:
+        return top + height * (1 - value / ymax)
+
+    return y, [(ymax * k / 4, human_number(ymax * k / 4)) for k in range(5)]
+
+
+def _compute_axes(
+    frame: _ComputeFrame, ticks: Sequence[tuple[float, str]], logarithmic: bool
+) -> list[str]:
+    left, top, right, base = (
+        frame.left,
+        frame.top,
+        frame.left + frame.width,
+        frame.top + frame.height,
+    )
+    body = []
     for value, label in ticks:
-        body.append(_line(left, y(value), left + plot_w, y(value), COLORS["grid"]))
-        body.append(_text(left - 6, y(value) + 4, label, size=10, anchor="end"))
+        body.append(_line(left, frame.y(value), right, frame.y(value), COLORS["grid"]))
+        body.append(_text(left - 6, frame.y(value) + 4, label, size=10, anchor="end"))
     for k in range(5):
-        step = round(last_step * k / 4)
-        body.append(_text(x(step), top + plot_h + 16, f"{step:,}", size=10, anchor="middle"))
-    body.append(_line(left, top, left, top + plot_h, COLORS["axis"]))
-    body.append(_line(left, top + plot_h, left + plot_w, top + plot_h, COLORS["axis"]))
-    body.append(_text(left + plot_w / 2, CHART_HEIGHT - 8, "Step", size=11, anchor="middle"))
+        step = round(frame.last_step * k / 4)
+        body.append(_text(frame.x(step), base + 16, f"{step:,}", size=10, anchor="middle"))
+    body.append(_line(left, top, left, base, COLORS["axis"]))
+    body.append(_line(left, base, right, base, COLORS["axis"]))
+    body.append(_text(left + frame.width / 2, CHART_HEIGHT - 8, "Step", size=11, anchor="middle"))
     title = "Cumulative FLOPs" + (" (log scale)" if logarithmic else "")
     body.append(_text(left, 16, title, size=12, fill="#1f2933"))
-    if limit is not None:
-        level = y(limit)
-        body.append(
-            _line(left, level, left + plot_w, level, COLORS["budget"], width=1.5, dash="6 4")
-        )
-        label = f"Declared budget {human_number(budget)} FLOP"
-        body.append(
-            _text(left + plot_w, level - 6, label, size=11, fill=COLORS["budget"], anchor="end")
-        )
-    else:
-        body.append(
-            _text(
-                left + plot_w, 16, "No FLOP budget declared", size=11, fill="#5b6675", anchor="end"
-            )
-        )
-    if steps:
-        points = " ".join(f"{x(s):.1f},{y(f):.1f}" for s, f in zip(steps, flops, strict=True))
-        if len(steps) == 1:
-            points = f"{x(0):.1f},{y(0):.1f} {points}"
-        body.append(
-            f'<polyline points="{points}" fill="none" stroke="{COLORS["line"]}" stroke-width="2"/>'
-        )
-        total_text = f"Total {human_number(total)} FLOP at step {steps[-1]:,}"
-        if limit:
-            total_text += f": {_percent(total / limit)} of the declared budget"
-        body.append(_text(left + 8, top + plot_h - 10, total_text, size=11, fill=COLORS["line"]))
-    if violation_step is not None and violation_step in steps:
-        at = steps.index(violation_step)
-        cx, cy = x(steps[at]), y(flops[at])
-        body.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="5" fill="{COLORS["budget"]}"/>')
-        label = f"Over budget at step {violation_step:,}"
-        anchor = "end" if cx > left + plot_w / 2 else "start"
-        offset = -8 if anchor == "end" else 8
-        body.append(
-            _text(cx + offset, cy + 16, label, size=11, fill=COLORS["budget"], anchor=anchor)
-        )
-    return _svg(CHART_WIDTH, CHART_HEIGHT, "Cumulative compute against the declared budget", body)
+    return body
+
+
+def _budget_line(
+    frame: _ComputeFrame, budget: Decimal | float | None, limit: float | None
+) -> list[str]:
+    right = frame.left + frame.width
+    if limit is None:
+        return [_text(right, 16, "No FLOP budget declared", size=11, fill="#5b6675", anchor="end")]
+    level = frame.y(limit)
+    label = f"Declared budget {human_number(budget)} FLOP"
+    return [
+        _line(frame.left, level, right, level, COLORS["budget"], width=1.5, dash="6 4"),
+        _text(right, level - 6, label, size=11, fill=COLORS["budget"], anchor="end"),
+    ]
+
+
+def _flop_curve(frame: _ComputeFrame, series: Series, limit: float | None) -> list[str]:
+    """The cumulative curve (from the origin for a one-step run) and the run's total."""
+    steps, flops = series.steps, series.flops
+    x, y = frame.x, frame.y
+    points = " ".join(f"{x(s):.1f},{y(f):.1f}" for s, f in zip(steps, flops, strict=True))
+    if len(steps) == 1:
+        points = f"{x(0):.1f},{y(0):.1f} {points}"
+    total = flops[-1]
+    total_text = f"Total {human_number(total)} FLOP at step {steps[-1]:,}"
+    if limit:
+        total_text += f": {_percent(total / limit)} of the declared budget"
+    return [
+        f'<polyline points="{points}" fill="none" stroke="{COLORS["line"]}" stroke-width="2"/>',
+        _text(
+            frame.left + 8, frame.top + frame.height - 10, total_text, size=11, fill=COLORS["line"]
+        ),
+    ]
+
+
+def _over_budget_mark(frame: _ComputeFrame, series: Series, violation_step: int) -> list[str]:
+    at = series.steps.index(violation_step)
+    cx, cy = frame.x(series.steps[at]), frame.y(series.flops[at])
+    label = f"Over budget at step {violation_step:,}"
+    anchor = "end" if cx > frame.left + frame.width / 2 else "start"
+    offset = -8 if anchor == "end" else 8
+    return [
+        f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="5" fill="{COLORS["budget"]}"/>',
+        _text(cx + offset, cy + 16, label, size=11, fill=COLORS["budget"], anchor=anchor),
+    ]
 
 
 def _percent(fraction: float) -> str:
