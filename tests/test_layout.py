@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -236,3 +237,47 @@ def test_the_tracked_file_check_would_catch_dumps_logs_and_large_files() -> None
         "dump.rdb",
         "logs/worker.log",
     ]
+
+
+#: Issue 30's limits on source outside tests and benches: split by what the code does.
+MAX_MODULE_LINES = 800
+MAX_FUNCTION_LINES = 80
+#: Where the limits do not apply: tests, benches, and generated migrations.
+SIZE_EXEMPT = ("tests/", "bench/")
+
+
+def oversized_source(sources: dict[str, str]) -> list[str]:
+    """Modules over :data:`MAX_MODULE_LINES` lines and functions over
+    :data:`MAX_FUNCTION_LINES` (``def`` to the end), by path."""
+    found = []
+    for path, text in sorted(sources.items()):
+        lines = text.count("\n")
+        if lines > MAX_MODULE_LINES:
+            found.append(f"{path}: {lines} lines, over {MAX_MODULE_LINES}")
+        for node in ast.walk(ast.parse(text, filename=path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    found.append(f"{path}:{node.lineno} {node.name}: {length} lines")
+    return found
+
+
+def test_no_module_or_function_is_too_long_to_read() -> None:
+    sources = {
+        path: (REPO_ROOT / path).read_text()
+        for path in _tracked_file_sizes()
+        if path.endswith(".py")
+        and not path.startswith(SIZE_EXEMPT)
+        and "/migrations/" not in path
+        and (REPO_ROOT / path).is_file()
+    }
+    assert sources, "no tracked Python source found"
+    oversized = oversized_source(sources)
+    assert not oversized, "split these by what they do:\n" + "\n".join(oversized)
+
+
+def test_the_size_check_would_catch_a_long_module_and_a_long_function() -> None:
+    long_function = "def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES
+    long_module = "x = 1\n" * (MAX_MODULE_LINES + 1)
+    found = oversized_source({"a.py": long_function, "b.py": long_module, "c.py": "y = 2\n"})
+    assert [line.split(":")[0] for line in found] == ["a.py", "b.py"]

@@ -361,66 +361,16 @@ class Command(BaseCommand):
         *,
         exit_after: bool = False,
     ) -> None:
+        """Serve the platform, run the flow against it (unless ``flow`` is None), then
+        keep serving until a signal (or stop at once with ``exit_after``)."""
         base = f"http://{host}:{port}"
-        command = [
-            sys.executable,
-            "-m",
-            "gunicorn",
-            "--config",
-            str(GUNICORN_CONFIG),
-            "--bind",
-            f"{host}:{port}",
-            # Request lines would drown the demo's own progress.
-            "--access-logfile",
-            os.devnull,
-            "config.wsgi:application",
-        ]
-        running_flow = False
-
-        log_path = Path(settings.DVBENCH["DATA_DIR"]) / SERVER_LOG
-        with self.steps.step("Start the web server (gunicorn)"):
-            # The server's log (and, with tasks run in-process, the tasks') goes to a
-            # file: interleaved, it would drown the demo's numbered steps.
-            with log_path.open("ab") as log:
-                server = subprocess.Popen(
-                    command, cwd=settings.BASE_DIR, stdout=log, stderr=subprocess.STDOUT
-                )
-            self.steps.note(f"server log: {log_path}")
-
-            def stop(signum: int, frame: FrameType | None) -> None:
-                server.send_signal(signal.SIGTERM)
-                if running_flow:
-                    raise StopDemoError(signal.Signals(signum).name)
-
-            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-                signal.signal(signum, stop)
-            try:
-                health = wait_for_health(f"{base}/health", server, HEALTH_TIMEOUT_SECONDS)
-            except CommandError as error:
-                tail = log_path.read_text(errors="replace").splitlines()[-20:]
-                raise CommandError(
-                    f"{error}; the end of {log_path}:\n" + "\n".join(tail)
-                ) from error
-            states = ", ".join(
-                f"{name} {item['status']}" for name, item in health["components"].items()
-            )
-            self.stdout.write(self.style.SUCCESS(f"DVBench is serving at {base}/") + f" ({states})")
+        server = self.start_server(host, port)
         outcome: Outcome | None = None
         try:
             if flow is not None:
-                framework, report_dir = flow
-                running_flow = True
-                # One line per HTTP request would drown the numbered steps.
-                logging.getLogger("httpx").setLevel(logging.WARNING)
-                try:
-                    outcome = demo_flow.run(
-                        base, accounts, report_dir, framework=framework, write=self.stdout.write
-                    )
-                except StopDemoError:
-                    self.stdout.write("Stopped.")
+                outcome = self.run_flow(base, accounts, flow)
+                if outcome is None:
                     return
-                finally:
-                    running_flow = False
             self.summary(base, accounts, outcome)
             if exit_after:
                 server.send_signal(signal.SIGTERM)
@@ -435,6 +385,76 @@ class Command(BaseCommand):
             raise CommandError(f"the web server exited with status {returncode}")
         if exit_after and outcome is not None and not outcome.ok:
             raise CommandError("the demo did not complete; see the FAILED step above")
+
+    def start_server(self, host: str, port: int) -> subprocess.Popen[bytes]:
+        """Gunicorn on ``host:port``, stopped by SIGINT, SIGTERM or SIGHUP; returns once
+        ``/health`` answers."""
+        command = [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "--config",
+            str(GUNICORN_CONFIG),
+            "--bind",
+            f"{host}:{port}",
+            # Request lines would drown the demo's own progress.
+            "--access-logfile",
+            os.devnull,
+            "config.wsgi:application",
+        ]
+        log_path = Path(settings.DVBENCH["DATA_DIR"]) / SERVER_LOG
+        with self.steps.step("Start the web server (gunicorn)"):
+            # The server's log (and, with tasks run in-process, the tasks') goes to a
+            # file: interleaved, it would drown the demo's numbered steps.
+            with log_path.open("ab") as log:
+                server = subprocess.Popen(
+                    command, cwd=settings.BASE_DIR, stdout=log, stderr=subprocess.STDOUT
+                )
+            self.steps.note(f"server log: {log_path}")
+            self.stop_on_signals(server)
+            base = f"http://{host}:{port}"
+            try:
+                health = wait_for_health(f"{base}/health", server, HEALTH_TIMEOUT_SECONDS)
+            except CommandError as error:
+                tail = log_path.read_text(errors="replace").splitlines()[-20:]
+                raise CommandError(
+                    f"{error}; the end of {log_path}:\n" + "\n".join(tail)
+                ) from error
+            states = ", ".join(
+                f"{name} {item['status']}" for name, item in health["components"].items()
+            )
+            self.stdout.write(self.style.SUCCESS(f"DVBench is serving at {base}/") + f" ({states})")
+        return server
+
+    def stop_on_signals(self, server: subprocess.Popen[bytes]) -> None:
+        """SIGINT, SIGTERM and SIGHUP stop the server, and the flow if it is running."""
+        self.running_flow = False
+
+        def stop(signum: int, frame: FrameType | None) -> None:
+            server.send_signal(signal.SIGTERM)
+            if self.running_flow:
+                raise StopDemoError(signal.Signals(signum).name)
+
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, stop)
+
+    def run_flow(
+        self, base: str, accounts: dict[str, Account], flow: tuple[str, Path]
+    ) -> Outcome | None:
+        """The demo's flow against the platform at ``base``; None if a signal stopped it."""
+        framework, report_dir = flow
+        self.running_flow = True
+        # One line per HTTP request would drown the numbered steps.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        try:
+            return demo_flow.run(
+                base, accounts, report_dir, framework=framework, write=self.stdout.write
+            )
+        except StopDemoError:
+            self.stdout.write("Stopped.")
+            return None
+        finally:
+            self.running_flow = False
 
     def summary(self, base: str, accounts: dict[str, Account], outcome: Outcome | None) -> None:
         """What happened, where to look, and who to sign in as."""

@@ -194,7 +194,7 @@ def environment(
         "fsdp": model.mesh,
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-        # How each step record's FLOPs were obtained (attestations/certificates/claims.py
+        # How each step record's FLOPs were obtained (attestations/certificates/totals.py
         # reads it).
         "flops": {
             "method": "torch.utils.flop_counter"
