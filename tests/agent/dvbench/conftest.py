@@ -301,7 +301,13 @@ class FaultProxy:
         with self._upstream_lock, socket.create_connection(self.upstream, timeout=30) as up:
             if action == "cut":
                 up.sendall(request + body[: max(1, length // 2)])
-                return None  # both sockets close: the body never arrives whole
+                # The server sees the body end early. Its answer is read (and dropped:
+                # the client's connection just closes) before the lock is released, so
+                # with serial=True the next request never overlaps this one's handling.
+                up.shutdown(socket.SHUT_WR)
+                while up.recv(65536):
+                    pass
+                return None
             up.sendall(request + body)
             response = b""
             while chunk := up.recv(65536):
