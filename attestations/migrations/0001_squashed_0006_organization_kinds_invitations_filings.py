@@ -82,7 +82,7 @@ def _create_audit_trigger(apps, schema_editor):
                AND (to_jsonb(NEW) - {kept}) = (to_jsonb(OLD) - {kept}) THEN
                 RETURN NEW;
             END IF;
-            RAISE EXCEPTION 'table % is append-only: % is not allowed', TG_AUDIT_TABLE_NAME, TG_OP
+            RAISE EXCEPTION 'table % is append-only: % is not allowed', TG_TABLE_NAME, TG_OP
                 USING ERRCODE = 'insufficient_privilege';
         END;
         $$ LANGUAGE plpgsql
