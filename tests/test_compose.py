@@ -135,8 +135,8 @@ def test_beat_sends_the_periodic_tasks_from_one_replica() -> None:
     # test would otherwise see only the tasks other tests happened to import).
     import attestations.challenges.tasks
     import attestations.proofs.tasks
-    import attestations.tasks
-    import attestations.uploads.tasks  # noqa: F401
+    import attestations.uploads.tasks
+    import attestations.workers.tasks  # noqa: F401
     from config.celery_app import app as platform_app
 
     assert tasks <= set(platform_app.tasks), tasks - set(platform_app.tasks)
