@@ -219,3 +219,56 @@ def test_migrating_from_the_released_schema_keeps_every_row() -> None:
                 assert model._base_manager.get() is not None
     finally:
         _migrate_to_newest()
+
+
+def _original_leaves(loader: MigrationLoader) -> list[tuple[str, str]]:
+    """Each app's newest migration, counting only the originals a squash replaces."""
+    squashed = {key for key, migration in loader.disk_migrations.items() if migration.replaces}
+    newest: dict[str, str] = {}
+    for app, name in loader.disk_migrations:
+        if (app, name) not in squashed and name > newest.get(app, ""):
+            newest[app] = name
+    return sorted(newest.items())
+
+
+def _schema() -> dict[str, list[tuple[Any, ...]]]:
+    """The public schema as PostgreSQL states it: columns, constraints, indexes, triggers
+    and the functions the triggers run."""
+    queries = {
+        "columns": "SELECT table_name, ordinal_position, column_name, data_type, is_nullable,"
+        " column_default, character_maximum_length FROM information_schema.columns"
+        " WHERE table_schema = 'public' ORDER BY 1, 2",
+        "constraints": "SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid)"
+        " FROM pg_constraint WHERE connamespace = 'public'::regnamespace ORDER BY 1, 2",
+        "indexes": "SELECT tablename, indexname, indexdef FROM pg_indexes"
+        " WHERE schemaname = 'public' ORDER BY 1, 2",
+        "triggers": "SELECT tgrelid::regclass::text, tgname, pg_get_triggerdef(oid)"
+        " FROM pg_trigger WHERE NOT tgisinternal ORDER BY 1, 2",
+        "functions": "SELECT proname, pg_get_functiondef(oid) FROM pg_proc"
+        " WHERE pronamespace = 'public'::regnamespace ORDER BY 1",
+    }
+    with connection.cursor() as cursor:
+        schema = {}
+        for what, sql in queries.items():
+            cursor.execute(sql)
+            schema[what] = cursor.fetchall()
+    return schema
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_squashed_migrations_make_the_schema_the_originals_make() -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("compared on PostgreSQL, the only database with the append-only triggers")
+    try:
+        MigrationExecutor(connection).migrate([(PLATFORM, None)])
+        _migrate_to_newest()  # nothing of the platform applied: the squashed migrations
+        squashed = _schema()
+        assert squashed["triggers"] and squashed["functions"]
+
+        MigrationExecutor(connection).migrate([(PLATFORM, None)])
+        originals = _released_executor()
+        originals.migrate(_original_leaves(originals.loader))
+
+        assert _schema() == squashed
+    finally:
+        _migrate_to_newest()
