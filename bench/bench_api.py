@@ -17,8 +17,11 @@ What it does, in a throwaway data directory:
    parts of ``--part-mib``, complete), and copies the same bytes with ``shutil.copyfile``
    on the same disk, and prints both throughputs and their ratio (target >= 0.4); then
    the same for one part holding a whole blob (completion renames it, no second pass), and
-   the machine's SHA-256 rate, which bounds the ratio: the server hashes every byte; and
-   the web workers' CPU time per GiB uploaded (from ``/proc``);
+   the machine's SHA-256 rate, which bounds the ratio: the server hashes every byte; the
+   exchange's floor (the same bytes over raw loopback TCP to a process doing only what
+   the web worker must do to them: receive, hash the part and the whole file, write,
+   sync each part; :func:`transfer_floor`) and the upload's ratio to it; and the web
+   workers' CPU time per GiB uploaded (from ``/proc``);
 5. starts ``moto_server`` (a real S3 API) and the platform on it (``DVBENCH_S3_BUCKET``),
    twice: with the bytes through the web worker (``DVBENCH_S3_DIRECT_UPLOADS=0``), then
    as direct uploads (each part PUT to its presigned S3 URL, S3 hashing the whole), and
@@ -504,6 +507,72 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
 
 
+#: The receiving half of :func:`transfer_floor`, run in a process of its own: what the web
+#: worker does to a part's bytes (receive into reused buffers, hash the part and, in a
+#: second thread, the whole file, write at the part's offset, sync each part), and
+#: nothing else.
+_FLOOR_RECEIVER = """
+import hashlib, os, socket, sys
+from concurrent.futures import ThreadPoolExecutor
+size, part, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+server = socket.create_server(("127.0.0.1", 0))
+print(server.getsockname()[1], flush=True)
+conn, _ = server.accept()
+out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+buffers = [memoryview(bytearray(1 << 20)) for _ in range(2)]
+whole, pool, offset, turn = hashlib.sha256(), ThreadPoolExecutor(1), 0, 0
+while offset < size:
+    digest, end, chained = hashlib.sha256(), min(size, offset + part), None
+    while offset < end:
+        view = buffers[turn]
+        turn ^= 1
+        count = conn.recv_into(view, min(len(view), end - offset))
+        if not count:
+            sys.exit("the sender stopped early")
+        chunk = view[:count]
+        if chained is not None:
+            chained.result()
+        chained = pool.submit(whole.update, chunk)
+        digest.update(chunk)
+        os.pwrite(out, chunk, offset)
+        offset += count
+    chained.result()
+    os.fdatasync(out)
+conn.sendall(b"ok")
+"""
+
+
+def transfer_floor(source: Path, part_bytes: int, directory: Path) -> float:
+    """Seconds for the upload's own work without HTTP, Django or the database.
+
+    The bench's client loop sends ``source`` over a loopback TCP connection to a process
+    doing what the web worker must do to every byte (:data:`_FLOOR_RECEIVER`). The
+    upload's rate against this one is the platform's share; this one's against a plain
+    copy is the machine's (two SHA-256 passes per byte, the client on the same cores).
+    """
+    size = source.stat().st_size
+    target = directory / "floor.bin"
+    receiver = subprocess.Popen(
+        [sys.executable, "-c", _FLOOR_RECEIVER, str(size), str(part_bytes), str(target)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert receiver.stdout is not None
+        port = int(receiver.stdout.readline())
+        with socket.create_connection(("127.0.0.1", port)) as conn, source.open("rb") as handle:
+            started = time.perf_counter()
+            while chunk := handle.read(256 << 10):
+                conn.sendall(chunk)
+            if conn.recv(2) != b"ok":
+                raise SystemExit("the floor's receiver failed")
+            elapsed = time.perf_counter() - started
+    finally:
+        receiver.wait(timeout=60)
+        target.unlink(missing_ok=True)
+    return elapsed
+
+
 def sha256_rate(data: bytes) -> float:
     """MiB/s of one SHA-256 pass over ``data`` (best of three)."""
     best = float("inf")
@@ -582,7 +651,9 @@ def main() -> int:
                 handle.write(os.urandom(1 << 20))
         copy_target = data_dir / "copy.bin"
         # Side by side, best of two each, alternating.
-        copies, durable, uploads = [], [], []
+        copies, durable, uploads, floors = [], [], [], []
+        for _ in range(2):
+            floors.append(transfer_floor(source, args.part_mib << 20, data_dir))
         cpu_before = workers_cpu(arbiter)
         for _ in range(2):
             start = time.perf_counter()
@@ -619,6 +690,7 @@ def main() -> int:
         mib = float(args.upload_mib)
         copy_rate, upload_rate = mib / min(copies), mib / min(uploads)
         durable_rate = mib / min(durable)
+        floor_rate = mib / min(floors)
         ratio = upload_rate / copy_rate
         ok &= ratio >= TARGET_UPLOAD_RATIO
         single_mib = single_bytes / (1 << 20)
@@ -638,6 +710,9 @@ def main() -> int:
             f"(target >= {TARGET_UPLOAD_RATIO}) {verdict(ratio >= TARGET_UPLOAD_RATIO)}\n"
             f"    copy + fsync:       {durable_rate:7.1f} MiB/s   upload/durable copy "
             f"{upload_rate / durable_rate:.2f}\n"
+            f"    floor:              {floor_rate:7.1f} MiB/s   upload/floor {upload_rate / floor_rate:.2f} "
+            f"(the same bytes over raw TCP, received, hashed twice and synced as the worker "
+            f"does; floor/copy {floor_rate / copy_rate:.2f})\n"
             f"    web workers' CPU:   {cpu_per_gib:7.2f} s per GiB uploaded "
             f"(sha256 alone: {1024 / hash_rate:.2f} s per GiB)"
         )

@@ -15,7 +15,7 @@ import secrets
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Any
+from typing import Any, Protocol
 
 from django.core.files.storage import default_storage
 from django.db import DatabaseError, transaction
@@ -35,6 +35,12 @@ from attestations.uploads.errors import (
 from attestations.uploads.models import PartReservation, Upload, UploadPart, UploadStatus
 
 log = logging.getLogger(__name__)
+
+
+class Body(Protocol):
+    """A part's bytes: any binary stream; one with ``readinto`` is read without a copy."""
+
+    def read(self, size: int, /) -> bytes: ...
 
 
 #: A part reservation older than this belongs to a request that died without releasing
@@ -82,7 +88,7 @@ def _release(reservation: int | None) -> None:
 
 
 def _stream_to_file(
-    stream: IO[bytes],
+    stream: Body,
     target: Path | disk.Slot,
     limit: int,
     number: int,
@@ -91,16 +97,21 @@ def _stream_to_file(
 ) -> tuple[int, str]:
     """Copy ``stream`` to ``target`` in chunks, hashing as it goes; never more than ``limit``.
 
-    ``target`` is a file of the part's own, or its slot in the upload's data file.
+    ``target`` is a file of the part's own, or its slot in the upload's data file. The
+    chunks are read into two buffers used in turn (``readinto``, where the stream has it:
+    the API's :class:`~attestations.http.body.RequestBody` does), so a part allocates no
+    memory per chunk.
 
     With ``expected`` (the Content-Length) reads no more than that, and raises
     :class:`IncompleteBodyError` when the body ends before it. With ``chain`` (the whole
     file's digest so far) each chunk is hashed into it too, in a second thread while this
-    one hashes the part's own digest and writes: both hashes release the GIL, so the
-    part costs one hash's time, not two.
+    one hashes the part's own digest, writes and reads the next chunk into the other
+    buffer: both hashes release the GIL, so the part costs one hash's time, not two.
     """
     digest = hashlib.sha256()
     size = 0
+    read = _reader(stream)
+    buffers = (memoryview(bytearray(blobs.CHUNK_BYTES)), memoryview(bytearray(blobs.CHUNK_BYTES)))
     with contextlib.ExitStack() as stack:
         out: Any = (
             target if isinstance(target, disk.Slot) else stack.enter_context(open(target, "wb"))
@@ -109,14 +120,17 @@ def _stream_to_file(
         if chain is not None:
             pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="dvbench-chain"))
         chained: Any = None
+        turn = 0
         while True:
-            want = (
-                blobs.CHUNK_BYTES if expected is None else min(blobs.CHUNK_BYTES, expected - size)
-            )
-            chunk = stream.read(want) if want > 0 else b""
-            if not chunk:
+            # The other buffer may still be hashed into the chain; this one is free.
+            buffer = buffers[turn]
+            turn ^= 1
+            want = blobs.CHUNK_BYTES if expected is None else min(len(buffer), expected - size)
+            count = read(buffer[:want]) if want > 0 else 0
+            if not count:
                 break
-            size += len(chunk)
+            chunk = buffer[:count]
+            size += count
             if size > limit:
                 raise PayloadTooLargeError(
                     f"part {number}: body exceeds the part limit of {limit} bytes",
@@ -141,6 +155,20 @@ def _stream_to_file(
         else:
             blobs.sync(out)
     return size, digest.hexdigest()
+
+
+def _reader(stream: Body) -> Any:
+    """``stream``'s ``readinto``, or one made of its ``read``."""
+    readinto = getattr(stream, "readinto", None)
+    if readinto is not None:
+        return readinto
+
+    def read(view: memoryview) -> int:
+        data = stream.read(len(view))
+        view[: len(data)] = data
+        return len(data)
+
+    return read
 
 
 def _check_part_request(
@@ -188,7 +216,7 @@ def put_part(
     upload: Upload,
     number: int,
     *,
-    stream: IO[bytes],
+    stream: Body,
     declared_sha256: str | None,
     content_length: int | None,
 ) -> UploadPart:

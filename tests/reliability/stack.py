@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,47 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+@contextlib.contextmanager
+def gunicorn(environment: dict[str, str], log: Path, workers: int = 1) -> Iterator[int]:
+    """The real gunicorn with the platform's configuration, in a subprocess on a free
+    port (yielded) until the block ends; its output goes to ``log``."""
+    port = free_port()
+    with log.open("wb") as output:
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gunicorn",
+                "--config",
+                str(REPO / "platform" / "gunicorn.conf.py"),
+                "--bind",
+                f"127.0.0.1:{port}",
+                "--workers",
+                str(workers),
+                "--access-logfile",
+                os.devnull,
+            ],
+            cwd=REPO,
+            env=environment,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"gunicorn did not start:\n{log.read_text()}") from None
+                time.sleep(0.2)
+        yield port
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 def _pg_bin() -> Path | None:

@@ -39,6 +39,7 @@ from attestations.core.errors import InvalidRequestError
 from attestations.http import sudo
 from attestations.http.exceptions import error_body
 from tests.attestations.base import PASSWORD, World, error_of, make_user, sudo_session
+from tests.reliability.stack import gunicorn
 
 Api = Callable[[str | None], APIClient]
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -359,53 +360,14 @@ def test_a_role_change_answers_the_same_for_unknown_and_existing_non_members(
 # --- 7. Errors outside the API's format (gunicorn) -------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def gunicorn_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
     """The real gunicorn, with the platform's configuration, in a subprocess."""
-    port = _free_port()
     log = tmp_path_factory.mktemp("gunicorn") / "server.log"
     environment = dict(os.environ, DJANGO_SETTINGS_MODULE="config.settings")
     environment.setdefault("DVBENCH_DATA_DIR", str(tmp_path_factory.mktemp("data")))
-    with log.open("wb") as output:
-        server = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gunicorn",
-                "--config",
-                str(REPO / "platform" / "gunicorn.conf.py"),
-                "--bind",
-                f"127.0.0.1:{port}",
-                "--workers",
-                "1",
-                "--access-logfile",
-                os.devnull,
-            ],
-            cwd=REPO,
-            env=environment,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"gunicorn did not start:\n{log.read_text()}") from None
-                time.sleep(0.2)
+    with gunicorn(environment, log) as port:
         yield "127.0.0.1", port
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 def _raw(address: tuple[str, int], request: bytes) -> tuple[int, dict[str, str], bytes]:
