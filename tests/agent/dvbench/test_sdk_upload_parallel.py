@@ -10,6 +10,7 @@ from dvbench import Client
 from dvbench._cli import main as cli
 from dvbench._manifest import Manifest
 from dvbench._sync import sync_directory
+from dvbench._transfer import DIRECT_PARALLEL, FileUploader
 from tests.agent.dvbench.test_sdk_upload import PART, assert_on_platform, make_run
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -98,3 +99,21 @@ def test_the_cli_takes_parallel(platform, proxy, tmp_path, monkeypatch, capsys):
     assert cli(["sync", "--no-progress", "--parallel", "2", str(directory)]) == 0
     assert watch.max_concurrent == 2
     assert Manifest.load(directory).data["synced"]
+
+
+def test_parts_in_flight_follow_where_they_go_unless_configured(tmp_path, monkeypatch):
+    monkeypatch.delenv("DVBENCH_UPLOAD_PARALLEL", raising=False)
+    manifest = Manifest(tmp_path, {"files": {}, "experiment": "acme/run"})
+    to_platform, to_storage = {"direct": False}, {"direct": True}
+    with Client("http://127.0.0.1:9", api_key="k") as client:
+        default = FileUploader(client, manifest)
+        # In order to the platform (written in place); side by side to object storage.
+        assert default.parts_in_flight(to_platform) == 1
+        assert default.parts_in_flight(to_storage) == DIRECT_PARALLEL == 4
+        assert FileUploader(client, manifest, parallel=3).parts_in_flight(to_platform) == 3
+        assert FileUploader(client, manifest, parallel=1).parts_in_flight(to_storage) == 1
+    monkeypatch.setenv("DVBENCH_UPLOAD_PARALLEL", "2")
+    with Client("http://127.0.0.1:9", api_key="k") as client:
+        configured = FileUploader(client, manifest)
+        assert configured.parts_in_flight(to_platform) == 2
+        assert configured.parts_in_flight(to_storage) == 2

@@ -403,7 +403,8 @@ def _add_sync(commands: Any) -> None:
         "--parallel",
         type=int,
         metavar="N",
-        help="parts of one file in flight at once (default: DVBENCH_UPLOAD_PARALLEL, 1)",
+        help="parts of one file in flight at once (default: DVBENCH_UPLOAD_PARALLEL; unset, 1 "
+        "to the platform, 4 straight to object storage)",
     )
     sync.add_argument(
         "--wait",

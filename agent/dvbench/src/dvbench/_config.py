@@ -69,10 +69,13 @@ class Settings:
         scan_interval: seconds between scans for new snapshot and batch files while
             training (``DVBENCH_UPLOAD_INTERVAL``).
         concurrency: files uploaded at once (``DVBENCH_UPLOAD_CONCURRENCY``).
-        parallel: parts of one file in flight at once (``DVBENCH_UPLOAD_PARALLEL``); 1,
-            the default, sends them in order, so a killed process has sent parts 1..k
-            and lost at most one. Parts are streamed from the file, so memory does not
-            grow with the part size or the file size.
+        parallel: parts of one file in flight at once (``DVBENCH_UPLOAD_PARALLEL``).
+            Unset, it follows where the parts go: 1 to the platform, which writes parts
+            sent in order into place and completes the file by a rename (and a killed
+            process has sent parts 1..k and lost at most one); 4 straight to object
+            storage (a direct upload), which joins the parts itself and whose rate per
+            connection is what bounds a large file. Parts are streamed from the file, so
+            memory grows with neither the part size nor the file size.
         mode: ``online`` or ``offline`` (``DVBENCH_MODE``).
         upload_files: which snapshot and batch files leave the lab
             (``DVBENCH_UPLOAD_FILES``): ``challenged`` (default) sends only those the
@@ -90,7 +93,7 @@ class Settings:
     part_size: int = 8 * 1024 * 1024
     scan_interval: float = 5.0
     concurrency: int = 4
-    parallel: int = 1
+    parallel: int | None = None
     mode: str = "online"
     upload_files: str = "challenged"
     challenge_wait: float = 600.0
@@ -111,7 +114,7 @@ class Settings:
             part_size=_env_int("DVBENCH_PART_SIZE", cls.part_size, minimum=1024),
             scan_interval=_env_float("DVBENCH_UPLOAD_INTERVAL", cls.scan_interval, minimum=0.01),
             concurrency=_env_int("DVBENCH_UPLOAD_CONCURRENCY", cls.concurrency, minimum=1),
-            parallel=_env_int("DVBENCH_UPLOAD_PARALLEL", cls.parallel, minimum=1),
+            parallel=_env_int("DVBENCH_UPLOAD_PARALLEL", 0, minimum=1) or None,
             mode=mode,
             upload_files=_upload_files(),
             challenge_wait=_env_float("DVBENCH_CHALLENGE_WAIT", cls.challenge_wait, minimum=0.0),

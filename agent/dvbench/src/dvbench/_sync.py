@@ -107,7 +107,8 @@ class Uploader(FileUploader):
         manifest: the directory's manifest (created or loaded).
         progress: where to count bytes (a quiet one if None).
         parallel: parts of one file in flight at once (default: the client's
-            ``settings.parallel``, ``DVBENCH_UPLOAD_PARALLEL``).
+            ``settings.parallel``, ``DVBENCH_UPLOAD_PARALLEL``; unset, 1 to the platform
+            and 4 straight to object storage).
     """
 
     @property
@@ -361,7 +362,8 @@ def sync_directory(
             drawn meanwhile; ``result.verdict`` says PASSED, FAILED, error or pending.
             Without it the verdict is asked once (usually still pending).
         parallel: parts of one file in flight at once (default
-            ``DVBENCH_UPLOAD_PARALLEL``, 1: in order).
+            ``DVBENCH_UPLOAD_PARALLEL``; unset, 1 to the platform, in order, and 4
+            straight to object storage).
         on_progress: called as ``on_progress(done, total)`` in bytes after every part
             sent or found on the platform and every deduplicated file, from the
             uploading threads.

@@ -46,6 +46,9 @@ log = logging.getLogger("dvbench")
 
 #: Pieces a part is read and sent in: the memory one part in flight takes.
 STREAM_CHUNK = 1024 * 1024
+#: Parts of one file in flight at once, by default, when they go straight to object
+#: storage (to the platform they go one at a time, in order: ``Settings.parallel``).
+DIRECT_PARALLEL = 4
 #: Refusals of a completion whose upload the platform failed and discarded: the bytes
 #: that arrived were not the file's (changed meanwhile, or damaged in transit), so a
 #: fresh upload sends them again.
@@ -115,8 +118,10 @@ class FileUploader:
         self.manifest = manifest
         self.directory = manifest.directory
         self.progress = progress or Progress(enabled=False)
-        configured = parallel if parallel is not None else getattr(client.settings, "parallel", 1)
-        self.parallel = max(1, int(configured))
+        configured = (
+            parallel if parallel is not None else getattr(client.settings, "parallel", None)
+        )
+        self.parallel = None if configured is None else max(1, int(configured))
         self._known: dict[tuple[str, str], int | None] | None = None
         self._local_lock = threading.Lock()
         self._count_lock = threading.Lock()
@@ -270,13 +275,14 @@ class FileUploader:
         descriptor = os.open(self.directory / relative, os.O_RDONLY)
         try:
             numbers = range(1, count + 1)
-            if self.parallel <= 1 or count == 1:
+            parallel = self.parts_in_flight(entry)
+            if parallel <= 1 or count == 1:
                 for number in numbers:
                     self._send_part(descriptor, entry, number, part_size, server)
             else:
                 # One part in memory per thread: ``parallel`` parts at most.
                 with ThreadPoolExecutor(
-                    min(self.parallel, count), thread_name_prefix="dvbench-part"
+                    min(parallel, count), thread_name_prefix="dvbench-part"
                 ) as pool:
                     futures = [
                         pool.submit(self._send_part, descriptor, entry, n, part_size, server)
@@ -291,6 +297,14 @@ class FileUploader:
         finally:
             os.close(descriptor)
         return self._complete(relative, entry)
+
+    def parts_in_flight(self, entry: dict[str, Any]) -> int:
+        """How many of the file's parts go at once: as configured, or by default 1 to
+        the platform (parts in order are written in place) and
+        :data:`DIRECT_PARALLEL` straight to object storage."""
+        if self.parallel is not None:
+            return self.parallel
+        return DIRECT_PARALLEL if entry.get("direct") else 1
 
     def _send_part(
         self,
