@@ -8,7 +8,9 @@ bytes passed through it, and can kill a sync half-way.
 from __future__ import annotations
 
 import hashlib
+import shutil
 import uuid
+from pathlib import Path
 from typing import Any
 
 import boto3
@@ -18,10 +20,13 @@ from dvbench import Client
 from dvbench._exceptions import DVBenchError
 from dvbench._manifest import Manifest
 from dvbench._sync import sync_directory
+from tests.agent.dvbench.test_sdk_challenges import NAME as TORCH_NAME
+from tests.agent.dvbench.test_sdk_challenges import torch_run
 from tests.agent.dvbench.test_sdk_upload import make_run
+from tests.attestations.challenges.test_replay import TORCH_SPEC
 from tests.attestations.s3 import CREDENTIALS, REGION, s3_endpoint
 
-__all__ = ["s3_endpoint"]
+__all__ = ["s3_endpoint", "torch_run"]
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -122,3 +127,35 @@ def test_a_killed_sync_resumes_with_the_parts_s3_lacks(
     declared = [s.path for s in watch.seen if entry["upload_id"] in s.path and "/url" in s.path]
     assert declared == [f"/api/v1/uploads/{entry['upload_id']}/parts/3/url/"]
     assert_stored(bucket, directory)
+
+
+def test_challenged_files_go_straight_to_s3_and_their_replays_pass(
+    platform, bucket, proxy, torch_run, tmp_path, monkeypatch, settings
+):
+    """The demo's whole path on S3: the transcript and the challenged snapshot and batch
+    files go to S3 through presigned URLs, and the platform's replays read them there."""
+    from attestations.challenges.models import Challenge, ChallengeStatus
+    from attestations.uploads.models import Blob
+
+    monkeypatch.setenv("DVBENCH_UPLOAD_FILES", "challenged")
+    settings.DVBENCH = {**settings.DVBENCH, "DETECTION_TARGET": 0.3}
+    directory = Path(shutil.copytree(torch_run, tmp_path / "run"))
+    watch = proxy(serial=True)
+    with Client(watch.url, api_key=platform.key("alice")) as client:
+        client.experiment(TORCH_NAME, spec=TORCH_SPEC)
+        result = sync_directory(client, directory, progress=False, experiment=TORCH_NAME)
+        assert result.complete and result.proof_id is not None, result.notes
+        proof = client.wait_for_proof(result.proof_id, timeout=120, interval=0.2)
+    assert proof["status"] == "valid", proof
+    assert watch.puts() == []  # not one byte of any file through the platform
+    challenges = list(Challenge.objects.filter(proof_id=result.proof_id))
+    assert challenges and all(c.status == ChallengeStatus.PASSED for c in challenges), [
+        (c.step, c.status, c.reason) for c in challenges
+    ]
+    needed = {name for c in challenges for name in c.needed_files if name.startswith("files/")}
+    assert needed and result.challenged_files >= len(needed)
+    for name in needed:
+        data = (directory / name).read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
+        assert Blob.objects.filter(sha256=digest).exists(), name
+        assert bucket(digest) == data, name
