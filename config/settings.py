@@ -240,16 +240,21 @@ DEFAULT_REGULATORY_THRESHOLDS: list[dict[str, Any]] = [
         "flops": 10**26,
         "description": "California SB 53 (signed 29 Sep 2025) and New York's RAISE Act: "
         "frontier model (more than 10^26 integer or floating-point operations, fine-tuning "
-        "and reinforcement learning included; this certificate counts this run's)",
+        "and reinforcement learning included; this certificate counts this run's and its "
+        "declared parent runs')",
+        "counts": "lineage",
     },
 ]
 
 
 def regulatory_thresholds(name: str = "DVBENCH_REGULATORY_THRESHOLDS") -> list[dict[str, Any]]:
-    """The thresholds from a JSON list of ``{"name", "flops", "description"}``, else the default.
+    """The thresholds from a JSON list of ``{"name", "flops", "description", "counts"}``,
+    else the default.
 
     Names are lowercase slugs (the regulator API filters by them), unique; ``flops`` is a
-    positive number of FLOPs (``1e25`` or ``10000000000000000000000000``).
+    positive number of FLOPs (``1e25`` or ``10000000000000000000000000``); ``counts`` is
+    ``run`` (the default: the certified run's compute) or ``lineage`` (the run's and its
+    declared parent runs', for laws that count fine-tuning and RL toward one figure).
     """
     raw = os.environ.get(name)
     if raw is None or not raw.strip():
@@ -265,8 +270,15 @@ def regulatory_thresholds(name: str = "DVBENCH_REGULATORY_THRESHOLDS") -> list[d
     parsed: list[dict[str, Any]] = []
     for index, item in enumerate(items):
         where = f"{name}[{index}]"
-        if not isinstance(item, dict) or not set(item) <= {"name", "flops", "description"}:
-            raise ImproperlyConfigured(f"{where} must be an object with name, flops, description")
+        if not isinstance(item, dict) or not set(item) <= {
+            "name",
+            "flops",
+            "description",
+            "counts",
+        }:
+            raise ImproperlyConfigured(
+                f"{where} must be an object with name, flops, description, counts"
+            )
         slug, flops = item.get("name"), item.get("flops")
         if not isinstance(slug, str) or not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", slug):
             raise ImproperlyConfigured(f"{where}.name={slug!r} must be a lowercase slug")
@@ -277,8 +289,16 @@ def regulatory_thresholds(name: str = "DVBENCH_REGULATORY_THRESHOLDS") -> list[d
             raise ImproperlyConfigured(f"{where}.flops={flops!r} must be a positive number")
         if isinstance(flops, Decimal) and (not flops.is_finite() or flops != int(flops)):
             raise ImproperlyConfigured(f"{where}.flops={flops} must be a whole number of FLOPs")
+        counts = item.get("counts", "run")
+        if counts not in ("run", "lineage"):
+            raise ImproperlyConfigured(f'{where}.counts={counts!r} must be "run" or "lineage"')
         parsed.append(
-            {"name": slug, "flops": int(flops), "description": str(item.get("description", ""))}
+            {
+                "name": slug,
+                "flops": int(flops),
+                "description": str(item.get("description", "")),
+                "counts": counts,
+            }
         )
     return parsed
 

@@ -19,6 +19,7 @@ from datetime import datetime
 from typing import Any
 
 from django.db.models import QuerySet
+from django.db.models.functions import Coalesce
 from django.http import HttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (
@@ -81,6 +82,28 @@ class CertificateSerializer(serializers.Serializer[Certificate]):
     result = serializers.ChoiceField(choices=CertificateResult.choices)
     flops = serializers.IntegerField(allow_null=True, help_text="total FLOPs claimed")
     tokens = serializers.IntegerField(allow_null=True, help_text="total tokens claimed")
+    lineage_flops = serializers.IntegerField(
+        allow_null=True,
+        help_text="the run's FLOPs and its parent runs' (the signed lineage claim's total; "
+        "null before lineages were certified or when a part is undetermined)",
+    )
+    lineage = inline_serializer(
+        "CertificateLineage",
+        {
+            "flops": serializers.IntegerField(allow_null=True),
+            "runs": serializers.IntegerField(help_text="runs the total adds up"),
+            "parent_transcript": serializers.CharField(allow_null=True),
+            "parent_certificate": serializers.IntegerField(allow_null=True),
+            "declared": serializers.BooleanField(help_text="the spec declares the parent"),
+            "starts_from_parent": serializers.BooleanField(
+                allow_null=True,
+                help_text="the run's committed initial parameters are the parent's "
+                "committed final ones",
+            ),
+        },
+        allow_null=True,
+        help_text="the signed lineage claim (null for certificates issued before it existed)",
+    )
     issued = serializers.DateTimeField(help_text="the signed issuedOn time")
     keyid = serializers.CharField()
     trust_root_version = serializers.IntegerField()
@@ -89,8 +112,9 @@ class CertificateSerializer(serializers.Serializer[Certificate]):
     log_index = serializers.IntegerField()
     regulatory_thresholds = serializers.ListField(
         child=serializers.DictField(),
-        help_text="the signed regulatory_thresholds claim: {name, threshold, stays_below, "
-        "description} per threshold (empty for certificates issued before it existed)",
+        help_text="the signed regulatory_thresholds claim: {name, threshold, counts (run or "
+        "lineage), flops (the number compared), stays_below, description} per threshold "
+        "(empty for certificates issued before it existed)",
     )
     limit_violations = serializers.ListField(
         child=inline_serializer(
@@ -631,6 +655,8 @@ class CertificateList(generics.ListAPIView[Certificate]):
         "flops_max": ("flops__lte", BigInt),
         "tokens_min": ("tokens__gte", BigInt),
         "tokens_max": ("tokens__lte", BigInt),
+        "lineage_flops_min": ("lineage_flops__gte", BigInt),
+        "lineage_flops_max": ("lineage_flops__lte", BigInt),
         "result": ("result", frozenset(CertificateResult.values)),
     }
     query_filter_help = {
@@ -644,6 +670,10 @@ class CertificateList(generics.ListAPIView[Certificate]):
         "tokens_min": "At least this many tokens claimed (a whole number).",
         "tokens_max": "At most this many tokens claimed (a whole number); a certificate "
         "without a tokens claim matches neither tokens_min nor tokens_max.",
+        "lineage_flops_min": "At least this many FLOPs in the run and its parent runs together "
+        "(the lineage claim; a whole number).",
+        "lineage_flops_max": "At most this many FLOPs in the run and its parent runs together; "
+        "a certificate whose lineage total is undetermined matches neither.",
         "result": "PASSED or FAILED.",
     }
     #: Read by _by_threshold, not by QueryFilters; allowed all the same.
@@ -679,11 +709,16 @@ def _by_threshold(request: Request, queryset: QuerySet[Certificate]) -> QuerySet
     """``below_threshold`` / ``above_threshold``: by a configured threshold's name.
 
     A certificate whose compute is undetermined matches neither. The comparison is on the
-    certificate's signed FLOPs against the threshold as configured now; each certificate
-    also states the thresholds in force when it was signed (``regulatory_thresholds``).
+    certificate's signed FLOPs against the threshold as configured now: the run's, or for a
+    threshold that counts the lineage, the run's and its parent runs' (a certificate from
+    before lineages counts its run's). Each certificate also states the thresholds in force
+    when it was signed (``regulatory_thresholds``).
     """
-    known = {threshold.name: threshold.flops for threshold in certificate_subjects.thresholds()}
-    for param, lookup in (("below_threshold", "flops__lte"), ("above_threshold", "flops__gt")):
+    configured = certificate_subjects.thresholds()
+    known = {threshold.name: threshold.flops for threshold in configured}
+    counts = {threshold.name: threshold.counts for threshold in configured}
+    queryset = queryset.alias(lineage_or_run=Coalesce("lineage_flops", "flops"))
+    for param, compare in (("below_threshold", "lte"), ("above_threshold", "gt")):
         value = request.query_params.get(param)
         if value is None:
             continue
@@ -696,7 +731,8 @@ def _by_threshold(request: Request, queryset: QuerySet[Certificate]) -> QuerySet
                 field=param,
                 detail={"allowed": sorted(known), "got": value[:100]},
             )
-        queryset = queryset.filter(**{lookup: known[value]})
+        column = "lineage_or_run" if counts[value] == "lineage" else "flops"
+        queryset = queryset.filter(**{f"{column}__{compare}": known[value]})
     return queryset
 
 

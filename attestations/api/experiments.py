@@ -28,6 +28,7 @@ from attestations.accounts.models import (
     Capability,
     Organization,
 )
+from attestations.certificates.models import Certificate
 from attestations.core.conf import client_ip
 from attestations.core.errors import ConflictError, NotFoundError
 from attestations.experiments.models import (
@@ -148,6 +149,13 @@ class GpuHoursField(serializers.Field):  # type: ignore[type-arg]
         return float(value)
 
 
+class ParentTranscriptField(Sha256Field):
+    """A declared parent run's transcript digest; none declared reads as null."""
+
+    def to_representation(self, value: Any) -> str | None:  # type: ignore[override]  # null when none
+        return str(value) if value else None
+
+
 class SpecSerializer(serializers.ModelSerializer[ExperimentSpec]):
     """A declared spec. Limits left null are undeclared (and so unbounded)."""
 
@@ -172,7 +180,30 @@ class SpecSerializer(serializers.ModelSerializer[ExperimentSpec]):
         help_text="What max_tokens and the token claim count: the batch's examples (the "
         "default), or the token ids of a sequence model (zkdv's token_unit).",
     )
+    parent_transcript = ParentTranscriptField(
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text="The transcript digest (a certificate's transcript_digest) of the run whose "
+        "final model this run starts from: a fine-tune, continued pre-training or RL run of "
+        "that model. A certificate you can read must certify it. Certificates add the "
+        "lineage's compute up against the thresholds that count fine-tuning.",
+    )
     frozen = serializers.BooleanField(source="is_frozen", read_only=True)
+
+    def validate_parent_transcript(self, value: str | None) -> str:
+        if not value:
+            return ""
+        request = self.context.get("request")
+        readable = Certificate.objects.filter(transcript_digest=value)
+        if request is not None:
+            readable = readable.filter(get_access(request).orgs(Capability.READ))
+        if not readable.exists():
+            raise serializers.ValidationError(
+                f"no certificate you can read certifies a run with transcript digest {value}",
+                code="unknown_parent",
+            )
+        return value
 
     class Meta:
         model = ExperimentSpec
@@ -189,6 +220,7 @@ class SpecSerializer(serializers.ModelSerializer[ExperimentSpec]):
             "max_gpu_hours",
             "allowed_regimes",
             "token_unit",
+            "parent_transcript",
             "created",
         ]
         read_only_fields = ["version", "digest", "created"]
@@ -335,9 +367,11 @@ class ExperimentRegistration(serializers.Serializer[Any]):
 
     def to_internal_value(self, data: Any) -> dict[str, Any]:
         if isinstance(data, dict) and "owner" not in data and "/" in str(data.get("name", "")):
-            form: serializers.Serializer[Any] = ExperimentByIdSerializer(data=data)
+            form: serializers.Serializer[Any] = ExperimentByIdSerializer(
+                data=data, context=self.context
+            )
         else:
-            form = ExperimentByOwnerSerializer(data=data)
+            form = ExperimentByOwnerSerializer(data=data, context=self.context)
         form.is_valid(raise_exception=True)
         attrs = dict(form.validated_data)
         if "owner" not in attrs:
@@ -472,7 +506,7 @@ class SpecList(APIView):
         """Change the spec: in place while no proof names it, else as a new version (201)."""
         experiment = _experiment(request, owner, name)
         require(request, Capability.WRITE, experiment.owner_id)
-        serializer = SpecSerializer(data=request.data)
+        serializer = SpecSerializer(data=request.data, context={"request": request})
         serializer.is_valid(raise_exception=True)
         before = experiment.current_spec_id
         spec, _ = experiment.revise_spec(

@@ -518,9 +518,13 @@ def _dataset_part(facts: RunFacts, limits: Limits) -> _Part:
 def _final_root_part(facts: RunFacts) -> _Part:
     final = facts.close.get("final") if facts.close else None
     root_bytes = final.get("p") if isinstance(final, dict) else None
+    initial = (facts.root or {}).get("initial")
     details = {
         "source": "close.final.p" if root_bytes is not None else None,
         "last_step_post": hex_of(facts.last_post.get("p")) if facts.last_post else None,
+        # Where the run started: a lineage's link to the run it fine-tunes
+        # (certificates/subjects.py, lineage_claim).
+        "initial_parameter_root": hex_of(initial.get("p")) if isinstance(initial, dict) else None,
     }
     return _Part(Claim("final_parameter_root", hex_of(root_bytes), Evidence.COMMITTED), details)
 
@@ -681,4 +685,20 @@ def whole_claim(claims: Sequence[Claim], name: str) -> Decimal | None:
         numeric = isinstance(value, int | float) and not isinstance(value, bool)
         if claim.name == name and numeric:
             return Decimal(int(value))
+    return None
+
+
+#: The certificate's claim of the run's compute added to its parent runs'
+#: (``certificates/subjects.py``, ``lineage_claim``).
+CLAIM_LINEAGE = "lineage"
+
+
+def lineage_total(claims: Sequence[Claim]) -> Decimal | None:
+    """The ``lineage`` claim's total as a whole Decimal, the column regulators search on
+    (None without the claim, or when the total is undetermined)."""
+    for claim in claims:
+        if claim.name == CLAIM_LINEAGE and isinstance(claim.value, Mapping):
+            value = claim.value.get("flops")
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                return Decimal(int(value))
     return None

@@ -22,12 +22,13 @@ from django.db import IntegrityError, transaction
 
 from attestations.audit.models import AuditEvent
 from attestations.certificates import keys, translog
-from attestations.certificates.claims import compute_claims, whole_claim
+from attestations.certificates.claims import compute_claims, lineage_total, whole_claim
 from attestations.certificates.models import Certificate, LogEntry, TrustRootVersion
 from attestations.certificates.subjects import (
     check_model,
     file_subjects,
     guarantee_claim,
+    lineage_claim,
     model_claim,
     threshold_claim,
     weights_sha256,
@@ -88,6 +89,8 @@ def _verifier_version() -> str:
 class _ClaimSet:
     claims: tuple[Claim, ...]
     violations: tuple[dict[str, Any], ...] = field(default=())
+    #: The run's committed initial parameter root (hex), the lineage's link.
+    initial_root: str | None = None
 
 
 def _claims(proof: Proof) -> _ClaimSet:
@@ -114,7 +117,12 @@ def _claims(proof: Proof) -> _ClaimSet:
     # Through JSON once: a declared limit may be a Decimal, which a statement cannot hold.
     signed = json.loads(json.dumps(violations, default=str))
     claims = (*claim_set.claims, Claim("limit_violations", signed, Evidence.COMMITTED))
-    return _ClaimSet(claims=claims, violations=tuple(signed))
+    root_details = claim_set.details.get("final_parameter_root") or {}
+    return _ClaimSet(
+        claims=claims,
+        violations=tuple(signed),
+        initial_root=root_details.get("initial_parameter_root"),
+    )
 
 
 def _numbers(values: Any) -> dict[str, float]:
@@ -310,9 +318,11 @@ def _statement(
     replay = _replay_evidence(proof)
     model = check_model(proof)
     # Statements beside the run's claims (attestations/certificates/subjects.py).
+    lineage = lineage_claim(proof, claim_set.claims, claim_set.initial_root, transcript_digest)
     stated = (
         model_claim(model),
-        threshold_claim(claim_set.claims),
+        lineage,
+        threshold_claim((*claim_set.claims, lineage)),
         guarantee_claim(proof, replay.tolerance, replay.gradient_bounds),
     )
     claims = (*claim_set.claims, *(claim for claim in stated if claim is not None))
@@ -387,6 +397,7 @@ def _store(
         result=certificate.result.value,
         flops=whole_claim(claim_set.claims, "flops"),
         tokens=whole_claim(claim_set.claims, "tokens"),
+        lineage_flops=lineage_total(certificate.claims),
         issued=signer.moment,
         keyid=signer.key.keyid,
         trust_root_version=signer.root.version,

@@ -204,6 +204,9 @@ class Certificate(AppendOnlyModel):
     result = models.CharField(max_length=8, choices=CertificateResult.choices, db_index=True)
     flops = models.DecimalField(max_digits=40, decimal_places=0, null=True, db_index=True)
     tokens = models.DecimalField(max_digits=40, decimal_places=0, null=True, db_index=True)
+    #: The signed ``lineage`` claim's total: this run's FLOPs and its parent runs'
+    #: (null before lineages were certified, or when undetermined).
+    lineage_flops = models.DecimalField(max_digits=40, decimal_places=0, null=True, db_index=True)
     issued = models.DateTimeField(db_index=True)
     keyid = models.CharField(max_length=64)
     trust_root_version = models.PositiveIntegerField()
@@ -252,6 +255,8 @@ class Certificate(AppendOnlyModel):
             "result": self.result,
             "flops": None if self.flops is None else int(self.flops),
             "tokens": None if self.tokens is None else int(self.tokens),
+            "lineage_flops": None if self.lineage_flops is None else int(self.lineage_flops),
+            "lineage": self.claim_value("lineage"),
             "issued": api_datetime(self.issued),
             "keyid": self.keyid,
             "trust_root_version": self.trust_root_version,

@@ -10,9 +10,12 @@ here, called once at issuance:
   (``model_signing/<model name>``);
 * :func:`model_claim`: ``final_model``: which weights, that they commit to the
   transcript's final parameter root, and their model_signing signature;
-* :func:`threshold_claim`: ``regulatory_thresholds``: whether the run's compute stays at
-  or below each configured threshold (``DVBENCH_REGULATORY_THRESHOLDS``; by default the
-  EU AI Act's 10^23 and 10^25 FLOP), with the compute claim's evidence level;
+* :func:`lineage_claim`: ``lineage``: the run's compute added to that of the runs its
+  model descends from: the parent its spec declares (``parent_transcript``), or the
+  certified run whose final parameters are exactly this run's initial ones;
+* :func:`threshold_claim`: ``regulatory_thresholds``: whether the compute each configured
+  threshold counts (``DVBENCH_REGULATORY_THRESHOLDS``; by default the EU AI Act's 10^23
+  and 10^25 FLOP of the run, and SB 53's 10^26 of the lineage) stays at or below it;
 * :func:`guarantee_claim`: ``detection_guarantee``: what the platform's challenges
   guarantee: ``m`` uniformly drawn steps detect a run with a fraction ``f`` of forged
   steps with probability at least ``1 - (1 - f)^m``, replayed values compared within the
@@ -32,7 +35,10 @@ from typing import Any, Final
 
 from django.conf import settings
 from django.core.files.storage import default_storage
+from django.db import models
 
+from attestations.certificates.claims import CLAIM_LINEAGE
+from attestations.certificates.models import Certificate, CertificateResult
 from attestations.challenges.models import Challenge, ChallengeStatus
 from attestations.proofs.model_files import check_weights, final_parameters, model_names
 from attestations.proofs.models import Proof, ProofArtifact
@@ -56,6 +62,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "CLAIM_DETECTION",
+    "CLAIM_LINEAGE",
     "CLAIM_MODEL",
     "CLAIM_THRESHOLDS",
     "ModelCheck",
@@ -63,6 +70,7 @@ __all__ = [
     "check_model",
     "file_subjects",
     "guarantee_claim",
+    "lineage_claim",
     "model_claim",
     "model_names",
     "threshold_claim",
@@ -73,6 +81,8 @@ __all__ = [
 CLAIM_MODEL: Final = "final_model"
 CLAIM_THRESHOLDS: Final = "regulatory_thresholds"
 CLAIM_DETECTION: Final = "detection_guarantee"
+#: Evidence levels, strongest first: the weakest of several is the last of them here.
+_EVIDENCE_ORDER: Final = tuple(Evidence)
 
 
 # --- the final model ------------------------------------------------------------------
@@ -246,44 +256,159 @@ def file_subjects(proof: Proof, check: ModelCheck) -> tuple[Subject, ...]:
 
 @dataclass(frozen=True)
 class Threshold:
-    """A named compute threshold (``DVBENCH_REGULATORY_THRESHOLDS``)."""
+    """A named compute threshold (``DVBENCH_REGULATORY_THRESHOLDS``).
+
+    ``counts`` is ``run`` (the certified run's compute) or ``lineage`` (the run's and its
+    declared parent runs': :func:`lineage_claim`).
+    """
 
     name: str
     flops: int
     description: str
+    counts: str = "run"
 
 
 def thresholds() -> list[Threshold]:
     """The configured thresholds, in the order settings list them."""
     return [
-        Threshold(str(item["name"]), int(item["flops"]), str(item.get("description", "")))
+        Threshold(
+            str(item["name"]),
+            int(item["flops"]),
+            str(item.get("description", "")),
+            str(item.get("counts", "run")),
+        )
         for item in settings.DVBENCH["REGULATORY_THRESHOLDS"]
     ]
 
 
 def threshold_claim(claims: Sequence[Claim]) -> Claim:
-    """``regulatory_thresholds``: each threshold and whether the run's compute stays at or below it.
+    """``regulatory_thresholds``: each threshold and whether the compute it counts stays at
+    or below it.
 
-    ``stays_below`` is true when the compute claim is at most the threshold (the AI Act's
-    presumptions apply to compute *greater than* theirs), false above, and null when the
-    run's compute is undetermined. The evidence level is the compute claim's: a bound
-    is no stronger than the number it bounds.
+    ``stays_below`` is true when the compute is at most the threshold (the AI Act's
+    presumptions apply to compute *greater than* theirs), false above, and null when it
+    is undetermined. A ``run`` threshold counts the run's ``flops`` claim, a ``lineage``
+    one the ``lineage`` claim's total (the run and its declared parents); ``flops`` is
+    the number compared. The evidence level is the weakest of the claims it counts: a
+    bound is no stronger than the number it bounds.
     """
     compute = next((claim for claim in claims if claim.name == "flops"), None)
-    value = compute.value if compute is not None else None
-    numeric = isinstance(value, int | float) and not isinstance(value, bool)
-    flops = Decimal(str(value)) if numeric else None
-    rows = [
-        {
-            "name": threshold.name,
-            "threshold": threshold.flops,
-            "stays_below": None if flops is None else flops <= threshold.flops,
-            "description": threshold.description,
-        }
-        for threshold in thresholds()
-    ]
+    lineage = next((claim for claim in claims if claim.name == CLAIM_LINEAGE), None)
+    counted = {
+        "run": _number(compute.value if compute is not None else None),
+        "lineage": _number(lineage.value.get("flops") if lineage is not None else None),
+    }
+    if lineage is None:  # a claim set from before lineages: the run is its own lineage
+        counted["lineage"] = counted["run"]
+    rows = []
+    for threshold in thresholds():
+        flops = counted[threshold.counts]
+        rows.append(
+            {
+                "name": threshold.name,
+                "threshold": threshold.flops,
+                "counts": threshold.counts,
+                "flops": None if flops is None else _limit_number(flops),
+                "stays_below": None if flops is None else flops <= threshold.flops,
+                "description": threshold.description,
+            }
+        )
     evidence = compute.evidence if compute is not None else Evidence.REPORTED
+    if lineage is not None and any(threshold.counts == "lineage" for threshold in thresholds()):
+        evidence = _weakest(evidence, lineage.evidence)
     return Claim(CLAIM_THRESHOLDS, rows, evidence, "FLOP")
+
+
+def _weakest(*levels: Evidence) -> Evidence:
+    return max(levels, key=_EVIDENCE_ORDER.index)
+
+
+# --- lineage --------------------------------------------------------------------------
+
+
+def lineage_claim(
+    proof: Proof, claims: Sequence[Claim], initial_root: str | None, transcript_digest: str
+) -> Claim:
+    """``lineage``: the run's compute added to that of the runs its model descends from.
+
+    The parent is the certified run the spec declares (``parent_transcript``, a transcript
+    digest), else the lab's certified run whose committed final parameters are exactly
+    this run's committed initial ones (``initial_root``): a fine-tune or RL run filed
+    without its parent is found by its weights. Among several certificates of one parent run the
+    earliest PASSED one counts. The parent's figure is its own certificate's lineage
+    total, so a chain of runs adds up one signed step at a time.
+
+    The value: ``flops`` (the total; null when any part is undetermined or a declared
+    parent is not certified), ``runs`` (how many runs it adds up), ``parent_transcript``,
+    ``parent_certificate``, ``declared`` (the spec names the parent) and
+    ``starts_from_parent`` (this run's initial parameter root is the parent's final one:
+    the link is committed, not only declared). The evidence is the weakest of this run's
+    ``flops`` claim, the parent's lineage claim and the link.
+    """
+    compute = next((claim for claim in claims if claim.name == "flops"), None)
+    own = _number(compute.value if compute is not None else None)
+    evidence = compute.evidence if compute is not None else Evidence.REPORTED
+    declared = proof.spec.parent_transcript
+    candidates = Certificate.objects.exclude(proof=proof)
+    if declared:
+        candidates = candidates.filter(transcript_digest=declared)
+    elif initial_root:
+        # Only the lab's own runs: another lab's certificate is not its to name.
+        candidates = candidates.filter(
+            final_parameter_root=initial_root, organization_id=proof.experiment.owner_id
+        ).exclude(transcript_digest=transcript_digest)
+    else:
+        candidates = candidates.none()
+    passed_first = models.Case(models.When(result=CertificateResult.PASSED, then=0), default=1)
+    parent = candidates.order_by(passed_first, "issued", "id").first()
+    value: dict[str, Any] = {
+        "flops": None if own is None else _limit_number(own),
+        "runs": 1,
+        "parent_transcript": declared or None,
+        "parent_certificate": None,
+        "declared": bool(declared),
+        "starts_from_parent": None,
+    }
+    if declared and parent is None:
+        # Declared, but no certificate of it (yet): the lineage's compute is unknown.
+        value["flops"] = None
+        return Claim(CLAIM_LINEAGE, value, Evidence.REPORTED, "FLOP")
+    if parent is None:
+        return Claim(CLAIM_LINEAGE, value, evidence, "FLOP")
+    upstream = parent.claim_value(CLAIM_LINEAGE)
+    upstream_flops = (
+        _number(upstream.get("flops"))
+        if isinstance(upstream, dict)
+        else (Decimal(parent.flops) if parent.flops is not None else None)
+    )
+    starts = bool(initial_root) and initial_root == parent.final_parameter_root
+    total = None if own is None or upstream_flops is None else own + upstream_flops
+    value.update(
+        flops=None if total is None else _limit_number(total),
+        runs=1 + (int(upstream.get("runs", 1)) if isinstance(upstream, dict) else 1),
+        parent_transcript=parent.transcript_digest,
+        parent_certificate=parent.pk,
+        starts_from_parent=starts,
+    )
+    upstream_evidence = next(
+        (
+            Evidence(claim["evidence"])
+            for claim in parent.claims()
+            if claim.get("name") == CLAIM_LINEAGE
+        ),
+        Evidence.REPORTED,
+    )
+    link = Evidence.COMMITTED if starts else Evidence.REPORTED
+    return Claim(CLAIM_LINEAGE, value, _weakest(evidence, upstream_evidence, link), "FLOP")
+
+
+def _number(value: Any) -> Decimal | None:
+    numeric = isinstance(value, int | float) and not isinstance(value, bool)
+    return Decimal(str(value)) if numeric else None
+
+
+def _limit_number(value: Decimal) -> int | float:
+    return int(value) if value == value.to_integral_value() else float(value)
 
 
 # --- the detection guarantee ----------------------------------------------------------------

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from attestations.certificates.claims import whole_claim
+from attestations.certificates.claims import lineage_total, whole_claim
 from attestations.certificates.keys import key_row, log_origin, trusted_key
 from attestations.certificates.models import (
     Certificate,
@@ -411,6 +411,7 @@ def _check_entry(
         "experiment": certificate.experiment,
         "flops": whole_claim(certificate.claims, "flops"),
         "tokens": whole_claim(certificate.claims, "tokens"),
+        "lineage_flops": lineage_total(certificate.claims),
         "keyid": entry.envelope["signatures"][0]["keyid"],
     }
     for name, value in signed.items():

@@ -86,6 +86,7 @@ SPEC_FIELDS = (
     "max_gpu_hours",
     "allowed_regimes",
     "token_unit",
+    "parent_transcript",
     "created",
 )
 
@@ -122,6 +123,7 @@ def spec_document(values: Mapping[str, Any], frozen: bool) -> dict[str, Any]:
         "max_gpu_hours": None if max_gpu_hours is None else float(max_gpu_hours),
         "allowed_regimes": list(values["allowed_regimes"]),
         "token_unit": values["token_unit"],
+        "parent_transcript": values["parent_transcript"] or None,
         "created": api_datetime(values["created"]),
     }
 
@@ -449,6 +451,13 @@ class ExperimentSpec(models.Model):
         choices=[("examples", "examples"), ("tokens", "tokens")],
         default="examples",
     )
+    #: The transcript digest of the run whose final model this run starts from (a
+    #: fine-tune, continued pre-training or RL run of that model); blank: none declared.
+    #: Certificates count the lineage's compute together against the thresholds that
+    #: include fine-tuning (``docs/certificates.md``, "Lineage").
+    parent_transcript = models.CharField(
+        max_length=64, blank=True, default="", validators=[sha256_validator]
+    )
     digest = models.CharField(max_length=64, db_index=True)
     created = models.DateTimeField(default=timezone.now)
 
@@ -462,6 +471,7 @@ class ExperimentSpec(models.Model):
         "max_gpu_hours",
         "allowed_regimes",
         "token_unit",
+        "parent_transcript",
     )
 
     class Meta:
@@ -479,6 +489,7 @@ class ExperimentSpec(models.Model):
         fields = {key: spec.get(key) for key in cls.SPEC_FIELDS}
         fields["allowed_regimes"] = sorted(set(fields["allowed_regimes"] or []))
         fields["token_unit"] = fields["token_unit"] or "examples"
+        fields["parent_transcript"] = str(fields["parent_transcript"] or "").lower()
         for key in ("max_flops", "max_tokens", "max_gpu_hours"):
             if fields[key] is not None:
                 fields[key] = Decimal(str(fields[key]))

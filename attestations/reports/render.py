@@ -585,6 +585,9 @@ def _threshold_rows(claim: dict[str, Any] | None) -> list[dict[str, Any]]:
         {
             **row,
             "threshold_text": human_number(row.get("threshold"), "FLOP"),
+            "flops_text": human_number(row["flops"], "FLOP")
+            if row.get("flops") is not None
+            else "",
             "evidence": evidence,
             "evidence_label": EVIDENCE_LABELS.get(Evidence(evidence), evidence)
             if evidence in {level.value for level in Evidence}

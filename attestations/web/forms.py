@@ -8,7 +8,8 @@ from typing import Any
 from django import forms
 from django.core.validators import MaxValueValidator, MinValueValidator
 
-from attestations.accounts.models import LAB_ROLE_CHOICES, Organization
+from attestations.accounts.models import LAB_ROLE_CHOICES, Access, Capability, Organization
+from attestations.certificates.models import Certificate
 from attestations.core.conf import dvbench_int
 from attestations.core.validators import sha256_validator
 from attestations.experiments.models import Experiment, Framework, Regime, experiment_name_validator
@@ -82,8 +83,38 @@ class SpecForm(forms.Form):
         choices=Regime.choices, required=False, widget=forms.CheckboxSelectMultiple
     )
 
+    parent_transcript = forms.CharField(
+        label="Parent run",
+        max_length=64,
+        required=False,
+        help_text="A fine-tune, continued pre-training or RL run: the transcript digest of "
+        "the certified run whose final model it starts from. Its compute then counts with "
+        "this run's against thresholds that include fine-tuning. Blank: none.",
+        widget=forms.TextInput(
+            attrs={"pattern": "[0-9a-fA-F]{64}", "spellcheck": "false", "class": "mono"}
+        ),
+    )
+
+    def __init__(self, *args: Any, access: Access | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.access = access
+
     def clean_dataset_commitment(self) -> str:
         return str(self.cleaned_data["dataset_commitment"]).lower()
+
+    def clean_parent_transcript(self) -> str:
+        value = str(self.cleaned_data.get("parent_transcript") or "").strip().lower()
+        if not value:
+            return ""
+        sha256_validator(value)
+        readable = Certificate.objects.filter(transcript_digest=value)
+        if self.access is not None:
+            readable = readable.filter(self.access.orgs(Capability.READ))
+        if not readable.exists():
+            raise forms.ValidationError(
+                f"No certificate you can read certifies a run with transcript digest {value}."
+            )
+        return value
 
     def spec(self) -> dict[str, Any]:
         return {key: self.cleaned_data.get(key) for key in SpecForm.base_fields}

@@ -144,7 +144,7 @@ def experiment_new(request: HttpRequest) -> HttpResponse:
     if not access.any(Capability.WRITE):
         raise PermissionDenied("Only trainers and admins register experiments.")
     owners = Organization.objects.filter(access.orgs(Capability.WRITE, "pk")).order_by("slug")
-    form = ExperimentForm(request.POST or None, owners=owners)
+    form = ExperimentForm(request.POST or None, owners=owners, access=access)
     if request.method == "POST" and form.is_valid():
         owner = form.cleaned_data["owner"]
         experiment = Experiment.register(
@@ -211,7 +211,7 @@ def experiment_spec(request: HttpRequest, owner: str, name: str) -> HttpResponse
     spec = experiment.current_spec
     assert spec is not None
     initial = {key: getattr(spec, key) for key in SpecForm.base_fields}
-    form = SpecForm(request.POST or None, initial=initial)
+    form = SpecForm(request.POST or None, initial=initial, access=get_access(request))
     if request.method == "POST" and form.is_valid():
         new, changed = experiment.revise_spec(
             form.spec(), user=_user(request), ip=client_ip(request.META)

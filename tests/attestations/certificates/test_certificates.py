@@ -404,7 +404,12 @@ def test_statement_and_claims_helpers_read_the_signed_payload(world: World) -> N
     names = [claim["name"] for claim in certificate.claims()]
     assert names[:3] == ["steps", "tokens", "flops"]
     # The run's claims end with limit_violations; the platform's statements follow.
-    assert names[-3:] == ["limit_violations", "regulatory_thresholds", "detection_guarantee"]
+    assert names[-4:] == [
+        "limit_violations",
+        "lineage",
+        "regulatory_thresholds",
+        "detection_guarantee",
+    ]
     world.proof.refresh_from_db()
     assert world.proof.certificate == certificate  # what the proof page's panel reads
 

@@ -103,12 +103,20 @@ def test_a_bad_threshold_setting_fails_loudly(monkeypatch: pytest.MonkeyPatch) -
         ('[{"name": "A B", "flops": 1}]', "lowercase slug"),
         ('[{"name": "a", "flops": -1}]', "positive"),
         ('[{"name": "a", "flops": 1}, {"name": "a", "flops": 2}]', "twice"),
+        ('[{"name": "a", "flops": 1, "counts": "family"}]', '"run" or "lineage"'),
+        ('[{"name": "a", "flops": 1, "scope": "run"}]', "name, flops, description, counts"),
     ):
         monkeypatch.setenv("DVBENCH_REGULATORY_THRESHOLDS", raw)
         with pytest.raises(ImproperlyConfigured, match=words):
             regulatory_thresholds()
     monkeypatch.setenv("DVBENCH_REGULATORY_THRESHOLDS", '[{"name": "x", "flops": 1e24}]')
-    assert regulatory_thresholds() == [{"name": "x", "flops": 10**24, "description": ""}]
+    assert regulatory_thresholds() == [
+        {"name": "x", "flops": 10**24, "description": "", "counts": "run"}
+    ]
+    monkeypatch.setenv(
+        "DVBENCH_REGULATORY_THRESHOLDS", '[{"name": "x", "flops": 1e26, "counts": "lineage"}]'
+    )
+    assert regulatory_thresholds()[0]["counts"] == "lineage"
 
 
 def test_the_regulator_filters_certificates_by_threshold(world: World, api: Api) -> None:

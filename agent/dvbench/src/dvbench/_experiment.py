@@ -87,13 +87,16 @@ def spec_document(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
             ``allowed_regimes``, ``token_unit``), as :func:`default_spec` returns them.
             ``token_unit`` (what ``max_tokens`` and the token claim count: ``examples``,
             the default, or ``tokens``) enters the document only when it is ``tokens``,
-            so the digests of specs declared before it existed do not change.
+            and ``parent_transcript`` (the transcript digest of the run whose final
+            model this one starts from) only when declared, so the digests of specs
+            declared before either existed do not change.
     """
 
     def integer(value: Any) -> int | None:
         return None if value is None else int(value)
 
     hours = spec.get("max_gpu_hours")
+    parent = str(spec.get("parent_transcript") or "").lower()
     return {
         "schema": SPEC_SCHEMA,
         "experiment": name,
@@ -110,6 +113,7 @@ def spec_document(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
             "allowed_regimes": sorted(set(spec.get("allowed_regimes") or [])),
             **({"token_unit": "tokens"} if spec.get("token_unit") == "tokens" else {}),
         },
+        **({"parent_transcript": parent} if parent else {}),
     }
 
 
