@@ -1,0 +1,54 @@
+"""docs/performance.md is what the stored bench runs render, and covers every bench."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _report() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_report", ROOT / "bench" / "report.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+report = _report()
+
+
+def test_every_bench_is_in_the_report() -> None:
+    scripts = {p.stem for p in (ROOT / "bench").glob("*.py")} - {"_floor", "report"}
+    listed = {bench.name for bench in report.BENCHES}
+    assert scripts - listed == set(), "benches the report does not run"
+    assert listed - scripts == set(), "the report names benches that do not exist"
+
+
+def test_the_page_is_what_the_stored_runs_render() -> None:
+    # Hand edits, or a run whose page was not rewritten, fail here: scripts/bench-report
+    # --render rewrites it.
+    assert report.PAGE.read_text() == report.render(report.load())
+
+
+def test_each_stored_run_ran_its_bench_s_present_command() -> None:
+    # A bench whose arguments changed must be run again before its figures are shown.
+    store = report.load()
+    for bench in report.BENCHES:
+        entry = store.get(bench.name)
+        if entry is not None:
+            assert entry["command"] == bench.command, bench.name
+
+
+def test_a_run_keeps_its_output_and_a_failure_is_shown_as_one(tmp_path: Path) -> None:
+    bench = report.Bench("probe_cost", ("--definitely-not-an-option",), "m", "f")
+    entry = report.run(bench)
+    assert entry["returncode"] == 2 and entry["command"].endswith("--definitely-not-an-option")
+    assert any("unrecognized arguments" in line for line in entry["output"])
+    assert report.headlines(entry)[0].startswith("failed (exit 2)")
+    page = report.render({"probe_cost": entry})
+    assert "failed (exit 2)" in page and "not run yet" in page
