@@ -88,21 +88,27 @@ def _verifier_version() -> str:
 @dataclass(frozen=True)
 class _ClaimSet:
     claims: tuple[Claim, ...]
+    #: The ``lineage`` claim (``certificates/subjects.py``), stated after the run's claims.
+    lineage: Claim
     violations: tuple[dict[str, Any], ...] = field(default=())
-    #: The run's committed initial parameter root (hex), the lineage's link.
-    initial_root: str | None = None
 
 
-def _claims(proof: Proof) -> _ClaimSet:
+def _claims(proof: Proof, transcript_digest: str) -> _ClaimSet:
     """The proof's policy claims (``attestations.certificates.claims``) and the limits it broke.
 
     The broken limits are signed too, as the claim ``limit_violations`` (a list of
     ``{limit, declared, actual, step, message}``, empty for a run within its limits);
     a transcript the claims could not be read to the end of counts as a violation,
-    since its limits could not be checked.
+    since its limits could not be checked, and so does a run declared as pre-training
+    that continues a certified run (:func:`_continued_pretraining`).
     """
     claim_set = compute_claims(proof)
+    root_details = claim_set.details.get("final_parameter_root") or {}
+    lineage = lineage_claim(
+        proof, claim_set.claims, root_details.get("initial_parameter_root"), transcript_digest
+    )
     violations = [dict(violation.to_dict()) for violation in claim_set.violations]
+    violations.extend(_continued_pretraining(claim_set.claims, lineage))
     if claim_set.transcript_error:
         violations.append(
             {
@@ -117,12 +123,34 @@ def _claims(proof: Proof) -> _ClaimSet:
     # Through JSON once: a declared limit may be a Decimal, which a statement cannot hold.
     signed = json.loads(json.dumps(violations, default=str))
     claims = (*claim_set.claims, Claim("limit_violations", signed, Evidence.COMMITTED))
-    root_details = claim_set.details.get("final_parameter_root") or {}
-    return _ClaimSet(
-        claims=claims,
-        violations=tuple(signed),
-        initial_root=root_details.get("initial_parameter_root"),
+    return _ClaimSet(claims=claims, lineage=lineage, violations=tuple(signed))
+
+
+def _continued_pretraining(claims: tuple[Claim, ...], lineage: Claim) -> list[dict[str, Any]]:
+    """A run that declares ``pretraining`` but has a parent (declared in its spec, or its
+    initial parameters are a certified run's final ones) is a continuation filed as
+    pre-training: the parent's compute would be off its claims."""
+    regime = next((claim.value for claim in claims if claim.name == "regime"), None)
+    declared = regime.get("declared_by_trainer") if isinstance(regime, dict) else None
+    parent = lineage.value.get("parent_certificate")
+    if declared != "pretraining" or parent is None:
+        return []
+    how = (
+        "its initial parameters are the final parameters of"
+        if lineage.value.get("starts_from_parent")
+        else "its spec declares as its parent"
     )
+    return [
+        {
+            "limit": "regime",
+            "declared": "pretraining",
+            "actual": f"continues certificate {parent}",
+            "step": 0,
+            "message": f"the run declares regime 'pretraining', but {how} the run of "
+            f"certificate {parent} (transcript {lineage.value.get('parent_transcript')}): "
+            "a continuation, whose parent's compute pre-training would leave out",
+        }
+    ]
 
 
 def _numbers(values: Any) -> dict[str, float]:
@@ -276,7 +304,7 @@ def _issue(proof: Proof) -> Certificate:
     _check_issuable(proof)
     transcript_digest, parameter_root = _subjects(proof)
     signer = _current_signer()
-    claim_set = _claims(proof)
+    claim_set = _claims(proof, transcript_digest)
     certificate = _statement(proof, claim_set, signer, transcript_digest, parameter_root)
     entry = _sign_and_log(certificate, signer)
     return _store(proof, certificate, claim_set, signer, entry)
@@ -318,7 +346,7 @@ def _statement(
     replay = _replay_evidence(proof)
     model = check_model(proof)
     # Statements beside the run's claims (attestations/certificates/subjects.py).
-    lineage = lineage_claim(proof, claim_set.claims, claim_set.initial_root, transcript_digest)
+    lineage = claim_set.lineage
     stated = (
         model_claim(model),
         lineage,

@@ -12,12 +12,12 @@ from django.test import Client
 from rest_framework.test import APIClient
 
 import dvbench
-from attestations.certificates import translog
+from attestations.certificates import issuance, translog
 from attestations.certificates.claims import compute_claims
 from attestations.certificates.models import Certificate
 from attestations.certificates.subjects import lineage_claim
 from attestations.experiments.models import Experiment
-from dvbench.attest import Evidence
+from dvbench.attest import Claim, Evidence
 from tests.attestations.base import SPEC, World, error_of
 from tests.attestations.certificate_helpers import SGD, certify, new_proof
 
@@ -191,3 +191,35 @@ def test_another_lab_s_run_is_never_named_by_weights(world: World) -> None:
     claims = compute_claims(child).claims
     claim = lineage_claim(child, claims, theirs.final_parameter_root, "f" * 64)
     assert claim.value["parent_certificate"] is None and claim.value["runs"] == 1
+
+
+@pytest.mark.parametrize(
+    ("regime", "parent", "starts", "caught"),
+    [
+        ("pretraining", 7, True, "its initial parameters are the final parameters of"),
+        ("pretraining", 7, False, "its spec declares as its parent"),
+        ("fine-tuning", 7, True, None),
+        ("pretraining", None, None, None),
+        (None, 7, True, None),
+    ],
+)
+def test_a_continuation_declared_as_pretraining_breaks_the_regime(
+    regime: str | None, parent: int | None, starts: bool | None, caught: str | None
+) -> None:
+    claims = (Claim("regime", {"declared_by_trainer": regime, "allowed": []}, Evidence.REPORTED),)
+    lineage = Claim(
+        "lineage",
+        {
+            "parent_certificate": parent,
+            "parent_transcript": "ab" * 32,
+            "starts_from_parent": starts,
+        },
+        Evidence.COMMITTED,
+    )
+    found = issuance._continued_pretraining(claims, lineage)
+    if caught is None:
+        assert found == []
+    else:
+        (violation,) = found
+        assert violation["limit"] == "regime" and violation["declared"] == "pretraining"
+        assert caught in violation["message"] and "certificate 7" in violation["message"]
