@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PROVERS",
     "Prover",
+    "close_provers",
     "open_prover",
     "program_material",
     "require_exact",
@@ -152,6 +153,13 @@ def open_prover(proof_dir: str | os.PathLike[str], key: str) -> Prover:
         while len(_OPEN) > _OPEN_KEPT:
             _OPEN.popitem(last=False)
     return prover
+
+
+def close_provers() -> None:
+    """Forget every open prover: the next challenge of any proof loads its program again
+    (a worker starting cold, as ``bench/challenges_per_hour.py`` measures it)."""
+    with _OPEN_LOCK:
+        _OPEN.clear()
 
 
 def verify_challenge(
