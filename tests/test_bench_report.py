@@ -50,5 +50,11 @@ def test_a_run_keeps_its_output_and_a_failure_is_shown_as_one(tmp_path: Path) ->
     assert entry["returncode"] == 2 and entry["command"].endswith("--definitely-not-an-option")
     assert any("unrecognized arguments" in line for line in entry["output"])
     assert report.headlines(entry)[0].startswith("failed (exit 2)")
+    # A bench that exits 1 on a target it misses keeps its figures.
+    missed = {**entry, "returncode": 1, "output": ["  upload/copy 0.13 (target >= 0.4) FAIL"]}
+    assert report.headlines(missed) == [
+        "upload/copy 0.13 (target >= 0.4) FAIL",
+        "exit 1: a target not met",
+    ]
     page = report.render({"probe_cost": entry})
     assert "failed (exit 2)" in page and "not run yet" in page
