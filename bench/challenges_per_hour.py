@@ -115,9 +115,12 @@ def store(experiment: Any, user: Any, kind: str, data: bytes, name: str = "") ->
 
 
 def kind_of(name: str) -> str:
-    if name.startswith("files/snapshot-"):
-        return "snapshot"
-    return "batch" if name.startswith("files/batch-") else "artifact"
+    """The artifact kind the SDK uploads ``name`` as (snapshots, batches, gradients...)."""
+    from dvbench._manifest import kind_of as sdk_kind
+
+    kind = sdk_kind(name)
+    assert kind is not None, name
+    return kind
 
 
 def main() -> None:
