@@ -42,7 +42,8 @@ PAGE = ROOT / "docs" / "performance.md"
 KEPT_LINES = 120
 #: A bench's output lines that state a figure against its floor or target.
 HEADLINE = re.compile(
-    r"ratio|floor|target|upload/|records/s|per hour|x float32|added by|- p=0", re.IGNORECASE
+    r"ratio|floor|target|upload/|records/s|per hour|/hour|x float32|added by|- p=0|platform /",
+    re.IGNORECASE,
 )
 
 
