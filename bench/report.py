@@ -172,7 +172,7 @@ BENCHES: tuple[Bench, ...] = (
     ),
     Bench(
         "forgery_suite",
-        ("--trials", "20"),
+        (),
         "forgeries from the literature against the LM recipe at the default policy",
         "the detection rate each attack's bound predicts",
         long=True,
