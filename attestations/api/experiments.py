@@ -199,9 +199,11 @@ class SpecSerializer(serializers.ModelSerializer[ExperimentSpec]):
         if request is not None:
             readable = readable.filter(get_access(request).orgs(Capability.READ))
         if not readable.exists():
-            raise serializers.ValidationError(
-                f"no certificate you can read certifies a run with transcript digest {value}",
+            # A reference to nothing this caller can see: a 404, as an unknown owner is.
+            raise NotFoundError(
+                f"No certificate you can read certifies a run with transcript digest {value}.",
                 code="unknown_parent",
+                field="spec.parent_transcript" if self.parent is not None else "parent_transcript",
             )
         return value
 

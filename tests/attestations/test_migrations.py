@@ -147,6 +147,10 @@ ADDED = {
     ("attestations_uploadpart", "chain_base"),
     ("attestations_uploadpart", "chain"),
     ("attestations_uploadpart", "data_offset"),
+    # experiments 0003 and certificates 0005: a spec's declared parent run (none for
+    # older specs) and a certificate's lineage total (NULL: issued before lineages).
+    ("attestations_experimentspec", "parent_transcript"),
+    ("attestations_certificate", "lineage_flops"),
 }
 #: Tables added since the release: empty after the migration.
 NEW_TABLES = {"attestations_partreservation"}
@@ -212,6 +216,10 @@ def test_migrating_from_the_released_schema_keeps_every_row() -> None:
             assert cursor.fetchall() == [("examples",)]
             cursor.execute("SELECT chain_base, chain, data_offset FROM attestations_uploadpart")
             assert cursor.fetchall() == [(None, None, None)]
+            cursor.execute("SELECT parent_transcript FROM attestations_experimentspec")
+            assert cursor.fetchall() == [("",)]
+            cursor.execute("SELECT lineage_flops FROM attestations_certificate")
+            assert cursor.fetchall() == [(None,)]
         # And the current models read each row.
         for model in current_apps.get_models():
             if model._meta.db_table in before:

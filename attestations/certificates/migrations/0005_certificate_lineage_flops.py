@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('certificates', '0001_squashed_0004_log_entry_dsse'),
+        ('certificates', '0004_log_entry_dsse'),
     ]
 
     operations = [

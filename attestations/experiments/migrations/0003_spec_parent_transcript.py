@@ -8,7 +8,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('experiments', '0001_squashed_0002_spec_token_unit'),
+        ('experiments', '0002_spec_token_unit'),
     ]
 
     operations = [

@@ -138,11 +138,23 @@ def test_a_parent_must_be_a_certificate_the_registrant_can_read(world: World, ap
             {"name": "acme/ft", "spec": {**SPEC, "parent_transcript": digest}},
             format="json",
         )
-        assert response.status_code == 400, response.content
+        assert response.status_code == 404, response.content
         error = error_of(response)
+        assert error["code"] == "unknown_parent", error
         assert error["field"] == "spec.parent_transcript", error
         assert digest in error["message"]
     assert not Experiment.objects.filter(name="ft").exists()
+    # A new spec version of an existing experiment: the same refusal, nothing changed.
+    before = world.experiment.current_spec_id
+    revised = api("alice").post(
+        "/api/v1/experiments/acme/run-1/specs/",
+        {**SPEC, "parent_transcript": evil.transcript_digest},
+        format="json",
+    )
+    assert revised.status_code == 404, revised.content
+    assert error_of(revised)["field"] == "parent_transcript"
+    world.experiment.refresh_from_db()
+    assert world.experiment.current_spec_id == before
 
 
 def test_the_sdk_binds_the_digest_the_platform_computes(world: World, api: Api) -> None:
