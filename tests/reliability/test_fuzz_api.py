@@ -230,6 +230,8 @@ DECIMAL_40_FILTERS = (
     "flops_max",
     "tokens_min",
     "tokens_max",
+    "lineage_flops_min",
+    "lineage_flops_max",
     "declared_flops_at_least",
 )
 
