@@ -19,7 +19,6 @@ or ``read``.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable
 from typing import Any
 
@@ -84,16 +83,9 @@ def _gunicorn_readinto(stream: Any, length: int) -> Callable[[memoryview], int] 
         return None
 
     def held(view: memoryview) -> int:
-        """Bytes gunicorn read ahead and holds: first the body's buffer (already counted
-        off the length), then the parser's (not yet counted; anything past the body is
-        the next request's, and goes back)."""
-        if body.buf.tell():
-            data = body.buf.getvalue()
-            size = min(len(data), len(view))
-            view[:size] = data[:size]
-            body.buf = io.BytesIO()
-            body.buf.write(data[size:])
-            return size
+        """Bytes gunicorn's parser read ahead and holds, not yet counted off the length
+        (the body's own buffer is empty: checked above, and only gunicorn's ``read``
+        fills it); anything past the body is the next request's, and goes back."""
         data = unreader.take_buffered()
         if not data:
             return 0
