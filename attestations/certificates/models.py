@@ -233,11 +233,23 @@ class Certificate(AppendOnlyModel):
     def passed(self) -> bool:
         return self.result == CertificateResult.PASSED
 
-    def statement(self) -> dict[str, Any]:
-        """The signed in-toto statement, decoded for display (verify the envelope to trust it)."""
+    @staticmethod
+    def certifies(transcript_digest: str, orgs: models.Q | None = None) -> bool:
+        """Whether a certificate certifies the run ``transcript_digest``, among those of
+        the organisations ``orgs`` selects (a reader's): a spec may name such a run as
+        its parent (``ExperimentSpec.parent_transcript``)."""
+        found = Certificate.objects.filter(transcript_digest=transcript_digest)
+        return (found if orgs is None else found.filter(orgs)).exists()
+
+    def statement(self, envelope: Envelope | None = None) -> dict[str, Any]:
+        """The signed in-toto statement, decoded for display (verify the envelope to trust it).
+
+        ``envelope``: this certificate's, when the caller has read it already.
+        """
         import base64
 
-        document: dict[str, Any] = json.loads(base64.b64decode(self.envelope["payload"]))
+        payload = (envelope or self.envelope)["payload"]
+        document: dict[str, Any] = json.loads(base64.b64decode(payload))
         return document
 
     def claims(self) -> list[dict[str, Any]]:
@@ -247,6 +259,12 @@ class Certificate(AppendOnlyModel):
 
     def to_dict(self) -> dict[str, Any]:
         """The API representation (``CertificateSerializer`` documents it)."""
+        # The envelope and its statement are read once: a list page builds 50 of these.
+        envelope = self.envelope
+        predicate = self.statement(envelope)["predicate"]
+        signed: dict[str, Any] = {}
+        for claim in predicate["claims"]:
+            signed.setdefault(claim.get("name"), claim.get("value"))
         return {
             "id": self.pk,
             "proof": self.proof_id,
@@ -256,17 +274,17 @@ class Certificate(AppendOnlyModel):
             "flops": None if self.flops is None else int(self.flops),
             "tokens": None if self.tokens is None else int(self.tokens),
             "lineage_flops": None if self.lineage_flops is None else int(self.lineage_flops),
-            "lineage": self.claim_value("lineage"),
+            "lineage": signed.get("lineage"),
             "issued": api_datetime(self.issued),
             "keyid": self.keyid,
             "trust_root_version": self.trust_root_version,
             "transcript_digest": self.transcript_digest,
             "final_parameter_root": self.final_parameter_root,
             "log_index": self.log_index,
-            "regulatory_thresholds": self.claim_value("regulatory_thresholds") or [],
-            "limit_violations": self.claim_value("limit_violations") or [],
-            "filings": self.filings(),
-            "envelope": self.envelope,
+            "regulatory_thresholds": signed.get("regulatory_thresholds") or [],
+            "limit_violations": signed.get("limit_violations") or [],
+            "filings": predicate.get("filings"),
+            "envelope": envelope,
         }
 
     def claim_value(self, name: str) -> Any:

@@ -37,7 +37,7 @@ from django.conf import settings
 from django.core.files.storage import default_storage
 from django.db import models
 
-from attestations.certificates.claims import CLAIM_LINEAGE
+from attestations.certificates.claims import CLAIM_LINEAGE, _limit_number
 from attestations.certificates.models import Certificate, CertificateResult
 from attestations.challenges.models import Challenge, ChallengeStatus
 from attestations.proofs.model_files import check_weights, final_parameters, model_names
@@ -375,7 +375,10 @@ def lineage_claim(
         return Claim(CLAIM_LINEAGE, value, Evidence.REPORTED, "FLOP")
     if parent is None:
         return Claim(CLAIM_LINEAGE, value, evidence, "FLOP")
-    upstream = parent.claim_value(CLAIM_LINEAGE)
+    # The parent's own lineage claim, read from its signed statement once (None for a
+    # certificate from before lineages: its run is its lineage, the trainer's word).
+    signed = next((c for c in parent.claims() if c.get("name") == CLAIM_LINEAGE), None)
+    upstream = signed.get("value") if signed is not None else None
     upstream_flops = (
         _number(upstream.get("flops"))
         if isinstance(upstream, dict)
@@ -390,14 +393,7 @@ def lineage_claim(
         parent_certificate=parent.pk,
         starts_from_parent=starts,
     )
-    upstream_evidence = next(
-        (
-            Evidence(claim["evidence"])
-            for claim in parent.claims()
-            if claim.get("name") == CLAIM_LINEAGE
-        ),
-        Evidence.REPORTED,
-    )
+    upstream_evidence = Evidence(signed["evidence"]) if signed is not None else Evidence.REPORTED
     link = Evidence.COMMITTED if starts else Evidence.REPORTED
     return Claim(CLAIM_LINEAGE, value, _weakest(evidence, upstream_evidence, link), "FLOP")
 
@@ -405,10 +401,6 @@ def lineage_claim(
 def _number(value: Any) -> Decimal | None:
     numeric = isinstance(value, int | float) and not isinstance(value, bool)
     return Decimal(str(value)) if numeric else None
-
-
-def _limit_number(value: Decimal) -> int | float:
-    return int(value) if value == value.to_integral_value() else float(value)
 
 
 # --- the detection guarantee ----------------------------------------------------------------

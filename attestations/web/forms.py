@@ -107,10 +107,8 @@ class SpecForm(forms.Form):
         if not value:
             return ""
         sha256_validator(value)
-        readable = Certificate.objects.filter(transcript_digest=value)
-        if self.access is not None:
-            readable = readable.filter(self.access.orgs(Capability.READ))
-        if not readable.exists():
+        orgs = self.access.orgs(Capability.READ) if self.access is not None else None
+        if not Certificate.certifies(value, orgs):
             raise forms.ValidationError(
                 f"No certificate you can read certifies a run with transcript digest {value}."
             )
