@@ -337,6 +337,8 @@ class DVBenchSettings(TypedDict):
     DETECTION_TARGET: float
     FORGED_FRACTION: float
     CHALLENGE_TTL_SECONDS: int
+    SLICED_CHALLENGES: int
+    SLICED_OPENED: int
     REQUIRE_PROGRAM: bool
     REGULATORY_THRESHOLDS: list[dict[str, Any]]
     MAX_PROOFS_PER_EXPERIMENT: int
@@ -376,6 +378,10 @@ DVBENCH: DVBenchSettings = {
     "DETECTION_TARGET": envfloat("DVBENCH_DETECTION_TARGET", 0.95, minimum=0.0, maximum=1.0),
     "FORGED_FRACTION": envfloat("DVBENCH_FORGED_FRACTION", 0.01, minimum=0.0, maximum=1.0),
     "CHALLENGE_TTL_SECONDS": envint("DVBENCH_CHALLENGE_TTL_SECONDS", 24 * 3600, minimum=60),
+    # Sliced challenges (docs/scale.md): how many a run faces (0: the policy's count, for
+    # the detection target at the forged fraction) and how many sequences each opens.
+    "SLICED_CHALLENGES": envint("DVBENCH_SLICED_CHALLENGES", 0, minimum=0),
+    "SLICED_OPENED": envint("DVBENCH_SLICED_OPENED", 4, minimum=1),
     "REQUIRE_PROGRAM": envbool("DVBENCH_REQUIRE_PROGRAM", True),
     "REGULATORY_THRESHOLDS": regulatory_thresholds(),
     # Every transcript filed for an experiment stays on its record; past this many (not

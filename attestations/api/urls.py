@@ -33,6 +33,11 @@ GET     proofs/{id}/challenges/                          the platform's challeng
                                                          needed files, progress, verdicts
 GET     proofs/{id}/artifacts/                           files attached for replay
 POST    proofs/{id}/artifacts/                           attach uploaded files (answers)
+GET     experiments/{owner}/{name}/sliced-runs/      sliced runs (docs/scale.md)
+POST    experiments/{owner}/{name}/sliced-runs/      file one by its uploaded run file
+GET     sliced-runs/{id}/                            a sliced run, its slices, verdicts
+PUT     sliced-runs/{id}/challenges/{i}/answer/      a slice's projections (float64)
+POST    sliced-runs/{id}/challenges/{i}/opening/     its uploaded opening; verified
 GET     jobs/ · GET jobs/{id}/                           background jobs and progress
 GET     audit-events/                                    the audit trail (not regulators)
 GET     uploads/ · POST uploads/                         upload sessions; open one
@@ -59,7 +64,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from attestations.api import accounts, audit, challenges, experiments, proofs, uploads
+from attestations.api import accounts, audit, challenges, experiments, proofs, sliced, uploads
 from attestations.core.errors import NotFoundError
 
 app_name = "api"
@@ -116,6 +121,22 @@ urlpatterns = [
         rf"^experiments/{NAME}/specs/(?P<version>[0-9]{{1,18}})/?$",
         experiments.SpecDetail.as_view(),
         name="spec",
+    ),
+    re_path(
+        rf"^experiments/{NAME}/sliced-runs/?$", sliced.SlicedRunList.as_view(), name="sliced-runs"
+    ),
+    re_path(
+        r"^sliced-runs/(?P<pk>[0-9]{1,18})/?$", sliced.SlicedRunDetail.as_view(), name="sliced-run"
+    ),
+    re_path(
+        r"^sliced-runs/(?P<pk>[0-9]{1,18})/challenges/(?P<index>[0-9]{1,9})/answer/?$",
+        sliced.SliceAnswerView.as_view(),
+        name="slice-answer",
+    ),
+    re_path(
+        r"^sliced-runs/(?P<pk>[0-9]{1,18})/challenges/(?P<index>[0-9]{1,9})/opening/?$",
+        sliced.SliceOpeningView.as_view(),
+        name="slice-opening",
     ),
     re_path(r"^proofs/?$", proofs.ProofList.as_view(), name="proofs"),
     re_path(r"^proofs/(?P<pk>[0-9]{1,18})/?$", proofs.ProofDetail.as_view(), name="proof"),

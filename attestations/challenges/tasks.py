@@ -14,9 +14,9 @@ import logging
 from celery import Task, shared_task
 from django.conf import settings
 
-from attestations.challenges import execution, verdicts
+from attestations.challenges import execution, sliced, verdicts
 from attestations.challenges.answers import REPLAY_TASK
-from attestations.challenges.models import Challenge
+from attestations.challenges.models import Challenge, SlicedChallenge
 from attestations.challenges.workspace import BlobCorruptError
 from attestations.core.transient import TRANSIENT_ERRORS
 
@@ -85,5 +85,47 @@ def expire_challenges() -> int:
 
     Each expiry rejects its proof (``challenge_expired``). Idempotent: an expired
     challenge is final and is not touched again.
+    Expires the unanswered slices of sliced runs past theirs too.
     """
-    return verdicts.expire()
+    return verdicts.expire() + sliced.expire()
+
+
+@shared_task(
+    bind=True,
+    name=sliced.VERIFY_TASK,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    max_retries=5,
+    time_limit=settings.CELERY_TASK_TIME_LIMIT,
+    soft_time_limit=settings.CELERY_TASK_SOFT_TIME_LIMIT,
+)
+def replay_slice(self: Task, slice_id: int) -> str | None:  # type: ignore[type-arg]
+    """Verify one sliced challenge and record its verdict (queue ``replay``).
+
+    Claimed like :func:`replay_challenge` (ready -> verifying, or a stale claim), with the
+    same handling of transient errors, time limits and anything else.
+    """
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    if not sliced.claim(slice_id):
+        return None
+    try:
+        challenge = SlicedChallenge.objects.select_related(
+            "run__run_file", "run__experiment", "opening"
+        ).get(pk=slice_id)
+        sliced.record_verdict(slice_id, sliced.verify(challenge))
+    except SoftTimeLimitExceeded:
+        sliced.record_error(slice_id, "replay_timeout", "the check ran past the soft time limit")
+    except TRANSIENT_ERRORS as error:
+        sliced.release_claim(slice_id)
+        if self.request.retries >= (self.max_retries or 0):
+            sliced.record_error(slice_id, "replay_unavailable", f"{type(error).__name__}: {error}")
+            raise
+        raise self.retry(
+            exc=error,  # type: ignore[arg-type]
+            countdown=min(300, 2 ** (self.request.retries + 1)),
+        ) from error
+    except Exception as error:
+        log.exception("verifying slice %s failed", slice_id)
+        sliced.record_error(slice_id, "replay_failed", f"{type(error).__name__}: {error}")
+    return str(SlicedChallenge.objects.values_list("status", flat=True).get(pk=slice_id))

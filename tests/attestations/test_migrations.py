@@ -153,7 +153,11 @@ ADDED = {
     ("attestations_certificate", "lineage_flops"),
 }
 #: Tables added since the release: empty after the migration.
-NEW_TABLES = {"attestations_partreservation"}
+NEW_TABLES = {
+    "attestations_partreservation",
+    "attestations_slicedrun",
+    "attestations_slicechallenge",
+}
 
 
 def _snapshot(tables: list[str]) -> dict[str, list[tuple[Any, ...]]]:

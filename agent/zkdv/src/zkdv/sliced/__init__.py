@@ -64,6 +64,16 @@ from zkdv.sliced._openings import (
     TensorOpening,
 )
 from zkdv.sliced._projections import inner, projection_directions, sequence_projections
+from zkdv.sliced._wire import (
+    RunFile,
+    SlicedFormatError,
+    answer_from_bytes,
+    answer_to_bytes,
+    export_program,
+    load_program,
+    opening_from_bytes,
+    opening_to_bytes,
+)
 
 __all__ = [
     "ACTIVATION",
@@ -73,17 +83,25 @@ __all__ = [
     "BlockLayout",
     "DigestPath",
     "RowOpening",
+    "RunFile",
     "SliceAnswer",
     "SliceChallenge",
     "SliceOpening",
+    "SlicedFormatError",
     "StepCommitment",
     "TensorOpening",
     "TorchLab",
+    "answer_from_bytes",
+    "answer_to_bytes",
     "challenges_needed",
     "detection_probability",
     "draw_challenge",
     "draw_sequences",
+    "export_program",
     "inner",
+    "load_program",
+    "opening_from_bytes",
+    "opening_to_bytes",
     "optimizer_paths",
     "projection_directions",
     "sequence_projections",

@@ -247,6 +247,58 @@ class TorchLab:
     def digest(self) -> bytes:
         return side_file_digest(self.layout, self.commitments)
 
+    def programs(self, embed: Any | None = None) -> tuple[tuple[str, ...], str, dict[str, bytes]]:
+        """Each block's program and the embedding's, for the platform (after a first step).
+
+        ``embed`` is a module whose parameters are named as :attr:`inputs` and which maps
+        one committed batch row to its boundary-0 row (the input check), or None without
+        it. Blocks of one structure export to the same bytes (:func:`export_program`).
+
+        Returns:
+            ``(programs, embed_digest, archives)``: each block's SHA-256 (hex), the
+            embedding's (empty without one), and every archive by its SHA-256.
+        """
+        import hashlib
+
+        import torch
+
+        from zkdv.sliced._wire import export_program
+
+        if not self.steps:
+            raise ValueError("programs are exported from a recorded step's shapes; train first")
+        first = self.steps[0]
+        archives: dict[str, bytes] = {}
+
+        def keep(data: bytes) -> str:
+            digest = hashlib.sha256(data).hexdigest()
+            archives[digest] = data
+            return digest
+
+        blocks = tuple(
+            keep(
+                export_program(module, (torch.from_numpy(first.boundaries[0][b][ACTIVATION][0:1]),))
+            )
+            for b, (_, module) in enumerate(self.blocks)
+        )
+        embed_digest = ""
+        if embed is not None:
+            embed_digest = keep(export_program(embed, (torch.from_numpy(first.batch[0, 0]),)))
+        return blocks, embed_digest, archives
+
+    def run_file(self, programs: Sequence[str], embed: str = "") -> Any:
+        """The run file the platform files (:class:`zkdv.sliced.RunFile`), after training."""
+        from zkdv.sliced._wire import RunFile
+
+        return RunFile(
+            self.layout,
+            tuple(self._names),
+            self.chunk_bytes,
+            tuple(self.inputs),
+            tuple(programs),
+            embed,
+            tuple(self.commitments),
+        )
+
     def _block_indices(self, block: int) -> tuple[list[int], list[int]]:
         names = self.layout.names(block)
         params = [self._names.index(n) for n in names]

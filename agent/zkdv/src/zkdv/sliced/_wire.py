@@ -1,0 +1,537 @@
+"""What a sliced run sends the platform, as bytes: the run file, the answer, the opening.
+
+The platform's HTTP path (``docs/scale.md``, "The platform's path") moves three things,
+each through the upload API or one request body, and reads each back with a precise
+error for anything malformed:
+
+* the **run file** (:class:`RunFile`): the block layout, the committed parameter order,
+  the chunk size, the input check's parameters, the SHA-256 of each block's program and
+  of the embedding's, and every step's commitment. Its SHA-256 is the run's identity:
+  the platform's challenges are drawn from it, so it is fixed before any is drawn;
+* the **answer**: ``c[q][micro][row]``, little-endian float64 (:func:`answer_to_bytes`);
+* the **opening** (:func:`opening_to_bytes`): canonical CBOR of a :class:`SliceOpening`.
+
+Programs are ``torch.export`` archives of one block (and of the embedding), exported in
+float64 with the block's own weights zeroed (:func:`export_program`): the platform calls
+them with the opened weights, so the archive carries the structure and nothing of the
+run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import cbor2
+import numpy as np
+
+from zkdv.merkle import LeafSpec
+from zkdv.sliced._commitment import (
+    _KINDS,
+    SLICED_VERSION,
+    BlockLayout,
+    StepCommitment,
+)
+from zkdv.sliced._openings import (
+    BatchRowOpening,
+    DigestPath,
+    RowOpening,
+    SliceOpening,
+    TensorOpening,
+)
+
+#: What a run file says it is (its ``kind``).
+RUN_FILE_KIND = "zkdv-sliced-run"
+#: What an opening says it is.
+OPENING_KIND = "zkdv-sliced-opening"
+#: Digests in the wire format are 32 bytes.
+_DIGEST = 32
+#: Row and batch dtypes an opening may carry (boundaries are float32 in this prototype,
+#: batch rows token ids).
+_ROW_DTYPES = frozenset({"float32", "float64", "bfloat16", "float16"})
+_TOKEN_DTYPES = frozenset({"int64", "int32", "uint32", "uint16"})
+
+
+class SlicedFormatError(ValueError):
+    """Bytes that are not a well-formed run file, answer or opening.
+
+    ``field`` names where (``steps[2].grad``, ``rows[5].data``), so the message can say
+    which record and which field, and what was expected.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.detail = message
+
+
+def _sha256_hex(value: Any, where: str) -> str:
+    if (
+        not isinstance(value, str)
+        or len(value) != 64
+        or any(c not in "0123456789abcdef" for c in value)
+    ):
+        raise SlicedFormatError(where, "expected a SHA-256 as 64 lowercase hex digits")
+    return value
+
+
+def _digest(value: Any, where: str) -> bytes:
+    if not isinstance(value, bytes) or len(value) != _DIGEST:
+        raise SlicedFormatError(where, f"expected a {_DIGEST}-byte digest")
+    return value
+
+
+def _count(value: Any, where: str, *, low: int = 0, high: int = 1 << 40) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise SlicedFormatError(where, f"expected an integer from {low} to {high}")
+    return value
+
+
+def _text(value: Any, where: str, *, limit: int = 1024) -> str:
+    if not isinstance(value, str) or not value or len(value) > limit:
+        raise SlicedFormatError(where, f"expected a non-empty string of at most {limit} characters")
+    return value
+
+
+def _list(value: Any, where: str, *, limit: int = 1 << 20) -> list[Any]:
+    if not isinstance(value, list) or len(value) > limit:
+        raise SlicedFormatError(where, f"expected a list of at most {limit} items")
+    return value
+
+
+def _map(value: Any, where: str, keys: Sequence[str]) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise SlicedFormatError(where, f"expected a map with the keys {', '.join(keys)}")
+    missing = [k for k in keys if k not in value]
+    if missing:
+        raise SlicedFormatError(f"{where}.{missing[0]}", "missing")
+    return value
+
+
+def _decode(data: bytes | bytearray | memoryview, what: str) -> Any:
+    try:
+        return cbor2.loads(bytes(data))
+    except (cbor2.CBORDecodeError, ValueError, TypeError, RecursionError) as error:
+        raise SlicedFormatError(what, f"not canonical CBOR: {error}") from None
+
+
+@dataclass(frozen=True)
+class RunFile:
+    """One sliced run, committed before any challenge: the platform files it by its bytes.
+
+    ``programs[b]`` is the SHA-256 (hex) of block ``b``'s program and ``embed`` the
+    embedding's (empty without the input check); they are uploaded beside the run file,
+    and its digest binds them.
+    """
+
+    layout: BlockLayout
+    names: tuple[str, ...]
+    chunk_bytes: int
+    inputs: tuple[str, ...]
+    programs: tuple[str, ...]
+    embed: str
+    steps: tuple[StepCommitment, ...]
+
+    def to_bytes(self) -> bytes:
+        return cbor2.dumps(
+            {
+                "v": SLICED_VERSION,
+                "kind": RUN_FILE_KIND,
+                "blocks": [[name, list(names)] for name, names in self.layout.blocks],
+                "names": list(self.names),
+                "chunk_bytes": self.chunk_bytes,
+                "inputs": list(self.inputs),
+                "programs": list(self.programs),
+                "embed": self.embed,
+                "steps": [step.to_dict() for step in self.steps],
+            },
+            canonical=True,
+        )
+
+    def digest(self) -> str:
+        """SHA-256 (hex) of :meth:`to_bytes`: the uploaded file's digest, the run's id."""
+        return hashlib.sha256(self.to_bytes()).hexdigest()
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(micro_batches, boundaries, rows)`` of every step (one shape per run)."""
+        return self.steps[0].shape
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> RunFile:
+        """Read a run file; :class:`SlicedFormatError` names the first malformed field."""
+        body = _map(
+            _decode(data, "run file"),
+            "run file",
+            ("v", "kind", "blocks", "names", "chunk_bytes", "inputs", "programs", "embed", "steps"),
+        )
+        if body["v"] != SLICED_VERSION or body["kind"] != RUN_FILE_KIND:
+            raise SlicedFormatError(
+                "v", f"expected version {SLICED_VERSION!r} of a {RUN_FILE_KIND!r}"
+            )
+        names = tuple(_text(n, f"names[{i}]") for i, n in enumerate(_list(body["names"], "names")))
+        if len(set(names)) != len(names):
+            raise SlicedFormatError("names", "a parameter is named twice")
+        blocks = []
+        for b, entry in enumerate(_list(body["blocks"], "blocks", limit=1 << 16)):
+            if not isinstance(entry, list) or len(entry) != 2:
+                raise SlicedFormatError(f"blocks[{b}]", "expected [prefix, [parameter names]]")
+            prefix = _text(entry[0], f"blocks[{b}][0]")
+            members = tuple(
+                _text(n, f"blocks[{b}][1][{i}]")
+                for i, n in enumerate(_list(entry[1], f"blocks[{b}][1]"))
+            )
+            for i, member in enumerate(members):
+                if member not in names or not member.startswith(prefix + "."):
+                    raise SlicedFormatError(
+                        f"blocks[{b}][1][{i}]",
+                        f"{member!r} is not a committed parameter under {prefix!r}",
+                    )
+            if not members:
+                raise SlicedFormatError(f"blocks[{b}][1]", "a block needs parameters")
+            blocks.append((prefix, members))
+        if not blocks:
+            raise SlicedFormatError("blocks", "a sliced run needs at least one block")
+        owned = [n for _, members in blocks for n in members]
+        if len(set(owned)) != len(owned):
+            raise SlicedFormatError("blocks", "a parameter belongs to two blocks")
+        inputs = tuple(
+            _text(n, f"inputs[{i}]") for i, n in enumerate(_list(body["inputs"], "inputs"))
+        )
+        for i, name in enumerate(inputs):
+            if name not in names:
+                raise SlicedFormatError(f"inputs[{i}]", f"{name!r} is not a committed parameter")
+        programs = tuple(
+            _sha256_hex(p, f"programs[{b}]")
+            for b, p in enumerate(_list(body["programs"], "programs"))
+        )
+        if len(programs) != len(blocks):
+            raise SlicedFormatError(
+                "programs", f"expected one program per block ({len(blocks)}), got {len(programs)}"
+            )
+        embed = body["embed"]
+        if inputs:
+            embed = _sha256_hex(embed, "embed")
+        elif embed != "":
+            raise SlicedFormatError("embed", "an embedding program needs inputs")
+        steps = tuple(
+            _step(entry, f"steps[{i}]", i)
+            for i, entry in enumerate(_list(body["steps"], "steps", limit=1 << 24))
+        )
+        if not steps:
+            raise SlicedFormatError("steps", "a sliced run needs at least one step")
+        for i, step in enumerate(steps):
+            if step.shape != steps[0].shape:
+                raise SlicedFormatError(f"steps[{i}].shape", "every step has one shape")
+            if step.shape[1] != len(blocks) + 1:
+                raise SlicedFormatError(
+                    f"steps[{i}].shape[1]",
+                    f"expected {len(blocks) + 1} boundaries (one more than the blocks)",
+                )
+        return cls(
+            BlockLayout(tuple(blocks)),
+            names,
+            _count(body["chunk_bytes"], "chunk_bytes", low=64, high=1 << 30),
+            inputs,
+            programs,
+            embed,
+            steps,
+        )
+
+
+_HYPERPARAMETERS = ("lr", "eps", "weight_decay", "beta1", "beta2")
+
+
+def _step(entry: Any, where: str, index: int) -> StepCommitment:
+    body = _map(entry, where, ("i", "pre", "post", "grad", "boundary", "batch", "shape", "hp"))
+    if _count(body["i"], f"{where}.i") != index:
+        raise SlicedFormatError(f"{where}.i", f"expected step {index}: steps are in order")
+    pairs = []
+    for key in ("pre", "post"):
+        pair = _list(body[key], f"{where}.{key}", limit=2)
+        if len(pair) != 2:
+            raise SlicedFormatError(f"{where}.{key}", "expected [parameters root, optimizer root]")
+        pairs.append((_digest(pair[0], f"{where}.{key}[0]"), _digest(pair[1], f"{where}.{key}[1]")))
+    shape = _list(body["shape"], f"{where}.shape", limit=3)
+    if len(shape) != 3:
+        raise SlicedFormatError(f"{where}.shape", "expected [micro_batches, boundaries, rows]")
+    dims = tuple(_count(d, f"{where}.shape[{k}]", low=1, high=1 << 20) for k, d in enumerate(shape))
+    hp = _map(body["hp"], f"{where}.hp", _HYPERPARAMETERS)
+    values = {}
+    for key in _HYPERPARAMETERS:
+        value = hp[key]
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
+            raise SlicedFormatError(f"{where}.hp.{key}", "expected a finite number")
+        values[key] = float(value)
+    return StepCommitment(
+        index,
+        pairs[0],
+        pairs[1],
+        _digest(body["grad"], f"{where}.grad"),
+        _digest(body["boundary"], f"{where}.boundary"),
+        _digest(body["batch"], f"{where}.batch"),
+        (dims[0], dims[1], dims[2]),
+        values,
+    )
+
+
+# --- The answer -------------------------------------------------------------------------------
+
+
+def answer_to_bytes(projections: np.ndarray) -> bytes:
+    """``c`` as the platform takes it: little-endian float64, ``(q, micro_batches, rows)``."""
+    return np.ascontiguousarray(projections, dtype="<f8").tobytes()
+
+
+def answer_from_bytes(data: bytes, shape: tuple[int, int, int]) -> np.ndarray:
+    """The projections of an answer body, which must hold exactly ``shape`` float64 values."""
+    expected = int(np.prod(shape)) * 8
+    if len(data) != expected:
+        raise SlicedFormatError(
+            "body",
+            f"expected {expected} bytes ({shape[0]} projections x {shape[1]} micro-batches x "
+            f"{shape[2]} rows, float64 little-endian), got {len(data)}",
+        )
+    values = np.frombuffer(data, dtype="<f8").reshape(shape).astype(np.float64)
+    if not np.isfinite(values).all():
+        raise SlicedFormatError("body", "a projection is not finite (NaN or infinity)")
+    return values
+
+
+# --- The opening ------------------------------------------------------------------------------
+
+
+def _tensor(t: TensorOpening) -> dict[str, Any]:
+    return {
+        "index": t.index,
+        "count": t.count,
+        "spec": t.spec.to_dict(),
+        "data": t.data,
+        "path": list(t.path),
+        "root": t.tensors_root,
+    }
+
+
+def _digest_path(p: DigestPath) -> dict[str, Any]:
+    return {"index": p.index, "count": p.count, "path": list(p.path), "root": p.tensors_root}
+
+
+def _array(a: np.ndarray) -> dict[str, Any]:
+    return {
+        "dtype": str(a.dtype),
+        "shape": list(a.shape),
+        "data": np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<")).tobytes(),
+    }
+
+
+def opening_to_bytes(opening: SliceOpening) -> bytes:
+    """Canonical CBOR of everything one sliced challenge opens."""
+    return cbor2.dumps(
+        {
+            "v": SLICED_VERSION,
+            "kind": OPENING_KIND,
+            "params": [_tensor(t) for t in opening.params],
+            "opt_state": [_tensor(t) for t in opening.opt_state],
+            "grad": [_tensor(t) for t in opening.grad],
+            "post_params": [_digest_path(p) for p in opening.post_params],
+            "post_opt_state": [_digest_path(p) for p in opening.post_opt_state],
+            "rows": [
+                {
+                    "micro": r.micro,
+                    "boundary": r.boundary,
+                    "kind": r.kind,
+                    "row": r.row,
+                    **_array(r.data),
+                    "path": list(r.path),
+                }
+                for r in opening.rows
+            ],
+            "inputs": [_tensor(t) for t in opening.inputs],
+            "batch_rows": [
+                {"micro": r.micro, "row": r.row, **_array(r.data), "path": list(r.path)}
+                for r in opening.batch_rows
+            ],
+        },
+        canonical=True,
+    )
+
+
+def _path(value: Any, where: str) -> tuple[bytes, ...]:
+    return tuple(_digest(d, f"{where}[{i}]") for i, d in enumerate(_list(value, where, limit=64)))
+
+
+def _spec(value: Any, where: str) -> LeafSpec:
+    body = _map(value, where, ("path", "dtype", "shape"))
+    dtype = _text(body["dtype"], f"{where}.dtype", limit=16)
+    try:
+        np.dtype(dtype)
+    except TypeError:
+        raise SlicedFormatError(f"{where}.dtype", f"{dtype!r} is not a dtype") from None
+    shape = tuple(
+        _count(d, f"{where}.shape[{k}]", high=1 << 40)
+        for k, d in enumerate(_list(body["shape"], f"{where}.shape", limit=8))
+    )
+    return LeafSpec(_text(body["path"], f"{where}.path"), dtype, shape)
+
+
+def _read_tensor(value: Any, where: str) -> TensorOpening:
+    body = _map(value, where, ("index", "count", "spec", "data", "path", "root"))
+    spec = _spec(body["spec"], f"{where}.spec")
+    data = body["data"]
+    if not isinstance(data, bytes) or len(data) != spec.nbytes:
+        raise SlicedFormatError(f"{where}.data", f"expected {spec.nbytes} bytes for {spec.path}")
+    return TensorOpening(
+        _count(body["index"], f"{where}.index"),
+        _count(body["count"], f"{where}.count", low=1),
+        spec,
+        data,
+        _path(body["path"], f"{where}.path"),
+        _digest(body["root"], f"{where}.root"),
+    )
+
+
+def _read_digest_path(value: Any, where: str) -> DigestPath:
+    body = _map(value, where, ("index", "count", "path", "root"))
+    return DigestPath(
+        _count(body["index"], f"{where}.index"),
+        _count(body["count"], f"{where}.count", low=1),
+        _path(body["path"], f"{where}.path"),
+        _digest(body["root"], f"{where}.root"),
+    )
+
+
+def _read_array(body: Mapping[str, Any], where: str, dtypes: frozenset[str]) -> np.ndarray:
+    dtype = body["dtype"]
+    if dtype not in dtypes:
+        raise SlicedFormatError(f"{where}.dtype", f"expected one of {', '.join(sorted(dtypes))}")
+    shape = tuple(
+        _count(d, f"{where}.shape[{k}]", high=1 << 32)
+        for k, d in enumerate(_list(body["shape"], f"{where}.shape", limit=4))
+    )
+    data = body["data"]
+    size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if not isinstance(data, bytes) or len(data) != size:
+        raise SlicedFormatError(f"{where}.data", f"expected {size} bytes for shape {list(shape)}")
+    little = np.dtype(dtype).newbyteorder("<")
+    return np.frombuffer(data, dtype=little).reshape(shape).astype(dtype)
+
+
+def opening_from_bytes(data: bytes | bytearray | memoryview) -> SliceOpening:
+    """Read an opening; :class:`SlicedFormatError` names the first malformed field."""
+    keys = (
+        "v",
+        "kind",
+        "params",
+        "opt_state",
+        "grad",
+        "post_params",
+        "post_opt_state",
+        "rows",
+        "inputs",
+        "batch_rows",
+    )
+    body = _map(_decode(data, "opening"), "opening", keys)
+    if body["v"] != SLICED_VERSION or body["kind"] != OPENING_KIND:
+        raise SlicedFormatError("v", f"expected version {SLICED_VERSION!r} of a {OPENING_KIND!r}")
+
+    def tensors(key: str) -> tuple[TensorOpening, ...]:
+        return tuple(
+            _read_tensor(t, f"{key}[{i}]") for i, t in enumerate(_list(body[key], key, limit=4096))
+        )
+
+    def paths(key: str) -> tuple[DigestPath, ...]:
+        return tuple(
+            _read_digest_path(p, f"{key}[{i}]")
+            for i, p in enumerate(_list(body[key], key, limit=4096))
+        )
+
+    rows = []
+    for i, entry in enumerate(_list(body["rows"], "rows", limit=1 << 16)):
+        where = f"rows[{i}]"
+        row = _map(
+            entry, where, ("micro", "boundary", "kind", "row", "dtype", "shape", "data", "path")
+        )
+        if row["kind"] not in _KINDS:
+            raise SlicedFormatError(f"{where}.kind", f"expected one of {', '.join(_KINDS)}")
+        rows.append(
+            RowOpening(
+                _count(row["micro"], f"{where}.micro"),
+                _count(row["boundary"], f"{where}.boundary"),
+                row["kind"],
+                _count(row["row"], f"{where}.row"),
+                _read_array(row, where, _ROW_DTYPES),
+                _path(row["path"], f"{where}.path"),
+            )
+        )
+    batch_rows = []
+    for i, entry in enumerate(_list(body["batch_rows"], "batch_rows", limit=1 << 16)):
+        where = f"batch_rows[{i}]"
+        row = _map(entry, where, ("micro", "row", "dtype", "shape", "data", "path"))
+        batch_rows.append(
+            BatchRowOpening(
+                _count(row["micro"], f"{where}.micro"),
+                _count(row["row"], f"{where}.row"),
+                _read_array(row, where, _TOKEN_DTYPES),
+                _path(row["path"], f"{where}.path"),
+            )
+        )
+    return SliceOpening(
+        params=tensors("params"),
+        opt_state=tensors("opt_state"),
+        grad=tensors("grad"),
+        post_params=paths("post_params"),
+        post_opt_state=paths("post_opt_state"),
+        rows=tuple(rows),
+        inputs=tensors("inputs"),
+        batch_rows=tuple(batch_rows),
+    )
+
+
+# --- Programs ---------------------------------------------------------------------------------
+
+
+def export_program(module: Any, example: Sequence[Any]) -> bytes:
+    """A ``torch.export`` archive of ``module`` (a block, or the embedding), for the platform.
+
+    Exported in float64 from a copy whose parameters are zeroed: the platform calls it
+    with the opened weights (``torch.func.functional_call``), so the archive holds the
+    structure and no weight of the run, and the same structure always has the same
+    bytes (:func:`zkdv.torch._artifact.reproducible`), whichever run it came from.
+    ``example`` are example inputs (float tensors are exported as float64).
+    """
+    import copy
+    import io
+
+    import torch
+
+    from zkdv.torch._artifact import _strip_provenance, reproducible
+
+    structure = copy.deepcopy(module).to(torch.float64).eval()
+    with torch.no_grad():
+        for parameter in structure.parameters():
+            parameter.zero_()
+    arguments = tuple(
+        a.to(torch.float64) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+        for a in example
+    )
+    exported = torch.export.export(structure, arguments, strict=False)
+    _strip_provenance(exported)
+    buffer = io.BytesIO()
+    torch.export.save(exported, buffer)
+    return reproducible(buffer.getvalue())
+
+
+def load_program(data: bytes) -> Any:
+    """The module of a program archive (:func:`export_program`'s bytes)."""
+    import io
+
+    import torch
+
+    return torch.export.load(io.BytesIO(bytes(data))).module()
