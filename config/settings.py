@@ -339,6 +339,7 @@ class DVBenchSettings(TypedDict):
     CHALLENGE_TTL_SECONDS: int
     SLICED_CHALLENGES: int
     SLICED_OPENED: int
+    SLICED_STORE_ENDPOINTS: list[str]
     REQUIRE_PROGRAM: bool
     REGULATORY_THRESHOLDS: list[dict[str, Any]]
     MAX_PROOFS_PER_EXPERIMENT: int
@@ -382,6 +383,11 @@ DVBENCH: DVBenchSettings = {
     # the detection target at the forged fraction) and how many sequences each opens.
     "SLICED_CHALLENGES": envint("DVBENCH_SLICED_CHALLENGES", 0, minimum=0),
     "SLICED_OPENED": envint("DVBENCH_SLICED_OPENED", 4, minimum=1),
+    # The labs' object stores (S3 endpoint URLs) the platform may read a slice from
+    # through a lab's grant; none by default, so no lab can make the platform fetch a URL.
+    "SLICED_STORE_ENDPOINTS": [
+        e.rstrip("/") for e in envlist("DVBENCH_SLICED_STORE_ENDPOINTS", [])
+    ],
     "REQUIRE_PROGRAM": envbool("DVBENCH_REQUIRE_PROGRAM", True),
     "REGULATORY_THRESHOLDS": regulatory_thresholds(),
     # Every transcript filed for an experiment stays on its record; past this many (not

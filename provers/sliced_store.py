@@ -20,7 +20,6 @@ does not hash.
 
 from __future__ import annotations
 
-import datetime
 import time
 import urllib.error
 import urllib.parse
@@ -48,7 +47,7 @@ from zkdv.sliced import (
     StepCommitment,
     TensorOpening,
 )
-from zkdv.sliced_store import ByteRange, Grant, StepLayout, object_names
+from zkdv.sliced_store import ByteRange, Grant, GrantError, StepLayout, object_names
 
 __all__ = [
     "FetchedSlice",
@@ -62,8 +61,20 @@ __all__ = [
 ]
 
 
-class GrantError(Exception):
-    """The lab's grant cannot be used: expired, another run's, or beyond its scope."""
+#: The largest whole object (a step's manifest) a reader takes, whatever the store sends.
+MAX_OBJECT_BYTES = 64 * 1024 * 1024
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """Refuse redirects: a grant's URLs are checked, where a redirect would lead is not."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+#: Plain HTTP(S), no redirects followed (a 3xx is the store's error), no proxies from
+#: the environment's defaults beyond urllib's own.
+_OPENER = urllib.request.build_opener(_NoRedirects)
 
 
 class StoreError(Exception):
@@ -92,10 +103,6 @@ def coalesce(ranges: Sequence[ByteRange]) -> list[ByteRange]:
     return spans
 
 
-def _utc(seconds: float) -> str:
-    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat(timespec="seconds")
-
-
 class RangeReader:
     """Ranged ``GET`` reads through a lab's grant, for the run whose digest is ``run``.
 
@@ -117,19 +124,7 @@ class RangeReader:
         timeout: float = 30.0,
         budget: int | None = None,
     ) -> None:
-        if grant.run != run:
-            raise GrantError(
-                f"the grant is for run {grant.run.hex()[:16]}..., not this run "
-                f"{run.hex()[:16]}...: a grant is accepted only for the run it names"
-            )
-        now = time.time() if now is None else now
-        if now >= grant.expires:
-            raise GrantError(
-                f"the grant expired at {_utc(grant.expires)} (now {_utc(now)}): "
-                "ask the lab for a fresh one"
-            )
-        for name, url in grant.urls.items():
-            _check_url(grant, name, url)
+        grant.check(run, now=now)
         self.grant = grant
         self.timeout = timeout
         self.budget = budget
@@ -144,11 +139,18 @@ class RangeReader:
             request.add_header("Range", f"bytes={span[0]}-{span[1] - 1}")
         self.transfer.requests += 1
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:  # noqa: S310 - checked URL
-                body: bytes = response.read()
+            with _OPENER.open(request, timeout=self.timeout) as response:
+                # Never more than was asked for (one byte more shows a store that
+                # ignores the range), nor a whole object past MAX_OBJECT_BYTES.
+                limit = span[1] - span[0] if span is not None else MAX_OBJECT_BYTES
+                body: bytes = response.read(limit + 1)
                 status = int(response.status)
         except urllib.error.HTTPError as error:
             why = {
+                301: "redirected, and redirects are not followed",
+                302: "redirected, and redirects are not followed",
+                307: "redirected, and redirects are not followed",
+                308: "redirected, and redirects are not followed",
                 403: "refused (the grant is expired, revoked or not this object's)",
                 404: "no such object",
                 416: "the range lies beyond the object's end",
@@ -157,6 +159,8 @@ class RangeReader:
         except (urllib.error.URLError, OSError) as error:
             raise StoreError(f"{name}: the store cannot be reached: {error}") from error
         self.transfer.bytes += len(body)
+        if span is None and len(body) > MAX_OBJECT_BYTES:
+            raise StoreError(f"{name}: larger than the {MAX_OBJECT_BYTES} bytes a whole read takes")
         if span is not None:
             if status != 206:
                 raise StoreError(f"{name}: the store ignored the Range header (HTTP {status})")
@@ -188,24 +192,6 @@ class RangeReader:
             )
             out[r] = spans[span][r.start - span.start : r.stop - span.start]
         return out
-
-
-def _check_url(grant: Grant, name: str, url: str) -> None:
-    if not name or "/" in name or name in (".", ".."):
-        raise GrantError(f"the grant names an object {name!r} that is not a plain file name")
-    parts = urllib.parse.urlsplit(url)
-    endpoint = urllib.parse.urlsplit(grant.endpoint)
-    path = urllib.parse.unquote(parts.path)
-    key = grant.key(name)
-    path_style = parts.netloc == endpoint.netloc and path == f"/{grant.bucket}/{key}"
-    host_style = parts.netloc == f"{grant.bucket}.{endpoint.netloc}" and path == f"/{key}"
-    if parts.scheme not in ("http", "https") or parts.scheme != endpoint.scheme:
-        raise GrantError(f"the grant's URL for {name!r} is not http(s) at {grant.endpoint}")
-    if not (path_style or host_style):
-        raise GrantError(
-            f"the grant's URL for {name!r} is not object {key!r} of bucket {grant.bucket!r} "
-            f"at {grant.endpoint}"
-        )
 
 
 @dataclass

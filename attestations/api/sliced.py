@@ -227,7 +227,17 @@ class SliceAnswerView(APIView):
 
 
 class SliceOpeningRequest(serializers.Serializer[Any]):
-    opening = Sha256Field()
+    """The opening: an uploaded blob's SHA-256, or a read grant on the lab's bucket."""
+
+    opening = Sha256Field(required=False)
+    grant = serializers.DictField(required=False)
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if ("opening" in attrs) == ("grant" in attrs):
+            raise serializers.ValidationError(
+                {"opening": "Give exactly one of opening (an uploaded blob) and grant."}
+            )
+        return attrs
 
 
 class SliceOpeningView(APIView):
@@ -235,13 +245,20 @@ class SliceOpeningView(APIView):
 
     @extend_schema(request=SliceOpeningRequest, responses={202: SliceSerializer})
     def post(self, request: Request, pk: int, index: int) -> Response:
-        """The uploaded opening of an answered slice (by SHA-256); queues its check."""
+        """The opening of an answered slice; queues its check.
+
+        Either ``opening``, the SHA-256 of the uploaded opening, or ``grant``, a read
+        grant (``zkdv.sliced_store.Grant``) on the lab's own bucket at an endpoint the
+        platform reads from (``DVBENCH_SLICED_STORE_ENDPOINTS``): the worker then reads
+        only the opened byte ranges.
+        """
         body = SliceOpeningRequest(data=request.data)
         body.is_valid(raise_exception=True)
         challenge = _slice(request, int(pk), int(index))
         opened = sliced.attach_opening(
             challenge,
-            body.validated_data["opening"],
+            body.validated_data.get("opening"),
+            grant=body.validated_data.get("grant"),
             user=authenticated_user(request),
             ip=client_ip(request.META),
         )

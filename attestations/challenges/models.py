@@ -182,6 +182,9 @@ class SlicedChallenge(models.Model):
     opening = models.ForeignKey(
         "uploads.Blob", on_delete=models.PROTECT, null=True, blank=True, related_name="+"
     )
+    #: Or the lab's read grant (``zkdv.sliced_store.Grant``) on its own bucket, from which
+    #: the worker reads the opened ranges.
+    grant = models.JSONField(null=True, blank=True)
     reason = models.CharField(max_length=64, blank=True)
     message = models.TextField(blank=True)
     margins = models.JSONField(default=dict)

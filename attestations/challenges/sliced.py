@@ -15,12 +15,11 @@ the run file and its programs with the upload API. The platform:
    to every projection;
 3. takes the opening (:func:`attach_opening`): an uploaded blob, named by its digest;
    the slice is then ``ready`` and queued on the ``replay`` queue;
-4. verifies it in a worker (:func:`verify`, the ``replay_slice`` task):
-   ``provers.sliced.verify_slice`` with the block's committed program, and records the
-   verdict (:func:`record_verdict`); once every slice is final the run is settled
-   (:func:`settle`): ``passed`` iff all passed, and the seed is revealed.
-
-Unanswered slices expire at the run's deadline (:func:`expire`), which fails the run.
+4. verifies it in a worker (the ``replay_slice`` task,
+   :mod:`~attestations.challenges.sliced_verdicts`): ``provers.sliced.verify_slice`` with
+   the block's committed program; once every slice is final the run is settled,
+   ``passed`` iff all passed, and the seed is revealed. Unanswered slices expire at the
+   run's deadline, which fails the run.
 """
 
 from __future__ import annotations
@@ -28,10 +27,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import threading
-from collections import OrderedDict
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import current_app
 from django.conf import settings
@@ -43,19 +40,20 @@ from django.utils import timezone
 from attestations.audit.models import AuditEvent
 from attestations.challenges.errors import ArtifactRejectedError
 from attestations.challenges.models import (
-    SLICE_FINAL,
     SlicedChallenge,
     SlicedRun,
-    SlicedRunStatus,
     SliceStatus,
 )
 from attestations.challenges.policy import ChallengePolicy
 from attestations.challenges.secret import challenge_key
-from attestations.core.db import take_claim
+from attestations.challenges.sliced_verdicts import settle
 from attestations.core.errors import ConflictError, InvalidRequestError
 from attestations.experiments.models import Experiment
 from attestations.uploads.blobs import mapped
 from attestations.uploads.models import Blob, UploadStatus
+
+if TYPE_CHECKING:
+    from zkdv.sliced import RunFile
 
 log = logging.getLogger(__name__)
 
@@ -138,11 +136,60 @@ def file_run(
             file is malformed (the error names the field), or a program it names was
             not uploaded. Nothing is stored.
     """
-    from zkdv.sliced import RunFile, SlicedFormatError, draw_challenge
-
     existing = SlicedRun.objects.filter(experiment=experiment, digest=sha256).first()
     if existing is not None:
         return existing, False
+    blob, run_file = _read_run_file(experiment, sha256)
+    micro_batches, _, rows = run_file.shape
+    steps, blocks = len(run_file.steps), run_file.layout.count
+    opened = min(int(settings.DVBENCH.get("SLICED_OPENED", 4)), micro_batches * rows)
+    count = challenge_count(steps, blocks, micro_batches, rows, opened)
+    now = timezone.now()
+    with transaction.atomic():
+        # Two filings of one run at once: the experiment's row orders them.
+        Experiment.objects.select_for_update().filter(pk=experiment.pk).exists()
+        existing = SlicedRun.objects.filter(experiment=experiment, digest=sha256).first()
+        if existing is not None:
+            return existing, False
+        seed = run_seed(sha256)
+        run = SlicedRun.objects.create(
+            experiment=experiment,
+            run_file=blob,
+            digest=sha256,
+            steps=steps,
+            blocks=blocks,
+            micro_batches=micro_batches,
+            rows=rows,
+            seed=seed.hex(),
+            seed_commitment=hashlib.sha256(seed).hexdigest(),
+            deadline=now + ChallengePolicy.from_settings().ttl,
+            created_by=user,
+            created=now,
+        )
+        slices = _draw(run, seed, count=count, opened=opened)
+        AuditEvent.record(
+            "sliced_run.challenged",
+            actor=user,
+            organization=experiment.owner,
+            target=run,
+            detail={
+                "experiment": experiment.full_name,
+                "digest": sha256,
+                "challenges": [[c.step, c.block] for c in slices],
+                "seed_commitment": run.seed_commitment,
+                "deadline": run.deadline.isoformat(),
+            },
+            ip=ip,
+        )
+        if not slices:
+            settle(run.pk)
+    return run, True
+
+
+def _read_run_file(experiment: Experiment, sha256: str) -> tuple[Blob, RunFile]:
+    """The uploaded run file, read and checked, with every program it names uploaded."""
+    from zkdv.sliced import RunFile, SlicedFormatError
+
     blob = _owned(experiment, [sha256]).get(sha256)
     if blob is None:
         raise SlicedRunRejectedError(
@@ -182,72 +229,36 @@ def file_run(
                 code="blob_not_found",
                 field=f"run_file.{where}",
             )
-    steps, blocks = len(run_file.steps), run_file.layout.count
-    opened = min(int(settings.DVBENCH.get("SLICED_OPENED", 4)), micro_batches * rows)
-    count = challenge_count(steps, blocks, micro_batches, rows, opened)
-    policy = ChallengePolicy.from_settings()
-    now = timezone.now()
-    with transaction.atomic():
-        # Two filings of one run at once: the experiment's row orders them.
-        Experiment.objects.select_for_update().filter(pk=experiment.pk).exists()
-        existing = SlicedRun.objects.filter(experiment=experiment, digest=sha256).first()
-        if existing is not None:
-            return existing, False
-        seed = run_seed(sha256)
-        run = SlicedRun.objects.create(
-            experiment=experiment,
-            run_file=blob,
-            digest=sha256,
-            steps=steps,
-            blocks=blocks,
-            micro_batches=micro_batches,
-            rows=rows,
-            seed=seed.hex(),
-            seed_commitment=hashlib.sha256(seed).hexdigest(),
-            deadline=now + policy.ttl,
-            created_by=user,
-            created=now,
+    return blob, run_file
+
+
+def _draw(run: SlicedRun, seed: bytes, *, count: int, opened: int) -> list[SlicedChallenge]:
+    """Draw and store the run's slices: each a uniform step and block, and directions."""
+    from zkdv.sliced import draw_challenge
+
+    slices = []
+    for index in range(count):
+        drawn = draw_challenge(
+            seed,
+            bytes.fromhex(run.digest),
+            index=index,
+            steps=run.steps,
+            blocks=run.blocks,
+            projections=PROJECTIONS,
         )
-        rows_: list[SlicedChallenge] = []
-        for index in range(count):
-            drawn = draw_challenge(
-                seed,
-                bytes.fromhex(sha256),
+        slices.append(
+            SlicedChallenge(
+                run=run,
                 index=index,
-                steps=steps,
-                blocks=blocks,
-                projections=PROJECTIONS,
+                step=drawn.step,
+                block=drawn.block,
+                directions=drawn.seed.hex(),
+                projections=drawn.projections,
+                opened=opened,
+                created=run.created,
             )
-            rows_.append(
-                SlicedChallenge(
-                    run=run,
-                    index=index,
-                    step=drawn.step,
-                    block=drawn.block,
-                    directions=drawn.seed.hex(),
-                    projections=drawn.projections,
-                    opened=opened,
-                    created=now,
-                )
-            )
-        SlicedChallenge.objects.bulk_create(rows_)
-        AuditEvent.record(
-            "sliced_run.challenged",
-            actor=user,
-            organization=experiment.owner,
-            target=run,
-            detail={
-                "experiment": experiment.full_name,
-                "digest": sha256,
-                "challenges": [[c.step, c.block] for c in rows_],
-                "seed_commitment": run.seed_commitment,
-                "deadline": run.deadline.isoformat(),
-            },
-            ip=ip,
         )
-        if not rows_:
-            settle(run.pk)
-    return run, True
+    return SlicedChallenge.objects.bulk_create(slices)
 
 
 def _locked(challenge: SlicedChallenge) -> SlicedChallenge:
@@ -328,23 +339,33 @@ def answer(
 
 
 def attach_opening(
-    challenge: SlicedChallenge, sha256: str, *, user: User | None, ip: str | None = None
+    challenge: SlicedChallenge,
+    sha256: str | None = None,
+    *,
+    grant: dict[str, Any] | None = None,
+    user: User | None,
+    ip: str | None = None,
 ) -> SlicedChallenge:
-    """Take the uploaded opening of one answered slice and queue its verification.
+    """Take the opening of one answered slice and queue its verification.
+
+    The opening is either an uploaded blob (``sha256``) or a read grant on the lab's
+    own bucket (``grant``, ``zkdv.sliced_store.Grant``'s dict), from which the worker
+    reads only the opened ranges. A grant is checked before it is stored: its endpoint
+    must be one of ``DVBENCH["SLICED_STORE_ENDPOINTS"]``, it must name this run, be
+    unexpired, and hold a URL under its prefix for every object of the challenged step.
 
     Raises:
         ArtifactRejectedError: no completed upload of the lab has these bytes.
+        InvalidRequestError: a grant that cannot be used (``invalid_grant``), or one at an
+            endpoint the platform does not read from (``store_not_allowed``).
         ConflictError: the slice is not answered yet, or has another opening.
     """
     run = challenge.run
-    blob = _owned(run.experiment, [sha256]).get(sha256)
-    if blob is None:
-        raise ArtifactRejectedError(
-            f"opening: no completed upload of {run.experiment.owner.slug} has sha256 {sha256}; "
-            "upload the opening first",
-            code="blob_not_found",
-            field="opening",
-        )
+    blob = None
+    if grant is not None:
+        grant = _checked_grant(run, challenge, grant)
+    else:
+        blob = _uploaded_opening(run, str(sha256))
     with transaction.atomic():
         locked = _locked(challenge)
         if locked.status == SliceStatus.AWAITING_ANSWER:
@@ -355,7 +376,9 @@ def attach_opening(
                 field="opening",
             )
         if locked.status != SliceStatus.AWAITING_OPENING:
-            if locked.opening_id == blob.pk:
+            if (blob is not None and locked.opening_id == blob.pk) or (
+                grant is not None and locked.grant == grant
+            ):
                 return locked
             raise ConflictError(
                 f"slice {locked.index} is {locked.status}; its opening cannot change",
@@ -364,16 +387,24 @@ def attach_opening(
                 detail={"status": locked.status},
             )
         locked.opening = blob
+        locked.grant = grant
         locked.status = SliceStatus.READY
-        locked.bytes_moved = F("bytes_moved") + blob.size
+        if blob is not None:
+            locked.bytes_moved = F("bytes_moved") + blob.size
         locked.save()
         locked.refresh_from_db()
+        # A grant's URLs carry the lab's signatures: the trail names the grant, not them.
+        shown = (
+            {"opening": sha256, "size": blob.size}
+            if blob is not None
+            else {"grant": {k: v for k, v in (grant or {}).items() if k != "urls"}}
+        )
         AuditEvent.record(
             "sliced_run.opened",
             actor=user,
             organization=run.experiment.owner,
             target=locked,
-            detail={"run": run.pk, "index": locked.index, "opening": sha256, "size": blob.size},
+            detail={"run": run.pk, "index": locked.index, **shown},
             ip=ip,
         )
         pk = locked.pk
@@ -381,222 +412,53 @@ def attach_opening(
     return locked
 
 
+def _uploaded_opening(run: SlicedRun, sha256: str) -> Blob:
+    blob = _owned(run.experiment, [sha256]).get(sha256)
+    if blob is None:
+        raise ArtifactRejectedError(
+            f"opening: no completed upload of {run.experiment.owner.slug} has sha256 "
+            f"{sha256}; upload the opening first",
+            code="blob_not_found",
+            field="opening",
+        )
+    return blob
+
+
+def _checked_grant(
+    run: SlicedRun, challenge: SlicedChallenge, data: dict[str, Any]
+) -> dict[str, Any]:
+    """The grant as stored, once it is one the worker may use for this slice."""
+    from zkdv.sliced_store import Grant, GrantError, object_names
+
+    try:
+        grant = Grant.from_dict(data)
+    except ValueError as error:
+        raise InvalidRequestError(f"grant: {error}", code="invalid_grant", field="grant") from None
+    allowed = settings.DVBENCH.get("SLICED_STORE_ENDPOINTS") or []
+    if grant.endpoint.rstrip("/") not in allowed:
+        raise InvalidRequestError(
+            f"grant.endpoint: the platform does not read from {grant.endpoint!r}; the stores "
+            "it reads are the operator's DVBENCH_SLICED_STORE_ENDPOINTS"
+            + (f" ({', '.join(allowed)})" if allowed else " (none)"),
+            code="store_not_allowed",
+            field="grant.endpoint",
+        )
+    try:
+        grant.check(bytes.fromhex(run.digest))
+    except GrantError as error:
+        raise InvalidRequestError(f"grant: {error}", code="invalid_grant", field="grant") from None
+    missing = [n for n in object_names(challenge.step).values() if n not in grant.urls]
+    if missing:
+        raise InvalidRequestError(
+            f"grant.urls: step {challenge.step}'s objects {', '.join(missing)} are not granted",
+            code="invalid_grant",
+            field="grant.urls",
+        )
+    return grant.to_dict()
+
+
 def enqueue(ids: Iterable[int]) -> None:
     """Queue each slice's verification on the ``replay`` queue."""
     for pk in ids:
         result = current_app.signature(VERIFY_TASK, args=(pk,)).apply_async(queue="replay")
         SlicedChallenge.objects.filter(pk=pk).update(task_id=str(result.id))
-
-
-def claim(pk: int) -> bool:
-    """Take a ready slice (or one whose verifying worker died) for this worker."""
-    return take_claim(
-        SlicedChallenge.objects.filter(pk=pk),
-        waiting=SliceStatus.READY,
-        working=SliceStatus.VERIFYING,
-        attempts=F("attempts") + 1,
-    )
-
-
-#: Loaded programs by SHA-256: a worker loads each block's structure once.
-_PROGRAMS: OrderedDict[str, Any] = OrderedDict()
-_PROGRAMS_KEPT = 8
-_PROGRAMS_LOCK = threading.Lock()
-
-
-def _program(digest: str) -> Any:
-    from zkdv.sliced import load_program
-
-    with _PROGRAMS_LOCK:
-        if digest in _PROGRAMS:
-            _PROGRAMS.move_to_end(digest)
-            return _PROGRAMS[digest]
-    blob = Blob.objects.get(sha256=digest)
-    with mapped(blob.storage_name) as data:
-        module = load_program(bytes(data))
-    with _PROGRAMS_LOCK:
-        _PROGRAMS[digest] = module
-        while len(_PROGRAMS) > _PROGRAMS_KEPT:
-            _PROGRAMS.popitem(last=False)
-    return module
-
-
-def verify(challenge: SlicedChallenge) -> dict[str, Any]:
-    """Verify one claimed slice from its stored run file, answer and opening.
-
-    Returns:
-        ``{ok, reason, message, margins, seconds}``: ``provers.sliced.verify_slice``'s
-        verdict, or a failure the lab caused before it could run (``opening_format``:
-        an opening that is not one; ``program``: a block program that does not load).
-    """
-    import torch
-    from torch.func import functional_call
-
-    from provers.sliced import verify_slice
-    from zkdv.sliced import (
-        RunFile,
-        SliceAnswer,
-        SliceChallenge,
-        SlicedFormatError,
-        answer_from_bytes,
-        opening_from_bytes,
-    )
-
-    run = challenge.run
-    with mapped(run.run_file.storage_name) as data:
-        run_file = RunFile.from_bytes(bytes(data))
-    assert challenge.opening is not None
-    try:
-        with mapped(challenge.opening.storage_name) as data:
-            opening = opening_from_bytes(bytes(data))
-    except SlicedFormatError as error:
-        return _failed("opening_format", f"the opening is malformed: {error}")
-    try:
-        block = _program(run_file.programs[challenge.block])
-        embed_program = _program(run_file.embed) if run_file.embed else None
-    except Exception as error:  # noqa: BLE001 - the lab's bytes: torch.export.load raises anything
-        return _failed("program", f"a committed program does not load: {error}")
-
-    def embed(tables: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
-        assert embed_program is not None
-        weights = {name: t.to(torch.float64) for name, t in tables.items()}
-        embedded: torch.Tensor = functional_call(embed_program, weights, (tokens,))
-        return embedded
-
-    shape = (challenge.projections, run.micro_batches, run.rows)
-    assert challenge.answer is not None
-    verdict = verify_slice(
-        run_file.steps[challenge.step],
-        SliceChallenge(
-            challenge.step,
-            challenge.block,
-            bytes.fromhex(challenge.directions),
-            challenge.projections,
-        ),
-        SliceAnswer(answer_from_bytes(bytes(challenge.answer), shape)),
-        [tuple(s) for s in challenge.sequences],
-        opening,
-        names=run_file.names,
-        layout=run_file.layout,
-        block=block,
-        chunk_bytes=run_file.chunk_bytes,
-        inputs=run_file.inputs if embed_program is not None else (),
-        embed=embed if embed_program is not None else None,
-    )
-    return {
-        "ok": verdict.ok,
-        "reason": verdict.reason,
-        "message": verdict.message,
-        "margins": {k: float(v) for k, v in verdict.margins.items()},
-        "seconds": verdict.seconds,
-    }
-
-
-def _failed(reason: str, message: str) -> dict[str, Any]:
-    return {"ok": False, "reason": reason, "message": message, "margins": {}, "seconds": 0.0}
-
-
-def record_verdict(pk: int, verdict: dict[str, Any]) -> bool:
-    """Store a slice's verdict and settle its run; False if it was no longer ours."""
-    ok = bool(verdict["ok"])
-    with transaction.atomic():
-        done = SlicedChallenge.objects.filter(pk=pk, status=SliceStatus.VERIFYING).update(
-            status=SliceStatus.PASSED if ok else SliceStatus.FAILED,
-            reason="" if ok else str(verdict["reason"])[:64],
-            message="" if ok else str(verdict["message"]),
-            margins=verdict["margins"],
-            seconds=verdict["seconds"],
-            finished=timezone.now(),
-        )
-        if not done:
-            return False
-        challenge = SlicedChallenge.objects.select_related("run__experiment__owner").get(pk=pk)
-        AuditEvent.record(
-            f"sliced_run.slice_{'passed' if ok else 'failed'}",
-            organization=challenge.run.experiment.owner,
-            target=challenge,
-            detail={
-                "run": challenge.run_id,
-                "index": challenge.index,
-                "step": challenge.step,
-                "block": challenge.block,
-                "reason": None if ok else verdict["reason"],
-            },
-        )
-        settle(challenge.run_id)
-    return True
-
-
-def record_error(pk: int, reason: str, message: str) -> None:
-    """A permanent failure that is not the lab's fault (the verification itself broke)."""
-    with transaction.atomic():
-        done = SlicedChallenge.objects.filter(
-            pk=pk, status__in=[SliceStatus.VERIFYING, SliceStatus.READY]
-        ).update(
-            status=SliceStatus.ERROR, reason=reason[:64], message=message, finished=timezone.now()
-        )
-        if done:
-            settle(SlicedChallenge.objects.values_list("run_id", flat=True).get(pk=pk))
-
-
-def release_claim(pk: int) -> None:
-    """Give a claimed slice back (a transient failure: the retry claims it again)."""
-    SlicedChallenge.objects.filter(pk=pk, status=SliceStatus.VERIFYING).update(
-        status=SliceStatus.READY
-    )
-
-
-def settle(run_id: int) -> str | None:
-    """Give the run its verdict once every slice is final; None while some are not.
-
-    ``passed`` iff every slice passed; otherwise ``failed`` with the first failing
-    slice's reason. Locks the run's row, so two workers finishing the last two slices
-    settle it once. The seed is revealed with the verdict.
-    """
-    run = SlicedRun.objects.select_for_update().select_related("experiment__owner").get(pk=run_id)
-    if run.status != SlicedRunStatus.CHALLENGED:
-        return None
-    slices = list(run.challenges.order_by("index"))
-    if any(s.status not in SLICE_FINAL for s in slices):
-        return None
-    failed = next((s for s in slices if s.status != SliceStatus.PASSED), None)
-    run.settled = timezone.now()
-    if failed is None:
-        run.status, run.reason, run.message = SlicedRunStatus.PASSED, "", ""
-    else:
-        run.status = SlicedRunStatus.FAILED
-        run.reason = failed.reason or failed.status
-        run.message = (
-            f"slice {failed.index} (step {failed.step}, block {failed.block}): "
-            f"{failed.message or failed.get_status_display()}"
-        )
-    run.save(update_fields=["status", "reason", "message", "settled"])
-    AuditEvent.record(
-        f"sliced_run.{run.status}",
-        organization=run.experiment.owner,
-        target=run,
-        detail={"digest": run.digest, "reason": run.reason or None, "slices": len(slices)},
-    )
-    return str(run.status)
-
-
-def expire(now: Any = None) -> int:
-    """Expire the unanswered or unopened slices of runs past their deadline."""
-    now = now or timezone.now()
-    count = 0
-    overdue = SlicedRun.objects.filter(status=SlicedRunStatus.CHALLENGED, deadline__lt=now)
-    for run_id in overdue.values_list("pk", flat=True):
-        with transaction.atomic():
-            expired = SlicedChallenge.objects.filter(
-                run_id=run_id,
-                status__in=[SliceStatus.AWAITING_ANSWER, SliceStatus.AWAITING_OPENING],
-            ).update(
-                status=SliceStatus.EXPIRED,
-                reason="challenge_expired",
-                message="the slice was not answered and opened before the deadline",
-                finished=now,
-            )
-            if expired:
-                settle(run_id)
-        count += expired
-    return count

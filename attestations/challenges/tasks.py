@@ -14,7 +14,7 @@ import logging
 from celery import Task, shared_task
 from django.conf import settings
 
-from attestations.challenges import execution, sliced, verdicts
+from attestations.challenges import execution, sliced, sliced_verdicts, verdicts
 from attestations.challenges.answers import REPLAY_TASK
 from attestations.challenges.models import Challenge, SlicedChallenge
 from attestations.challenges.workspace import BlobCorruptError
@@ -87,7 +87,7 @@ def expire_challenges() -> int:
     challenge is final and is not touched again.
     Expires the unanswered slices of sliced runs past theirs too.
     """
-    return verdicts.expire() + sliced.expire()
+    return verdicts.expire() + sliced_verdicts.expire()
 
 
 @shared_task(
@@ -107,19 +107,23 @@ def replay_slice(self: Task, slice_id: int) -> str | None:  # type: ignore[type-
     """
     from celery.exceptions import SoftTimeLimitExceeded
 
-    if not sliced.claim(slice_id):
+    if not sliced_verdicts.claim(slice_id):
         return None
     try:
         challenge = SlicedChallenge.objects.select_related(
             "run__run_file", "run__experiment", "opening"
         ).get(pk=slice_id)
-        sliced.record_verdict(slice_id, sliced.verify(challenge))
+        sliced_verdicts.record_verdict(slice_id, sliced_verdicts.verify(challenge))
     except SoftTimeLimitExceeded:
-        sliced.record_error(slice_id, "replay_timeout", "the check ran past the soft time limit")
+        sliced_verdicts.record_error(
+            slice_id, "replay_timeout", "the check ran past the soft time limit"
+        )
     except TRANSIENT_ERRORS as error:
-        sliced.release_claim(slice_id)
+        sliced_verdicts.release_claim(slice_id)
         if self.request.retries >= (self.max_retries or 0):
-            sliced.record_error(slice_id, "replay_unavailable", f"{type(error).__name__}: {error}")
+            sliced_verdicts.record_error(
+                slice_id, "replay_unavailable", f"{type(error).__name__}: {error}"
+            )
             raise
         raise self.retry(
             exc=error,  # type: ignore[arg-type]
@@ -127,5 +131,5 @@ def replay_slice(self: Task, slice_id: int) -> str | None:  # type: ignore[type-
         ) from error
     except Exception as error:
         log.exception("verifying slice %s failed", slice_id)
-        sliced.record_error(slice_id, "replay_failed", f"{type(error).__name__}: {error}")
+        sliced_verdicts.record_error(slice_id, "replay_failed", f"{type(error).__name__}: {error}")
     return str(SlicedChallenge.objects.values_list("status", flat=True).get(pk=slice_id))

@@ -14,6 +14,7 @@ through PostgreSQL, Redis and a separate Celery worker process.
 from __future__ import annotations
 
 import hashlib
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,11 +28,12 @@ from torch.nn import functional
 
 from attestations.audit.models import AuditEvent
 from attestations.challenges import sliced as platform_sliced
+from attestations.challenges import sliced_verdicts
 from attestations.challenges.models import SlicedChallenge, SlicedRun, SliceStatus
 from tests.attestations.base import World, error_of, upload_blob
 from tests.attestations.challenges.test_replay import TORCH_SPEC, client_for, quiesce, setup_org
 from tests.examples import torch_example
-from zkdv import sliced
+from zkdv import sliced, sliced_store
 
 lm = torch_example("lm")
 CONFIG = lm.LMConfig(width=16, heads=2, layers=2, context=8, dropout=0.0)
@@ -55,7 +57,9 @@ class LMInput(nn.Module):
 
     def forward(self, row: torch.Tensor) -> torch.Tensor:
         ids = row[:-1]  # the recipe's model reads all but the last token of a row
-        return self.tokens(ids) + self.positions(torch.arange(ids.shape[0]))
+        # The first positions' rows: a slice, not torch.arange, whose device the export
+        # would fix (zkdv.sliced.export_program refuses that).
+        return self.tokens(ids) + self.positions.weight[: ids.shape[0]]
 
 
 @pytest.fixture(autouse=True)
@@ -419,9 +423,9 @@ def test_run_files_are_checked_before_anything_is_filed(world: World, api: Any) 
 def test_unanswered_slices_expire_at_the_deadline(world: World, api: Any) -> None:
     client = api("alice")
     run = file_run(client, train(0))
-    assert platform_sliced.expire() == 0
+    assert sliced_verdicts.expire() == 0
     SlicedRun.objects.filter(pk=run["id"]).update(deadline=timezone.now() - timezone.timedelta(1))
-    assert platform_sliced.expire() == 2
+    assert sliced_verdicts.expire() == 2
     done = settled(client, run)
     assert (done["status"], done["reason"]) == ("failed", "challenge_expired")
 
@@ -457,3 +461,158 @@ def test_an_honest_run_passes_through_the_worker(services: tuple[APIClient, Any]
     assert done["status"] == "passed", (done, worker.log()[-3000:])
     assert all(c["status"] == "passed" for c in done["challenges"])
     assert all(c.task_id for c in SlicedChallenge.objects.filter(run_id=run["id"]))
+
+
+# --- Openings read from the lab's own bucket through a grant ---------------------------------
+
+
+class LabBucket:
+    """The lab's own S3 bucket holding every step's files, and its grants per step."""
+
+    def __init__(self, endpoint: str, lab: sliced.TorchLab, run_digest: str) -> None:
+        from tests.attestations.s3 import CREDENTIALS, REGION
+
+        self.client = sliced_store.s3_client(
+            endpoint_url=endpoint,
+            region_name=REGION,
+            aws_access_key_id=CREDENTIALS["access_key"],
+            aws_secret_access_key=CREDENTIALS["secret_key"],
+        )
+        self.name = f"zkdv-lab-{uuid.uuid4().hex[:16]}"
+        self.client.create_bucket(Bucket=self.name)
+        self.prefix = f"runs/{run_digest[:16]}"
+        self.run = bytes.fromhex(run_digest)
+        self.size = 0
+        for step in range(STEPS):
+            self.size += sliced_store.upload_step(
+                self.client, self.name, self.prefix, sliced_store.step_objects(lab, step)
+            )
+
+    def grant(self, step: int, *, run: bytes | None = None) -> dict[str, Any]:
+        return sliced_store.issue_grant(
+            self.client,
+            run=run or self.run,
+            bucket=self.name,
+            prefix=self.prefix,
+            names=sliced_store.object_names(step).values(),
+            expires_in=600,
+        ).to_dict()
+
+
+def open_from_bucket(
+    client: APIClient, run: dict[str, Any], lab: sliced.TorchLab, bucket: LabBucket
+) -> list[Any]:
+    """Answer every slice and open each through a grant on the lab's bucket."""
+    responses = []
+    for challenge in run["challenges"]:
+        answer = lab.answer(drawn(challenge))
+        body = sliced.answer_to_bytes(answer.projections)
+        assert put_answer(client, run, challenge["index"], body).status_code == 200
+        responses.append(
+            client.post(
+                f"/api/v1/sliced-runs/{run['id']}/challenges/{challenge['index']}/opening/",
+                {"grant": bucket.grant(challenge["step"])},
+                format="json",
+            )
+        )
+    return responses
+
+
+@pytest.fixture
+def stores(settings: Any, s3_endpoint: str) -> str:
+    settings.DVBENCH = {**settings.DVBENCH, "SLICED_STORE_ENDPOINTS": [s3_endpoint]}
+    return s3_endpoint
+
+
+def test_a_slice_read_from_the_labs_bucket_through_a_grant_passes(
+    stores: str, world: World, api: Any, django_capture_on_commit_callbacks: Any
+) -> None:
+    client = api("alice")
+    lab = train(5)
+    run = file_run(client, lab)
+    bucket = LabBucket(stores, lab, run["digest"])
+    with django_capture_on_commit_callbacks(execute=True):
+        responses = open_from_bucket(client, run, lab, bucket)
+    assert [r.status_code for r in responses] == [202, 202], [r.content for r in responses]
+    done = settled(client, run)
+    assert done["status"] == "passed", done
+    answer_bytes = 8 * 4 * MICRO * ROWS
+    for challenge in done["challenges"]:
+        # The answer, then the manifest, digest sections and opened ranges only.
+        read = challenge["bytes_moved"] - answer_bytes
+        assert 0 < read < bucket.size / STEPS, (read, bucket.size)
+    # The grant is on record (its URLs are not audited: they are the lab's credentials).
+    stored = SlicedChallenge.objects.get(run_id=run["id"], index=0)
+    assert stored.grant is not None and stored.opening is None
+    event = AuditEvent.objects.filter(action="sliced_run.opened").first()
+    assert event is not None and "urls" not in event.detail["grant"]
+
+
+def test_grants_are_checked_before_they_are_stored(
+    stores: str, settings: Any, world: World, api: Any
+) -> None:
+    client = api("alice")
+    lab = train(6)
+    run = file_run(client, lab)
+    bucket = LabBucket(stores, lab, run["digest"])
+    challenge = run["challenges"][0]
+    body = sliced.answer_to_bytes(lab.answer(drawn(challenge)).projections)
+    assert put_answer(client, run, 0, body).status_code == 200
+    opening = f"/api/v1/sliced-runs/{run['id']}/challenges/0/opening/"
+
+    def refused(grant: Any, **extra: Any) -> dict[str, Any]:
+        response = client.post(opening, {"grant": grant, **extra}, format="json")
+        assert response.status_code == 400, response.content
+        return error_of(response)
+
+    grant = bucket.grant(challenge["step"])
+    assert refused(bucket.grant(challenge["step"], run=b"\1" * 32))["code"] == "invalid_grant"
+    assert (
+        "accepted only for the run it names"
+        in refused(bucket.grant(challenge["step"], run=b"\1" * 32))["message"]
+    )
+    other_step = (challenge["step"] + 1) % STEPS
+    error = refused(bucket.grant(other_step))
+    assert (error["code"], error["field"]) == ("invalid_grant", "grant.urls")
+    assert refused({"v": "zkdv-sliced-grant-v0"})["code"] == "invalid_grant"
+    assert refused(grant, opening="ab" * 32)["field"] == "opening"
+    settings.DVBENCH = {**settings.DVBENCH, "SLICED_STORE_ENDPOINTS": []}
+    error = refused(grant)
+    assert (error["code"], error["field"]) == ("store_not_allowed", "grant.endpoint")
+    assert SlicedChallenge.objects.get(run_id=run["id"], index=0).status == (
+        SliceStatus.AWAITING_OPENING
+    )
+
+
+@pytest.mark.parametrize("damage", ["flip", "delete"])
+def test_a_damaged_bucket_fails_the_slice_with_the_lab_to_blame(
+    damage: str,
+    stores: str,
+    settings: Any,
+    world: World,
+    api: Any,
+    django_capture_on_commit_callbacks: Any,
+) -> None:
+    settings.DVBENCH = {**settings.DVBENCH, "SLICED_CHALLENGES": 1}
+    client = api("alice")
+    lab = train(7)
+    run = file_run(client, lab)
+    bucket = LabBucket(stores, lab, run["digest"])
+    step = run["challenges"][0]["step"]
+    key = f"{bucket.prefix}/{sliced_store.object_names(step)['params']}"
+    if damage == "delete":
+        bucket.client.delete_object(Bucket=bucket.name, Key=key)
+    else:  # one byte of the opened block's first weight
+        data = bytearray(bucket.client.get_object(Bucket=bucket.name, Key=key)["Body"].read())
+        names = lab.names
+        first = lab.layout.names(run["challenges"][0]["block"])[0]
+        offset = sum(
+            a.nbytes for n, a in lab.steps[step].params if names.index(n) < names.index(first)
+        )
+        data[offset + 1] ^= 1
+        bucket.client.put_object(Bucket=bucket.name, Key=key, Body=bytes(data))
+    with django_capture_on_commit_callbacks(execute=True):
+        assert [r.status_code for r in open_from_bucket(client, run, lab, bucket)] == [202]
+    done = settled(client, run)
+    expected = {"delete": "store", "flip": "tensor_opening"}[damage]
+    assert (done["status"], done["reason"]) == ("failed", expected), done

@@ -33,8 +33,10 @@ imported only there, and ``import zkdv`` needs it nowhere).
 
 from __future__ import annotations
 
+import datetime
 import importlib
 import time
+import urllib.parse
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +55,7 @@ __all__ = [
     "STORE_VERSION",
     "ByteRange",
     "Grant",
+    "GrantError",
     "StepLayout",
     "issue_grant",
     "object_names",
@@ -262,6 +265,14 @@ def upload_step(client: Any, bucket: str, prefix: str, objects: dict[str, bytes]
     return total
 
 
+class GrantError(Exception):
+    """The lab's grant cannot be used: expired, another run's, or beyond its scope."""
+
+
+def _utc(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat(timespec="seconds")
+
+
 @dataclass(frozen=True)
 class Grant:
     """The lab's read grant for one run: pre-signed ``GET`` URLs, one per object.
@@ -309,6 +320,46 @@ class Grant:
 
     def key(self, name: str) -> str:
         return _key(self.prefix, name)
+
+    def check(self, run: bytes, *, now: float | None = None) -> None:
+        """Refuse the grant unless it is ``run``'s, unexpired at ``now``, and every URL is
+        an ``http(s)`` URL of an object under its prefix of its bucket at its endpoint.
+
+        What the platform checks before it reads anything (``provers.sliced_store``).
+
+        Raises:
+            GrantError: saying which.
+        """
+        if self.run != run:
+            raise GrantError(
+                f"the grant is for run {self.run.hex()[:16]}..., not this run "
+                f"{run.hex()[:16]}...: a grant is accepted only for the run it names"
+            )
+        now = time.time() if now is None else now
+        if now >= self.expires:
+            raise GrantError(
+                f"the grant expired at {_utc(self.expires)} (now {_utc(now)}): "
+                "ask the lab for a fresh one"
+            )
+        for name, url in self.urls.items():
+            self._check_url(name, url)
+
+    def _check_url(self, name: str, url: str) -> None:
+        if not name or "/" in name or name in (".", ".."):
+            raise GrantError(f"the grant names an object {name!r} that is not a plain file name")
+        parts = urllib.parse.urlsplit(url)
+        endpoint = urllib.parse.urlsplit(self.endpoint)
+        path = urllib.parse.unquote(parts.path)
+        key = self.key(name)
+        path_style = parts.netloc == endpoint.netloc and path == f"/{self.bucket}/{key}"
+        host_style = parts.netloc == f"{self.bucket}.{endpoint.netloc}" and path == f"/{key}"
+        if parts.scheme not in ("http", "https") or parts.scheme != endpoint.scheme:
+            raise GrantError(f"the grant's URL for {name!r} is not http(s) at {self.endpoint}")
+        if not (path_style or host_style):
+            raise GrantError(
+                f"the grant's URL for {name!r} is not object {key!r} of bucket {self.bucket!r} "
+                f"at {self.endpoint}"
+            )
 
 
 def issue_grant(

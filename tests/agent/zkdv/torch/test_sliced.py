@@ -324,3 +324,91 @@ def test_detection_probabilities_and_challenge_counts() -> None:
     assert sliced.challenges_needed(1.0) == 1
     with pytest.raises(ValueError, match="unknown forgery"):
         sliced.detection_probability("layer", forged_fraction=f, blocks=1, sequences=1, opened=1)
+
+
+def test_programs_carry_structure_and_no_weights_and_refuse_what_they_cannot_carry() -> None:
+    blocks = [
+        lm.TinyLM(lm.LMConfig(width=w, heads=2, layers=1, dropout=0.0)).blocks[0] for w in (16, 64)
+    ]
+    small, large = (
+        sliced.export_program(b, (torch.zeros(1, 7, w),))
+        for b, w in zip(blocks, (16, 64), strict=True)
+    )
+    # No weight in the archive: 16x the parameters, about the same bytes.
+    assert abs(len(large) - len(small)) < 1024, (len(small), len(large))
+    module = sliced.load_program(small)
+    weights = {n: p.detach().double() for n, p in blocks[0].named_parameters()}
+    x = torch.randn(1, 7, 16, dtype=torch.float64)
+    ours = torch.func.functional_call(module, weights, (x,))
+    eager = torch.func.functional_call(blocks[0].double(), weights, (x,))
+    assert torch.equal(ours, eager)
+
+    class WithBuffer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("scale", torch.ones(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.scale
+
+    with pytest.raises(ValueError, match="'scale' is a buffer"):
+        sliced.export_program(WithBuffer(), (torch.zeros(4),))
+
+    class FixedDevice(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.positions = torch.nn.Embedding(8, 4)
+
+        def forward(self, row: torch.Tensor) -> torch.Tensor:
+            return self.positions(torch.arange(row.shape[0], device=row.device))
+
+    with pytest.raises(ValueError, match="new tensor on a fixed device"):
+        sliced.export_program(FixedDevice(), (torch.zeros(5, dtype=torch.int64),))
+
+
+def test_the_wire_formats_round_trip_and_name_what_is_malformed() -> None:
+    lab = _train(0)
+    run_file = lab.run_file(("ab" * 32,) * CONFIG.layers, "cd" * 32)
+    again = sliced.RunFile.from_bytes(run_file.to_bytes())
+    assert again == run_file and again.digest() == run_file.digest()
+    challenge = _challenge(1, 1)
+    opening = lab.open(challenge, [(0, 1), (1, 3)])
+    read = sliced.opening_from_bytes(sliced.opening_to_bytes(opening))
+    assert sliced.opening_to_bytes(read) == sliced.opening_to_bytes(opening)
+    structure = lm.TinyLM(CONFIG).blocks[1]
+    answer = lab.answer(challenge)
+    projections = sliced.answer_from_bytes(
+        sliced.answer_to_bytes(answer.projections), answer.projections.shape
+    )
+    verdict = verify_slice(
+        lab.steps[1].commitment,
+        challenge,
+        sliced.SliceAnswer(projections),
+        [(0, 1), (1, 3)],
+        read,
+        names=lab.names,
+        layout=lab.layout,
+        block=structure,
+        chunk_bytes=lab.chunk_bytes,
+        inputs=INPUTS,
+        embed=_embed,
+    )
+    assert verdict.ok, verdict.message
+
+    import cbor2
+
+    body = cbor2.loads(run_file.to_bytes())
+    cases = [
+        ({**body, "chunk_bytes": 3}, "chunk_bytes"),
+        ({**body, "programs": body["programs"][:1]}, "programs"),
+        ({**body, "embed": "zz"}, "embed"),
+        ({**body, "steps": [{**body["steps"][0], "grad": b"short"}]}, "steps[0].grad"),
+        ({**body, "steps": body["steps"][1:]}, "steps[0].i"),
+        ({**body, "inputs": ["nope"]}, "inputs[0]"),
+    ]
+    for changed, field in cases:
+        with pytest.raises(sliced.SlicedFormatError) as caught:
+            sliced.RunFile.from_bytes(cbor2.dumps(changed, canonical=True))
+        assert caught.value.field == field, (field, caught.value)
+    with pytest.raises(sliced.SlicedFormatError, match="expected 256 bytes"):
+        sliced.answer_from_bytes(b"\0" * 8, (4, 2, 4))

@@ -12,9 +12,8 @@ error for anything malformed:
 * the **opening** (:func:`opening_to_bytes`): canonical CBOR of a :class:`SliceOpening`.
 
 Programs are ``torch.export`` archives of one block (and of the embedding), exported in
-float64 with the block's own weights zeroed (:func:`export_program`): the platform calls
-them with the opened weights, so the archive carries the structure and nothing of the
-run.
+float64 on the ``meta`` device (:func:`export_program`): the platform calls them with the
+opened weights, so the archive carries the structure and no weight of the run.
 """
 
 from __future__ import annotations
@@ -500,11 +499,15 @@ def opening_from_bytes(data: bytes | bytearray | memoryview) -> SliceOpening:
 def export_program(module: Any, example: Sequence[Any]) -> bytes:
     """A ``torch.export`` archive of ``module`` (a block, or the embedding), for the platform.
 
-    Exported in float64 from a copy whose parameters are zeroed: the platform calls it
-    with the opened weights (``torch.func.functional_call``), so the archive holds the
-    structure and no weight of the run, and the same structure always has the same
-    bytes (:func:`zkdv.torch._artifact.reproducible`), whichever run it came from.
-    ``example`` are example inputs (float tensors are exported as float64).
+    Exported in float64 on the ``meta`` device: the platform calls it with the opened
+    weights (``torch.func.functional_call``), so the archive holds the structure and no
+    weight at all. Its size does not grow with the block's, and the same structure always
+    has the same bytes (:func:`zkdv.torch._artifact.reproducible`), whichever run it came
+    from. ``example`` are example inputs (float tensors are exported as float64).
+
+    Raises:
+        ValueError: a module with buffers (their values would have to be committed too),
+            or one that creates a tensor on a fixed device, which would be ``meta``.
     """
     import copy
     import io
@@ -513,15 +516,27 @@ def export_program(module: Any, example: Sequence[Any]) -> bytes:
 
     from zkdv.torch._artifact import _strip_provenance, reproducible
 
-    structure = copy.deepcopy(module).to(torch.float64).eval()
-    with torch.no_grad():
-        for parameter in structure.parameters():
-            parameter.zero_()
+    buffers = [name for name, _ in module.named_buffers()]
+    if buffers:
+        raise ValueError(
+            f"a sliced block's state is its parameters; {buffers[0]!r} is a buffer, whose "
+            "values the run does not commit"
+        )
+    structure = copy.deepcopy(module).to(dtype=torch.float64).to("meta").eval()
     arguments = tuple(
-        a.to(torch.float64) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+        (a.to(torch.float64) if a.is_floating_point() else a).to("meta")
+        if isinstance(a, torch.Tensor)
+        else a
         for a in example
     )
     exported = torch.export.export(structure, arguments, strict=False)
+    for node in exported.graph.nodes:
+        if node.kwargs.get("device") == torch.device("meta"):
+            raise ValueError(
+                f"the program makes a new tensor on a fixed device ({node.target}), which "
+                "exporting on the meta device fixes as meta: slice a parameter or an input "
+                "instead (weight[:n], not embedding(torch.arange(n)))"
+            )
     _strip_provenance(exported)
     buffer = io.BytesIO()
     torch.export.save(exported, buffer)
