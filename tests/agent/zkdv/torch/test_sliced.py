@@ -8,7 +8,13 @@ float32 without dropout; the platform is :func:`provers.sliced.verify_slice`.
 
 from __future__ import annotations
 
+import json
+import os
+import platform
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,7 +24,10 @@ from torch.nn import functional
 
 from provers.sliced import SliceVerdict, replay_whole_step, verify_slice
 from tests.examples import torch_example
+from tests.sources import AGENT_PYTHONPATH
 from zkdv import sliced
+
+REPO_ROOT = Path(__file__).resolve().parents[4]
 
 lm = torch_example("lm")
 CONFIG = lm.LMConfig(width=16, heads=2, layers=2, context=8, dropout=0.0)
@@ -412,3 +421,105 @@ def test_the_wire_formats_round_trip_and_name_what_is_malformed() -> None:
         assert caught.value.field == field, (field, caught.value)
     with pytest.raises(sliced.SlicedFormatError, match="expected 256 bytes"):
         sliced.answer_from_bytes(b"\0" * 8, (4, 2, 4))
+
+
+# --- Trained on one CPU kernel family, checked on another ---------------------------------------
+
+#: Every (step, block) of the run, checked on the same two sequences.
+EVERY_SLICE = [(step, block) for step in range(STEPS) for block in range(CONFIG.layers)]
+CROSS_SEQUENCES = [(0, 1), (1, 3)]
+
+
+def _lab_files(out: Path) -> None:
+    """The lab's side, as bytes: the run file, and each slice's answer and opening."""
+    lab = _train(11)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "run").write_bytes(lab.run_file(("ab" * 32,) * CONFIG.layers, "cd" * 32).to_bytes())
+    for step, block in EVERY_SLICE:
+        challenge = _challenge(step, block)
+        answer = lab.answer(challenge)
+        (out / f"answer-{step}-{block}").write_bytes(sliced.answer_to_bytes(answer.projections))
+        opening = lab.open(challenge, CROSS_SEQUENCES)
+        (out / f"opening-{step}-{block}").write_bytes(sliced.opening_to_bytes(opening))
+
+
+def _platform_verdicts(out: Path) -> dict[str, Any]:
+    """The platform's side, from those bytes alone: each slice's verdict and margins."""
+    run = sliced.RunFile.from_bytes((out / "run").read_bytes())
+    verdicts = {}
+    for step, block in EVERY_SLICE:
+        challenge = _challenge(step, block)
+        answer = sliced.answer_from_bytes(
+            (out / f"answer-{step}-{block}").read_bytes(),
+            (challenge.projections, MICRO, ROWS),
+        )
+        verdict = verify_slice(
+            run.steps[step],
+            challenge,
+            sliced.SliceAnswer(answer),
+            CROSS_SEQUENCES,
+            sliced.opening_from_bytes((out / f"opening-{step}-{block}").read_bytes()),
+            names=run.names,
+            layout=run.layout,
+            block=lm.TinyLM(CONFIG).blocks[block],
+            chunk_bytes=run.chunk_bytes,
+            inputs=INPUTS,
+            embed=_embed,
+        )
+        verdicts[f"{step}-{block}"] = {
+            "ok": verdict.ok,
+            "message": verdict.message,
+            "margins": verdict.margins,
+        }
+    return {"capability": torch.backends.cpu.get_cpu_capability(), "verdicts": verdicts}
+
+
+def _families() -> list[tuple[str, str]]:
+    from zkdv.calibrate import kernel_families
+
+    families = kernel_families()
+    # Each family trains once and is checked by another (the platform's workers are
+    # never the lab's machines): default -> avx2 -> avx512 -> default.
+    return [(a, families[(i + 1) % len(families)]) for i, a in enumerate(families)]
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 kernel families")
+def test_honest_slices_pass_when_the_platform_runs_other_cpu_kernels(tmp_path: Path) -> None:
+    pairs = _families()
+    if len(pairs) < 2:
+        pytest.skip("this CPU runs one Torch kernel family")
+    environment = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), AGENT_PYTHONPATH]),
+        "OMP_WAIT_POLICY": "PASSIVE",
+    }
+
+    def run(mode: str, capability: str, out: Path) -> dict[str, Any]:
+        done = subprocess.run(
+            [sys.executable, __file__, mode, str(out)],
+            env={**environment, "ATEN_CPU_CAPABILITY": capability},
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1]) if mode == "--verify" else {}
+
+    for lab_family, platform_family in pairs:
+        out = tmp_path / lab_family
+        run("--lab", lab_family, out)
+        result = run("--verify", platform_family, out)
+        assert result["capability"] == platform_family.upper()
+        for where, verdict in result["verdicts"].items():
+            assert verdict["ok"], (lab_family, platform_family, where, verdict["message"])
+            # Another family's rounding still uses a small share of every bound.
+            assert max(verdict["margins"].values()) < 0.1, (where, verdict["margins"])
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--lab"]:
+    torch.set_num_threads(1)
+    _lab_files(Path(sys.argv[2]))
+if __name__ == "__main__" and sys.argv[1:2] == ["--verify"]:
+    torch.set_num_threads(1)
+    print(json.dumps(_platform_verdicts(Path(sys.argv[2]))))
