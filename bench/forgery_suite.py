@@ -43,6 +43,8 @@ Attacks (``--attacks``, comma-separated; ``docs/soundness.md`` reads the results
   transcript between committed steps (tokens hidden);
 * ``tokens-underreported``: a modified SDK commits half of each step's token count
   (the platform's replay recounts every step record against the program's batch);
+* ``flops-underreported``: a modified SDK commits half of each step's FLOP count (the
+  platform's replay recounts it with Torch's FLOP counter on the committed program);
 * ``fine-tune-as-pretraining``: a run started from a trained model, filed as a run from
   scratch (the parent's compute hidden);
 * ``pol-interpolation``: a Proof-of-Learning spoof: no forward or backward pass, each
@@ -106,6 +108,7 @@ ATTACKS = (
     "substitution-100",
     "hidden-steps",
     "tokens-underreported",
+    "flops-underreported",
     "fine-tune-as-pretraining",
     "pol-interpolation",
     "refiled-copy",
@@ -143,6 +146,8 @@ class Forger:
     initial: list[torch.Tensor] | None = None
     #: factor on the token count the SDK commits
     token_factor: float = 1.0
+    #: factor on the FLOP count the SDK commits
+    flops_factor: float = 1.0
     #: steps that commit (and honestly train on) a batch of another corpus
     other_batch: frozenset[int] = frozenset()
     #: the recipe's bf16-autocast forward (False: a float32 program, float32 bounds)
@@ -157,6 +162,7 @@ class Run:
     final: list[torch.Tensor]
     poisoned_at: int | None = None  # the step whose SDK sampled check failed
     committed_tokens: int = 0  # what the verifier sums from the step records
+    committed_flops: float = 0.0  # what a certificate sums from the step records
     run_digest: str = ""  # attestations.challenges.draw.run_digest of its transcript
 
 
@@ -178,7 +184,8 @@ def train(path: Path, *, steps: int, seed: int, forger: Forger | None = None) ->
                 parameter.copy_(value)
     initial = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.AdamW(lm.parameter_groups(model, 0.1), lr=LR, betas=(0.9, 0.95))
-    restore = _count_tokens(forger.token_factor)
+    restore_tokens = _count_tokens(forger.token_factor)
+    restore_flops = _count_flops(forger.flops_factor)
     started = time.perf_counter()
     proof = zkdv.torch.ZKDV(path, zkdv.ZKDVConfig(), replay_snapshot_interval=SNAPSHOT_INTERVAL)
     proof.start(rolling_window=8, probe_ratio=0.05)
@@ -243,7 +250,8 @@ def train(path: Path, *, steps: int, seed: int, forger: Forger | None = None) ->
         except zkdv.ZKDVPoisonedError as error:
             if run.poisoned_at is None:
                 run.poisoned_at = _step_of(str(error))
-        restore()
+        restore_tokens()
+        restore_flops()
     run.wall = time.perf_counter() - started
     run.final = [p.detach().clone() for p in model.parameters()]
     return run
@@ -275,6 +283,39 @@ def _count_tokens(factor: float) -> Callable[[], None]:
         namespace["count_tokens"] = real
 
     return restore
+
+
+def _count_flops(factor: float) -> Callable[[], None]:
+    """A modified SDK: the root and step records commit ``factor`` times the program's
+    FLOPs (Torch's FLOP counter at sealing)."""
+    if factor == 1.0:
+        return lambda: None
+    from zkdv.torch import _driver
+
+    namespace = vars(_driver)  # the name the driver's own code looks up at sealing
+    real = namespace["count_flops"]
+
+    def fewer(*args: Any, **kwargs: Any) -> float | None:
+        counted = real(*args, **kwargs)
+        return None if counted is None else counted * factor
+
+    namespace["count_flops"] = fewer
+
+    def restore() -> None:
+        namespace["count_flops"] = real
+
+    return restore
+
+
+def committed_flops(path: Path) -> float:
+    """The FLOPs a certificate would sum from the step records."""
+    from zkdv.records import iter_records
+
+    return sum(
+        float(r.data.get("flops") or 0.0)
+        for r in iter_records(path / "records.cborl")
+        if r.data.get("t") == "step"
+    )
 
 
 # --- the forgers ----------------------------------------------------------------------
@@ -591,6 +632,9 @@ def run_attack(
     elif attack == "tokens-underreported":
         forger = Forger(token_factor=0.5)
         forged_count = steps
+    elif attack == "flops-underreported":
+        forger = Forger(flops_factor=0.5)
+        forged_count = steps
     elif attack == "fine-tune-as-pretraining":
         forger = Forger(initial=honest.final)  # the parent: an honest run of this seed
     elif attack == "pol-interpolation":
@@ -634,6 +678,8 @@ def run_attack(
     if attack == "tokens-underreported":
         hidden = honest.committed_tokens - verify_transcript(path).tokens
         result.note("committed / real tokens", 1 - hidden / honest.committed_tokens)
+    if attack == "flops-underreported":
+        result.note("committed / real FLOPs", committed_flops(path) / honest.committed_flops)
     if attack == "fine-tune-as-pretraining":
         hidden = honest.committed_tokens  # the parent's training, filed nowhere
     if attack.startswith("tolerance-gap"):
@@ -744,6 +790,7 @@ def run_suite(
             honest = train(work / f"honest-{run_seed}", steps=steps, seed=run_seed)
             verdicts = platform(work / f"honest-{run_seed}")
             honest.committed_tokens = verify_transcript(work / f"honest-{run_seed}").tokens
+            honest.committed_flops = committed_flops(work / f"honest-{run_seed}")
             honest.run_digest = run_digest(work / f"honest-{run_seed}")
             # An honest run must pass everything: otherwise nothing below means anything.
             assert verdicts.verifier is None and honest.poisoned_at is None, verdicts.verifier

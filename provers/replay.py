@@ -165,6 +165,7 @@ def replay(
                     "into the gradient program and the optimizer",
                 )
         _check_tokens(transcript, transition)
+        _check_flops(transcript, transition)
         end = step if through is None else through
         if step not in transcript.steps or end not in transcript.steps or end < step:
             raise ReplayError(
@@ -213,6 +214,40 @@ def _check_tokens(transcript: Transcript, transition: Transition) -> None:
                 f"step {k}: the record claims {claimed} tokens (unit {unit!r}) but the "
                 f"committed program trains {transition.tokens} per step (the shapes of its "
                 "batch)",
+            )
+
+
+#: How far a step record's ``flops`` may be from the recount: the platform's Torch may
+#: count an operator a little differently from the lab's (its FLOP formulas change
+#: between releases), and a claim off by more than this is a forgery's, not a version's.
+FLOPS_TOLERANCE = 0.01
+
+
+def _check_flops(transcript: Transcript, transition: Transition) -> None:
+    """Every step record's ``flops`` is, within 1 %, the committed program's recount.
+
+    The FLOPs a certificate sums are the trainer's to write; the platform recounts them
+    from the program it replays (``Transition.flops``), so a count under- or over-stated
+    by more than :data:`FLOPS_TOLERANCE` on any step, challenged or not, is caught at the
+    first replay. Where the program can be counted, a record without a count is a
+    mismatch too (the certificate would replace it with a smaller estimate).
+    """
+    expected = transition.flops
+    if expected is None or expected <= 0:
+        return
+    for k in sorted(transcript.steps):
+        claimed = transcript.steps[k].get("flops")
+        if (
+            claimed is None
+            or isinstance(claimed, bool)
+            or not isinstance(claimed, int | float)
+            or not abs(float(claimed) - expected) <= FLOPS_TOLERANCE * expected
+        ):
+            raise ReplayError(
+                "flops_mismatch",
+                f"step {k}: the record claims {claimed!r} FLOPs but the committed program "
+                f"counts {expected:.6g} per step (off by more than "
+                f"{FLOPS_TOLERANCE:.0%})",
             )
 
 

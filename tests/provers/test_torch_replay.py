@@ -183,6 +183,66 @@ def test_honest_run_replays_every_window_bit_for_bit(runs: dict[str, Path]) -> N
     assert provers.verify_challenge(path, 7).ok
 
 
+def test_the_replay_recounts_every_step_records_flops(runs: dict[str, Path]) -> None:
+    path = runs["honest"]
+    transcript = Transcript.load(path)
+    transition = torch_replay.load_transition(path)
+    # The committed program, counted again, is what the SDK counted at sealing.
+    assert transition.flops == transcript.root["env"]["flops"]["per_rank"] > 0
+    assert {record["flops"] for record in transcript.steps.values()} == {transition.flops}
+
+
+@pytest.mark.parametrize("factor", [0.5, 0.98, 1.02])
+def test_a_misstated_flop_count_fails_every_replay(
+    factor: float, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A modified SDK commits a count off by 2 % or more: the chain, the probes and the
+    # replayed states are honest, and the offline verifier has no program to count.
+    from zkdv.torch import _driver
+
+    real = _driver.count_flops
+    monkeypatch.setattr(_driver, "count_flops", lambda *a: real(*a) * factor)
+    path = _train(tmp_path / "misstated")
+    monkeypatch.undo()
+    assert verify_transcript(path).ok
+    for step in (0, 7):
+        verdict = provers.verify_challenge(path, step)
+        assert (verdict.ok, verdict.reason) == (False, "flops_mismatch")
+        assert "step 0: the record claims" in str(verdict.message)
+        assert "off by more than 1%" in str(verdict.message)
+
+
+def test_an_estimated_flop_count_is_recomputed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A program the SDK's counter cannot run: it estimates 6 x parameters x tokens, and
+    # says so in the root; the replay recomputes the same estimate.
+    from zkdv.torch import _driver
+
+    monkeypatch.setattr(_driver, "count_flops", lambda *a: None)
+    path = _train(tmp_path / "estimated")
+    monkeypatch.undo()
+    transcript = Transcript.load(path)
+    assert transcript.root["env"]["flops"]["method"] == "6 x parameters x tokens"
+    parameters = 6 * 16 + 16 + 16 + 1  # Linear(6, 16), Linear(16, 1)
+    tokens = transcript.steps[0]["tokens"]
+    assert torch_replay.load_transition(path).flops == 6.0 * parameters * tokens
+    assert provers.verify_challenge(path, 0).ok
+
+
+def test_a_flop_count_within_one_percent_passes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another Torch release may count an operator a little differently: not a forgery.
+    from zkdv.torch import _driver
+
+    real = _driver.count_flops
+    monkeypatch.setattr(_driver, "count_flops", lambda *a: real(*a) * 1.005)
+    path = _train(tmp_path / "close")
+    monkeypatch.undo()
+    assert provers.verify_challenge(path, 0).ok
+
+
 def test_batch_file_that_differs_from_the_committed_batch(honest_copy: Path) -> None:
     file = batch_path(honest_copy, 5)
     data = bytearray(file.read_bytes())

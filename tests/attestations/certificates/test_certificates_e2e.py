@@ -70,6 +70,9 @@ def test_an_honest_run_is_certified_passed_with_its_replay_evidence(
     assert replay["challengedSteps"] == sorted(challenged)
     claims = {claim["name"]: claim for claim in statement["predicate"]["claims"]}
     assert claims["optimizer"]["evidence"] == "verified_by_replay"
+    # The replay recounted every step's tokens and FLOPs from the torch.export program.
+    assert claims["tokens"]["evidence"] == "verified_by_replay"
+    assert claims["flops"]["evidence"] == "verified_by_replay"
     assert claims["limit_violations"]["value"] == []
     assert statement["subject"][0]["digest"]["zkdv-transcript"] == proof.transcript_digest
 

@@ -96,6 +96,11 @@ class Transition:
     #: program), times the ranks that each train one such batch. None where the frontend
     #: cannot say; then the records' counts are not checked.
     tokens: int | None = None
+    #: What every step record's ``flops`` must hold, recounted from the committed
+    #: program (or the SDK's estimate, ``6 x parameters x tokens``, where it recorded
+    #: one). None where the frontend cannot count; then the records' counts are not
+    #: checked.
+    flops: float | None = None
 
     def __call__(
         self,

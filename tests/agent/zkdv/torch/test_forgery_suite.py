@@ -24,6 +24,7 @@ ATTACKS = [
     "substitution-5",  # (b)
     "hidden-steps",  # (c)
     "tokens-underreported",  # (c)
+    "flops-underreported",  # (c)
     "pol-interpolation",  # (d)
 ]
 #: The platform's replay, or the SDK's own sampled check when its draw (which follows
@@ -105,3 +106,15 @@ def test_an_underreported_token_count_is_caught_at_the_first_replay(
     assert (result.caught, result.trials) == (DRAWS, DRAWS)
     assert result.by == {"platform replay": DRAWS}
     assert result.extra["committed / real tokens"] == [0.5]
+
+
+@pytest.mark.slow
+def test_an_underreported_flop_count_is_caught_at_the_first_replay(
+    results: dict[str, Any],
+) -> None:
+    # Every replay recounts every step record's FLOPs with Torch's FLOP counter on the
+    # committed program (flops_mismatch): half the count is caught whatever is drawn.
+    result = results["flops-underreported"]
+    assert (result.caught, result.trials) == (DRAWS, DRAWS)
+    assert result.by == {"platform replay": DRAWS}
+    assert result.extra["committed / real FLOPs"] == [0.5]

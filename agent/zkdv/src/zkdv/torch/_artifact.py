@@ -51,6 +51,33 @@ class LoadedProgram:
         self.random = kind == TORCH_EXPORT and _rng.bind_generator(runner)
         self._generators: dict[torch.device, torch.Generator] = {}
 
+    def count_flops(self) -> float | None:
+        """FLOPs of one call, by Torch's FLOP counter on fake inputs of the program's shapes.
+
+        What the SDK counted at sealing (``zkdv.torch._lowering.count_flops``), counted
+        again from the committed program, so a replay can check the step records' claim.
+        A ``torch.export`` program only: an AOT Inductor package is native code, with no
+        graph to count (None), as is a program whose inputs are not all tensors.
+        """
+        if self.kind != TORCH_EXPORT:
+            return None
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.utils.flop_counter import FlopCounterMode
+
+        values = [n.meta.get("val") for n in self._runner.graph.nodes if n.op == "placeholder"]
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            return None
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                fakes = [
+                    mode.from_tensor(torch.empty(tuple(v.shape), dtype=v.dtype)) for v in values
+                ]
+                with FlopCounterMode(display=False) as counter:
+                    self._runner(*fakes)
+            return float(counter.get_total_flops())
+        except Exception:  # noqa: BLE001 - a program the counter cannot run is not counted
+            return None
+
     def __call__(self, *arguments: torch.Tensor, seed: int | None = None) -> list[torch.Tensor]:
         if self.random:
             if seed is None:

@@ -216,6 +216,28 @@ def _tokens(root: dict[str, Any], env: dict[str, Any]) -> int:
     return per_rank * int(env.get("world_size", 1))
 
 
+#: ``env.flops.method`` of a root whose SDK could not count the program's FLOPs.
+ESTIMATED_FLOPS = "6 x parameters x tokens"
+
+
+def _flops(root: dict[str, Any], env: dict[str, Any], program: Any, tokens: int) -> float | None:
+    """A step record's ``flops`` as the SDK counts it, recounted: Torch's FLOP counter on
+    the committed program, times the ranks (``env.world_size``), or the SDK's estimate
+    ``6 x parameters x tokens`` where it recorded that it estimated. None where neither
+    can be recomputed (an AOT Inductor program, an unstated method)."""
+    stated = env.get("flops")
+    method = stated.get("method") if isinstance(stated, dict) else None
+    if method == ESTIMATED_FLOPS:
+        parameters = sum(
+            int(np.prod(spec["shape"], dtype=np.int64)) for spec in root["schema"]["params"]
+        )
+        return 6.0 * parameters * tokens
+    if method != "torch.utils.flop_counter":
+        return None
+    counted = program.count_flops()
+    return None if counted is None else counted * int(env.get("world_size", 1))
+
+
 def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
     """Load the committed program and optimizer of a ``whitebox-torch`` proof.
 
@@ -247,12 +269,14 @@ def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
     env = root.get("env") or {}
     step = _Step(program, env, root["schema"])
     committed = bool(step.computed_names)
+    tokens = _tokens(root, env)
     return Transition(
         step.whole,
         step.compute if committed else None,
         step.apply if committed else None,
         canonical=step.bridge.canonical,
-        tokens=_tokens(root, env),
+        tokens=tokens,
+        flops=_flops(root, env, program, tokens),
     )
 
 
