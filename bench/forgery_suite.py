@@ -74,6 +74,7 @@ sys.path[:0] = [
     str(ROOT / "agent" / "dvbench" / "src"),
 ]
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.nn import functional  # noqa: E402
 
@@ -471,7 +472,8 @@ class Verdicts:
     replay_seconds: float
 
 
-def platform(path: Path) -> Verdicts:
+def verifier_verdicts(path: Path) -> Verdicts:
+    """The offline verifier's verdict on a transcript, before any replay."""
     report = verify_transcript(path)
     digest = hashlib.sha256((path / "records.cborl").read_bytes()).hexdigest()
     verdicts = Verdicts(
@@ -488,6 +490,13 @@ def platform(path: Path) -> Verdicts:
             if record.data.get("t") == "step":
                 step = int(record.data["i"])
         verdicts.verifier_step = step
+    return verdicts
+
+
+def platform(path: Path) -> Verdicts:
+    """The offline verifier, then every window replayed by the Torch prover."""
+    verdicts = verifier_verdicts(path)
+    if verdicts.verifier is not None:
         return verdicts
     started = time.perf_counter()
     transcript = Transcript.load(path)
@@ -810,6 +819,90 @@ def run_suite(
     return results
 
 
+def run_jax_suite(
+    attacks: list[str],
+    *,
+    trials: int,
+    draws: int,
+    steps: int,
+    seed: int = 0,
+    work: Path | None = None,
+    progress: Callable[[str], None] = lambda line: None,
+) -> dict[str, Result]:
+    """The attacks a JAX lab can mount, against the JAX LM recipe (``bench/forgery_jax.py``)."""
+    from bench import forgery_jax
+
+    own = work is None
+    work = Path(tempfile.mkdtemp(prefix="forgery-jax-")) if work is None else work
+    results = {attack: Result(attack) for attack in attacks}
+    try:
+        # Compile once, off the clock of the honest baseline.
+        forgery_jax.train(work / "warm-up", steps=2, seed=seed, step_of=_step_of)
+        shutil.rmtree(work / "warm-up", ignore_errors=True)
+        for trial in range(trials):
+            run_seed = seed + trial
+            honest = forgery_jax.train(
+                work / f"honest-{run_seed}", steps=steps, seed=run_seed, step_of=_step_of
+            )
+            verdicts = forgery_jax.platform(honest.path, verifier_verdicts(honest.path))
+            assert verdicts.verifier is None and honest.poisoned_at is None, verdicts.verifier
+            assert all(w[0] is None for w in verdicts.windows.values()), verdicts.windows
+            tokens = forgery_jax.committed_tokens(honest.path)
+            progress(f"seed {run_seed}: honest JAX run {honest.wall:.1f} s, replays pass")
+            for attack in attacks:
+                forger, forged = forgery_jax.forger_for(
+                    attack, steps=steps, seed=run_seed, weakest=weakest_steps
+                )
+                path = work / f"{attack}-{run_seed}"
+                run = forgery_jax.train(
+                    path, steps=steps, seed=run_seed, forger=forger, step_of=_step_of
+                )
+                result = results[attack]
+                verdicts = (
+                    forgery_jax.platform(path, verifier_verdicts(path))
+                    if run.poisoned_at is None
+                    else None
+                )
+                result.runs += 1
+                result.forged_steps = forged
+                result.predicted = predicted(steps, forged)
+                result.cost.append(run.wall / honest.wall)
+                result.unit = "examples"
+                if attack == "tokens-underreported" and run.poisoned_at is None:
+                    result.note(
+                        "committed / real tokens", forgery_jax.committed_tokens(path) / tokens
+                    )
+                moved = float(np.linalg.norm(honest.final - honest.initial))
+                for draw in range(draws):
+                    draw_seed = hashlib.sha256(
+                        f"forgery-jax {attack} {run_seed} {draw}".encode()
+                    ).digest()
+                    outcome = (
+                        challenge(run, verdicts, draw_seed)  # type: ignore[arg-type]
+                        if verdicts is not None
+                        else Outcome(True, run.refused_by, run.poisoned_at, True)
+                    )
+                    result.trials += 1
+                    result.exact_caught += outcome.exact_caught
+                    if outcome.caught:
+                        result.caught += 1
+                        result.by[outcome.by] = result.by.get(outcome.by, 0) + 1
+                        if outcome.step is not None:
+                            result.steps_caught.append(outcome.step)
+                    else:
+                        result.missed_distance.append(
+                            float(np.linalg.norm(run.final - honest.final)) / moved
+                        )
+                        result.missed_hidden.append(0)
+                shutil.rmtree(path, ignore_errors=True)
+                progress(f"seed {run_seed}: {attack} done")
+            shutil.rmtree(honest.path, ignore_errors=True)
+    finally:
+        if own:
+            shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
 def _fmt(values: list[float], digits: int = 3) -> str:
     if not values:
         return "-"
@@ -872,7 +965,13 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3, help="forged runs per attack (seeds)")
     parser.add_argument("--draws", type=int, default=400, help="platform draws per run")
     parser.add_argument("--steps", type=int, default=96)
-    parser.add_argument("--attacks", default=",".join(ATTACKS))
+    parser.add_argument("--attacks", default="", help="comma-separated (default: every one)")
+    parser.add_argument(
+        "--recipe",
+        choices=("torch", "jax"),
+        default="torch",
+        help="the Torch LM recipe, or the JAX one (the attacks a JAX lab can mount)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="first run seed")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
@@ -881,22 +980,35 @@ def main() -> None:
     arguments = parser.parse_args()
     if arguments.quick:
         arguments.trials, arguments.steps, arguments.draws = 1, 36, 100
-    attacks = [a.strip() for a in arguments.attacks.split(",") if a.strip()]
+    known: tuple[str, ...] = ATTACKS
+    if arguments.recipe == "jax":
+        from bench import forgery_jax
+
+        known = forgery_jax.ATTACKS
+    attacks = [a.strip() for a in arguments.attacks.split(",") if a.strip()] or list(known)
     for attack in attacks:
-        if attack not in ATTACKS:
-            parser.error(f"unknown attack {attack!r}; choose from {', '.join(ATTACKS)}")
+        if attack not in known:
+            parser.error(f"unknown attack {attack!r}; choose from {', '.join(known)}")
     torch.set_num_threads(arguments.threads)
     started = time.perf_counter()
-    results = run_suite(
+    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    run = run_jax_suite if arguments.recipe == "jax" else run_suite
+    results = run(
         attacks, trials=arguments.trials, draws=arguments.draws, steps=arguments.steps,
-        seed=arguments.seed, progress=lambda line: print(line, file=sys.stderr, flush=True),
+        seed=arguments.seed, progress=progress,
     )  # fmt: skip
     print(
-        f"python bench/forgery_suite.py --trials {arguments.trials} --draws {arguments.draws} "
-        f"--steps {arguments.steps} --seed {arguments.seed} --attacks {','.join(attacks)}"
+        f"python bench/forgery_suite.py --recipe {arguments.recipe} --trials {arguments.trials} "
+        f"--draws {arguments.draws} --steps {arguments.steps} --seed {arguments.seed} "
+        f"--attacks {','.join(attacks)}"
     )
     print(table(results, arguments.steps))
-    print(f"\nwall time {time.perf_counter() - started:.0f} s, torch {torch.__version__}")
+    versions = f"torch {torch.__version__}"
+    if arguments.recipe == "jax":
+        import jax
+
+        versions = f"jax {jax.__version__}"
+    print(f"\nwall time {time.perf_counter() - started:.0f} s, {versions}")
 
 
 if __name__ == "__main__":
