@@ -58,6 +58,7 @@ import argparse
 import hashlib
 import itertools
 import math
+import re
 import shutil
 import sys
 import tempfile
@@ -960,6 +961,63 @@ def table(results: dict[str, Result], steps: int) -> str:
     return "\n".join(lines)
 
 
+#: A table of ``docs/soundness.md`` that ``--update-docs`` rewrites: the comment names
+#: the recipe and attacks, the table follows, up to the closing comment.
+DOC_BLOCK = re.compile(
+    r"(<!-- forgery-suite --recipe (?P<recipe>torch|jax) --attacks (?P<attacks>[a-z0-9,-]+) -->\n)"
+    r"(?P<body>.*?)"
+    r"(<!-- /forgery-suite -->)",
+    re.DOTALL,
+)
+DOC_RUN = re.compile(r"(<!-- forgery-suite-run -->\n)(.*?)(<!-- /forgery-suite-run -->)", re.DOTALL)
+
+
+def doc_blocks(text: str) -> list[tuple[str, list[str]]]:
+    """The ``(recipe, attacks)`` of every table block of a page, in page order."""
+    return [(m["recipe"], m["attacks"].split(",")) for m in DOC_BLOCK.finditer(text)]
+
+
+def render_docs(text: str, results: dict[str, dict[str, Result]], steps: int, run_line: str) -> str:
+    """The page with every block's table rebuilt from ``results`` (by recipe, by attack)
+    and the run line replaced; nothing outside the blocks changes."""
+
+    def block(match: re.Match[str]) -> str:
+        chosen = {a: results[match["recipe"]][a] for a in match["attacks"].split(",")}
+        rendered = table(chosen, steps).split("\n", 2)[2]  # without the "T = ..." line
+        return f"{match.group(1)}{rendered}\n{match.group(5)}"
+
+    text = DOC_BLOCK.sub(block, text)
+    return DOC_RUN.sub(lambda m: f"{m.group(1)}{run_line}\n{m.group(3)}", text)
+
+
+def update_docs(path: Path, *, trials: int, draws: int, steps: int, seed: int) -> None:
+    """Measure every attack the page's tables name, at these settings, and rewrite them."""
+    text = path.read_text()
+    wanted: dict[str, list[str]] = {"torch": [], "jax": []}
+    for recipe, attacks in doc_blocks(text):
+        wanted[recipe] += [a for a in attacks if a not in wanted[recipe]]
+    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    started = time.perf_counter()
+    results: dict[str, dict[str, Result]] = {}
+    for recipe, run in (("torch", run_suite), ("jax", run_jax_suite)):
+        if wanted[recipe]:
+            results[recipe] = run(
+                wanted[recipe], trials=trials, draws=draws, steps=steps, seed=seed,
+                progress=progress,
+            )  # fmt: skip
+    import jax
+
+    when = time.strftime("%d %B %Y, %H:%M UTC", time.gmtime())
+    run_line = (
+        f"`python bench/forgery_suite.py --update-docs --trials {trials} --steps {steps} "
+        f"--draws {draws} --seed {seed}`, run on {when}: seeds {seed} to {seed + trials - 1}, "
+        f"{trials} forged runs per attack, each met by {draws} platform draws; "
+        f"{time.perf_counter() - started:.0f} s wall time in all (torch {torch.__version__}, "
+        f"jax {jax.__version__})."
+    )
+    path.write_text(render_docs(text, results, steps, run_line))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=3, help="forged runs per attack (seeds)")
@@ -977,7 +1035,21 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="1 run per attack, 36 steps, 100 draws"
     )
+    parser.add_argument(
+        "--update-docs",
+        nargs="?",
+        const=str(ROOT / "docs" / "soundness.md"),
+        help="measure every attack the page's tables name and rewrite them "
+        "(default page: docs/soundness.md)",
+    )
     arguments = parser.parse_args()
+    if arguments.update_docs:
+        torch.set_num_threads(arguments.threads)
+        update_docs(
+            Path(arguments.update_docs), trials=arguments.trials, draws=arguments.draws,
+            steps=arguments.steps, seed=arguments.seed,
+        )  # fmt: skip
+        return
     if arguments.quick:
         arguments.trials, arguments.steps, arguments.draws = 1, 36, 100
     known: tuple[str, ...] = ATTACKS

@@ -118,3 +118,42 @@ def test_an_underreported_flop_count_is_caught_at_the_first_replay(
     assert (result.caught, result.trials) == (DRAWS, DRAWS)
     assert result.by == {"platform replay": DRAWS}
     assert result.extra["committed / real FLOPs"] == [0.5]
+
+
+def test_the_soundness_page_is_rewritten_by_one_command_and_covers_every_attack() -> None:
+    suite = _suite()
+    page = (REPO_ROOT / "docs" / "soundness.md").read_text()
+    blocks = suite.doc_blocks(page)
+    named = {
+        recipe: {a for r, attacks in blocks if r == recipe for a in attacks}
+        for recipe in ("torch", "jax")
+    }
+    from bench import forgery_jax
+
+    # One table row for every attack of either recipe.
+    assert named["torch"] == set(suite.ATTACKS)
+    assert named["jax"] == set(forgery_jax.ATTACKS)
+
+    caught = suite.Result("substitution-1", runs=1, trials=4, caught=3, forged_steps=1)
+    caught.by = {"platform replay": 3}
+    caught.note("a measure", 0.5)
+    missed = suite.Result("hidden-steps", runs=1, trials=4, caught=0)
+    text = (
+        "prose before\n"
+        "<!-- forgery-suite --recipe torch --attacks substitution-1 -->\nold table\n"
+        "<!-- /forgery-suite -->\nprose between\n"
+        "<!-- forgery-suite --recipe jax --attacks hidden-steps -->\nold\n"
+        "<!-- /forgery-suite -->\n"
+        "<!-- forgery-suite-run -->\nold run\n<!-- /forgery-suite-run -->\nprose after\n"
+    )
+    results = {"torch": {"substitution-1": caught}, "jax": {"hidden-steps": missed}}
+    rendered = suite.render_docs(text, results, 24, "the new run")
+    assert rendered.startswith("prose before\n<!-- forgery-suite --recipe torch")
+    assert "old" not in rendered
+    assert "| substitution-1 | 1 of 24 | 1 x 4 | 0.750 [" in rendered
+    assert "| substitution-1 | a measure | 0.5 |" in rendered
+    assert "| hidden-steps | 0 of 24 | 1 x 4 | 0.000 [" in rendered
+    assert "\nprose between\n" in rendered and rendered.endswith("prose after\n")
+    assert "<!-- forgery-suite-run -->\nthe new run\n<!-- /forgery-suite-run -->" in rendered
+    # Rendering again changes nothing: the markers survive.
+    assert suite.render_docs(rendered, results, 24, "the new run") == rendered
