@@ -1007,10 +1007,12 @@ def update_docs(path: Path, *, trials: int, draws: int, steps: int, seed: int) -
             )  # fmt: skip
     import jax
 
-    when = time.strftime("%d %B %Y, %H:%M UTC", time.gmtime())
+    now = time.gmtime()
+    when = f"{now.tm_mday} {time.strftime('%B %Y, %H:%M UTC', now)}"
+    seeds = f"seed {seed}" if trials == 1 else f"seeds {seed} to {seed + trials - 1}"
     run_line = (
         f"`python bench/forgery_suite.py --update-docs --trials {trials} --steps {steps} "
-        f"--draws {draws} --seed {seed}`, run on {when}: seeds {seed} to {seed + trials - 1}, "
+        f"--draws {draws} --seed {seed}`, run on {when}: {seeds}, "
         f"{trials} forged runs per attack, each met by {draws} platform draws; "
         f"{time.perf_counter() - started:.0f} s wall time in all (torch {torch.__version__}, "
         f"jax {jax.__version__})."
