@@ -105,7 +105,12 @@ def _run_shell(example: Example) -> None:
         source = source.replace("dvb_...", workspace.accounts[READER[guide]]["api_key"])
     state = workspace.root / ".guide-state"
     state.mkdir(exist_ok=True)
-    environment_file, directory_file = state / f"{id(example.document)}.env", state / "cwd"
+    # One environment and one working folder per guide, named by the guide: a document's
+    # id() is reused once an earlier guide's document is freed, and the regulators' guide
+    # then ran in the auditors' folder with their variables (its KEY read from a
+    # .data/demo-accounts.json that is not there, so empty, and the next curl a 401).
+    name = guide.replace("/", "_")
+    environment_file, directory_file = state / f"{name}.env", state / f"{name}.cwd"
     if not environment_file.exists():
         environment_file.write_text("")
         directory_file.write_text(str(workspace.root))
