@@ -6,8 +6,8 @@ accumulated micro-batches inside the step, through ``zkdv.jax.ZKDV`` at the defa
 policy (``ZKDVConfig()``: sampled checks with p = 0.01) with a snapshot every 12 steps.
 Each transcript meets what the platform applies: the SDK's own sampled check, the
 offline verifier, and every window replayed by ``provers.jax_replay`` (within the
-run's bounds, as a worker on other hardware replays it); the platform's draws then read
-the window verdicts (``forgery_suite.challenge``).
+run's bounds, as a worker on other hardware replays it: ``forgery_suite.platform``);
+the platform's draws then read the window verdicts (``forgery_suite.challenge``).
 
 The attacks whose forger a JAX lab can mount:
 
@@ -43,8 +43,6 @@ import numpy as np
 
 import zkdv
 import zkdv.jax
-from provers import jax_replay
-from provers.replay import Transcript, windows
 from tests.agent.zkdv.jax.recipes import example
 from zkdv.verify import verify_transcript
 
@@ -172,28 +170,6 @@ def train(
     run.wall = time.perf_counter() - started
     run.final = _flat(state.params) if run.poisoned_at is None else initial
     return run
-
-
-def platform(path: Path, verdicts: Any) -> Any:
-    """``verdicts`` (the offline verifier's, ``forgery_suite.verifier_verdicts``), then
-    every window replayed by the JAX prover."""
-    if verdicts.verifier is not None:
-        return verdicts
-    started = time.perf_counter()
-    transcript = Transcript.load(path)
-    transition = jax_replay.load_transition(path)
-    for first, last in windows(transcript):
-        verdict = jax_replay.verify_challenge(
-            path, first, through=last, transition=transition, exact=False
-        )
-        failed: int | None = None
-        if not verdict.ok:
-            bad = [e.step for e in verdict.evidence if not e.ok]
-            failed = bad[0] if bad else first
-        inexact = [e.step for e in verdict.evidence if not e.exact]
-        verdicts.windows[first] = (failed, inexact[0] if inexact else None, last)
-    verdicts.replay_seconds = time.perf_counter() - started
-    return verdicts
 
 
 def forger_for(

@@ -494,16 +494,17 @@ def verifier_verdicts(path: Path) -> Verdicts:
     return verdicts
 
 
-def platform(path: Path) -> Verdicts:
-    """The offline verifier, then every window replayed by the Torch prover."""
+def platform(path: Path, prover: Any = torch_replay) -> Verdicts:
+    """The offline verifier, then every window replayed by ``prover`` (the Torch prover,
+    or ``provers.jax_replay``) within the run's bounds, as another machine replays it."""
     verdicts = verifier_verdicts(path)
     if verdicts.verifier is not None:
         return verdicts
     started = time.perf_counter()
     transcript = Transcript.load(path)
-    transition = torch_replay.load_transition(path)
+    transition = prover.load_transition(path)
     for first, last in windows(transcript):
-        verdict = torch_replay.verify_challenge(
+        verdict = prover.verify_challenge(
             path, first, through=last, transition=transition, exact=False
         )
         failed: int | None = None
@@ -832,6 +833,7 @@ def run_jax_suite(
 ) -> dict[str, Result]:
     """The attacks a JAX lab can mount, against the JAX LM recipe (``bench/forgery_jax.py``)."""
     from bench import forgery_jax
+    from provers import jax_replay
 
     own = work is None
     work = Path(tempfile.mkdtemp(prefix="forgery-jax-")) if work is None else work
@@ -845,7 +847,7 @@ def run_jax_suite(
             honest = forgery_jax.train(
                 work / f"honest-{run_seed}", steps=steps, seed=run_seed, step_of=_step_of
             )
-            verdicts = forgery_jax.platform(honest.path, verifier_verdicts(honest.path))
+            verdicts = platform(honest.path, jax_replay)
             assert verdicts.verifier is None and honest.poisoned_at is None, verdicts.verifier
             assert all(w[0] is None for w in verdicts.windows.values()), verdicts.windows
             tokens = forgery_jax.committed_tokens(honest.path)
@@ -859,11 +861,7 @@ def run_jax_suite(
                     path, steps=steps, seed=run_seed, forger=forger, step_of=_step_of
                 )
                 result = results[attack]
-                verdicts = (
-                    forgery_jax.platform(path, verifier_verdicts(path))
-                    if run.poisoned_at is None
-                    else None
-                )
+                verdicts = platform(path, jax_replay) if run.poisoned_at is None else None
                 result.runs += 1
                 result.forged_steps = forged
                 result.predicted = predicted(steps, forged)

@@ -10,6 +10,7 @@ schedule.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from celery import Task, shared_task
 from django.conf import settings
@@ -21,6 +22,44 @@ from attestations.challenges.workspace import BlobCorruptError
 from attestations.core.transient import TRANSIENT_ERRORS
 
 log = logging.getLogger(__name__)
+
+
+def _run_claimed(
+    task: Task,  # type: ignore[type-arg]
+    pk: int,
+    work: Callable[[], object],
+    *,
+    what: str,
+    record_error: Callable[[int, str, str], None],
+    release_claim: Callable[[int], None],
+) -> None:
+    """Run ``work`` on a row this worker claimed; a failure becomes its error or a retry.
+
+    Transient errors (database, broker, disk) release the claim and retry with
+    exponential backoff, and after the last retry record ``replay_unavailable``; a
+    corrupt stored file, the soft time limit and anything else are recorded on the row
+    as a permanent error with its reason.
+    """
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    try:
+        work()
+    except BlobCorruptError as error:
+        record_error(pk, "blob_corrupt", str(error))
+    except SoftTimeLimitExceeded:
+        record_error(pk, "replay_timeout", f"the {what} ran past the task's soft time limit")
+    except TRANSIENT_ERRORS as error:
+        release_claim(pk)
+        if task.request.retries >= (task.max_retries or 0):
+            record_error(pk, "replay_unavailable", f"{type(error).__name__}: {error}")
+            raise
+        raise task.retry(
+            exc=error,  # type: ignore[arg-type]
+            countdown=min(300, 2 ** (task.request.retries + 1)),
+        ) from error
+    except Exception as error:
+        log.exception("the %s of %s failed", what, pk)
+        record_error(pk, "replay_failed", f"{type(error).__name__}: {error}")
 
 
 @shared_task(
@@ -39,43 +78,29 @@ def replay_challenge(self: Task, challenge_id: int) -> str | None:  # type: igno
     or a stale ``replaying`` claim whose worker died), so a redelivered message or a
     second worker finds nothing to do. Late acknowledgement with reject-on-worker-lost
     means a worker killed mid-replay leaves the message to the broker, which delivers it
-    again once the claim is stale. Transient errors (database, broker, disk) release the
-    claim and retry with exponential backoff; anything else, and the soft time limit,
-    is recorded on the challenge as a permanent ``error`` with its reason.
+    again once the claim is stale. Failures are handled by :func:`_run_claimed`: transient
+    ones retry, anything else is recorded on the challenge as a permanent ``error``.
 
     Returns:
         The challenge's final status, or None when another worker owns it.
     """
-    from celery.exceptions import SoftTimeLimitExceeded
-
     if not execution.claim(challenge_id):
         return None
-    try:
+
+    def replay() -> None:
         challenge = Challenge.objects.select_related("proof__transcript", "proof__experiment").get(
             pk=challenge_id
         )
-        verdict = execution.replay_one(challenge)
-        execution.record_verdict(challenge, verdict)
-    except BlobCorruptError as error:
-        execution.record_error(challenge_id, "blob_corrupt", str(error))
-    except SoftTimeLimitExceeded:
-        execution.record_error(
-            challenge_id, "replay_timeout", "the replay ran past the task's soft time limit"
-        )
-    except TRANSIENT_ERRORS as error:
-        execution.release_claim(challenge_id)
-        if self.request.retries >= (self.max_retries or 0):
-            execution.record_error(
-                challenge_id, "replay_unavailable", f"{type(error).__name__}: {error}"
-            )
-            raise
-        raise self.retry(
-            exc=error,  # type: ignore[arg-type]
-            countdown=min(300, 2 ** (self.request.retries + 1)),
-        ) from error
-    except Exception as error:
-        log.exception("replaying challenge %s failed", challenge_id)
-        execution.record_error(challenge_id, "replay_failed", f"{type(error).__name__}: {error}")
+        execution.record_verdict(challenge, execution.replay_one(challenge))
+
+    _run_claimed(
+        self,
+        challenge_id,
+        replay,
+        what="replay",
+        record_error=execution.record_error,
+        release_claim=execution.release_claim,
+    )
     return str(Challenge.objects.values_list("status", flat=True).get(pk=challenge_id))
 
 
@@ -83,9 +108,9 @@ def replay_challenge(self: Task, challenge_id: int) -> str | None:  # type: igno
 def expire_challenges() -> int:
     """Expire challenges left unanswered past their deadline (run periodically).
 
-    Each expiry rejects its proof (``challenge_expired``). Idempotent: an expired
+    Each expiry rejects its proof (``challenge_expired``); the unanswered slices of sliced
+    runs past their deadline expire too, and fail their run. Idempotent: an expired
     challenge is final and is not touched again.
-    Expires the unanswered slices of sliced runs past theirs too.
     """
     return verdicts.expire() + sliced_verdicts.expire()
 
@@ -103,33 +128,23 @@ def replay_slice(self: Task, slice_id: int) -> str | None:  # type: ignore[type-
     """Verify one sliced challenge and record its verdict (queue ``replay``).
 
     Claimed like :func:`replay_challenge` (ready -> verifying, or a stale claim), with the
-    same handling of transient errors, time limits and anything else.
+    same handling of transient errors, time limits and anything else (:func:`_run_claimed`).
     """
-    from celery.exceptions import SoftTimeLimitExceeded
-
     if not sliced_verdicts.claim(slice_id):
         return None
-    try:
+
+    def check() -> None:
         challenge = SlicedChallenge.objects.select_related(
             "run__run_file", "run__experiment", "opening"
         ).get(pk=slice_id)
         sliced_verdicts.record_verdict(slice_id, sliced_verdicts.verify(challenge))
-    except SoftTimeLimitExceeded:
-        sliced_verdicts.record_error(
-            slice_id, "replay_timeout", "the check ran past the soft time limit"
-        )
-    except TRANSIENT_ERRORS as error:
-        sliced_verdicts.release_claim(slice_id)
-        if self.request.retries >= (self.max_retries or 0):
-            sliced_verdicts.record_error(
-                slice_id, "replay_unavailable", f"{type(error).__name__}: {error}"
-            )
-            raise
-        raise self.retry(
-            exc=error,  # type: ignore[arg-type]
-            countdown=min(300, 2 ** (self.request.retries + 1)),
-        ) from error
-    except Exception as error:
-        log.exception("verifying slice %s failed", slice_id)
-        sliced_verdicts.record_error(slice_id, "replay_failed", f"{type(error).__name__}: {error}")
+
+    _run_claimed(
+        self,
+        slice_id,
+        check,
+        what="slice check",
+        record_error=sliced_verdicts.record_error,
+        release_claim=sliced_verdicts.release_claim,
+    )
     return str(SlicedChallenge.objects.values_list("status", flat=True).get(pk=slice_id))

@@ -24,22 +24,17 @@ import torch
 from django.utils import timezone
 from rest_framework.test import APIClient
 from torch import nn
-from torch.nn import functional
 
 from attestations.audit.models import AuditEvent
 from attestations.challenges import sliced as platform_sliced
 from attestations.challenges import sliced_verdicts
 from attestations.challenges.models import SlicedChallenge, SlicedRun, SliceStatus
+from tests.agent.zkdv.torch import test_sliced as protocol
 from tests.attestations.base import World, error_of, upload_blob
 from tests.attestations.challenges.test_replay import TORCH_SPEC, client_for, quiesce, setup_org
-from tests.examples import torch_example
 from zkdv import sliced, sliced_store
 
-lm = torch_example("lm")
-CONFIG = lm.LMConfig(width=16, heads=2, layers=2, context=8, dropout=0.0)
-MICRO, ROWS, STEPS = 2, 4, 3
-GROUP = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-INPUTS = ("tokens.weight", "positions.weight")
+CONFIG, MICRO, ROWS, STEPS = protocol.CONFIG, protocol.MICRO, protocol.ROWS, protocol.STEPS
 RUNS = "/api/v1/experiments/acme/run-1/sliced-runs/"
 
 
@@ -72,25 +67,9 @@ def _small_policy(settings: Any) -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def _loss(model: Any, micro: torch.Tensor) -> torch.Tensor:
-    logits = model(micro[:, :-1])
-    loss = functional.cross_entropy(logits.reshape(-1, CONFIG.vocab), micro[:, 1:].reshape(-1))
-    return loss / MICRO
-
-
 def train(seed: int, tamper: dict[str, Callable[..., None]] | None = None) -> sliced.TorchLab:
-    torch.manual_seed(seed)
-    model = lm.TinyLM(CONFIG)
-    lab = sliced.TorchLab(
-        model,
-        [(f"blocks.{i}", block) for i, block in enumerate(model.blocks)],
-        dict(GROUP),
-        inputs=INPUTS,
-        tamper=tamper or {},
-    )
-    for batch in lm.token_batches(CONFIG, steps=STEPS, micro_batches=MICRO, rows=ROWS, seed=seed):
-        lab.step(batch, _loss)
-    return lab
+    """The lab: the protocol tests' run (the LM recipe's model, 3 steps of 2 x 4)."""
+    return protocol._train(seed, tamper)
 
 
 def upload(client: APIClient, data: bytes) -> str:

@@ -7,28 +7,16 @@ One run of each attack, 24 steps (two snapshot windows), the default sampling po
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[4]
+from tests.agent.zkdv.torch.test_forgery_suite import _suite
+
 STEPS = 24
 DRAWS = 20
 ATTACKS = ["substitution-5", "hidden-steps", "tokens-underreported"]
-
-
-def _suite() -> ModuleType:
-    path = REPO_ROOT / "bench" / "forgery_suite.py"
-    spec = importlib.util.spec_from_file_location("forgery_suite", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
