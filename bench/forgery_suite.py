@@ -437,6 +437,20 @@ def run_digest(path: Path) -> str:
     return digest_of(TranscriptIndex.read(path / "records.cborl"))
 
 
+def indexed_states_shared(path: Path, original: Path) -> int:
+    """How many of the states the platform indexes a filing by (``draw.indexed_states``)
+    two transcripts share: what links a near copy to the filing it copies."""
+    run_digest(path)  # sets Django up
+    from attestations.challenges.draw import indexed_states
+    from attestations.challenges.index import TranscriptIndex
+
+    mine, theirs = (
+        set(indexed_states(TranscriptIndex.read(p / "records.cborl")).values())
+        for p in (path, original)
+    )
+    return len(mine & theirs)
+
+
 def weakest_steps(steps: int, count: int, seed: int) -> frozenset[int]:
     """``count`` steps where a challenge catches a forgery least: the last step of a
     snapshot window (a challenge replays from the snapshot before it up to itself, so
@@ -667,8 +681,13 @@ def run_attack(
     if attack.startswith("refiled-") and verdicts is not None:
         # What the platform sees of a refiling: the committed run's digest, which links
         # every filing of one run (docs/provers.md, "Every filing is on the record").
+        # A near copy (another digest) is linked by the committed states it shares with the
+        # earlier filing, indexed every STATE_STRIDE steps (the certificate's live
+        # run_filings.shared_states).
         if run_digest(path) == honest.run_digest:
             verdicts.verifier = "platform: run digest of an earlier filing (listed, not refused)"
+        elif indexed_states_shared(path, work / f"honest-{seed}"):
+            verdicts.verifier = "platform: states of an earlier filing (listed, not refused)"
         shared = _shared_states(path, work / f"honest-{seed}")
         result.note("steps whose committed state equals the original's", shared)
     result.runs += 1

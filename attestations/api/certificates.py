@@ -211,6 +211,32 @@ class CertificateDetailSerializer(CertificateSerializer):
                 },
                 many=True,
             ),
+            "shared_states": inline_serializer(
+                "CertificateSharedStateFiling",
+                {
+                    "organization": serializers.CharField(allow_null=True),
+                    "experiment": serializers.CharField(allow_null=True),
+                    "proof": serializers.IntegerField(allow_null=True),
+                    "same_organization": serializers.BooleanField(),
+                    "same_run": serializers.BooleanField(
+                        help_text="the same run digest: a refiling of the run itself"
+                    ),
+                    "shared_states": serializers.IntegerField(
+                        help_text="how many of the certified proof's indexed states it shares"
+                    ),
+                    "state_stride": serializers.IntegerField(
+                        help_text="states are indexed every this many steps, and the last"
+                    ),
+                    "status": serializers.CharField(),
+                    "filed_on": serializers.DateTimeField(),
+                    "transcript_digest": serializers.CharField(),
+                },
+                many=True,
+                help_text="Filings anywhere that committed a state the certified proof "
+                "committed: refilings, and near copies (a step changed and re-chained, so "
+                "another run digest) whose shared steps' compute is claimed twice. Named "
+                "as in filings.",
+            ),
         },
         allow_null=True,
         help_text="Every filing of the certified run (same run digest, so the same challenge "

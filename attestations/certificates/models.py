@@ -340,4 +340,38 @@ class Certificate(AppendOnlyModel):
                     "challenge_target": row.challenge_target,
                 }
             )
-        return {"run_digest": digest, "count": len(filings), "filings": filings}
+        return {
+            "run_digest": digest,
+            "count": len(filings),
+            "filings": filings,
+            "shared_states": self._shared_state_filings(can_see),
+        }
+
+    def _shared_state_filings(self, can_see: Callable[[int], bool]) -> list[dict[str, Any]]:
+        """Filings anywhere (this experiment's too) that committed a state the certified
+        proof committed: refilings of its run, and near copies with a new run digest (a
+        step changed and re-chained), whose shared steps' compute is claimed twice. Named
+        as :meth:`run_filings` names filings, with how many indexed states they share."""
+        from attestations.challenges.draw import STATE_STRIDE, shared_state_filings
+        from attestations.proofs.models import Proof
+
+        proof = Proof.objects.get(pk=self.proof_id)
+        out = []
+        for row, shared in shared_state_filings(proof):
+            owner = row.experiment.owner
+            shown = can_see(owner.pk)
+            out.append(
+                {
+                    "organization": owner.slug if shown else None,
+                    "experiment": row.experiment.full_name if shown else None,
+                    "proof": row.pk if shown else None,
+                    "same_organization": owner.pk == self.organization_id,
+                    "same_run": row.challenge_run_digest == proof.challenge_run_digest,
+                    "shared_states": shared,
+                    "state_stride": STATE_STRIDE,
+                    "status": str(row.status),
+                    "filed_on": api_datetime(row.created),
+                    "transcript_digest": row.transcript_digest,
+                }
+            )
+        return out

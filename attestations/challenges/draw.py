@@ -25,6 +25,7 @@ from attestations.challenges.index import TranscriptIndex
 from attestations.challenges.models import (
     Challenge,
     ChallengeOrigin,
+    CommittedState,
 )
 from attestations.challenges.policy import ChallengePolicy
 from attestations.challenges.secret import challenge_key
@@ -91,6 +92,50 @@ def run_digest(index: TranscriptIndex) -> str:
         for tree in ("p", "o", "b"):
             _absorb(h, post.get(tree) if isinstance(post, Mapping) else None)
     return h.hexdigest()
+
+
+#: Every how many steps a challenged proof's committed state is indexed (and always its
+#: last step): a near copy that shares fewer steps than this with a filing elsewhere is
+#: not found, and it then trained all but those few again itself.
+STATE_STRIDE = 16
+
+
+def indexed_states(index: TranscriptIndex) -> dict[int, str]:
+    """The post-step parameter roots (hex) a proof's filing is indexed by: after steps
+    ``STATE_STRIDE - 1``, ``2 x STATE_STRIDE - 1``, ... and after its last step.
+
+    Never the initial state: runs from one initialisation (a sweep from one seed, the
+    fine-tunes of one parent) share it without sharing any computation.
+    """
+    steps = sorted(index.steps)
+    last = steps[-1] if steps else None
+    out: dict[int, str] = {}
+    for step in steps:
+        if (step + 1) % STATE_STRIDE and step != last:
+            continue
+        post = index.steps[step].get("post")
+        root = post.get("p") if isinstance(post, Mapping) else None
+        if isinstance(root, bytes | bytearray) and len(root) == 32:
+            out[step] = bytes(root).hex()
+    return out
+
+
+def shared_state_filings(proof: Proof) -> list[tuple[Proof, int]]:
+    """Other challenged proofs, anywhere, that committed a state this one committed, with
+    how many of its indexed states they share (most first): near copies and refilings of
+    its run (``CommittedState``)."""
+    from django.db.models import Count
+
+    roots = CommittedState.objects.filter(proof=proof).values("root")
+    shared = (
+        CommittedState.objects.filter(root__in=roots)
+        .exclude(proof=proof)
+        .values("proof")
+        .annotate(steps=Count("step"))
+    )
+    counts = {row["proof"]: row["steps"] for row in shared}
+    proofs = Proof.objects.filter(pk__in=counts).select_related("experiment__owner")
+    return sorted(((p, counts[p.pk]) for p in proofs), key=lambda item: (-item[1], item[0].created))
 
 
 def filing_target(target: float, filing: int) -> float:
@@ -210,6 +255,10 @@ def draw(proof: Proof, *, policy: ChallengePolicy | None = None) -> list[Challen
         now = timezone.now()
         rows = _challenges(proof, plan, index, now)
         created = Challenge.objects.bulk_create(rows)
+        CommittedState.objects.bulk_create(
+            CommittedState(proof=proof, step=step, root=root)
+            for step, root in indexed_states(index).items()
+        )
         _record_plan(proof, plan, policy, filing=filing, digest=digest, rows=rows, now=now)
         # Files attached before the draw (an "upload everything" client) answer at once.
         mark_ready(proof)

@@ -211,3 +211,26 @@ class SlicedChallenge(models.Model):
     @property
     def is_final(self) -> bool:
         return self.status in SLICE_FINAL
+
+
+class CommittedState(models.Model):
+    """A committed post-step parameter root of a challenged proof, every few steps.
+
+    Filings of one run share a run digest; a *near copy* (a run refiled with a step
+    changed, re-chained) has a new digest but the same committed states up to the change,
+    so the compute of those steps is claimed twice. Indexed by root, so the filings that
+    share any state are found wherever they were filed (``draw.shared_state_filings``).
+    """
+
+    proof = models.ForeignKey(Proof, on_delete=models.CASCADE, related_name="committed_states")
+    step = models.PositiveIntegerField()
+    root = models.CharField(max_length=64, db_index=True)
+
+    class Meta:
+        db_table = "attestations_committedstate"
+        constraints = [
+            models.UniqueConstraint(fields=["proof", "step"], name="committed_state_step_unique")
+        ]
+
+    def __str__(self) -> str:
+        return f"state after step {self.step} of proof {self.proof_id}"

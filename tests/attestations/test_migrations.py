@@ -157,6 +157,7 @@ NEW_TABLES = {
     "attestations_partreservation",
     "attestations_slicedrun",
     "attestations_slicechallenge",
+    "attestations_committedstate",
 }
 
 

@@ -11,6 +11,7 @@ regulators (docs/provers.md, "Challenges cannot be ground").
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from rest_framework.test import APIClient
 
 from attestations.accounts.models import Membership, Role
 from attestations.certificates import issuance, keys
-from attestations.challenges.draw import challenge_seed, filing_target
+from attestations.challenges.draw import STATE_STRIDE, challenge_seed, filing_target
 from attestations.challenges.secret import challenge_key
 from attestations.experiments.models import Experiment
 from attestations.proofs.models import Proof, ProofStatus
@@ -57,9 +58,17 @@ def labs(world: World, api: Api, programmed: None) -> tuple[Experiment, Experime
 
 
 def run(
-    tmp_path: Path, experiment: Experiment, label: str, *, seed: int = 0, rerun: int = 0
+    tmp_path: Path,
+    experiment: Experiment,
+    label: str,
+    *,
+    seed: int = 0,
+    rerun: int = 0,
+    **forge: Any,
 ) -> bytes:
-    """A run of STEPS steps and no self-checks; ``rerun`` changes only timestamps and probes."""
+    """A run of STEPS steps and no self-checks; ``rerun`` changes only timestamps and probes,
+    ``forge``/``forge_step`` change the training from that step on
+    (``zkdv.testing.write_synthetic_transcript``)."""
     assert experiment.current_spec is not None
     folder = write_synthetic_transcript(
         tmp_path / label,
@@ -68,6 +77,7 @@ def run(
         spec_digest=experiment.current_spec.digest,
         seed=seed,
         rerun=rerun,
+        **forge,
         sampling=SamplingPolicy(update_check_probability=0.0),
         snapshot_interval=50,
     )
@@ -235,6 +245,42 @@ def test_each_certificate_lists_the_other_labs_filing_without_naming_it(
             "status": "valid",
         }
         assert seen["filed_on"][:19] == format_time(to_seconds(elsewhere.created))[:19]
+
+
+def test_a_near_copy_filed_in_another_lab_is_listed_by_the_states_it_shares(
+    labs: tuple[Experiment, Experiment],
+    api: Api,
+    tmp_path: Path,
+    django_capture_on_commit_callbacks: Any,
+) -> None:
+    # Evil refiles acme's run with the learning rate changed from step 300 on and the
+    # chain re-written: a new run digest, so a draw of its own, but the same committed
+    # states up to step 299, whose compute both transcripts now claim.
+    acme, evil = labs
+    capture = django_capture_on_commit_callbacks
+    ours = file(api("alice"), acme, run(tmp_path, acme, "a"), capture)
+    copy = file(api("mallory"), evil, run(tmp_path, evil, "b", forge="lr", forge_step=300), capture)
+    unrelated = file(api("mallory"), evil, run(tmp_path, evil, "c", seed=5), capture)
+    assert copy.challenge_run_digest != ours.challenge_run_digest
+    certificate = _valid_certificate(ours)
+    # Indexed every STATE_STRIDE steps (and the last): 15, 31, ..., 287 are shared.
+    shared = len(range(STATE_STRIDE - 1, 300, STATE_STRIDE))
+    body = api("carol").get(f"/api/v1/certificates/{certificate.pk}/").json()
+    (seen,) = body["run_filings"]["shared_states"]
+    assert (seen["organization"], seen["proof"]) == ("evil", copy.pk)
+    assert (seen["same_run"], seen["shared_states"], seen["state_stride"]) == (
+        False,
+        shared,
+        STATE_STRIDE,
+    )
+    assert seen["transcript_digest"] == copy.transcript_digest
+    assert unrelated.pk not in [f["proof"] for f in body["run_filings"]["shared_states"]]
+    # The lab's auditor learns that a filing elsewhere shares its states, not whose.
+    body = api("bob").get(f"/api/v1/certificates/{certificate.pk}/").json()
+    (seen,) = body["run_filings"]["shared_states"]
+    assert (seen["organization"], seen["experiment"], seen["proof"]) == (None, None, None)
+    assert seen["shared_states"] == shared and seen["same_organization"] is False
+    assert "evil" not in json.dumps(body)
 
 
 def test_the_challenge_key_is_generated_once_or_read_as_configured(
