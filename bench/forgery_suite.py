@@ -850,8 +850,8 @@ def run_jax_suite(
     work: Path | None = None,
     progress: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Result]:
-    """The attacks a JAX lab can mount, against the JAX LM recipe (``bench/forgery_jax.py``)."""
-    from bench import forgery_jax
+    """The attacks a JAX lab can mount, against the JAX LM recipe (``bench/_forgery_jax.py``)."""
+    from bench import _forgery_jax as forgery_jax
     from provers import jax_replay
 
     own = work is None
@@ -1073,7 +1073,7 @@ def main() -> None:
         arguments.trials, arguments.steps, arguments.draws = 1, 36, 100
     known: tuple[str, ...] = ATTACKS
     if arguments.recipe == "jax":
-        from bench import forgery_jax
+        from bench import _forgery_jax as forgery_jax
 
         known = forgery_jax.ATTACKS
     attacks = [a.strip() for a in arguments.attacks.split(",") if a.strip()] or list(known)

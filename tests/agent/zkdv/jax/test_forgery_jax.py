@@ -58,7 +58,7 @@ def test_an_underreported_token_count_is_caught_at_the_first_replay(
 def test_the_unmodified_sdk_refuses_a_step_trained_off_the_transcript(tmp_path: Path) -> None:
     # Without the forger's change the SDK itself stops the run at the next step.
     step_of = _suite()._step_of
-    from bench import forgery_jax
+    from bench import _forgery_jax as forgery_jax
 
     forger = forgery_jax.JaxForger(hidden_after=frozenset({2}))
     original = forgery_jax._modified_sdk

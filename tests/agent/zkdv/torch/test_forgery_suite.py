@@ -128,7 +128,7 @@ def test_the_soundness_page_is_rewritten_by_one_command_and_covers_every_attack(
         recipe: {a for r, attacks in blocks if r == recipe for a in attacks}
         for recipe in ("torch", "jax")
     }
-    from bench import forgery_jax
+    from bench import _forgery_jax as forgery_jax
 
     # One table row for every attack of either recipe.
     assert named["torch"] == set(suite.ATTACKS)
