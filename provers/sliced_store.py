@@ -72,8 +72,7 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
         return None
 
 
-#: Plain HTTP(S), no redirects followed (a 3xx is the store's error), no proxies from
-#: the environment's defaults beyond urllib's own.
+#: urllib's opener without redirects: a 3xx is the store's error.
 _OPENER = urllib.request.build_opener(_NoRedirects)
 
 
@@ -147,14 +146,12 @@ class RangeReader:
                 status = int(response.status)
         except urllib.error.HTTPError as error:
             why = {
-                301: "redirected, and redirects are not followed",
-                302: "redirected, and redirects are not followed",
-                307: "redirected, and redirects are not followed",
-                308: "redirected, and redirects are not followed",
                 403: "refused (the grant is expired, revoked or not this object's)",
                 404: "no such object",
                 416: "the range lies beyond the object's end",
             }.get(error.code, error.reason)
+            if 300 <= error.code < 400:
+                why = "redirected, and redirects are not followed"
             raise StoreError(f"{name}: HTTP {error.code}, {why}") from error
         except (urllib.error.URLError, OSError) as error:
             raise StoreError(f"{name}: the store cannot be reached: {error}") from error

@@ -47,6 +47,7 @@ from attestations.certificates.run_facts import (
 )
 from attestations.certificates.totals import RunTotals, first_over, run_totals
 from dvbench.attest import Claim, Evidence
+from zkdv.config import FLOPS_COUNTED, FLOPS_ESTIMATED
 
 if TYPE_CHECKING:
     from attestations.experiments.models import ExperimentSpec
@@ -390,9 +391,9 @@ def flops_recounted(root: Mapping[str, Any]) -> bool:
     program = env.get("program") if isinstance(env.get("program"), Mapping) else {}
     assert isinstance(stated, Mapping) and isinstance(program, Mapping)
     method = stated.get("method")
-    if method == "6 x parameters x tokens":
+    if method == FLOPS_ESTIMATED:
         return True
-    return method == "torch.utils.flop_counter" and program.get("kind") == "torch.export"
+    return method == FLOPS_COUNTED and program.get("kind") == "torch.export"
 
 
 def _compute_parts(

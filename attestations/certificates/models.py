@@ -306,72 +306,61 @@ class Certificate(AppendOnlyModel):
         from the database as they stand and names each one's organisation, experiment
         and proof where ``can_see(organisation id)`` (a regulator: every one; a lab's
         member: their own lab's), and leaves those three null elsewhere: another lab's
-        identity is not a lab's to see. None when the proof was never challenged.
+        identity is not a lab's to see. ``shared_states`` lists, named the same way, the
+        filings that committed any state the certified proof committed
+        (``draw.shared_state_filings``). None when the proof was never challenged.
         """
-        from attestations.proofs.models import Proof
-
-        digest, experiment = (
-            Proof.objects.filter(pk=self.proof_id)
-            .values_list("challenge_run_digest", "experiment_id")
-            .get()
-        )
-        if not digest:
-            return None
-        rows = (
-            Proof.objects.filter(challenge_run_digest=digest, challenges_drawn__isnull=False)
-            .exclude(experiment_id=experiment)
-            .select_related("experiment__owner")
-            .order_by("created", "pk")
-        )
-        filings = []
-        for row in rows:
-            owner = row.experiment.owner
-            shown = can_see(owner.pk)
-            filings.append(
-                {
-                    "organization": owner.slug if shown else None,
-                    "experiment": row.experiment.full_name if shown else None,
-                    "proof": row.pk if shown else None,
-                    "same_organization": owner.pk == self.organization_id,
-                    "status": str(row.status),
-                    "reason": row.reason,
-                    "filed_on": api_datetime(row.created),
-                    "transcript_digest": row.transcript_digest,
-                    "challenge_target": row.challenge_target,
-                }
-            )
-        return {
-            "run_digest": digest,
-            "count": len(filings),
-            "filings": filings,
-            "shared_states": self._shared_state_filings(can_see),
-        }
-
-    def _shared_state_filings(self, can_see: Callable[[int], bool]) -> list[dict[str, Any]]:
-        """Filings anywhere (this experiment's too) that committed a state the certified
-        proof committed: refilings of its run, and near copies with a new run digest (a
-        step changed and re-chained), whose shared steps' compute is claimed twice. Named
-        as :meth:`run_filings` names filings, with how many indexed states they share."""
         from attestations.challenges.draw import STATE_STRIDE, shared_state_filings
         from attestations.proofs.models import Proof
 
         proof = Proof.objects.get(pk=self.proof_id)
-        out = []
-        for row, shared in shared_state_filings(proof):
-            owner = row.experiment.owner
-            shown = can_see(owner.pk)
-            out.append(
-                {
-                    "organization": owner.slug if shown else None,
-                    "experiment": row.experiment.full_name if shown else None,
-                    "proof": row.pk if shown else None,
-                    "same_organization": owner.pk == self.organization_id,
-                    "same_run": row.challenge_run_digest == proof.challenge_run_digest,
-                    "shared_states": shared,
-                    "state_stride": STATE_STRIDE,
-                    "status": str(row.status),
-                    "filed_on": api_datetime(row.created),
-                    "transcript_digest": row.transcript_digest,
-                }
-            )
-        return out
+        digest = proof.challenge_run_digest
+        if not digest:
+            return None
+        rows = (
+            Proof.objects.filter(challenge_run_digest=digest, challenges_drawn__isnull=False)
+            .exclude(experiment_id=proof.experiment_id)
+            .select_related("experiment__owner")
+            .order_by("created", "pk")
+        )
+        filings = [
+            {
+                **self._filing(row, can_see),
+                "reason": row.reason,
+                "challenge_target": row.challenge_target,
+            }
+            for row in rows
+        ]
+        # Filings anywhere (this experiment's too) that committed a state the certified
+        # proof committed: refilings of its run, and near copies with a new run digest (a
+        # step changed and re-chained), whose shared steps' compute is claimed twice.
+        shared = [
+            {
+                **self._filing(row, can_see),
+                "same_run": row.challenge_run_digest == digest,
+                "shared_states": count,
+                "state_stride": STATE_STRIDE,
+            }
+            for row, count in shared_state_filings(proof)
+        ]
+        return {
+            "run_digest": digest,
+            "count": len(filings),
+            "filings": filings,
+            "shared_states": shared,
+        }
+
+    def _filing(self, row: Any, can_see: Callable[[int], bool]) -> dict[str, Any]:
+        """Another proof as this certificate's reader may see it: its organisation,
+        experiment and proof only where ``can_see`` its organisation."""
+        owner = row.experiment.owner
+        shown = can_see(owner.pk)
+        return {
+            "organization": owner.slug if shown else None,
+            "experiment": row.experiment.full_name if shown else None,
+            "proof": row.pk if shown else None,
+            "same_organization": owner.pk == self.organization_id,
+            "status": str(row.status),
+            "filed_on": api_datetime(row.created),
+            "transcript_digest": row.transcript_digest,
+        }

@@ -414,17 +414,25 @@ def _check_content(
             )
 
 
-def _owned_blobs(proof: Proof, claims: Sequence[FileClaim]) -> dict[str, Blob]:
-    """The blobs named by digest, each completed by an upload of this organisation."""
-    digests = {claim.sha256 for claim in claims}
-    owned = {
+def owned_blobs(organization_id: int, digests: Iterable[str]) -> dict[str, Blob]:
+    """The blobs named by digest that a completed upload of the organisation stored.
+
+    A digest alone names no bytes a lab may use: another organisation's blob with the
+    same digest is not this one's until it uploads the bytes itself.
+    """
+    return {
         blob.sha256: blob
         for blob in Blob.objects.filter(
-            sha256__in=digests,
+            sha256__in=set(digests),
             uploads__status=UploadStatus.COMPLETE,
-            uploads__organization_id=proof.experiment.owner_id,
+            uploads__organization_id=organization_id,
         ).distinct()
     }
+
+
+def _owned_blobs(proof: Proof, claims: Sequence[FileClaim]) -> dict[str, Blob]:
+    """The blobs named by digest, each completed by an upload of this organisation."""
+    owned = owned_blobs(proof.experiment.owner_id, (claim.sha256 for claim in claims))
     for position, claim in enumerate(claims):
         if claim.sha256 not in owned:
             raise ArtifactRejectedError(

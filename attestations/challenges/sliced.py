@@ -38,6 +38,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from attestations.audit.models import AuditEvent
+from attestations.challenges.answers import owned_blobs
 from attestations.challenges.errors import ArtifactRejectedError
 from attestations.challenges.models import (
     SlicedChallenge,
@@ -50,7 +51,7 @@ from attestations.challenges.sliced_verdicts import settle
 from attestations.core.errors import ConflictError, InvalidRequestError
 from attestations.experiments.models import Experiment
 from attestations.uploads.blobs import mapped
-from attestations.uploads.models import Blob, UploadStatus
+from attestations.uploads.models import Blob
 
 if TYPE_CHECKING:
     from zkdv.sliced import RunFile
@@ -74,18 +75,6 @@ class SlicedRunRejectedError(InvalidRequestError):
     """A run file that cannot be filed as it is (malformed, or naming missing programs)."""
 
     default_code = "invalid_run_file"
-
-
-def _owned(experiment: Experiment, digests: Iterable[str]) -> dict[str, Blob]:
-    """The blobs named by digest that a completed upload of the experiment's lab stored."""
-    return {
-        blob.sha256: blob
-        for blob in Blob.objects.filter(
-            sha256__in=set(digests),
-            uploads__status=UploadStatus.COMPLETE,
-            uploads__organization_id=experiment.owner_id,
-        ).distinct()
-    }
 
 
 def run_seed(digest: str) -> bytes:
@@ -190,7 +179,7 @@ def _read_run_file(experiment: Experiment, sha256: str) -> tuple[Blob, RunFile]:
     """The uploaded run file, read and checked, with every program it names uploaded."""
     from zkdv.sliced import RunFile, SlicedFormatError
 
-    blob = _owned(experiment, [sha256]).get(sha256)
+    blob = owned_blobs(experiment.owner_id, [sha256]).get(sha256)
     if blob is None:
         raise SlicedRunRejectedError(
             f"run_file: no completed upload of {experiment.owner.slug} has sha256 {sha256}; "
@@ -219,7 +208,7 @@ def _read_run_file(experiment: Experiment, sha256: str) -> tuple[Blob, RunFile]:
             field="run_file.steps[0].shape",
         )
     programs = [*run_file.programs, *([run_file.embed] if run_file.embed else [])]
-    owned = _owned(experiment, programs)
+    owned = owned_blobs(experiment.owner_id, programs)
     for position, digest in enumerate(programs):
         if digest not in owned:
             where = f"programs[{position}]" if position < len(run_file.programs) else "embed"
@@ -413,7 +402,7 @@ def attach_opening(
 
 
 def _uploaded_opening(run: SlicedRun, sha256: str) -> Blob:
-    blob = _owned(run.experiment, [sha256]).get(sha256)
+    blob = owned_blobs(run.experiment.owner_id, [sha256]).get(sha256)
     if blob is None:
         raise ArtifactRejectedError(
             f"opening: no completed upload of {run.experiment.owner.slug} has sha256 "

@@ -106,6 +106,13 @@ def put_answer(client: APIClient, run: dict[str, Any], index: int, body: bytes) 
     )
 
 
+def post_opening(client: APIClient, run: dict[str, Any], index: int, **body: Any) -> Any:
+    """Open slice ``index``: ``opening=<sha256>`` of an upload, or ``grant=<dict>``."""
+    return client.post(
+        f"/api/v1/sliced-runs/{run['id']}/challenges/{index}/opening/", body, format="json"
+    )
+
+
 def answer_and_open(
     client: APIClient,
     run: dict[str, Any],
@@ -125,11 +132,7 @@ def answer_and_open(
         assert len(sequences) == challenge["opened"]
         data = sliced.opening_to_bytes(lab.open(slice_, sequences))
         digest = upload(client, edit(data) if edit else data)
-        response = client.post(
-            f"/api/v1/sliced-runs/{run['id']}/challenges/{challenge['index']}/opening/",
-            {"opening": digest},
-            format="json",
-        )
+        response = post_opening(client, run, challenge["index"], opening=digest)
         assert response.status_code == 202, response.content
 
 
@@ -315,18 +318,10 @@ def test_answers_are_checked_drawn_once_and_never_change(
     assert stored.status == SliceStatus.AWAITING_ANSWER and stored.answer is None
 
     # An opening before the answer: the sequences are not drawn yet.
-    early = client.post(
-        f"/api/v1/sliced-runs/{run['id']}/challenges/0/opening/",
-        {"opening": "ab" * 32},
-        format="json",
-    )
+    early = post_opening(client, run, 0, opening="ab" * 32)
     assert early.status_code == 400 and error_of(early)["code"] == "blob_not_found"
     digest = upload(client, b"an opening of nothing")
-    early = client.post(
-        f"/api/v1/sliced-runs/{run['id']}/challenges/0/opening/",
-        {"opening": digest},
-        format="json",
-    )
+    early = post_opening(client, run, 0, opening=digest)
     assert early.status_code == 409 and error_of(early)["code"] == "slice_not_answered"
 
     first = put_answer(client, run, 0, good)
@@ -487,13 +482,8 @@ def open_from_bucket(
         answer = lab.answer(drawn(challenge))
         body = sliced.answer_to_bytes(answer.projections)
         assert put_answer(client, run, challenge["index"], body).status_code == 200
-        responses.append(
-            client.post(
-                f"/api/v1/sliced-runs/{run['id']}/challenges/{challenge['index']}/opening/",
-                {"grant": bucket.grant(challenge["step"])},
-                format="json",
-            )
-        )
+        grant = bucket.grant(challenge["step"])
+        responses.append(post_opening(client, run, challenge["index"], grant=grant))
     return responses
 
 
@@ -537,10 +527,9 @@ def test_grants_are_checked_before_they_are_stored(
     challenge = run["challenges"][0]
     body = sliced.answer_to_bytes(lab.answer(drawn(challenge)).projections)
     assert put_answer(client, run, 0, body).status_code == 200
-    opening = f"/api/v1/sliced-runs/{run['id']}/challenges/0/opening/"
 
     def refused(grant: Any, **extra: Any) -> dict[str, Any]:
-        response = client.post(opening, {"grant": grant, **extra}, format="json")
+        response = post_opening(client, run, 0, grant=grant, **extra)
         assert response.status_code == 400, response.content
         return error_of(response)
 

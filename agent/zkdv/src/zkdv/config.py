@@ -197,6 +197,11 @@ class GradientBounds:
 #: token ids, ``[examples, positions]``). Both frontends count the same way
 #: (:func:`zkdv.batch.count_tokens`).
 TOKEN_UNITS = ("examples", "tokens")
+#: ``env.flops.method`` of a Torch root: the SDK counted the sealed program with Torch's
+#: FLOP counter, or estimated (the program could not run on fake tensors). A replay
+#: recounts either (``flops_mismatch``), and a certificate reads which it was.
+FLOPS_COUNTED = "torch.utils.flop_counter"
+FLOPS_ESTIMATED = "6 x parameters x tokens"
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from zkdv.config import FLOPS_COUNTED, FLOPS_ESTIMATED
 from zkdv.torch import _rng, _strides
 from zkdv.torch._eager import EagerTransaction, Layout
 from zkdv.torch._lowering import LoweredProgram, gradient_function, lower
@@ -197,9 +198,7 @@ def environment(
         # How each step record's FLOPs were obtained (attestations/certificates/totals.py
         # reads it).
         "flops": {
-            "method": "torch.utils.flop_counter"
-            if program_flops is not None
-            else "6 x parameters x tokens",
+            "method": FLOPS_COUNTED if program_flops is not None else FLOPS_ESTIMATED,
             "per_rank": program_flops,
         },
         "optimizer": _optimizer_record(model, optimizer),

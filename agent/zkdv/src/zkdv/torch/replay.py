@@ -31,7 +31,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from zkdv.batch import count_tokens
-from zkdv.config import TOKEN_UNITS
+from zkdv.config import FLOPS_COUNTED, FLOPS_ESTIMATED, TOKEN_UNITS
 from zkdv.gradients import leaf_name, split_name
 from zkdv.replay import Leaves, ReplayError, Transition, program_material, root_record
 from zkdv.torch import _artifact, _strides
@@ -216,10 +216,6 @@ def _tokens(root: dict[str, Any], env: dict[str, Any]) -> int:
     return per_rank * int(env.get("world_size", 1))
 
 
-#: ``env.flops.method`` of a root whose SDK could not count the program's FLOPs.
-ESTIMATED_FLOPS = "6 x parameters x tokens"
-
-
 def _flops(root: dict[str, Any], env: dict[str, Any], program: Any, tokens: int) -> float | None:
     """A step record's ``flops`` as the SDK counts it, recounted: Torch's FLOP counter on
     the committed program, times the ranks (``env.world_size``), or the SDK's estimate
@@ -227,12 +223,12 @@ def _flops(root: dict[str, Any], env: dict[str, Any], program: Any, tokens: int)
     can be recomputed (an AOT Inductor program, an unstated method)."""
     stated = env.get("flops")
     method = stated.get("method") if isinstance(stated, dict) else None
-    if method == ESTIMATED_FLOPS:
+    if method == FLOPS_ESTIMATED:
         parameters = sum(
             int(np.prod(spec["shape"], dtype=np.int64)) for spec in root["schema"]["params"]
         )
         return 6.0 * parameters * tokens
-    if method != "torch.utils.flop_counter":
+    if method != FLOPS_COUNTED:
         return None
     counted = program.count_flops()
     return None if counted is None else counted * int(env.get("world_size", 1))
