@@ -262,5 +262,4 @@ class SliceOpeningView(APIView):
             user=authenticated_user(request),
             ip=client_ip(request.META),
         )
-        opened.refresh_from_db()
         return Response(SliceSerializer(opened).data, status=status.HTTP_202_ACCEPTED)

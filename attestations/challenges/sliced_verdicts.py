@@ -10,10 +10,9 @@ the run is settled (:func:`settle`). Unanswered slices expire at the run's deadl
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-import threading
-from collections import OrderedDict
 from typing import Any
 
 from django.conf import settings
@@ -46,27 +45,22 @@ def claim(pk: int) -> bool:
     )
 
 
-#: Loaded programs by SHA-256: a worker loads each block's structure once.
-_PROGRAMS: OrderedDict[str, Any] = OrderedDict()
-_PROGRAMS_KEPT = 8
-_PROGRAMS_LOCK = threading.Lock()
-
-
+@functools.lru_cache(maxsize=8)
 def _program(digest: str) -> Any:
+    """A committed block program, loaded once per worker (keyed by its SHA-256)."""
     from zkdv.sliced import load_program
 
-    with _PROGRAMS_LOCK:
-        if digest in _PROGRAMS:
-            _PROGRAMS.move_to_end(digest)
-            return _PROGRAMS[digest]
-    blob = Blob.objects.get(sha256=digest)
-    with mapped(blob.storage_name) as data:
-        module = load_program(bytes(data))
-    with _PROGRAMS_LOCK:
-        _PROGRAMS[digest] = module
-        while len(_PROGRAMS) > _PROGRAMS_KEPT:
-            _PROGRAMS.popitem(last=False)
-    return module
+    with mapped(Blob.objects.get(sha256=digest).storage_name) as data:
+        return load_program(bytes(data))
+
+
+@functools.lru_cache(maxsize=4)
+def _run_file(digest: str) -> Any:
+    """A run's file, read and parsed once per worker for all its slices (by its SHA-256)."""
+    from zkdv.sliced import RunFile
+
+    with mapped(Blob.objects.get(sha256=digest).storage_name) as data:
+        return RunFile.from_bytes(bytes(data))
 
 
 def verify(challenge: SlicedChallenge) -> dict[str, Any]:
@@ -82,7 +76,6 @@ def verify(challenge: SlicedChallenge) -> dict[str, Any]:
 
     from provers.sliced import verify_slice
     from zkdv.sliced import (
-        RunFile,
         SliceAnswer,
         SliceChallenge,
         SlicedFormatError,
@@ -91,8 +84,7 @@ def verify(challenge: SlicedChallenge) -> dict[str, Any]:
     )
 
     run = challenge.run
-    with mapped(run.run_file.storage_name) as data:
-        run_file = RunFile.from_bytes(bytes(data))
+    run_file = _run_file(run.digest)
     opening = None
     if challenge.opening is not None:
         try:

@@ -134,9 +134,9 @@ def replay_slice(self: Task, slice_id: int) -> str | None:  # type: ignore[type-
         return None
 
     def check() -> None:
-        challenge = SlicedChallenge.objects.select_related(
-            "run__run_file", "run__experiment", "opening"
-        ).get(pk=slice_id)
+        challenge = SlicedChallenge.objects.select_related("run__experiment", "opening").get(
+            pk=slice_id
+        )
         sliced_verdicts.record_verdict(slice_id, sliced_verdicts.verify(challenge))
 
     _run_claimed(
