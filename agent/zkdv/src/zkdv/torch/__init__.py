@@ -18,9 +18,12 @@ Importing this module imports Torch; ``import zkdv`` alone does not.
 
 from __future__ import annotations
 
-from zkdv.torch import generated, optimizers
+from zkdv.torch import _vml, generated, optimizers
 from zkdv.torch._arrays import host_array
 from zkdv.torch._driver import ZKDV
 from zkdv.torch._packing import BatchLayout
+
+# Before anything computes with Torch on several threads (zkdv.torch._vml).
+_vml.initialize()
 
 __all__ = ["ZKDV", "BatchLayout", "generated", "host_array", "optimizers"]

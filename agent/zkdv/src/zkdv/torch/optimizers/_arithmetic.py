@@ -138,7 +138,9 @@ def sqrt32(value: torch.Tensor) -> torch.Tensor:
     results are one ulp off, 1% of float64 results). A float32 square root is never
     within 2**-50 (relative) of a float32 rounding midpoint, and the float64 square
     root errs by at most one float64 ulp (2**-52), so rounding it to float32 gives the
-    correctly rounded result on every device.
+    correctly rounded result on every device. On a CPU that holds once MKL's vector
+    math is initialised on one thread (:mod:`zkdv.torch._vml`, at import): the first
+    call of a fresh process, raced by two threads, was off by 2**18 ulps.
     """
     return value.double().sqrt().float()
 

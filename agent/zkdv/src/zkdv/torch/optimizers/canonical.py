@@ -83,8 +83,9 @@ an add of two operations into a fused multiply-add; ``a + b`` and ``a - b`` are
 to a fused multiply-add; a scalar operand is float32-representable, so converting it
 to the kernel's float32 changes nothing; there is no division by a Python number
 (CUDA computes it as a multiplication by the reciprocal); float64 division and square
-root are IEEE on CUDA and within one float64 ulp on CPU, which the float32 rounding
-absorbs (see :func:`div32`); float conversions round to nearest even everywhere;
+root are IEEE on CUDA and within one float64 ulp on CPU (MKL's vector math initialised
+on one thread, :mod:`zkdv.torch._vml`), which the float32 rounding absorbs (see
+:func:`div32`); float conversions round to nearest even everywhere;
 elementwise kernels split work between threads without changing any element's
 operations. Tests check it bitwise across ``ATEN_CPU_CAPABILITY`` and thread counts.
 
