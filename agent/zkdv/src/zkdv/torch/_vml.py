@@ -24,7 +24,7 @@ __all__ = ["initialize"]
 
 def initialize() -> None:
     """Make the process's first VML calls, on this thread only (fewer than 2,048 elements)."""
-    if not torch.backends.mkl.is_available():
+    if not torch.backends.mkl.is_available():  # type: ignore[no-untyped-call]
         return
     torch.ones(16, dtype=torch.float64).sqrt()
     torch.ones(16, dtype=torch.float32).exp()
