@@ -17,6 +17,9 @@ overhead per byte negligible (measured in ``bench/commit_throughput.py``).
 
 from __future__ import annotations
 
+import functools
+import math
+
 import os
 import struct
 from collections.abc import Sequence
@@ -108,14 +111,14 @@ class LeafSpec:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return self.size * np.dtype(self.dtype).itemsize
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     def header(self) -> bytes:
-        return cbor2.dumps([self.path, self.dtype, list(self.shape)], canonical=True)
+        return _header(self.path, self.dtype, tuple(self.shape))
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "dtype": self.dtype, "shape": list(self.shape)}
@@ -126,9 +129,22 @@ class LeafSpec:
 
     @classmethod
     def of(cls, path: str, array: np.ndarray) -> LeafSpec:
-        return cls(path, _dtype_name(array.dtype), tuple(int(d) for d in array.shape))
+        return _spec(path, _dtype_name(array.dtype), array.shape)
 
 
+# A run commits the same leaves every step: their specs and headers are built once
+# (numpy's dtype names and the CBOR encoding were most of the per-leaf cost of a commit).
+@functools.lru_cache(maxsize=1 << 16)
+def _spec(path: str, dtype: str, shape: tuple[int, ...]) -> LeafSpec:
+    return LeafSpec(path, dtype, tuple(int(d) for d in shape))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _header(path: str, dtype: str, shape: tuple[int, ...]) -> bytes:
+    return cbor2.dumps([path, dtype, list(shape)], canonical=True)
+
+
+@functools.lru_cache(maxsize=256)
 def _dtype_name(dtype: np.dtype[Any]) -> str:
     # ml_dtypes (bfloat16, float8) report names numpy itself does not know; keep them.
     return str(dtype.name)
