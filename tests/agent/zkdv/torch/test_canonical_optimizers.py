@@ -396,6 +396,11 @@ def _numpy(tensor: torch.Tensor | None) -> np.ndarray:
     return tensor.detach().numpy()
 
 
+def _tensor(values: Any) -> torch.Tensor:
+    """A float32 tensor of ``values``, a 0-d array included."""
+    return torch.from_numpy(np.asarray(values, dtype=np.float32))
+
+
 def _bits(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().float().numpy().view(np.uint32)
 
@@ -694,6 +699,69 @@ def test_the_in_place_adam_is_the_definition_bit_for_bit(
     for key in state:
         np.testing.assert_array_equal(_bits(state[key]), _bits(twin_state[key]), err_msg=key)
     assert _bits(parameter)[17] == 0x7FC00000  # the one canonical NaN
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_a_group_of_small_and_large_parameters_is_updated_as_the_definition(
+    decoupled: bool, amsgrad: bool, maximize: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group as transformers have them, through ``update``: small parameters updated
+    together by the foreach path, in several batches, beside parameters larger than a
+    chunk, at two step counts (so two sets of host scalars) and with a NaN gradient in a
+    small one, against the one-parameter definition, bit for bit."""
+    monkeypatch.setitem(_adam_inplace.CHUNK_ELEMENTS, "cpu", 1000)
+    rng = np.random.default_rng(11)
+    group = {
+        "lr": 3e-3,
+        "betas": (0.9, 0.95),
+        "eps": 1e-8,
+        "weight_decay": 0.1,
+        "amsgrad": amsgrad,
+        "maximize": maximize,
+        "decoupled_weight_decay": decoupled,
+    }
+    shapes = [(64,), (3, 128), (2500,), (7,), (), (40, 20), (999,), (1, 1000), (0,), (12,)]
+    parameters, gradients, states = [], [], []
+    for index, shape in enumerate(shapes):
+        parameters.append(_tensor(rng.standard_normal(shape)))
+        gradient = _tensor(rng.standard_normal(shape) * 1e-3)
+        state: dict[str, Any] = {
+            "step": torch.tensor(float(index % 2)),
+            "exp_avg": _tensor(rng.standard_normal(shape) * 1e-3),
+            "exp_avg_sq": _tensor(rng.random(shape) * 1e-6),
+        }
+        if amsgrad:
+            state["max_exp_avg_sq"] = _tensor(rng.random(shape) * 1e-6)
+        if index == 3:
+            gradient.view(-1)[2] = float("nan")
+        gradients.append(gradient)
+        states.append(state)
+    twins = [parameter.clone() for parameter in parameters]
+    twin_states = [{k: v.clone() for k, v in state.items()} for state in states]
+    name = "AdamW" if decoupled else "Adam"
+    calls: list[int] = []
+    batched = _adam_inplace._adam_lists
+    monkeypatch.setattr(
+        _adam_inplace,
+        "_adam_lists",
+        lambda s, tensors, scratch: calls.append(len(tensors[0])) or batched(s, tensors, scratch),
+    )
+    for _ in range(3):
+        update(name, parameters, gradients, states, group)
+        for twin, gradient, twin_state in zip(twins, gradients, twin_states, strict=True):
+            canonical._adam(twin, gradient, twin_state, group, decoupled=decoupled)
+    for index, (parameter, twin) in enumerate(zip(parameters, twins, strict=True)):
+        np.testing.assert_array_equal(_bits(parameter), _bits(twin), err_msg=str(shapes[index]))
+        for key in states[index]:
+            np.testing.assert_array_equal(
+                _bits(states[index][key]), _bits(twin_states[index][key]), err_msg=key
+            )
+    assert _bits(parameters[3]).reshape(-1)[2] == 0x7FC00000
+    # Per step: the 2,500-element parameter in three chunks; the nine others together,
+    # in batches of at most 1,000 elements, one per step count.
+    assert max(calls) > 1 and sum(calls) == 3 * (3 + 9)
 
 
 def test_cpu_division_is_the_float64_route() -> None:

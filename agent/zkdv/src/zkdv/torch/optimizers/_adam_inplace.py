@@ -5,6 +5,7 @@
 but chunk by chunk into the parameter and its moments, on per-thread scratch reused
 across steps; on a CPU whose float32 division is correctly rounded it divides in
 float32 (:func:`_ieee_division`), which is ``div32``'s result with less memory traffic.
+:func:`adam_in_place_all` updates a group's parameters smaller than a chunk together.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from zkdv.torch.optimizers._arithmetic import (
     power,
 )
 
-__all__ = ["CHUNK_ELEMENTS", "DEVICE_CHUNK_ELEMENTS", "adam_in_place"]
+__all__ = ["CHUNK_ELEMENTS", "DEVICE_CHUNK_ELEMENTS", "adam_in_place", "adam_in_place_all"]
 
 #: Elements per chunk of the in-place Adam path, which bounds its scratch (two float32
 #: and two float64 vectors of this size): large, since every chunk costs about twenty
@@ -129,83 +130,160 @@ def adam_in_place(
     cost more than the arithmetic. Covers float32 tensors that are all contiguous;
     returns False (nothing done) otherwise, and ``_adam`` updates the parameter.
     """
+    return not adam_in_place_all([(parameter, gradient, state)], group, decoupled=decoupled)
+
+
+def adam_in_place_all(
+    entries: list[tuple[torch.Tensor, torch.Tensor, State]], group: Group, *, decoupled: bool
+) -> list[tuple[torch.Tensor, torch.Tensor, State]]:
+    """:func:`adam_in_place` for a parameter group: the entries it cannot take come back.
+
+    Parameters smaller than a chunk are updated together, each operation applied to all
+    of them by one ``torch._foreach_*`` call (on a CPU a loop in C++ over the tensors,
+    each rounded as its own operation): a model of many small tensors (a transformer's
+    norms and biases) costs a few dozen operator calls per step rather than twenty per
+    tensor, which on a CPU cost more than their arithmetic.
+    """
+    rest: list[tuple[torch.Tensor, torch.Tensor, State]] = []
+    small: dict[tuple[torch.device, _Scalars], list[tuple[torch.Tensor, ...]]] = {}
     amsgrad = bool(group.get("amsgrad", False))
-    tensors = [parameter, gradient, state["exp_avg"], state["exp_avg_sq"]]
-    if amsgrad:
-        tensors.append(state["max_exp_avg_sq"])
-    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
-        return False
-    if len({t.device for t in tensors}) != 1:
-        return False
-    scalars = _scalars(state, group, decoupled=decoupled)
-    flat = [tensor.view(-1) for tensor in tensors]
-    p, g, m, v = flat[:4]
-    vmax = flat[4] if amsgrad else None
-    total = p.numel()
-    chunk = CHUNK_ELEMENTS.get(p.device.type, DEVICE_CHUNK_ELEMENTS)
-    scratch = _buffers(p.device, min(chunk, max(total, 1)))
-    for start in range(0, total, chunk):
-        stop = min(start + chunk, total)
-        n = stop - start
-        _adam_chunk(
-            scalars,
-            (p[start:stop], g[start:stop], m[start:stop], v[start:stop]),
-            None if vmax is None else vmax[start:stop],
-            (scratch[0][:n], scratch[1][:n], scratch[2][:n], scratch[3][:n]),
+    for parameter, gradient, state in entries:
+        tensors: tuple[torch.Tensor, ...] = (
+            parameter,
+            gradient,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            *([state["max_exp_avg_sq"]] if amsgrad else []),
         )
-    # A NaN anywhere in the moments reaches the parameter (through the quotient), so on
-    # a CPU the parameter's sum tells whether any NaN must be made canonical: one read, no
-    # copy. On an accelerator reading it would wait for the device: always canonical.
-    if p.device.type != "cpu" or bool(torch.isnan(p.sum())):
-        _canonical_nans(tensors[:1] + tensors[2:])
-    return True
+        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors) or (
+            len({t.device for t in tensors}) != 1
+        ):
+            rest.append((parameter, gradient, state))
+            continue
+        scalars = _scalars(state, group, decoupled=decoupled)
+        flat = tuple(tensor.view(-1) for tensor in tensors)
+        device = parameter.device
+        chunk = CHUNK_ELEMENTS.get(device.type, DEVICE_CHUNK_ELEMENTS)
+        if parameter.numel() <= chunk:
+            small.setdefault((device, scalars), []).append(flat)
+            continue
+        scratch = _buffers(device, chunk)
+        for start in range(0, parameter.numel(), chunk):
+            stop = min(start + chunk, parameter.numel())
+            n = stop - start
+            _adam_lists(
+                scalars,
+                [[tensor[start:stop]] for tensor in flat],
+                [[buffer[:n]] for buffer in scratch],
+            )
+        _canonical_if_nan(tensors)
+    for (device, scalars), members in small.items():
+        chunk = CHUNK_ELEMENTS.get(device.type, DEVICE_CHUNK_ELEMENTS)
+        for batch in _batches(members, chunk):
+            scratch = _buffers(device, sum(flat[0].numel() for flat in batch))
+            views: list[list[torch.Tensor]] = [[] for _ in scratch]
+            offset = 0
+            for flat in batch:
+                n = flat[0].numel()
+                for into, buffer in zip(views, scratch, strict=True):
+                    into.append(buffer[offset : offset + n])
+                offset += n
+            lists = [list(tensors) for tensors in zip(*batch, strict=True)]
+            _adam_lists(scalars, lists, views)
+            if device.type != "cpu":
+                for flat in batch:
+                    _canonical_nans([flat[0], *flat[2:]])
+                continue
+            # As _canonical_if_nan, one read for the batch: a parameter's 1-norm is NaN
+            # exactly when it holds a NaN.
+            norms = torch.stack(torch._foreach_norm(lists[0], 1)).isnan()
+            if bool(norms.any()):
+                for flat, nan in zip(batch, norms.tolist(), strict=True):
+                    if nan:
+                        _canonical_nans([flat[0], *flat[2:]])
+    return rest
 
 
-def _adam_chunk(
-    s: _Scalars,
-    chunk: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    vmax: torch.Tensor | None,
-    scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+def _batches(
+    members: list[tuple[torch.Tensor, ...]], limit: int
+) -> list[list[tuple[torch.Tensor, ...]]]:
+    """Consecutive runs of parameters of at most ``limit`` elements in all."""
+    batches: list[list[tuple[torch.Tensor, ...]]] = [[]]
+    filled = 0
+    for flat in members:
+        n = flat[0].numel()
+        if batches[-1] and filled + n > limit:
+            batches.append([])
+            filled = 0
+        batches[-1].append(flat)
+        filled += n
+    return batches
+
+
+def _canonical_if_nan(tensors: tuple[torch.Tensor, ...]) -> None:
+    """Make the parameter's and the moments' NaNs canonical, if there can be any.
+
+    A NaN anywhere in the moments reaches the parameter (through the quotient), so on a
+    CPU the parameter's sum tells whether any NaN must be made canonical: one read, no
+    copy. On an accelerator reading it would wait for the device: always canonical.
+    """
+    parameter = tensors[0]
+    if parameter.device.type != "cpu" or bool(torch.isnan(parameter.sum())):
+        _canonical_nans([parameter, *tensors[2:]])
+
+
+def _adam_lists(
+    s: _Scalars, tensors: list[list[torch.Tensor]], scratch: list[list[torch.Tensor]]
 ) -> None:
-    """One chunk of :func:`adam_in_place`: parameter, gradient and moments (and the
-    amsgrad maximum) updated in place, on two float32 and two float64 scratch vectors."""
-    pc, gc, mc, vc = chunk
+    """The update's operations on lists of 1-D tensors: parameters, gradients, first and
+    second moments (and the amsgrad maximum), with two float32 and two float64 scratch
+    tensors of the same lengths. Every ``torch._foreach_*`` call applies one operation
+    to each tensor of its list, the operation :func:`_adam` applies to the whole
+    parameter, so every element is rounded as there.
+    """
+    p, g, m, v = tensors[:4]
+    vmax = tensors[4] if len(tensors) > 4 else None
     ga, gb, fa, fb = scratch
     if s.maximize or (s.weight_decay != 0 and not s.decoupled):
-        ga.copy_(gc)
+        torch._foreach_copy_(ga, g)
         if s.maximize:
-            ga.neg_()
+            torch._foreach_neg_(ga)
         if s.weight_decay != 0 and not s.decoupled:
-            torch.mul(pc, f32(s.weight_decay), out=gb)
-            ga.add_(gb)
-        gc = ga
+            torch._foreach_copy_(gb, p)
+            torch._foreach_mul_(gb, f32(s.weight_decay))
+            torch._foreach_add_(ga, gb)
+        g = ga
     if s.weight_decay != 0 and s.decoupled:
-        pc.mul_(f32(1.0 - s.lr * s.weight_decay))
-    mc.mul_(f32(s.beta1))
-    torch.mul(gc, f32(1.0 - s.beta1), out=gb)
-    mc.add_(gb)
-    torch.mul(gc, gc, out=gb)
-    gb.mul_(f32(1.0 - s.beta2))
-    vc.mul_(f32(s.beta2))
-    vc.add_(gb)
-    vhat = vc
+        torch._foreach_mul_(p, f32(1.0 - s.lr * s.weight_decay))
+    torch._foreach_mul_(m, f32(s.beta1))
+    torch._foreach_copy_(gb, g)
+    torch._foreach_mul_(gb, f32(1.0 - s.beta1))
+    torch._foreach_add_(m, gb)
+    torch._foreach_copy_(gb, g)
+    torch._foreach_mul_(gb, g)
+    torch._foreach_mul_(gb, f32(1.0 - s.beta2))
+    torch._foreach_mul_(v, f32(s.beta2))
+    torch._foreach_add_(v, gb)
+    vhat = v
     if vmax is not None:
+        torch._foreach_maximum_(vmax, v)
         vhat = vmax
-        torch.maximum(vhat, vc, out=vhat)
-    fa.copy_(vhat)  # sqrt32: through float64
-    fa.sqrt_()
-    gb.copy_(fa)
-    gb.mul_(s.inverse_root_correction)
-    gb.add_(s.eps)
-    if _ieee_division(pc.device):
-        torch.div(mc, gb, out=gb)  # div32: the device divides float32 correctly
+    torch._foreach_copy_(fa, vhat)  # sqrt32: through float64
+    torch._foreach_sqrt_(fa)
+    torch._foreach_copy_(gb, fa)
+    torch._foreach_mul_(gb, s.inverse_root_correction)
+    torch._foreach_add_(gb, s.eps)
+    # The quotient m / denominator, into ga (the gradient's copy is no longer read).
+    if _ieee_division(p[0].device):
+        torch._foreach_copy_(ga, m)  # div32: the device divides float32 correctly
+        torch._foreach_div_(ga, gb)
     else:
-        fa.copy_(mc)  # div32: through float64
-        fb.copy_(gb)
-        fa.div_(fb)
-        gb.copy_(fa)
-    gb.mul_(s.step_size)
-    pc.sub_(gb)
+        torch._foreach_copy_(fa, m)  # div32: through float64
+        torch._foreach_copy_(fb, gb)
+        torch._foreach_div_(fa, fb)
+        torch._foreach_copy_(ga, fa)
+    torch._foreach_mul_(ga, s.step_size)
+    torch._foreach_sub_(p, ga)
 
 
 def _canonical_nans(tensors: list[torch.Tensor]) -> None:

@@ -106,7 +106,7 @@ from typing import Any
 
 import torch
 
-from zkdv.torch.optimizers._adam_inplace import adam_in_place
+from zkdv.torch.optimizers._adam_inplace import adam_in_place_all
 from zkdv.torch.optimizers._arithmetic import (
     Group,
     State,
@@ -517,11 +517,9 @@ def update(
                 continue
             _check(parameter, gradient, state)
             active.append((parameter, gradient, state))
+        if optimizer_name in ("Adam", "AdamW"):
+            active = adam_in_place_all(active, group, decoupled=optimizer_name == "AdamW")
         for parameter, gradient, state in active:
-            if optimizer_name in ("Adam", "AdamW") and adam_in_place(
-                parameter, gradient, state, group, decoupled=optimizer_name == "AdamW"
-            ):
-                continue
             apply(parameter, gradient, state, group)
 
 
