@@ -141,8 +141,9 @@ def adam_in_place_all(
     Parameters smaller than a chunk are updated together, each operation applied to all
     of them by one ``torch._foreach_*`` call (on a CPU a loop in C++ over the tensors,
     each rounded as its own operation): a model of many small tensors (a transformer's
-    norms and biases) costs a few dozen operator calls per step rather than twenty per
-    tensor, which on a CPU cost more than their arithmetic.
+    norms and biases) makes a few dozen operator calls per step rather than twenty per
+    tensor. Measured on the LM recipe's 28 parameters, that is no faster on an idle CPU
+    (the arithmetic dominates) and loses less when other work shares the cores.
     """
     rest: list[tuple[torch.Tensor, torch.Tensor, State]] = []
     small: dict[tuple[torch.device, _Scalars], list[tuple[torch.Tensor, ...]]] = {}
@@ -176,7 +177,7 @@ def adam_in_place_all(
                 [[tensor[start:stop]] for tensor in flat],
                 [[buffer[:n]] for buffer in scratch],
             )
-        _canonical_if_nan(tensors)
+        _canonical_if_nan([flat])
     for (device, scalars), members in small.items():
         chunk = CHUNK_ELEMENTS.get(device.type, DEVICE_CHUNK_ELEMENTS)
         for batch in _batches(members, chunk):
@@ -188,19 +189,8 @@ def adam_in_place_all(
                 for into, buffer in zip(views, scratch, strict=True):
                     into.append(buffer[offset : offset + n])
                 offset += n
-            lists = [list(tensors) for tensors in zip(*batch, strict=True)]
-            _adam_lists(scalars, lists, views)
-            if device.type != "cpu":
-                for flat in batch:
-                    _canonical_nans([flat[0], *flat[2:]])
-                continue
-            # As _canonical_if_nan, one read for the batch: a parameter's 1-norm is NaN
-            # exactly when it holds a NaN.
-            norms = torch.stack(torch._foreach_norm(lists[0], 1)).isnan()
-            if bool(norms.any()):
-                for flat, nan in zip(batch, norms.tolist(), strict=True):
-                    if nan:
-                        _canonical_nans([flat[0], *flat[2:]])
+            _adam_lists(scalars, [list(tensors) for tensors in zip(*batch, strict=True)], views)
+            _canonical_if_nan(batch)
     return rest
 
 
@@ -220,16 +210,22 @@ def _batches(
     return batches
 
 
-def _canonical_if_nan(tensors: tuple[torch.Tensor, ...]) -> None:
-    """Make the parameter's and the moments' NaNs canonical, if there can be any.
+def _canonical_if_nan(updated: list[tuple[torch.Tensor, ...]]) -> None:
+    """Make each updated parameter's and its moments' NaNs canonical, if it can hold any.
 
-    A NaN anywhere in the moments reaches the parameter (through the quotient), so on a
-    CPU the parameter's sum tells whether any NaN must be made canonical: one read, no
-    copy. On an accelerator reading it would wait for the device: always canonical.
+    ``updated``: ``(parameter, gradient, moments...)`` per parameter, all on one device.
+    A NaN anywhere in the moments reaches the parameter (through the quotient), and a
+    parameter's 1-norm is NaN exactly when it holds a NaN, so on a CPU one read of the
+    norms tells which parameters must be made canonical, with no copy. On an
+    accelerator reading it would wait for the device: always canonical.
     """
-    parameter = tensors[0]
-    if parameter.device.type != "cpu" or bool(torch.isnan(parameter.sum())):
-        _canonical_nans([parameter, *tensors[2:]])
+    if updated[0][0].device.type == "cpu":
+        norms = torch.stack(torch._foreach_norm([flat[0] for flat in updated], 1)).isnan()
+        if not bool(norms.any()):
+            return
+        updated = [flat for flat, nan in zip(updated, norms.tolist(), strict=True) if nan]
+    for flat in updated:
+        _canonical_nans([flat[0], *flat[2:]])
 
 
 def _adam_lists(
