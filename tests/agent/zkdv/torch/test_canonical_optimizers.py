@@ -656,6 +656,19 @@ if __name__ == "__main__" and sys.argv[1:] == ["--fingerprints"]:
     print(json.dumps(fingerprints()))
 
 
+def _adam_options(*, decoupled: bool, amsgrad: bool, maximize: bool) -> dict[str, Any]:
+    """The in-place Adam tests' group: weight decay on, each flag as the test asks."""
+    return {
+        "lr": 3e-3,
+        "betas": (0.9, 0.95),
+        "eps": 1e-8,
+        "weight_decay": 0.1,
+        "amsgrad": amsgrad,
+        "maximize": maximize,
+        "decoupled_weight_decay": decoupled,
+    }
+
+
 @pytest.mark.parametrize("decoupled", [False, True])
 @pytest.mark.parametrize("amsgrad", [False, True])
 @pytest.mark.parametrize("maximize", [False, True])
@@ -666,15 +679,7 @@ def test_the_in_place_adam_is_the_definition_bit_for_bit(
     definition, across chunk boundaries, with a NaN in the gradient and subnormal moments."""
     monkeypatch.setitem(_adam_inplace.CHUNK_ELEMENTS, "cpu", 1000)  # several chunks, one partial
     rng = np.random.default_rng(7)
-    group = {
-        "lr": 3e-3,
-        "betas": (0.9, 0.95),
-        "eps": 1e-8,
-        "weight_decay": 0.1,
-        "amsgrad": amsgrad,
-        "maximize": maximize,
-        "decoupled_weight_decay": decoupled,
-    }
+    group = _adam_options(decoupled=decoupled, amsgrad=amsgrad, maximize=maximize)
 
     def fresh() -> tuple[torch.Tensor, dict[str, Any]]:
         parameter = torch.from_numpy(rng.standard_normal(4321).astype(np.float32))
@@ -713,15 +718,7 @@ def test_a_group_of_small_and_large_parameters_is_updated_as_the_definition(
     small one, against the one-parameter definition, bit for bit."""
     monkeypatch.setitem(_adam_inplace.CHUNK_ELEMENTS, "cpu", 1000)
     rng = np.random.default_rng(11)
-    group = {
-        "lr": 3e-3,
-        "betas": (0.9, 0.95),
-        "eps": 1e-8,
-        "weight_decay": 0.1,
-        "amsgrad": amsgrad,
-        "maximize": maximize,
-        "decoupled_weight_decay": decoupled,
-    }
+    group = _adam_options(decoupled=decoupled, amsgrad=amsgrad, maximize=maximize)
     shapes = [(64,), (3, 128), (2500,), (7,), (), (40, 20), (999,), (1, 1000), (0,), (12,)]
     parameters, gradients, states = [], [], []
     for index, shape in enumerate(shapes):
