@@ -95,12 +95,14 @@ def measure(
             for rows in (pre, post, post - pre):
                 probes.project_rows(leaf, rows)
 
-    state = {"rows": before}
+    turn = {"forward": True}
 
-    def per_step() -> None:  # a new update every step, so the reuse is what training sees
-        moved = [r + u for r, u in zip(state["rows"], updates, strict=True)]
-        probes.project_steps(state["rows"], moved)
-        state["rows"] = moved
+    def per_step() -> None:
+        # Steps go before -> after -> before...: every step's pre-update rows are the last
+        # step's post-update rows, as in training, and no update is computed in the timing.
+        rows = (before, after) if turn["forward"] else (after, before)
+        turn["forward"] = not turn["forward"]
+        probes.project_steps(*rows)
 
     split = [
         exact_rows(np.concatenate([post, post - pre]))[0]

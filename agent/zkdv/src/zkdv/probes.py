@@ -48,9 +48,10 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -243,7 +244,8 @@ def _compile(numba: Any) -> Any:
         kernel = numba.njit(nogil=True, cache=False, error_model="numpy")(_project_pass)
         out = np.empty((1, 1), dtype=np.float32)
         matrix = np.ones((1, 2, 1), dtype=np.float64)
-        kernel(np.ones((1, 2), np.float32), matrix, np.array([[0, 0, 1]]), 26, 2, out)
+        scratch = np.empty((2, 2), dtype=np.float64)
+        kernel(np.ones((1, 2), np.float32), matrix, np.array([[0, 0, 1]]), 26, scratch, out)
     except Exception:  # noqa: BLE001 - any failure to build means: use numpy
         return None
     return kernel
@@ -254,22 +256,21 @@ def _project_pass(
     matrices: np.ndarray,
     parts: np.ndarray,
     width: int,
-    block: int,
+    slices: np.ndarray,
     out: np.ndarray,
 ) -> None:  # pragma: no cover - compiled by Numba (its bits are tested against numpy's)
     """Exact probes of float32 rows ``values`` ``(r, d)`` into float32 ``out`` ``(r, k)``.
 
     ``parts[i] = (slot, start, stop)``: rows ``start:stop`` use ``matrices[slot]``, a
-    probe matrix in float64, ``(d, k)``. Rows are split ``block // 2`` at a time into
-    ``block`` slice rows, whose product is one single-threaded BLAS call (``_gemm``'s
-    reason).
+    probe matrix in float64, ``(d, k)``. Rows are split ``len(slices) // 2`` at a time
+    into the float64 scratch ``slices`` ``(block, d)``, whose product is one
+    single-threaded BLAS call (``_gemm``'s reason).
     """
     d = values.shape[1]
     k = out.shape[1]
     unit = 2.0**width
     tiny = 2.0**-126
-    rows = max(1, block // 2)
-    slices = np.empty((2 * rows, d), np.float64)
+    rows = max(1, slices.shape[0] // 2)
     scales = np.empty(rows, np.float64)
     bad = np.zeros(rows, np.bool_)
     bits = out.view(np.uint32)
@@ -334,6 +335,33 @@ def _gemm(a: np.ndarray, q: np.ndarray, out: np.ndarray) -> None:
         np.matmul(a[start : start + step], q, out=out[start : start + step])
 
 
+class _Parts(NamedTuple):
+    """The leaves of a block of rows: ``(leaf, start, stop)``, and the same with each
+    leaf's slot in its width class's stacked matrices (for the compiled pass)."""
+
+    spans: tuple[tuple[int, int, int], ...]
+    slots: np.ndarray | None
+
+
+@dataclass(frozen=True, eq=False)
+class _Group:
+    """One width class's block of probe rows in a :meth:`ProbeSet._layout`."""
+
+    d: int
+    rows: int
+    #: Rows of the first arrays of its jobs (:meth:`ProbeSet.project_steps`' after rows).
+    kind_rows: int
+    #: ``(job, array position, start, stop)`` in job order.
+    arrays: tuple[tuple[int, int, int, int], ...]
+    parts: _Parts
+    #: The parts of the first arrays only, at the same offsets.
+    first: _Parts
+
+
+#: Layouts a ProbeSet keeps (a run has one or two; a caller of many shapes, more).
+_LAYOUTS_KEPT = 64
+
+
 @dataclass
 class ProbeSet:
     """The probe matrices of one run, one per parameter leaf (computed once, reused)."""
@@ -351,9 +379,17 @@ class ProbeSet:
     _by_width: dict[int, tuple[np.ndarray, dict[int, int]]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
-    #: Per leaf, the bytes of the rows of the last post-update probe :meth:`project_steps`
-    #: computed, and that probe: the next step's pre-update rows are usually these bits.
-    _last_post: dict[int, tuple[tuple[tuple[int, ...], bytes], np.ndarray]] = field(
+    #: Where :meth:`project_many` and :meth:`project_steps` put each array (:meth:`_layout`).
+    _layouts: dict[Any, tuple[_Group, ...]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    #: Per width class, the two blocks of rows :meth:`project_steps` fills in turn.
+    _blocks: dict[int, list[np.ndarray]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    #: Per width class, the layout of the last :meth:`project_steps`, its post-update rows
+    #: and their probes: the next step's pre-update rows are usually these bits.
+    _last_post: dict[int, tuple[_Group, np.ndarray, dict[int, np.ndarray]]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
@@ -411,38 +447,21 @@ class ProbeSet:
         """:meth:`project_rows` of float32 row arrays of many leaves: ``[(leaf, arrays)]``.
 
         The bits of one call per array; the arrays of all leaves with the same last
-        dimension (hence the same number of probe columns) are split and finished
-        together, one product per leaf.
+        dimension (hence the same number of probe columns) are split, multiplied and
+        finished together, in one compiled pass where Numba is installed. The layout of
+        a list of jobs is worked out once (:meth:`_layout`): training projects the same
+        shapes every step, and on a model of many small leaves the per-leaf Python, not
+        the arithmetic, was most of the time.
         """
-        groups: dict[int, list[int]] = {}
-        for index, (leaf, _) in enumerate(jobs):
-            groups.setdefault(int(self.matrices[leaf].shape[0]), []).append(index)
+        layout = self._layout(tuple((leaf, tuple(len(a) for a in arrays)) for leaf, arrays in jobs))
         results: list[list[np.ndarray]] = [[] for _ in jobs]
-        kernel = _kernel()
-        for d, indices in groups.items():
-            arrays = [array for index in indices for array in jobs[index][1]]
-            values = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-            spans, start = [], 0
-            for index in indices:
-                stop = start + sum(len(array) for array in jobs[index][1])
-                spans.append((jobs[index][0], start, stop))
-                start = stop
-            if kernel is not None and d > 0:
-                stacked, slots = self._stacked(d)
-                parts = np.array([(slots[leaf], a, b) for leaf, a, b in spans], dtype=np.int64)
-                values = np.ascontiguousarray(values, dtype=np.float32)
-                probes = np.empty((len(values), stacked.shape[2]), dtype=np.float32)
-                block = max(2, _SINGLE_THREAD_GEMM // max(1, d * stacked.shape[2]))
-                kernel(values, stacked, parts, slice_width(d), block, probes)
-            else:
-                probes = _project_groups(
-                    values, [(self._matrix64(leaf), a, b) for leaf, a, b in spans]
-                )
-            start = 0
-            for index in indices:
-                for array in jobs[index][1]:
-                    results[index].append(probes[start : start + len(array)])
-                    start += len(array)
+        for group in layout:
+            values = _scratch("values", (group.rows, group.d), np.float32)
+            for index, position, start, stop in group.arrays:
+                values[start:stop] = jobs[index][1][position]
+            probes = self._project(group, group.parts, values)
+            for index, _, start, stop in group.arrays:
+                results[index].append(probes[start:stop])
         return results
 
     def project_steps(
@@ -456,40 +475,154 @@ class ProbeSet:
         The bits of :meth:`project_rows` of ``before``, ``after`` and ``after - before``
         for each leaf, and with ``grads`` (each leaf's selected gradient rows, None for
         a parameter without a gradient: its probe is zeros) the gradient's probes too.
-        A leaf's pre-update probe is the previous call's post-update probe when
-        ``before`` holds, bit for bit, the rows it came from (the usual case: nothing
-        changes the parameters between two steps), so most steps project two arrays per
-        leaf, not three.
+        The pre-update probes of a width class are the previous call's post-update
+        probes when ``before`` holds, bit for bit, the rows they came from (the usual
+        case: nothing changes the parameters between two steps), so most steps project
+        two arrays per leaf, not three; the deltas of a width class are one subtraction.
 
         Returns:
             ``(pre, post, delta)``, or ``(pre, post, delta, grad)`` with ``grads``.
         """
-        jobs: list[tuple[int, list[np.ndarray]]] = []
-        reused: list[np.ndarray | None] = []
-        for leaf, (rows_before, rows_after) in enumerate(zip(before, after, strict=True)):
-            change = rows_after - rows_before
-            arrays = [rows_after, change]
-            gradient = None if grads is None else grads[leaf]
-            if gradient is not None:
-                arrays.append(np.asarray(gradient, dtype=np.float32))
-            previous = self._last_post.get(leaf)
-            if previous is not None and previous[0] == _bits(rows_before):
-                reused.append(previous[1])
+        # One job per leaf: (after, change[, grad]) rows, laid out in each width class as
+        # [after of every leaf | change of every leaf | gradients], so that the changes
+        # are one subtraction and the after rows one block the next step compares with.
+        jobs = tuple(
+            (leaf, (len(rows),) * (2 if grads is None or grads[leaf] is None else 3))
+            for leaf, rows in enumerate(after)
+        )
+        layout = self._layout(jobs, by_kind=True)
+        count = len(after)
+        pre: list[np.ndarray] = [None] * count  # type: ignore[list-item]
+        post, delta, grad = list(pre), list(pre), list(pre)
+        for group in layout:
+            values = self._next_block(group)
+            earlier = _scratch("earlier", (group.kind_rows, group.d), np.float32)
+            for index, position, start, stop in group.arrays:
+                if position == 0:
+                    values[start:stop] = after[index]
+                    earlier[start:stop] = before[index]
+                elif position == 2:
+                    values[start:stop] = grads[index]  # type: ignore[index]
+            kind = group.kind_rows
+            np.subtract(values[:kind], earlier, out=values[kind : 2 * kind])
+            probes = self._project(group, group.parts, values)
+            for index, position, start, stop in group.arrays:
+                rows = probes[start:stop]
+                if position == 0:
+                    post[index] = rows
+                elif position == 1:
+                    delta[index] = rows
+                else:
+                    grad[index] = rows
+            last = self._last_post.get(group.d)
+            if last is not None and last[0] is group and _same_bits(last[1], earlier):
+                for index, rows in last[2].items():
+                    pre[index] = rows
             else:
-                reused.append(None)
-                arrays.insert(0, rows_before)
-            jobs.append((leaf, arrays))
-        pre, post, delta, grad = [], [], [], []
-        for leaf, (probes, known) in enumerate(zip(self.project_many(jobs), reused, strict=True)):
-            if known is None:
-                known = probes.pop(0)
-            pre.append(known)
-            post.append(probes[0])
-            delta.append(probes[1])
-            grad.append(probes[2] if len(probes) > 2 else np.zeros_like(probes[0]))
-            # The rows' bytes, not a view of a tensor the next update overwrites.
-            self._last_post[leaf] = (_bits(after[leaf]), probes[0])
-        return (pre, post, delta) if grads is None else (pre, post, delta, grad)
+                known = self._project(group, group.first, earlier)
+                for index, position, start, stop in group.arrays:
+                    if position == 0:
+                        pre[index] = known[start:stop]
+            # The after rows' block, not a view of a tensor the next update overwrites.
+            self._last_post[group.d] = (
+                group,
+                values[:kind],
+                {index: post[index] for index, position, _, _ in group.arrays if position == 0},
+            )
+        if grads is None:
+            return pre, post, delta
+        # A parameter without a gradient has a zero gradient probe (zkdv.probes).
+        grad = [np.zeros_like(p) if g is None else g for p, g in zip(post, grad, strict=True)]
+        return pre, post, delta, grad
+
+    def _next_block(self, group: _Group) -> np.ndarray:
+        """The block :meth:`project_steps` fills for ``group``: one of two kept per width
+        class, the other holding the last call's after rows. Kept rather than allocated:
+        a fresh block of a megabyte costs its page faults on every step."""
+        blocks = self._blocks.get(group.d)
+        shape = (group.rows, group.d)
+        if blocks is None or blocks[0].shape != shape:
+            blocks = self._blocks[group.d] = [np.empty(shape, np.float32) for _ in range(2)]
+        blocks.reverse()
+        return blocks[0]
+
+    def _layout(
+        self, jobs: tuple[tuple[int, tuple[int, ...]], ...], by_kind: bool = False
+    ) -> tuple[_Group, ...]:
+        """Where each job's arrays go in its width class's block of rows (cached).
+
+        ``jobs`` is ``((leaf, row counts of its arrays), ...)``. By default a job's
+        arrays are consecutive; ``by_kind`` puts every job's first arrays first, then
+        every second, then every third (:meth:`project_steps`).
+        """
+        key = (jobs, by_kind)
+        cached = self._layouts.get(key)
+        if cached is not None:
+            return cached
+        members: dict[int, list[int]] = {}
+        for index, (leaf, _) in enumerate(jobs):
+            members.setdefault(int(self.matrices[leaf].shape[0]), []).append(index)
+        groups = []
+        for d, indices in members.items():
+            placed: list[tuple[int, int, int, int]] = []
+            if by_kind:
+                start = 0
+                for position in range(max(len(jobs[i][1]) for i in indices)):
+                    for index in indices:
+                        if position < len(jobs[index][1]):
+                            stop = start + jobs[index][1][position]
+                            placed.append((index, position, start, stop))
+                            start = stop
+                placed.sort(key=lambda entry: (entry[0], entry[1]))
+            else:
+                start = 0
+                for index in indices:
+                    for position, rows in enumerate(jobs[index][1]):
+                        placed.append((index, position, start, start + rows))
+                        start += rows
+            groups.append(self._group(d, jobs, placed))
+        layout = tuple(groups)
+        if len(self._layouts) >= _LAYOUTS_KEPT:
+            self._layouts.clear()
+        self._layouts[key] = layout
+        return layout
+
+    def _group(
+        self,
+        d: int,
+        jobs: tuple[tuple[int, tuple[int, ...]], ...],
+        placed: list[tuple[int, int, int, int]],
+    ) -> _Group:
+        def parts(entries: Sequence[tuple[int, int, int, int]]) -> _Parts:
+            spans = tuple((jobs[index][0], start, stop) for index, _, start, stop in entries)
+            if d == 0:
+                return _Parts(spans, None)
+            _, slot = self._stacked(d)
+            return _Parts(spans, np.array([(slot[leaf], a, b) for leaf, a, b in spans], np.int64))
+
+        firsts = [entry for entry in placed if entry[1] == 0]
+        return _Group(
+            d=d,
+            rows=max((entry[3] for entry in placed), default=0),
+            kind_rows=sum(entry[3] - entry[2] for entry in firsts),
+            arrays=tuple(placed),
+            parts=parts(placed),
+            first=parts(firsts),
+        )
+
+    def _project(self, group: _Group, parts: _Parts, values: np.ndarray) -> np.ndarray:
+        """The exact probes of ``values``, rows ``start:stop`` by each part's leaf."""
+        d = group.d
+        kernel = _kernel()
+        if parts.slots is not None and kernel is not None:
+            stacked, _ = self._stacked(d)
+            probes = np.empty((len(values), stacked.shape[2]), dtype=np.float32)
+            block = max(2, _SINGLE_THREAD_GEMM // max(1, d * stacked.shape[2]))
+            block = min(block, 2 * len(values))
+            slices = _scratch("slices", (block - block % 2, d), np.float64)
+            kernel(values, stacked, parts.slots, slice_width(d), slices, probes)
+            return probes
+        return _project_groups(values, [(self._matrix64(leaf), a, b) for leaf, a, b in parts.spans])
 
     def project_all(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         return [self.project(i, array) for i, array in enumerate(arrays)]
@@ -520,6 +653,20 @@ class ProbeSet:
         )
 
 
-def _bits(rows: np.ndarray) -> tuple[tuple[int, ...], bytes]:
-    """Float32 rows' shape and bytes, to compare bit for bit (NaN payloads, signed zeros)."""
-    return rows.shape, np.ascontiguousarray(rows, dtype=np.float32).tobytes()
+_scratches = threading.local()
+
+
+def _scratch(name: str, shape: tuple[int, int], dtype: type) -> np.ndarray:
+    """A block this thread reuses for ``name`` (a fresh large one faults in its pages on
+    every call); grown when a larger one is asked for."""
+    kept: dict[str, np.ndarray] = _scratches.__dict__.setdefault("blocks", {})
+    block = kept.get(name)
+    size = shape[0] * shape[1]
+    if block is None or block.size < size or block.dtype != dtype:
+        block = kept[name] = np.empty(max(size, 1), dtype)
+    return block[:size].reshape(shape)
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two float32 blocks hold the same bits (NaN payloads, signed zeros)."""
+    return a.shape == b.shape and bool(np.array_equal(a.view(np.uint32), b.view(np.uint32)))
