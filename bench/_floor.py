@@ -10,6 +10,13 @@ implementation of the protocol goes below on that machine:
 
     floor = raw hash of the state + one state copy / N + p (N + 1) / 2 x the plain step
 
+A run that commits its gradients (the cross-hardware protocol, DESIGN.md 4.1: every
+Torch run, and a JAX run whose step calls ``TrainState.apply_gradients``) also hashes
+each step's gradient and writes it to the step's file for the platform's replay, so its
+floor adds a hash and a copy (into the page cache) of the gradient's bytes:
+
+    + raw hash of the gradient + one gradient copy
+
 Measured in the same run as the benchmark, so the printed floor and the measured overhead
 see the same machine.
 """
@@ -40,15 +47,27 @@ def floor_lines(
     added_ms: float,
     probability: float = 0.01,
     interval: int = 12,
+    gradient_bytes: int = 0,
 ) -> list[str]:
-    """Report lines comparing the measured added time with the floor (see module doc)."""
+    """Report lines comparing the measured added time with the floor (see module doc).
+
+    ``flat`` is the committed state's bytes and ``hash_ms`` their raw hash; a run that
+    commits gradients passes their size as ``gradient_bytes`` (at most the state's: the
+    gradient is the parameters' shape).
+    """
     copy_ms = _copy_ms(flat)
     commit = hash_ms + copy_ms / interval
+    gradient = ""
+    if gradient_bytes:
+        hashed = hash_ms * gradient_bytes / flat.nbytes  # BLAKE3 is linear in the bytes
+        written = _copy_ms(flat[:gradient_bytes])
+        commit += hashed + written
+        gradient = f" + gradient hash {hashed:.1f} + gradient file copy {written:.1f}"
     replay_ms = probability * (interval + 1) / 2 * plain_ms
     floor = commit + replay_ms
     return [
-        f"  floor here: hash {hash_ms:.1f} + snapshot copy {copy_ms:.1f}/{interval} = "
-        f"{commit:.1f} ms/step ({commit / hash_ms:.2f} x raw blake3, step-time ratio "
+        f"  floor here: hash {hash_ms:.1f}{gradient} + snapshot copy {copy_ms:.1f}/{interval} "
+        f"= {commit:.1f} ms/step ({commit / hash_ms:.2f} x raw blake3, step-time ratio "
         f"{(plain_ms + commit) / plain_ms:.3f}) in a step without a check;",
         f"    plus the expected check replay, {probability:g} x {(interval + 1) / 2:g} steps "
         f"= {replay_ms:.1f} ms/step: {floor:.1f} ms/step = {floor / hash_ms:.2f} x raw "

@@ -145,6 +145,11 @@ def main(argv: list[str] | None = None) -> None:
                 checks[label] += result["checks"]
                 last[label] = result["trainer"]
         flat = _state_bytes(last["plain"])
+        gradient_bytes = sum(
+            p.numel() * p.element_size()
+            for p in last["plain"].model.parameters()
+            if p.requires_grad
+        )
     hashes = []
     for _ in range(5):
         start = time.perf_counter()
@@ -167,7 +172,11 @@ def main(argv: list[str] | None = None) -> None:
         print(line)
     print(f"  default policy - p=0: {ms['zkdv'] - ms['zkdv p=0']:+.1f} ms/step")
     for line in floor_lines(
-        flat, plain_ms=plain, hash_ms=min(hashes) * 1e3, added_ms=ms["zkdv"] - plain
+        flat,
+        plain_ms=plain,
+        hash_ms=min(hashes) * 1e3,
+        added_ms=ms["zkdv"] - plain,
+        gradient_bytes=gradient_bytes,  # a Torch run commits its gradient
     ):
         print(line)
 

@@ -241,6 +241,8 @@ def run(name: str, workload: Any, args: argparse.Namespace, root: str) -> dict[s
         plain_ms=ms["jax.jit"],
         hash_ms=result["blake3_ms"],
         added_ms=ms["proof.jit"] - ms["jax.jit"],
+        # The step calls TrainState.apply_gradients: the run commits its gradient.
+        gradient_bytes=sum(x.nbytes for x in jax.tree.leaves(params)),
     )
     return result
 
