@@ -413,6 +413,54 @@ def test_a_batch_that_takes_another_branch_is_refused_before_commitment(
     assert [guard["value"] for guard in guards] == [True]
 
 
+class _MaskedDropout(_Masked):
+    """:class:`_Masked` with dropout, as a Hugging Face model has."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, inputs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.dropout(inputs), mask)
+
+
+def test_a_guard_computes_only_its_reads_not_the_step(tmp_path: Path) -> None:
+    # A guard runs before every step: a guard that kept the step's random draws (which
+    # graph dead-code elimination leaves by default) ran the whole step a second time and
+    # advanced the random state the step then drew its dropout from.
+    proof = _proof(tmp_path)
+    model = _MaskedDropout()
+    model, optimizer = proof.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @proof.attest
+    def attested_step(model, optimizer, batch):
+        inputs, mask, targets = batch
+        proof.backward(functional.cross_entropy(proof.forward(model, inputs, mask), targets))
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for inputs, targets in _batches(3):
+        batch = (inputs, torch.ones(8), targets)
+        with proof.transaction(batch=batch):
+            attested_step(model, optimizer, batch)
+    lowered = proof._lowered_program
+    assert lowered is not None and lowered.guards.module is not None
+    operators = {
+        str(node.target) for node in lowered.guards.module.graph.nodes if node.op == "call_function"
+    }
+    # The reads (mask.all()) and what they need: no product, no random draw.
+    step_like = {
+        op for op in operators if any(w in op for w in ("mm", "dropout", "bernoulli", "rand"))
+    }
+    assert operators and not step_like, operators
+    arguments = (*model.parameters(), torch.randn(8, 10), torch.ones(8), targets)
+    state = torch.get_rng_state()
+    lowered.guards.check(arguments)
+    assert torch.equal(torch.get_rng_state(), state)
+    proof.close()
+    assert _verified(tmp_path / "proof").steps == 3
+
+
 def test_unfreezing_a_parameter_after_attestation_is_refused(tmp_path: Path) -> None:
     proof = _proof(tmp_path)
     model = _model()
