@@ -669,14 +669,18 @@ def _adam_options(*, decoupled: bool, amsgrad: bool, maximize: bool) -> dict[str
     }
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["operators", "compiled"])
 @pytest.mark.parametrize("decoupled", [False, True])
 @pytest.mark.parametrize("amsgrad", [False, True])
 @pytest.mark.parametrize("maximize", [False, True])
 def test_the_in_place_adam_is_the_definition_bit_for_bit(
-    decoupled: bool, amsgrad: bool, maximize: bool, monkeypatch: pytest.MonkeyPatch
+    decoupled: bool, amsgrad: bool, maximize: bool, jit: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Adam's in-place, chunked path (what training runs) against the one-parameter
-    definition, across chunk boundaries, with a NaN in the gradient and subnormal moments."""
+    """Adam's in-place paths (what training runs: the compiled pass where Numba is
+    installed, else the operators, chunked) against the one-parameter definition, across
+    chunk boundaries, with a NaN in the gradient and subnormal moments."""
+    monkeypatch.setenv(_adam_inplace.JIT_ENV, "1" if jit else "0")
+    assert (_adam_inplace._kernel() is not None) == jit  # Numba is installed here
     monkeypatch.setitem(_adam_inplace.CHUNK_ELEMENTS, "cpu", 1000)  # several chunks, one partial
     rng = np.random.default_rng(7)
     group = _adam_options(decoupled=decoupled, amsgrad=amsgrad, maximize=maximize)
@@ -706,16 +710,18 @@ def test_the_in_place_adam_is_the_definition_bit_for_bit(
     assert _bits(parameter)[17] == 0x7FC00000  # the one canonical NaN
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["operators", "compiled"])
 @pytest.mark.parametrize("decoupled", [False, True])
 @pytest.mark.parametrize("amsgrad", [False, True])
 @pytest.mark.parametrize("maximize", [False, True])
 def test_a_group_of_small_and_large_parameters_is_updated_as_the_definition(
-    decoupled: bool, amsgrad: bool, maximize: bool, monkeypatch: pytest.MonkeyPatch
+    decoupled: bool, amsgrad: bool, maximize: bool, jit: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A group as transformers have them, through ``update``: small parameters updated
     together by the foreach path, in several batches, beside parameters larger than a
     chunk, at two step counts (so two sets of host scalars) and with a NaN gradient in a
     small one, against the one-parameter definition, bit for bit."""
+    monkeypatch.setenv(_adam_inplace.JIT_ENV, "1" if jit else "0")
     monkeypatch.setitem(_adam_inplace.CHUNK_ELEMENTS, "cpu", 1000)
     rng = np.random.default_rng(11)
     group = _adam_options(decoupled=decoupled, amsgrad=amsgrad, maximize=maximize)
@@ -756,6 +762,9 @@ def test_a_group_of_small_and_large_parameters_is_updated_as_the_definition(
                 _bits(states[index][key]), _bits(twin_states[index][key]), err_msg=key
             )
     assert _bits(parameters[3]).reshape(-1)[2] == 0x7FC00000
+    if jit and not amsgrad:
+        assert calls == []  # each parameter by the compiled pass (amsgrad: the operators)
+        return
     # Per step: the 2,500-element parameter in three chunks; the nine others together,
     # in batches of at most 1,000 elements, one per step count.
     assert max(calls) > 1 and sum(calls) == 3 * (3 + 9)

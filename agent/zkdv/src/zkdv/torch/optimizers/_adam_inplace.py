@@ -6,15 +6,23 @@ but chunk by chunk into the parameter and its moments, on per-thread scratch reu
 across steps; on a CPU whose float32 division is correctly rounded it divides in
 float32 (:func:`_ieee_division`), which is ``div32``'s result with less memory traffic.
 :func:`adam_in_place_all` updates a group's parameters smaller than a chunk together.
+Where Numba is installed (``zkdv[jit]``) a CPU parameter without ``amsgrad`` is updated by
+one compiled pass instead (:func:`_adam_pass`): the same operations on each element, in
+the same order and precision, read and written once rather than by some twenty
+operator calls.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
+import os
 import threading
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
+import numpy as np
 import torch
 
 from zkdv.torch.optimizers._arithmetic import (
@@ -143,9 +151,15 @@ def adam_in_place_all(
     each rounded as its own operation): a model of many small tensors (a transformer's
     norms and biases) makes a few dozen operator calls per step rather than twenty per
     tensor. Measured on the LM recipe's 28 parameters, that is no faster on an idle CPU
-    (the arithmetic dominates) and loses less when other work shares the cores.
+    (the arithmetic dominates) and loses less when other work shares the cores. Where
+    Numba is installed, CPU parameters (without ``amsgrad``) take the compiled pass
+    instead, one call each: the LM recipe's update 0.98-1.01 ms against 2.9-3.1 ms by
+    the operators (``torch.optim.AdamW``'s own foreach update: 1.17-1.38 ms).
     """
     rest: list[tuple[torch.Tensor, torch.Tensor, State]] = []
+    compiled: list[tuple[_Scalars, tuple[torch.Tensor, ...]]] = []
+    # Compiled on first use (about a second), and only for a CPU parameter.
+    kernel = _kernel() if any(entry[0].device.type == "cpu" for entry in entries) else None
     small: dict[tuple[torch.device, _Scalars], list[tuple[torch.Tensor, ...]]] = {}
     amsgrad = bool(group.get("amsgrad", False))
     for parameter, gradient, state in entries:
@@ -164,6 +178,9 @@ def adam_in_place_all(
         scalars = _scalars(state, group, decoupled=decoupled)
         flat = tuple(tensor.view(-1) for tensor in tensors)
         device = parameter.device
+        if device.type == "cpu" and not amsgrad and kernel is not None:
+            compiled.append((scalars, flat))
+            continue
         chunk = CHUNK_ELEMENTS.get(device.type, DEVICE_CHUNK_ELEMENTS)
         if parameter.numel() <= chunk:
             small.setdefault((device, scalars), []).append(flat)
@@ -178,6 +195,8 @@ def adam_in_place_all(
                 [[buffer[:n]] for buffer in scratch],
             )
         _canonical_if_nan([flat])
+    if compiled:
+        _compiled(kernel, compiled)
     for (device, scalars), members in small.items():
         chunk = CHUNK_ELEMENTS.get(device.type, DEVICE_CHUNK_ELEMENTS)
         for batch in _batches(members, chunk):
@@ -192,6 +211,33 @@ def adam_in_place_all(
             _adam_lists(scalars, [list(tensors) for tensors in zip(*batch, strict=True)], views)
             _canonical_if_nan(batch)
     return rest
+
+
+def _compiled(kernel: Any, entries: list[tuple[_Scalars, tuple[torch.Tensor, ...]]]) -> None:
+    """Update CPU parameters by the compiled pass, on numpy views of their tensors."""
+    arguments: dict[_Scalars, tuple[Any, ...]] = {}
+    for s, flat in entries:
+        scalars = arguments.get(s)
+        if scalars is None:
+            f = np.float32
+            decay = s.weight_decay != 0
+            scalars = arguments[s] = (
+                s.maximize,
+                f(s.weight_decay if decay and not s.decoupled else 0.0),
+                f(1.0 - s.lr * s.weight_decay if decay and s.decoupled else 1.0),
+                f(s.beta1),
+                f(1.0 - s.beta1),
+                f(s.beta2),
+                f(1.0 - s.beta2),
+                f(s.inverse_root_correction),
+                f(s.eps),
+                f(s.step_size),
+            )
+        p, g, m, v = (tensor.detach().numpy() for tensor in flat)
+        if kernel(p, g, m, v, *scalars):
+            _canonical_nans([flat[0], flat[2], flat[3]])
+        # Written through numpy: tell autograd, as an in-place operator would have.
+        torch.autograd.graph.increment_version([flat[0], flat[2], flat[3]])
 
 
 def _batches(
@@ -280,6 +326,82 @@ def _adam_lists(
         torch._foreach_copy_(ga, fa)
     torch._foreach_mul_(ga, s.step_size)
     torch._foreach_sub_(p, ga)
+
+
+# --- One compiled pass (Numba) ---------------------------------------------------------------
+
+#: Set to ``0`` to take the operator path even where Numba is installed.
+JIT_ENV = "ZKDV_ADAM_JIT"
+_kernel_state: dict[str, Any] = {}
+
+
+def _kernel() -> Any:
+    """The compiled pass, or None without Numba (or with ``ZKDV_ADAM_JIT=0``)."""
+    if os.environ.get(JIT_ENV, "1") == "0":
+        return None
+    with _kernel_lock:
+        if "kernel" not in _kernel_state:
+            _kernel_state["kernel"] = _compile()
+    return _kernel_state["kernel"]
+
+
+_kernel_lock = threading.Lock()
+
+
+def _compile() -> Any:
+    """Compile the pass once per process (about a second) and try it on a tiny input; a
+    Numba that cannot build it leaves the operator path."""
+    try:
+        numba = importlib.import_module("numba")
+        kernel = numba.njit(nogil=True, cache=False, error_model="numpy")(_adam_pass)
+        one = torch.ones(2).numpy()
+        f = one.dtype.type
+        kernel(one, one.copy(), one.copy(), one.copy(), False, f(0), f(1), *([f(0.5)] * 7))
+    except Exception:  # noqa: BLE001 - any failure to build means: use the operators
+        return None
+    return kernel
+
+
+def _adam_pass(
+    p: Any,
+    g: Any,
+    m: Any,
+    v: Any,
+    negate: bool,
+    coupled_decay: Any,
+    decoupled_factor: Any,
+    beta1: Any,
+    one_minus_beta1: Any,
+    beta2: Any,
+    one_minus_beta2: Any,
+    inverse_root_correction: Any,
+    eps: Any,
+    step_size: Any,
+) -> bool:  # pragma: no cover - compiled by Numba (its bits are tested against _adam's)
+    """:func:`_adam_lists` on one float32 parameter, element by element: the same float32
+    operations in the same order (every scalar a float32), the square root through
+    float64 (``sqrt32``) and the quotient a float32 division, correctly rounded on a
+    CPU (``div32``'s result, :func:`_ieee_division`). No fast-math: nothing is fused or
+    reassociated. Returns whether a NaN was written (its payload is then made canonical,
+    as :func:`_canonical_if_nan` does on the operator path)."""
+    nan = False
+    for i in range(p.shape[0]):
+        grad = -g[i] if negate else g[i]
+        if coupled_decay != 0:
+            grad = grad + p[i] * coupled_decay
+        parameter = p[i] * decoupled_factor
+        first = m[i] * beta1 + grad * one_minus_beta1
+        square = (grad * grad) * one_minus_beta2
+        second = v[i] * beta2 + square
+        root = np.float32(math.sqrt(np.float64(second)))
+        denominator = root * inverse_root_correction + eps
+        updated = parameter - (first / denominator) * step_size
+        m[i] = first
+        v[i] = second
+        p[i] = updated
+        # A NaN in either moment reaches the quotient, hence the parameter.
+        nan |= updated != updated
+    return nan
 
 
 def _canonical_nans(tensors: list[torch.Tensor]) -> None:
