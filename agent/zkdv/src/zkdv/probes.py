@@ -237,11 +237,23 @@ def _kernel() -> Any:
     return _kernel_state["kernel"]
 
 
-def _compile(numba: Any) -> Any:
-    """Compile the pass once per process (about a second) and try it on a tiny input: a
-    Numba that cannot build it (no SciPy for its BLAS, say) leaves the numpy path."""
+def jit(numba: Any, function: Any) -> Any:
+    """``function`` compiled by Numba (``nogil``), its machine code cached on disk where
+    Numba finds a writable place (beside the module, else the user's cache): a process
+    then loads it in milliseconds instead of compiling it for a second or two, which it
+    did on the commit thread while the first training steps ran beside it."""
     try:
-        kernel = numba.njit(nogil=True, cache=False, error_model="numpy")(_project_pass)
+        return numba.njit(nogil=True, cache=True, error_model="numpy")(function)
+    except RuntimeError:  # no writable cache location: compile in every process
+        return numba.njit(nogil=True, cache=False, error_model="numpy")(function)
+
+
+def _compile(numba: Any) -> Any:
+    """Compile the pass once per process (or load it, :func:`jit`) and try it on a tiny
+    input: a Numba that cannot build it (no SciPy for its BLAS, say) leaves the numpy
+    path."""
+    try:
+        kernel = jit(numba, _project_pass)
         out = np.empty((1, 1), dtype=np.float32)
         matrix = np.ones((1, 2, 1), dtype=np.float64)
         scratch = np.empty((2, 2), dtype=np.float64)

@@ -63,6 +63,7 @@ from zkdv.files import (
 )
 from zkdv.merkle import StateCommitment
 from zkdv.overlap import Policy
+from zkdv.probes import _kernel as probes_kernel
 from zkdv.sampling import Challenge
 
 __all__ = ["Driver"]
@@ -205,6 +206,9 @@ class Driver:
             # the training thread's mutation barrier) without waiting for the disk.
             background_writes=True,
         )
+        # The compiled probe pass (zkdv[jit]) is built or loaded now, before training,
+        # rather than by the commit stage beside the first steps.
+        probes_kernel()
         self._started = True
 
     def bind_experiment(self, name: str, spec_digest: str) -> None:

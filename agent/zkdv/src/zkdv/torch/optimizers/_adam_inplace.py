@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from zkdv.probes import jit
 from zkdv.torch.optimizers._arithmetic import (
     Group,
     State,
@@ -349,11 +350,11 @@ _kernel_lock = threading.Lock()
 
 
 def _compile() -> Any:
-    """Compile the pass once per process (about a second) and try it on a tiny input; a
-    Numba that cannot build it leaves the operator path."""
+    """Compile the pass once per process (or load it, :func:`zkdv.probes.jit`) and try
+    it on a tiny input; a Numba that cannot build it leaves the operator path."""
     try:
         numba = importlib.import_module("numba")
-        kernel = numba.njit(nogil=True, cache=False, error_model="numpy")(_adam_pass)
+        kernel = jit(numba, _adam_pass)
         one = torch.ones(2).numpy()
         f = one.dtype.type
         kernel(one, one.copy(), one.copy(), one.copy(), False, f(0), f(1), *([f(0.5)] * 7))
