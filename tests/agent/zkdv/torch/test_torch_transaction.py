@@ -376,12 +376,8 @@ class _Masked(nn.Module):
         return self.linear(inputs * mask[:, None])
 
 
-def test_a_batch_that_takes_another_branch_is_refused_before_commitment(
-    tmp_path: Path,
-) -> None:
-    proof = _proof(tmp_path)
-    model = _Masked()
-    model, optimizer = proof.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+def _masked_step(proof: Any) -> Callable[..., None]:
+    """The attested step of a :class:`_Masked` model, its batch ``(inputs, mask, targets)``."""
 
     @proof.attest
     def attested_step(model, optimizer, batch):
@@ -389,6 +385,17 @@ def test_a_batch_that_takes_another_branch_is_refused_before_commitment(
         proof.backward(functional.cross_entropy(proof.forward(model, inputs, mask), targets))
         optimizer.step()
         optimizer.zero_grad()
+
+    return attested_step
+
+
+def test_a_batch_that_takes_another_branch_is_refused_before_commitment(
+    tmp_path: Path,
+) -> None:
+    proof = _proof(tmp_path)
+    model = _Masked()
+    model, optimizer = proof.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    attested_step = _masked_step(proof)
 
     (inputs, targets), (more, labels) = _batches(2)
     unmasked = (inputs, torch.ones(8), targets)
@@ -431,13 +438,7 @@ def test_a_guard_computes_only_its_reads_not_the_step(tmp_path: Path) -> None:
     proof = _proof(tmp_path)
     model = _MaskedDropout()
     model, optimizer = proof.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-
-    @proof.attest
-    def attested_step(model, optimizer, batch):
-        inputs, mask, targets = batch
-        proof.backward(functional.cross_entropy(proof.forward(model, inputs, mask), targets))
-        optimizer.step()
-        optimizer.zero_grad()
+    attested_step = _masked_step(proof)
 
     for inputs, targets in _batches(3):
         batch = (inputs, torch.ones(8), targets)
