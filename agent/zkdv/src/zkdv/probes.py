@@ -49,7 +49,7 @@ import importlib
 import math
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -225,40 +225,44 @@ _kernel_state: dict[str, Any] = {}
 
 def _kernel() -> Any:
     """The compiled pass, or None without Numba (or with ``ZKDV_PROBES_JIT=0``)."""
-    if os.environ.get(JIT_ENV, "1") == "0":
+    return jit(_kernel_state, JIT_ENV, _project_pass, _try_pass)
+
+
+def _try_pass(kernel: Any) -> None:
+    out = np.empty((1, 1), dtype=np.float32)
+    matrix = np.ones((1, 2, 1), dtype=np.float64)
+    scratch = np.empty((2, 2), dtype=np.float64)
+    kernel(np.ones((1, 2), np.float32), matrix, np.array([[0, 0, 1]]), 26, scratch, out)
+
+
+_jit_lock = threading.Lock()
+
+
+def jit(state: dict[str, Any], env: str, function: Any, trial: Callable[[Any], None]) -> Any:
+    """``function`` compiled by Numba (``nogil``) on first use and kept in ``state``, or
+    None: with ``env`` set to ``0``, without Numba, or when it cannot build or run it on
+    the tiny input ``trial`` gives (no SciPy for its BLAS, say), so the caller takes its
+    numpy or Torch path. The machine code is cached on disk where Numba finds a
+    writable place (beside the module, else the user's cache): a process then loads it
+    in milliseconds instead of compiling it for a second or two, which it did on the
+    commit thread while the first training steps ran beside it."""
+    if os.environ.get(env, "1") == "0":
         return None
-    if "kernel" not in _kernel_state:
+    with _jit_lock:
+        if "kernel" not in state:
+            state["kernel"] = _build(function, trial)
+    return state["kernel"]
+
+
+def _build(function: Any, trial: Callable[[Any], None]) -> Any:
+    try:
+        numba = importlib.import_module("numba")
         try:
-            numba = importlib.import_module("numba")
-        except ImportError:
-            _kernel_state["kernel"] = None
-        else:
-            _kernel_state["kernel"] = _compile(numba)
-    return _kernel_state["kernel"]
-
-
-def jit(numba: Any, function: Any) -> Any:
-    """``function`` compiled by Numba (``nogil``), its machine code cached on disk where
-    Numba finds a writable place (beside the module, else the user's cache): a process
-    then loads it in milliseconds instead of compiling it for a second or two, which it
-    did on the commit thread while the first training steps ran beside it."""
-    try:
-        return numba.njit(nogil=True, cache=True, error_model="numpy")(function)
-    except RuntimeError:  # no writable cache location: compile in every process
-        return numba.njit(nogil=True, cache=False, error_model="numpy")(function)
-
-
-def _compile(numba: Any) -> Any:
-    """Compile the pass once per process (or load it, :func:`jit`) and try it on a tiny
-    input: a Numba that cannot build it (no SciPy for its BLAS, say) leaves the numpy
-    path."""
-    try:
-        kernel = jit(numba, _project_pass)
-        out = np.empty((1, 1), dtype=np.float32)
-        matrix = np.ones((1, 2, 1), dtype=np.float64)
-        scratch = np.empty((2, 2), dtype=np.float64)
-        kernel(np.ones((1, 2), np.float32), matrix, np.array([[0, 0, 1]]), 26, scratch, out)
-    except Exception:  # noqa: BLE001 - any failure to build means: use numpy
+            kernel = numba.njit(nogil=True, cache=True, error_model="numpy")(function)
+        except RuntimeError:  # no writable cache location: compile in every process
+            kernel = numba.njit(nogil=True, cache=False, error_model="numpy")(function)
+        trial(kernel)
+    except Exception:  # noqa: BLE001 - any failure to build means: the uncompiled path
         return None
     return kernel
 

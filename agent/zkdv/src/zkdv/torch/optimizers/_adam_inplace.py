@@ -14,9 +14,7 @@ operator calls.
 
 from __future__ import annotations
 
-import importlib
 import math
-import os
 import threading
 from dataclasses import dataclass
 from functools import cache
@@ -338,29 +336,13 @@ _kernel_state: dict[str, Any] = {}
 
 def _kernel() -> Any:
     """The compiled pass, or None without Numba (or with ``ZKDV_ADAM_JIT=0``)."""
-    if os.environ.get(JIT_ENV, "1") == "0":
-        return None
-    with _kernel_lock:
-        if "kernel" not in _kernel_state:
-            _kernel_state["kernel"] = _compile()
-    return _kernel_state["kernel"]
+    return jit(_kernel_state, JIT_ENV, _adam_pass, _try_pass)
 
 
-_kernel_lock = threading.Lock()
-
-
-def _compile() -> Any:
-    """Compile the pass once per process (or load it, :func:`zkdv.probes.jit`) and try
-    it on a tiny input; a Numba that cannot build it leaves the operator path."""
-    try:
-        numba = importlib.import_module("numba")
-        kernel = jit(numba, _adam_pass)
-        one = torch.ones(2).numpy()
-        f = one.dtype.type
-        kernel(one, one.copy(), one.copy(), one.copy(), False, f(0), f(1), *([f(0.5)] * 7))
-    except Exception:  # noqa: BLE001 - any failure to build means: use the operators
-        return None
-    return kernel
+def _try_pass(kernel: Any) -> None:
+    one = np.ones(2, dtype=np.float32)
+    f = np.float32
+    kernel(one, one.copy(), one.copy(), one.copy(), False, f(0), f(1), *([f(0.5)] * 7))
 
 
 def _adam_pass(
