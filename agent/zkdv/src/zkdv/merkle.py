@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from threading import Lock
 from typing import Any
 
+import blake3
 import cbor2
 import numpy as np
 
@@ -49,12 +50,25 @@ _LEAF_PREFIX = b"\x00"
 _NODE_PREFIX = b"\x01"
 
 
+# Hashers with their key and RFC 6962 prefix already absorbed: a commit hashes some ten
+# small things per leaf every step, and cloning a primed hasher is cheaper than feeding
+# it the prefix again each time.
+_LEAF_PRIMED = hasher(Domain.LEAF)
+_LEAF_PRIMED.update(_LEAF_PREFIX)
+_NODE_PRIMED = hasher(Domain.NODE)
+_NODE_PRIMED.update(_NODE_PREFIX)
+
+
 def _node(left: bytes, right: bytes) -> bytes:
-    return hash_bytes(Domain.NODE, _NODE_PREFIX, left, right)
+    h = _NODE_PRIMED.copy()
+    h.update(left + right)
+    return h.digest()
 
 
 def leaf_hash(data: bytes | memoryview) -> bytes:
-    return hash_bytes(Domain.LEAF, _LEAF_PREFIX, data)
+    h = _LEAF_PRIMED.copy()
+    h.update(data)
+    return h.digest()
 
 
 def _split(n: int) -> int:
@@ -150,10 +164,22 @@ def _dtype_name(dtype: np.dtype[Any]) -> str:
 
 
 def tensor_digest(spec: LeafSpec, chunk_root: bytes) -> bytes:
-    return hash_bytes(Domain.TENSOR, spec.header(), chunk_root)
+    h = _tensor_primed(spec).copy()
+    h.update(chunk_root)
+    return h.digest()
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _tensor_primed(spec: LeafSpec) -> blake3.blake3:
+    """A ``tensor`` hasher that has absorbed ``spec``'s header (a run's specs repeat)."""
+    h = hasher(Domain.TENSOR)
+    h.update(spec.header())
+    return h
 
 
 def _as_bytes(array: np.ndarray) -> memoryview:
+    if array.flags.c_contiguous and array.dtype.byteorder != ">":
+        return array.reshape(-1).view(np.uint8).data
     contiguous = np.ascontiguousarray(array)
     if contiguous.dtype.byteorder == ">":
         contiguous = contiguous.byteswap().view(contiguous.dtype.newbyteorder("<"))
@@ -179,9 +205,9 @@ def _pool() -> ThreadPoolExecutor:
 def _hash_chunks(view: memoryview, chunk_bytes: int, start: int, stop: int) -> list[bytes]:
     out: list[bytes] = []
     append = out.append
+    primed = _LEAF_PRIMED
     for index in range(start, stop):
-        h = hasher(Domain.LEAF)
-        h.update(_LEAF_PREFIX)
+        h = primed.copy()
         h.update(view[index * chunk_bytes : (index + 1) * chunk_bytes])
         append(h.digest())
     return out
@@ -194,6 +220,15 @@ def _hash_segments(
         (leaf, _hash_chunks(views[leaf], chunk_bytes, start, stop))
         for leaf, start, stop in segments
     ]
+
+
+def _chunk_root(view: memoryview, chunk_bytes: int) -> bytes:
+    """The root of one leaf's chunk tree (a leaf of one chunk: that chunk's hash)."""
+    if len(view) <= chunk_bytes:
+        h = _LEAF_PRIMED.copy()
+        h.update(view)
+        return h.digest()
+    return merkle_root(_hash_chunks(view, chunk_bytes, 0, -(-len(view) // chunk_bytes)))
 
 
 def chunk_hashes(array: np.ndarray, chunk_bytes: int) -> list[bytes]:
@@ -238,14 +273,13 @@ def commit_state(
     """
     specs = tuple(LeafSpec.of(path, array) for path, array in leaves)
     views = [_as_bytes(array) for _, array in leaves]
-    counts = [max(1, -(-len(view) // chunk_bytes)) for view in views]
     total_bytes = sum(len(view) for view in views)
     workers = _pool()._max_workers if parallel else 1
-    per_leaf: list[list[bytes]] = [[] for _ in leaves]
     if workers == 1 or total_bytes < _PARALLEL_MIN_BYTES:
-        for leaf, view in enumerate(views):
-            per_leaf[leaf] = _hash_chunks(view, chunk_bytes, 0, counts[leaf])
+        chunk_roots = tuple(_chunk_root(view, chunk_bytes) for view in views)
     else:
+        counts = [max(1, -(-len(view) // chunk_bytes)) for view in views]
+        per_leaf: list[list[bytes]] = [[] for _ in leaves]
         # Spread the bytes evenly: about two tasks per worker, each a run of chunk ranges
         # that may span several leaves, so that a state of many small leaves costs a few
         # pool submissions rather than one per leaf.
@@ -269,7 +303,7 @@ def commit_state(
         for future in futures:
             for leaf, hashes in future.result():
                 per_leaf[leaf].extend(hashes)
-    chunk_roots = tuple(merkle_root(hashes) for hashes in per_leaf)
+        chunk_roots = tuple(merkle_root(hashes) for hashes in per_leaf)
     digests = tuple(
         tensor_digest(spec, root) for spec, root in zip(specs, chunk_roots, strict=True)
     )
