@@ -30,6 +30,7 @@ from zkdv.driver import Driver, ReplayOutcome
 from zkdv.errors import ZKDVError, ZKDVPoisonedError
 from zkdv.sampling import Challenge
 from zkdv.torch import _artifact, _rng
+from zkdv.torch._arrays import HostViews
 from zkdv.torch._capture import current_capture
 from zkdv.torch._checkpoint import ReplayCheckpoint
 from zkdv.torch._computed import committed_values, computed_leaves
@@ -141,6 +142,8 @@ class ZKDV(Driver):
         self._unresolved: set[int] = set()
         self._resolution = threading.Lock()
         self._probe_index: list[torch.Tensor | None] | None = None
+        #: The commit stage's host views of the live parameters and optimizer state.
+        self._host_views = HostViews()
         #: FSDP2: the full optimizer state gathered at the previous step's end (or at the
         #: first entry), kept on rank 0 only while the next step takes a replay snapshot.
         self._full_states: list[dict[str, Any]] | None = None

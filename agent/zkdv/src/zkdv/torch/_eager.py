@@ -138,6 +138,7 @@ class TorchStep(Submission):
         # Kept past retirement: the snapshot stage may still be writing its file.
         self._snapshot_slot = transaction.snapshot
         self._state_leaves: list[torch.Tensor] | None = None
+        self._host_parameters: list[np.ndarray] | None = None
         self._committed_post = 0.0
         self._layout = proof._layout
         #: On the device path: ``(roots of each tree, probes, roots of the computed
@@ -180,7 +181,18 @@ class TorchStep(Submission):
                 committer.commitment(self.index, opt_state),
                 committer.commitment(self.index, buffers),
             )
-        leaves = self._leaves(self.parameters, self.states, self.post_buffers)
+        # The live parameters and state, updated in place: their views are kept.
+        views = self.proof._host_views
+        self._host_parameters = views.arrays("parameters", self.parameters)
+        layout = self._layout
+        leaves = (
+            list(zip(layout.parameter_names, self._host_parameters, strict=True)),
+            list(zip(layout.state_paths, views.arrays("states", self._state_leaves), strict=True)),
+            [
+                (n, host_array(t))
+                for n, t in zip(layout.buffer_names, self.post_buffers, strict=True)
+            ],
+        )
         self.proof.transfers.add(
             self.index, "state", sum(array.nbytes for tree in leaves for _, array in tree)
         )
@@ -231,13 +243,16 @@ class TorchStep(Submission):
             return committer.read_probes(self.index, pending)
         snapshot = self.replay_snapshot
         before, after = [], []
-        for leaf, tensor in enumerate(self.parameters):
+        parameters = self._host_parameters
+        if parameters is None:
+            parameters = [host_array(tensor) for tensor in self.parameters]
+        for leaf, array in enumerate(parameters):
             if self.pre_rows is not None:
                 before.append(host_array(self.pre_rows[leaf]).astype(np.float32, copy=False))
             else:
                 assert snapshot is not None
                 before.append(_probe_rows(probes, leaf, host_array(snapshot.parameters[leaf])))
-            after.append(_probe_rows(probes, leaf, host_array(tensor)))
+            after.append(_probe_rows(probes, leaf, array))
         grads = None
         if self.gradients is not None:
             grads = [
@@ -265,6 +280,7 @@ class TorchStep(Submission):
         self.parameters = ()
         self.states = []
         self._state_leaves = None
+        self._host_parameters = None
         self.device = None
 
     def snapshot_written(self) -> None:
