@@ -64,7 +64,7 @@ class Bench:
 BENCHES: tuple[Bench, ...] = (
     Bench(
         "torch_overhead",
-        ("--recipe", "lm", "--rounds", "3"),
+        ("--recipe", "lm", "--rounds", "8"),
         "a Torch training step (the LM recipe: bf16 autocast, clipping, accumulation, "
         "schedule, dropout) plain and in a ZKDV transaction, at the default policy and p = 0",
         "the default policy's least added time per step (`bench/_floor.py`: hashing the "
