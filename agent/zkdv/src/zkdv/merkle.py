@@ -225,9 +225,7 @@ def _hash_segments(
 def _chunk_root(view: memoryview, chunk_bytes: int) -> bytes:
     """The root of one leaf's chunk tree (a leaf of one chunk: that chunk's hash)."""
     if len(view) <= chunk_bytes:
-        h = _LEAF_PRIMED.copy()
-        h.update(view)
-        return h.digest()
+        return leaf_hash(view)
     return merkle_root(_hash_chunks(view, chunk_bytes, 0, -(-len(view) // chunk_bytes)))
 
 

@@ -155,12 +155,22 @@ class TorchStep(Submission):
         states: Any,
         buffers: Any,
     ) -> tuple[Leaves, Leaves, Leaves]:
-        layout = self._layout
         state_leaves = self.proof._bridge().leaves(states, parameters)
+        return self._named(
+            [host_array(t) for t in parameters],
+            [host_array(t) for t in state_leaves],
+            [host_array(t) for t in buffers],
+        )
+
+    def _named(
+        self, parameters: list[np.ndarray], states: list[np.ndarray], buffers: list[np.ndarray]
+    ) -> tuple[Leaves, Leaves, Leaves]:
+        """Host arrays of the three trees with their committed leaf names."""
+        layout = self._layout
         return (
-            [(n, host_array(t)) for n, t in zip(layout.parameter_names, parameters, strict=True)],
-            [(n, host_array(t)) for n, t in zip(layout.state_paths, state_leaves, strict=True)],
-            [(n, host_array(t)) for n, t in zip(layout.buffer_names, buffers, strict=True)],
+            list(zip(layout.parameter_names, parameters, strict=True)),
+            list(zip(layout.state_paths, states, strict=True)),
+            list(zip(layout.buffer_names, buffers, strict=True)),
         )
 
     def initial_state(self) -> tuple[Leaves, Leaves, Leaves]:
@@ -184,14 +194,10 @@ class TorchStep(Submission):
         # The live parameters and state, updated in place: their views are kept.
         views = self.proof._host_views
         self._host_parameters = views.arrays("parameters", self.parameters)
-        layout = self._layout
-        leaves = (
-            list(zip(layout.parameter_names, self._host_parameters, strict=True)),
-            list(zip(layout.state_paths, views.arrays("states", self._state_leaves), strict=True)),
-            [
-                (n, host_array(t))
-                for n, t in zip(layout.buffer_names, self.post_buffers, strict=True)
-            ],
+        leaves = self._named(
+            self._host_parameters,
+            views.arrays("states", self._state_leaves),
+            [host_array(t) for t in self.post_buffers],
         )
         self.proof.transfers.add(
             self.index, "state", sum(array.nbytes for tree in leaves for _, array in tree)
@@ -244,8 +250,7 @@ class TorchStep(Submission):
         snapshot = self.replay_snapshot
         before, after = [], []
         parameters = self._host_parameters
-        if parameters is None:
-            parameters = [host_array(tensor) for tensor in self.parameters]
+        assert parameters is not None, "the commit stage reads the post-state first"
         for leaf, array in enumerate(parameters):
             if self.pre_rows is not None:
                 before.append(host_array(self.pre_rows[leaf]).astype(np.float32, copy=False))
