@@ -20,6 +20,9 @@ per step, the median *process CPU time* per step (all threads; on a shared machi
 wall clock mostly measures the neighbours, the CPU time measures the work), and the
 peak resident memory sampled during its blocks. Raw ``blake3`` is timed once per round,
 interleaved with the blocks, and compared in wall time (the target) and in CPU time.
+Per variant, the CPU time of ZKDV's own threads by stage and of the calling thread, and
+the minor page faults per step (``bench/_threads.py``): the programs' fresh output
+buffers that the allocator had handed back to the kernel are faulted in again.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from _floor import floor_lines  # bench/ is on sys.path when this script runs
+from _threads import CpuBreakdown
 from flax import linen as nn
 
 import zkdv
@@ -178,6 +182,7 @@ def run(name: str, workload: Any, args: argparse.Namespace, root: str) -> dict[s
             "times": [],
             "cpu": [],
             "rss": PeakRSS(),
+            "threads": CpuBreakdown(),
             "i": 0,
         }
 
@@ -187,7 +192,7 @@ def run(name: str, workload: Any, args: argparse.Namespace, root: str) -> dict[s
 
     def block(label: str, steps: int) -> tuple[float, float]:
         v = variants[label]
-        with v["rss"]:
+        with v["rss"], v["threads"].block(steps):
             start, cpu = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 data = batch(v["i"])
@@ -214,8 +219,9 @@ def run(name: str, workload: Any, args: argparse.Namespace, root: str) -> dict[s
             best = min(best, (time.perf_counter() - start, time.process_time() - cpu))
         hashes.append(best)
 
-    for label in variants:  # compile and warm up
+    for label, v in variants.items():  # compile and warm up
         block(label, 2)
+        v["threads"] = CpuBreakdown()
     for _ in range(args.rounds):
         hash_once()
         for label in variants:
@@ -234,6 +240,7 @@ def run(name: str, workload: Any, args: argparse.Namespace, root: str) -> dict[s
         "ms": {label: statistics.median(v["times"]) * 1e3 for label, v in variants.items()},
         "cpu_ms": {label: statistics.median(v["cpu"]) * 1e3 for label, v in variants.items()},
         "rss_mib": {label: v["rss"].peak / 2**20 for label, v in variants.items()},
+        "threads": {label: v["threads"] for label, v in variants.items()},
     }
     ms = result["ms"]
     result["floor"] = floor_lines(
@@ -272,6 +279,11 @@ def report(result: dict[str, Any]) -> None:
         f"cpu; DEBUGCheckEvery(1) ratio {ms['check-every-1'] / base:.3f} wall, "
         f"{cpu['check-every-1'] / base_cpu:.3f} cpu"
     )
+    # XLA runs the programs on its own threads: the calling thread only dispatches.
+    threads = result["threads"]
+    for label, breakdown in threads.items():
+        baseline = None if label == "jax.jit" else ("jax.jit", threads["jax.jit"])
+        print(breakdown.line(label, baseline, caller="calling thread"))
     for line in result["floor"]:
         print(line)
 

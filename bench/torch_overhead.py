@@ -43,7 +43,10 @@ the AOT Inductor compile with ``--program aot-inductor``, paid by the first tran
 is reported separately and is not in the step times.
 
 On a shared machine wall-clock times swing with other processes' load (printed), so the
-process CPU time per step is reported too: the work ZKDV adds, whoever else runs.
+process CPU time per step is reported too: the work ZKDV adds, whoever else runs. Per
+variant, the CPU time of ZKDV's own threads by stage and of the training thread, and the
+minor page faults per step (``bench/_threads.py``), say where that work goes with much
+less noise than the ratio.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ import blake3
 import numpy as np
 import torch
 from _floor import floor_lines  # bench/ is on sys.path when this script runs
+from _threads import CpuBreakdown
 from torch import nn
 from torch.nn import functional
 
@@ -299,6 +303,7 @@ def run(
             "times": [],
             "cpu": [],
             "waits": [],
+            "threads": CpuBreakdown(),
             "i": 0,
             "seal": 0.0,
         }
@@ -317,18 +322,19 @@ def run(
         waited = waits[label][0]
         cpu = time.process_time()
         start = time.perf_counter()
-        for item in data:
-            if proof is None:
-                workload.step(model, optimizer, item, _call, _backward)
-            else:
-                with proof.transaction(batch=item):
-                    workload.step(model, optimizer, item, _call, proof.backward)
-            if v["schedule"] is not None:
-                v["schedule"].step()
-            v["i"] += 1
-        _sync()
-        if proof is not None:
-            proof.join()
+        with v["threads"].block(steps):
+            for item in data:
+                if proof is None:
+                    workload.step(model, optimizer, item, _call, _backward)
+                else:
+                    with proof.transaction(batch=item):
+                        workload.step(model, optimizer, item, _call, proof.backward)
+                if v["schedule"] is not None:
+                    v["schedule"].step()
+                v["i"] += 1
+            _sync()
+            if proof is not None:
+                proof.join()
         v["cpu"].append((time.process_time() - cpu) / steps)
         v["waits"].append((waits[label][0] - waited) / steps)
         return (time.perf_counter() - start) / steps
@@ -342,6 +348,7 @@ def run(
     for v in variants.values():
         v["cpu"].clear()
         v["waits"].clear()
+        v["threads"] = CpuBreakdown()
     labels = list(variants)
     for round_ in range(args.rounds):
         # Rotated every round: no variant always runs right after the same other one
@@ -404,6 +411,7 @@ def run(
             for label, v in variants.items()
             if v["proof"] is not None
         },
+        "threads": {label: v["threads"] for label, v in variants.items()},
         "load": os.getloadavg()[0],
         "ms": ms,
         "floor": floor,
@@ -447,6 +455,10 @@ def report(result: dict[str, Any], program: str) -> None:
             f"  {label} / eager, same round: median step-time ratio "
             f"{statistics.median(ratios):.3f} (rounds {', '.join(f'{r:.3f}' for r in ratios)})"
         )
+    # Per thread, from each thread's CPU clock: far steadier than the step-time ratio.
+    threads = result["threads"]
+    for label, breakdown in threads.items():
+        print(breakdown.line(label, None if label == "eager" else ("eager", threads["eager"])))
     for label in ("zkdv", "zkdv p=0"):
         added = ms[label] - base
         print(
