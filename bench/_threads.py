@@ -78,7 +78,9 @@ class CpuBreakdown:
         self.faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         self.steps += steps
         for ident, (stage, seconds) in _zkdv_threads().items():
-            self.stages[stage] += seconds - threads.get(ident, (stage, 0.0))[1]
+            used = seconds - threads.get(ident, (stage, 0.0))[1]
+            if used > 0:  # an idle thread (another run's pool, say) adds no stage
+                self.stages[stage] += used
 
     def per_step_ms(self) -> tuple[float, dict[str, float]]:
         """ZKDV's threads' CPU ms per step in all, and by stage (largest first)."""

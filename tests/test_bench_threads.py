@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import mmap
 import sys
 import threading
 import time
@@ -12,6 +13,7 @@ from types import ModuleType
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+PAGES = 256
 
 
 def _threads() -> ModuleType:
@@ -41,7 +43,8 @@ def test_a_block_counts_each_zkdv_stage_s_cpu_and_not_other_threads() -> None:
         burnt.set()
         done.wait()  # alive when the block ends, as a pool's workers are
 
-    shares = {"zkdv-commit_0": 0.15, "zkdv-writer_0": 0.05, "not-zkdv": 0.2}
+    # Stage names of their own: the test process may hold other tests' ZKDV threads.
+    shares = {"zkdv-tcommit_0": 0.15, "zkdv-twriter_0": 0.05, "not-zkdv": 0.2}
     burnt = {name: threading.Event() for name in shares}
     pool = [
         threading.Thread(target=worker, args=(seconds, burnt[name]), name=name)
@@ -56,20 +59,25 @@ def test_a_block_counts_each_zkdv_stage_s_cpu_and_not_other_threads() -> None:
             _burn(0.05)
             for event in burnt.values():
                 assert event.wait(30)
-            # A fresh allocation of many pages is faulted in when first written (under
-            # 4 MiB: NumPy asks for huge pages above that, which fault 2 MiB at a time).
-            np.ones(3 << 20, dtype=np.uint8)
+            # Fresh anonymous pages fault in when first written (a heap the process has
+            # touched before may not: an allocator can reuse it).
+            fresh = mmap.mmap(-1, PAGES * mmap.PAGESIZE)
+            pages = np.frombuffer(fresh, dtype=np.uint8)
+            pages[:: mmap.PAGESIZE] = 1
+            del pages
+            fresh.close()
     finally:
         done.set()
         for thread in pool:
             thread.join()
 
     total, stages = totals.per_step_ms()
-    assert set(stages) == {"commit", "writer"}
     # Per step over 5 steps: 30 ms and 10 ms of CPU, give or take the clocks' reading.
-    assert 29 <= stages["commit"] <= 40 and 9 <= stages["writer"] <= 15
-    assert total == stages["commit"] + stages["writer"]
+    assert 29 <= stages["tcommit"] <= 40 and 9 <= stages["twriter"] <= 15
+    assert all(ms > 0 for ms in stages.values())
+    # The other thread's 40 ms per step is not counted (other tests' ZKDV threads idle).
+    assert total - stages["tcommit"] - stages["twriter"] < 10
     assert totals.training >= 0.05
-    assert totals.faults >= (3 << 20) // 4096 // 2
+    assert totals.faults >= PAGES
     line = totals.line("zkdv", ("eager", threads.CpuBreakdown(steps=5)))
-    assert "ZKDV's threads" in line and "commit 3" in line and "against eager" in line
+    assert "ZKDV's threads" in line and "tcommit 3" in line and "against eager" in line
