@@ -2,30 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.bench_modules import BENCH, load
 
-
-def _report() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_report", ROOT / "bench" / "report.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-report = _report()
+report = load("report")
 
 
 def test_every_bench_is_in_the_report() -> None:
     # A module whose name begins with "_" is a helper the benches import (the floors, the
     # JAX forgers), not a bench; report.py is the report itself.
-    scripts = {p.stem for p in (ROOT / "bench").glob("*.py") if not p.stem.startswith("_")}
+    scripts = {p.stem for p in BENCH.glob("*.py") if not p.stem.startswith("_")}
     scripts -= {"report"}
     listed = {bench.name for bench in report.BENCHES}
     assert scripts - listed == set(), "benches the report does not run"

@@ -2,30 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import mmap
-import sys
 import threading
 import time
-from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.bench_modules import load
+
 PAGES = 256
-
-
-def _threads() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_threads", ROOT / "bench" / "_threads.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-threads = _threads()
+threads = load("_threads")
 
 
 def _burn(seconds: float) -> None:
