@@ -159,7 +159,7 @@ def test_the_zkdv_extras_are_the_frameworks() -> None:
         "torch==2.13.0",
         "lightning>=2.5",
     }
-    assert {str(Requirement(item)) for item in extras["jit"]} == {"numba>=0.68", "scipy>=1.11"}
+    assert {str(Requirement(item)) for item in extras["jit"]} == {"numba>=0.68"}
 
 
 def test_dvbench_pins_its_zkdv_and_forwards_every_zkdv_extra() -> None:
@@ -545,7 +545,7 @@ def test_every_extra_resolves_to_its_framework_and_only_to_it(
         "hf": {"torch", "transformers", "accelerate"},
         "peft": {"torch", "transformers", "accelerate", "peft"},
         "lightning": {"torch", "lightning"},
-        "jit": {"numba", "llvmlite", "scipy"},
+        "jit": {"numba", "llvmlite"},
     }
     for extra, frameworks in wanted.items():
         zkdv = set(plans[f"zkdv[{extra}]"])

@@ -267,7 +267,8 @@ def _exact_probe(row: np.ndarray, matrix: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    ("d", "ratio"), [(1, 1.0), (7, 0.5), (64, 0.1), (128, 0.01), (300, 0.02), (513, 0.01)]
+    ("d", "ratio"),
+    [(1, 1.0), (7, 0.5), (64, 0.1), (128, 0.01), (300, 0.02), (513, 0.01), (1500, 0.01)],
 )
 def test_probes_have_the_bits_of_exact_rational_arithmetic(path: str, d: int, ratio: float) -> None:
     rng = np.random.default_rng(d)
@@ -280,6 +281,22 @@ def test_probes_have_the_bits_of_exact_rational_arithmetic(path: str, d: int, ra
     for row, probe in zip(values, got, strict=True):
         want = _exact_probe(row, probes.matrices[0])
         assert probe.view(np.uint32).tobytes() == want.view(np.uint32).tobytes()
+
+
+@pytest.mark.skipif(not HAS_NUMBA, reason="needs numba")
+def test_only_the_dot_products_may_reorder_their_sums(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled pass's dot products are vectorised (their sums are exact in any
+    order); the split and the finish, whose roundings matter, are compiled strictly."""
+    monkeypatch.setenv(probes_module.JIT_ENV, "1")
+    kernel = probes_module._kernel()
+    assert kernel is not None
+    helper = kernel.py_func.__globals__["_dot_pair"]
+    assert set(helper.targetoptions["fastmath"]) == {"reassoc", "contract"}
+    assert not kernel.targetoptions.get("fastmath")
+    # The module keeps the Python function; only the kernel's globals see the compiled one.
+    assert probes_module._dot_pair is not helper
+    high, low, column = np.arange(5.0), -np.arange(5.0), np.full(5, 2.0)
+    assert probes_module._dot_pair(high, low, column) == helper(high, low, column) == (20, -20)
 
 
 def test_without_numba_probes_take_the_numpy_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -49,7 +49,8 @@ import importlib
 import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -217,54 +218,108 @@ def _project_groups(values: np.ndarray, parts: Sequence[Part]) -> np.ndarray:
 # so the bits are those of the numpy path (tests/agent/zkdv/test_probes.py compares both with
 # exact rational arithmetic). It releases the interpreter lock while it runs, so the
 # training thread keeps running Python beside the commit stage.
+#
+# The products are not a BLAS call: a probe has few columns (k = 1% of d), and a GEMM of
+# a (2 * rows, d) block by a (d, k) matrix spends more time writing the slices to memory
+# and reading them back than multiplying. Each row is split into two rows of d floats
+# that stay in L1, and each probe column is two dot products over them (_dot_pair),
+# vectorised: reassociating an exact sum cannot change it. Measured against the float64
+# products alone by bench/probe_cost.py.
 
 #: Set to ``0`` to project with numpy even where Numba is installed.
 JIT_ENV = "ZKDV_PROBES_JIT"
 _kernel_state: dict[str, Any] = {}
 
+#: What _dot_pair may reorder: its sums are exact in any order and its products exact, so
+#: summing in vector lanes (``reassoc``) and fused multiply-adds (``contract``) keep the
+#: bits; nothing else is relaxed (no reciprocal, no assumption about NaN or zeros).
+EXACT_SUM_FASTMATH = frozenset({"reassoc", "contract"})
+
 
 def _kernel() -> Any:
     """The compiled pass, or None without Numba (or with ``ZKDV_PROBES_JIT=0``)."""
-    return jit(_kernel_state, JIT_ENV, _project_pass, _try_pass)
+    return jit(
+        _kernel_state,
+        JIT_ENV,
+        _project_pass,
+        _try_pass,
+        helpers={"_dot_pair": EXACT_SUM_FASTMATH},
+    )
 
 
 def _try_pass(kernel: Any) -> None:
     out = np.empty((1, 1), dtype=np.float32)
-    matrix = np.ones((1, 2, 1), dtype=np.float64)
-    scratch = np.empty((2, 2), dtype=np.float64)
-    kernel(np.ones((1, 2), np.float32), matrix, np.array([[0, 0, 1]]), 26, scratch, out)
+    matrix = np.ones((1, 1, 2), dtype=np.float64)
+    kernel(np.ones((1, 2), np.float32), matrix, np.array([[0, 0, 1]]), 26, out)
 
 
 _jit_lock = threading.Lock()
 
 
-def jit(state: dict[str, Any], env: str, function: Any, trial: Callable[[Any], None]) -> Any:
+def jit(
+    state: dict[str, Any],
+    env: str,
+    function: Any,
+    trial: Callable[[Any], None],
+    helpers: Mapping[str, frozenset[str]] | None = None,
+) -> Any:
     """``function`` compiled by Numba (``nogil``) on first use and kept in ``state``, or
     None: with ``env`` set to ``0``, without Numba, or when it cannot build or run it on
-    the tiny input ``trial`` gives (no SciPy for its BLAS, say), so the caller takes its
+    the tiny input ``trial`` gives, so the caller takes its
     numpy or Torch path. The machine code is cached on disk where Numba finds a
     writable place (beside the module, else the user's cache): a process then loads it
     in milliseconds instead of compiling it for a second or two, which it did on the
-    commit thread while the first training steps ran beside it."""
+    commit thread while the first training steps ran beside it.
+
+    ``helpers`` names module-level functions ``function`` calls, each compiled with its
+    own ``fastmath`` flags (Numba applies them to a whole function): the flags stay on
+    the few lines whose arithmetic they cannot change."""
     if os.environ.get(env, "1") == "0":
         return None
     with _jit_lock:
         if "kernel" not in state:
-            state["kernel"] = _build(function, trial)
+            state["kernel"] = _build(function, trial, helpers or {})
     return state["kernel"]
 
 
-def _build(function: Any, trial: Callable[[Any], None]) -> Any:
+def _build(
+    function: Any, trial: Callable[[Any], None], helpers: Mapping[str, frozenset[str]]
+) -> Any:
     try:
         numba = importlib.import_module("numba")
-        try:
-            kernel = numba.njit(nogil=True, cache=True, error_model="numpy")(function)
-        except RuntimeError:  # no writable cache location: compile in every process
-            kernel = numba.njit(nogil=True, cache=False, error_model="numpy")(function)
+
+        def njit(py: Any, **options: Any) -> Any:
+            try:
+                return numba.njit(nogil=True, cache=True, error_model="numpy", **options)(py)
+            except RuntimeError:  # no writable cache location: compile in every process
+                return numba.njit(nogil=True, cache=False, error_model="numpy", **options)(py)
+
+        if helpers:
+            # The function sees its helpers compiled: a copy of it over globals in which
+            # their names are bound to the compiled helpers (the module keeps the
+            # Python ones).
+            names = dict(function.__globals__)
+            for name, fastmath in helpers.items():
+                names[name] = njit(names[name], fastmath=set(fastmath))
+            function = types.FunctionType(
+                function.__code__, names, function.__name__, function.__defaults__
+            )
+        kernel = njit(function)
         trial(kernel)
     except Exception:  # noqa: BLE001 - any failure to build means: the uncompiled path
         return None
     return kernel
+
+
+def _dot_pair(high: np.ndarray, low: np.ndarray, column: np.ndarray) -> tuple[float, float]:
+    """``(high @ column, low @ column)``: two exact sums of exact products (compiled
+    with :data:`EXACT_SUM_FASTMATH`)."""
+    a = 0.0
+    b = 0.0
+    for i in range(len(column)):
+        a += high[i] * column[i]
+        b += low[i] * column[i]
+    return a, b
 
 
 def _project_pass(
@@ -272,73 +327,56 @@ def _project_pass(
     matrices: np.ndarray,
     parts: np.ndarray,
     width: int,
-    slices: np.ndarray,
     out: np.ndarray,
 ) -> None:  # pragma: no cover - compiled by Numba (its bits are tested against numpy's)
     """Exact probes of float32 rows ``values`` ``(r, d)`` into float32 ``out`` ``(r, k)``.
 
     ``parts[i] = (slot, start, stop)``: rows ``start:stop`` use ``matrices[slot]``, a
-    probe matrix in float64, ``(d, k)``. Rows are split ``len(slices) // 2`` at a time
-    into the float64 scratch ``slices`` ``(block, d)``, whose product is one
-    single-threaded BLAS call (``_gemm``'s reason).
+    probe matrix in float64, transposed: ``(k, d)``.
     """
     d = values.shape[1]
     k = out.shape[1]
     unit = 2.0**width
     tiny = 2.0**-126
-    rows = max(1, slices.shape[0] // 2)
-    scales = np.empty(rows, np.float64)
-    bad = np.zeros(rows, np.bool_)
+    high = np.empty(d, np.float64)
+    low = np.empty(d, np.float64)
     bits = out.view(np.uint32)
     words = values.view(np.uint32)
     cell = np.empty(1, np.uint32)
     magnitude = cell.view(np.float32)
     for part in range(parts.shape[0]):
         q = matrices[parts[part, 0]]
-        for begin in range(parts[part, 1], parts[part, 2], rows):
-            n = min(rows, parts[part, 2] - begin)
-            for r in range(n):
-                row = begin + r
-                # The peak magnitude from the bits: for float32, the order of the
-                # magnitudes is that of the bits without the sign (an integer maximum,
-                # which vectorises); at or above an infinity's it holds an inf or NaN.
-                peak_bits = np.uint32(0)
-                for i in range(d):
-                    peak_bits = max(peak_bits, words[row, i] & np.uint32(0x7FFFFFFF))
-                bad[r] = peak_bits >= np.uint32(0x7F800000)
-                if bad[r]:
-                    slices[r] = 0.0
-                    slices[n + r] = 0.0
-                    continue
-                # Below the smallest normal: only subnormals and zeros, flushed to zero.
-                cell[0] = peak_bits
-                peak = 0.0 if peak_bits < np.uint32(0x00800000) else np.float64(magnitude[0])
-                _, top = math.frexp(peak)
-                scale = math.ldexp(1.0, width - top)
-                scales[r] = scale
-                for i in range(d):
-                    v = np.float64(values[row, i])
-                    # Subnormals are flushed, as exact_rows does (in a row above its
-                    # flush threshold they make zero slices anyway).
-                    x = v * scale if abs(v) >= tiny else 0.0  # exact: a power of two
-                    # Truncation toward zero through int64: |x| < 2**w, exact.
-                    whole = np.float64(np.int64(x))
-                    slices[r, i] = whole
-                    slices[n + r, i] = np.float64(np.int64((x - whole) * unit))
-            # Exact in any summation order (the module docstring): BLAS's is as good as any.
-            products = np.dot(slices[: 2 * n], q)
-            for r in range(n):
-                row = begin + r
-                if bad[r]:
-                    for j in range(k):
-                        bits[row, j] = 0x7FC00000
-                    continue
-                scale = scales[r]
+        for row in range(parts[part, 1], parts[part, 2]):
+            # The peak magnitude from the bits: for float32, the order of the magnitudes
+            # is that of the bits without the sign (an integer maximum, which
+            # vectorises); at or above an infinity's it holds an inf or NaN.
+            peak_bits = np.uint32(0)
+            for i in range(d):
+                peak_bits = max(peak_bits, words[row, i] & np.uint32(0x7FFFFFFF))
+            if peak_bits >= np.uint32(0x7F800000):
                 for j in range(k):
-                    # exact_finish: the same two operations and one rounding.
-                    total = products[r, j] / scale
-                    total += products[n + r, j] / (scale * unit)
-                    out[row, j] = np.float32(0.0) if abs(total) < tiny else np.float32(total)
+                    bits[row, j] = 0x7FC00000
+                continue
+            # Below the smallest normal: only subnormals and zeros, flushed to zero.
+            cell[0] = peak_bits
+            peak = 0.0 if peak_bits < np.uint32(0x00800000) else np.float64(magnitude[0])
+            _, top = math.frexp(peak)
+            scale = math.ldexp(1.0, width - top)
+            for i in range(d):
+                v = np.float64(values[row, i])
+                # Subnormals are flushed, as exact_rows does (in a row above its flush
+                # threshold they make zero slices anyway).
+                x = v * scale if abs(v) >= tiny else 0.0  # exact: a power of two
+                # Truncation toward zero through int64: |x| < 2**w, exact.
+                whole = np.float64(np.int64(x))
+                high[i] = whole
+                low[i] = np.float64(np.int64((x - whole) * unit))
+            for j in range(k):
+                first, second = _dot_pair(high, low, q[j])
+                # exact_finish: the same two operations and one rounding.
+                total = first / scale
+                total += second / (scale * unit)
+                out[row, j] = np.float32(0.0) if abs(total) < tiny else np.float32(total)
 
 
 def _gemm(a: np.ndarray, q: np.ndarray, out: np.ndarray) -> None:
@@ -628,15 +666,11 @@ class ProbeSet:
 
     def _project(self, group: _Group, parts: _Parts, values: np.ndarray) -> np.ndarray:
         """The exact probes of ``values``, rows ``start:stop`` by each part's leaf."""
-        d = group.d
         kernel = _kernel()
         if parts.slots is not None and kernel is not None:
-            stacked, _ = self._stacked(d)
-            probes = np.empty((len(values), stacked.shape[2]), dtype=np.float32)
-            block = max(2, _SINGLE_THREAD_GEMM // max(1, d * stacked.shape[2]))
-            block = min(block, 2 * len(values))
-            slices = _scratch("slices", (block - block % 2, d), np.float64)
-            kernel(values, stacked, parts.slots, slice_width(d), slices, probes)
+            stacked, _ = self._stacked(group.d)
+            probes = np.empty((len(values), stacked.shape[1]), dtype=np.float32)
+            kernel(values, stacked, parts.slots, slice_width(group.d), probes)
             return probes
         return _project_groups(values, [(self._matrix64(leaf), a, b) for leaf, a, b in parts.spans])
 
@@ -644,12 +678,13 @@ class ProbeSet:
         return [self.project(i, array) for i, array in enumerate(arrays)]
 
     def _stacked(self, d: int) -> tuple[np.ndarray, dict[int, int]]:
-        """The float64 matrices of every leaf of last dimension ``d``, stacked ``(n, d, k)``,
-        and each such leaf's slot in the stack (built on first use)."""
+        """The float64 matrices of every leaf of last dimension ``d``, transposed and
+        stacked ``(n, k, d)`` for the compiled pass, and each such leaf's slot in the
+        stack (built on first use)."""
         held = self._by_width.get(d)
         if held is None:
             leaves = [leaf for leaf, m in enumerate(self.matrices) if m.shape[0] == d]
-            stacked = np.ascontiguousarray(np.stack([self._matrix64(leaf) for leaf in leaves]))
+            stacked = np.ascontiguousarray(np.stack([self._matrix64(leaf).T for leaf in leaves]))
             held = self._by_width[d] = (stacked, {leaf: n for n, leaf in enumerate(leaves)})
         return held
 
