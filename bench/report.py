@@ -94,7 +94,8 @@ BENCHES: tuple[Bench, ...] = (
         "probe_cost",
         (),
         "exact probe rows (Ozaki splitting) against a float32 product of the same rows",
-        "the floor of exactness: the integer slices' products alone",
+        "the floor of exactness: the integer slices' products alone, the faster of a BLAS "
+        "and the compiled pass's own dot products",
     ),
     Bench(
         "gradient_commit",
