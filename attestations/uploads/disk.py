@@ -150,8 +150,17 @@ def claim(upload: Upload, number: int, size: int | None) -> Slot | None:
     offset = _offset(upload, number)
     if offset is None:
         return None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    # Only the first part creates the file. A later part's predecessor lies in it, so a
+    # missing file was removed by an abort, an expiry or a completion since _offset
+    # read the rows: creating it again would leave a file no row names.
+    flags = os.O_WRONLY | os.O_CLOEXEC
+    if offset == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        flags |= os.O_CREAT
+    try:
+        descriptor = os.open(path, flags, 0o644)
+    except FileNotFoundError:
+        return None
     try:
         lock = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, offset, size, 0)
         fcntl.fcntl(descriptor, _OFD_SETLK, lock)

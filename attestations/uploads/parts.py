@@ -275,8 +275,9 @@ def put_part(
                 upload, number, target, size, got, reservation, chain=(base, after)
             )
     except UploadNotOpenError:
-        if slot is not None:
-            _discard_if_closed(upload)
+        # Whether or not this request wrote in place: a claim that lost its race with
+        # the close may have created the data file before it gave the range up.
+        _discard_if_closed(upload)
         raise
     finally:
         _release(reservation)

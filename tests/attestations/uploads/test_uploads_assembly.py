@@ -218,6 +218,59 @@ def test_a_stored_part_sent_again_never_writes_over_its_bytes(
     assert not any(name.startswith("staging/") for name in stored_files(storage))
 
 
+def _abort_between_reading_and_opening(
+    client: APIClient, upload_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next claim reads the rows, then the upload is aborted, then the claim opens
+    the data file (the interleaving CI once hit with real threads)."""
+    real = disk._offset
+
+    def then_abort(upload: Upload, number: int) -> int | None:
+        offset = real(upload, number)
+        monkeypatch.setattr(disk, "_offset", real)
+        assert client.post(f"/api/v1/uploads/{upload_id}/abort/").status_code == 200
+        return offset
+
+    monkeypatch.setattr(disk, "_offset", then_abort)
+
+
+def _first_part_in_place(client: APIClient) -> tuple[str, bytes]:
+    """An open upload of 3000 bytes whose first part lies in its data file."""
+    data = os.urandom(3000)
+    created = open_upload(client, data)
+    _put(client, created["id"], 1, data[:1000])
+    return created["id"], data
+
+
+def test_a_claim_that_loses_its_race_with_an_abort_creates_no_file(
+    world: World, api: Api, storage: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = api("alice")
+    upload_id, _ = _first_part_in_place(client)
+    upload = Upload.objects.get(pk=upload_id)
+    _abort_between_reading_and_opening(client, upload_id, monkeypatch)
+    assert disk.claim(upload, 2, 1000) is None
+    assert not any(name.startswith("staging/") for name in stored_files(storage))
+
+
+def test_a_part_refused_by_an_abort_during_its_claim_leaves_nothing_staged(
+    world: World, api: Api, storage: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = api("alice")
+    upload_id, data = _first_part_in_place(client)
+    _abort_between_reading_and_opening(client, upload_id, monkeypatch)
+    refused = client.put(
+        f"/api/v1/uploads/{upload_id}/parts/2/",
+        data=data[1000:2000],
+        content_type="application/octet-stream",
+        HTTP_X_PART_SHA256=sha256(data[1000:2000]),
+    )
+    assert refused.status_code == 409, refused.content
+    assert error_of(refused)["detail"]["status"] == "aborted"
+    assert Upload.objects.get(pk=upload_id).status == UploadStatus.ABORTED
+    assert not any(name.startswith("staging/") for name in stored_files(storage))
+
+
 def test_one_range_is_written_by_one_request_at_a_time(world: World, api: Api) -> None:
     client = api("alice")
     created = open_upload(client, os.urandom(2000))
