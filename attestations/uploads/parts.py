@@ -296,10 +296,11 @@ def _abandon_unless_stored(slot: disk.Slot, upload: Upload, number: int) -> None
 
 
 def _discard_if_closed(upload: Upload) -> None:
-    """Remove a data file a refused in-place part wrote after its upload was closed.
+    """Remove the data file of a closed upload, which a refused part may have left.
 
     Abort, expiry, failure and completion remove (or rename) the data file; a request
-    that was already writing may have created it again. Nothing reads it then.
+    that was already claiming or writing in place may have created it again. Nothing
+    reads it then.
     """
     status = Upload.objects.filter(pk=upload.pk).values_list("status", flat=True).first()
     if status in (UploadStatus.ABORTED, UploadStatus.FAILED, UploadStatus.COMPLETE):

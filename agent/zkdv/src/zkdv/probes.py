@@ -265,11 +265,11 @@ def jit(
 ) -> Any:
     """``function`` compiled by Numba (``nogil``) on first use and kept in ``state``, or
     None: with ``env`` set to ``0``, without Numba, or when it cannot build or run it on
-    the tiny input ``trial`` gives, so the caller takes its
-    numpy or Torch path. The machine code is cached on disk where Numba finds a
-    writable place (beside the module, else the user's cache): a process then loads it
-    in milliseconds instead of compiling it for a second or two, which it did on the
-    commit thread while the first training steps ran beside it.
+    the tiny input ``trial`` gives, so the caller takes its numpy or Torch path. The
+    machine code is cached on disk where Numba finds a writable place (beside the
+    module, else the user's cache): a process then loads it in milliseconds instead of
+    compiling it for a second or two, which it did on the commit thread while the first
+    training steps ran beside it.
 
     ``helpers`` names module-level functions ``function`` calls, each compiled with its
     own ``fastmath`` flags (Numba applies them to a whole function): the flags stay on
