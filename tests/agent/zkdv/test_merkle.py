@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+from concurrent.futures import ThreadPoolExecutor
 
 import cbor2
 import numpy as np
@@ -56,8 +57,9 @@ def _root_by_definition(leaves: list[tuple[str, np.ndarray]], chunk: int) -> byt
 
 
 @pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("chunk", [CHUNK, 1 << 16])
 def test_the_root_is_the_documented_tree_of_every_byte(
-    parallel: bool, monkeypatch: pytest.MonkeyPatch
+    parallel: bool, chunk: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if parallel:  # the pool's path, which only states above a few MiB take otherwise
         monkeypatch.setattr(merkle, "_PARALLEL_MIN_BYTES", 0)
@@ -68,9 +70,48 @@ def test_the_root_is_the_documented_tree_of_every_byte(
         ("empty", np.zeros((0, 4), np.float32)),
         ("transposed", rng.standard_normal((6, 7)).astype(np.float32).T),
         ("big/endian", rng.standard_normal(70).astype(">f4")),
+        # Leaves and chunks above the size whose first bytes are hashed from a copy.
+        ("wide", rng.standard_normal((3, 5000)).astype(np.float32)),  # 60,000 bytes
+        ("long", rng.standard_normal(50_000).astype(np.float32)),  # 200,000 bytes
     ]
-    commitment = merkle.commit_state(leaves, CHUNK, parallel=parallel)
-    assert commitment.root == _root_by_definition(leaves, CHUNK)
+    commitment = merkle.commit_state(leaves, chunk, parallel=parallel)
+    assert commitment.root == _root_by_definition(leaves, chunk)
+
+
+# Around the sizes where leaf_hash copies the prefix and the first bytes into one block.
+_EDGES = sorted(
+    {
+        size + offset
+        for size in (0, merkle._HEAD_MIN_BYTES, merkle._HEAD_BYTES, 1024, 1 << 16)
+        for offset in (-2, -1, 0, 1, 2)
+        if size + offset >= 0
+    }
+    | {(1 << 20) + 17}
+)
+
+
+def test_leaf_hashes_are_the_definition_at_every_edge() -> None:
+    rng = np.random.default_rng(4)
+    for size in _EDGES:
+        data = rng.bytes(size)
+        expected = hash_bytes(Domain.LEAF, b"\x00", data)
+        assert merkle.leaf_hash(data) == expected, size
+        assert merkle.leaf_hash(memoryview(data)) == expected, size
+        words = np.frombuffer(data[: size - size % 4], dtype=np.float32)
+        assert merkle.leaf_hash(merkle._as_bytes(words)) == hash_bytes(
+            Domain.LEAF, b"\x00", words.tobytes()
+        ), size
+
+
+def test_leaf_hashes_on_many_threads_at_once() -> None:
+    # Each thread copies into its own block: hashes running side by side on the pool
+    # must not see each other's bytes.
+    rng = np.random.default_rng(5)
+    inputs = [rng.bytes(int(size)) for size in rng.integers(2048, 70_000, 16)]
+    expected = [hash_bytes(Domain.LEAF, b"\x00", data) for data in inputs]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for _ in range(20):
+            assert list(pool.map(merkle.leaf_hash, inputs)) == expected
 
 
 def test_every_byte_is_bound() -> None:

@@ -24,7 +24,7 @@ import struct
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from threading import Lock
+from threading import Lock, local
 from typing import Any
 
 import blake3
@@ -55,8 +55,33 @@ _NODE_PREFIX = b"\x01"
 # it the prefix again each time.
 _LEAF_PRIMED = hasher(Domain.LEAF)
 _LEAF_PRIMED.update(_LEAF_PREFIX)
+_LEAF_KEYED = hasher(Domain.LEAF)
 _NODE_PRIMED = hasher(Domain.NODE)
 _NODE_PRIMED.update(_NODE_PREFIX)
+
+# BLAKE3 hashes its input in 1 KiB chunks, many at once across SIMD lanes, but an
+# incremental update only hashes runs of chunks aligned to the chunk counter. Behind the
+# one-byte leaf prefix, a leaf's data starts at counter 1, so a hasher fed the prefix
+# and then the data works 1, 2, 4 and 8 chunks wide before it fills its lanes: 3-7
+# microseconds more per leaf, 2.5x the time of a 4 KiB leaf and 1.3x of a 256 KiB one
+# (measured on AVX-512). So the prefix and the data's first 16 KiB - 1 bytes are fed as
+# one copied block, after which the rest starts at counter 16, aligned for the widest
+# pass. The digest is the same: BLAKE3 is a function of the stream, not of how the
+# updates cut it.
+_HEAD_BYTES = 16 << 10
+# Below this the copy costs more than the ramp it saves.
+_HEAD_MIN_BYTES = 2 << 10
+_heads = local()
+
+
+def _head() -> memoryview:
+    """This thread's block for a leaf's prefix and first bytes (hashing runs on a pool)."""
+    head: memoryview | None = getattr(_heads, "block", None)
+    if head is None:
+        block = bytearray(_HEAD_BYTES)
+        block[: len(_LEAF_PREFIX)] = _LEAF_PREFIX
+        head = _heads.block = memoryview(block)
+    return head
 
 
 def _node(left: bytes, right: bytes) -> bytes:
@@ -66,8 +91,20 @@ def _node(left: bytes, right: bytes) -> bytes:
 
 
 def leaf_hash(data: bytes | memoryview) -> bytes:
-    h = _LEAF_PRIMED.copy()
-    h.update(data)
+    """``H_leaf(0x00 || data)``."""
+    if len(data) < _HEAD_MIN_BYTES:
+        h = _LEAF_PRIMED.copy()
+        h.update(data)
+        return h.digest()
+    view = memoryview(data).cast("B")
+    start = len(_LEAF_PREFIX)
+    taken = min(len(view), _HEAD_BYTES - start)
+    head = _head()
+    head[start : start + taken] = view[:taken]
+    h = _LEAF_KEYED.copy()
+    h.update(head[: start + taken])
+    if taken < len(view):
+        h.update(view[taken:])
     return h.digest()
 
 
@@ -203,14 +240,10 @@ def _pool() -> ThreadPoolExecutor:
 
 
 def _hash_chunks(view: memoryview, chunk_bytes: int, start: int, stop: int) -> list[bytes]:
-    out: list[bytes] = []
-    append = out.append
-    primed = _LEAF_PRIMED
-    for index in range(start, stop):
-        h = primed.copy()
-        h.update(view[index * chunk_bytes : (index + 1) * chunk_bytes])
-        append(h.digest())
-    return out
+    return [
+        leaf_hash(view[index * chunk_bytes : (index + 1) * chunk_bytes])
+        for index in range(start, stop)
+    ]
 
 
 def _hash_segments(
