@@ -1,20 +1,31 @@
 """ZKDV's cost on a Hugging Face ``Trainer`` run: the Trainer's step with and without a proof.
 
-    python bench/torch_overhead.py --recipe hf-trainer [--rounds 3] [--steps 12] [--no-autocast]
-    python bench/hf_trainer_overhead.py [--rounds 3] [--steps 12] [--no-autocast]   # the same
+    python bench/torch_overhead.py --recipe hf-trainer [--rounds 3] [--steps 24] [--no-autocast]
+    python bench/hf_trainer_overhead.py [--rounds 3] [--steps 24] [--no-autocast]   # the same
 
 The run is ``examples/torch/hf_trainer.py``'s Trainer with a larger GPT-2 (2 layers,
 width 128, context 128, a 2,048-word vocabulary): AdamW in decay / no-decay groups, a
 linear warmup schedule, two accumulated micro-batches of 8 sequences, ``max_grad_norm``,
 ``bf16=True`` (``--no-autocast``: float32, for a CPU without native bfloat16, where bf16
-runs about 10 times slower and hides the overhead in noise) and dropout. Three variants, each a fresh Trainer from the same weights,
-run one after another in every round (so machine noise hits all alike): the plain
-Trainer, ``prove(trainer, ...)`` with the default policy (p = 0.01, a snapshot every 12
-steps), and with checks off (p = 0). A variant's time per step runs from the end of its
-first optimizer step (which seals the program, reported apart) to the end of
-``trainer.train()``, which for a proof includes closing it (every commitment and check
-done). The median over rounds is reported, beside the check-free floor of
-``bench/_floor.py`` (hash the state, copy it every 12th step) measured in the same run.
+runs about 10 times slower and hides the overhead in noise) and dropout. Three variants,
+each a fresh Trainer from the same weights, run one after another in every round (so
+machine noise hits all alike), in an order that rotates every round: the plain Trainer,
+``prove(trainer, ...)`` with the default policy (p = 0.01, a snapshot every 12 steps),
+and with checks off (p = 0).
+
+A variant's step time is the median of the intervals between consecutive optimizer
+steps' ends (the ``on_step_end`` callback) from its second step's end on: the first step
+seals the program (its time is reported apart) and its commitment opens the transcript
+while the second step trains. A step's commitment overlaps the next step, so its cost
+shows in the interval; a rare step that runs a sampled check does not move the median,
+which is the cost of a step without a check (the checks drawn are printed). The end of
+``trainer.train()`` (closing the proof, the Trainer's own wrap-up) is not timed.
+
+Per round, each proof's step time over the plain one's in the same round is its paired
+ratio. The medians over rounds are reported, with the CPU time of ZKDV's own threads by
+stage, the training thread's and the page faults per step (``bench/_threads.py``), and
+the check-free floor of ``bench/_floor.py`` (hash the state, copy it every 12th step)
+measured in the same run.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ from zkdv.integrations.transformers import prove
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "torch"))
 from _floor import floor_lines
+from _threads import CpuBreakdown
 from hf_trainer import make_trainer
 
 CONTEXT = 128
@@ -58,16 +70,39 @@ def _model() -> transformers.GPT2LMHeadModel:
 
 
 class _Clock(transformers.TrainerCallback):
-    def __init__(self) -> None:
-        self.first_step_end: float | None = None
+    """Each optimizer step's end, and the CPU time of the steady steps.
+
+    The first step seals the program and its commitment opens the transcript (the
+    initial state, the probe matrices), which runs while the second step trains: the
+    CPU block runs from the second step's end to the last one's, while ZKDV's threads
+    are still alive (``trainer.train()`` closes the proof after its last step), and in
+    the steady pipeline it holds as many steps' commitments as steps.
+    """
+
+    def __init__(self, steps: int, cpu: CpuBreakdown) -> None:
+        self.steps = steps
+        self.ends: list[float] = []
+        self._cpu = cpu
+        self._block: Any = None
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.first_step_end is None:
-            self.first_step_end = time.perf_counter()
+        self.ends.append(time.perf_counter())
+        if len(self.ends) == 2:
+            self._block = self._cpu.block(self.steps - 2)
+            self._block.__enter__()
+        elif len(self.ends) == self.steps and self._block is not None:
+            self._block.__exit__(None, None, None)
+            self._block = None
 
 
 def _one(
-    label: str, steps: int, root: Path, weights: dict[str, torch.Tensor], *, bf16: bool
+    label: str,
+    steps: int,
+    root: Path,
+    weights: dict[str, torch.Tensor],
+    cpu: CpuBreakdown,
+    *,
+    bf16: bool,
 ) -> dict[str, Any]:
     model = _model()
     model.load_state_dict(weights)
@@ -81,7 +116,9 @@ def _one(
         bf16=bf16,
     )
     trainer.train_dataset = _long_rows(len(trainer.train_dataset))
-    clock = _Clock()
+    # The run's closing metrics would print among the report's lines.
+    trainer.remove_callback(transformers.PrinterCallback)
+    clock = _Clock(steps, cpu)
     trainer.add_callback(clock)
     proof = None
     policy = POLICIES[label]
@@ -90,11 +127,11 @@ def _one(
         proof = prove(trainer, root / label / "proof", config=config)
     start = time.perf_counter()
     trainer.train()
-    end = time.perf_counter()
-    assert clock.first_step_end is not None
+    assert len(clock.ends) == steps, f"{label}: {len(clock.ends)} of {steps} steps ran"
     result = {
-        "step_ms": (end - clock.first_step_end) / (steps - 1) * 1e3,
-        "first_ms": (clock.first_step_end - start) * 1e3,
+        # From the second step's end, as the CPU block (see _Clock).
+        "step_ms": statistics.median(np.diff(clock.ends[1:])) * 1e3,
+        "first_ms": (clock.ends[0] - start) * 1e3,
         "checks": 0,
         "trainer": trainer,
     }
@@ -121,9 +158,11 @@ def _state_bytes(trainer: Any) -> np.ndarray:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--no-autocast", dest="autocast", action="store_false")
     args = parser.parse_args(argv)
+    if args.steps < 3:
+        parser.error("--steps must be at least 3: the step time is timed from the second step")
     transformers.logging.set_verbosity_error()
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__} "
@@ -131,15 +170,18 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.steps} steps per variant; {'bf16 autocast' if args.autocast else 'float32'}"
     )
     weights = {name: value.clone() for name, value in _model().state_dict().items()}
-    times: dict[str, list[float]] = {label: [] for label in POLICIES}
-    firsts: dict[str, list[float]] = {label: [] for label in POLICIES}
-    checks: dict[str, int] = dict.fromkeys(POLICIES, 0)
+    labels = list(POLICIES)
+    times: dict[str, list[float]] = {label: [] for label in labels}
+    firsts: dict[str, list[float]] = {label: [] for label in labels}
+    checks: dict[str, int] = dict.fromkeys(labels, 0)
+    cpu = {label: CpuBreakdown() for label in labels}
     last: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="zkdv-bench-trainer-") as root:
         for round_ in range(args.rounds):
-            for label in POLICIES:
+            # The order rotates, so that no variant always runs after the same other one.
+            for label in labels[round_ % 3 :] + labels[: round_ % 3]:
                 directory = Path(root) / f"round-{round_}"
-                result = _one(label, args.steps, directory, weights, bf16=args.autocast)
+                result = _one(label, args.steps, directory, weights, cpu[label], bf16=args.autocast)
                 times[label].append(result["step_ms"])
                 firsts[label].append(result["first_ms"])
                 checks[label] += result["checks"]
@@ -160,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"hf-trainer: {flat.nbytes / 2**20:.1f} MiB of state; load average {os.getloadavg()[0]:.1f}"
     )
-    for label in POLICIES:
+    for label in labels:
         line = f"  {label:9s} {ms[label]:8.1f} ms/step"
         if label != "plain":
             first = statistics.median(firsts[label]) - statistics.median(firsts["plain"])
@@ -170,7 +212,16 @@ def main(argv: list[str] | None = None) -> None:
                 f"first step +{first / 1e3:.1f} s (sealing)"
             )
         print(line)
+    for label in labels[1:]:
+        ratios = [z / p for z, p in zip(times[label], times["plain"], strict=True)]
+        print(
+            f"  {label} / plain, same round: median step-time ratio "
+            f"{statistics.median(ratios):.3f} (rounds {', '.join(f'{r:.3f}' for r in ratios)})"
+        )
     print(f"  default policy - p=0: {ms['zkdv'] - ms['zkdv p=0']:+.1f} ms/step")
+    for label in labels:
+        baseline = None if label == "plain" else ("plain", cpu["plain"])
+        print(cpu[label].line(label, baseline))
     for line in floor_lines(
         flat,
         plain_ms=plain,

@@ -80,7 +80,7 @@ BENCHES: tuple[Bench, ...] = (
     ),
     Bench(
         "hf_trainer_overhead",
-        ("--rounds", "2"),
+        ("--rounds", "5"),
         "a Hugging Face `Trainer` step with and without `zkdv.integrations.transformers.prove`",
         "the default policy's floor for the Trainer's state",
     ),
