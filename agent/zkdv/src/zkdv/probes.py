@@ -433,6 +433,8 @@ class ProbeSet:
     _by_width: dict[int, tuple[np.ndarray, dict[int, int]]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    #: Per leaf, ``(rows, last dimension)``: the shape :meth:`select` reads it in.
+    _dims: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
     #: Where :meth:`project_many` and :meth:`project_steps` put each array (:meth:`_layout`).
     _layouts: dict[Any, tuple[_Group, ...]] = field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -446,6 +448,10 @@ class ProbeSet:
     _last_post: dict[int, tuple[_Group, np.ndarray, dict[int, np.ndarray]]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+
+    def __post_init__(self) -> None:
+        # Worked out once: a step selects the rows of every leaf, two or three times.
+        self._dims = tuple(_leaf_dims(spec) for spec in self.specs)
 
     @classmethod
     def create(cls, specs: Sequence[LeafSpec], probe_ratio: float, seed: bytes) -> ProbeSet:
@@ -475,8 +481,7 @@ class ProbeSet:
     def select(self, leaf: int, array: np.ndarray) -> np.ndarray:
         """The float32 rows of a leaf that its probe reads; reduced precision is upcast
         (exactly), wider dtypes are rounded to float32."""
-        rows, d = _leaf_dims(self.specs[leaf])
-        values = np.asarray(array).reshape(rows, d)
+        values = np.asarray(array).reshape(self._dims[leaf])
         selected = self.rows[leaf]
         if selected is not None:
             values = values[selected]

@@ -56,3 +56,13 @@ def test_each_position_and_name_is_kept_apart_and_matches_host_array() -> None:
     assert other[0].tobytes() == host_array(tensors[0]).tobytes()
     fewer = views.arrays("state", tensors[1:])  # another list under the same name
     assert [a.tobytes() for a in fewer] == [host_array(t).tobytes() for t in tensors[1:]]
+
+
+def test_host_array_views_tensors_with_and_without_autograd() -> None:
+    weight = torch.nn.Parameter(torch.randn(4, 3))
+    product = weight * 2  # tracked by autograd, not a leaf
+    plain = torch.randn(5)
+    for tensor in (weight, product, plain):
+        array = host_array(tensor)
+        np.testing.assert_array_equal(array, tensor.detach().numpy())
+        assert np.shares_memory(array, tensor.detach().numpy())  # a view, not a copy

@@ -25,7 +25,8 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 def host_array(tensor: torch.Tensor) -> np.ndarray:
     """A host numpy view (CPU) or copy (accelerator) of ``tensor``, bit for bit."""
-    value = tensor.detach()
+    # A commit converts a few hundred tensors a step: detach only what autograd tracks.
+    value = tensor.detach() if tensor.requires_grad else tensor
     if value.device.type != "cpu":
         value = value.cpu()
     if value.dtype == torch.bfloat16:

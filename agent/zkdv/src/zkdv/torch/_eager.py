@@ -34,7 +34,7 @@ from zkdv.torch._pipeline import FlatIndex, element
 if TYPE_CHECKING:
     from zkdv.torch._driver import ZKDV
 
-__all__ = ["NESTED", "EagerTransaction", "current_transaction", "host_array", "probe_view"]
+__all__ = ["NESTED", "EagerTransaction", "current_transaction", "host_array"]
 
 NESTED = "nested ZKDV Torch transactions are unsupported"
 
@@ -256,12 +256,12 @@ class TorchStep(Submission):
                 before.append(host_array(self.pre_rows[leaf]).astype(np.float32, copy=False))
             else:
                 assert snapshot is not None
-                before.append(_probe_rows(probes, leaf, host_array(snapshot.parameters[leaf])))
-            after.append(_probe_rows(probes, leaf, array))
+                before.append(probes.select(leaf, host_array(snapshot.parameters[leaf])))
+            after.append(probes.select(leaf, array))
         grads = None
         if self.gradients is not None:
             grads = [
-                None if gradient is None else _probe_rows(probes, leaf, host_array(gradient))
+                None if gradient is None else probes.select(leaf, host_array(gradient))
                 for leaf, gradient in enumerate(self.gradients)
             ]
         # The exact probe arithmetic (zkdv.probes): the device path writes these bits.
@@ -301,22 +301,6 @@ class TorchStep(Submission):
         self.replay_snapshot = None
         self.post_buffers = []
         self.buffers_before = ()
-
-
-def probe_view(probes: ProbeSet, leaf: int, tensor: Any) -> Any:
-    """The rows of a leaf that its probe reads (a tensor or an array, not copied)."""
-    spec = probes.specs[leaf]
-    last = spec.shape[-1] if spec.shape else 1
-    rows = spec.size // last if last else 0
-    values = tensor.reshape(rows, last)
-    selected = probes.rows[leaf]
-    return values if selected is None else values[selected]
-
-
-def _probe_rows(probes: ProbeSet, leaf: int, array: np.ndarray) -> np.ndarray:
-    values = probe_view(probes, leaf, array)
-    # Upcast reduced precision so the projection adds no rounding beyond float32's.
-    return np.asarray(values, dtype=np.float32)
 
 
 class Layout:
