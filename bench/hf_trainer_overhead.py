@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="zkdv-bench-trainer-") as root:
         for round_ in range(args.rounds):
             # The order rotates, so that no variant always runs after the same other one.
-            for label in labels[round_ % 3 :] + labels[: round_ % 3]:
+            turn = round_ % len(labels)
+            for label in labels[turn:] + labels[:turn]:
                 directory = Path(root) / f"round-{round_}"
                 result = _one(label, args.steps, directory, weights, cpu[label], bf16=args.autocast)
                 times[label].append(result["step_ms"])

@@ -433,8 +433,8 @@ class ProbeSet:
     _by_width: dict[int, tuple[np.ndarray, dict[int, int]]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
-    #: Per leaf, ``(rows, last dimension)``: the shape :meth:`select` reads it in.
-    _dims: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
+    #: Per leaf, ``(rows, last dimension)``: the matrix a probe reads the leaf as.
+    row_shapes: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
     #: Where :meth:`project_many` and :meth:`project_steps` put each array (:meth:`_layout`).
     _layouts: dict[Any, tuple[_Group, ...]] = field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -451,7 +451,7 @@ class ProbeSet:
 
     def __post_init__(self) -> None:
         # Worked out once: a step selects the rows of every leaf, two or three times.
-        self._dims = tuple(_leaf_dims(spec) for spec in self.specs)
+        self.row_shapes = tuple(_leaf_dims(spec) for spec in self.specs)
 
     @classmethod
     def create(cls, specs: Sequence[LeafSpec], probe_ratio: float, seed: bytes) -> ProbeSet:
@@ -481,7 +481,7 @@ class ProbeSet:
     def select(self, leaf: int, array: np.ndarray) -> np.ndarray:
         """The float32 rows of a leaf that its probe reads; reduced precision is upcast
         (exactly), wider dtypes are rounded to float32."""
-        values = np.asarray(array).reshape(self._dims[leaf])
+        values = np.asarray(array).reshape(self.row_shapes[leaf])
         selected = self.rows[leaf]
         if selected is not None:
             values = values[selected]
@@ -704,8 +704,8 @@ class ProbeSet:
     def floats(self) -> int:
         """Number of float32 values in one probe of the whole state."""
         return sum(
-            min(_leaf_dims(s)[0], MAX_PROBE_ROWS) * m.shape[1]
-            for s, m in zip(self.specs, self.matrices, strict=True)
+            min(rows, MAX_PROBE_ROWS) * m.shape[1]
+            for (rows, _), m in zip(self.row_shapes, self.matrices, strict=True)
         )
 
 

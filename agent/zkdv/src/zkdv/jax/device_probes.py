@@ -98,12 +98,10 @@ class DeviceProbes:
 
     def __init__(self, probes: ProbeSet, device: Any = None) -> None:
         self.probes = probes
-        layout = []
-        for spec, matrix in zip(probes.specs, probes.matrices, strict=True):
-            last = spec.shape[-1] if spec.shape else 1
-            rows = spec.size // last if last else 0
-            layout.append((rows, last, matrix.shape[1]))
-        self.layout = tuple(layout)
+        self.layout = tuple(
+            (rows, last, matrix.shape[1])
+            for (rows, last), matrix in zip(probes.row_shapes, probes.matrices, strict=True)
+        )
         self.sizes = [
             (rows if sel is None else len(sel)) * k
             for (rows, _, k), sel in zip(self.layout, probes.rows, strict=True)

@@ -65,12 +65,9 @@ class DeviceProbes:
             for sel in probes.rows
         ]
         self.shapes = []
-        for spec, matrix, sel in zip(probes.specs, probes.matrices, probes.rows, strict=True):
-            last = spec.shape[-1] if spec.shape else 1
-            count = spec.size // last if last else 0
-            self.shapes.append(
-                ((count, last), (count if sel is None else len(sel), matrix.shape[1]))
-            )
+        for shape, matrix, sel in zip(probes.row_shapes, probes.matrices, probes.rows, strict=True):
+            count = shape[0]
+            self.shapes.append((shape, (count if sel is None else len(sel), matrix.shape[1])))
 
     @property
     def floats(self) -> int:

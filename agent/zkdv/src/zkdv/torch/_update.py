@@ -297,10 +297,10 @@ def _probe_rows(proof: ZKDV, parameters: tuple[torch.Tensor, ...]) -> list[torch
         ]
     out = []
     with torch.no_grad():
-        for leaf, (parameter, index) in enumerate(zip(parameters, proof._probe_index, strict=True)):
-            spec = probes.specs[leaf]
-            last = spec.shape[-1] if spec.shape else 1
-            matrix = parameter.reshape(spec.size // last if last else 0, last)
+        for parameter, index, shape in zip(
+            parameters, proof._probe_index, probes.row_shapes, strict=True
+        ):
+            matrix = parameter.reshape(shape)
             out.append(matrix.clone() if index is None else matrix.index_select(0, index))
     return out
 
