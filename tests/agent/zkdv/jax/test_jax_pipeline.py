@@ -71,12 +71,16 @@ def test_donated_train_state_donates_only_parameters(make_proof) -> None:
     step = proof.jit(_step, donate_argnums=(0,))
     for batch in batches(5):
         previous = state
+        buffers = [leaf.unsafe_buffer_pointer() for leaf in jax.tree.leaves(state.params)]
         state = step(state, batch)
         if int(state.step) > 1:
             # The barrier released every host view before the step, so JAX really
             # donated the parameter buffers; optimizer history stays available.
             assert all(leaf.is_deleted() for leaf in jax.tree.leaves(previous.params))
             assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(previous.opt_state))
+            # The apply program wrote the post-update parameters into them (docs/jax.md 6).
+            after = [leaf.unsafe_buffer_pointer() for leaf in jax.tree.leaves(state.params)]
+            assert after == buffers
     proof.close()
 
 

@@ -70,7 +70,7 @@ from zkdv.jax._program import (
     _Program,
     _Traced,
 )
-from zkdv.jax._steps import _DeviceStep, _Step
+from zkdv.jax._steps import _DeviceStep, _select, _Step
 from zkdv.jax.artifact import Artifact, dumps
 from zkdv.jax.device_merkle import default_schedule
 from zkdv.overlap import Policy
@@ -166,6 +166,10 @@ class ZKDV(Driver):
         self._committed_through = -1
         self._last_outputs: list[weakref.ref[Any]] | None = None
         self._last_post_probe: list[np.ndarray] | None = None
+        #: The last committed step's probed post-update rows (``_Step.probes``), and
+        #: whether the last step dispatched will keep them for the next one.
+        self._post_rows: list[np.ndarray] | None = None
+        self._rows_kept = False
         self._log = TransferLog()
         self._path: str | None = None
         self._device: DeviceCommitter | None = None
@@ -426,22 +430,33 @@ class ZKDV(Driver):
         except Exception as error:
             raise ZKDVError(_messages.EXPORT_FAILURE.format(error=error)) from error
         optimizer = optimizer_env(outcome[0] if outcome else None)
-        # The realized deltas are computed after the apply program, into the donated
-        # pre-update parameters' buffers when the step donates them.
         donate = bool(program.donated) and all(
             position in program.donated for position in traced.param_positions
         )
-        program.deltas = jax.jit(deltas, donate_argnums=(1,) if donate else ())
+        # Committed on the host, the delta probes are formed from the probed rows
+        # (_Step.probes); on the device, or where another process or a scan holds the
+        # state, from the realized deltas, computed after the apply program into the
+        # donated pre-update parameters' buffers when the step donates them.
+        program.host_deltas = (
+            self._resolve(program, [*params, *opt]) is None
+            and not self.runtime.multi_process
+            and traced.registration.scan is None
+        )
+        if not program.host_deltas:
+            program.deltas = jax.jit(deltas, donate_argnums=(1,) if donate else ())
         material = _committed_material(
             program, (exported, applied), apply_computed, optimizer, (param_specs, opt_specs)
         )
         artifact = Artifact.loads(material)
         # The step runs the committed programs: compiled once, here, and shared with
-        # the artifact's own calls (the SDK's checks).
+        # the artifact's own calls (the SDK's checks), except an apply program that
+        # donates the parameters (a check compiles its own at its first call).
         compute = artifact.compiled("production", *program.specs)
-        applied_call = artifact.compiled(
-            "apply", apply_params, apply_opt, apply_computed, zero_spec
-        )
+        specs = (apply_params, apply_opt, apply_computed, zero_spec)
+        if program.host_deltas and donate:
+            applied_call = artifact.donating_apply(*specs)
+        else:
+            applied_call = artifact.compiled("apply", *specs)
         program.jitted, program.apply = compute, applied_call
         kind = precision(trace.jaxpr, params, jax.default_backend())
         self.runtime.set_program(
@@ -459,6 +474,7 @@ class ZKDV(Driver):
         A run that commits gradients runs its two committed programs: the production
         step (gradient, carried values, batch, result) and the apply program (the
         post-update state), then the realized deltas; they take the hidden values' place.
+        With ``program.host_deltas`` there are no realized deltas: their places hold None.
         """
         donated = tuple(leaves[i] for i in program.donated)
         kept = tuple(leaves[i] for i in program.kept)
@@ -471,6 +487,8 @@ class ZKDV(Driver):
         params_after, opt_after = program.apply(
             params, tuple(leaves[i] for i in traced.opt_positions), computed, program.zero
         )
+        if program.host_deltas:
+            return [*(None for _ in params), *params_after, *opt_after, *outputs]
         changes = program.deltas(params_after, params)
         return [*changes, *params_after, *opt_after, *outputs]
 
@@ -502,7 +520,10 @@ class ZKDV(Driver):
             if device is not None:
                 return self._device_step(program, leaves, state, nparams, policy, admission)
             host_pre = None
-            if index == 0 or not self._continues(state):
+            # A step that forms its delta probes from probed rows takes its pre-update
+            # rows from the previous step's commitment, if that one kept them.
+            rows = not program.host_deltas or self._rows_kept
+            if index == 0 or not self._continues(state) or not rows:
                 # The first step's pre-state is the transcript's initial state; a later
                 # step whose inputs are not the previous outputs must prove continuity.
                 # Either way it is read now, before donation can reuse its buffers.
@@ -530,6 +551,7 @@ class ZKDV(Driver):
                 # the final state the next call donates.)
                 runtime.barrier()
             outputs = self._run(program, leaves)
+            self._rows_kept = program.host_deltas
             schema = traced.schema
             result = schema.user_result(outputs, program.trees)
             hidden = outputs[traced.delta_leaves : schema.hidden_leaves]
@@ -741,7 +763,13 @@ class ZKDV(Driver):
             for step in range(start, following):
                 self._batches.pop(step, None)
 
-    def _replay(self, challenge: Challenge) -> ReplayOutcome:
+    def _replay(self, challenge: Challenge, committed_post: float | None = None) -> ReplayOutcome:
+        """Replay the challenged step from the snapshot before it.
+
+        ``committed_post`` is the committed post-update value of a step whose apply
+        program wrote over its pre-update parameters: its committed update is formed
+        against the replayed pre-update value, as its delta probes were.
+        """
         interval = self.replay_snapshot_interval
         start = challenge.step - challenge.step % interval
         with self._store_lock:
@@ -750,11 +778,14 @@ class ZKDV(Driver):
         artifact = self._artifact
         assert artifact is not None
         params, opt = jax.device_get((list(params), list(opt)))
-        delta, state = artifact.replay(
-            [np.asarray(leaf) for leaf in params],
-            [np.asarray(leaf) for leaf in opt],
-            batches,
-            challenge.param_index,
-            challenge.state_index,
+        params, opt = artifact.advance(
+            [np.asarray(leaf) for leaf in params], [np.asarray(leaf) for leaf in opt], batches[:-1]
         )
-        return ReplayOutcome(delta, state, start, challenge.step - start)
+        delta, state = artifact.check(
+            params, opt, batches[-1], challenge.param_index, challenge.state_index
+        )
+        committed = None
+        if committed_post is not None:
+            before = _select([np.asarray(leaf) for leaf in params], challenge.param_index)
+            committed = float(np.float32(committed_post) - np.float32(before))
+        return ReplayOutcome(delta, state, start, challenge.step - start, committed)

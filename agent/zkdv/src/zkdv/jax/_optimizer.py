@@ -405,9 +405,11 @@ Apply = Callable[..., tuple[tuple[Any, ...], tuple[Any, ...]]]
 def deltas(after: tuple[Any, ...], before: tuple[Any, ...]) -> tuple[Any, ...]:
     """The realized changes ``float32(after) - float32(before)`` (the delta probes').
 
-    Its own program, after the apply program: in the same one XLA:CPU computed them at
-    twice the cost of the whole canonical update (a 11.5M-parameter MLP: 92 ms against
-    44 ms for the update and 5 ms for this program after it).
+    Its own program, after the apply program, where the step commits on the device (or
+    another process or a scan holds the state; on the host the commit stage subtracts
+    the probed rows): in the apply program XLA:CPU computed them at twice the cost of
+    the whole canonical update (a 11.5M-parameter MLP: 92 ms against 44 ms for the
+    update and 5 ms for this program after it).
     """
     return tuple(
         jnp.asarray(a).astype(jnp.float32) - jnp.asarray(b).astype(jnp.float32)

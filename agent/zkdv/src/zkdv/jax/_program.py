@@ -212,13 +212,17 @@ class _Program:
         self.zero: Any = jnp.zeros((), jnp.uint32)
         #: In a run that commits gradients: the production function's trace (``jitted``
         #: traced it without donation) and input specs, which the driver exports; then
-        #: ``jitted`` is the exported program's compiled call, ``apply`` the committed
-        #: apply program's, and ``deltas`` the realized changes' program, which donates
-        #: the pre-update parameters when the step donates them.
+        #: ``jitted`` is the exported program's compiled call and ``apply`` the committed
+        #: apply program's. With ``host_deltas`` (commitments on the host, one process,
+        #: no ``zkdv.jax.scan``) the commit stage forms the delta probes from the probed
+        #: rows, and ``apply`` writes the post-update parameters into the pre-update
+        #: ones' buffers when the step donates them; otherwise ``deltas`` is the realized
+        #: changes' program, run after it, which donates them instead.
         self.trace: Any = None
         self.specs: tuple[Any, Any, Any] | None = None
         self.apply: Any = None
         self.deltas: Any = None
+        self.host_deltas = False
         self._tokens: dict[str, int] = {}
 
     def tokens(self, unit: str) -> int:

@@ -79,7 +79,10 @@ class _Step(Submission):
         self.policy = policy
         self.flops = program.flops
         self.tokens = program.tokens(proof.config.token_unit)
-        self._deltas: list[Any] | None = list(outputs[:nd])
+        # None where the apply program wrote over the pre-update parameters
+        # (``_Program.host_deltas``): the delta probes come from the probed rows.
+        self._deltas: list[Any] | None = None if program.host_deltas else list(outputs[:nd])
+        self._committed_post: float | None = None
         self._params: list[Any] | None = list(outputs[nd : nd + nparams])
         self._opt: list[Any] | None = list(outputs[nd + nparams : traced.schema.hidden_leaves])
         self._packed: Any = outputs[traced.schema.hidden_leaves]
@@ -91,7 +94,9 @@ class _Step(Submission):
         self._batch: np.ndarray | None = None
         self._host_pre = host_pre
         self._snapshot_source = snapshot
-        self._views: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]] | None = None
+        self._views: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray] | None] | None = (
+            None
+        )
 
     # The driver reads ``snapshot`` on the commit thread and then clears it; reading
     # host views here, not on the training thread, keeps the training thread unblocked.
@@ -163,14 +168,14 @@ class _Step(Submission):
         return leaves, leaves if self.proof.runtime.keep_files else None
 
     def post_state(self) -> tuple[State, State, State]:
-        assert self._params is not None and self._opt is not None and self._deltas is not None
+        assert self._params is not None and self._opt is not None
         traced = self.program.traced
         params = [np.asarray(leaf) for leaf in self._params]
         opt = [np.asarray(leaf) for leaf in self._opt]
-        deltas = [np.asarray(leaf) for leaf in self._deltas]
+        deltas = None if self._deltas is None else [np.asarray(leaf) for leaf in self._deltas]
         self._views = (params, opt, deltas)
         self.proof._log.add(
-            self.index, "state", sum(a.nbytes for tree in self._views for a in tree)
+            self.index, "state", sum(a.nbytes for tree in self._views if tree for a in tree)
         )
         return (
             list(zip(traced.param_paths, params, strict=True)),
@@ -182,6 +187,8 @@ class _Step(Submission):
         assert self._views is not None
         params, _, deltas = self._views
         gradients = self._gradients
+        if deltas is None:
+            return self._row_probes(probes, params, gradients)
         jobs = []
         for leaf, (param, change) in enumerate(zip(params, deltas, strict=True)):
             rows = [probes.select(leaf, param), probes.select(leaf, change)]
@@ -208,11 +215,48 @@ class _Step(Submission):
         grad = [rows[2] if len(rows) > 2 else np.zeros_like(rows[0]) for rows in projected]
         return pre, post, delta, grad
 
+    def _row_probes(
+        self,
+        probes: ProbeSet,
+        params: list[np.ndarray],
+        gradients: list[np.ndarray | None] | None,
+    ) -> tuple[list[np.ndarray], ...]:
+        """The probes of a step whose apply program wrote over its pre-update parameters.
+
+        The delta rows are the probed rows' ``post - pre`` in float32, subtracted on the
+        host as the platform's replay subtracts them (``Artifact.apply``). The pre-update
+        rows are the previous step's post-update rows, kept by its commitment, or those
+        of the state copied before the step (the first step, a discontinuity).
+        """
+        if self._host_pre is not None:
+            before = [probes.select(leaf, array) for leaf, array in enumerate(self._host_pre[0])]
+        else:
+            assert self.proof._post_rows is not None
+            before = self.proof._post_rows
+        after = [probes.select(leaf, array) for leaf, array in enumerate(params)]
+        grads = None
+        if gradients is not None:
+            grads = [
+                None if gradient is None else probes.select(leaf, gradient)
+                for leaf, gradient in enumerate(gradients)
+            ]
+        projected = probes.project_steps(before, after, grads)
+        # The next step's apply program writes over the parameters these rows may view.
+        self.proof._post_rows = [rows if rows.flags.owndata else rows.copy() for rows in after]
+        self.proof._last_post_probe = projected[1]
+        return projected
+
     def capture(self, challenge: Challenge) -> tuple[float, float]:
         assert self._views is not None
-        _, opt, deltas = self._views
+        params, opt, deltas = self._views
         self.proof._expect_check(challenge.step)
-        return _select(deltas, challenge.param_index), _select(opt, challenge.state_index)
+        state = _select(opt, challenge.state_index)
+        if deltas is None:
+            # The pre-update value is overwritten: the replay forms the committed update
+            # against its own (ReplayOutcome.committed_delta).
+            self._committed_post = _select(params, challenge.param_index)
+            return self._committed_post, state
+        return _select(deltas, challenge.param_index), state
 
     def release_views(self) -> None:
         self._views = None
@@ -222,7 +266,7 @@ class _Step(Submission):
         self.proof._committed(self.index)
 
     def replay(self, challenge: Challenge) -> ReplayOutcome:
-        return self.proof._replay(challenge)
+        return self.proof._replay(challenge, self._committed_post)
 
     def retire(self) -> None:
         self.release_views()

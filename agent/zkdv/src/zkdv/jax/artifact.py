@@ -32,10 +32,11 @@ donates nothing); ``zero`` is a uint32 0. Its outputs are the packed batch, the
 computed values (``computed``, in order) and the step's own results. ``apply`` is the
 optimizer applied to computed values, canonically when ``optimizer.canonical``, with
 the step counters incremented and the carried values written: the post-update state.
-The training step runs the two programs one after the other (then the realized deltas
-``float32(after) - float32(before)`` for its delta probes), and so do the SDK's checks
+The training step runs the two programs one after the other, and so do the SDK's checks
 and the platform's replay (:meth:`Artifact.compute`, :meth:`Artifact.apply`), so a
-replay in the recorded environment reproduces every bit.
+replay in the recorded environment reproduces every bit. The delta probes are of the
+realized changes ``float32(after) - float32(before)``: where the step commits on the
+host, of the probed rows, subtracted as :meth:`Artifact.apply` subtracts them.
 
 Version 1: the attested function
 --------------------------------
@@ -234,6 +235,15 @@ def _selected(leaves: Sequence[Any], flat_index: int) -> float:
     return 0.0
 
 
+def _strong(specs: Any) -> Any:
+    """Input specs with weak types dropped: the exported programs fixed their meaning."""
+
+    def strong(spec: Any) -> Any:
+        return jax.ShapeDtypeStruct(spec.shape, spec.dtype)  # type: ignore[no-untyped-call]
+
+    return jax.tree.map(strong, specs)
+
+
 @dataclass
 class Artifact:
     """A loaded artifact, ready to replay sampled checks.
@@ -334,13 +344,22 @@ class Artifact:
 
         Weak types are dropped: the exported programs fixed their meaning already.
         """
-
-        def strong(spec: Any) -> Any:
-            return jax.ShapeDtypeStruct(spec.shape, spec.dtype)  # type: ignore[no-untyped-call]
-
-        executable = self._call(name).lower(*jax.tree.map(strong, specs)).compile()
+        executable = self._call(name).lower(*_strong(specs)).compile()
         self._calls[name] = executable
         return executable
+
+    def donating_apply(self, *specs: Any) -> Any:
+        """``apply`` compiled for these input specs, donating its parameters (a tuple).
+
+        For a training step that donates its parameters: XLA writes the post-update
+        parameters into the pre-update ones' buffers, not into fresh memory. Not kept
+        for this artifact's own calls: a check's replay reads its inputs again.
+        """
+        assert self.apply_program is not None
+        call = jax.jit(
+            self.apply_program.call, donate_argnums=(0,), compiler_options=CANONICAL_OPTIONS
+        )
+        return call.lower(*_strong(specs)).compile()
 
     def run(self, params: Sequence[Any], opt_state: Sequence[Any], batch: Any) -> list[Any]:
         """Run the production program on a committed state and batch (version 2).
@@ -455,7 +474,13 @@ class Artifact:
             param_index: challenged flat parameter index.
             state_index: challenged flat optimizer-state index.
         """
-        params, opt_state = list(params), list(opt_state)
-        for batch in batches[:-1]:
-            params, opt_state = self.step(params, opt_state, batch)
+        params, opt_state = self.advance(params, opt_state, batches[:-1])
         return self.check(params, opt_state, batches[-1], param_index, state_index)
+
+    def advance(
+        self, params: Sequence[Any], opt_state: Sequence[Any], batches: Sequence[Any]
+    ) -> tuple[Any, Any]:
+        """Apply a full transition for each batch: the state after the last one."""
+        for batch in batches:
+            params, opt_state = self.step(params, opt_state, batch)
+        return params, opt_state
