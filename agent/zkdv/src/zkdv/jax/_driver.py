@@ -468,20 +468,30 @@ class ZKDV(Driver):
         self._artifact = artifact
         self._program_owner = program
 
-    def _run(self, program: _Program, leaves: Sequence[Any]) -> Sequence[Any]:
+    def _run(
+        self, program: _Program, leaves: Sequence[Any], barrier: Callable[[], Any] | None = None
+    ) -> Sequence[Any]:
         """Dispatch one step: its outputs laid out as ``program.traced.schema`` says.
 
         A run that commits gradients runs its two committed programs: the production
         step (gradient, carried values, batch, result) and the apply program (the
         post-update state), then the realized deltas; they take the hidden values' place.
         With ``program.host_deltas`` there are no realized deltas: their places hold None.
+
+        ``barrier`` (the mutation barrier) is called before the first program that may
+        donate: the apply program, so that the production step, which donates nothing,
+        runs while the previous commitment still reads the state.
         """
         donated = tuple(leaves[i] for i in program.donated)
         kept = tuple(leaves[i] for i in program.kept)
         if program.apply is None:
+            if barrier is not None:
+                barrier()
             return program.jitted(donated, kept, program.zero)  # type: ignore[no-any-return]
         traced = program.traced
         outputs = program.jitted(donated, kept, program.zero)
+        if barrier is not None:
+            barrier()
         computed = tuple(outputs[1 : 1 + len(traced.computed_names)])
         params = tuple(leaves[i] for i in traced.param_positions)
         params_after, opt_after = program.apply(
@@ -539,6 +549,7 @@ class ZKDV(Driver):
                     snapshot = (copied[:nparams], copied[nparams:])
                 with self._store_lock:
                     self._snapshots[index] = snapshot
+            barrier = None
             if (
                 program.donated
                 and self.steps > 0
@@ -549,8 +560,8 @@ class ZKDV(Driver):
                 # step donates; with a live view JAX silently skips the donation. (A
                 # zkdv.jax.scan call's commitments read only its stacked outputs, never
                 # the final state the next call donates.)
-                runtime.barrier()
-            outputs = self._run(program, leaves)
+                barrier = runtime.barrier
+            outputs = self._run(program, leaves, barrier)
             self._rows_kept = program.host_deltas
             schema = traced.schema
             result = schema.user_result(outputs, program.trees)
