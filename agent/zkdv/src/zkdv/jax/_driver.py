@@ -166,10 +166,9 @@ class ZKDV(Driver):
         self._committed_through = -1
         self._last_outputs: list[weakref.ref[Any]] | None = None
         self._last_post_probe: list[np.ndarray] | None = None
-        #: The last committed step's probed post-update rows (``_Step.probes``), and
-        #: whether the last step dispatched will keep them for the next one.
+        #: The last committed step's probed post-update rows (``_Step.probes``): the
+        #: next step's pre-update rows, where the apply program writes over them.
         self._post_rows: list[np.ndarray] | None = None
-        self._rows_kept = False
         self._log = TransferLog()
         self._path: str | None = None
         self._device: DeviceCommitter | None = None
@@ -530,10 +529,7 @@ class ZKDV(Driver):
             if device is not None:
                 return self._device_step(program, leaves, state, nparams, policy, admission)
             host_pre = None
-            # A step that forms its delta probes from probed rows takes its pre-update
-            # rows from the previous step's commitment, if that one kept them.
-            rows = not program.host_deltas or self._rows_kept
-            if index == 0 or not self._continues(state) or not rows:
+            if index == 0 or not self._continues(state):
                 # The first step's pre-state is the transcript's initial state; a later
                 # step whose inputs are not the previous outputs must prove continuity.
                 # Either way it is read now, before donation can reuse its buffers.
@@ -562,7 +558,6 @@ class ZKDV(Driver):
                 # the final state the next call donates.)
                 barrier = runtime.barrier
             outputs = self._run(program, leaves, barrier)
-            self._rows_kept = program.host_deltas
             schema = traced.schema
             result = schema.user_result(outputs, program.trees)
             hidden = outputs[traced.delta_leaves : schema.hidden_leaves]
