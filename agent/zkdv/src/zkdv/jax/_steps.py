@@ -243,7 +243,6 @@ class _Step(Submission):
         projected = probes.project_steps(before, after, grads)
         # The next step's apply program writes over the parameters these rows may view.
         self.proof._post_rows = [rows if rows.flags.owndata else rows.copy() for rows in after]
-        self.proof._last_post_probe = projected[1]
         return projected
 
     def capture(self, challenge: Challenge) -> tuple[float, float]:
