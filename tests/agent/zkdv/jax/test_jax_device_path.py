@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax_helpers import FEATURES, assert_verifies, batches, loss
+from jax_helpers import FEATURES, assert_verifies, batches, train_step
 
 import zkdv
 from zkdv.files import read_state, snapshot_path
@@ -29,10 +29,6 @@ from zkdv.records import iter_records
 
 STEPS = 8
 INTERVAL = 3
-
-
-def _step(state: Any, batch: jax.Array) -> Any:
-    return state.apply_gradients(grads=jax.grad(lambda p: loss(state, p, batch))(state.params))
 
 
 def _params(width: int, seed: int = 0) -> dict[str, jax.Array]:
@@ -93,7 +89,7 @@ def _train(
         tx=optax.adam(0.05),
         zkdv_overlap=zkdv.overlap.NEVER,
     )
-    step = proof.jit(_step, donate_argnums=(0,))
+    step = proof.jit(train_step, donate_argnums=(0,))
     for index, batch in enumerate(batches(STEPS)):
         if index == rebuild_at:
             # Same values, new arrays: the step must prove continuity by hashing them.
@@ -131,7 +127,7 @@ def test_auto_commits_on_the_host_on_cpu_and_on_the_device_elsewhere(make_proof)
     proof = make_proof()
     assert proof.config.commitments == "auto"
     state = TrainState.create(proof=proof, apply_fn=_apply, params=_params(4), tx=optax.sgd(0.1))
-    step = proof.jit(_step, donate_argnums=(0,))
+    step = proof.jit(train_step, donate_argnums=(0,))
     step(state, batches(1)[0])
     proof.join()
     assert proof.commitments == ("host" if jax.default_backend() == "cpu" else "device")
@@ -201,7 +197,7 @@ def test_non_snapshot_steps_read_record_sized_bytes(tmp_path: Path) -> None:
 def test_snapshots_reuse_two_primed_host_buffers(tmp_path: Path) -> None:
     proof = _proof(tmp_path / "proof", "device", policy=zkdv.SamplingPolicy.DEBUGCheckEvery(4))
     state = TrainState.create(proof=proof, apply_fn=_apply, params=_params(16), tx=optax.adam(0.1))
-    step = proof.jit(_step, donate_argnums=(0,))
+    step = proof.jit(train_step, donate_argnums=(0,))
     pools = []
     for batch in batches(5 * INTERVAL):
         state = step(state, batch)
@@ -229,7 +225,7 @@ def test_snapshots_reuse_two_primed_host_buffers(tmp_path: Path) -> None:
 def test_a_state_modified_between_steps_poisons_the_device_path(tmp_path: Path) -> None:
     proof = _proof(tmp_path / "proof", "device")
     state = TrainState.create(proof=proof, apply_fn=_apply, params=_params(8), tx=optax.adam(0.1))
-    step = proof.jit(_step, donate_argnums=(0,))
+    step = proof.jit(train_step, donate_argnums=(0,))
     data = batches(4)
     state = step(state, data[0])
     state = step(state, data[1])

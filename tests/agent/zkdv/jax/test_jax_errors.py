@@ -8,14 +8,10 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from jax_helpers import apply_fn, batches, init_params, loss
+from jax_helpers import apply_fn, batches, init_params, loss, train_step
 
 import zkdv
 from zkdv.jax.contrib import TrainState
-
-
-def _step(state, batch):
-    return state.apply_gradients(grads=jax.grad(lambda p: loss(state, p, batch))(state.params))
 
 
 def test_no_transcript_update_when_the_step_uses_jax_jit(make_proof) -> None:
@@ -24,7 +20,7 @@ def test_no_transcript_update_when_the_step_uses_jax_jit(make_proof) -> None:
         proof=proof, apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.1)
     )
     with pytest.warns(UserWarning, match=r"not in the transcript"):
-        step = jax.jit(_step)
+        step = jax.jit(train_step)
         for batch in batches(2):
             state = step(state, batch)
     with pytest.raises(
@@ -40,10 +36,10 @@ def test_proof_identity_error(make_proof) -> None:
         proof=other, apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.1)
     )
     with pytest.raises(zkdv.ZKDVError, match=r"Proof identity error.*exact instance"):
-        proof.jit(_step)(state, batches(1)[0])
+        proof.jit(train_step)(state, batches(1)[0])
     orphan = TrainState.create(apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.1))
     with pytest.raises(zkdv.ZKDVError, match=r"Proof identity error: .* created with no proof"):
-        proof.jit(_step)(orphan, batches(1)[0])
+        proof.jit(train_step)(orphan, batches(1)[0])
 
 
 def test_attested_program_already_registered(make_proof) -> None:
@@ -55,7 +51,7 @@ def test_attested_program_already_registered(make_proof) -> None:
         proof=proof, apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.1)
     )
     with pytest.raises(zkdv.ZKDVError, match=r"Remove the manual proof.attest function"):
-        proof.jit(_step)(state, batches(1)[0])
+        proof.jit(train_step)(state, batches(1)[0])
 
 
 def test_static_argument_error(make_proof, tmp_path: Path) -> None:
@@ -89,7 +85,7 @@ def test_export_failure_says_to_pass_randomness_or_attest_apply_fn(make_proof) -
         proof=proof, apply_fn=host_apply, params=init_params(), tx=optax.adam(0.1)
     )
     with pytest.raises(zkdv.ZKDVError, match=r"Export or replay failure.*attest_apply_fn"):
-        proof.jit(_step)(state, batches(1)[0])
+        proof.jit(train_step)(state, batches(1)[0])
     fixed = make_proof(name="fixed")
     state = TrainState.create(
         proof=fixed,
@@ -98,7 +94,7 @@ def test_export_failure_says_to_pass_randomness_or_attest_apply_fn(make_proof) -
         params=init_params(),
         tx=optax.adam(0.1),
     )
-    step = fixed.jit(_step)
+    step = fixed.jit(train_step)
     for batch in batches(3):
         state = step(state, batch)
     fixed.close()
@@ -110,7 +106,7 @@ def test_rolling_window_wider_than_the_packed_row(make_proof) -> None:
         proof=proof, apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.1)
     )
     with pytest.raises(ValueError, match=r"rolling_window=100 exceeds .* 4 rows of 7 words"):
-        proof.jit(_step)(state, batches(1)[0])
+        proof.jit(train_step)(state, batches(1)[0])
 
 
 def test_explicit_api_errors(make_proof) -> None:
@@ -172,7 +168,7 @@ def test_lifecycle(tmp_path: Path) -> None:
         proof=proof, apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.1)
     )
     with pytest.raises(zkdv.ZKDVError, match=r"call proof.start"):
-        proof.jit(_step)(state, batches(1)[0])
+        proof.jit(train_step)(state, batches(1)[0])
     proof._states_created = 0
     proof.close()
     assert jnp.asarray(1) == 1

@@ -26,7 +26,7 @@ import numpy as np
 import optax
 import pytest
 import recipes
-from jax_helpers import apply_fn, batches, init_params, loss
+from jax_helpers import apply_fn, batches, init_params, loss, train_step
 
 import zkdv
 from provers import jax_replay
@@ -184,18 +184,13 @@ def test_runs_trained_here_replay_bit_for_bit(tmp_path: Path) -> None:
         assert _worst_margin(verdicts) == 0.0
 
 
-def _train_step(state: Any, batch: jax.Array) -> Any:
-    grads = jax.grad(lambda p: loss(state, p, batch))(state.params)
-    return state.apply_gradients(grads=grads)
-
-
 def test_what_a_train_state_step_commits(make_proof, tmp_path: Path) -> None:
     proof = make_proof(interval=2)
     state = TrainState.create(
         proof=proof, apply_fn=apply_fn, params=init_params(), tx=optax.adamw(0.05)
     )
     assert isinstance(state.tx, zkdv.jax.CommittedOptimizer)
-    step = proof.jit(_train_step, donate_argnums=(0,))
+    step = proof.jit(train_step, donate_argnums=(0,))
     for batch in batches(3):
         state = step(state, batch)
     proof.close()
@@ -225,7 +220,7 @@ def test_subnormal_parameters_replay_bit_for_bit(make_proof, tmp_path: Path) -> 
     proof = make_proof(interval=2)
     params = {**init_params(), "idle": jnp.full((8,), 1e-39, jnp.float32)}
     state = TrainState.create(proof=proof, apply_fn=apply_fn, params=params, tx=optax.adam(0.05))
-    step = proof.jit(_train_step, donate_argnums=(0,))
+    step = proof.jit(train_step, donate_argnums=(0,))
     for batch in batches(4):
         state = step(state, batch)
     # The update really went through a flush: what the platform's subtraction sees.

@@ -9,14 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax_helpers import apply_fn, assert_verifies, batches, init_params, loss
+from jax_helpers import apply_fn, assert_verifies, batches, init_params, train_step
 
 import zkdv
 from zkdv.jax.contrib import TrainState
-
-
-def _step(state, batch):
-    return state.apply_gradients(grads=jax.grad(lambda p: loss(state, p, batch))(state.params))
 
 
 @pytest.mark.parametrize(
@@ -32,7 +28,7 @@ def test_overlap_policies_bound_live_generations(make_proof, tmp_path: Path, pol
         tx=optax.adam(0.05),
         zkdv_overlap=policy,
     )
-    step = proof.jit(_step, donate_argnums=(0,))
+    step = proof.jit(train_step, donate_argnums=(0,))
     for batch in batches(10):
         state = step(state, batch)
         assert state.zkdv_overlap is policy  # the returned state keeps its policy
@@ -51,7 +47,7 @@ def test_policy_changes_per_invocation_without_retracing(make_proof, tmp_path: P
     @proof.jit
     def step(state, batch):
         traces.append(1)
-        return _step(state, batch)
+        return train_step(state, batch)
 
     policies = [zkdv.overlap.NEVER, zkdv.overlap.ALWAYS, zkdv.overlap.UNCHECKED] * 3
     state = step(state, batches(1)[0])
@@ -68,7 +64,7 @@ def test_donated_train_state_donates_only_parameters(make_proof) -> None:
     state = TrainState.create(
         proof=proof, apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.05)
     )
-    step = proof.jit(_step, donate_argnums=(0,))
+    step = proof.jit(train_step, donate_argnums=(0,))
     for batch in batches(5):
         previous = state
         buffers = [leaf.unsafe_buffer_pointer() for leaf in jax.tree.leaves(state.params)]
@@ -91,7 +87,7 @@ def test_snapshots_and_batches_are_dropped_once_their_checks_are_done(
     state = TrainState.create(
         proof=proof, apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.05)
     )
-    step = proof.jit(_step, donate_argnums=(0,))
+    step = proof.jit(train_step, donate_argnums=(0,))
     for batch in batches(20):
         state = step(state, batch)
     proof.join()
@@ -107,7 +103,7 @@ def test_flops_and_tokens_are_recorded(make_proof, tmp_path: Path) -> None:
     state = TrainState.create(
         proof=proof, apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.05)
     )
-    step = proof.jit(_step)
+    step = proof.jit(train_step)
     for batch in batches(3):
         state = step(state, batch)
     proof.close()
@@ -140,7 +136,7 @@ def test_a_normal_loop_never_copies_the_state_after_the_first_step(make_proof, m
     state = TrainState.create(
         proof=proof, apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.05)
     )
-    step = proof.jit(_step, donate_argnums=(0,))
+    step = proof.jit(train_step, donate_argnums=(0,))
     for batch in batches(6):
         state = step(state, batch)
     proof.close()

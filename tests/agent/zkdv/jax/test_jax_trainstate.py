@@ -12,7 +12,7 @@ import optax
 from flax import linen as nn
 from flax import struct
 from flax.training import train_state
-from jax_helpers import apply_fn, assert_verifies, batches, init_params, loss
+from jax_helpers import apply_fn, assert_verifies, batches, init_params, loss, train_step
 
 import zkdv
 from zkdv.jax.artifact import Artifact
@@ -20,17 +20,12 @@ from zkdv.jax.contrib import TrainState
 from zkdv.records import iter_records
 
 
-def _step(state: Any, batch: jax.Array) -> Any:
-    grads = jax.grad(lambda p: loss(state, p, batch))(state.params)
-    return state.apply_gradients(grads=grads)
-
-
 def test_every_step_checked_from_snapshots_verifies(make_proof, tmp_path: Path) -> None:
     proof = make_proof(interval=3)
     state = TrainState.create(
         proof=proof, apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.05)
     )
-    step = proof.jit(_step, donate_argnums=(0,))
+    step = proof.jit(train_step, donate_argnums=(0,))
     for batch in batches(7):
         state = step(state, batch)
     proof.close()
@@ -66,8 +61,8 @@ def test_same_updates_as_plain_flax_under_jax_jit(make_proof) -> None:
         apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.05)
     )
     plain = TrainState.create(apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.05))
-    proved = proof.jit(_step)
-    jitted = jax.jit(_step)
+    proved = proof.jit(train_step)
+    jitted = jax.jit(train_step)
     for batch in batches(4):
         ours = proved(ours, batch)
         flax_state = jitted(flax_state, batch)
@@ -165,7 +160,7 @@ def test_artifact_replays_a_check_from_the_files_alone(make_proof, tmp_path: Pat
     state = TrainState.create(
         proof=proof, apply_fn=apply_fn, params=init_params(), tx=optax.adam(0.05)
     )
-    step = proof.jit(_step, donate_argnums=(0,))
+    step = proof.jit(train_step, donate_argnums=(0,))
     for batch in batches(5):
         state = step(state, batch)
     proof.close()
