@@ -32,6 +32,7 @@ import cbor2
 import numpy as np
 
 from zkdv.hashing import DIGEST_BYTES, Domain, hash_bytes, hasher
+from zkdv.workers import demote, waiting
 
 __all__ = [
     "ChunkOpening",
@@ -235,7 +236,9 @@ def _pool() -> ThreadPoolExecutor:
     with _POOL_LOCK:
         if _POOL is None:
             workers = int(os.environ.get("ZKDV_HASH_THREADS", "0")) or (os.cpu_count() or 1)
-            _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zkdv-hash")
+            _POOL = ThreadPoolExecutor(
+                max_workers=workers, thread_name_prefix="zkdv-hash", initializer=demote
+            )
         return _POOL
 
 
@@ -331,9 +334,10 @@ def commit_state(
         futures = [
             _pool().submit(_hash_segments, views, chunk_bytes, task) for task in tasks if task
         ]
-        for future in futures:
-            for leaf, hashes in future.result():
-                per_leaf[leaf].extend(hashes)
+        with waiting():
+            for future in futures:
+                for leaf, hashes in future.result():
+                    per_leaf[leaf].extend(hashes)
         chunk_roots = tuple(merkle_root(hashes) for hashes in per_leaf)
     digests = tuple(
         tensor_digest(spec, root) for spec, root in zip(specs, chunk_roots, strict=True)

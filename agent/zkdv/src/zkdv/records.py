@@ -105,6 +105,7 @@ from typing import IO, Any
 
 import cbor2
 
+from zkdv import workers
 from zkdv.errors import TranscriptError, TruncatedTranscriptError
 from zkdv.hashing import ZERO_DIGEST, Domain, hash_bytes, hasher
 
@@ -190,7 +191,9 @@ class TranscriptWriter:
         # One worker: FIFO. An executor's worker is joined at interpreter exit, so
         # records queued when a script ends without close() are still written.
         self._executor = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="zkdv-writer")
+            ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="zkdv-writer", initializer=workers.demote
+            )
             if background
             else None
         )
@@ -260,7 +263,8 @@ class TranscriptWriter:
         if self._executor is not None:
             with self._space:
                 while self._pending_jobs and self._error is None:
-                    self._space.wait()
+                    with workers.waiting():
+                        self._space.wait()
         self._raise()
 
     def sync(self) -> None:
@@ -276,7 +280,8 @@ class TranscriptWriter:
             self.sync()
         finally:
             if self._executor is not None:
-                self._executor.shutdown(wait=True)
+                with workers.waiting():
+                    self._executor.shutdown(wait=True)
             os.close(self._fd)
             self._fd = None
             if self._probes is not None:
@@ -305,7 +310,8 @@ class TranscriptWriter:
             while self._pending and self._pending + nbytes > self._max_pending:
                 if self._error is not None:
                     break
-                self._space.wait()
+                with workers.waiting():
+                    self._space.wait()
             self._raise()
             self._pending += nbytes
             self._pending_jobs += 1

@@ -8,8 +8,10 @@ for every step; every transcript produced must pass the offline verifier.
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from torch.nn import functional
 
 import zkdv
 from tests.torch_forgeries import hide_learning_rate
+from zkdv import workers
 from zkdv.files import TREES, read_batch, read_state, snapshot_path
 from zkdv.merkle import LeafSpec
 from zkdv.records import iter_records
@@ -87,14 +90,19 @@ def _verified(path: Path) -> zkdv.verify.VerificationReport:
     return report
 
 
-def test_eager_transactions_commit_check_and_verify(tmp_path: Path) -> None:
+def _trained(tmp_path: Path, steps: int) -> Any:
+    """A proof of ``steps`` AdamW steps of the BatchNorm model, still open."""
     proof = _proof(tmp_path)
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = proof.prepare(model, optimizer)
     _attest(proof)
-    _train(proof, model, optimizer, _batches(7))
-    proof.close()
+    _train(proof, model, optimizer, _batches(steps))
+    return proof
+
+
+def test_eager_transactions_commit_check_and_verify(tmp_path: Path) -> None:
+    _trained(tmp_path, 7).close()
     report = _verified(tmp_path / "proof")
     assert (report.steps, report.checks, report.snapshots) == (7, 7, [0, 3, 6])
     root = report.root
@@ -116,6 +124,22 @@ def test_eager_transactions_commit_check_and_verify(tmp_path: Path) -> None:
     specs = [LeafSpec.from_dict(s) for s in root["schema"]["opt_state"]]
     _, commitment = read_state(snapshot_path(tmp_path / "proof", 0, "opt_state"), specs, 256)
     assert commitment.root == root["initial"]["o"]
+
+
+@pytest.mark.skipif(not workers.idle(), reason="workers run at normal priority here")
+def test_commitments_checks_and_writes_run_on_idle_time(tmp_path: Path) -> None:
+    # zkdv.workers: every stage the training overlaps with runs at SCHED_IDLE.
+    proof = _trained(tmp_path, 4)
+    proof.join()
+    policies = {
+        thread.name.split("_")[0]: os.sched_getscheduler(thread.native_id)
+        for thread in threading.enumerate()
+        if thread.name.startswith("zkdv-") and thread.native_id is not None
+    }
+    proof.close()
+    assert {"zkdv-commit", "zkdv-check", "zkdv-snapshot", "zkdv-writer"} <= set(policies)
+    assert set(policies.values()) == {os.SCHED_IDLE}, policies
+    assert _verified(tmp_path / "proof").checks == 4
 
 
 def test_snapshot_files_hash_to_their_roots_even_when_the_disk_is_slow(

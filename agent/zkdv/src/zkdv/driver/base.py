@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from zkdv import workers
 from zkdv.config import GradientBounds, ZKDVConfig
 from zkdv.core import ProgramInfo, State, ZKDVCore
 from zkdv.driver.control import HostControl
@@ -442,16 +443,16 @@ class Driver:
     def _barrier(self, raise_poison: bool = True) -> bool:
         """Wait until the previous step's commitment stopped reading live state."""
         last = self._last
-        if not raise_poison:
-            # A poisoned pipeline skips the commitment waited for: stop waiting.
-            while last is not None and not last.released.wait(0.05):
-                if self._queue.poisoned is not None:
-                    return False
-            return True
-        if last is not None:
-            while not last.released.wait(0.05):
-                self._queue.check()
-        self._queue.check()
+        if last is not None and not last.released.is_set():
+            with workers.waiting():
+                while not last.released.wait(0.05):
+                    if not raise_poison and self._queue.poisoned is not None:
+                        # A poisoned pipeline skips the commitment waited for.
+                        return False
+                    if raise_poison:
+                        self._queue.check()
+        if raise_poison:
+            self._queue.check()
         return True
 
     def _submit(self, admission: Admission, submission: Submission) -> PendingUpdate:

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
+from zkdv import workers
 from zkdv.errors import POISONED, ZKDVError, ZKDVPoisonedError
 from zkdv.overlap import Policy
 
@@ -178,6 +179,7 @@ class PipelineQueue:
             stage: ThreadPoolExecutor(
                 max_workers=self._capacity if stage == "prepare" else 1,
                 thread_name_prefix=f"zkdv-{stage}",
+                initializer=workers.demote,
             )
             for stage in STAGES
         }
@@ -288,6 +290,7 @@ class PipelineQueue:
                             self._waiting += 1
                     if first_wait:
                         range_.enter_context(self.annotate("zkdv.flow_control.wait"))
+                        range_.enter_context(workers.waiting())
                     wait = _POLL_SECONDS
                     if deadline is not None:
                         remaining = deadline - time.monotonic()
@@ -445,7 +448,8 @@ class PipelineQueue:
             if not pending:
                 break
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            _, not_done = futures.wait(pending, timeout=remaining)
+            with workers.waiting():
+                _, not_done = futures.wait(pending, timeout=remaining)
             if not_done and deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"ZKDV pipeline still has {len(not_done)} pending stages")
             # A stage's done-callbacks may run just after wait() returns; drop finished
@@ -466,5 +470,6 @@ class PipelineQueue:
             if self._closed:
                 return
             self._closed = True
-        for executor in self._executors.values():
-            executor.shutdown(wait=True, cancel_futures=False)
+        with workers.waiting():
+            for executor in self._executors.values():
+                executor.shutdown(wait=True, cancel_futures=False)

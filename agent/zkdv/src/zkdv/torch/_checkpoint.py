@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from zkdv import workers
 from zkdv.torch._strides import dim_order, empty_in_order
 
 __all__ = ["ReplayCheckpoint", "Snapshot", "StepInputs"]
@@ -130,12 +131,15 @@ class ReplayCheckpoint:
         """Copy the pre-state of ``step`` into a snapshot slot (waits for a free one)."""
         with self._lock:
             while len(self.snapshots) >= self.capacity:
-                self._lock.wait(_POLL_SECONDS)
+                with workers.waiting():
+                    self._lock.wait(_POLL_SECONDS)
                 check()
             slot = self._free.pop() if self._free else None
         # A slot no replay needs any more may still be on its way to disk.
-        while slot is not None and not slot.written.wait(_POLL_SECONDS):
-            check()
+        if slot is not None and not slot.written.is_set():
+            with workers.waiting():
+                while not slot.written.wait(_POLL_SECONDS):
+                    check()
         with torch.no_grad():
             if slot is not None and _same_layouts(slot.parameters, parameters):
                 host_parameters = slot.parameters
