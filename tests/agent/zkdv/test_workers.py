@@ -169,3 +169,26 @@ def test_the_hashing_pool_is_a_worker() -> None:
     assert merkle._pool().submit(_policy).result(TIMEOUT) == os.SCHED_IDLE
     with workers.waiting():
         assert merkle._pool().submit(_policy).result(TIMEOUT) == os.SCHED_OTHER
+
+
+def test_a_forked_child_never_touches_the_parents_workers() -> None:
+    if not workers.idle():
+        pytest.skip("this process may not raise a thread out of SCHED_IDLE")
+    pool = PipelineQueue(1)
+    try:
+        worker = pool.submit_commit(threading.get_native_id).result(TIMEOUT)
+        assert os.sched_getscheduler(worker) == os.SCHED_IDLE
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child reports through its exit status
+            try:
+                with workers.waiting():
+                    pass
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        # The child's wait raised nothing of the parent's: its worker is still idle.
+        assert os.sched_getscheduler(worker) == os.SCHED_IDLE
+    finally:
+        pool.join()
+        pool.close()

@@ -124,6 +124,19 @@ def _raise_all(*, idle: bool) -> None:
             del _workers[thread_id]
 
 
+def _forget_after_fork() -> None:
+    """A forked child (a data loader's worker) has none of the parent's threads: it must
+    never touch the parent's worker ids, nor wait for a lock one of them held at the fork."""
+    global _lock, _waiters
+    _lock = threading.Lock()
+    _workers.clear()
+    _waiters = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 @contextlib.contextmanager
 def waiting() -> Iterator[None]:
     """Wrap a wait of the training (any non-worker) thread on ZKDV's workers.
