@@ -75,8 +75,10 @@ BENCHES: tuple[Bench, ...] = (
         # 12 steps then falls inside one block, which overstates a proof's step.
         "jax_overhead",
         (),
-        "`jax.jit` against `proof.jit` on an LM and a state-heavy MLP",
-        "the same floor as Torch's, for the JAX state",
+        "`jax.jit` against `proof.jit` on an LM and a state-heavy MLP, and the committed "
+        "programs alone (no commitment) between them",
+        "the same floor as Torch's, for the JAX state; with the committed programs' own "
+        "added time, the protocol's floor",
     ),
     Bench(
         "hf_trainer_overhead",
