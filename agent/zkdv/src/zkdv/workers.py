@@ -4,11 +4,10 @@ A step's commitment (hashing, probes, records), the transcript writer, snapshot 
 and sampled checks run on worker threads, overlapped with the next steps. On a machine
 whose cores the training keeps busy (CPU training: PyTorch's and XLA's intra-op threads
 on every core), a worker at normal priority takes its fair share of a core in the middle
-of a parallel region, and the region waits for its slowest thread: the LM recipe's
-7.5 ms of worker CPU a step cost it 11-16 ms of step time (docs/performance.md,
-``torch-overhead``). Under Linux's ``SCHED_IDLE`` policy a worker runs only on a core no
-normal thread wants, and yields it the moment one does: the same work then fills the
-gaps between the training's parallel regions.
+of a parallel region, and the region waits for its slowest thread. Under Linux's
+``SCHED_IDLE`` policy a worker runs only on a core no normal thread wants, and yields it
+the moment one does: the same work then fills the gaps between the training's parallel
+regions (docs/torch.md, "Where the pipeline's threads run", has the measurements).
 
 A worker at ``SCHED_IDLE`` gets almost nothing while other processes keep every core
 busy, so it is demoted only while the training does not wait for it. Wherever the
