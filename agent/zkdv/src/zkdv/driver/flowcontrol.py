@@ -164,6 +164,9 @@ class PipelineQueue:
     def __init__(self, capacity: int, annotation: Annotation = unannotated) -> None:
         if isinstance(capacity, bool) or capacity < 1:
             raise ValueError(f"ZKDV max_in_flight must be positive, got {capacity!r}")
+        # Decided here, on the training thread: a wrong ZKDV_WORKER_PRIORITY raises now,
+        # not in a worker's initializer (which would only break the pool).
+        workers.idle()
         self._capacity = int(capacity)
         self._annotation = annotation
         self._lock = threading.Lock()
