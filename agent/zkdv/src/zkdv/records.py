@@ -262,9 +262,7 @@ class TranscriptWriter:
         """
         if self._executor is not None:
             with self._space:
-                while self._pending_jobs and self._error is None:
-                    with workers.waiting():
-                        self._space.wait()
+                self._wait_for(lambda: not self._pending_jobs or self._error is not None)
         self._raise()
 
     def sync(self) -> None:
@@ -307,15 +305,24 @@ class TranscriptWriter:
             return
         with self._space:
             # Back-pressure: wait for room, but always admit an item into an empty queue.
-            while self._pending and self._pending + nbytes > self._max_pending:
-                if self._error is not None:
-                    break
-                with workers.waiting():
-                    self._space.wait()
+            self._wait_for(
+                lambda: (
+                    not self._pending
+                    or self._pending + nbytes <= self._max_pending
+                    or self._error is not None
+                )
+            )
             self._raise()
             self._pending += nbytes
             self._pending_jobs += 1
         executor.submit(self._run, job, nbytes)
+
+    def _wait_for(self, done: Callable[[], bool]) -> None:
+        """Wait on ``_space`` (held) until ``done()``; one :func:`workers.waiting` for all
+        of it, entered only if the caller must wait at all."""
+        if not done():
+            with workers.waiting():
+                self._space.wait_for(done)
 
     def _run(self, job: Callable[[], object], nbytes: int) -> None:
         try:

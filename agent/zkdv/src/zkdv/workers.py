@@ -82,6 +82,9 @@ def idle() -> bool:
         ValueError: ``ZKDV_WORKER_PRIORITY`` is not one of ``auto``, ``idle``, ``normal``.
     """
     global _mode, _reversible
+    decided = _mode
+    if decided is not None:  # every wait asks: no lock once decided
+        return decided
     with _lock:
         if _mode is None:
             choice = os.environ.get(ENVIRONMENT, "auto").strip().lower() or "auto"

@@ -130,10 +130,11 @@ class ReplayCheckpoint:
     ) -> Snapshot:
         """Copy the pre-state of ``step`` into a snapshot slot (waits for a free one)."""
         with self._lock:
-            while len(self.snapshots) >= self.capacity:
+            if len(self.snapshots) >= self.capacity:
                 with workers.waiting():
-                    self._lock.wait(_POLL_SECONDS)
-                check()
+                    while len(self.snapshots) >= self.capacity:
+                        self._lock.wait(_POLL_SECONDS)
+                        check()
             slot = self._free.pop() if self._free else None
         # A slot no replay needs any more may still be on its way to disk.
         if slot is not None and not slot.written.is_set():
