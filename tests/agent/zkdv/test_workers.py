@@ -11,11 +11,10 @@ import os
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable
 
 import pytest
 
+from tests.agent.zkdv.test_flowcontrol import wait_until
 from zkdv import merkle, workers
 from zkdv.driver.flowcontrol import PipelineQueue
 
@@ -24,21 +23,18 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux sch
 TIMEOUT = 10.0
 
 
-def _wait_until(predicate: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + TIMEOUT
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.002)
-
-
 def _policy() -> int:
     return os.sched_getscheduler(0)
 
 
 @pytest.fixture
-def queue() -> PipelineQueue:
+def idle_workers() -> None:
     if not workers.idle():
         pytest.skip("this process may not raise a thread out of SCHED_IDLE")
+
+
+@pytest.fixture
+def queue(idle_workers: None) -> PipelineQueue:
     queue = PipelineQueue(1)
     yield queue
     queue.join()
@@ -56,7 +52,7 @@ def test_a_stage_worker_is_raised_while_admission_waits_for_it(queue: PipelineQu
         seen.append(_policy())
         started.set()
         # The training thread now blocks in acquire() until this commitment retires.
-        _wait_until(lambda: _policy() == os.SCHED_OTHER)
+        wait_until(lambda: _policy() == os.SCHED_OTHER)
         seen.append(_policy())
         retired.set()
 
@@ -69,24 +65,27 @@ def test_a_stage_worker_is_raised_while_admission_waits_for_it(queue: PipelineQu
     assert queue.submit_commit(_policy).result(TIMEOUT) == os.SCHED_IDLE
 
 
-def test_waits_nest_and_a_worker_started_during_one_is_demoted_after_it() -> None:
-    if not workers.idle():
-        pytest.skip("this process may not raise a thread out of SCHED_IDLE")
-    pool = PipelineQueue(1)
-    try:
+def test_waits_nest_and_a_worker_started_during_one_is_demoted_after_it(
+    queue: PipelineQueue,
+) -> None:
+    with workers.waiting():
         with workers.waiting():
-            with workers.waiting():
-                assert pool.submit_snapshot(_policy).result(TIMEOUT) == os.SCHED_OTHER
-            # The outer wait still holds.
-            assert pool.submit_snapshot(_policy).result(TIMEOUT) == os.SCHED_OTHER
-        assert pool.submit_snapshot(_policy).result(TIMEOUT) == os.SCHED_IDLE
-        # A worker that waits does not raise the others (it is not the training).
+            assert queue.submit_snapshot(_policy).result(TIMEOUT) == os.SCHED_OTHER
+        # The outer wait still holds.
+        assert queue.submit_snapshot(_policy).result(TIMEOUT) == os.SCHED_OTHER
+    assert queue.submit_snapshot(_policy).result(TIMEOUT) == os.SCHED_IDLE
+
+
+def test_a_worker_that_waits_raises_no_one(queue: PipelineQueue) -> None:
+    # Only the training's waits raise the workers: a worker waiting on another (the
+    # commit stage on the hashing pool) is not the training.
+    committer = queue.submit_commit(threading.get_native_id).result(TIMEOUT)
+
+    def wait_on_the_committer() -> int:
         with workers.waiting():
-            pass
-        assert pool.submit_snapshot(_policy).result(TIMEOUT) == os.SCHED_IDLE
-    finally:
-        pool.join()
-        pool.close()
+            return os.sched_getscheduler(committer)
+
+    assert queue.submit_snapshot(wait_on_the_committer).result(TIMEOUT) == os.SCHED_IDLE
 
 
 _CHILD = """
@@ -166,32 +165,23 @@ def test_auto_demotes_where_the_process_may_raise_them_back() -> None:
     assert result.stdout.split() == expected.split()
 
 
-def test_the_hashing_pool_is_a_worker() -> None:
-    if not workers.idle():
-        pytest.skip("this process may not raise a thread out of SCHED_IDLE")
+def test_the_hashing_pool_is_a_worker(idle_workers: None) -> None:
     assert merkle._pool().submit(_policy).result(TIMEOUT) == os.SCHED_IDLE
     with workers.waiting():
         assert merkle._pool().submit(_policy).result(TIMEOUT) == os.SCHED_OTHER
 
 
-def test_a_forked_child_never_touches_the_parents_workers() -> None:
-    if not workers.idle():
-        pytest.skip("this process may not raise a thread out of SCHED_IDLE")
-    pool = PipelineQueue(1)
-    try:
-        worker = pool.submit_commit(threading.get_native_id).result(TIMEOUT)
-        assert os.sched_getscheduler(worker) == os.SCHED_IDLE
-        child = os.fork()
-        if child == 0:  # pragma: no cover - the child reports through its exit status
-            try:
-                with workers.waiting():
-                    pass
-            finally:
-                os._exit(0)
-        _, status = os.waitpid(child, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
-        # The child's wait raised nothing of the parent's: its worker is still idle.
-        assert os.sched_getscheduler(worker) == os.SCHED_IDLE
-    finally:
-        pool.join()
-        pool.close()
+def test_a_forked_child_never_touches_the_parents_workers(queue: PipelineQueue) -> None:
+    worker = queue.submit_commit(threading.get_native_id).result(TIMEOUT)
+    assert os.sched_getscheduler(worker) == os.SCHED_IDLE
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through its exit status
+        try:
+            with workers.waiting():
+                pass
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    # The child's wait raised nothing of the parent's: its worker is still idle.
+    assert os.sched_getscheduler(worker) == os.SCHED_IDLE
