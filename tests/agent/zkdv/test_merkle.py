@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import cbor2
@@ -112,6 +113,35 @@ def test_leaf_hashes_on_many_threads_at_once() -> None:
     with ThreadPoolExecutor(max_workers=4) as pool:
         for _ in range(20):
             assert list(pool.map(merkle.leaf_hash, inputs)) == expected
+
+
+def test_a_started_commitment_leaves_the_caller_free_while_the_pool_hashes() -> None:
+    # The commit stage starts hashing a step's state and runs its probes and records
+    # beside it: start_commit must return while every hashing thread is still busy.
+    rng = np.random.default_rng(9)
+    large = [
+        ("w", rng.standard_normal((1024, 1100)).astype(np.float32)),  # above the pool's 4 MiB
+        ("b", rng.standard_normal(7).astype(np.float32)),
+    ]
+    expected = merkle.commit_state(large, 1 << 16, parallel=False)
+    pool = merkle._pool()
+    hold = threading.Event()
+    busy = [pool.submit(hold.wait) for _ in range(pool._max_workers)]
+    calls: list[merkle.PendingCommitment] = []
+    caller = threading.Thread(target=lambda: calls.append(merkle.start_commit(large, 1 << 16)))
+    caller.start()
+    caller.join(timeout=30)
+    returned = not caller.is_alive()
+    hold.set()  # the pool is free again whatever happened
+    caller.join()
+    assert returned, "start_commit waited for the hashing pool"
+    assert all(future.result() for future in busy)
+    (started,) = calls
+    assert started.result() == expected
+    assert started.result() is started.result()  # finished once
+    started.wait()
+    small = merkle.start_commit(_state(), CHUNK)  # below the threshold: hashed in the call
+    assert small.result() == merkle.commit_state(_state(), CHUNK, parallel=False)
 
 
 def test_every_byte_is_bound() -> None:

@@ -25,7 +25,7 @@ import numpy as np
 from zkdv.batch import as_batch, commit_batch, validate_window
 from zkdv.config import GradientBounds, ZKDVConfig
 from zkdv.hashing import Domain, hash_bytes
-from zkdv.merkle import LeafSpec, StateCommitment, commit_state
+from zkdv.merkle import LeafSpec, PendingCommitment, StateCommitment, commit_state, start_commit
 from zkdv.probes import ProbeSet
 from zkdv.records import PROTOCOL_VERSION, TranscriptWriter
 from zkdv.sampling import Challenge, Sampler
@@ -33,8 +33,9 @@ from zkdv.sampling import Challenge, Sampler
 __all__ = ["ProgramInfo", "StateRoots", "StepResult", "ZKDVCore", "file_digest"]
 
 Leaves = Sequence[tuple[str, np.ndarray]]
-#: A state as host leaves, or already committed (hashed on its device).
-State = Leaves | StateCommitment
+#: A state as host leaves, already committed (hashed on its device), or being hashed
+#: (:meth:`ZKDVCore.start_commit`).
+State = Leaves | StateCommitment | PendingCommitment
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,15 @@ class ZKDVCore:
     def commit(self, leaves: State, *, parallel: bool = True) -> StateCommitment:
         if isinstance(leaves, StateCommitment):
             return leaves
+        if isinstance(leaves, PendingCommitment):
+            return leaves.result()
         return commit_state(leaves, self.config.chunk_bytes, parallel=parallel)
+
+    def start_commit(self, leaves: Leaves) -> PendingCommitment:
+        """:meth:`commit` on the shared hashing pool, returning at once (the arrays must
+        not change until the result is read, or :meth:`PendingCommitment.wait` returns):
+        the caller's own work runs beside the hashing."""
+        return start_commit(leaves, self.config.chunk_bytes)
 
     def probe_set(self, specs: Sequence[LeafSpec]) -> ProbeSet:
         """The run's probes for parameters of ``specs`` (created once, from the probe seed).

@@ -22,7 +22,8 @@ import math
 import os
 import struct
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from threading import Lock, local
 from typing import Any
@@ -38,11 +39,13 @@ __all__ = [
     "ChunkOpening",
     "CoordinateOpening",
     "LeafSpec",
+    "PendingCommitment",
     "StateCommitment",
     "commit_state",
     "inclusion_path",
     "merkle_root",
     "open_coordinate",
+    "start_commit",
     "verify_inclusion",
     "verify_opening",
 ]
@@ -305,44 +308,86 @@ def commit_state(
         chunk_bytes: Merkle chunk size (a power of two).
         parallel: hash chunks on the shared thread pool.
     """
+    return start_commit(leaves, chunk_bytes, parallel=parallel).result()
+
+
+def start_commit(
+    leaves: Sequence[tuple[str, np.ndarray]], chunk_bytes: int, *, parallel: bool = True
+) -> PendingCommitment:
+    """:func:`commit_state`, with the caller free while the shared pool hashes.
+
+    A state below the pool's threshold (or ``parallel=False``) is hashed here, before
+    this returns. The arrays must not change until :meth:`PendingCommitment.result`
+    (or :meth:`~PendingCommitment.wait`) returns.
+    """
     specs = tuple(LeafSpec.of(path, array) for path, array in leaves)
     views = [_as_bytes(array) for _, array in leaves]
     total_bytes = sum(len(view) for view in views)
     workers = _pool()._max_workers if parallel else 1
     if workers == 1 or total_bytes < _PARALLEL_MIN_BYTES:
-        chunk_roots = tuple(_chunk_root(view, chunk_bytes) for view in views)
-    else:
-        counts = [max(1, -(-len(view) // chunk_bytes)) for view in views]
-        per_leaf: list[list[bytes]] = [[] for _ in leaves]
-        # Spread the bytes evenly: about two tasks per worker, each a run of chunk ranges
-        # that may span several leaves, so that a state of many small leaves costs a few
-        # pool submissions rather than one per leaf.
-        target = -(-total_bytes // (workers * 2))
-        tasks: list[list[tuple[int, int, int]]] = [[]]
-        filled = 0
-        for leaf, view in enumerate(views):
-            start = 0
-            while start < counts[leaf]:
-                room = max(1, -(-(target - filled) // chunk_bytes))
-                stop = min(counts[leaf], start + room)
-                tasks[-1].append((leaf, start, stop))
-                filled += min(len(view), stop * chunk_bytes) - start * chunk_bytes
-                start = stop
-                if filled >= target:
-                    tasks.append([])
-                    filled = 0
-        futures = [
-            _pool().submit(_hash_segments, views, chunk_bytes, task) for task in tasks if task
-        ]
+        roots = tuple(_chunk_root(view, chunk_bytes) for view in views)
+        return PendingCommitment(specs, chunk_roots=roots)
+    counts = [max(1, -(-len(view) // chunk_bytes)) for view in views]
+    # Spread the bytes evenly: about two tasks per worker, each a run of chunk ranges
+    # that may span several leaves, so that a state of many small leaves costs a few
+    # pool submissions rather than one per leaf.
+    target = -(-total_bytes // (workers * 2))
+    tasks: list[list[tuple[int, int, int]]] = [[]]
+    filled = 0
+    for leaf, view in enumerate(views):
+        start = 0
+        while start < counts[leaf]:
+            room = max(1, -(-(target - filled) // chunk_bytes))
+            stop = min(counts[leaf], start + room)
+            tasks[-1].append((leaf, start, stop))
+            filled += min(len(view), stop * chunk_bytes) - start * chunk_bytes
+            start = stop
+            if filled >= target:
+                tasks.append([])
+                filled = 0
+    futures = [_pool().submit(_hash_segments, views, chunk_bytes, task) for task in tasks if task]
+    return PendingCommitment(specs, futures)
+
+
+class PendingCommitment:
+    """A state's commitment while the shared pool hashes it (:func:`start_commit`)."""
+
+    def __init__(
+        self,
+        specs: tuple[LeafSpec, ...],
+        futures: Sequence[Future[list[tuple[int, list[bytes]]]]] = (),
+        chunk_roots: tuple[bytes, ...] | None = None,
+    ) -> None:
+        self.specs = specs
+        self._futures = futures
+        self._commitment: StateCommitment | None = None
+        if chunk_roots is not None:
+            self._finish(chunk_roots)
+
+    def result(self) -> StateCommitment:
+        """The commitment, once every chunk is hashed; raises what a hashing task raised."""
+        if self._commitment is None:
+            per_leaf: list[list[bytes]] = [[] for _ in self.specs]
+            with waiting():
+                for future in self._futures:
+                    for leaf, hashes in future.result():
+                        per_leaf[leaf].extend(hashes)
+            self._futures = ()
+            self._finish(tuple(merkle_root(hashes) for hashes in per_leaf))
+        assert self._commitment is not None
+        return self._commitment
+
+    def wait(self) -> None:
+        """Return once no task reads the arrays any more, whatever they raised."""
         with waiting():
-            for future in futures:
-                for leaf, hashes in future.result():
-                    per_leaf[leaf].extend(hashes)
-        chunk_roots = tuple(merkle_root(hashes) for hashes in per_leaf)
-    digests = tuple(
-        tensor_digest(spec, root) for spec, root in zip(specs, chunk_roots, strict=True)
-    )
-    return StateCommitment(state_root(specs, digests), specs, digests, chunk_roots)
+            futures_wait(self._futures)
+
+    def _finish(self, chunk_roots: tuple[bytes, ...]) -> None:
+        specs = self.specs
+        digests = tuple(
+            tensor_digest(spec, root) for spec, root in zip(specs, chunk_roots, strict=True)
+        )
+        self._commitment = StateCommitment(state_root(specs, digests), specs, digests, chunk_roots)
 
 
 @dataclass(frozen=True)

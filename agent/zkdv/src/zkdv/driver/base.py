@@ -62,7 +62,7 @@ from zkdv.files import (
     write_batch,
     write_state,
 )
-from zkdv.merkle import StateCommitment
+from zkdv.merkle import PendingCommitment, StateCommitment
 from zkdv.overlap import Policy
 from zkdv.probes import _kernel as probes_kernel
 from zkdv.sampling import Challenge
@@ -484,18 +484,29 @@ class Driver:
 
     def _commit(self, core: ZKDVCore, pending: PendingUpdate) -> None:
         sub = pending.submission
+        hashing: list[PendingCommitment] = []
+
+        def start(state: State) -> State:
+            # Host leaves go to the hashing pool at once: the probes, the batch and the
+            # records are this thread's work beside it, not after it.
+            if isinstance(state, StateCommitment | PendingCommitment):
+                return state
+            started = core.start_commit(state)
+            hashing.append(started)
+            return started
+
         try:
             computed = sub.computed()
-            # Hashed once: the first step's commitment also fixes the root's schema.grad.
-            grad = None if computed is None else core.commit(computed[0])
+            grad = None if computed is None else start(computed[0])
             if not core.opened:
-                self._open(core, sub, grad)
+                # Hashed once: the first step's commitment also fixes the root's schema.grad.
+                self._open(core, sub, None if grad is None else core.commit(grad))
             batch = sub.batch()
             if self._keep_files:
                 self._submit_step_files(core, pending.index, batch, computed)
             if sub.snapshot is not None:
                 self._record_snapshot(core, pending)
-            params, opt_state, buffers = sub.post_state()
+            params, opt_state, buffers = (start(tree) for tree in sub.post_state())
             assert core.probes is not None
             probes = sub.probes(core.probes)
             result = core.commit_step(
@@ -514,6 +525,8 @@ class Driver:
             pending.result = result
             self._hand_on(core, pending, result.challenge)
         except BaseException:
+            for started in hashing:
+                started.wait()  # the state is released only once nothing reads it
             pending.released.set()
             pending.retired.set()
             sub.retire()
