@@ -7,17 +7,25 @@ domain-separated, multi-threaded), raw ``blake3`` with all threads (``max_thread
 and ``numpy.copyto`` into a preallocated buffer; then the ratios. The target is
 commitment throughput >= 0.85 of raw blake3. Best of ``--repeat`` runs each, interleaved
 so that thermal or neighbour noise hits all three alike.
+
+Then a step's batch commitment (``commit_batch``: row hashes and the sorted multiset of
+rolling-window fingerprints) for bench/jax_overhead.py's MLP batch (64 rows of 1,536
+words) and the LM recipe's (16 rows of 513 tokens), with the compiled pass (``zkdv[jit]``)
+and with numpy (``ZKDV_BATCH_JIT=0``), interleaved, median of 50 calls each.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import statistics
 import time
 
 import blake3
 import numpy as np
 
+from zkdv import batch as batch_module
 from zkdv.merkle import commit_state
 
 
@@ -69,6 +77,29 @@ def main() -> None:
         f"ratio commit/raw-blake3 throughput: {best['blake3'] / best['commit']:.3f}  (target >= 0.85)"
     )
     print(f"ratio commit/memcpy throughput:     {best['copy'] / best['commit']:.3f}")
+    _batches()
+
+
+def _batches() -> None:
+    rng = np.random.default_rng(1)
+    for name, shape in (("MLP batch", (64, 1536)), ("LM batch", (16, 513))):
+        words = rng.integers(0, 2**32, shape, dtype=np.uint32)
+        times: dict[str, list[float]] = {"compiled": [], "numpy": []}
+        for _ in range(50):
+            for path, setting in (("compiled", "1"), ("numpy", "0")):
+                os.environ[batch_module.JIT_ENV] = setting
+                call = functools.partial(batch_module.commit_batch, words, 4)
+                times[path].append(_best(call, 1))
+        os.environ.pop(batch_module.JIT_ENV)
+        if batch_module._kernel() is None:
+            print(f"{name}: no compiled pass (Numba missing or refused); numpy only")
+            continue
+        ms = {path: statistics.median(values) * 1e3 for path, values in times.items()}
+        print(
+            f"commit_batch, {name} {shape[0]} x {shape[1]} words, window 4: compiled "
+            f"{ms['compiled']:.2f} ms, numpy {ms['numpy']:.2f} ms, "
+            f"compiled/numpy {ms['compiled'] / ms['numpy']:.2f}"
+        )
 
 
 if __name__ == "__main__":

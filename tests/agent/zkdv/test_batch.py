@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from zkdv.batch import commit_batch, contains_window, window_fingerprints
+from zkdv import batch as batch_module
+from zkdv.batch import commit_batch, contains_window, sorted_fingerprints, window_fingerprints
+
+HAS_NUMBA = importlib.util.find_spec("numba") is not None
 
 
 def _batch() -> np.ndarray:
@@ -56,3 +63,33 @@ def test_membership_queries_find_the_rows() -> None:
     batch[3, 0:4] = [1, 2, 3, 4]
     assert contains_window(batch, [1, 2, 3, 4]) == [0, 3]
     assert contains_window(batch, [9, 9, 9, 9]) == []
+
+
+@pytest.mark.skipif(not HAS_NUMBA, reason="needs numba")
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 9),
+    cols=st.integers(1, 70),
+    window=st.integers(1, 70),
+    high=st.sampled_from([1, 3, 256, 2**32]),  # few distinct words: equal keys and digits
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_the_compiled_sort_is_numpys(
+    rows: int, cols: int, window: int, high: int, seed: int
+) -> None:
+    window = min(window, cols)
+    batch = np.random.default_rng(seed).integers(0, high, (rows, cols), dtype=np.uint32)
+    assert batch_module._kernel() is not None  # the compiled pass, not the fallback
+    want = np.sort(window_fingerprints(batch, window), axis=None)
+    got = sorted_fingerprints(batch, window)
+    assert got.dtype == np.uint64
+    assert got.tobytes() == want.tobytes()
+
+
+def test_the_committed_windows_do_not_depend_on_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    batch = np.random.default_rng(11).integers(0, 2**32, (64, 1536), dtype=np.uint32)
+    monkeypatch.setenv(batch_module.JIT_ENV, "0")
+    assert batch_module._kernel() is None
+    reference = commit_batch(batch, 4)
+    monkeypatch.setenv(batch_module.JIT_ENV, "1")
+    assert commit_batch(batch, 4) == reference

@@ -24,12 +24,14 @@ import numpy as np
 from zkdv.config import TOKEN_UNITS
 from zkdv.hashing import Domain, hash_bytes
 from zkdv.merkle import merkle_root
+from zkdv.probes import jit
 
 __all__ = [
     "TOKEN_UNITS",
     "BatchCommitment",
     "commit_batch",
     "count_tokens",
+    "sorted_fingerprints",
     "validate_window",
     "window_fingerprints",
 ]
@@ -133,6 +135,83 @@ def window_fingerprints(rows: np.ndarray, rolling_window: int) -> np.ndarray:
     return acc
 
 
+# --- The compiled pass (Numba) -------------------------------------------------------------
+
+#: Set to ``0`` to fingerprint and sort with numpy even where Numba is installed.
+JIT_ENV = "ZKDV_BATCH_JIT"
+_kernel_state: dict[str, Any] = {}
+_DIGIT_BITS = 11  # six passes cover 64 bits; 2,048 counters per digit stay in L1
+_DIGITS = -(-64 // _DIGIT_BITS)
+
+
+def _kernel() -> Any:
+    """The compiled pass, or None without Numba (or with ``ZKDV_BATCH_JIT=0``)."""
+    return jit(_kernel_state, JIT_ENV, _sorted_pass, _try_pass)
+
+
+def _try_pass(kernel: Any) -> None:
+    rows = np.arange(12, dtype=np.uint32).reshape(2, 6) * np.uint32(2654435761)
+    out, scratch = np.empty(8, np.uint64), np.empty(8, np.uint64)
+    passes = kernel(rows, 3, _BASE, _MIX, out, scratch)
+    got = out if passes % 2 == 0 else scratch
+    if not np.array_equal(got, np.sort(window_fingerprints(rows, 3), axis=None)):
+        raise ArithmeticError("the compiled fingerprints differ from numpy's")
+
+
+def _sorted_pass(
+    rows: np.ndarray,
+    window: int,
+    base: np.uint64,
+    mix: np.uint64,
+    out: np.ndarray,
+    scratch: np.ndarray,
+) -> int:  # pragma: no cover - compiled by Numba (its output is tested against numpy's)
+    """:func:`window_fingerprints` into ``out``, then sorted; returns the number of
+    scatter passes (even: the result is in ``out``, odd: in ``scratch``)."""
+    count = rows.shape[1] - window + 1
+    one = np.uint64(1)
+    k = 0
+    for r in range(rows.shape[0]):
+        for j in range(count):
+            # The same Horner's rule and finaliser as window_fingerprints, word by word.
+            acc = np.uint64(rows[r, j]) + one
+            for w in range(1, window):
+                acc = acc * base + (np.uint64(rows[r, j + w]) + one)
+            acc ^= acc >> np.uint64(31)
+            acc *= mix
+            acc ^= acc >> np.uint64(29)
+            out[k] = acc
+            k += 1
+    n = out.size
+    radix = 1 << _DIGIT_BITS
+    mask = np.uint64(radix - 1)
+    counts = np.zeros((_DIGITS, radix), np.int64)
+    for i in range(n):
+        x = out[i]
+        for d in range(_DIGITS):
+            counts[d, (x >> np.uint64(_DIGIT_BITS * d)) & mask] += 1
+    source, target = out, scratch
+    passes = 0
+    for d in range(_DIGITS):
+        digit = counts[d]
+        if digit.max() == n:  # every key has the same digit here: nothing moves
+            continue
+        total = 0
+        for b in range(radix):
+            c = digit[b]
+            digit[b] = total
+            total += c
+        shift = np.uint64(_DIGIT_BITS * d)
+        for i in range(n):
+            x = source[i]
+            b = (x >> shift) & mask
+            target[digit[b]] = x
+            digit[b] += 1
+        source, target = target, source
+        passes += 1
+    return passes
+
+
 @dataclass(frozen=True)
 class BatchCommitment:
     root: bytes
@@ -144,6 +223,27 @@ class BatchCommitment:
         return {"root": self.root, "rows": self.rows, "cols": self.cols, "win": self.windows}
 
 
+def sorted_fingerprints(rows: np.ndarray, rolling_window: int) -> np.ndarray:
+    """Every fingerprint of :func:`window_fingerprints`, flattened and sorted: the
+    multiset the step record commits.
+
+    In one compiled pass where Numba is installed (``zkdv[jit]``): the fingerprints, then
+    an LSD radix sort of their 64-bit words in place of numpy's comparison sort, which
+    took most of a wide batch's commitment (``bench/commit_throughput.py`` times both).
+    Sorting integers has one answer, so both paths give the same array
+    (``tests/agent/zkdv/test_batch.py``).
+    """
+    array = as_batch(rows)
+    validate_window(rolling_window, array.shape[1])
+    kernel = _kernel()
+    if kernel is None:
+        return np.sort(window_fingerprints(array, rolling_window), axis=None)
+    count = array.shape[0] * (array.shape[1] - rolling_window + 1)
+    out, scratch = np.empty(count, np.uint64), np.empty(count, np.uint64)
+    passes = kernel(array, rolling_window, _BASE, _MIX, out, scratch)
+    return out if passes % 2 == 0 else scratch
+
+
 def commit_batch(batch: Any, rolling_window: int) -> BatchCommitment:
     """Commit to every word of ``batch`` and to the multiset of its window fingerprints."""
     array = as_batch(batch)
@@ -153,7 +253,7 @@ def commit_batch(batch: Any, rolling_window: int) -> BatchCommitment:
         hash_bytes(Domain.BATCH, struct.pack("<QQ", r, cols), array[r].tobytes())
         for r in range(rows)
     ]
-    fingerprints = np.sort(window_fingerprints(array, rolling_window), axis=None)
+    fingerprints = sorted_fingerprints(array, rolling_window)
     windows = hash_bytes(Domain.WINDOW, struct.pack("<Q", rolling_window), fingerprints.tobytes())
     return BatchCommitment(merkle_root(row_hashes), int(rows), int(cols), windows)
 

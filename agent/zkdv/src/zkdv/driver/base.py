@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from zkdv import workers
+from zkdv.batch import _kernel as batch_kernel
 from zkdv.config import GradientBounds, ZKDVConfig
 from zkdv.core import ProgramInfo, State, ZKDVCore
 from zkdv.driver.control import HostControl
@@ -207,9 +208,10 @@ class Driver:
             # the training thread's mutation barrier) without waiting for the disk.
             background_writes=True,
         )
-        # The compiled probe pass (zkdv[jit]) is built or loaded now, before training,
-        # rather than by the commit stage beside the first steps.
+        # The compiled probe and batch passes (zkdv[jit]) are built or loaded now,
+        # before training, rather than by the commit stage beside the first steps.
         probes_kernel()
+        batch_kernel()
         self._started = True
 
     def bind_experiment(self, name: str, spec_digest: str) -> None:
