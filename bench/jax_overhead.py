@@ -31,6 +31,7 @@ buffers that the allocator had handed back to the kernel are faulted in again.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import tempfile
@@ -213,6 +214,7 @@ def run(name: str, workload: Any, args: argparse.Namespace, root: str) -> dict[s
             "cpu": [],
             "rss": PeakRSS(),
             "threads": CpuBreakdown(),
+            "checked": [],
             "i": 0,
         }
 
@@ -233,6 +235,9 @@ def run(name: str, workload: Any, args: argparse.Namespace, root: str) -> dict[s
             if v["proof"] is not None:
                 v["proof"].join()
             elapsed, used = time.perf_counter() - start, time.process_time() - cpu
+        if v["proof"] is not None:
+            # Checks recorded so far; the block's own are the difference (after join).
+            v["checked"].append(v["proof"].runtime.core.checks)
         return elapsed / steps, used / steps
 
     plain = variants["jax.jit"]["state"]
@@ -253,6 +258,7 @@ def run(name: str, workload: Any, args: argparse.Namespace, root: str) -> dict[s
     for label, v in variants.items():  # compile and warm up
         block(label, 2)
         v["threads"] = CpuBreakdown()
+        v["checked"][:-1] = []  # the count before the first timed block
     for _ in range(args.rounds):
         hash_once()
         for label in variants:
@@ -273,6 +279,17 @@ def run(name: str, workload: Any, args: argparse.Namespace, root: str) -> dict[s
         "rss_mib": {label: v["rss"].peak / 2**20 for label, v in variants.items()},
         "threads": {label: v["threads"] for label, v in variants.items()},
     }
+    # proof.jit's blocks that drew no sampled check, and jax.jit's of the same rounds:
+    # the goal is the step-time ratio when no check runs.
+    counts = variants["proof.jit"]["checked"]
+    unchecked = [i for i, (a, b) in enumerate(itertools.pairwise(counts)) if b == a]
+    if unchecked:
+        result["unchecked"] = (
+            len(unchecked),
+            args.rounds,
+            statistics.median(variants["proof.jit"]["times"][i] for i in unchecked) * 1e3,
+            statistics.median(variants["jax.jit"]["times"][i] for i in unchecked) * 1e3,
+        )
     ms = result["ms"]
     result["floor"] = floor_lines(
         flat,
@@ -311,6 +328,13 @@ def report(result: dict[str, Any]) -> None:
         f"cpu; DEBUGCheckEvery(1) ratio {ms['check-every-1'] / base:.3f} wall, "
         f"{cpu['check-every-1'] / base_cpu:.3f} cpu"
     )
+    if "unchecked" in result:
+        count, rounds, proof_ms, plain_ms = result["unchecked"]
+        print(
+            f"  the {count} of {rounds} rounds whose proof.jit block drew no check: proof.jit "
+            f"{proof_ms:.1f} ms/step, jax.jit {plain_ms:.1f}, step-time ratio "
+            f"{proof_ms / plain_ms:.3f}"
+        )
     # XLA runs the programs on its own threads: the calling thread only dispatches.
     threads = result["threads"]
     for label, breakdown in threads.items():

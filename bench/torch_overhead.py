@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import itertools
 import os
 import statistics
 import sys
@@ -419,10 +420,7 @@ def run(
         # Per round, whether the default policy's block ran a sampled check: the
         # issue's goal is the step-time ratio when no check runs.
         "checked_round": [
-            after > before
-            for before, after in zip(
-                variants["zkdv"]["checked"], variants["zkdv"]["checked"][1:], strict=False
-            )
+            after > before for before, after in itertools.pairwise(variants["zkdv"]["checked"])
         ],
         "threads": {label: v["threads"] for label, v in variants.items()},
         "load": os.getloadavg()[0],
