@@ -29,6 +29,18 @@ import pytest
 from django.conf import settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# XLA compiles the same JAX programs again and again across the suite (each test's
+# proof.jit, the platform's replay of the exported step, the forgery suite's runs): one
+# persistent compilation cache under .data/ serves them all, as TORCHINDUCTOR_CACHE_DIR
+# does for the Torch tests (tests/agent/zkdv/torch/conftest.py). Its key covers the
+# program, the compile options and XLA_FLAGS, so a run under another --xla_cpu_max_isa
+# never gets this one's machine code. Set here, before any test imports JAX; subprocesses
+# inherit it. tests/agent/zkdv/jax took 365 s with it (a cold cache) against 417 s, and
+# with the cache warm it and three more files took 223 s.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO_ROOT / ".data" / "jax-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))  # bytes, LRU beyond
 DEMO_TIMEOUT_SECONDS = 600
 #: The queues a test worker consumes: every queue the settings route tasks to.
 WORKER_QUEUES = ("ingest", "replay")
