@@ -25,17 +25,62 @@ added time per step as ``programs_ms``: the floor of the whole protocol is then 
 the check-free floor above, and ZKDV's host work is what the step adds beyond the
 programs.
 
+Every step record also carries exact probes of the post-update, delta and gradient rows
+(``zkdv.probes``), which no implementation of the protocol can skip either. Their floor
+of exactness (:func:`probe_floor_ms`, ``bench/probe_cost.py``'s compiled floor: the
+integer slices' dot products alone, split beforehand) is single-threaded work; spread
+over every core it adds ``probe_floor / cores`` to the protocol's floor, as the hash
+counts BLAKE3 over all threads.
+
 Measured in the same run as the benchmark, so the printed floor and the measured overhead
 see the same machine.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["floor_lines"]
+__all__ = ["floor_lines", "probe_floor_ms"]
+
+
+def probe_floor_ms(
+    leaves: Sequence[np.ndarray], probe_ratio: float, arrays: int = 3
+) -> float | None:
+    """The floor of exactness of one step's probes, in ms on one core.
+
+    ``leaves`` are the committed parameters; each step projects ``arrays`` sets of every
+    leaf's probed rows (post-update, delta and, with committed gradients, gradient).
+    None where the exact pass is not compiled (Numba missing): no compiled floor then.
+    """
+    from probe_cost import products_kernel  # bench/ is on sys.path
+
+    from zkdv.merkle import LeafSpec
+    from zkdv.probes import ProbeSet, exact_rows
+
+    dots = products_kernel()
+    if dots is None:
+        return None
+    specs = [LeafSpec.of(f"p{i}", np.asarray(leaf)) for i, leaf in enumerate(leaves)]
+    probes = ProbeSet.create(specs, probe_ratio, bytes(16))
+    work = []
+    for index, leaf in enumerate(leaves):
+        rows = probes.select(index, np.asarray(leaf))
+        if not rows.size:
+            continue
+        split = exact_rows(np.concatenate([rows] * arrays))[0]
+        matrix = np.ascontiguousarray(probes.matrices[index].astype(np.float64).T)
+        work.append((split, matrix, np.empty((len(split), matrix.shape[0]))))
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for split, matrix, out in work:
+            dots(split, matrix, out)
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
 
 
 def _copy_ms(flat: np.ndarray) -> float:
@@ -57,12 +102,16 @@ def floor_lines(
     interval: int = 12,
     gradient_bytes: int = 0,
     programs_ms: float | None = None,
+    probes_ms: float | None = None,
+    measured: str = "the median block rarely holds a check",
 ) -> list[str]:
     """Report lines comparing the measured added time with the floor (see module doc).
 
     ``flat`` is the committed state's bytes and ``hash_ms`` their raw hash; a run that
     commits gradients passes their size as ``gradient_bytes`` (at most the state's: the
-    gradient is the parameters' shape); ``programs_ms``: see the module doc.
+    gradient is the parameters' shape); ``programs_ms``: see the module doc;
+    ``probes_ms``: :func:`probe_floor_ms`, counted in the protocol's floor;
+    ``measured`` says which blocks ``added_ms`` comes from.
     """
     copy_ms = _copy_ms(flat)
     commit = hash_ms + copy_ms / interval
@@ -82,16 +131,25 @@ def floor_lines(
         f"= {replay_ms:.1f} ms/step: {floor:.1f} ms/step = {floor / hash_ms:.2f} x raw "
         f"blake3, step-time ratio {(plain_ms + floor) / plain_ms:.3f}",
         f"  measured added {added_ms:.1f} ms/step = {added_ms / commit:.2f} x the check-free "
-        "floor (the median block rarely holds a check)",
+        f"floor ({measured})",
     ]
     if programs_ms is not None:
-        whole = programs_ms + commit
+        cores = len(os.sched_getaffinity(0))
+        probes = 0.0 if probes_ms is None else probes_ms / cores
+        whole = programs_ms + commit + probes
         host = added_ms - programs_ms
+        if probes_ms is not None:
+            lines.append(
+                f"  the step's exact probes, floor of exactness: {probes_ms:.1f} ms on one "
+                f"core = {probes:.1f} ms/step over {cores} cores"
+            )
+        counted = " + the probes' floor" if probes_ms is not None else ""
         lines += [
             f"  the committed programs alone add {programs_ms:.1f} ms/step: the protocol's "
-            f"check-free floor here is {whole:.1f} ms/step, measured added = "
-            f"{added_ms / whole:.2f} x it;",
+            f"check-free floor here (with hashing and copies{counted}) is {whole:.1f} "
+            f"ms/step, measured added = {added_ms / whole:.2f} x it;",
             f"    ZKDV's host work (the step beyond its programs) {host:.1f} ms/step = "
-            f"{host / commit:.2f} x the check-free floor of hashing and copies",
+            f"{host / (commit + probes):.2f} x the check-free floor of hashing and "
+            f"copies{counted}",
         ]
     return lines

@@ -25,7 +25,10 @@ peak resident memory sampled during its blocks. Raw ``blake3`` is timed once per
 interleaved with the blocks, and compared in wall time (the target) and in CPU time.
 Per variant, the CPU time of ZKDV's own threads by stage and of the calling thread, and
 the minor page faults per step (``bench/_threads.py``): the programs' fresh output
-buffers that the allocator had handed back to the kernel are faulted in again.
+buffers that the allocator had handed back to the kernel are faulted in again. Last, the
+floors of ``bench/_floor.py``, measured in the same run: the check-free floor of hashing
+and copies, and the protocol's: that, plus what the committed programs add and the floor
+of exactness of the step's probes (post-update, delta and gradient rows).
 """
 
 from __future__ import annotations
@@ -45,12 +48,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _floor import floor_lines  # bench/ is on sys.path when this script runs
+from _floor import floor_lines, probe_floor_ms  # bench/ is on sys.path when this script runs
 from _threads import CpuBreakdown
 from flax import linen as nn
 
 import zkdv
 from zkdv.jax.contrib import TrainState
+
+PROBE_RATIO = 0.01  # proof.start's default
 
 
 class Block(nn.Module):
@@ -198,7 +203,7 @@ def run(name: str, workload: Any, args: argparse.Namespace, root: str) -> dict[s
                 zkdv.ZKDVConfig(sampling_policy=policy),
                 replay_snapshot_interval=12,
             )
-            proof.start(rolling_window=4, probe_ratio=0.01)
+            proof.start(rolling_window=4, probe_ratio=PROBE_RATIO)
             step = proof.jit(body, donate_argnums=(0,))
             if label == "programs only":
                 step = ProgramsOnly(proof, step)
@@ -290,7 +295,12 @@ def run(name: str, workload: Any, args: argparse.Namespace, root: str) -> dict[s
             statistics.median(variants["proof.jit"]["times"][i] for i in unchecked) * 1e3,
             statistics.median(variants["jax.jit"]["times"][i] for i in unchecked) * 1e3,
         )
-    ms = result["ms"]
+    # The check-free floor against the rounds that drew no check, where there are any.
+    rounds = unchecked or list(range(len(counts) - 1))
+    ms = {
+        label: statistics.median(variants[label]["times"][i] for i in rounds) * 1e3
+        for label in ("jax.jit", "programs only", "proof.jit")
+    }
     result["floor"] = floor_lines(
         flat,
         plain_ms=ms["jax.jit"],
@@ -299,6 +309,15 @@ def run(name: str, workload: Any, args: argparse.Namespace, root: str) -> dict[s
         # The step calls TrainState.apply_gradients: the run commits its gradient.
         gradient_bytes=sum(x.nbytes for x in jax.tree.leaves(params)),
         programs_ms=ms["programs only"] - ms["jax.jit"],
+        # Post-update, delta and gradient rows of every parameter, each step.
+        probes_ms=probe_floor_ms(
+            [np.asarray(x) for x in jax.tree.leaves(params)], PROBE_RATIO, arrays=3
+        ),
+        measured=(
+            f"the medians of the {len(unchecked)} of {args.rounds} rounds that drew no check"
+            if unchecked
+            else "every round drew a check"
+        ),
     )
     return result
 

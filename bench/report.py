@@ -78,7 +78,7 @@ BENCHES: tuple[Bench, ...] = (
         "`jax.jit` against `proof.jit` on an LM and a state-heavy MLP, and the committed "
         "programs alone (no commitment) between them",
         "the same floor as Torch's, for the JAX state; with the committed programs' own "
-        "added time, the protocol's floor",
+        "added time and the step's exact probes' floor of exactness, the protocol's floor",
     ),
     Bench(
         "hf_trainer_overhead",
