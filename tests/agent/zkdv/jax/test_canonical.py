@@ -376,6 +376,27 @@ def test_float32_results_are_float64_math_rounded_once(name, function, reference
     np.testing.assert_allclose(got, expected, rtol=1.2e-7, atol=0)
 
 
+def test_a_division_by_a_runtime_scalar_is_the_correctly_rounded_quotient():
+    """Optax's bias correction divides by a runtime scalar, which XLA's simplifier turns
+    into a multiplication by its reciprocal: not the IEEE quotient, in the format it is
+    done in. Float32 is divided in float64, where that still rounds alike; float64's
+    divisor is kept from being a broadcast."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(1 << 16) * np.exp(rng.uniform(-30.0, 30.0, 1 << 16))
+    divisors = 1.0 - 0.999 ** np.arange(1.0, 9.0)
+    divide = _canonical_jit(lambda a, b: a / b)
+    narrow = x.astype(np.float32)
+    for c in divisors.astype(np.float32):
+        got = np.asarray(divide(ZERO, narrow, c))
+        expected = (narrow.astype(np.float64) / np.float64(c)).astype(np.float32)
+        np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
+    with jax.enable_x64(True):
+        for c in divisors:
+            got = np.asarray(divide(ZERO, x, c))
+            assert got.dtype == np.float64
+            np.testing.assert_array_equal(got.view(np.uint64), (x / c).view(np.uint64))
+
+
 TINY = 10.0 ** -np.arange(300)
 
 

@@ -145,6 +145,16 @@ class _Arithmetic:
         tiny = lax.le(magnitude, lax.full(x.shape, fmt.min_normal, fmt.bits))
         return lax.bitcast_convert_type(lax.select(tiny, flushed, bits), x.dtype)
 
+    def tied(self, x: Any, other: Any) -> Any:
+        """``x`` broadcast against ``other`` (of its dtype), bit for bit, computed from
+        every element of ``other``: no longer a broadcast that XLA can simplify."""
+        fmt = _format(x.dtype)
+        shape = np.broadcast_shapes(np.shape(x), np.shape(other))
+        bits = lax.bitcast_convert_type(jnp.broadcast_to(x, shape), fmt.bits)
+        theirs = lax.bitcast_convert_type(jnp.broadcast_to(other, shape), fmt.bits)
+        nothing = lax.bitwise_and(theirs, lax.broadcast(self.zeros[fmt.bits], shape))
+        return lax.bitcast_convert_type(lax.bitwise_or(bits, nothing), x.dtype)
+
     @staticmethod
     def seal(x: Any) -> Any:
         """``x`` with every NaN made the canonical one, where its bits become visible.

@@ -130,6 +130,24 @@ def _arithmetic(native_f32: bool) -> _Rule:
     return rule
 
 
+def _divide(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
+    """``div``: float32 and narrower in float64 (:func:`_ieee`), float64 natively.
+
+    XLA's simplifier turns a division by a broadcast runtime scalar (Optax's bias
+    correction ``m / (1 - b**t)``) into a multiplication by its reciprocal. For
+    operands of float32 or narrower, divided in float64, that is harmless: an inexact
+    float32 quotient lies at least ``2**-49`` (relative) from every float32 rounding
+    midpoint, and the float64 product within ``2**-52`` of it, so both round alike. A
+    float64 quotient is not correctly rounded that way (about a quarter of them differ
+    on XLA:CPU), so a float64 divisor is tied to the dividend: its bits OR-ed with the
+    dividend's bits AND-ed with the runtime zero, which no simplifier can see through.
+    """
+    a, b = args
+    if np.dtype(a.dtype) == _F64 and np.dtype(b.dtype) == _F64:
+        b = ev.tied(b, a)
+    return [_ieee(ev, functools.partial(eqn.primitive.bind, **eqn.params), (a, b), False)]
+
+
 def _cumulative(combine: Callable[[_Evaluator, Any, Any], Any]) -> _Rule:
     """``cumsum`` and friends, one element after the other along the axis."""
 
@@ -269,7 +287,7 @@ _RULES: dict[str, _Rule] = {
     "add_any": _arithmetic(native_f32=True),
     "sub": _arithmetic(native_f32=True),
     "mul": _arithmetic(native_f32=True),
-    "div": _arithmetic(native_f32=False),
+    "div": _divide,
     "sqrt": _arithmetic(native_f32=False),
     "rsqrt": _float64_formula(_rsqrt),
     "integer_pow": _integer_pow,

@@ -43,12 +43,15 @@ the smallest normal. Operations that only move, select or negate values need no 
 NaN's payload and sign depend on the hardware, but a NaN operand always gives a NaN
 and compares the same, so the payload is fixed only where it becomes visible.
 
-*Exactly rounded operations.* ``add``, ``sub`` and ``mul`` of float32 and float64 are
-IEEE-754 operations (round to nearest even). ``div`` and ``sqrt`` of float32, and every
-arithmetic operation of float16 and bfloat16, are computed in float64 and rounded once to
-the result type: float64 has more than twice the precision plus two bits, so the result
-is the correctly rounded one (XLA's float32 division and square root on GPUs need not
-be). ``rsqrt(x)`` is ``1 / sqrt(x)`` evaluated in float64 and rounded once.
+*Exactly rounded operations.* ``add``, ``sub`` and ``mul`` of float32 and float64, and
+``div`` and ``sqrt`` of float64, are IEEE-754 operations (round to nearest even). ``div``
+and ``sqrt`` of float32, and every arithmetic operation of float16 and bfloat16, are
+computed in float64 and rounded once to the result type: float64 has more than twice the
+precision plus two bits, so the result is the correctly rounded one (XLA's float32
+division and square root on GPUs need not be). XLA's simplifier turns a division by a
+broadcast scalar into a multiplication by its reciprocal; in float64 for narrower
+operands that still rounds to the same quotient, and a float64 divisor is kept from
+being a broadcast. ``rsqrt(x)`` is ``1 / sqrt(x)`` evaluated in float64 and rounded once.
 
 *Exact operations*, evaluated as XLA does: ``neg``, ``abs``, ``sign``, ``floor``,
 ``ceil``, ``round``, ``copy``, comparisons, ``select_n``, ``is_finite``, ``nextafter``,
