@@ -130,6 +130,9 @@ def _arithmetic(native_f32: bool) -> _Rule:
     return rule
 
 
+_wide_division = _arithmetic(native_f32=False)
+
+
 def _divide(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
     """``div``: float32 and narrower in float64 (:func:`_ieee`), float64 natively.
 
@@ -145,7 +148,7 @@ def _divide(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
     a, b = args
     if np.dtype(a.dtype) == _F64 and np.dtype(b.dtype) == _F64:
         b = ev.tied(b, a)
-    return [_ieee(ev, functools.partial(eqn.primitive.bind, **eqn.params), (a, b), False)]
+    return _wide_division(ev, eqn, [a, b])
 
 
 def _cumulative(combine: Callable[[_Evaluator, Any, Any], Any]) -> _Rule:
