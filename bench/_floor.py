@@ -27,8 +27,8 @@ programs.
 
 Every step record also carries exact probes of the post-update, delta and gradient rows
 (``zkdv.probes``), which no implementation of the protocol can skip either. Their floor
-of exactness (:func:`probe_floor_ms`, ``bench/probe_cost.py``'s compiled floor: the
-integer slices' dot products alone, split beforehand) is single-threaded work; spread
+of exactness (:func:`probe_floor_ms`, ``bench/probe_cost.py``'s: the integer slices' products
+alone, split beforehand, the faster of a BLAS and the compiled pass's dot products) is single-threaded work; spread
 over every core it adds ``probe_floor / cores`` to the protocol's floor, as the hash
 counts BLAKE3 over all threads.
 
@@ -47,40 +47,28 @@ import numpy as np
 __all__ = ["floor_lines", "probe_floor_ms"]
 
 
-def probe_floor_ms(
-    leaves: Sequence[np.ndarray], probe_ratio: float, arrays: int = 3
-) -> float | None:
-    """The floor of exactness of one step's probes, in ms on one core.
+def probe_floor_ms(leaves: Sequence[np.ndarray], probe_ratio: float, arrays: int = 3) -> float:
+    """The floor of exactness of one step's probes, in ms on one core: the faster of
+    the BLAS products and the compiled pass's dot products (``bench/probe_cost.py``).
 
     ``leaves`` are the committed parameters; each step projects ``arrays`` sets of every
     leaf's probed rows (post-update, delta and, with committed gradients, gradient).
-    None where the exact pass is not compiled (Numba missing): no compiled floor then.
     """
-    from probe_cost import products_kernel  # bench/ is on sys.path
+    from probe_cost import best, blas_floor, compiled_floor  # bench/ is on sys.path
 
     from zkdv.merkle import LeafSpec
     from zkdv.probes import ProbeSet, exact_rows
 
-    dots = products_kernel()
-    if dots is None:
-        return None
-    specs = [LeafSpec.of(f"p{i}", np.asarray(leaf)) for i, leaf in enumerate(leaves)]
+    values = [np.asarray(leaf) for leaf in leaves]
+    specs = [LeafSpec.of(f"p{i}", leaf) for i, leaf in enumerate(values)]
     probes = ProbeSet.create(specs, probe_ratio, bytes(16))
-    work = []
-    for index, leaf in enumerate(leaves):
-        rows = probes.select(index, np.asarray(leaf))
-        if not rows.size:
-            continue
-        split = exact_rows(np.concatenate([rows] * arrays))[0]
-        matrix = np.ascontiguousarray(probes.matrices[index].astype(np.float64).T)
-        work.append((split, matrix, np.empty((len(split), matrix.shape[0]))))
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        for split, matrix, out in work:
-            dots(split, matrix, out)
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+    rows = [probes.select(index, leaf) for index, leaf in enumerate(values)]
+    kept = [index for index, selected in enumerate(rows) if selected.size]
+    split = [exact_rows(np.concatenate([rows[index]] * arrays))[0] for index in kept]
+    matrices = [probes.matrices[index] for index in kept]
+    # The faster of the two, as bench/probe_cost.py's floor.
+    runs = [blas_floor(split, matrices), compiled_floor(split, matrices)]
+    return min(best(run, repeat=5, steps=1) for run in runs if run is not None)
 
 
 def _copy_ms(flat: np.ndarray) -> float:

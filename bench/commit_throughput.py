@@ -81,6 +81,9 @@ def main() -> None:
 
 
 def _batches() -> None:
+    if batch_module._kernel() is None:
+        print("commit_batch: no compiled pass (Numba missing or refused); numpy only")
+        return
     rng = np.random.default_rng(1)
     for name, shape in (("MLP batch", (64, 1536)), ("LM batch", (16, 513))):
         words = rng.integers(0, 2**32, shape, dtype=np.uint32)
@@ -91,9 +94,6 @@ def _batches() -> None:
                 call = functools.partial(batch_module.commit_batch, words, 4)
                 times[path].append(_best(call, 1))
         os.environ.pop(batch_module.JIT_ENV)
-        if batch_module._kernel() is None:
-            print(f"{name}: no compiled pass (Numba missing or refused); numpy only")
-            continue
         ms = {path: statistics.median(values) * 1e3 for path, values in times.items()}
         print(
             f"commit_batch, {name} {shape[0]} x {shape[1]} words, window 4: compiled "

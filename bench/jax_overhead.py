@@ -288,19 +288,14 @@ def run(name: str, workload: Any, args: argparse.Namespace, root: str) -> dict[s
     # the goal is the step-time ratio when no check runs.
     counts = variants["proof.jit"]["checked"]
     unchecked = [i for i, (a, b) in enumerate(itertools.pairwise(counts)) if b == a]
-    if unchecked:
-        result["unchecked"] = (
-            len(unchecked),
-            args.rounds,
-            statistics.median(variants["proof.jit"]["times"][i] for i in unchecked) * 1e3,
-            statistics.median(variants["jax.jit"]["times"][i] for i in unchecked) * 1e3,
-        )
     # The check-free floor against the rounds that drew no check, where there are any.
     rounds = unchecked or list(range(len(counts) - 1))
     ms = {
         label: statistics.median(variants[label]["times"][i] for i in rounds) * 1e3
         for label in ("jax.jit", "programs only", "proof.jit")
     }
+    if unchecked:
+        result["unchecked"] = (len(unchecked), args.rounds, ms["proof.jit"], ms["jax.jit"])
     result["floor"] = floor_lines(
         flat,
         plain_ms=ms["jax.jit"],

@@ -39,7 +39,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -86,6 +86,47 @@ def products_kernel() -> Callable[..., object] | None:
         helpers={"_dot_pair": EXACT_SUM_FASTMATH},
     )
     return kernel
+
+
+def blas_floor(split: Sequence[np.ndarray], matrices: Sequence[np.ndarray]) -> Callable[[], None]:
+    """The BLAS floor of exactness as a call: the float64 products of each leaf's
+    ``split`` rows (:func:`zkdv.probes.exact_rows`) and its probe matrix, in
+    single-threaded row blocks as the numpy path runs them (``_gemm``)."""
+    work = [
+        (rows, matrix.astype(np.float64), np.empty((len(rows), matrix.shape[1])))
+        for rows, matrix in zip(split, matrices, strict=True)
+    ]
+
+    def run() -> None:
+        for rows, wide, out in work:
+            _gemm(rows, wide, out)
+
+    return run
+
+
+def compiled_floor(
+    split: Sequence[np.ndarray], matrices: Sequence[np.ndarray]
+) -> Callable[[], None] | None:
+    """The compiled floor of exactness as a call: the exact pass's dot products alone
+    over each leaf's ``split`` rows (:func:`zkdv.probes.exact_rows`) and its probe
+    matrix; None where the exact pass is not compiled."""
+    dots = products_kernel()
+    if dots is None:
+        return None
+    work = [
+        (
+            rows,
+            np.ascontiguousarray(matrix.astype(np.float64).T),
+            np.empty((len(rows), matrix.shape[1])),
+        )
+        for rows, matrix in zip(split, matrices, strict=True)
+    ]
+
+    def run() -> None:
+        for rows, transposed, out in work:
+            dots(rows, transposed, out)
+
+    return run
 
 
 def _linear(fan_in: int, fan_out: int) -> list[tuple[int, ...]]:
@@ -151,22 +192,8 @@ def measure(
         exact_rows(np.concatenate([post, post - pre]))[0]
         for pre, post in zip(before, after, strict=True)
     ]
-    wide = [m.astype(np.float64) for m in probes.matrices]
-
-    products = [np.empty((len(a), m.shape[1])) for a, m in zip(split, wide, strict=True)]
-
-    def floor_blas() -> None:
-        # In single-threaded row blocks, as the numpy path runs its products (_gemm).
-        for slices, matrix, out in zip(split, wide, products, strict=True):
-            _gemm(slices, matrix, out)
-
-    transposed = [np.ascontiguousarray(m.T) for m in wide]
-    dots = products_kernel()
-
-    def floor_compiled() -> None:
-        assert dots is not None
-        for slices, matrix, out in zip(split, transposed, products, strict=True):
-            dots(slices, matrix, out)
+    floor_blas = blas_floor(split, probes.matrices)
+    floor_compiled = compiled_floor(split, probes.matrices)
 
     def numpy_path(run: Callable[[], object]) -> Callable[[], object]:
         def wrapped() -> object:
@@ -187,7 +214,7 @@ def measure(
     if compiled:
         runs["exact, per step, compiled"] = per_step
     runs["floor of exactness, BLAS"] = floor_blas
-    if dots is not None:
+    if floor_compiled is not None:
         runs["floor of exactness, compiled"] = floor_compiled
     # Interleaved rounds, the best of each: machine noise hits every variant alike.
     times: dict[str, float] = dict.fromkeys(runs, float("inf"))
