@@ -23,7 +23,7 @@ and of a two-layer toy, the time per training step of
   Two ways, and the floor is the faster: **BLAS**, in single-threaded row blocks as the
   numpy path runs them (``zkdv.probes._gemm``: waking every BLAS thread for a probe
   costs more than it saves while training owns the cores), and **compiled**, the
-  compiled pass's own dot products (``zkdv.probes._dot_pair``) over the split rows.
+  compiled pass's own dot products (``zkdv.probes._dots_4x4``) over the split rows.
 
 Each variant's best block over ``--rounds`` interleaved rounds, with its ratio to the
 float32 product and to the floor; the goal is the exact path within 1.5x of its floor.
@@ -45,14 +45,16 @@ import numpy as np
 
 from zkdv.merkle import LeafSpec
 from zkdv.probes import (
-    EXACT_SUM_FASTMATH,
     JIT_ENV,
+    PASS_HELPERS,
     ProbeSet,
-    _dot_pair,
+    _dots_4x2,
+    _dots_4x4,
     _gemm,
     _kernel,
     exact_rows,
     jit,
+    padded_columns,
 )
 
 PROBE_RATIO = 0.01  # ZKDVConfig's default
@@ -60,30 +62,53 @@ _products_state: dict[str, object] = {}
 
 
 def _products_pass(
-    split: np.ndarray, matrix: np.ndarray, out: np.ndarray
+    slices: np.ndarray, matrix: np.ndarray, out: np.ndarray
 ) -> None:  # pragma: no cover - compiled by Numba
-    """``out = split @ matrix.T`` by the exact pass's dot products: ``split`` holds the
-    ``(rows, d)`` high slices then the low ones, ``matrix`` is ``(k, d)``."""
-    rows = split.shape[0] // 2
-    for r in range(rows):
-        for j in range(matrix.shape[0]):
-            first, second = _dot_pair(split[r], split[rows + r], matrix[j])
-            out[r, j] = first
-            out[rows + r, j] = second
+    """The exact pass's dot products alone: ``slices`` holds each pair of rows' four
+    slices (high, low, high, low: :func:`interleaved`), ``matrix`` is ``(padded k, d)``
+    (``zkdv.probes.padded_columns``); ``out[4 * p + s, c]`` is slice ``s`` of pair ``p``
+    times column ``c``."""
+    k = out.shape[1]
+    columns = matrix.shape[0]
+    sums = np.empty(16)
+    for pair in range(slices.shape[0] // 4):
+        source = slices[4 * pair : 4 * pair + 4]
+        j = 0
+        while j < k:
+            if j + 4 <= columns:
+                _dots_4x4(source, 0, 0, False, (1.0, 1.0, 1.0), matrix, j, sums)
+                block = 4
+            else:
+                _dots_4x2(source, 0, 0, False, (1.0, 1.0, 1.0), matrix, j, sums)
+                block = 2
+            for s in range(4):
+                for c in range(min(block, k - j)):
+                    out[4 * pair + s, j + c] = sums[4 * s + c]
+            j += block
+
+
+def interleaved(split: np.ndarray) -> np.ndarray:
+    """:func:`zkdv.probes.exact_rows`' slices (every row's high slice, then every low
+    one) as the pass holds them: per pair of rows, high, low, high, low (a last row alone
+    is taken twice, as the pass does)."""
+    rows = len(split) // 2
+    order = []
+    for r in range(0, rows, 2):
+        other = min(r + 1, rows - 1)
+        order += [r, rows + r, other, rows + other]
+    return np.ascontiguousarray(split[order])
 
 
 def _try_products(kernel: Callable[..., object]) -> None:
-    kernel(np.ones((2, 2)), np.ones((1, 2)), np.empty((2, 1)))
+    kernel(np.ones((4, 2)), np.ones((padded_columns(1), 2)), np.empty((4, 1)))
 
 
 def products_kernel() -> Callable[..., object] | None:
     """The compiled products alone, or None where the exact pass is not compiled."""
+    helpers = {name: PASS_HELPERS[name] for name in ("_slices", "_dots_4x4", "_dots_4x2")}
+    # Not cached: Numba would not see a change to the helpers, defined in zkdv.probes.
     kernel: Callable[..., object] | None = jit(
-        _products_state,
-        JIT_ENV,
-        _products_pass,
-        _try_products,
-        helpers={"_dot_pair": EXACT_SUM_FASTMATH},
+        _products_state, JIT_ENV, _products_pass, _try_products, helpers=helpers, cache=False
     )
     return kernel
 
@@ -112,19 +137,20 @@ def compiled_floor(
     matrix; None where the exact pass is not compiled."""
     dots = products_kernel()
     if dots is None:
+        if _kernel() is not None:
+            raise RuntimeError("the exact pass is compiled but its dot products alone are not")
         return None
-    work = [
-        (
-            rows,
-            np.ascontiguousarray(matrix.astype(np.float64).T),
-            np.empty((len(rows), matrix.shape[1])),
-        )
-        for rows, matrix in zip(split, matrices, strict=True)
-    ]
+    work = []
+    for rows, matrix in zip(split, matrices, strict=True):
+        d, k = matrix.shape
+        padded = np.zeros((padded_columns(k), d))
+        padded[:k] = matrix.T
+        slices = interleaved(rows)
+        work.append((slices, padded, np.empty((len(slices), k))))
 
     def run() -> None:
-        for rows, transposed, out in work:
-            dots(rows, transposed, out)
+        for slices, padded, out in work:
+            dots(slices, padded, out)
 
     return run
 

@@ -268,15 +268,29 @@ def _exact_probe(row: np.ndarray, matrix: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize(
     ("d", "ratio"),
-    [(1, 1.0), (7, 0.5), (64, 0.1), (128, 0.01), (300, 0.02), (513, 0.01), (1500, 0.01)],
+    # k = 1 to 7 and 15 probe columns: every block the compiled pass takes, split as it
+    # multiplies (up to zkdv.probes._SPLIT_ONCE padded columns) and split once.
+    [
+        (1, 1.0),
+        (128, 0.01),
+        (250, 0.012),
+        (7, 0.5),
+        (5, 1.0),
+        (300, 0.02),
+        (513, 0.01),
+        (700, 0.01),
+        (1500, 0.01),
+    ],
 )
 def test_probes_have_the_bits_of_exact_rational_arithmetic(path: str, d: int, ratio: float) -> None:
     rng = np.random.default_rng(d)
-    probes = ProbeSet.create([LeafSpec("w", "float32", (6, d))], ratio, bytes(16))
-    values = _wide_rows(rng, 6, d)
+    # Nine rows: the compiled pass takes rows two at a time, so the last is alone.
+    probes = ProbeSet.create([LeafSpec("w", "float32", (9, d))], ratio, bytes(16))
+    values = _wide_rows(rng, 9, d)
     values[3] = (rng.standard_normal(d) * 2.0**-120).astype(np.float32)  # a small row
     values[3, 0] = np.float32(1e-40)  # with a subnormal that the flush removes
-    values[4, -1] = np.inf
+    values[4, -1] = np.inf  # a bad row first in its pair, and one second in its pair
+    values[7, 0] = np.nan
     got = probes.project_rows(0, values)
     for row, probe in zip(values, got, strict=True):
         want = _exact_probe(row, probes.matrices[0])
@@ -290,13 +304,33 @@ def test_only_the_dot_products_may_reorder_their_sums(monkeypatch: pytest.Monkey
     monkeypatch.setenv(probes_module.JIT_ENV, "1")
     kernel = probes_module._kernel()
     assert kernel is not None
-    helper = kernel.py_func.__globals__["_dot_pair"]
-    assert set(helper.targetoptions["fastmath"]) == {"reassoc", "contract"}
     assert not kernel.targetoptions.get("fastmath")
-    # The module keeps the Python function; only the kernel's globals see the compiled one.
-    assert probes_module._dot_pair is not helper
-    high, low, column = np.arange(5.0), -np.arange(5.0), np.full(5, 2.0)
-    assert probes_module._dot_pair(high, low, column) == helper(high, low, column) == (20, -20)
+    for name, flags in probes_module.PASS_HELPERS.items():
+        helper = kernel.py_func.__globals__[name]
+        assert set(helper.targetoptions.get("fastmath") or ()) == set(flags), name
+        # The module keeps the Python function; only the kernel's globals see the
+        # compiled one, and the helpers see each other compiled.
+        assert getattr(probes_module, name) is not helper
+        assert helper.py_func.__globals__ is kernel.py_func.__globals__
+    relaxed = {name: flags for name, flags in probes_module.PASS_HELPERS.items() if flags}
+    assert relaxed == dict.fromkeys(("_dots_4x4", "_dots_4x2"), probes_module.EXACT_SUM_FASTMATH)
+    assert {"reassoc", "contract"} == probes_module.EXACT_SUM_FASTMATH
+    # A relaxed helper computes what its Python function does, from slices and splitting.
+    dots = kernel.py_func.__globals__["_dots_4x2"]
+    slices = np.arange(20.0).reshape(4, 5) - 7
+    q = np.stack([np.full(5, 2.0), np.arange(5.0)])
+    compiled, python = np.zeros(16), np.zeros(16)
+    dots(slices, 0, 0, False, (1.0, 1.0, 1.0), q, 0, compiled)
+    probes_module._dots_4x2(slices, 0, 0, False, (1.0, 1.0, 1.0), q, 0, python)
+    assert np.array_equal(compiled, python)
+    assert compiled[0] == slices[0].sum() * 2 and compiled[13] == slices[3] @ q[1]
+    rows = np.array([[1.5, -2.25, 0.5, 3.0, 1e-40], [0.0, 1.0, -1.0, 2.5, 0.75]], np.float32)
+    dots(rows, 0, 1, True, (2.0**20, 2.0**20, 2.0**20), q, 0, compiled)
+    # Rows of few bits: the high slices hold them whole (the subnormal flushed), the low
+    # slices are zero.
+    high = np.where(np.abs(rows) < 2.0**-126, 0.0, rows.astype(np.float64)) * 2.0**20
+    assert compiled[[0, 1, 8, 9]].tolist() == (high @ q.T).ravel().tolist()
+    assert compiled[[4, 5, 12, 13]].tolist() == [0.0] * 4
 
 
 def test_without_numba_probes_take_the_numpy_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -212,44 +212,52 @@ def _project_groups(values: np.ndarray, parts: Sequence[Part]) -> np.ndarray:
 
 
 # --- One compiled pass per width class (Numba) ---------------------------------------------
-# The same arithmetic as exact_rows, the products and exact_finish, row by row in one
-# compiled loop: every slice is the same integer, every product sum is exact in any order
-# (the module docstring), and the finish is the same two float64 operations and rounding,
-# so the bits are those of the numpy path (tests/agent/zkdv/test_probes.py compares both with
-# exact rational arithmetic). It releases the interpreter lock while it runs, so the
-# training thread keeps running Python beside the commit stage.
+# The same arithmetic as exact_rows, the products and exact_finish, two rows at a time in
+# one compiled loop: every slice is the same integer, every product sum is exact in any
+# order (the module docstring), and the finish is the same two float64 operations and
+# rounding, so the bits are those of the numpy path (tests/agent/zkdv/test_probes.py
+# compares both with exact rational arithmetic). It releases the interpreter lock while it
+# runs, so the training thread keeps running Python beside the commit stage.
 #
 # The products are not a BLAS call: a probe has few columns (k = 1% of d), and a GEMM of
 # a (2 * rows, d) block by a (d, k) matrix spends more time writing the slices to memory
-# and reading them back than multiplying. Each row is split into two rows of d floats
-# that stay in L1, and each probe column is two dot products over them (_dot_pair),
-# vectorised: reassociating an exact sum cannot change it. Measured against the float64
-# products alone by bench/probe_cost.py.
+# and reading them back than multiplying. The pass takes two rows at a time, four slices,
+# and the probe columns four or two at a time (_dots_4x4, _dots_4x2): sixteen or eight
+# sums that each load of a slice or a column feeds several times, as a BLAS micro-kernel
+# keeps a block of its result in registers. (One column's two dot products at a time,
+# the pass until 2026-12-05, loaded three values for two products and ran at the speed of
+# the cache, not of the multipliers.) With few columns the slices are never stored: the
+# dot products split the rows as they go. Vectorised: reassociating an exact sum cannot
+# change it. Measured against the float64 products alone by bench/probe_cost.py.
 
 #: Set to ``0`` to project with numpy even where Numba is installed.
 JIT_ENV = "ZKDV_PROBES_JIT"
 _kernel_state: dict[str, Any] = {}
 
-#: What _dot_pair may reorder: its sums are exact in any order and its products exact, so
-#: summing in vector lanes (``reassoc``) and fused multiply-adds (``contract``) keep the
-#: bits; nothing else is relaxed (no reciprocal, no assumption about NaN or zeros).
+#: What the dot products may reorder: their sums are exact in any order and their products
+#: exact, so summing in vector lanes (``reassoc``) and fused multiply-adds (``contract``)
+#: keep the bits; nothing else is relaxed (no reciprocal, no assumption about NaN or zeros).
 EXACT_SUM_FASTMATH = frozenset({"reassoc", "contract"})
+
+#: The pass's helpers and the ``fastmath`` flags each is compiled with: only the dot
+#: products are relaxed; the split and the finish, whose roundings matter, are strict.
+PASS_HELPERS: Mapping[str, frozenset[str]] = {
+    "_scale": frozenset(),
+    "_slices": frozenset(),
+    "_split_row": frozenset(),
+    "_dots_4x4": EXACT_SUM_FASTMATH,
+    "_dots_4x2": EXACT_SUM_FASTMATH,
+}
 
 
 def _kernel() -> Any:
     """The compiled pass, or None without Numba (or with ``ZKDV_PROBES_JIT=0``)."""
-    return jit(
-        _kernel_state,
-        JIT_ENV,
-        _project_pass,
-        _try_pass,
-        helpers={"_dot_pair": EXACT_SUM_FASTMATH},
-    )
+    return jit(_kernel_state, JIT_ENV, _project_pass, _try_pass, helpers=PASS_HELPERS)
 
 
 def _try_pass(kernel: Any) -> None:
     out = np.empty((1, 1), dtype=np.float32)
-    matrix = np.ones((1, 1, 2), dtype=np.float64)
+    matrix = np.ones((1, padded_columns(1), 2), dtype=np.float64)
     kernel(np.ones((1, 2), np.float32), matrix, np.array([[0, 0, 1]]), 26, out)
 
 
@@ -262,6 +270,7 @@ def jit(
     function: Any,
     trial: Callable[[Any], None],
     helpers: Mapping[str, frozenset[str]] | None = None,
+    cache: bool = True,
 ) -> Any:
     """``function`` compiled by Numba (``nogil``) on first use and kept in ``state``, or
     None: with ``env`` set to ``0``, without Numba, or when it cannot build or run it on
@@ -273,37 +282,49 @@ def jit(
 
     ``helpers`` names module-level functions ``function`` calls, each compiled with its
     own ``fastmath`` flags (Numba applies them to a whole function): the flags stay on
-    the few lines whose arithmetic they cannot change."""
+    the few lines whose arithmetic they cannot change. Numba's cache of a function is
+    renewed when its own file changes, not when a helper's does: a ``function`` defined
+    in another module than its helpers is built with ``cache=False``."""
     if os.environ.get(env, "1") == "0":
         return None
     with _jit_lock:
         if "kernel" not in state:
-            state["kernel"] = _build(function, trial, helpers or {})
+            state["kernel"] = _build(function, trial, helpers or {}, cache)
     return state["kernel"]
 
 
 def _build(
-    function: Any, trial: Callable[[Any], None], helpers: Mapping[str, frozenset[str]]
+    function: Any,
+    trial: Callable[[Any], None],
+    helpers: Mapping[str, frozenset[str]],
+    cache: bool,
 ) -> Any:
     try:
         numba = importlib.import_module("numba")
 
         def njit(py: Any, **options: Any) -> Any:
             try:
-                return numba.njit(nogil=True, cache=True, error_model="numpy", **options)(py)
+                return numba.njit(nogil=True, cache=cache, error_model="numpy", **options)(py)
             except RuntimeError:  # no writable cache location: compile in every process
                 return numba.njit(nogil=True, cache=False, error_model="numpy", **options)(py)
 
         if helpers:
-            # The function sees its helpers compiled: a copy of it over globals in which
-            # their names are bound to the compiled helpers (the module keeps the
-            # Python ones).
+            # The function and its helpers see the helpers compiled: copies of them over
+            # globals in which their names are bound to the compiled helpers (the modules
+            # keep the Python ones), with the names of the helpers' own modules too.
+            # Numba compiles on first call, once all are bound.
             names = dict(function.__globals__)
+            for name in helpers:
+                if name in function.__globals__:
+                    for key, value in function.__globals__[name].__globals__.items():
+                        names.setdefault(key, value)
+
+            def over_names(py: Any) -> Any:
+                return types.FunctionType(py.__code__, names, py.__name__, py.__defaults__)
+
             for name, fastmath in helpers.items():
-                names[name] = njit(names[name], fastmath=set(fastmath))
-            function = types.FunctionType(
-                function.__code__, names, function.__name__, function.__defaults__
-            )
+                names[name] = njit(over_names(names[name]), fastmath=set(fastmath))
+            function = over_names(function)
         kernel = njit(function)
         trial(kernel)
     except Exception:  # noqa: BLE001 - any failure to build means: the uncompiled path
@@ -311,15 +332,123 @@ def _build(
     return kernel
 
 
-def _dot_pair(high: np.ndarray, low: np.ndarray, column: np.ndarray) -> tuple[float, float]:
-    """``(high @ column, low @ column)``: two exact sums of exact products (compiled
-    with :data:`EXACT_SUM_FASTMATH`)."""
-    a = 0.0
-    b = 0.0
-    for i in range(len(column)):
-        a += high[i] * column[i]
-        b += low[i] * column[i]
-    return a, b
+def _scale(values: np.ndarray, width: int) -> float:  # pragma: no cover - compiled by Numba
+    """exact_rows' scale of one float32 row, ``2**(w - e)`` for its peak ``|v| < 2**e``,
+    or 0.0 for a row holding an infinity or NaN (its probe is NaN)."""
+    # The peak magnitude from the bits: for float32, the order of the magnitudes is that
+    # of the bits without the sign (an integer maximum, which vectorises); at or above an
+    # infinity's it holds an inf or NaN.
+    words = values.view(np.uint32)
+    peak_bits = np.uint32(0)
+    for i in range(len(words)):
+        peak_bits = max(peak_bits, words[i] & np.uint32(0x7FFFFFFF))
+    if peak_bits >= np.uint32(0x7F800000):
+        return 0.0
+    # The peak's frexp exponent from its exponent field: a normal peak is in
+    # [2**(e - 127), 2**(e - 126)). Below the smallest normal the row holds only
+    # subnormals and zeros, flushed to zero, and frexp(0) is (0, 0).
+    exponent = int(peak_bits >> np.uint32(23))
+    top = exponent - 126 if exponent > 0 else 0
+    return math.ldexp(1.0, width - top)
+
+
+def _slices(value: float, scale: float, unit: float) -> tuple[float, float]:
+    """exact_rows' two slices of one element (compiled strictly: the roundings matter)."""
+    v = np.float64(value)
+    # Subnormals are flushed, as exact_rows does (in a row above its flush threshold they
+    # make zero slices anyway).
+    x = v * scale if abs(v) >= 2.0**-126 else 0.0  # exact: a power of two
+    # Truncation toward zero through int64: |x| < 2**w, exact.
+    whole = np.float64(np.int64(x))
+    return whole, np.float64(np.int64((x - whole) * unit))
+
+
+def _split_row(
+    values: np.ndarray, scale: float, unit: float, high: np.ndarray, low: np.ndarray
+) -> None:  # pragma: no cover - compiled by Numba
+    """A float32 row's slices into ``high`` and ``low``."""
+    for i in range(len(values)):
+        high[i], low[i] = _slices(values[i], scale, unit)
+
+
+# The dot products, sixteen or eight sums at a time: four slices (the high and low slices
+# of two rows) against four or two probe columns q[j], q[j + 1]..., each load of a slice
+# or a column feeding several sums. sums[4 * s + c] is slice s times column j + c. With
+# ``split`` they split two float32 rows ``source[row]`` and ``source[other]`` as they go
+# (_slices, which saves storing and loading the slices where a probe has few columns);
+# without, they read four rows of slices split beforehand (``source``, (4, d) float64).
+
+
+def _dots_4x4(
+    source: np.ndarray,
+    row: int,
+    other: int,
+    split: bool,
+    scales: tuple[float, float, float],
+    q: np.ndarray,
+    j: int,
+    sums: np.ndarray,
+) -> None:  # pragma: no cover - compiled by Numba
+    scale0, scale1, unit = scales
+    q0, q1, q2, q3 = q[j], q[j + 1], q[j + 2], q[j + 3]
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = 0.0
+    a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = 0.0
+    for i in range(q.shape[1]):
+        if split:
+            x0, x1 = _slices(source[row, i], scale0, unit)
+            x2, x3 = _slices(source[other, i], scale1, unit)
+        else:
+            x0, x1, x2, x3 = source[0, i], source[1, i], source[2, i], source[3, i]
+        c0, c1, c2, c3 = q0[i], q1[i], q2[i], q3[i]
+        a00, a01, a02, a03 = a00 + x0 * c0, a01 + x0 * c1, a02 + x0 * c2, a03 + x0 * c3
+        a10, a11, a12, a13 = a10 + x1 * c0, a11 + x1 * c1, a12 + x1 * c2, a13 + x1 * c3
+        a20, a21, a22, a23 = a20 + x2 * c0, a21 + x2 * c1, a22 + x2 * c2, a23 + x2 * c3
+        a30, a31, a32, a33 = a30 + x3 * c0, a31 + x3 * c1, a32 + x3 * c2, a33 + x3 * c3
+    sums[0], sums[1], sums[2], sums[3] = a00, a01, a02, a03
+    sums[4], sums[5], sums[6], sums[7] = a10, a11, a12, a13
+    sums[8], sums[9], sums[10], sums[11] = a20, a21, a22, a23
+    sums[12], sums[13], sums[14], sums[15] = a30, a31, a32, a33
+
+
+def _dots_4x2(
+    source: np.ndarray,
+    row: int,
+    other: int,
+    split: bool,
+    scales: tuple[float, float, float],
+    q: np.ndarray,
+    j: int,
+    sums: np.ndarray,
+) -> None:  # pragma: no cover - compiled by Numba
+    scale0, scale1, unit = scales
+    q0, q1 = q[j], q[j + 1]
+    a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = 0.0
+    for i in range(q.shape[1]):
+        if split:
+            x0, x1 = _slices(source[row, i], scale0, unit)
+            x2, x3 = _slices(source[other, i], scale1, unit)
+        else:
+            x0, x1, x2, x3 = source[0, i], source[1, i], source[2, i], source[3, i]
+        c0, c1 = q0[i], q1[i]
+        a00, a01, a10, a11 = a00 + x0 * c0, a01 + x0 * c1, a10 + x1 * c0, a11 + x1 * c1
+        a20, a21, a30, a31 = a20 + x2 * c0, a21 + x2 * c1, a30 + x3 * c0, a31 + x3 * c1
+    sums[0], sums[1], sums[4], sums[5] = a00, a01, a10, a11
+    sums[8], sums[9], sums[12], sums[13] = a20, a21, a30, a31
+
+
+#: Above this many (padded) columns the pass splits two rows once into slices it keeps,
+#: then multiplies; up to it, it splits as it multiplies, once per block of columns.
+#: Measured with one 260-row width class (bench/probe_cost.py's MLP and LM shapes): split
+#: as it goes, d = 128 (k = 2) took 0.72x the time, d = 512 (k = 6) 0.88x, d = 1024
+#: (k = 11, three blocks) 1.02x and d = 2048 (k = 21) 1.33x.
+_SPLIT_ONCE = 8
+
+
+def padded_columns(k: int) -> int:
+    """The columns of a width class's stacked matrices for the compiled pass: ``k``
+    rounded up to an even number (its blocks take four or two columns); the added
+    columns are zeros."""
+    return k + k % 2
 
 
 def _project_pass(
@@ -332,51 +461,58 @@ def _project_pass(
     """Exact probes of float32 rows ``values`` ``(r, d)`` into float32 ``out`` ``(r, k)``.
 
     ``parts[i] = (slot, start, stop)``: rows ``start:stop`` use ``matrices[slot]``, a
-    probe matrix in float64, transposed: ``(k, d)``.
+    probe matrix in float64, transposed and padded with zero columns
+    (:func:`padded_columns`): ``(padded k, d)``.
     """
-    d = values.shape[1]
     k = out.shape[1]
+    columns = matrices.shape[1]
     unit = 2.0**width
     tiny = 2.0**-126
-    high = np.empty(d, np.float64)
-    low = np.empty(d, np.float64)
+    # The high and low slices of two rows, where the pass splits them beforehand.
+    slices = np.zeros((4, values.shape[1]), np.float64)
+    sums = np.empty(16, np.float64)
+    scales = np.empty(2, np.float64)
     bits = out.view(np.uint32)
-    words = values.view(np.uint32)
-    cell = np.empty(1, np.uint32)
-    magnitude = cell.view(np.float32)
     for part in range(parts.shape[0]):
         q = matrices[parts[part, 0]]
-        for row in range(parts[part, 1], parts[part, 2]):
-            # The peak magnitude from the bits: for float32, the order of the magnitudes
-            # is that of the bits without the sign (an integer maximum, which
-            # vectorises); at or above an infinity's it holds an inf or NaN.
-            peak_bits = np.uint32(0)
-            for i in range(d):
-                peak_bits = max(peak_bits, words[row, i] & np.uint32(0x7FFFFFFF))
-            if peak_bits >= np.uint32(0x7F800000):
-                for j in range(k):
-                    bits[row, j] = 0x7FC00000
-                continue
-            # Below the smallest normal: only subnormals and zeros, flushed to zero.
-            cell[0] = peak_bits
-            peak = 0.0 if peak_bits < np.uint32(0x00800000) else np.float64(magnitude[0])
-            _, top = math.frexp(peak)
-            scale = math.ldexp(1.0, width - top)
-            for i in range(d):
-                v = np.float64(values[row, i])
-                # Subnormals are flushed, as exact_rows does (in a row above its flush
-                # threshold they make zero slices anyway).
-                x = v * scale if abs(v) >= tiny else 0.0  # exact: a power of two
-                # Truncation toward zero through int64: |x| < 2**w, exact.
-                whole = np.float64(np.int64(x))
-                high[i] = whole
-                low[i] = np.float64(np.int64((x - whole) * unit))
-            for j in range(k):
-                first, second = _dot_pair(high, low, q[j])
-                # exact_finish: the same two operations and one rounding.
-                total = first / scale
-                total += second / (scale * unit)
-                out[row, j] = np.float32(0.0) if abs(total) < tiny else np.float32(total)
+        stop = parts[part, 2]
+        for row in range(parts[part, 1], stop, 2):
+            # A part of odd length ends on one row, taken twice: its second sums are unused.
+            pair = min(2, stop - row)
+            other = row + pair - 1
+            scales[0] = _scale(values[row], width)
+            scales[1] = _scale(values[other], width)
+            # A bad row (scale 0) is split with any scale; its probe is the NaN.
+            first = scales[0] if scales[0] > 0.0 else 1.0
+            second = scales[1] if scales[1] > 0.0 else 1.0
+            split = columns <= _SPLIT_ONCE
+            if not split:
+                _split_row(values[row], first, unit, slices[0], slices[1])
+                _split_row(values[other], second, unit, slices[2], slices[3])
+            j = 0
+            while j < k:
+                block = 4 if j + 4 <= columns else 2
+                if split and block == 4:
+                    _dots_4x4(values, row, other, True, (first, second, unit), q, j, sums)
+                elif split:
+                    _dots_4x2(values, row, other, True, (first, second, unit), q, j, sums)
+                elif block == 4:
+                    _dots_4x4(slices, 0, 0, False, (first, second, unit), q, j, sums)
+                else:
+                    _dots_4x2(slices, 0, 0, False, (first, second, unit), q, j, sums)
+                for r in range(pair):
+                    scale = scales[r]
+                    for c in range(min(block, k - j)):
+                        if scale == 0.0:
+                            bits[row + r, j + c] = 0x7FC00000
+                            continue
+                        # exact_finish: the same two operations and one rounding.
+                        total = sums[8 * r + c] / scale
+                        total += sums[8 * r + 4 + c] / (scale * unit)
+                        out[row + r, j + c] = (
+                            np.float32(0.0) if abs(total) < tiny else np.float32(total)
+                        )
+                j += block
 
 
 def _gemm(a: np.ndarray, q: np.ndarray, out: np.ndarray) -> None:
@@ -410,6 +546,9 @@ class _Group:
     parts: _Parts
     #: The parts of the first arrays only, at the same offsets.
     first: _Parts
+    #: Per array position, ``(job, start, stop)`` in row order: in a ``by_kind`` layout
+    #: each position's rows are one block, filled by one copy.
+    kinds: tuple[tuple[tuple[int, int, int], ...], ...]
 
 
 #: Layouts a ProbeSet keeps (a run has one or two; a caller of many shapes, more).
@@ -518,7 +657,7 @@ class ProbeSet:
             values = _scratch("values", (group.rows, group.d), np.float32)
             for index, position, start, stop in group.arrays:
                 values[start:stop] = jobs[index][1][position]
-            probes = self._project(group, group.parts, values)
+            probes = self._project(group, group.parts, values, _kernel())
             for index, _, start, stop in group.arrays:
                 results[index].append(probes[start:stop])
         return results
@@ -553,40 +692,37 @@ class ProbeSet:
         count = len(after)
         pre: list[np.ndarray] = [None] * count  # type: ignore[list-item]
         post, delta, grad = list(pre), list(pre), list(pre)
+        kernel = _kernel()
         for group in layout:
             values = self._next_block(group)
-            earlier = _scratch("earlier", (group.kind_rows, group.d), np.float32)
-            for index, position, start, stop in group.arrays:
-                if position == 0:
-                    values[start:stop] = after[index]
-                    earlier[start:stop] = before[index]
-                elif position == 2:
-                    values[start:stop] = grads[index]  # type: ignore[index]
             kind = group.kind_rows
+            earlier = _scratch("earlier", (kind, group.d), np.float32)
+            # Each kind's rows are one block, filled by one call rather than one per leaf.
+            afters = group.kinds[0]
+            np.concatenate([after[index] for index, _, _ in afters], out=values[:kind])
+            np.concatenate([before[index] for index, _, _ in afters], out=earlier)
             np.subtract(values[:kind], earlier, out=values[kind : 2 * kind])
-            probes = self._project(group, group.parts, values)
-            for index, position, start, stop in group.arrays:
-                rows = probes[start:stop]
-                if position == 0:
-                    post[index] = rows
-                elif position == 1:
-                    delta[index] = rows
-                else:
-                    grad[index] = rows
+            if len(group.kinds) > 2:
+                assert grads is not None
+                gradients = [grads[index] for index, _, _ in group.kinds[2]]
+                np.concatenate(gradients, out=values[2 * kind :])  # type: ignore[arg-type]
+            probes = self._project(group, group.parts, values, kernel)
+            for results, entries in zip((post, delta, grad), group.kinds, strict=False):
+                for index, start, stop in entries:
+                    results[index] = probes[start:stop]
             last = self._last_post.get(group.d)
             if last is not None and last[0] is group and _same_bits(last[1], earlier):
                 for index, rows in last[2].items():
                     pre[index] = rows
             else:
-                known = self._project(group, group.first, earlier)
-                for index, position, start, stop in group.arrays:
-                    if position == 0:
-                        pre[index] = known[start:stop]
+                known = self._project(group, group.first, earlier, kernel)
+                for index, start, stop in afters:
+                    pre[index] = known[start:stop]
             # The after rows' block, not a view of a tensor the next update overwrites.
             self._last_post[group.d] = (
                 group,
                 values[:kind],
-                {index: post[index] for index, position, _, _ in group.arrays if position == 0},
+                {index: post[index] for index, _, _ in afters},
             )
         if grads is None:
             return pre, post, delta
@@ -660,6 +796,7 @@ class ProbeSet:
             return _Parts(spans, np.array([(slot[leaf], a, b) for leaf, a, b in spans], np.int64))
 
         firsts = [entry for entry in placed if entry[1] == 0]
+        positions = 1 + max((entry[1] for entry in placed), default=-1)
         return _Group(
             d=d,
             rows=max((entry[3] for entry in placed), default=0),
@@ -667,14 +804,25 @@ class ProbeSet:
             arrays=tuple(placed),
             parts=parts(placed),
             first=parts(firsts),
+            kinds=tuple(
+                tuple(
+                    (index, start, stop)
+                    for index, _, start, stop in sorted(
+                        (entry for entry in placed if entry[1] == position),
+                        key=lambda entry: entry[2],
+                    )
+                )
+                for position in range(positions)
+            ),
         )
 
-    def _project(self, group: _Group, parts: _Parts, values: np.ndarray) -> np.ndarray:
-        """The exact probes of ``values``, rows ``start:stop`` by each part's leaf."""
-        kernel = _kernel()
+    def _project(self, group: _Group, parts: _Parts, values: np.ndarray, kernel: Any) -> np.ndarray:
+        """The exact probes of ``values``, rows ``start:stop`` by each part's leaf, by
+        the compiled pass ``kernel`` (:func:`_kernel`) or, where it is None, numpy."""
         if parts.slots is not None and kernel is not None:
             stacked, _ = self._stacked(group.d)
-            probes = np.empty((len(values), stacked.shape[1]), dtype=np.float32)
+            k = probe_columns(group.d, self.probe_ratio)
+            probes = np.empty((len(values), k), dtype=np.float32)
             kernel(values, stacked, parts.slots, slice_width(group.d), probes)
             return probes
         return _project_groups(values, [(self._matrix64(leaf), a, b) for leaf, a, b in parts.spans])
@@ -683,13 +831,17 @@ class ProbeSet:
         return [self.project(i, array) for i, array in enumerate(arrays)]
 
     def _stacked(self, d: int) -> tuple[np.ndarray, dict[int, int]]:
-        """The float64 matrices of every leaf of last dimension ``d``, transposed and
-        stacked ``(n, k, d)`` for the compiled pass, and each such leaf's slot in the
-        stack (built on first use)."""
+        """The float64 matrices of every leaf of last dimension ``d``, transposed,
+        padded with zero columns (:func:`padded_columns`) and stacked ``(n, padded k, d)``
+        for the compiled pass, and each such leaf's slot in the stack (built on first
+        use)."""
         held = self._by_width.get(d)
         if held is None:
             leaves = [leaf for leaf, m in enumerate(self.matrices) if m.shape[0] == d]
-            stacked = np.ascontiguousarray(np.stack([self._matrix64(leaf).T for leaf in leaves]))
+            k = self.matrices[leaves[0]].shape[1]
+            stacked = np.zeros((len(leaves), padded_columns(k), d))
+            for n, leaf in enumerate(leaves):
+                stacked[n, :k] = self._matrix64(leaf).T
             held = self._by_width[d] = (stacked, {leaf: n for n, leaf in enumerate(leaves)})
         return held
 
