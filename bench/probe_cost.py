@@ -23,7 +23,12 @@ and of a two-layer toy, the time per training step of
   Two ways, and the floor is the faster: **BLAS**, in single-threaded row blocks as the
   numpy path runs them (``zkdv.probes._gemm``: waking every BLAS thread for a probe
   costs more than it saves while training owns the cores), and **compiled**, the
-  compiled pass's own dot products (``zkdv.probes._dots_4x4``) over the split rows.
+  compiled pass's own dot products (``zkdv.probes._dots_4x4``, ``_dots_4x2``) over the
+  split rows, two rows and four or two columns at a time as the pass takes them;
+* **the split alone**: the same rows split into their two slices (``zkdv.probes._slices``
+  per element, one call per width), which the floor leaves out but exactness cannot:
+  on rows of a few hundred floats, with one to six probe columns, it costs more than
+  half as much as the products. The last line adds it to the floor.
 
 Each variant's best block over ``--rounds`` interleaved rounds, with its ratio to the
 float32 product and to the floor; the goal is the exact path within 1.5x of its floor.
@@ -37,6 +42,7 @@ the commit thread shares the cores with the step, so the wall time it takes is l
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -52,9 +58,11 @@ from zkdv.probes import (
     _dots_4x4,
     _gemm,
     _kernel,
+    _slices,
     exact_rows,
     jit,
     padded_columns,
+    slice_width,
 )
 
 PROBE_RATIO = 0.01  # ZKDVConfig's default
@@ -111,6 +119,56 @@ def products_kernel() -> Callable[..., object] | None:
         _products_state, JIT_ENV, _products_pass, _try_products, helpers=helpers, cache=False
     )
     return kernel
+
+
+_split_state: dict[str, object] = {}
+
+
+def _split_pass(
+    values: np.ndarray, width: int, slices: np.ndarray
+) -> None:  # pragma: no cover - compiled by Numba
+    """The exact pass's split alone, as tight as it goes: every float32 row of ``values``
+    into two rows of ``slices`` that stay in L1, each element by the pass's own
+    ``_slices``; the peak of a row from its bits, inline (no NaN or infinity here)."""
+    unit = 2.0**width
+    words = values.view(np.uint32)
+    for row in range(values.shape[0]):
+        peak = np.uint32(0)
+        for i in range(values.shape[1]):
+            peak = max(peak, words[row, i] & np.uint32(0x7FFFFFFF))
+        exponent = int(peak >> np.uint32(23))
+        scale = math.ldexp(1.0, width - (exponent - 126 if exponent > 0 else 0))
+        for i in range(values.shape[1]):
+            slices[0, i], slices[1, i] = _slices(values[row, i], scale, unit)
+
+
+def _try_split(kernel: Callable[..., object]) -> None:
+    kernel(np.ones((1, 2), np.float32), 26, np.empty((2, 2)))
+
+
+def split_alone(rows: Sequence[np.ndarray]) -> Callable[[], None] | None:
+    """The split as the exact pass computes it, alone, over the float32 ``rows`` of every
+    leaf, one call per width (a necessary part of exactness that the floor, the
+    products alone, leaves out); None where the exact pass is not compiled."""
+    helpers = {"_slices": PASS_HELPERS["_slices"]}
+    # Not cached: Numba would not see a change to the helpers, defined in zkdv.probes.
+    kernel: Callable[..., object] | None = jit(
+        _split_state, JIT_ENV, _split_pass, _try_split, helpers=helpers, cache=False
+    )
+    if kernel is None:
+        return None
+    widths: dict[int, list[np.ndarray]] = {}
+    for values in rows:
+        widths.setdefault(values.shape[1], []).append(values)
+    work = [
+        (np.concatenate(block), slice_width(d), np.empty((2, d))) for d, block in widths.items()
+    ]
+
+    def run() -> None:
+        for values, width, slices in work:
+            kernel(values, width, slices)
+
+    return run
 
 
 def blas_floor(split: Sequence[np.ndarray], matrices: Sequence[np.ndarray]) -> Callable[[], None]:
@@ -214,12 +272,13 @@ def measure(
         turn["forward"] = not turn["forward"]
         probes.project_steps(*rows)
 
-    split = [
-        exact_rows(np.concatenate([post, post - pre]))[0]
-        for pre, post in zip(before, after, strict=True)
+    projected = [
+        np.concatenate([post, post - pre]) for pre, post in zip(before, after, strict=True)
     ]
+    split = [exact_rows(rows)[0] for rows in projected]
     floor_blas = blas_floor(split, probes.matrices)
     floor_compiled = compiled_floor(split, probes.matrices)
+    splitting = split_alone(projected)
 
     def numpy_path(run: Callable[[], object]) -> Callable[[], object]:
         def wrapped() -> object:
@@ -242,6 +301,8 @@ def measure(
     runs["floor of exactness, BLAS"] = floor_blas
     if floor_compiled is not None:
         runs["floor of exactness, compiled"] = floor_compiled
+    if splitting is not None:
+        runs["the split alone, compiled"] = splitting
     # Interleaved rounds, the best of each: machine noise hits every variant alike.
     times: dict[str, float] = dict.fromkeys(runs, float("inf"))
     for _ in range(rounds):
@@ -256,6 +317,12 @@ def measure(
         print(
             f"  {label:<30} {ms:8.3f} ms/step  {ms / reference:5.2f} x float32 product  "
             f"{ms / bottom:5.2f} x the floor"
+        )
+    if compiled and splitting is not None:
+        whole = bottom + times["the split alone, compiled"]
+        print(
+            f"  the floor with the split: {whole:.3f} ms/step; exact, per step, compiled = "
+            f"{times['exact, per step, compiled'] / whole:.2f} x it"
         )
 
 

@@ -97,7 +97,8 @@ BENCHES: tuple[Bench, ...] = (
         (),
         "exact probe rows (Ozaki splitting) against a float32 product of the same rows",
         "the floor of exactness: the integer slices' products alone, the faster of a BLAS "
-        "and the compiled pass's own dot products",
+        "and the compiled pass's own dot products; and that floor with the split, which "
+        "exactness needs too",
     ),
     Bench(
         "gradient_commit",

@@ -212,14 +212,15 @@ def _step(probes: ProbeSet, before: np.ndarray, after: np.ndarray) -> list[np.nd
     return [pre[0], post[0], delta[0]]
 
 
-def test_a_step_reuses_the_previous_post_probe_only_for_the_same_bits() -> None:
+def test_a_step_reuses_the_previous_post_probe_only_for_the_same_bits(path: str) -> None:
     rng = np.random.default_rng(7)
-    probes = ProbeSet.create([LeafSpec("w", "float32", (12, 33))], 0.1, bytes(16))
+    # Eleven rows: the compiled pass takes rows two at a time, so the last is alone.
+    probes = ProbeSet.create([LeafSpec("w", "float32", (11, 33))], 0.1, bytes(16))
 
     def fresh(rows: np.ndarray) -> bytes:
         return probes.project_rows(0, rows).view(np.uint32).tobytes()
 
-    live = rng.standard_normal((12, 33)).astype(np.float32)
+    live = rng.standard_normal((11, 33)).astype(np.float32)
     before = live.copy()
     live += np.float32(1e-3)  # the update, in place
     pre, post, delta = _step(probes, before, live[:])  # ``after`` a view of live
@@ -232,14 +233,22 @@ def test_a_step_reuses_the_previous_post_probe_only_for_the_same_bits() -> None:
     # though the update overwrote the array the rows were viewed in.
     start = live.copy()
     live *= np.float32(0.5)
-    again, post2, _ = _step(probes, start, live[:])
+    again, _, delta2 = _step(probes, start, live[:])
     assert again is post
-    # Rows changed between steps (one sign of zero is enough): computed afresh.
-    start = live.copy()
-    start[0, 0] = np.float32(-0.0) if start[0, 0] == 0 else -start[0, 0]
-    changed, _, _ = _step(probes, start, live.copy())
-    assert changed.view(np.uint32).tobytes() == fresh(start)
-    assert changed is not post2
+    assert delta2.view(np.uint32).tobytes() == fresh(live - start)
+    # Rows changed between steps (one sign of zero is enough, in the first row or in the
+    # last, alone in its pair): computed afresh.
+    for row, column in ((0, 0), (10, 32)):
+        previous = live.copy()
+        live *= np.float32(0.5)
+        _, last_post, _ = _step(probes, previous, live[:])
+        start = live.copy()
+        value = start[row, column]
+        start[row, column] = np.float32(-0.0) if value == 0 else -value
+        changed, _, delta3 = _step(probes, start, live.copy())
+        assert changed is not last_post
+        assert changed.view(np.uint32).tobytes() == fresh(start)
+        assert delta3.view(np.uint32).tobytes() == fresh(live - start)
 
 
 def _exact_probe(row: np.ndarray, matrix: np.ndarray) -> np.ndarray:

@@ -256,9 +256,10 @@ def _kernel() -> Any:
 
 
 def _try_pass(kernel: Any) -> None:
-    out = np.empty((1, 1), dtype=np.float32)
+    out = np.empty((2, 1), dtype=np.float32)
     matrix = np.ones((1, padded_columns(1), 2), dtype=np.float64)
-    kernel(np.ones((1, 2), np.float32), matrix, np.array([[0, 0, 1]]), 26, out)
+    earlier = np.zeros((1, 2), np.float32)
+    kernel(np.ones((2, 2), np.float32), earlier, earlier, matrix, np.array([[0, 0, 2]]), 26, out)
 
 
 _jit_lock = threading.Lock()
@@ -453,23 +454,40 @@ def padded_columns(k: int) -> int:
 
 def _project_pass(
     values: np.ndarray,
+    earlier: np.ndarray,
+    last: np.ndarray,
     matrices: np.ndarray,
     parts: np.ndarray,
     width: int,
     out: np.ndarray,
-) -> None:  # pragma: no cover - compiled by Numba (its bits are tested against numpy's)
+) -> bool:  # pragma: no cover - compiled by Numba (its bits are tested against numpy's)
     """Exact probes of float32 rows ``values`` ``(r, d)`` into float32 ``out`` ``(r, k)``.
 
     ``parts[i] = (slot, start, stop)``: rows ``start:stop`` use ``matrices[slot]``, a
     probe matrix in float64, transposed and padded with zero columns
     (:func:`padded_columns`): ``(padded k, d)``.
+
+    With ``n = len(earlier)`` rows of pre-update values, rows ``n`` to ``2n`` of
+    ``values`` are not read: row ``n + i`` is the change ``values[i] - earlier[i]``,
+    subtracted as the pass reaches it (:meth:`ProbeSet.project_steps`). Returns whether
+    ``earlier`` holds the bits of ``last`` (never where their shapes differ), read as
+    the pass goes: so the block of changes is never written and read back, nor the
+    pre-update rows read a second time to compare them.
     """
     k = out.shape[1]
     columns = matrices.shape[1]
+    n, d = earlier.shape
     unit = 2.0**width
     tiny = 2.0**-126
-    # The high and low slices of two rows, where the pass splits them beforehand.
+    same = bool(last.shape[0] == n and last.shape[1] == earlier.shape[1])
+    # The bits to compare: the pre-update rows', and the last post-update rows' where
+    # their shapes agree (else the pre-update rows' again, which the result ignores).
+    before = earlier.view(np.uint32)
+    known = last.view(np.uint32) if same else before
+    # The high and low slices of two rows, where the pass splits them beforehand; two
+    # changes, where it subtracts them.
     slices = np.zeros((4, values.shape[1]), np.float64)
+    changes = np.zeros((2, values.shape[1]), np.float32)
     sums = np.empty(16, np.float64)
     scales = np.empty(2, np.float64)
     bits = out.view(np.uint32)
@@ -479,23 +497,35 @@ def _project_pass(
         for row in range(parts[part, 1], stop, 2):
             # A part of odd length ends on one row, taken twice: its second sums are unused.
             pair = min(2, stop - row)
-            other = row + pair - 1
-            scales[0] = _scale(values[row], width)
-            scales[1] = _scale(values[other], width)
+            source, at, to = values, row, row + pair - 1
+            if n <= row < 2 * n:
+                # The changes, in float32 (numpy's subtraction, bit for bit), and the
+                # comparison (here, not in a helper: a call costs each array passed a
+                # reference count, which a row of 128 floats notices).
+                differ = np.uint32(0)
+                for r in range(pair):
+                    i = row + r - n
+                    for e in range(d):
+                        changes[r, e] = values[i, e] - earlier[i, e]
+                        differ |= before[i, e] ^ known[i, e]
+                same = same and differ == 0
+                source, at, to = changes, 0, pair - 1
+            scales[0] = _scale(source[at], width)
+            scales[1] = _scale(source[to], width)
             # A bad row (scale 0) is split with any scale; its probe is the NaN.
             first = scales[0] if scales[0] > 0.0 else 1.0
             second = scales[1] if scales[1] > 0.0 else 1.0
             split = columns <= _SPLIT_ONCE
             if not split:
-                _split_row(values[row], first, unit, slices[0], slices[1])
-                _split_row(values[other], second, unit, slices[2], slices[3])
+                _split_row(source[at], first, unit, slices[0], slices[1])
+                _split_row(source[to], second, unit, slices[2], slices[3])
             j = 0
             while j < k:
                 block = 4 if j + 4 <= columns else 2
                 if split and block == 4:
-                    _dots_4x4(values, row, other, True, (first, second, unit), q, j, sums)
+                    _dots_4x4(source, at, to, True, (first, second, unit), q, j, sums)
                 elif split:
-                    _dots_4x2(values, row, other, True, (first, second, unit), q, j, sums)
+                    _dots_4x2(source, at, to, True, (first, second, unit), q, j, sums)
                 elif block == 4:
                     _dots_4x4(slices, 0, 0, False, (first, second, unit), q, j, sums)
                 else:
@@ -513,6 +543,7 @@ def _project_pass(
                             np.float32(0.0) if abs(total) < tiny else np.float32(total)
                         )
                 j += block
+    return same
 
 
 def _gemm(a: np.ndarray, q: np.ndarray, out: np.ndarray) -> None:
@@ -657,7 +688,7 @@ class ProbeSet:
             values = _scratch("values", (group.rows, group.d), np.float32)
             for index, position, start, stop in group.arrays:
                 values[start:stop] = jobs[index][1][position]
-            probes = self._project(group, group.parts, values, _kernel())
+            probes, _ = self._project(group, group.parts, values, _kernel())
             for index, _, start, stop in group.arrays:
                 results[index].append(probes[start:stop])
         return results
@@ -701,21 +732,24 @@ class ProbeSet:
             afters = group.kinds[0]
             np.concatenate([after[index] for index, _, _ in afters], out=values[:kind])
             np.concatenate([before[index] for index, _, _ in afters], out=earlier)
-            np.subtract(values[:kind], earlier, out=values[kind : 2 * kind])
             if len(group.kinds) > 2:
                 assert grads is not None
                 gradients = [grads[index] for index, _, _ in group.kinds[2]]
                 np.concatenate(gradients, out=values[2 * kind :])  # type: ignore[arg-type]
-            probes = self._project(group, group.parts, values, kernel)
+            last = self._last_post.get(group.d)
+            held = last[1] if last is not None and last[0] is group else None
+            # The changes (rows kind:2 * kind) and the comparison with the last post-update
+            # rows are worked out in the same pass as the probes.
+            probes, same = self._project(group, group.parts, values, kernel, earlier, held)
             for results, entries in zip((post, delta, grad), group.kinds, strict=False):
                 for index, start, stop in entries:
                     results[index] = probes[start:stop]
-            last = self._last_post.get(group.d)
-            if last is not None and last[0] is group and _same_bits(last[1], earlier):
+            if same:
+                assert last is not None
                 for index, rows in last[2].items():
                     pre[index] = rows
             else:
-                known = self._project(group, group.first, earlier, kernel)
+                known, _ = self._project(group, group.first, earlier, kernel)
                 for index, start, stop in afters:
                     pre[index] = known[start:stop]
             # The after rows' block, not a view of a tensor the next update overwrites.
@@ -816,16 +850,45 @@ class ProbeSet:
             ),
         )
 
-    def _project(self, group: _Group, parts: _Parts, values: np.ndarray, kernel: Any) -> np.ndarray:
+    def _project(
+        self,
+        group: _Group,
+        parts: _Parts,
+        values: np.ndarray,
+        kernel: Any,
+        earlier: np.ndarray | None = None,
+        last: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, bool]:
         """The exact probes of ``values``, rows ``start:stop`` by each part's leaf, by
-        the compiled pass ``kernel`` (:func:`_kernel`) or, where it is None, numpy."""
+        the compiled pass ``kernel`` (:func:`_kernel`) or, where it is None, numpy.
+
+        With ``earlier``, :meth:`project_steps`' pre-update rows, the ``n`` rows after
+        the first ``n`` of ``values`` are their changes (``values[i] - earlier[i]``),
+        which this works out itself; it returns too whether ``earlier`` holds the bits
+        of ``last``, the last step's post-update rows (False without them).
+        """
+        none = np.empty((0, group.d), np.float32)
         if parts.slots is not None and kernel is not None:
             stacked, _ = self._stacked(group.d)
             k = probe_columns(group.d, self.probe_ratio)
             probes = np.empty((len(values), k), dtype=np.float32)
-            kernel(values, stacked, parts.slots, slice_width(group.d), probes)
-            return probes
-        return _project_groups(values, [(self._matrix64(leaf), a, b) for leaf, a, b in parts.spans])
+            before = none if earlier is None else earlier
+            same = kernel(
+                values,
+                before,
+                none if last is None else last,
+                stacked,
+                parts.slots,
+                slice_width(group.d),
+                probes,
+            )
+            return probes, bool(same) and earlier is not None and last is not None
+        if earlier is not None:
+            kind = len(earlier)
+            np.subtract(values[:kind], earlier, out=values[kind : 2 * kind])
+        matrices = [(self._matrix64(leaf), a, b) for leaf, a, b in parts.spans]
+        same = earlier is not None and last is not None and _same_bits(last, earlier)
+        return _project_groups(values, matrices), same
 
     def project_all(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         return [self.project(i, array) for i, array in enumerate(arrays)]
