@@ -512,7 +512,8 @@ def _project_pass(
                 source, at, to = changes, 0, pair - 1
             scales[0] = _scale(source[at], width)
             scales[1] = _scale(source[to], width)
-            # A bad row (scale 0) is split with any scale; its probe is the NaN.
+            # A bad row (scale 0) is split with any scale: its sums are never read, its
+            # probe is the NaN.
             first = scales[0] if scales[0] > 0.0 else 1.0
             second = scales[1] if scales[1] > 0.0 else 1.0
             split = columns <= _SPLIT_ONCE
