@@ -23,9 +23,9 @@ and of a two-layer toy, the time per training step of
   Two ways, and the floor is the faster: **BLAS**, in single-threaded row blocks as the
   numpy path runs them (``zkdv.probes._gemm``: waking every BLAS thread for a probe
   costs more than it saves while training owns the cores), and **compiled**, the
-  compiled pass's own dot products (``zkdv.probes._dots_4x4``, ``_dots_4x2``) over the
+  compiled pass's own dot products (``zkdv._probe_pass._dots_4x4``, ``_dots_4x2``) over the
   split rows, two rows and four or two columns at a time as the pass takes them;
-* **the split alone**: the same rows split into their two slices (``zkdv.probes._slices``
+* **the split alone**: the same rows split into their two slices (``zkdv._probe_pass._slices``
   per element, one call per width), which the floor leaves out but exactness cannot:
   on rows of a few hundred floats, with one to six probe columns, it costs more than
   half as much as the products. The last line adds it to the floor.
@@ -49,21 +49,18 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from zkdv.merkle import LeafSpec
-from zkdv.probes import (
+from zkdv._numba import jit
+from zkdv._probe_pass import (
     JIT_ENV,
     PASS_HELPERS,
-    ProbeSet,
     _dots_4x2,
     _dots_4x4,
-    _gemm,
     _kernel,
     _slices,
-    exact_rows,
-    jit,
     padded_columns,
-    slice_width,
 )
+from zkdv.merkle import LeafSpec
+from zkdv.probes import ProbeSet, _gemm, exact_rows, slice_width
 
 PROBE_RATIO = 0.01  # ZKDVConfig's default
 _products_state: dict[str, object] = {}
@@ -74,7 +71,7 @@ def _products_pass(
 ) -> None:  # pragma: no cover - compiled by Numba
     """The exact pass's dot products alone: ``slices`` holds each pair of rows' four
     slices (high, low, high, low: :func:`interleaved`), ``matrix`` is ``(padded k, d)``
-    (``zkdv.probes.padded_columns``); ``out[4 * p + s, c]`` is slice ``s`` of pair ``p``
+    (``zkdv._probe_pass.padded_columns``); ``out[4 * p + s, c]`` is slice ``s`` of pair ``p``
     times column ``c``."""
     k = out.shape[1]
     columns = matrix.shape[0]
@@ -114,7 +111,7 @@ def _try_products(kernel: Callable[..., object]) -> None:
 def products_kernel() -> Callable[..., object] | None:
     """The compiled products alone, or None where the exact pass is not compiled."""
     helpers = {name: PASS_HELPERS[name] for name in ("_slices", "_dots_4x4", "_dots_4x2")}
-    # Not cached: Numba would not see a change to the helpers, defined in zkdv.probes.
+    # Not cached: Numba would not see a change to the helpers, defined in zkdv._probe_pass.
     kernel: Callable[..., object] | None = jit(
         _products_state, JIT_ENV, _products_pass, _try_products, helpers=helpers, cache=False
     )
@@ -151,7 +148,7 @@ def split_alone(rows: Sequence[np.ndarray]) -> Callable[[], None] | None:
     leaf, one call per width (a necessary part of exactness that the floor, the
     products alone, leaves out); None where the exact pass is not compiled."""
     helpers = {"_slices": PASS_HELPERS["_slices"]}
-    # Not cached: Numba would not see a change to the helpers, defined in zkdv.probes.
+    # Not cached: Numba would not see a change to the helpers, defined in zkdv._probe_pass.
     kernel: Callable[..., object] | None = jit(
         _split_state, JIT_ENV, _split_pass, _try_split, helpers=helpers, cache=False
     )

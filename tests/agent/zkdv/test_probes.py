@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zkdv import probes as probes_module
+from zkdv import _probe_pass as probes_module
 from zkdv.merkle import LeafSpec
 from zkdv.probes import (
     MAX_PROBE_ROWS,
@@ -278,7 +278,7 @@ def _exact_probe(row: np.ndarray, matrix: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize(
     ("d", "ratio"),
     # k = 1 to 7 and 15 probe columns: every block the compiled pass takes, split as it
-    # multiplies (up to zkdv.probes._SPLIT_ONCE padded columns) and split once.
+    # multiplies (up to zkdv._probe_pass._SPLIT_ONCE padded columns) and split once.
     [
         (1, 1.0),
         (128, 0.01),

@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
+from zkdv._numba import jit
 from zkdv.config import TOKEN_UNITS
 from zkdv.hashing import Domain, hash_bytes
 from zkdv.merkle import merkle_root
-from zkdv.probes import jit
 
 __all__ = [
     "TOKEN_UNITS",

@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from zkdv import workers
+from zkdv._probe_pass import _kernel as probes_kernel
 from zkdv.batch import _kernel as batch_kernel
 from zkdv.config import GradientBounds, ZKDVConfig
 from zkdv.core import ProgramInfo, State, ZKDVCore
@@ -65,7 +66,6 @@ from zkdv.files import (
 )
 from zkdv.merkle import PendingCommitment, StateCommitment
 from zkdv.overlap import Policy
-from zkdv.probes import _kernel as probes_kernel
 from zkdv.sampling import Challenge
 
 __all__ = ["Driver"]

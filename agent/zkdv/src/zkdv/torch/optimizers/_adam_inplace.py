@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from zkdv.probes import jit
+from zkdv._numba import jit
 from zkdv.torch.optimizers._arithmetic import (
     Group,
     State,
