@@ -347,11 +347,12 @@ class ProbeSet:
         """
         layout = self._layout(tuple((leaf, tuple(len(a) for a in arrays)) for leaf, arrays in jobs))
         results: list[list[np.ndarray]] = [[] for _ in jobs]
+        kernel = _kernel()
         for group in layout:
             values = _scratch("values", (group.rows, group.d), np.float32)
             for index, position, start, stop in group.arrays:
                 values[start:stop] = jobs[index][1][position]
-            probes, _ = self._project(group, group.parts, values, _kernel())
+            probes, _ = self._project(group, group.parts, values, kernel)
             for index, _, start, stop in group.arrays:
                 results[index].append(probes[start:stop])
         return results
@@ -530,8 +531,8 @@ class ProbeSet:
         which this works out itself; it returns too whether ``earlier`` holds the bits
         of ``last``, the last step's post-update rows (False without them).
         """
-        none = np.empty((0, group.d), np.float32)
         if parts.slots is not None and kernel is not None:
+            none = np.empty((0, group.d), np.float32)
             stacked, _ = self._stacked(group.d)
             k = probe_columns(group.d, self.probe_ratio)
             probes = np.empty((len(values), k), dtype=np.float32)
