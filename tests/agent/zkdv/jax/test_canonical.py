@@ -341,26 +341,29 @@ def float32(values: list[Any]) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    ("name", "function", "reference", "low", "high"),
+    ("name", "function", "reference", "low", "high", "ulps"),
     [
-        ("exp", jnp.exp, np.exp, -87.0, 88.0),  # float32 results stay normal
-        ("exp2", jnp.exp2, np.exp2, -125.0, 127.0),
-        ("log", jnp.log, np.log, 1e-30, 1e30),
-        ("log1p", jnp.log1p, np.log1p, -0.99, 10.0),
-        ("expm1", jnp.expm1, np.expm1, -5.0, 5.0),
-        ("sin", jnp.sin, np.sin, -100.0, 100.0),
-        ("cos", jnp.cos, np.cos, -100.0, 100.0),
-        ("tan", jnp.tan, np.tan, -1.5, 1.5),
-        ("tanh", jnp.tanh, np.tanh, -10.0, 10.0),
-        ("logistic", jax.nn.sigmoid, lambda v: 1.0 / (1.0 + np.exp(-v)), -80.0, 80.0),
-        ("sinh", jnp.sinh, np.sinh, -80.0, 80.0),
-        ("cosh", jnp.cosh, np.cosh, -80.0, 80.0),
-        ("sqrt", jnp.sqrt, np.sqrt, 0.0, 1e30),
-        ("rsqrt", lax.rsqrt, lambda v: 1.0 / np.sqrt(v), 1e-30, 1e30),
-        ("pow", lambda v: v**0.37, lambda v: v ** float(np.float32(0.37)), 1e-20, 1e20),
+        ("exp", jnp.exp, np.exp, -87.0, 88.0, 1),  # float32 results stay normal
+        ("exp2", jnp.exp2, np.exp2, -125.0, 127.0, 1),
+        ("log", jnp.log, np.log, 1e-30, 1e30, 2),
+        ("log1p", jnp.log1p, np.log1p, -0.99, 10.0, 3),
+        ("expm1", jnp.expm1, np.expm1, -5.0, 5.0, 4),
+        ("sin", jnp.sin, np.sin, -100.0, 100.0, 2),
+        ("cos", jnp.cos, np.cos, -100.0, 100.0, 2),
+        ("tan", jnp.tan, np.tan, -1.5, 1.5, 4),
+        ("tanh", jnp.tanh, np.tanh, -10.0, 10.0, 3),
+        ("logistic", jax.nn.sigmoid, lambda v: 1.0 / (1.0 + np.exp(-v)), -80.0, 80.0, 2),
+        ("sinh", jnp.sinh, np.sinh, -80.0, 80.0, 3),
+        ("cosh", jnp.cosh, np.cosh, -80.0, 80.0, 3),
+        ("sqrt", jnp.sqrt, np.sqrt, 0.0, 1e30, 0),  # correctly rounded
+        ("rsqrt", lax.rsqrt, lambda v: 1.0 / np.sqrt(v), 1e-30, 1e30, 1),  # two roundings
+        # exp(y log x): the error grows with |y log x| (here up to 17).
+        ("pow", lambda v: v**0.37, lambda v: v ** float(np.float32(0.37)), 1e-20, 1e20, 40),
     ],
 )
-def test_float32_results_are_float64_math_rounded_once(name, function, reference, low, high):
+def test_float32_formulas_are_within_a_few_ulps(name, function, reference, low, high, ulps):
+    """Version 2 evaluates float32 formulas in float32 (a TPU has no IEEE float64): as
+    accurate as a float32 libm, and the same bits everywhere."""
     rng = np.random.default_rng(4)
     if low > 0:
         x = np.exp(rng.uniform(np.log(low), np.log(high), 20000))
@@ -370,10 +373,87 @@ def test_float32_results_are_float64_math_rounded_once(name, function, reference
     got = np.asarray(_canonical_jit(function)(ZERO, x))
     with np.errstate(over="ignore"):
         expected = reference(x.astype(np.float64)).astype(np.float32)
-    # Float64 math within a few ulps, rounded once: the correctly rounded float32 result
-    # unless the exact value lies within ~1e-15 of a rounding midpoint.
-    assert np.mean(got == expected) > 0.9999, name
-    np.testing.assert_allclose(got, expected, rtol=1.2e-7, atol=0)
+    distance = np.abs(got.view(np.int32).astype(np.int64) - expected.view(np.int32))
+    assert int(distance.max()) <= ulps, name
+    assert np.mean(distance == 0) > (0.999 if ulps == 0 else 0.4 if ulps <= 4 else 0.1), name
+
+
+def _random_floats(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Float32 across the whole exponent range, signed, with a third near 1."""
+    x = np.ldexp(rng.uniform(1, 2, n), rng.integers(-125, 127, n)).astype(np.float32)
+    x[rng.random(n) < 0.5] *= -1
+    near = rng.random(n) < 0.3
+    x[near] = rng.standard_normal(int(near.sum())).astype(np.float32)
+    return x
+
+
+def _flushed(x: np.ndarray) -> np.ndarray:
+    x = x.copy()
+    tiny = np.abs(x) <= np.float32(2.0**-126)
+    x[tiny] = np.copysign(np.float32(0), x[tiny])
+    return x
+
+
+SPECIAL = float32([0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -1.0, 3e38, -1e-37, 2.0**-126])
+
+
+@pytest.mark.parametrize("inaccurate", [False, True])
+def test_division_and_square_root_are_ieee_from_the_bits(monkeypatch, inaccurate):
+    """Float32 div and sqrt are correctly rounded with no float64 (v2), also when the
+    backend's own division and square root, which only propose a result, are several
+    ulps off (a TPU's are off by one to two ulps for some operands)."""
+    if inaccurate:
+        from zkdv.jax import _canonical_arithmetic as arithmetic
+
+        def off(exact: Any) -> Any:
+            def wrong(*args: Any) -> Any:
+                value = exact(*args)
+                bits = lax.bitcast_convert_type(value, jnp.int32)
+                # Up to 6 ulps either way, by the low bits of the operand.
+                shift = (lax.bitcast_convert_type(args[0], jnp.int32) & 15) - 7
+                return lax.bitcast_convert_type(bits + jnp.clip(shift, -6, 6), jnp.float32)
+
+            return wrong
+
+        monkeypatch.setattr(arithmetic, "_approximate_division", off(lax.div))
+        monkeypatch.setattr(arithmetic, "_approximate_sqrt", off(lax.sqrt))
+    rng = np.random.default_rng(8)
+    a, b = _flushed(_random_floats(rng, 1 << 16)), _flushed(_random_floats(rng, 1 << 16))
+    grid_a, grid_b = (g.ravel() for g in np.meshgrid(SPECIAL, SPECIAL))
+    # The fence flushes inputs up to the smallest normal too (2^-126 is one).
+    a, b = _flushed(np.concatenate([a, grid_a])), _flushed(np.concatenate([b, grid_b]))
+    with np.errstate(all="ignore"):
+        quotient = _flushed((a.astype(np.float64) / b).astype(np.float32))
+        root = _flushed(np.sqrt(a.astype(np.float64)).astype(np.float32))
+    got_q = np.asarray(_canonical_jit(lambda x, y: x / y)(ZERO, a, b))
+    got_r = np.asarray(_canonical_jit(jnp.sqrt)(ZERO, a))
+    for got, expected in ((got_q, quotient), (got_r, root)):
+        nan = np.isnan(expected)
+        np.testing.assert_array_equal(got[~nan].view(np.uint32), expected[~nan].view(np.uint32))
+        assert list(np.unique(got[nan].view(np.uint32))) == [0x7FC00000]
+
+
+def _lowered_text(function: Callable[..., Any], *args: Any, platforms: tuple[str, ...]) -> str:
+    leaves, tree = jax.tree.flatten(args)
+
+    def program(zero: Any, *flat: Any) -> Any:  # flat: optax's state types do not export
+        return jax.tree.leaves(canonical(function, zero)(*jax.tree.unflatten(tree, flat)))
+
+    shapes = [jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype) for a in (ZERO, *leaves)]
+    exported = jax.export.export(jax.jit(program), platforms=platforms)(*shapes)
+    return str(exported.mlir_module())
+
+
+@pytest.mark.parametrize("name", ["adamw", "clip_adamw_warmup_cosine", "adafactor"])
+def test_the_update_lowers_for_a_tpu_without_float64(name):
+    """CI has no TPU: lowering for one catches what its compiler would refuse, and a
+    float64 in the program (a TPU emulates it, inexactly) fails here."""
+    tx = TRANSFORMS[name]()
+    params = make_params()
+    text = _lowered_text(
+        step_function(tx), make_grads(params)[0], tx.init(params), params, platforms=("tpu",)
+    )
+    assert "f64" not in text and "i64" not in text and "ui64" not in text
 
 
 def test_a_division_by_a_runtime_scalar_is_the_correctly_rounded_quotient():
@@ -433,11 +513,12 @@ def test_pow_follows_c99_special_cases():
     assert np.array_equal(np.signbit(got)[numbers], np.signbit(expected)[numbers])
 
 
-def test_integer_powers_use_binary_powering_in_float64():
+def test_integer_powers_use_binary_powering():
     base = np.float32(0.999)  # Adam's bias correction: beta ** count
     counts = np.arange(-40, 2000, 7, dtype=np.int32)
     got = np.asarray(_canonical_jit(lambda c: base**c)(ZERO, counts))
-    np.testing.assert_allclose(got, np.float64(base) ** counts.astype(np.float64), rtol=6e-8)
+    # Each of at most 2 * 11 products rounded once in float32 (a half ulp, 6e-8).
+    np.testing.assert_allclose(got, np.float64(base) ** counts.astype(np.float64), rtol=1.4e-6)
     x = float32([3.1, -1e19, 1e-25])
     squares = np.asarray(_canonical_jit(lambda v: v**2)(ZERO, x))
     np.testing.assert_array_equal(squares, x * x)  # one correctly rounded product

@@ -1,4 +1,4 @@
-"""The jaxpr interpreter of ``zkdv-jax-canonical-v1`` and its rule for each primitive.
+"""The jaxpr interpreter of ``zkdv-jax-canonical-v2`` and its rule for each primitive.
 
 :class:`_Evaluator` runs a jaxpr equation by equation over the fenced arithmetic of
 :mod:`zkdv.jax._canonical_arithmetic`: exact operations as XLA does them, each float
@@ -8,7 +8,6 @@ other primitive raises :class:`~zkdv.jax.canonical.NotCanonical` with the reason
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,7 +17,6 @@ from jax import lax
 from jax.extend import core
 
 from zkdv.jax._canonical_arithmetic import (
-    _F32,
     _F64,
     _FORMATS,
     CANONICAL_VERSION,
@@ -26,12 +24,13 @@ from zkdv.jax._canonical_arithmetic import (
     _Arithmetic,
     _is_float,
 )
+from zkdv.jax._canonical_sums import exact_sum32, exact_sum64
 
 _Rule = Callable[["_Evaluator", Any, list[Any]], list[Any]]
 
 
 class _Evaluator(_Arithmetic):
-    """The jaxpr interpreter over fenced arithmetic; built with x64 enabled."""
+    """The jaxpr interpreter over fenced arithmetic."""
 
     def run_closed(self, closed: Any, args: Sequence[Any]) -> list[Any]:
         consts = [self.fence(jnp.asarray(c)) for c in closed.consts]
@@ -112,43 +111,35 @@ def _out_dtype(eqn: Any) -> Any:
 # --- Rules ----------------------------------------------------------------------------
 
 
-def _ieee(ev: _Evaluator, op: Callable[..., Any], args: Sequence[Any], native_f32: bool) -> Any:
-    """An IEEE operation: native where it is correctly rounded, else in float64."""
-    dtype = np.dtype(args[0].dtype)
-    if dtype == _F64 or (dtype == _F32 and native_f32):
-        return ev.fence(op(*args))
-    # One float64 operation on exactly converted operands, rounded at once: nothing to
-    # fuse it with, and no float64 subnormal can arise from narrower operands.
-    return ev.round(op(*[ev.wide(a) for a in args]), dtype)
+_Binary = Callable[[_Evaluator, Any, Any], Any]
+_OPERATIONS: dict[str, _Binary] = {
+    "add": _Evaluator.add,
+    "add_any": _Evaluator.add,
+    "sub": _Evaluator.sub,
+    "mul": _Evaluator.mul,
+    "div": _Evaluator.div,
+}
 
 
-def _arithmetic(native_f32: bool) -> _Rule:
-    def rule(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
-        op = functools.partial(eqn.primitive.bind, **eqn.params)
-        return [_ieee(ev, op, args, native_f32)]
+def _ieee(ev: _Evaluator, operation: _Binary, a: Any, b: Any) -> Any:
+    """An IEEE operation, correctly rounded to the operands' format.
 
-    return rule
-
-
-_wide_division = _arithmetic(native_f32=False)
-
-
-def _divide(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
-    """``div``: float32 and narrower in float64 (:func:`_ieee`), float64 natively.
-
-    XLA's simplifier turns a division by a broadcast runtime scalar (Optax's bias
-    correction ``m / (1 - b**t)``) into a multiplication by its reciprocal. For
-    operands of float32 or narrower, divided in float64, that is harmless: an inexact
-    float32 quotient lies at least ``2**-49`` (relative) from every float32 rounding
-    midpoint, and the float64 product within ``2**-52`` of it, so both round alike. A
-    float64 quotient is not correctly rounded that way (about a quarter of them differ
-    on XLA:CPU), so a float64 divisor is tied to the dividend: its bits OR-ed with the
-    dividend's bits AND-ed with the runtime zero, which no simplifier can see through.
+    Float32 and float64 operate in their own format (float32 ``div`` from the bits).
+    Narrower formats operate in float32 and round once: float32 has at least twice their
+    precision plus two bits, so the double rounding is innocuous (Figueroa 1995) and the
+    result is the correctly rounded one.
     """
+    dtype = np.dtype(a.dtype)
+    return ev.round(operation(ev, ev.wide(a), ev.wide(b)), dtype)
+
+
+def _arithmetic(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
     a, b = args
-    if np.dtype(a.dtype) == _F64 and np.dtype(b.dtype) == _F64:
-        b = ev.tied(b, a)
-    return _wide_division(ev, eqn, [a, b])
+    return [_ieee(ev, _OPERATIONS[eqn.primitive.name], a, b)]
+
+
+def _sqrt(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
+    return [ev.round(ev.sqrt(ev.wide(args[0])), _out_dtype(eqn))]
 
 
 def _cumulative(combine: Callable[[_Evaluator, Any, Any], Any]) -> _Rule:
@@ -175,7 +166,7 @@ def _cumulative(combine: Callable[[_Evaluator, Any, Any], Any]) -> _Rule:
     return rule
 
 
-def _float64_formula(formula: Callable[[_Evaluator, Any], Any]) -> _Rule:
+def _formula(formula: Callable[[_Evaluator, Any], Any]) -> _Rule:
     def rule(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
         return [ev.round(formula(ev, ev.wide(args[0])), _out_dtype(eqn))]
 
@@ -183,7 +174,7 @@ def _float64_formula(formula: Callable[[_Evaluator, Any], Any]) -> _Rule:
 
 
 def _rsqrt(ev: _Evaluator, x: Any) -> Any:
-    return ev.div(1.0, ev.fence(jnp.sqrt(x)))
+    return ev.div(jnp.ones_like(x), ev.sqrt(x))
 
 
 def _integer_pow(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
@@ -209,8 +200,8 @@ def _pow(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
             wide = ev.wide(x)
             # pow(-0, y) = +0 and pow(-inf, y) = +inf for y = 0.5 (C99), unlike sqrt.
             wide = jnp.where((wide == 0.0) | (wide == -jnp.inf), jnp.abs(wide), wide)
-            root = ev.fence(jnp.sqrt(wide))
-            return [ev.round(root if value > 0 else ev.div(1.0, root), dtype)]
+            root = ev.sqrt(wide)
+            return [ev.round(root if value > 0 else ev.div(jnp.ones_like(root), root), dtype)]
     x, y = jnp.broadcast_arrays(ev.wide(x), ev.wide(y))
     return [ev.round(ev.power(x, y), dtype)]
 
@@ -236,7 +227,10 @@ def _reduce_extreme(largest: bool) -> _Rule:
 
 
 def _reduce_sum(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
-    return [ev.exact_sum(args[0], tuple(eqn.params["axes"]), _out_dtype(eqn))]
+    x, axes, dtype = args[0], tuple(eqn.params["axes"]), np.dtype(_out_dtype(eqn))
+    if np.dtype(x.dtype) == _F64:
+        return [exact_sum64(ev, x, axes)]
+    return [exact_sum32(ev, ev.wide(x), axes, dtype)]
 
 
 def _inline(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
@@ -286,36 +280,36 @@ def _scan(ev: _Evaluator, eqn: Any, args: list[Any]) -> list[Any]:
 
 
 _RULES: dict[str, _Rule] = {
-    "add": _arithmetic(native_f32=True),
-    "add_any": _arithmetic(native_f32=True),
-    "sub": _arithmetic(native_f32=True),
-    "mul": _arithmetic(native_f32=True),
-    "div": _divide,
-    "sqrt": _arithmetic(native_f32=False),
-    "rsqrt": _float64_formula(_rsqrt),
+    "add": _arithmetic,
+    "add_any": _arithmetic,
+    "sub": _arithmetic,
+    "mul": _arithmetic,
+    "div": _arithmetic,
+    "sqrt": _sqrt,
+    "rsqrt": _formula(_rsqrt),
     "integer_pow": _integer_pow,
     "square": _square,
     "pow": _pow,
-    "exp": _float64_formula(_Evaluator.exp),
-    "exp2": _float64_formula(_Evaluator.exp2),
-    "expm1": _float64_formula(_Evaluator.expm1),
-    "log": _float64_formula(_Evaluator.log),
-    "log1p": _float64_formula(_Evaluator.log1p),
-    "sin": _float64_formula(_Evaluator.sin),
-    "cos": _float64_formula(_Evaluator.cos),
-    "tan": _float64_formula(_Evaluator.tan),
-    "tanh": _float64_formula(_Evaluator.tanh),
-    "logistic": _float64_formula(_Evaluator.logistic),
-    "sinh": _float64_formula(_Evaluator.sinh),
-    "cosh": _float64_formula(_Evaluator.cosh),
+    "exp": _formula(_Evaluator.exp),
+    "exp2": _formula(_Evaluator.exp2),
+    "expm1": _formula(_Evaluator.expm1),
+    "log": _formula(_Evaluator.log),
+    "log1p": _formula(_Evaluator.log1p),
+    "sin": _formula(_Evaluator.sin),
+    "cos": _formula(_Evaluator.cos),
+    "tan": _formula(_Evaluator.tan),
+    "tanh": _formula(_Evaluator.tanh),
+    "logistic": _formula(_Evaluator.logistic),
+    "sinh": _formula(_Evaluator.sinh),
+    "cosh": _formula(_Evaluator.cosh),
     "max": _maximum(largest=True),
     "min": _maximum(largest=False),
     "clamp": _clamp,
     "reduce_max": _reduce_extreme(largest=True),
     "reduce_min": _reduce_extreme(largest=False),
     "reduce_sum": _reduce_sum,
-    "cumsum": _cumulative(lambda ev, a, b: _ieee(ev, lax.add, (a, b), native_f32=True)),
-    "cumprod": _cumulative(lambda ev, a, b: _ieee(ev, lax.mul, (a, b), native_f32=True)),
+    "cumsum": _cumulative(lambda ev, a, b: _ieee(ev, _Evaluator.add, a, b)),
+    "cumprod": _cumulative(lambda ev, a, b: _ieee(ev, _Evaluator.mul, a, b)),
     "cummax": _cumulative(lambda ev, a, b: ev.maximum(a, b, largest=True)),
     "cummin": _cumulative(lambda ev, a, b: ev.maximum(a, b, largest=False)),
     "jit": _inline,

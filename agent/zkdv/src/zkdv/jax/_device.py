@@ -75,7 +75,11 @@ class DeviceCommitter:
     @staticmethod
     def unsupported(paths: Sequence[str], leaves: Sequence[Any]) -> list[str]:
         """Paths of leaves whose dtype the device kernels cannot hash."""
-        return [p for p, leaf in zip(paths, leaves, strict=True) if not supported(leaf.dtype)]
+        return [
+            p
+            for p, leaf in zip(paths, leaves, strict=True)
+            if not all(supported(leaf.dtype, d.platform) for d in leaf.devices())
+        ]
 
     def roots(self, leaves: Sequence[Any]) -> jax.Array:
         """Dispatch the chunk roots of a state (``(leaves, 8)`` uint32, on the device)."""

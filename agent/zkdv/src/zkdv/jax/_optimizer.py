@@ -105,7 +105,7 @@ def optimizer(tx: optax.GradientTransformation) -> CommittedOptimizer:
 
     Inside a ``proof.jit`` step (single process, unsharded state), ``update`` records
     the gradient, optimizer state and parameters it receives and evaluates ``tx.update``
-    by the ``zkdv-jax-canonical-v1`` rules, the same bits on any hardware; where
+    by the ``zkdv-jax-canonical-v2`` rules, the same bits on any hardware; where
     ``tx.update`` has no canonical form it is evaluated as usual and the gradient is
     committed all the same. Outside ``proof.jit`` (``jax.jit``, eager code) it is
     ``tx.update``. ``zkdv.jax.contrib.TrainState.create(proof=...)`` and

@@ -19,7 +19,7 @@ replayed with, one program: the *production* step itself. The artifact is::
                  "params": [...], "opt_state": [...], "batch": [...]},
       "outputs": {"batch", "computed", "count"},                   # offsets
       "computed": [{"path", "dtype", "shape"}, ...],  # the root's schema.grad
-      "optimizer": {"canonical": bool, "rules": "zkdv-jax-canonical-v1", "reason"?},
+      "optimizer": {"canonical": bool, "rules": "zkdv-jax-canonical-v2", "reason"?},
       "params": [...], "opt_state": [...], "batch": {...},   # as in version 1
       "jax": "<version>", "platforms": ["cpu", ...]
     }

@@ -4,9 +4,10 @@
 with the rules below, emitting ordinary JAX operations: the result works under
 ``jax.jit``, inside a larger traced program and under ``jax.export``, and its float
 results are the same bits on every XLA CPU instruction set (``--xla_cpu_max_isa`` =
-SSE4_2, AVX, AVX2, AVX512) and, by construction, on GPUs. ZKDV runs an optimizer's update
-this way so that the lab's training and the platform's replay on other hardware compute
-the same post-update state from the same committed gradient.
+SSE4_2, AVX, AVX2, AVX512), on TPUs (measured on a v5e against the CPU's) and, by
+construction, on GPUs. ZKDV runs an optimizer's update this way so that the lab's
+training and the platform's replay on other hardware compute the same post-update state
+from the same committed gradient.
 
 Usage (``tx`` an ``optax.GradientTransformation``; the zero is an argument of the
 compiled program)::
@@ -20,38 +21,50 @@ compiled program)::
 
 Why plain XLA is not reproducible: XLA contracts ``a * b + c`` into a fused multiply-add
 on hardware that has one (AVX2, AVX-512, GPUs) and not elsewhere; its ``exp``, ``log``,
-``rsqrt``... are its own approximations and differ between instruction sets; XLA CPU
-flushes subnormal results to zero and GPUs do not; the order of a reduction's additions
-is the backend's choice; by default XLA keeps some bfloat16 results in float32
-(``xla_allow_excess_precision``); and NaN payloads depend on the hardware.
+``rsqrt``... are its own approximations and differ between instruction sets; a TPU's
+float32 division and square root are not correctly rounded, and it has no IEEE float64
+(XLA emulates float64 there); XLA CPU flushes subnormal results to zero and GPUs do not;
+the order of a reduction's additions is the backend's choice; by default XLA keeps some
+bfloat16 results in float32 (``xla_allow_excess_precision``); and NaN payloads depend on
+the hardware.
 
-Definition ``zkdv-jax-canonical-v1``
---------------------------------
+Definition ``zkdv-jax-canonical-v2``
+------------------------------------
+Version 2 computes float32 and narrower values without float64 anywhere, so that a TPU
+gives the CPU's bits (version 1 evaluated its formulas in float64, which a TPU emulates
+inexactly: the canonical Adam update moved parameters by hundreds on a v5e). Only the
+operations measured exact on every backend are used: float32 ``add``, ``sub`` and ``mul``
+(IEEE-754, round to nearest even), integer and bitwise operations, comparisons, selects
+and bitcasts.
+
 *Fence.* Every floating-point value that an operation produces (and every input and
 constant) passes through ``fence(x)``: its bits are OR-ed with ``zero``, a uint32 0 that
 is a *runtime* input of the program, so XLA cannot see through it and cannot fuse the
 operations on either side (every operation is rounded on its own); then a value whose
 magnitude is at most the format's smallest normal number becomes a zero of the same
-sign. XLA CPU flushes subnormal results to zero and GPUs do not; flushing both agrees.
-The smallest normal itself is flushed too: flush-to-zero hardware detects tininess after
-rounding and returns zero for a few results that a subnormal-capable one rounds up to
-the smallest normal. Operations that only move, select or negate values need no fence
-(their operands are fenced); conversions do.
+sign. XLA CPU and TPUs flush subnormal results to zero and GPUs do not; flushing all
+agrees. The smallest normal itself is flushed too: flush-to-zero hardware detects
+tininess after rounding and returns zero for a few results that a subnormal-capable one
+rounds up to the smallest normal. Operations that only move, select or negate values
+need no fence (their operands are fenced); conversions do.
 
 *NaN.* Every NaN in a result, and in a value reinterpreted as bits
 (``bitcast_convert_type``), is the positive quiet NaN (``0x7FC00000`` for float32). A
 NaN's payload and sign depend on the hardware, but a NaN operand always gives a NaN
 and compares the same, so the payload is fixed only where it becomes visible.
 
-*Exactly rounded operations.* ``add``, ``sub`` and ``mul`` of float32 and float64, and
-``div`` and ``sqrt`` of float64, are IEEE-754 operations (round to nearest even). ``div``
-and ``sqrt`` of float32, and every arithmetic operation of float16 and bfloat16, are
-computed in float64 and rounded once to the result type: float64 has more than twice the
-precision plus two bits, so the result is the correctly rounded one (XLA's float32
-division and square root on GPUs need not be). XLA's simplifier turns a division by a
-broadcast scalar into a multiplication by its reciprocal; in float64 for narrower
-operands that still rounds to the same quotient, and a float64 divisor is kept from
-being a broadcast. ``rsqrt(x)`` is ``1 / sqrt(x)`` evaluated in float64 and rounded once.
+*Exactly rounded operations.* ``add``, ``sub``, ``mul``, ``div`` and ``sqrt`` of float32
+give the IEEE-754 result (round to nearest even, then the fence's flush): ``add``,
+``sub`` and ``mul`` natively; ``div`` by long division of the significands in 32-bit
+integers, 25 quotient bits and a sticky bit, rounded once; ``sqrt`` digit by digit on
+the significand, likewise. Every arithmetic operation of float16 and bfloat16 is
+computed in float32 so and rounded once to the result type: float32 has at least twice
+their precision plus two bits, so the result is the correctly rounded one. Float64 values
+(only under ``jax_enable_x64``) operate natively in float64, which is IEEE on CPUs and
+GPUs but not on a TPU: float64 optimizer state is canonical on CPUs and GPUs only; a
+float64 divisor is tied to its dividend so that XLA's simplifier cannot turn a division
+by a broadcast scalar into a product by its reciprocal. ``rsqrt(x)`` is ``1 / sqrt(x)``,
+each correctly rounded.
 
 *Exact operations*, evaluated as XLA does: ``neg``, ``abs``, ``sign``, ``floor``,
 ``ceil``, ``round``, ``copy``, comparisons, ``select_n``, ``is_finite``, ``nextafter``,
@@ -64,33 +77,33 @@ same order (``-0 < +0``; NaN wins).
 *Powers.* ``integer_pow(x, n)``, ``square``, ``pow`` with an integer exponent and ``pow``
 with a literal integer-valued float exponent: binary powering (``x``, ``x^2``, ``x^4``...,
 multiplied in from the lowest exponent bit up; a runtime integer exponent scans all the
-bits of its type), each product fenced, in float64 for float32 and narrower, rounded
-once; a negative exponent takes ``1 / x^|n|`` before rounding. ``pow`` with a literal
-exponent of 0.5 or -0.5 is ``sqrt(x)`` or ``1 / sqrt(x)`` in float64, rounded once (of
-``|x|`` for ``x = -0`` and ``-inf``, as C99's ``pow`` has it). Any other ``pow(x, y)`` is
-``exp(y * log|x|)`` in float64, accurate to about ``(1 + |y log x|)`` float64 ulps, with
-C99's special cases (``pow(x, 0) = 1``, ``pow(1, y) = 1``, ``pow(-1, +-inf) = 1``, a
+bits of its type), each product rounded (in float32 for float32 and narrower), so
+``x^n`` is within about ``log2 n + popcount n`` half-ulps; a negative exponent takes
+``1 / x^|n|``. ``pow`` with a literal exponent of 0.5 or -0.5 is ``sqrt(x)`` or
+``1 / sqrt(x)`` (of ``|x|`` for ``x = -0`` and ``-inf``, as C99's ``pow`` has it). Any
+other ``pow(x, y)`` is ``exp(y * log|x|)``, accurate to about ``(1 + |y log x|)`` ulps,
+with C99's special cases (``pow(x, 0) = 1``, ``pow(1, y) = 1``, ``pow(-1, +-inf) = 1``, a
 negative base with an odd integer exponent negates, with a non-integer one gives NaN).
 
 *Transcendentals* (``exp``, ``exp2``, ``log``, ``log1p``, ``expm1``, ``sin``, ``cos``,
-``tan``, ``tanh``, ``logistic``, ``sinh``, ``cosh``): computed by the float64 formulas
-of ``zkdv.jax._canonical_arithmetic`` (Cody-Waite range reduction with fdlibm's split
-constants, Taylor polynomials with the float64 coefficients nearest to ``1/k!`` and
-``1/(2k+1)``, evaluated by Horner's rule), every operation fenced, rounded once to the
-result type. Accurate to a few float64 ulps (about 1e-15 relative); ``sin``, ``cos`` and
-``tan`` are accurate for ``|x| < 2^20 * pi/2`` and merely deterministic beyond.
+``tan``, ``tanh``, ``logistic``, ``sinh``, ``cosh``): the formulas of
+``zkdv.jax._canonical_arithmetic`` (Cody-Waite range reduction with fdlibm's split
+constants, Taylor polynomials with the coefficients nearest to ``1/k!`` and
+``1/(2k+1)``, evaluated by Horner's rule), every operation fenced, in float32 for
+float32 and narrower values (accurate to a few float32 ulps, as a float32 libm is;
+``sin``, ``cos`` and ``tan`` are accurate for ``|x| < 2^7 * pi/2`` and merely
+deterministic beyond) and in float64 for float64 values (a few float64 ulps).
 
-*Sums.* ``reduce_sum`` of floats is exact-then-rounded and independent of the order of
-the additions. With ``n`` the number of terms, ``L = ceil(log2 n)`` and ``M`` the largest
-finite magnitude, the terms (in float64) are split into levels ``k = 0, 1, ...`` with
-quanta ``q_k = 2^(exponent(M) + 1 + L - 52 + k (L - 52))`` (exponents clipped to
-[-1000, 1000]): level ``k`` takes from each term what is left of it rounded to a
-multiple of ``q_k`` (``round_half_even(r / q_k) * q_k``) and leaves the remainder to
-the next. A level's multiples stay below ``2^(52 - L) q_k``, so their sum is exact in
-float64 in any order. The number of levels is ``ceil((L + p + 2) / (52 - L))`` for a
-``p``-bit result, which bounds the discarded remainders by ``2^-(p+2) M``; the level sums
-are added from level 0 down and rounded to the result type. Infinite and NaN terms are
-summed apart (any order gives the same inf or NaN) and added last.
+*Sums.* ``reduce_sum`` of float32 and narrower values is exact in integers, independent
+of the order of the terms and of the additions, and rounded once: each finite term
+``s * m * 2^(E - 150)`` becomes the integer ``trunc(m * 2^(E - M + L + 9))`` (``M`` the
+largest exponent field among the terms, ``L = ceil(log2 n)``), which loses less than
+``2^-32`` of the largest term over all ``n`` terms; the integers are cut into 16-bit
+digits whose sums, positive and negative terms apart, cannot overflow 32 bits (sums of
+more than ``2^16`` terms go by blocks); the digit sums are carried into one integer and
+rounded to nearest even to the result's precision. Infinite and NaN terms are summed
+apart (any order gives the same inf or NaN). Float64 sums are exact-then-rounded by
+float64 levels, as in version 1.
 
 *Cumulative operations* (``cumsum``, ``cumprod``, ``cummax``, ``cummin``) run along the
 axis one element after the other (from the last one with ``reverse``), each step an
@@ -120,7 +133,7 @@ __all__ = ["CANONICAL_VERSION", "NotCanonical", "canonical", "check"]
 
 
 def canonical(function: Callable[..., Any], zero: Any) -> Callable[..., Any]:
-    """Wrap ``function`` so that it is evaluated by the ``zkdv-jax-canonical-v1`` rules.
+    """Wrap ``function`` so that it is evaluated by the ``zkdv-jax-canonical-v2`` rules.
 
     Args:
         function: a JAX-traceable function of pytrees of arrays, e.g. an
@@ -160,17 +173,15 @@ def canonical(function: Callable[..., Any], zero: Any) -> Callable[..., Any]:
             positional, named = jax.tree.unflatten(tree, values)
             return function(*positional, **named)
 
-        # Traced with the caller's x64 setting: that is the function's meaning.
+        # Traced and evaluated with the caller's x64 setting: that is the function's
+        # meaning, and nothing in the rules needs float64 for narrower values.
         closed, shapes = jax.make_jaxpr(flat, return_shape=True)(*leaves)
-        # Evaluated with x64 on: the rules compute in float64 and build uint64 fences.
-        # Every value keeps the dtype of its jaxpr variable, so the outputs are unchanged.
-        with jax.enable_x64(True):
-            evaluator = _Evaluator(zero)
-            inputs = [
-                evaluator.fence(jnp.asarray(leaf, dtype=var.aval.dtype))
-                for leaf, var in zip(leaves, closed.jaxpr.invars, strict=True)
-            ]
-            outputs = [evaluator.seal(y) for y in evaluator.run_closed(closed, inputs)]
+        evaluator = _Evaluator(zero)
+        inputs = [
+            evaluator.fence(jnp.asarray(leaf, dtype=var.aval.dtype))
+            for leaf, var in zip(leaves, closed.jaxpr.invars, strict=True)
+        ]
+        outputs = [evaluator.seal(y) for y in evaluator.run_closed(closed, inputs)]
         return jax.tree.unflatten(jax.tree.structure(shapes), outputs)
 
     return evaluate

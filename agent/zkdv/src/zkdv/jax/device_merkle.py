@@ -42,9 +42,16 @@ __all__ = [
 ]
 
 
-def supported(dtype: Any) -> bool:
-    """Whether leaves of ``dtype`` can be hashed on the device (whole-byte dtypes)."""
+def supported(dtype: Any, platform: str | None = None) -> bool:
+    """Whether leaves of ``dtype`` can be hashed on the device (whole-byte dtypes).
+
+    ``platform`` is the backend holding the leaf: a TPU has no IEEE float64 (XLA keeps
+    a float64 there as a pair of float32s), so its float64 leaves have no device bytes
+    to hash (measured on a v5e: their roots differ from the host's) and go to the host.
+    """
     dtype = np.dtype(dtype)
+    if platform == "tpu" and dtype == np.float64:
+        return False
     # ml_dtypes' types (bfloat16, float8_*) are numpy kind "V"; complex, strings,
     # objects and datetimes are not state.
     if dtype.itemsize not in (1, 2, 4, 8) or dtype.kind in "cOSUMm":
