@@ -12,6 +12,7 @@ few and the rows many.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -208,6 +209,66 @@ def test_rounding_ties_and_the_double_rounding_are_the_hosts() -> None:
     host = _host(rows, matrix)
     assert np.array_equal(host[:, 0].view(np.uint32), want.view(np.uint32)), host[:, 0]
     _same(_device(rows, matrix), host)
+
+
+def _near_ties(rng: np.random.Generator, count: int) -> list[int]:
+    """Signed integers of up to 80 bits, most of them at, or one unit of some lower bit
+    away from, a tie of the 24-bit rounding, of the 53-bit one, or of both at once (a
+    24-bit tie plus or minus half a 53-bit unit: where rounding twice and rounding once
+    differ, also by bits below the 64 the device rounds from)."""
+    out = []
+    for _ in range(count):
+        length = int(rng.integers(1, 81))
+        value = int(rng.integers(0, 2**62)) | (1 << 62)
+        value = value >> (63 - length) if length < 63 else value << (length - 63)
+        kind = int(rng.integers(0, 5))
+        cut24, cut53 = length - 24, length - 53
+        if kind and cut24 > 0:
+            value = value >> cut24 << cut24
+            if kind != 2:  # 1, 3, 4: a tie of the 24-bit rounding
+                value |= 1 << (cut24 - 1)
+            if kind >= 2 and cut53 > 0:  # 2, 3, 4: half a 53-bit unit around it
+                value += int(rng.choice([-1, 1])) * (1 << (cut53 - 1))
+            lowest = cut53 - 1 if kind >= 2 else cut24 - 1
+            if kind != 4 and lowest > 0:  # one unit of a lower bit
+                value += int(rng.choice([-1, 1])) * (1 << int(rng.integers(0, lowest)))
+        out.append(value * int(rng.choice([-1, 1])))
+    return out
+
+
+def _reference(value: int, scale: int) -> np.uint32:
+    """The host's finish of an exact sum ``value * 2**scale``: float64, then float32."""
+    wide = math.ldexp(float(value), scale)  # int -> float rounds to nearest even
+    if abs(wide) < 2.0**-126:
+        return np.uint32(0)
+    with np.errstate(over="ignore"):
+        return np.float32(wide).view(np.uint32)
+
+
+def test_the_finish_rounds_exact_sums_as_the_host() -> None:
+    """Steps 6-7 alone on sums the products rarely make: ties of either rounding, one
+    unit of any lower bit around them, scales from deep in the flush to overflow."""
+    from zkdv.jax.device_probes import _finish
+
+    rng = np.random.default_rng(17)
+    # 2**B - 1 at the scale that puts it just below 2**-126: the 53-bit rounding
+    # carries it up to 2**-126 (kept) when B > 53; exact and flushed when B <= 53.
+    edges = [(sign * (2**b - 1), -126 - b) for b in range(50, 81) for sign in (1, -1)]
+    values = [0, 1, -1, 2**80 - 1, -(2**79), *(v for v, _ in edges), *_near_ties(rng, 4000)]
+    scales = rng.integers(-215, 130, len(values))
+    scales[5 : 5 + len(edges)] = [k for _, k in edges]
+    limbs = np.zeros((7, len(values)), np.int32)
+    for i, value in enumerate(values):
+        for j in range(7):
+            limbs[j, i] = ((abs(value) >> (16 * j)) & 0xFFFF) * (1 if value >= 0 else -1)
+    bad = np.arange(len(values)) % 97 == 5
+    got = np.asarray(jax.jit(_finish)(limbs, scales.astype(np.int32), bad)).view(np.uint32)
+    want = [
+        np.uint32(0x7FC00000) if b else _reference(v, int(k))
+        for v, k, b in zip(values, scales, bad, strict=True)
+    ]
+    differ = [i for i, w in enumerate(want) if got[i] != w]
+    assert not differ, [(values[i], int(scales[i]), hex(got[i]), hex(want[i])) for i in differ[:5]]
 
 
 def test_rows_longer_than_one_int32_sum() -> None:
