@@ -26,7 +26,8 @@ at most 80 bits) and ``K = c_j + e - 2w``; both addends are exact float64 values
 the addition rounds once: the host's value is ``RN24(RN53(X) * 2**K)``, a rounding to
 float64's 53 bits then to float32's 24 (nearest, ties to even, both; the double
 rounding is kept as it is, ties included). Scaling by ``2**K`` commutes with both
-roundings: ``K >= -328`` and ``|X| < 2**80`` keep every intermediate a normal float64.
+roundings: ``K >= -328`` and ``|X| < 2**80`` keep every intermediate a normal float64,
+and what is not flushed below is a normal float32 or an overflow.
 The host then flushes results below ``2**-126`` (on the float64 value) to ``+0``,
 makes zeros positive and gives a row holding an infinity or NaN the NaN ``0x7FC00000``;
 float32 overflow (``RN24 >= 2**128``) is an infinity.
@@ -43,16 +44,18 @@ float32 overflow (``RN24 >= 2**128``) is an infinity.
    of zeros and subnormals flushes to zeros (``e = 0``).
 3. *Digits of N.* A normal element is ``M * 2**(E - 150)`` (``M`` its 24-bit
    significand with the implicit bit, ``E`` its exponent field; ``E = 0``, subnormal or
-   zero, is flushed), so ``|N| = floor(M * 2**s)`` with ``s = E - 150 + 2w - e <= 2w - 24``.
-   Its base-128 digit ``i`` is ``floor(M * 2**(s - 7i)) mod 128``: one uint32 shift
+   zero, is flushed: the host flushes subnormals only in rows where they could reach a
+   slice, and elsewhere they give zero slices anyway), so ``|N| = floor(M * 2**s)``
+   with ``s = E - 150 + 2w - e <= 2w - 24``. Its base-128 digit ``i`` is ``floor(M * 2**(s - 7i)) mod 128``: one uint32 shift
    (left when ``s - 7i >= 0``, where the product's wrap-around at ``2**32`` does not
    touch the low 7 bits; right otherwise; amounts of 32 or more give 0). ``ceil(2w/7)``
    digits, each times the element's sign, are int8 in ``[-127, 127]``.
 4. *Digits of Q.* The same, on the host, once (:func:`matrix_digits`): ``ceil(w/7)``
    signed digits per entry, and ``c_j`` per column.
 5. *One int8 matmul.* Row digits stacked ``(digits_N * r, d)`` times matrix digits
-   ``(d, digits_Q * k)``, accumulated in int32 (``preferred_element_type``): entry
-   ``(i, a; j, b)`` is ``S_ab = sum_t N_t[a] Q[t, j][b]``, so
+   ``(d, digits_Q * k)``, accumulated in int32 (``preferred_element_type``; batched
+   over the leaves of a class, below): entry ``(i, a; j, b)`` is
+   ``S_ab = sum_t N_t[a] Q[t, j][b]``, so
    ``X = sum_ab S_ab * 2**(7(a + b))``. Each product is at most ``127**2 < 2**14``, so a
    sum of ``2**17`` terms is below ``2**31``: int32 cannot overflow, in any order. Rows
    longer than ``2**17`` are multiplied in blocks of ``2**17`` columns, one more ``S``
@@ -76,6 +79,11 @@ float32 overflow (``RN24 >= 2**128``) is an infinity.
    rounds ``RN53(X)``, not ``X``). Flush when ``X = 0`` or ``B53 + K <= -126`` (then
    ``RN53(X) * 2**K < 2**-126``; otherwise it is at least ``2**-126``); the float32
    exponent field is ``B24 + K + 126``, an infinity at 255 or above.
+
+*The program's layout.* :class:`DeviceProbes` projects the leaves with the same row
+length and number of probed rows together (a class): one batched matmul and one set of
+limb sums per class, then steps 6 (carries) and 7 once for every probe of the tree, so
+the program's size grows with the number of classes, not of leaves or digit pairs.
 
 Measured on a TPU v5e (2026-12-05): int8 x int8 -> int32 products are exact, integer
 shifts of 32 or more give 0 (logical) or the sign (arithmetic), and nothing above uses
