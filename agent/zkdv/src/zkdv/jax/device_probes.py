@@ -47,9 +47,10 @@ float32 overflow (``RN24 >= 2**128``) is an infinity.
    zero, is flushed: the host flushes subnormals only in rows where they could reach a
    slice, and elsewhere they give zero slices anyway), so ``|N| = floor(M * 2**s)``
    with ``s = E - 150 + 2w - e <= 2w - 24``. Its base-128 digit ``i`` is
-   ``floor(M * 2**(s - 7i)) mod 128``: one uint32 shift (left when ``s - 7i >= 0``, where the product's wrap-around at ``2**32`` does not
-   touch the low 7 bits; right otherwise; amounts of 32 or more give 0). ``ceil(2w/7)``
-   digits, each times the element's sign, are int8 in ``[-127, 127]``.
+   ``floor(M * 2**(s - 7i)) mod 128``: one uint32 shift (left when ``s - 7i >= 0``,
+   where the wrap-around at ``2**32`` does not touch the low 7 bits; right otherwise;
+   amounts of 32 or more give 0). ``ceil(2w/7)`` digits, each times the element's
+   sign, are int8 in ``[-127, 127]``.
 4. *Digits of Q.* The same, on the host, once (:func:`matrix_digits`): ``ceil(w/7)``
    signed digits per entry, and ``c_j`` per column.
 5. *One int8 matmul.* Row digits stacked ``(digits_N * r, d)`` times matrix digits
