@@ -307,19 +307,21 @@ def _tree() -> list[np.ndarray]:
     ]
 
 
-def test_device_probes_of_a_tree_without_x64() -> None:
-    """x64 off (JAX's default): the program holds no 64-bit type at all."""
-    assert not jax.config.jax_enable_x64
-    arrays = _tree()
-    probes = ProbeSet.create(
-        [LeafSpec.of(str(i), a) for i, a in enumerate(arrays)], 0.1, b"seed" * 4
-    )
-    device = DeviceProbes(probes)
-    leaves = [jnp.asarray(a) for a in arrays]
-    flat = np.asarray(device(leaves))
+@pytest.mark.parametrize("x64", [False, True])
+def test_device_probes_of_a_tree_hold_no_64_bit_type(x64: bool) -> None:
+    """x64 off (JAX's default) or on (a user's choice): the program holds no 64-bit
+    type, not even a constant, and gives the host's bits."""
+    with jax.enable_x64(x64):
+        arrays = _tree()
+        probes = ProbeSet.create(
+            [LeafSpec.of(str(i), a) for i, a in enumerate(arrays)], 0.1, b"seed" * 4
+        )
+        device = DeviceProbes(probes)
+        leaves = [jnp.asarray(a) for a in arrays]
+        flat = np.asarray(device(leaves))
+        text = device.program().lower(leaves, device.matrices).as_text()
     for want, got in zip(probes.project_all(arrays), device.split(flat), strict=True):
         _same(got, want)
-    text = device.program().lower(leaves, device.matrices).as_text()
     assert not WIDE_TYPES.findall(text)
 
 

@@ -181,11 +181,13 @@ def _shift(x: Any, amount: Any) -> Any:
     XLA's shifts by 32 or more are defined (0 for these), but the amounts are clamped
     anyway: the result does not depend on any backend's handling of them.
     """
-    left = lax.shift_left(x, jnp.clip(amount, 0, 31).astype(jnp.uint32))
-    right = lax.shift_right_logical(x, jnp.clip(-amount, 0, 31).astype(jnp.uint32))
+    left = lax.shift_left(x, jnp.clip(amount, _i32(0), _i32(31)).astype(jnp.uint32))
+    right = lax.shift_right_logical(x, jnp.clip(-amount, _i32(0), _i32(31)).astype(jnp.uint32))
     zero = jnp.zeros_like(x)
     return jnp.where(
-        amount >= 0, jnp.where(amount > 31, zero, left), jnp.where(amount < -31, zero, right)
+        amount >= _i32(0),
+        jnp.where(amount > _i32(31), zero, left),
+        jnp.where(amount < _i32(-31), zero, right),
     )
 
 
@@ -229,7 +231,7 @@ def _row_digits(bits: Any, width: int) -> tuple[Any, Any, Any]:
     peak = jnp.max(magnitude, axis=-1)
     bad = peak >= _u32(0x7F800000)
     peak_field = lax.shift_right_logical(peak, _u32(23)).astype(jnp.int32)
-    top = jnp.where(peak_field > 0, peak_field - 126, 0)
+    top = jnp.where(peak_field > _i32(0), peak_field - _i32(126), _i32(0))
     field = lax.shift_right_logical(magnitude, _u32(23)).astype(jnp.int32)
     significand = (magnitude & _u32(0x7FFFFF)) | _u32(0x800000)
     keep = (field > 0) & ~bad[..., None]
@@ -314,7 +316,7 @@ def _at(limbs: list[Any], index: Any) -> Any:
     """The limb at a per-entry ``index`` (0 outside the number), by selects."""
     out = jnp.zeros_like(limbs[0])
     for i, limb in enumerate(limbs):
-        out = jnp.where(index == i, limb, out)
+        out = jnp.where(index == _i32(i), limb, out)
     return out
 
 
@@ -337,7 +339,7 @@ def _window(limbs: list[Any]) -> tuple[Any, list[Any], Any]:
         window.append((low | high) & _u32(_MASK16))
     sticky = jnp.zeros(limbs[0].shape, bool)
     for i, word in enumerate(words):
-        below = jnp.clip(start - _LIMB * i, 0, _LIMB).astype(jnp.uint32)
+        below = jnp.clip(start - _i32(_LIMB * i), _i32(0), _i32(_LIMB)).astype(jnp.uint32)
         mask = lax.shift_left(_u32(1), below) - _u32(1)
         sticky = sticky | ((word & mask) != _u32(0))
     return length, window, sticky
@@ -409,7 +411,7 @@ def _finish(sums: Any, scale: Any, bad: Any) -> Any:
     significand, carry53, carry24 = _double_round(window, sticky)
     flush = (length == 0) | (length + carry53 + scale <= -126)
     field = length + carry53 + carry24 + scale + 126
-    finite = lax.shift_left(jnp.clip(field, 0, 255).astype(jnp.uint32), _u32(23)) | (
+    finite = lax.shift_left(jnp.clip(field, _i32(0), _i32(255)).astype(jnp.uint32), _u32(23)) | (
         significand & _u32(0x7FFFFF)
     )
     out = jnp.where(field >= 255, _u32(0x7F800000), finite)
@@ -435,7 +437,11 @@ def _project_classes(blocks: Sequence[tuple[Any, IntegerMatrix]]) -> list[Any]:
         return out
     limbs = max(len(sums) for sums, _, _ in parts)
     sums = jnp.concatenate(
-        [jnp.pad(sums, ((0, limbs - len(sums)), (0, 0))) for sums, _, _ in parts], axis=1
+        [
+            jnp.pad(sums, ((0, limbs - len(sums)), (0, 0)), constant_values=_i32(0))
+            for sums, _, _ in parts
+        ],
+        axis=1,
     )
     flat = _finish(
         sums,
