@@ -274,24 +274,32 @@ def _propagate(limbs: list[Any]) -> list[Any]:
     return out
 
 
-def _sums(products: Any, counts: tuple[int, int], limbs: int) -> Any:
-    """Step 6's sums: ``X`` as ``limbs`` int32 limbs ``(limbs, n, r, k)`` of weight
-    ``2**(16 i)``, not yet carried (each below ``2**31`` in magnitude).
+def _canonical(products: Any, counts: tuple[int, int]) -> Any:
+    """A class's products ``(blocks, n, count_N * r, count_Q * k)`` as
+    ``(blocks, count_N, count_Q, n * r * k)``: digit pairs first, then every probe."""
+    row_count, matrix_count = counts
+    blocks, n, _, _ = products.shape
+    rows, k = products.shape[2] // row_count, products.shape[3] // matrix_count
+    pairs = products.reshape(blocks, n, row_count, rows, matrix_count, k)
+    return pairs.transpose(0, 2, 4, 1, 3, 5).reshape(blocks, row_count, matrix_count, -1)
+
+
+def _sums(products: Any, limbs: int) -> Any:
+    """Step 6's sums: ``X`` as ``limbs`` int32 limbs ``(limbs, E)`` of weight
+    ``2**(16 i)``, not yet carried (each below ``2**30`` in magnitude), from the
+    products ``(blocks, count_N, count_Q, E)`` of every probe.
 
     The digit pairs are ordered by weight ``a + b`` first, so each limb's pieces are
     contiguous slices: one sum per slice, not one operation per pair (the program
     stays small, and compiles in seconds).
     """
-    row_count, matrix_count = counts
-    blocks, n, _, _ = products.shape
-    rows, k = products.shape[2] // row_count, products.shape[3] // matrix_count
-    pairs = products.reshape(blocks, n, row_count, rows, matrix_count, k)
-    pairs = pairs.transpose(0, 1, 2, 4, 3, 5).reshape(blocks, n, -1, rows, k)
+    blocks, row_count, matrix_count, entries = products.shape
     weight = DIGIT_BITS * np.add.outer(np.arange(row_count), np.arange(matrix_count)).ravel()
     order = np.argsort(weight, kind="stable")
     weight = weight[order]
-    pairs = jnp.take(pairs, jnp.asarray(order, jnp.int32), axis=2)
-    offset = jnp.asarray((weight % _LIMB)[None, None, :, None, None], jnp.int32)
+    pairs = products.reshape(blocks, row_count * matrix_count, entries)
+    pairs = jnp.take(pairs, jnp.asarray(order, jnp.int32), axis=1)
+    offset = jnp.asarray((weight % _LIMB)[None, :, None], jnp.int32)
     low = lax.shift_left(pairs & _i32(_MASK16), offset)
     high = lax.shift_left(lax.shift_right_arithmetic(pairs, _i32(_LIMB)), offset)
     pieces = (
@@ -300,14 +308,15 @@ def _sums(products: Any, counts: tuple[int, int], limbs: int) -> Any:
         lax.shift_right_arithmetic(high, _i32(_LIMB)),
     )
     place = weight // _LIMB
+    assert place.max() + 2 < limbs, "a piece above the top limb"
     total = []
     for limb in range(limbs):
-        summed = jnp.zeros((n, rows, k), jnp.int32)
+        summed = jnp.zeros((entries,), jnp.int32)
         for lift, piece in enumerate(pieces):
             chosen = np.flatnonzero(place + lift == limb)
             if len(chosen):
-                part = piece[:, :, int(chosen[0]) : int(chosen[-1]) + 1]
-                summed = summed + jnp.sum(part, axis=(0, 2), dtype=jnp.int32)
+                part = piece[:, int(chosen[0]) : int(chosen[-1]) + 1]
+                summed = summed + jnp.sum(part, axis=(0, 1), dtype=jnp.int32)
         total.append(summed)
     return jnp.stack(total)
 
@@ -382,11 +391,18 @@ def _limb_count(width: int, d: int, row_count: int, matrix_count: int) -> int:
     return max(pieces, magnitude // _LIMB + 2)
 
 
-def _class_sums(bits: Any, matrix: IntegerMatrix) -> tuple[Any, Any, Any]:
-    """Steps 2-6 for ``n`` row blocks given as float32 bits ``(n, r, d)`` against ``n``
-    stacked matrices (digits ``(n, d, count * k)``, exponents ``(n, k)``): the uncarried
-    limbs of every ``X`` (``(limbs, n * r * k)``), its scale ``K`` and whether its row
-    holds an infinity or NaN (both ``(n * r * k,)``)."""
+class _Products(NamedTuple):
+    """Steps 2-5 of one class: what steps 6-7 need, for its ``E = n * r * k`` probes."""
+
+    products: Any  # (blocks, count_N, count_Q, E) int32
+    scale: Any  # (E,) int32: K
+    bad: Any  # (E,) bool: the row holds an infinity or NaN
+    limbs: int  # limbs that hold its X
+
+
+def _class_products(bits: Any, matrix: IntegerMatrix) -> _Products:
+    """Steps 2-5 for ``n`` row blocks given as float32 bits ``(n, r, d)`` against ``n``
+    stacked matrices (digits ``(n, d, count * k)``, exponents ``(n, k)``)."""
     n, rows, d = bits.shape
     k = matrix.exponents.shape[-1]
     if d > MAX_TERMS:
@@ -394,11 +410,12 @@ def _class_sums(bits: Any, matrix: IntegerMatrix) -> tuple[Any, Any, Any]:
     width = slice_width(d)
     digits, top, bad = _row_digits(bits, width)
     counts = (_digit_count(2 * width), _digit_count(width))
-    sums = _sums(_products(digits, matrix.digits), counts, _limb_count(width, d, *counts))
+    products = _canonical(_products(digits, matrix.digits), counts)
     exponents = jnp.asarray(matrix.exponents, jnp.int32)
-    scale = top[..., None] + exponents[:, None, :] - 2 * width
+    scale = top[..., None] + exponents[:, None, :] - _i32(2 * width)
     bad = jnp.broadcast_to(bad[..., None], (n, rows, k))
-    return sums.reshape(len(sums), -1), scale.reshape(-1), bad.reshape(-1)
+    limbs = _limb_count(width, d, *counts)
+    return _Products(products, scale.reshape(-1), bad.reshape(-1), limbs)
 
 
 def _finish(sums: Any, scale: Any, bad: Any) -> Any:
@@ -422,37 +439,42 @@ def _finish(sums: Any, scale: Any, bad: Any) -> Any:
 
 
 def _project_classes(blocks: Sequence[tuple[Any, IntegerMatrix]]) -> list[Any]:
-    """The exact probes ``(n, r, k)`` float32 of each ``(bits, matrix)`` class: steps
-    2-6 per class, then steps 6-7 once for all of them (their limbs padded to the same
-    count with zeros), which keeps the program small."""
+    """The exact probes ``(n, r, k)`` float32 of each ``(bits, matrix)`` class.
+
+    Steps 2-5 per class; then the products of every class, padded with zero products
+    to the same digit counts and blocks (which adds zeros to the sums), go through
+    steps 6-7 together: the program's size grows with the classes only by their
+    matmuls and digits."""
     shapes = [(bits.shape[0], bits.shape[1], m.exponents.shape[-1]) for bits, m in blocks]
     live = [
         i
         for i, ((n, rows, k), (bits, _)) in enumerate(zip(shapes, blocks, strict=True))
         if n * rows * k and bits.shape[2]
     ]
-    parts = [_class_sums(*blocks[i]) for i in live]
+    parts = [_class_products(*blocks[i]) for i in live]
     out = [jnp.zeros(shape, jnp.float32) for shape in shapes]
     if not parts:
         return out
-    limbs = max(len(sums) for sums, _, _ in parts)
-    sums = jnp.concatenate(
-        [
-            jnp.pad(sums, ((0, limbs - len(sums)), (0, 0)), constant_values=_i32(0))
-            for sums, _, _ in parts
-        ],
-        axis=1,
-    )
+    size = tuple(max(part.products.shape[axis] for part in parts) for axis in range(3))
+    padded = [
+        jnp.pad(
+            part.products,
+            [(0, size[axis] - part.products.shape[axis]) for axis in range(3)] + [(0, 0)],
+            constant_values=_i32(0),
+        )
+        for part in parts
+    ]
+    limbs = max(_limb_count(0, 1, size[1], size[2]), *(part.limbs for part in parts))
     flat = _finish(
-        sums,
-        jnp.concatenate([scale for _, scale, _ in parts]),
-        jnp.concatenate([bad for _, _, bad in parts]),
+        _sums(jnp.concatenate(padded, axis=3), limbs),
+        jnp.concatenate([part.scale for part in parts]),
+        jnp.concatenate([part.bad for part in parts]),
     )
     start = 0
     for i in live:
-        size = int(np.prod(shapes[i]))
-        out[i] = flat[start : start + size].reshape(shapes[i])
-        start += size
+        count = int(np.prod(shapes[i]))
+        out[i] = flat[start : start + count].reshape(shapes[i])
+        start += count
     return out
 
 
