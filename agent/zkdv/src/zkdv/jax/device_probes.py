@@ -82,9 +82,11 @@ float32 overflow (``RN24 >= 2**128``) is an infinity.
    exponent field is ``B24 + K + 126``, an infinity at 255 or above.
 
 *The program's layout.* :class:`DeviceProbes` projects the leaves with the same row
-length and number of probed rows together (a class): one batched matmul and one set of
-limb sums per class, then steps 6 (carries) and 7 once for every probe of the tree, so
-the program's size grows with the number of classes, not of leaves or digit pairs.
+length and number of probed rows together (a class): steps 2-5 per class (one batched
+matmul each), then steps 6 and 7 once for every probe of the tree, the classes'
+products padded with zero products to common digit counts (zeros add nothing to the
+sums). The program's size grows with the number of classes only by their digits and
+matmuls, not with the number of leaves or digit pairs.
 
 Measured on a TPU v5e (2026-12-05): int8 x int8 -> int32 products are exact, integer
 shifts of 32 or more give 0 (logical) or the sign (arithmetic), and nothing above uses
