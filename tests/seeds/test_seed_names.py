@@ -254,3 +254,17 @@ def test_the_dataclasses_the_seeds_mark() -> None:
 @pytest.mark.parametrize("path", SEED_FILES)
 def test_the_files_the_seeds_name_are_here(path: str) -> None:
     assert (REPO_ROOT / path).is_file(), f"the seeds point users at {path}"
+
+
+def test_the_tests_the_page_names_exist() -> None:
+    """The page maps each seed example to its test; a renamed test must update it."""
+    text = PAGE.read_text(encoding="utf-8")
+    section = text[text.index("## The seeds' examples as tests") :]
+    named = set(re.findall(r"\b(test_\w+)\b(?!\.py)", section))
+    defined = {
+        found
+        for path in (REPO_ROOT / "tests").rglob("test_*.py")
+        for found in re.findall(r"^def (test_\w+)\(", path.read_text(), re.MULTILINE)
+    }
+    assert len(named) > 15
+    assert named <= defined, f"docs/seed-api.md names tests that do not exist: {named - defined}"
