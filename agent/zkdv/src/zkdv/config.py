@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,12 +24,37 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 #: Where state commitments, probes and challenged values are computed (ZKDVConfig).
 COMMITMENT_PATHS = ("auto", "host", "device")
 
+#: ``SamplingPolicy.state_check_probability`` when it is not configured. The seeds' core
+#: reference names this sentinel as the argument's only valid value, and their README
+#: passes 0.01, so both are released API (STYLE.md rule 25): kept, without effect.
+STATE_CHECK_SENTINEL = -1.0
+STATE_CHECK_DEPRECATED = (
+    "SamplingPolicy(state_check_probability=...) is deprecated and has no effect: every "
+    "sampled check covers one update coordinate and one optimizer-state coordinate, "
+    "drawn with update_check_probability. Leave state_check_probability unset."
+)
+
 
 def _probability(name: str, value: float) -> float:
     value = float(value)
     if not math.isfinite(value) or not 0.0 <= value <= 1.0:
         raise ValueError(f"{name}={value!r} must be a probability in [0, 1]")
     return value
+
+
+def _deprecated_state_check(policy: SamplingPolicy) -> float:
+    """The deprecated argument as a float, checked as it always was (a probability)."""
+    value = policy.state_check_probability
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(
+            f"state_check_probability={value!r} must be a number (deprecated: leave it unset)"
+        )
+    if not math.isfinite(value) or not 0.0 <= value <= 1.0:
+        raise ValueError(
+            f"state_check_probability={value!r} must be a probability in [0, 1] or the "
+            f"sentinel {STATE_CHECK_SENTINEL} (deprecated: leave it unset)"
+        )
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -42,13 +68,27 @@ class SamplingPolicy:
         update_check_probability: probability that a step is re-executed and checked
             (0.01 when not given). Every sampled check covers one update coordinate and
             one optimizer-state coordinate.
+        state_check_probability: deprecated; kept for backwards compatibility and should
+            not be configured. Its only meaningful value is the default sentinel,
+            ``-1.0``. Any other probability in [0, 1] is accepted with a
+            ``DeprecationWarning`` and has no effect: it changes neither the sampling
+            nor the transcript (the root record does not hold it), and a policy that
+            sets it equals one that does not.
     """
 
     update_check_probability: float | None = None
+    # compare=False: the argument has no effect, so two policies that differ only here
+    # sample the same steps and must compare equal (a config read back from its record
+    # equals the one that wrote it). repr=False: the sentinel is noise in a repr.
+    state_check_probability: float = field(default=STATE_CHECK_SENTINEL, compare=False, repr=False)
     check_every: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         update = self.update_check_probability
+        if self.state_check_probability != STATE_CHECK_SENTINEL:
+            object.__setattr__(self, "state_check_probability", _deprecated_state_check(self))
+            # stacklevel 3: __post_init__ <- the dataclass __init__ <- the caller's line.
+            warnings.warn(STATE_CHECK_DEPRECATED, DeprecationWarning, stacklevel=3)
         object.__setattr__(
             self,
             "update_check_probability",

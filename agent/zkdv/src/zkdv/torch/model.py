@@ -1,0 +1,13 @@
+"""``zkdv.torch.model``: where the seeds' Torch API reference puts it.
+
+The prepared model state. The seeds' API is released API (STYLE.md rule 25), so this
+import path keeps working; the implementation lives in :mod:`zkdv.torch._model`, and
+this module re-exports :class:`~zkdv.torch._model.PreparedModel`. What is as the seeds
+document it and what changed is listed in ``docs/seed-api.md``.
+"""
+
+from __future__ import annotations
+
+from zkdv.torch._model import PreparedModel
+
+__all__ = ["PreparedModel"]
