@@ -197,8 +197,11 @@ def _read_run_file(experiment: Experiment, sha256: str) -> tuple[Blob, RunFile]:
         with mapped(blob.storage_name) as data:
             run_file = RunFile.from_bytes(bytes(data))
     except SlicedFormatError as error:
+        # A limit refused from the CBOR headers (zkdv.sliced._bounded) says which and what
+        # it found, so the lab can tell a format error from a run too large to file.
+        limits = {"limit": error.limit, "got": error.got} if error.limit is not None else None
         raise SlicedRunRejectedError(
-            f"run_file: {error}", field=f"run_file.{error.field}"
+            f"run_file: {error}", field=f"run_file.{error.field}", detail=limits
         ) from None
     micro_batches, _, rows = run_file.shape
     if micro_batches * rows > MAX_SEQUENCES:
