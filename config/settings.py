@@ -433,6 +433,9 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_PAGINATION_CLASS": "attestations.http.pagination.CursorPage",
+    # Every generic view's queryset goes through QueryFilters, which refuses a query
+    # parameter the view does not read (400 unknown_filter): a list cannot forget it.
+    "DEFAULT_FILTER_BACKENDS": ["attestations.http.filters.QueryFilters"],
     "DEFAULT_RENDERER_CLASSES": [
         "rest_framework.renderers.JSONRenderer",
         "rest_framework.renderers.BrowsableAPIRenderer",
