@@ -101,7 +101,7 @@ class SlicedRunSerializer(serializers.ModelSerializer[SlicedRun]):
         in some filing (``attestations.challenges.sliced.seed_is_spent``): until then a
         later filing of the same run file could try answers against it offline.
         """
-        return run.seed if sliced.seed_is_spent(run) else None
+        return run.seed if sliced.seed_is_spent(run, self.context.get("answered")) else None
 
 
 class SlicedRunFiling(serializers.Serializer[Any]):
@@ -160,6 +160,14 @@ class SlicedRunList(generics.ListAPIView[SlicedRun]):
     def get_queryset(self) -> QuerySet[SlicedRun]:
         experiment = _experiment(self.request, self.kwargs["owner"], self.kwargs["name"])
         return _runs(self.request).filter(experiment=experiment)
+
+    def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        page = self.paginate_queryset(self.filter_queryset(self.get_queryset()))
+        assert page is not None
+        # Whether each run's seed may be shown, for the whole page in one query.
+        answered = sliced.answered_indexes({run.digest for run in page})
+        data = SlicedRunSerializer(page, many=True, context={"answered": answered}).data
+        return self.get_paginated_response(data)
 
     @extend_schema(request=SlicedRunFiling, responses={201: SlicedRunSerializer})
     def post(self, request: Request, owner: str, name: str) -> Response:

@@ -301,22 +301,34 @@ def pinned_answer(digest: str, index: int) -> str | None:
     )
 
 
-def seed_is_spent(run: SlicedRun) -> bool:
+def answered_indexes(digests: Iterable[str]) -> dict[str, set[int]]:
+    """For each run file digest, the indexes of its slices answered in some filing (one query)."""
+    answered: dict[str, set[int]] = {digest: set() for digest in digests}
+    rows = (
+        SlicedChallenge.objects.filter(run__digest__in=list(answered))
+        .exclude(answer_digest="")
+        .values_list("run__digest", "index")
+        .distinct()
+    )
+    for digest, index in rows:
+        answered[digest].add(index)
+    return answered
+
+
+def seed_is_spent(run: SlicedRun, answered: dict[str, set[int]] | None = None) -> bool:
     """Whether showing ``run``'s seed can no longer help any filing of its run file.
 
     The seed draws a slice's sequences from the digest of its answer. While a slice of
     the run file has no answer in any filing, a later filing could try answers against
     a known seed offline; once every slice is answered somewhere, every filing must give
     those answers (:func:`answer`) and the draws are fixed. The run must be settled too.
+    ``answered`` is :func:`answered_indexes` of a page of runs, read once for all.
     """
     if run.status == SlicedRunStatus.CHALLENGED:
         return False
-    answered = set(
-        SlicedChallenge.objects.filter(run__digest=run.digest)
-        .exclude(answer_digest="")
-        .values_list("index", flat=True)
-    )
-    return all(c.index in answered for c in run.challenges.all())
+    if answered is None or run.digest not in answered:
+        answered = answered_indexes([run.digest])
+    return all(c.index in answered[run.digest] for c in run.challenges.all())
 
 
 def _locked(challenge: SlicedChallenge) -> SlicedChallenge:

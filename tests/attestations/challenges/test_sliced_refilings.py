@@ -106,8 +106,13 @@ def test_a_refiling_faces_the_first_filings_slices_and_answers(
     )
     # Every slice of the run file is now answered: the settled first filing's seed helps
     # nobody and is shown; the open re-filing's is not until it settles.
-    assert settled(alice, first)["seed"] is not None
+    revealed = settled(alice, first)["seed"]
+    assert revealed is not None
     assert settled(mallory, again)["seed"] is None
+    # The list says the same, the answers read once for the page.
+    listed = alice.get("/api/v1/experiments/acme/run-1/sliced-runs/").json()["results"]
+    assert [run["seed"] for run in listed] == [revealed]
+    assert [run["seed"] for run in mallory.get(HEIST).json()["results"]] == [None]
 
 
 def test_an_answer_pinned_by_a_later_filing_binds_the_first(world: World, api: Any) -> None:
