@@ -77,21 +77,23 @@ class Field:
     read: Callable[[Any, str, int], Any] | None = None
 
 
+_ENDS_INSIDE = "not canonical CBOR: the document ends inside it"
+_INDEFINITE = "not canonical CBOR: an indefinite length or a reserved value"
+
+
 def _head(buf: bytes, pos: int, where: str) -> tuple[int, int, int]:
     """``(major type, argument, position after the head)`` of the item at ``pos``."""
     if pos >= len(buf):
-        raise SlicedFormatError(where, "not canonical CBOR: the document ends inside it")
+        raise SlicedFormatError(where, _ENDS_INSIDE)
     initial = buf[pos]
     major, info = initial >> 5, initial & 31
     if info < 24:
         return major, info, pos + 1
     if info > 27:
-        raise SlicedFormatError(
-            where, "not canonical CBOR: an indefinite length or a reserved value"
-        )
+        raise SlicedFormatError(where, _INDEFINITE)
     size = 1 << (info - 24)
     if pos + 1 + size > len(buf):
-        raise SlicedFormatError(where, "not canonical CBOR: the document ends inside it")
+        raise SlicedFormatError(where, _ENDS_INSIDE)
     return major, int.from_bytes(buf[pos + 1 : pos + 1 + size], "big"), pos + 1 + size
 
 
@@ -103,43 +105,53 @@ def skip(buf: bytes, pos: int, where: str, field: Field) -> int:
             than ``field.depth``, a string longer than ``field.string`` bytes, a tag, an
             indefinite length, or bytes that end inside the item.
     """
+    items, depth, longest = field.items, field.depth, field.string
     # remaining[k]: items still to walk at nesting level k (a map's pairs count twice).
     remaining = [1]
     count = 0
     end = len(buf)
+    # _head, inlined: this loop runs once per data item of every step of a run file.
     while remaining:
         if not remaining[-1]:
             remaining.pop()
             continue
         remaining[-1] -= 1
         count += 1
-        if count > field.items:
+        if count > items:
             raise SlicedFormatError(
-                where,
-                f"more than {field.items} CBOR data items, the most it may hold",
-                limit=field.items,
+                where, f"more than {items} CBOR data items, the most it may hold", limit=items
             )
-        major, argument, pos = _head(buf, pos, where)
+        if pos >= end:
+            raise SlicedFormatError(where, _ENDS_INSIDE)
+        initial = buf[pos]
+        major, argument = initial >> 5, initial & 31
+        pos += 1
+        if argument >= 24:
+            if argument > 27:
+                raise SlicedFormatError(where, _INDEFINITE)
+            size = 1 << (argument - 24)
+            if pos + size > end:
+                raise SlicedFormatError(where, _ENDS_INSIDE)
+            argument = int.from_bytes(buf[pos : pos + size], "big")
+            pos += size
         if major in (2, _TEXT):
-            if argument > field.string:
+            if argument > longest:
                 raise SlicedFormatError(
                     where,
-                    f"a string of {argument} bytes is over the {field.string} it may have",
-                    limit=field.string,
+                    f"a string of {argument} bytes is over the {longest} it may have",
+                    limit=longest,
                     got=argument,
                 )
             if argument > end - pos:
-                raise SlicedFormatError(where, "not canonical CBOR: the document ends inside it")
+                raise SlicedFormatError(where, _ENDS_INSIDE)
             pos += argument
         elif major in (_ARRAY, _MAP):
             if argument:
-                if len(remaining) > field.depth:
+                if len(remaining) > depth:
                     raise SlicedFormatError(
-                        where,
-                        f"nested deeper than the {field.depth} levels it may have",
-                        limit=field.depth,
+                        where, f"nested deeper than the {depth} levels it may have", limit=depth
                     )
-                remaining.append(argument * (2 if major == _MAP else 1))
+                remaining.append(argument * 2 if major == _MAP else argument)
         elif major == _TAG:
             raise SlicedFormatError(where, "a CBOR tag, which this format never uses")
     return pos
