@@ -102,6 +102,10 @@ def test_errors_are_json_whatever_the_client_accepts(world: World, api: Api) -> 
     anonymous = APIClient().get("/api/v1/experiments/?format=api", HTTP_ACCEPT="text/html")
     assert anonymous.status_code == 401 and anonymous["Content-Type"] == "application/json"
     assert error_of(anonymous)["code"] == "not_authenticated"
+    # An Accept the API cannot serve is a 406, in JSON all the same.
+    refused = client.get("/api/v1/experiments/", HTTP_ACCEPT="application/xml")
+    assert refused.status_code == 406 and refused["Content-Type"] == "application/json"
+    assert error_of(refused)["code"] == "not_acceptable"
     # A format nobody renders is a 404 in the same JSON.
     unknown = client.get("/api/v1/experiments/?format=xml")
     assert unknown.status_code == 404 and unknown["Content-Type"] == "application/json"
