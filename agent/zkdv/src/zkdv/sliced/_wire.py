@@ -255,10 +255,11 @@ def _block(entry: Any, where: str, index: int) -> tuple[str, tuple[str, ...]]:
     """``[prefix, [names]]``; whether the names are committed is checked once all are read."""
     if not isinstance(entry, list) or len(entry) != 2:
         raise SlicedFormatError(where, "expected [prefix, [parameter names]]")
+    prefix = _text(entry[0], f"{where}[0]")
     members = tuple(
         _text(n, f"{where}[1][{i}]") for i, n in enumerate(_list(entry[1], f"{where}[1]"))
     )
-    return _text(entry[0], f"{where}[0]"), members
+    return prefix, members
 
 
 #: The most parameters a run file may name, blocks it may have, and steps it may commit.
