@@ -155,6 +155,15 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {
     "unacked_restore_throttle": 1,
 }
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# Memory. A pool child whose resident memory is past DVBENCH_WORKER_MAX_RSS_MB once a task
+# is done is replaced before the next (Celery counts KiB; 0: never). And, where set,
+# DVBENCH_WORKER_MEMORY_LIMIT_MB caps each pool child's address space (RLIMIT_AS, set by
+# config/celery_app.py as the child starts), so a task that would take the machine's
+# memory fails with MemoryError instead. Off by default: a replay of a large block needs
+# what it needs, and the operator knows the machine (docs/operators.md). The web
+# workers' cap is gunicorn's (platform/gunicorn.conf.py, DVBENCH_WEB_MEMORY_LIMIT_MB).
+CELERY_WORKER_MAX_MEMORY_PER_CHILD = envint("DVBENCH_WORKER_MAX_RSS_MB", 4096, minimum=0) * 1024
+DVBENCH_WORKER_MEMORY_LIMIT_MB = envint("DVBENCH_WORKER_MEMORY_LIMIT_MB", 0, minimum=0)
 CELERY_TASK_ACKS_LATE = False  # opted into per task, only where the task is idempotent
 CELERY_TASK_REJECT_ON_WORKER_LOST = False
 # On a lost broker connection a running task finishes the work it claimed; the copy the
@@ -424,6 +433,9 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_PAGINATION_CLASS": "attestations.http.pagination.CursorPage",
+    # Every generic view's queryset goes through QueryFilters, which refuses a query
+    # parameter the view does not read (400 unknown_filter): a list cannot forget it.
+    "DEFAULT_FILTER_BACKENDS": ["attestations.http.filters.QueryFilters"],
     "DEFAULT_RENDERER_CLASSES": [
         "rest_framework.renderers.JSONRenderer",
         "rest_framework.renderers.BrowsableAPIRenderer",

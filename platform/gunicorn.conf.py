@@ -5,6 +5,7 @@ Command-line flags override these; ``WEB_CONCURRENCY`` sets the number of worker
 """
 
 import os
+import resource
 
 wsgi_app = "config.wsgi:application"
 # Gunicorn's own refusals (a request line over limit_request_line, a Content-Length that is
@@ -30,3 +31,19 @@ if os.path.isdir(_SHARED_MEMORY):
 # The runtime control socket defaults to one path per user ($HOME/.gunicorn/gunicorn.ctl):
 # two servers on one machine would fight over it, and a container's user cannot write there.
 control_socket_disable = True
+
+# Each web worker's address space is capped (RLIMIT_AS): a request that would take the
+# machine's memory fails with MemoryError (a 500 for that request) instead of the OOM
+# killer taking a worker, or the database, at random. Parsers bound what they decode
+# (zkdv.sliced._bounded); this is the backstop. 0 turns it off.
+_MEMORY_LIMIT_MB = int(os.environ.get("DVBENCH_WEB_MEMORY_LIMIT_MB", "16384") or "0")
+
+
+def post_fork(server: object, worker: object) -> None:
+    """Cap the new worker's address space at DVBENCH_WEB_MEMORY_LIMIT_MB MiB."""
+    if _MEMORY_LIMIT_MB > 0:
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        limit = _MEMORY_LIMIT_MB * 1024 * 1024
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))

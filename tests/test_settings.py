@@ -108,6 +108,19 @@ def test_the_broker_visibility_timeout_outlasts_the_longest_task(
     assert loaded["CELERY_TASK_ACKS_LATE"] is False  # opted into per idempotent task
 
 
+def test_pool_children_are_replaced_past_their_resident_memory(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    loaded = load_settings()
+    assert loaded["CELERY_WORKER_MAX_MEMORY_PER_CHILD"] == 4096 * 1024  # KiB
+    assert loaded["DVBENCH_WORKER_MEMORY_LIMIT_MB"] == 0  # the hard cap is the operator's
+    clean_env.setenv("DVBENCH_WORKER_MAX_RSS_MB", "512")
+    clean_env.setenv("DVBENCH_WORKER_MEMORY_LIMIT_MB", "8192")
+    loaded = load_settings()
+    assert loaded["CELERY_WORKER_MAX_MEMORY_PER_CHILD"] == 512 * 1024
+    assert loaded["DVBENCH_WORKER_MEMORY_LIMIT_MB"] == 8192
+
+
 def test_s3_storage_is_chosen_by_a_bucket_name(clean_env: pytest.MonkeyPatch) -> None:
     clean_env.setenv("DVBENCH_S3_BUCKET", "dvbench")
     clean_env.setenv("DVBENCH_S3_ENDPOINT_URL", "http://minio:9000")
@@ -130,6 +143,8 @@ def test_s3_storage_is_chosen_by_a_bucket_name(clean_env: pytest.MonkeyPatch) ->
         ("REDIS_URL", "http://x"),
         ("DVBENCH_EAGER_TASKS", "sometimes"),
         ("DVBENCH_TASK_TIME_LIMIT", "1"),
+        ("DVBENCH_WORKER_MAX_RSS_MB", "-1"),
+        ("DVBENCH_WORKER_MEMORY_LIMIT_MB", "lots"),
         ("DVBENCH_MAX_PART_BYTES", "abc"),
         ("DVBENCH_MAX_BLOB_BYTES", "1.5"),
         ("DVBENCH_DETECTION_TARGET", "high"),

@@ -258,7 +258,7 @@ class MemberList(generics.GenericAPIView[Membership]):
         """The organisation's members (its trainers, auditors and admins)."""
         org = _organization(request, slug, Capability.AUDIT)
         rows = Membership.objects.filter(organization=org).select_related("user")
-        page = self.paginate_queryset(rows)
+        page = self.paginate_queryset(self.filter_queryset(rows))
         assert page is not None
         return self.get_paginated_response(MembershipSerializer(page, many=True).data)
 
@@ -319,7 +319,7 @@ class OrganizationInvitationList(generics.GenericAPIView[Invitation]):
         rows = Invitation.objects.filter(
             organization=org, status=InvitationStatus.PENDING, expires__gt=timezone.now()
         ).select_related("organization", "user", "invited_by")
-        page = self.paginate_queryset(rows)
+        page = self.paginate_queryset(self.filter_queryset(rows))
         assert page is not None
         return self.get_paginated_response(InvitationSerializer(page, many=True).data)
 

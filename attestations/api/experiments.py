@@ -42,7 +42,7 @@ from attestations.experiments.models import (
 )
 from attestations.experiments.rows import SummaryPage
 from attestations.http.fields import Sha256Field, StrictCharField
-from attestations.http.filters import BigInt, QueryFilters
+from attestations.http.filters import BigInt, QueryFilters, check_known_parameters
 from attestations.http.pagination import CursorPage
 from attestations.http.permissions import HasCapability, authenticated_user, get_access, require
 
@@ -498,6 +498,8 @@ class SpecList(APIView):
     @extend_schema(responses=SpecSerializer(many=True))
     def get(self, request: Request, owner: str, name: str) -> Response:
         """Every version of the experiment's spec, newest first."""
+        # Not a generic view, so no filter backend: refuse unknown parameters here.
+        check_known_parameters(request, self)
         experiment = _experiment(request, owner, name)
         return Response(SpecSerializer(experiment.specs.all(), many=True).data)
 

@@ -33,7 +33,7 @@ from attestations.challenges.verdicts import expire_if_due
 from attestations.core.conf import api_datetime, client_ip
 from attestations.core.errors import ConflictError, NotFoundError
 from attestations.http.fields import Sha256Field, StrictCharField, StrictIntegerField
-from attestations.http.filters import QueryFilters
+from attestations.http.filters import QueryFilters, check_known_parameters
 from attestations.http.pagination import CursorPage
 from attestations.http.permissions import HasCapability, authenticated_user, get_access, require
 from attestations.proofs.models import Job, JobStatus, Proof, ProofArtifact, ProofStatus
@@ -263,6 +263,8 @@ class ProofArtifacts(APIView):
     @extend_schema(responses=ProofArtifactSerializer(many=True))
     def get(self, request: Request, pk: int) -> Response:
         """The attached files, by name."""
+        # Not a generic view, so no filter backend: refuse unknown parameters here.
+        check_known_parameters(request, self)
         proof = visible_proof(request, pk)
         require(request, Capability.ARTIFACTS, proof.experiment.owner_id)
         return Response(ProofArtifactSerializer(proof.artifacts.all(), many=True).data)

@@ -26,7 +26,7 @@ from rest_framework.views import APIView
 
 from attestations.accounts.models import Capability
 from attestations.challenges import sliced
-from attestations.challenges.models import SlicedChallenge, SlicedRun, SlicedRunStatus
+from attestations.challenges.models import SlicedChallenge, SlicedRun
 from attestations.core.conf import client_ip
 from attestations.core.errors import InvalidRequestError, NotFoundError, PayloadTooLargeError
 from attestations.experiments.models import Experiment
@@ -66,7 +66,7 @@ class SliceSerializer(serializers.ModelSerializer[SlicedChallenge]):
 
 
 class SlicedRunSerializer(serializers.ModelSerializer[SlicedRun]):
-    """A sliced run: its run file, its verdict, and its slices (the seed once settled)."""
+    """A sliced run: its run file, its verdict, and its slices (the seed once spent)."""
 
     experiment = serializers.CharField(source="experiment.full_name", read_only=True)
     seed = serializers.SerializerMethodField()
@@ -95,8 +95,13 @@ class SlicedRunSerializer(serializers.ModelSerializer[SlicedRun]):
         read_only_fields = fields
 
     def get_seed(self, run: SlicedRun) -> str | None:
-        """The platform's seed, revealed once the run is settled (null before)."""
-        return None if run.status == SlicedRunStatus.CHALLENGED else run.seed
+        """The platform's seed, once it helps nobody (null before).
+
+        Shown once the run is settled and every slice of its run file has been answered
+        in some filing (``attestations.challenges.sliced.seed_is_spent``): until then a
+        later filing of the same run file could try answers against it offline.
+        """
+        return run.seed if sliced.seed_is_spent(run, self.context.get("answered")) else None
 
 
 class SlicedRunFiling(serializers.Serializer[Any]):
@@ -155,6 +160,14 @@ class SlicedRunList(generics.ListAPIView[SlicedRun]):
     def get_queryset(self) -> QuerySet[SlicedRun]:
         experiment = _experiment(self.request, self.kwargs["owner"], self.kwargs["name"])
         return _runs(self.request).filter(experiment=experiment)
+
+    def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        page = self.paginate_queryset(self.filter_queryset(self.get_queryset()))
+        assert page is not None
+        # Whether each run's seed may be shown, for the whole page in one query.
+        answered = sliced.answered_indexes({run.digest for run in page})
+        data = SlicedRunSerializer(page, many=True, context={"answered": answered}).data
+        return self.get_paginated_response(data)
 
     @extend_schema(request=SlicedRunFiling, responses={201: SlicedRunSerializer})
     def post(self, request: Request, owner: str, name: str) -> Response:

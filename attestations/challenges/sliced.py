@@ -18,8 +18,18 @@ the run file and its programs with the upload API. The platform:
 4. verifies it in a worker (the ``replay_slice`` task,
    :mod:`~attestations.challenges.sliced_verdicts`): ``provers.sliced.verify_slice`` with
    the block's committed program; once every slice is final the run is settled,
-   ``passed`` iff all passed, and the seed is revealed. Unanswered slices expire at the
-   run's deadline, which fails the run.
+   ``passed`` iff all passed. Unanswered slices expire at the run's deadline, which
+   fails the run.
+
+Filing the same run file again (in any experiment) never buys a fresh draw, and a
+revealed seed never helps a later filing (issue 59): a later filing faces the first
+filing's slices exactly (:func:`file_run`), and each slice's first answer, in whichever
+filing it came, is pinned: a later answer to that slice must be the same bytes
+(:func:`answer`, 409 ``answer_differs``), so it draws the same sequences. Without the
+pin, a seed revealed with one filing's verdict let the next filing try answers a few
+ulps apart offline until the draw avoided its lie (they still pass the projection
+check's tolerance). So the seed is shown only once it can help nobody:
+:func:`seed_is_spent`, the run settled and every slice of its run file pinned.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ from attestations.challenges.errors import ArtifactRejectedError
 from attestations.challenges.models import (
     SlicedChallenge,
     SlicedRun,
+    SlicedRunStatus,
     SliceStatus,
 )
 from attestations.challenges.policy import ChallengePolicy
@@ -141,6 +152,7 @@ def file_run(
         if existing is not None:
             return existing, False
         seed = run_seed(sha256)
+        first = SlicedRun.objects.filter(digest=sha256).order_by("created", "pk").first()
         run = SlicedRun.objects.create(
             experiment=experiment,
             run_file=blob,
@@ -155,7 +167,12 @@ def file_run(
             created_by=user,
             created=now,
         )
-        slices = _draw(run, seed, count=count, opened=opened)
+        # A later filing faces the first filing's slices, whatever the policy says now:
+        # the same count and the same opened sequences per slice, so that every answer
+        # pinned by an earlier filing applies to it.
+        slices = (
+            _draw(run, seed, count=count, opened=opened) if first is None else _refile(first, run)
+        )
         AuditEvent.record(
             "sliced_run.challenged",
             actor=user,
@@ -197,8 +214,11 @@ def _read_run_file(experiment: Experiment, sha256: str) -> tuple[Blob, RunFile]:
         with mapped(blob.storage_name) as data:
             run_file = RunFile.from_bytes(bytes(data))
     except SlicedFormatError as error:
+        # A limit refused from the CBOR headers (zkdv.sliced._bounded) says which and what
+        # it found, so the lab can tell a format error from a run too large to file.
+        limits = {"limit": error.limit, "got": error.got} if error.limit is not None else None
         raise SlicedRunRejectedError(
-            f"run_file: {error}", field=f"run_file.{error.field}"
+            f"run_file: {error}", field=f"run_file.{error.field}", detail=limits
         ) from None
     micro_batches, _, rows = run_file.shape
     if micro_batches * rows > MAX_SEQUENCES:
@@ -250,6 +270,67 @@ def _draw(run: SlicedRun, seed: bytes, *, count: int, opened: int) -> list[Slice
     return SlicedChallenge.objects.bulk_create(slices)
 
 
+def _refile(first: SlicedRun, run: SlicedRun) -> list[SlicedChallenge]:
+    """The first filing's slices, copied to a later filing of the same run file."""
+    return SlicedChallenge.objects.bulk_create(
+        SlicedChallenge(
+            run=run,
+            index=c.index,
+            step=c.step,
+            block=c.block,
+            directions=c.directions,
+            projections=c.projections,
+            opened=c.opened,
+            created=run.created,
+        )
+        for c in first.challenges.order_by("index")
+    )
+
+
+def pinned_answer(digest: str, index: int) -> str | None:
+    """The digest of the first answer to slice ``index`` of run file ``digest``, in any filing.
+
+    Answers never change once given, so the first is the one every filing must give.
+    """
+    return (
+        SlicedChallenge.objects.filter(run__digest=digest, index=index)
+        .exclude(answer_digest="")
+        .order_by("answered", "pk")
+        .values_list("answer_digest", flat=True)
+        .first()
+    )
+
+
+def answered_indexes(digests: Iterable[str]) -> dict[str, set[int]]:
+    """For each run file digest, the indexes of its slices answered in some filing (one query)."""
+    answered: dict[str, set[int]] = {digest: set() for digest in digests}
+    rows = (
+        SlicedChallenge.objects.filter(run__digest__in=list(answered))
+        .exclude(answer_digest="")
+        .values_list("run__digest", "index")
+        .distinct()
+    )
+    for digest, index in rows:
+        answered[digest].add(index)
+    return answered
+
+
+def seed_is_spent(run: SlicedRun, answered: dict[str, set[int]] | None = None) -> bool:
+    """Whether showing ``run``'s seed can no longer help any filing of its run file.
+
+    The seed draws a slice's sequences from the digest of its answer. While a slice of
+    the run file has no answer in any filing, a later filing could try answers against
+    a known seed offline; once every slice is answered somewhere, every filing must give
+    those answers (:func:`answer`) and the draws are fixed. The run must be settled too.
+    ``answered`` is :func:`answered_indexes` of a page of runs, read once for all.
+    """
+    if run.status == SlicedRunStatus.CHALLENGED:
+        return False
+    if answered is None or run.digest not in answered:
+        answered = answered_indexes([run.digest])
+    return all(c.index in answered[run.digest] for c in run.challenges.all())
+
+
 def _locked(challenge: SlicedChallenge) -> SlicedChallenge:
     return SlicedChallenge.objects.select_for_update().select_related("run").get(pk=challenge.pk)
 
@@ -298,6 +379,7 @@ def answer(
                 field="body",
                 detail={"status": locked.status},
             )
+        _check_pinned(run, locked, digest.hex())
         drawn = SliceChallenge(
             locked.step, locked.block, bytes.fromhex(locked.directions), locked.projections
         )
@@ -325,6 +407,28 @@ def answer(
             ip=ip,
         )
     return locked
+
+
+def _check_pinned(run: SlicedRun, challenge: SlicedChallenge, digest: str) -> None:
+    """409 ``answer_differs`` unless this is the slice's first answer or the same bytes.
+
+    The first filing's row is locked first, so two filings answering one slice at once
+    pin one answer, not two.
+    """
+    SlicedRun.objects.select_for_update().filter(digest=run.digest).order_by("created", "pk").only(
+        "pk"
+    ).first()
+    pinned = pinned_answer(run.digest, challenge.index)
+    if pinned is not None and pinned != digest:
+        # Neither the earlier filing nor its answer is named: it may be another lab's.
+        raise ConflictError(
+            f"slice {challenge.index}: this run file's slice {challenge.index} was answered "
+            "in an earlier filing, and every filing of a run file must send that answer "
+            "byte for byte (its opened sequences stand); these projections differ",
+            code="answer_differs",
+            field="body",
+            detail={"index": challenge.index},
+        )
 
 
 def attach_opening(

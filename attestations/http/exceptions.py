@@ -47,6 +47,7 @@ from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import DataError
 from django.http import Http404
 from rest_framework import exceptions, status
+from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 from rest_framework.views import set_rollback
@@ -169,6 +170,12 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         exc = InvalidRequestError(" ".join(exc.messages) or None, detail={"errors": exc.messages})
     request = context.get("request")
     request_id = getattr(request, "request_id", None) if request is not None else None
+    if request is not None:
+        # An error is JSON whatever the client asked for (Accept: text/html, ?format=api):
+        # the browsable API would render it as an HTML page, and a client parsing errors
+        # must find the one format. The view's finalize_response takes this renderer.
+        request.accepted_renderer = JSONRenderer()
+        request.accepted_media_type = JSONRenderer.media_type
     if isinstance(exc, DVBenchError):
         # As DRF does for the errors it handles: a view's atomic block is rolled back.
         set_rollback()

@@ -543,6 +543,23 @@ def test_grants_are_checked_before_they_are_stored(
     error = refused(bucket.grant(other_step))
     assert (error["code"], error["field"]) == ("invalid_grant", "grant.urls")
     assert refused({"v": "zkdv-sliced-grant-v0"})["code"] == "invalid_grant"
+    # Once its endpoint is allowed, a grant's URLs reach their objects and nothing else:
+    # no dot-segment or encoded separator, no subdomain of the endpoint, no other query.
+    name, url = next(iter(grant["urls"].items()))
+    host = url.split("/")[2]
+    for forged, says in [
+        (
+            url.replace(
+                f"/{bucket.prefix}/", f"/{bucket.prefix}/../{bucket.prefix.split('/')[1]}/"
+            ),
+            "'..' segment",
+        ),
+        (url.replace(f"/{bucket.name}/", f"/{bucket.name}%2F"), "encoded"),
+        (url.replace(f"//{host}/{bucket.name}/", f"//{bucket.name}.{host}/"), "not the endpoint's"),
+        (url + "&response-content-type=text%2Fhtml", "query parameter 'response-content-type'"),
+    ]:
+        error = refused({**grant, "urls": {**grant["urls"], name: forged}})
+        assert error["code"] == "invalid_grant" and says in error["message"], (forged, error)
     assert refused(grant, opening="ab" * 32)["field"] == "opening"
     settings.DVBENCH = {**settings.DVBENCH, "SLICED_STORE_ENDPOINTS": []}
     error = refused(grant)

@@ -84,3 +84,30 @@ def test_the_error_format_is_in_the_schema(world: World) -> None:
     assert put["responses"]["4XX"]["content"]["application/json"]["schema"]["$ref"].endswith(
         "/Error"
     )
+
+
+def test_errors_are_json_whatever_the_client_accepts(world: World, api: Api) -> None:
+    """The browsable API renders successes as HTML on request; never an error."""
+    client = api("alice")
+    for path, headers in [
+        ("/api/v1/experiments/acme/nope/", {"HTTP_ACCEPT": "text/html"}),
+        ("/api/v1/experiments/acme/nope/?format=api", {}),
+        ("/api/v1/proofs/?status=great&format=api", {"HTTP_ACCEPT": "text/html"}),
+        ("/api/v1/sliced-runs/999/?format=api", {"HTTP_ACCEPT": "text/html,*/*;q=0.8"}),
+    ]:
+        response = client.get(path, **headers)
+        assert response.status_code in (400, 404), path
+        assert response["Content-Type"] == "application/json", path
+        assert error_of(response)["code"] in ("not_found", "invalid_filter"), path
+    anonymous = APIClient().get("/api/v1/experiments/?format=api", HTTP_ACCEPT="text/html")
+    assert anonymous.status_code == 401 and anonymous["Content-Type"] == "application/json"
+    assert error_of(anonymous)["code"] == "not_authenticated"
+    # An Accept the API cannot serve is a 406, in JSON all the same.
+    refused = client.get("/api/v1/experiments/", HTTP_ACCEPT="application/xml")
+    assert refused.status_code == 406 and refused["Content-Type"] == "application/json"
+    assert error_of(refused)["code"] == "not_acceptable"
+    # A format nobody renders is a 404 in the same JSON.
+    unknown = client.get("/api/v1/experiments/?format=xml")
+    assert unknown.status_code == 404 and unknown["Content-Type"] == "application/json"
+    # Successes still honour the browsable API.
+    assert client.get("/api/v1/me/?format=api")["Content-Type"].startswith("text/html")

@@ -345,21 +345,85 @@ class Grant:
             self._check_url(name, url)
 
     def _check_url(self, name: str, url: str) -> None:
+        """One URL: the named object, path-style at exactly the endpoint, signed and no more.
+
+        The platform fetches these URLs from its own network, so a URL may reach nothing
+        but the object it names: no dot-segment or encoded separator the server could
+        resolve to another path (``..``, ``%2e``, ``%2f``, ``%5c``, a backslash), no host
+        but the endpoint's own (a bucket's subdomain of it is another host, which the
+        lab could name), no query but the pre-signature's, no fragment or user.
+        """
         if not name or "/" in name or name in (".", ".."):
             raise GrantError(f"the grant names an object {name!r} that is not a plain file name")
         parts = urllib.parse.urlsplit(url)
         endpoint = urllib.parse.urlsplit(self.endpoint)
-        path = urllib.parse.unquote(parts.path)
-        key = self.key(name)
-        path_style = parts.netloc == endpoint.netloc and path == f"/{self.bucket}/{key}"
-        host_style = parts.netloc == f"{self.bucket}.{endpoint.netloc}" and path == f"/{key}"
         if parts.scheme not in ("http", "https") or parts.scheme != endpoint.scheme:
             raise GrantError(f"the grant's URL for {name!r} is not http(s) at {self.endpoint}")
-        if not (path_style or host_style):
+        if parts.netloc != endpoint.netloc or "@" in parts.netloc:
+            raise GrantError(
+                f"the grant's URL for {name!r} is on host {parts.netloc!r}, not the endpoint's "
+                f"{endpoint.netloc!r}: URLs are path-style at the endpoint itself (a bucket's "
+                "subdomain is another host)"
+            )
+        _check_path(name, parts.path)
+        _check_query(name, parts.query, parts.fragment)
+        key = self.key(name)
+        if urllib.parse.unquote(parts.path) != f"/{self.bucket}/{key}":
             raise GrantError(
                 f"the grant's URL for {name!r} is not object {key!r} of bucket {self.bucket!r} "
                 f"at {self.endpoint}"
             )
+
+
+#: The query parameters of a pre-signed S3 ``GET`` (query signatures v2 and v4),
+#: lower-cased; a grant's URL may carry these and no other.
+_PRESIGN_PARAMETERS = frozenset(
+    {
+        "awsaccesskeyid",
+        "signature",
+        "expires",
+        "x-amz-algorithm",
+        "x-amz-credential",
+        "x-amz-date",
+        "x-amz-expires",
+        "x-amz-signedheaders",
+        "x-amz-signature",
+        "x-amz-security-token",
+    }
+)
+#: Percent-encodings of ``.``, ``/`` and ``\``, which a server may decode into a path.
+_ENCODED_SEPARATORS = ("%2e", "%2f", "%5c")
+
+
+def _check_path(name: str, path: str) -> None:
+    lowered = path.lower()
+    if "\\" in path or any(code in lowered for code in _ENCODED_SEPARATORS):
+        raise GrantError(
+            f"the grant's URL for {name!r} has a backslash or an encoded '.', '/' or '\\' "
+            f"in its path ({path!r})"
+        )
+    if any(segment in (".", "..") for segment in path.split("/")):
+        raise GrantError(
+            f"the grant's URL for {name!r} has a '.' or '..' segment in its path ({path!r})"
+        )
+
+
+def _check_query(name: str, query: str, fragment: str) -> None:
+    if fragment:
+        raise GrantError(f"the grant's URL for {name!r} has a fragment")
+    try:
+        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError:
+        raise GrantError(f"the grant's URL for {name!r} has a malformed query") from None
+    seen: set[str] = set()
+    for key, _ in pairs:
+        lowered = key.lower()
+        if lowered not in _PRESIGN_PARAMETERS or lowered in seen:
+            raise GrantError(
+                f"the grant's URL for {name!r} carries the query parameter {key[:64]!r}; "
+                "only a pre-signature's parameters, each once, are accepted"
+            )
+        seen.add(lowered)
 
 
 def issue_grant(
@@ -402,9 +466,15 @@ def issue_grant(
 
 
 def s3_client(**options: Any) -> Any:
-    """A boto3 S3 client (``boto3.client("s3", **options)``); boto3 is imported here only."""
+    """A boto3 S3 client (``boto3.client("s3", **options)``); boto3 is imported here only.
+
+    Path-style addressing unless ``config`` says otherwise: the platform accepts a
+    grant's URLs only at its endpoint's own host, never a bucket's subdomain of it.
+    """
     try:
         boto3 = importlib.import_module("boto3")
+        config = importlib.import_module("botocore.config")
     except ImportError as error:  # pragma: no cover - boto3 is in the dev environment
         raise ImportError("the lab's object store needs boto3: pip install boto3") from error
+    options.setdefault("config", config.Config(s3={"addressing_style": "path"}))
     return boto3.client("s3", **options)

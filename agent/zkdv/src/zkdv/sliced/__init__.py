@@ -38,6 +38,7 @@ object store, from which the platform reads the opened ranges instead.
 
 from __future__ import annotations
 
+from zkdv.sliced._bounded import SlicedFormatError
 from zkdv.sliced._challenges import (
     SliceChallenge,
     challenges_needed,
@@ -66,7 +67,6 @@ from zkdv.sliced._openings import (
 from zkdv.sliced._projections import inner, projection_directions, sequence_projections
 from zkdv.sliced._wire import (
     RunFile,
-    SlicedFormatError,
     answer_from_bytes,
     answer_to_bytes,
     export_program,

@@ -28,6 +28,7 @@ import cbor2
 import numpy as np
 
 from zkdv.merkle import LeafSpec
+from zkdv.sliced._bounded import Field, SlicedFormatError, read_document
 from zkdv.sliced._commitment import (
     _KINDS,
     SLICED_VERSION,
@@ -52,19 +53,6 @@ _DIGEST = 32
 #: batch rows token ids).
 _ROW_DTYPES = frozenset({"float32", "float64", "bfloat16", "float16"})
 _TOKEN_DTYPES = frozenset({"int64", "int32", "uint32", "uint16"})
-
-
-class SlicedFormatError(ValueError):
-    """Bytes that are not a well-formed run file, answer or opening.
-
-    ``field`` names where (``steps[2].grad``, ``rows[5].data``), so the message can say
-    which record and which field, and what was expected.
-    """
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.detail = message
 
 
 def _sha256_hex(value: Any, where: str) -> str:
@@ -108,13 +96,6 @@ def _map(value: Any, where: str, keys: Sequence[str]) -> dict[str, Any]:
     if missing:
         raise SlicedFormatError(f"{where}.{missing[0]}", "missing")
     return value
-
-
-def _decode(data: bytes | bytearray | memoryview, what: str) -> Any:
-    try:
-        return cbor2.loads(bytes(data))
-    except (cbor2.CBORDecodeError, ValueError, TypeError, RecursionError) as error:
-        raise SlicedFormatError(what, f"not canonical CBOR: {error}") from None
 
 
 @dataclass(frozen=True)
@@ -162,51 +143,39 @@ class RunFile:
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> RunFile:
         """Read a run file; :class:`SlicedFormatError` names the first malformed field."""
-        body = _map(
-            _decode(data, "run file"),
-            "run file",
-            ("v", "kind", "blocks", "names", "chunk_bytes", "inputs", "programs", "embed", "steps"),
-        )
+        body = _map(read_document(data, "run file", _RUN_FILE_FIELDS), "run file", _RUN_FILE_KEYS)
         if body["v"] != SLICED_VERSION or body["kind"] != RUN_FILE_KIND:
             raise SlicedFormatError(
                 "v", f"expected version {SLICED_VERSION!r} of a {RUN_FILE_KIND!r}"
             )
-        names = tuple(_text(n, f"names[{i}]") for i, n in enumerate(_list(body["names"], "names")))
-        if len(set(names)) != len(names):
+        # Every list below was read and its elements checked one by one as the document
+        # was (_RUN_FILE_FIELDS); what is left is how they agree with each other.
+        names = tuple(body["names"])
+        # Membership is tested against a set: a tuple made it quadratic (25,000 names
+        # took 6 s inside the request).
+        committed = frozenset(names)
+        if len(committed) != len(names):
             raise SlicedFormatError("names", "a parameter is named twice")
-        blocks = []
-        for b, entry in enumerate(_list(body["blocks"], "blocks", limit=1 << 16)):
-            if not isinstance(entry, list) or len(entry) != 2:
-                raise SlicedFormatError(f"blocks[{b}]", "expected [prefix, [parameter names]]")
-            prefix = _text(entry[0], f"blocks[{b}][0]")
-            members = tuple(
-                _text(n, f"blocks[{b}][1][{i}]")
-                for i, n in enumerate(_list(entry[1], f"blocks[{b}][1]"))
-            )
+        blocks = body["blocks"]
+        for b, (prefix, members) in enumerate(blocks):
             for i, member in enumerate(members):
-                if member not in names or not member.startswith(prefix + "."):
+                if member not in committed or not member.startswith(prefix + "."):
                     raise SlicedFormatError(
                         f"blocks[{b}][1][{i}]",
                         f"{member!r} is not a committed parameter under {prefix!r}",
                     )
             if not members:
                 raise SlicedFormatError(f"blocks[{b}][1]", "a block needs parameters")
-            blocks.append((prefix, members))
         if not blocks:
             raise SlicedFormatError("blocks", "a sliced run needs at least one block")
         owned = [n for _, members in blocks for n in members]
         if len(set(owned)) != len(owned):
             raise SlicedFormatError("blocks", "a parameter belongs to two blocks")
-        inputs = tuple(
-            _text(n, f"inputs[{i}]") for i, n in enumerate(_list(body["inputs"], "inputs"))
-        )
+        inputs = tuple(body["inputs"])
         for i, name in enumerate(inputs):
-            if name not in names:
+            if name not in committed:
                 raise SlicedFormatError(f"inputs[{i}]", f"{name!r} is not a committed parameter")
-        programs = tuple(
-            _sha256_hex(p, f"programs[{b}]")
-            for b, p in enumerate(_list(body["programs"], "programs"))
-        )
+        programs = tuple(body["programs"])
         if len(programs) != len(blocks):
             raise SlicedFormatError(
                 "programs", f"expected one program per block ({len(blocks)}), got {len(programs)}"
@@ -216,10 +185,7 @@ class RunFile:
             embed = _sha256_hex(embed, "embed")
         elif embed != "":
             raise SlicedFormatError("embed", "an embedding program needs inputs")
-        steps = tuple(
-            _step(entry, f"steps[{i}]", i)
-            for i, entry in enumerate(_list(body["steps"], "steps", limit=1 << 24))
-        )
+        steps = tuple(body["steps"])
         if not steps:
             raise SlicedFormatError("steps", "a sliced run needs at least one step")
         for i, step in enumerate(steps):
@@ -279,6 +245,52 @@ def _step(entry: Any, where: str, index: int) -> StepCommitment:
         (dims[0], dims[1], dims[2]),
         values,
     )
+
+
+def _name(value: Any, where: str, index: int) -> str:
+    return _text(value, where)
+
+
+def _block(entry: Any, where: str, index: int) -> tuple[str, tuple[str, ...]]:
+    """``[prefix, [names]]``; whether the names are committed is checked once all are read."""
+    if not isinstance(entry, list) or len(entry) != 2:
+        raise SlicedFormatError(where, "expected [prefix, [parameter names]]")
+    prefix = _text(entry[0], f"{where}[0]")
+    members = tuple(
+        _text(n, f"{where}[1][{i}]") for i, n in enumerate(_list(entry[1], f"{where}[1]"))
+    )
+    return prefix, members
+
+
+#: The most parameters a run file may name, blocks it may have, and steps it may commit.
+MAX_NAMES = 1 << 20
+MAX_BLOCKS = 1 << 16
+MAX_STEPS = 1 << 24
+#: Strings in a run file: a name is at most 1024 characters (4 bytes each in UTF-8).
+_NAME_BYTES = 4096
+_RUN_FILE_KEYS = (
+    "v", "kind", "blocks", "names", "chunk_bytes", "inputs", "programs", "embed", "steps"
+)  # fmt: skip
+_SCALAR = Field(items=1, depth=0, string=64)
+#: How each field of a run file is read (zkdv.sliced._bounded): counts and sizes are
+#: checked from the CBOR headers before anything is decoded, and each list element is
+#: decoded on its own. A step is a map of 34 data items (8 keys, two root pairs, three
+#: digests, a shape of 3, five hyperparameters); a block is a prefix and its names.
+_RUN_FILE_FIELDS = {
+    "v": _SCALAR,
+    "kind": _SCALAR,
+    "chunk_bytes": _SCALAR,
+    "embed": _SCALAR,
+    "names": Field(items=1, depth=0, string=_NAME_BYTES, limit=MAX_NAMES, read=_name),
+    "inputs": Field(items=1, depth=0, string=_NAME_BYTES, limit=MAX_NAMES, read=_name),
+    "programs": Field(
+        items=1, depth=0, string=64, limit=MAX_BLOCKS, read=lambda v, w, i: _sha256_hex(v, w)
+    ),
+    "blocks": Field(
+        items=MAX_NAMES + 3, depth=2, string=_NAME_BYTES, limit=MAX_BLOCKS, read=_block
+    ),
+    "steps": Field(items=40, depth=2, string=_DIGEST, limit=MAX_STEPS, read=_step),
+}
 
 
 # --- The answer -------------------------------------------------------------------------------
@@ -422,74 +434,82 @@ def _read_array(body: Mapping[str, Any], where: str, dtypes: frozenset[str]) -> 
     return np.frombuffer(data, dtype=little).reshape(shape).astype(dtype)
 
 
-def opening_from_bytes(data: bytes | bytearray | memoryview) -> SliceOpening:
-    """Read an opening; :class:`SlicedFormatError` names the first malformed field."""
-    keys = (
-        "v",
-        "kind",
-        "params",
-        "opt_state",
-        "grad",
-        "post_params",
-        "post_opt_state",
-        "rows",
-        "inputs",
-        "batch_rows",
+def _read_row(entry: Any, where: str, index: int) -> RowOpening:
+    row = _map(entry, where, ("micro", "boundary", "kind", "row", "dtype", "shape", "data", "path"))
+    if row["kind"] not in _KINDS:
+        raise SlicedFormatError(f"{where}.kind", f"expected one of {', '.join(_KINDS)}")
+    return RowOpening(
+        _count(row["micro"], f"{where}.micro"),
+        _count(row["boundary"], f"{where}.boundary"),
+        row["kind"],
+        _count(row["row"], f"{where}.row"),
+        _read_array(row, where, _ROW_DTYPES),
+        _path(row["path"], f"{where}.path"),
     )
-    body = _map(_decode(data, "opening"), "opening", keys)
+
+
+def _read_batch_row(entry: Any, where: str, index: int) -> BatchRowOpening:
+    row = _map(entry, where, ("micro", "row", "dtype", "shape", "data", "path"))
+    return BatchRowOpening(
+        _count(row["micro"], f"{where}.micro"),
+        _count(row["row"], f"{where}.row"),
+        _read_array(row, where, _TOKEN_DTYPES),
+        _path(row["path"], f"{where}.path"),
+    )
+
+
+#: The most tensors (or digest paths) one opening lists per kind, and rows.
+MAX_OPENED_TENSORS = 4096
+MAX_OPENED_ROWS = 1 << 16
+#: Tensor and row data is bounded by the upload that holds the opening, not here.
+_DATA_BYTES = 1 << 62
+_OPENING_KEYS = (
+    "v", "kind", "params", "opt_state", "grad", "post_params", "post_opt_state", "rows",
+    "inputs", "batch_rows",
+)  # fmt: skip
+
+
+def _opened(read: Any, *, depth: int = 3, limit: int = MAX_OPENED_TENSORS) -> Field:
+    # A tensor opening is at most 92 data items (its spec's shape has at most 8
+    # dimensions, its path at most 64 digests), a row at most 86; each element is
+    # decoded and converted on its own (zkdv.sliced._bounded).
+    return Field(items=128, depth=depth, string=_DATA_BYTES, limit=limit, read=read)
+
+
+_OPENING_FIELDS = {
+    "v": _SCALAR,
+    "kind": _SCALAR,
+    **{
+        key: _opened(lambda value, where, index: _read_tensor(value, where))
+        for key in ("params", "opt_state", "grad", "inputs")
+    },
+    **{
+        key: _opened(lambda value, where, index: _read_digest_path(value, where), depth=2)
+        for key in ("post_params", "post_opt_state")
+    },
+    "rows": _opened(_read_row, depth=2, limit=MAX_OPENED_ROWS),
+    "batch_rows": _opened(_read_batch_row, depth=2, limit=MAX_OPENED_ROWS),
+}
+
+
+def opening_from_bytes(data: bytes | bytearray | memoryview) -> SliceOpening:
+    """Read an opening; :class:`SlicedFormatError` names the first malformed field.
+
+    Each listed tensor, path and row is decoded and checked on its own, within the
+    limits of ``_OPENING_FIELDS``, so a malformed one is refused before the next is read.
+    """
+    body = _map(read_document(data, "opening", _OPENING_FIELDS), "opening", _OPENING_KEYS)
     if body["v"] != SLICED_VERSION or body["kind"] != OPENING_KIND:
         raise SlicedFormatError("v", f"expected version {SLICED_VERSION!r} of a {OPENING_KIND!r}")
-
-    def tensors(key: str) -> tuple[TensorOpening, ...]:
-        return tuple(
-            _read_tensor(t, f"{key}[{i}]") for i, t in enumerate(_list(body[key], key, limit=4096))
-        )
-
-    def paths(key: str) -> tuple[DigestPath, ...]:
-        return tuple(
-            _read_digest_path(p, f"{key}[{i}]")
-            for i, p in enumerate(_list(body[key], key, limit=4096))
-        )
-
-    rows = []
-    for i, entry in enumerate(_list(body["rows"], "rows", limit=1 << 16)):
-        where = f"rows[{i}]"
-        row = _map(
-            entry, where, ("micro", "boundary", "kind", "row", "dtype", "shape", "data", "path")
-        )
-        if row["kind"] not in _KINDS:
-            raise SlicedFormatError(f"{where}.kind", f"expected one of {', '.join(_KINDS)}")
-        rows.append(
-            RowOpening(
-                _count(row["micro"], f"{where}.micro"),
-                _count(row["boundary"], f"{where}.boundary"),
-                row["kind"],
-                _count(row["row"], f"{where}.row"),
-                _read_array(row, where, _ROW_DTYPES),
-                _path(row["path"], f"{where}.path"),
-            )
-        )
-    batch_rows = []
-    for i, entry in enumerate(_list(body["batch_rows"], "batch_rows", limit=1 << 16)):
-        where = f"batch_rows[{i}]"
-        row = _map(entry, where, ("micro", "row", "dtype", "shape", "data", "path"))
-        batch_rows.append(
-            BatchRowOpening(
-                _count(row["micro"], f"{where}.micro"),
-                _count(row["row"], f"{where}.row"),
-                _read_array(row, where, _TOKEN_DTYPES),
-                _path(row["path"], f"{where}.path"),
-            )
-        )
     return SliceOpening(
-        params=tensors("params"),
-        opt_state=tensors("opt_state"),
-        grad=tensors("grad"),
-        post_params=paths("post_params"),
-        post_opt_state=paths("post_opt_state"),
-        rows=tuple(rows),
-        inputs=tensors("inputs"),
-        batch_rows=tuple(batch_rows),
+        params=tuple(body["params"]),
+        opt_state=tuple(body["opt_state"]),
+        grad=tuple(body["grad"]),
+        post_params=tuple(body["post_params"]),
+        post_opt_state=tuple(body["post_opt_state"]),
+        rows=tuple(body["rows"]),
+        inputs=tuple(body["inputs"]),
+        batch_rows=tuple(body["batch_rows"]),
     )
 
 
