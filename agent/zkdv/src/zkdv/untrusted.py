@@ -306,8 +306,7 @@ SYMBOLIC_TARGETS = frozenset(
                 "sym_ite",
                 "sym_max",
                 "sym_min",
-                "sym_sqrt",
-                "sym_sum",
+                "_sym_sqrt",
             ]
         ),
         "math.trunc",
