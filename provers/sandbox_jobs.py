@@ -8,8 +8,8 @@ reads a setting: the parent passes everything the job needs.
   directory), the verdict :meth:`provers.replay.ReplayVerdict.to_dict`;
 * ``slice``: one sliced challenge (:func:`provers.sliced.verify_slice` with the block's
   committed program), ``{ok, reason, message, margins, seconds}``;
-* ``inspect``: what a replay can see and reach (its environment, what it reads at the
-  given paths, whether it can connect to an address, write beside its inputs),
+* ``inspect``: what a replay can see and reach (its environment and resource limits,
+  what it reads at the given paths, whether it can connect to an address, write beside its inputs),
   for the sandbox's own tests and an operator checking a deployment.
 """
 
@@ -148,9 +148,15 @@ def inspect(arguments: dict[str, Any]) -> dict[str, Any]:
             written = True
     except OSError:
         written = False
+    import resource
+
     return {
         "ok": True,
         "environment": dict(os.environ),
+        "limits": {
+            name: resource.getrlimit(getattr(resource, f"RLIMIT_{name.upper()}"))[0]
+            for name in ("as", "cpu", "fsize", "nofile")
+        },
         "read": {path: _read(path) for path in arguments.get("paths") or []},
         "connect": reached,
         "wrote_inputs": written,
