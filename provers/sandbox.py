@@ -146,9 +146,14 @@ def _search_path() -> list[str]:
     return list(dict.fromkeys(str(f) for f in folders))
 
 
+#: The child's first statements. It loads this file alone, by its path, not the
+#: ``provers`` package: that imports numpy, whose BLAS starts threads, and a process with
+#: threads may not enter a new user namespace. Isolation comes before any such import.
 _BOOT = (
-    "import sys, json; sys.path[:0] = json.loads(sys.argv[1]); "
-    "from provers.sandbox import child; child()"
+    "import sys, json, importlib.util as u; sys.path[:0] = json.loads(sys.argv[1]); "
+    "spec = u.spec_from_file_location('_dvbench_sandbox', sys.argv[2]); "
+    "module = sys.modules[spec.name] = u.module_from_spec(spec); "
+    "spec.loader.exec_module(module); module.child()"
 )
 
 
@@ -266,7 +271,12 @@ def run(
         try:
             with open(log, "wb") as output:
                 process = subprocess.Popen(
-                    [sys.executable, "-E", "-s", "-P", "-c", _BOOT, json.dumps(_search_path())],
+                    [
+                        sys.executable,
+                        *("-E", "-s", "-P", "-c", _BOOT),
+                        json.dumps(_search_path()),
+                        str(Path(__file__).resolve()),
+                    ],
                     stdin=subprocess.PIPE,
                     stdout=output,
                     stderr=output,

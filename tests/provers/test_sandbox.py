@@ -61,6 +61,17 @@ def keys(tmp_path: Path) -> dict[str, Path]:
     return {"data": data, "mounted": mounted}
 
 
+def _user_namespaces_allowed() -> bool:
+    """Whether a fresh single-threaded process here may unshare a user namespace."""
+    import subprocess
+
+    code = (
+        "import ctypes, sys; "
+        "sys.exit(ctypes.CDLL(None, use_errno=True).unshare(0x10000000 | 0x00020000) != 0)"
+    )
+    return subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
 def _inspect(keys: dict[str, Path], **arguments: Any) -> dict[str, Any]:
     paths = [
         str(keys["data"] / "secret_key"),
@@ -102,6 +113,11 @@ def test_key_files_and_the_data_directory_are_hidden(secrets: Any, keys: Any) ->
     notes = seen["sandbox"]
     if notes["namespaces"].startswith("not isolated"):
         pytest.skip(f"this kernel refuses namespaces: {notes['namespaces']}")
+    # Where the kernel grants user namespaces, the child takes one (nothing it imported
+    # first started a thread, which would make the kernel refuse).
+    assert notes["namespaces"].startswith(("user, mount", "mount")), notes
+    if _user_namespaces_allowed():
+        assert notes["namespaces"] == "user, mount, network"
     read = seen["read"]
     assert read["input.bin"] == "the lab's bytes"
     assert read[str(keys["data"] / "secret_key")] is None
