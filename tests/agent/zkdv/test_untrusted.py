@@ -229,3 +229,17 @@ def test_a_jax_program_with_a_foreign_custom_call_is_refused() -> None:
     program = export.deserialize(payloads.jax_custom_call_program())
     with pytest.raises(ProgramUnsafeError, match="custom call target 'lab_payload'"):
         untrusted.check_custom_calls(program.mlir_module())
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '%0 = stablehlo.custom_call @"lab payload"(%arg0) : (tensor<4xf32>) -> tensor<4xf32>',
+        '%0 = "stablehlo.custom_call"(%arg0) {call_target_name = "lab_payload"} : () -> ()',
+        '%0 = mhlo.custom_call(%arg0) {custom_call_target = "lapack_sgetrf_ffi"} : () -> ()',
+    ],
+)
+def test_every_spelling_of_a_custom_call_is_read(text: str) -> None:
+    with pytest.raises(ProgramUnsafeError):
+        untrusted.check_custom_calls(text)
+    untrusted.check_custom_calls("%0 = stablehlo.custom_call @Sharding(%arg0) : () -> ()")

@@ -453,12 +453,18 @@ def _check_model(model: Any) -> Any:
     for entry in _walk(model):
         if "expr_str" in entry:
             check_expression(entry["expr_str"])
-        if "target" in entry and "inputs" in entry and "outputs" in entry:
-            check_target(entry["target"])
-            # Metadata is provenance (stack traces, module paths, custom JSON) that a
-            # replay does not need: the loader resolves names in it, so it goes.
-            entry["metadata"] = {}
-            nodes += 1
+        # A graph's nodes (the top graph's, and every subgraph's) are the one list the
+        # format calls "nodes"; each is a Node, whose target the loader resolves.
+        listed = entry.get("nodes")
+        if isinstance(listed, list):
+            for node in listed:
+                if not isinstance(node, dict):
+                    raise ProgramUnsafeError(f"{MODEL}: a node that is not an object")
+                check_target(node.get("target"))
+                # Metadata is provenance (stack traces, module paths, custom JSON) that a
+                # replay does not need: the loader resolves names in it, so it goes.
+                node["metadata"] = {}
+                nodes += 1
     if not nodes:
         raise ProgramUnsafeError(f"{MODEL} has no node")
     return model
@@ -543,8 +549,12 @@ JAX_CUSTOM_CALLS = frozenset(
         "shape_assertion",
     }
 )
-_CUSTOM_CALL = re.compile(
-    r"stablehlo\.custom_call\s*@([A-Za-z0-9_.$\-]+)|custom_call_target\s*=\s*\"([^\"]*)\""
+#: Every place a custom call can be named; each must read as one of the forms below.
+_CUSTOM_CALL_SITE = re.compile(r"custom_call|call_target_name")
+_CUSTOM_CALL_FORMS = (
+    re.compile(r"custom_call\s*@([A-Za-z0-9_.$\-]+)\s*\("),
+    re.compile(r"custom_call_target\s*=\s*\"([A-Za-z0-9_.$\-]*)\""),
+    re.compile(r"call_target_name\s*=\s*\"([A-Za-z0-9_.$\-]*)\""),
 )
 
 
@@ -559,8 +569,16 @@ def check_custom_calls(module_text: str, *, where: str = "the program") -> None:
         ProgramUnsafeError: a custom call to any other target (a host callback, an FFI
             handler, a LAPACK routine, ...).
     """
-    for match in _CUSTOM_CALL.finditer(module_text):
-        target = match.group(1) or match.group(2)
+    for site in _CUSTOM_CALL_SITE.finditer(module_text):
+        found = [form.match(module_text, site.start()) for form in _CUSTOM_CALL_FORMS]
+        target = next((m.group(1) for m in found if m is not None), None)
+        if target is None:
+            # A quoted or otherwise unusual name (or the words in a location string):
+            # nothing the platform can read with certainty, so nothing it runs.
+            excerpt = module_text[site.start() : site.start() + 80]
+            raise ProgramUnsafeError(
+                f"{where} names a custom call the platform cannot read: {excerpt!r}"
+            )
         if target not in JAX_CUSTOM_CALLS:
             raise ProgramUnsafeError(
                 f"{where} calls custom call target {target!r}; the platform runs only "
