@@ -17,7 +17,7 @@ from typing import Any
 
 from django.conf import settings
 
-from attestations.challenges.index import FILES_DIR, TRANSCRIPT
+from attestations.challenges.index import FILES_DIR, PROBES, TRANSCRIPT
 from provers.sandbox import Limits, SandboxError, run
 
 __all__ = ["SandboxError", "hidden_paths", "replay", "verify_slice"]
@@ -44,8 +44,9 @@ def _limits() -> Limits:
 
 
 def _proof_files(directory: Path, needed: Iterable[str]) -> dict[str, Path]:
-    """The files a replay reads: the transcript, the challenge's files, empty trees."""
-    wanted = {TRANSCRIPT, *needed}
+    """The files a replay reads: the transcript, the probe file (the committed probes it
+    compares), the challenge's files, and the empty trees' files."""
+    wanted = {TRANSCRIPT, PROBES, *needed}
     files: dict[str, Path] = {}
     for path in directory.rglob("*"):
         if not path.is_file() or path.name.endswith(".partial"):
