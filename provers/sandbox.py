@@ -238,7 +238,8 @@ def run(
         inputs: relative name -> the file (or bytes) the child reads, copied read-only.
         hide: folders and files of the platform (its data directory, key files) to
             hide from the child under empty mounts.
-        network: let the child keep the network (a slice read through a lab's grant).
+        network: let the child keep the network. No replay needs it (a slice read
+            through a lab's grant is fetched by the parent); for an operator's checks.
         limits: resource limits; by default :meth:`Limits.from_environment`.
 
     Returns:
