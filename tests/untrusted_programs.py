@@ -132,8 +132,24 @@ def jax_custom_call_program(target: str = "lab_payload") -> bytearray:
     return exported.serialize()
 
 
-def forge_program(run: Path, program: bytes) -> None:
-    """Replace a proof's program file and commit it: the root's digest, re-chained.
+def aot_inductor_package() -> bytes:
+    """A real AOT Inductor package (a compiled shared object), as ``aot-inductor`` runs
+    seal them (``zkdv.torch._artifact.roundtrip``; a cold compile is ~40 s)."""
+    import torch
+
+    from zkdv.torch import _artifact
+
+    class Program(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+            return [torch.tanh(x) * 2]
+
+    _, material = _artifact.roundtrip(Program(), (torch.zeros(4, 6),))
+    return bytes(material)
+
+
+def forge_program(run: Path, program: bytes, *, kind: str | None = None) -> None:
+    """Replace a proof's program file (of ``kind``, by default the run's) and commit it:
+    the root's program kind and digest, re-chained.
 
     What a lab that means harm files: a transcript whose root commits the malicious
     program (the chain is the lab's own to write).
@@ -144,9 +160,9 @@ def forge_program(run: Path, program: bytes) -> None:
 
     records = [dict(r.data) for r in iter_records(run)]
     root = records[0]
-    kind = str(root["program"]["kind"])
+    kind = kind or str(root["program"]["kind"])
     (run / program_file(kind)).write_bytes(program)
-    root["program"] = {**root["program"], "digest": file_digest(program)}
+    root["program"] = {**root["program"], "kind": kind, "digest": file_digest(program)}
     out, prev = bytearray(), ZERO_DIGEST
     for record in records:
         encoded = encode({**record, "prev": prev})

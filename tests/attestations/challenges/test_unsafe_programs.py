@@ -6,6 +6,8 @@ where the task runs inside the web request):
 
 * a whole-step Torch run whose committed ``torch.export`` program carries a pickled
   weight, an ``expr_str`` that calls ``os.system``, or a node calling a Python function;
+* a whole-step Torch run that commits an AOT Inductor package (native code; marked
+  ``aot``: one compile);
 * a whole-step JAX run whose committed program names a foreign custom-call target;
 * a sliced run whose block programs carry the pickle or the ``expr_str`` payload (the
   reproduction in the issue: upload, file, answer, open).
@@ -93,6 +95,27 @@ def test_a_malicious_torch_program_is_refused_and_never_runs(
     assert "the torch.export program artifact" in outcomes[0][2]
     assert proof.status == ProofStatus.REJECTED, (proof.status, proof.reason)
     assert not marker.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.aot
+def test_an_aot_inductor_package_is_refused_as_native_code(
+    platform: APIClient,  # noqa: F811 - the fixture imported above
+    honest_runs: dict[str, Path],
+    django_capture_on_commit_callbacks: Any,
+    tmp_path: Path,
+) -> None:
+    run = Path(shutil.copytree(honest_runs["torch"], tmp_path / "aot"))
+    (run / "program.bin").unlink()
+    payloads.forge_program(run, payloads.aot_inductor_package(), kind="aot-inductor")
+    proof, outcomes = _file_forged(
+        platform, run, f"{ORG}/torch-run", django_capture_on_commit_callbacks
+    )
+    assert {(status, reason) for status, reason, _ in outcomes} == {
+        (ChallengeStatus.FAILED, "program_unsafe")
+    }
+    assert "native code the platform never loads" in outcomes[0][2]
+    assert proof.status == ProofStatus.REJECTED
 
 
 def test_a_jax_program_with_a_foreign_custom_call_is_refused(
