@@ -9,6 +9,7 @@ with ``program_unsafe``, and the marker never appears.
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -243,3 +244,25 @@ def test_every_spelling_of_a_custom_call_is_read(text: str) -> None:
     with pytest.raises(ProgramUnsafeError):
         untrusted.check_custom_calls(text)
     untrusted.check_custom_calls("%0 = stablehlo.custom_call @Sharding(%arg0) : () -> ()")
+
+
+def test_a_pickled_constant_is_refused(block_program: bytes) -> None:
+    config = {
+        "config": {
+            "lifted_tensor_0": {
+                "path_name": "tensor_constant0",
+                "is_param": False,
+                "use_pickle": True,
+                "tensor_meta": None,
+            }
+        }
+    }
+    archive = payloads._edit(
+        block_program,
+        {
+            "archive/data/constants/model_constants_config.json": json.dumps(config).encode(),
+            "archive/data/constants/tensor_constant0": b"\x80\x04N.",
+        },
+    )
+    with pytest.raises(ProgramUnsafeError, match=r"'lifted_tensor_0' is pickled"):
+        safe_export_archive(archive)
