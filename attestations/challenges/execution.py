@@ -2,7 +2,7 @@
 
 The ``replay_challenge`` task (:mod:`attestations.challenges.tasks`) claims a challenge
 (:func:`claim`), runs :func:`replay_one` (:func:`provers.verify_challenge` over the proof
-directory) and records the outcome (:func:`record_verdict`, :func:`record_error`).
+directory, in a sandboxed child process) and records the outcome (:func:`record_verdict`, :func:`record_error`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-import provers
 from attestations.audit.models import AuditEvent
+from attestations.challenges import sandboxed
 from attestations.challenges.index import PROBES
 from attestations.challenges.models import (
     Challenge,
@@ -31,7 +31,6 @@ from attestations.core.db import take_claim
 from attestations.proofs.models import (
     Proof,
 )
-from provers.replay import ReplayError, ReplayVerdict
 
 log = logging.getLogger(__name__)
 
@@ -101,21 +100,16 @@ def check_probes(proof: Proof, directory: Path) -> dict[str, Any] | None:
 def replay_one(challenge: Challenge) -> dict[str, Any]:
     """Materialise and replay one claimed challenge; returns the verdict's dict.
 
-    The proof's prover (:func:`provers.open_prover`) is kept between challenges, so a
-    worker reads the root record and loads the committed program once per proof.
+    The replay runs in a sandboxed child process (:func:`sandboxed.replay`), never in
+    this one: it runs the lab's program. The probe file is checked here first, by the
+    platform's own transcript verifier.
     """
     proof = challenge.proof
     directory = proof_directory(proof, challenge.needed_files)
     failure = check_probes(proof, directory)
     if failure is not None:
         return {**failure, "step": challenge.step}
-    try:
-        prover = provers.open_prover(directory, key=proof.transcript.sha256)
-    except ReplayError as error:
-        return ReplayVerdict(
-            ok=False, step=challenge.step, reason=error.reason, message=error.message
-        ).to_dict()
-    return prover.verify(challenge.step, through=challenge.through).to_dict()
+    return sandboxed.replay(directory, challenge.needed_files, challenge.step, challenge.through)
 
 
 def record_verdict(challenge: Challenge, verdict: Mapping[str, Any]) -> bool:

@@ -2,17 +2,15 @@
 
 The ``replay_slice`` task (:mod:`attestations.challenges.tasks`) claims a ready slice
 (:func:`claim`), verifies it (:func:`verify`: ``provers.sliced.verify_slice`` with the
-block's committed program, on an uploaded opening or on the ranges read through the
-lab's grant) and records the verdict (:func:`record_verdict`); once every slice is final
+block's committed program, in a sandboxed child process, on an uploaded opening or on
+the ranges read through the lab's grant) and records the verdict (:func:`record_verdict`); once every slice is final
 the run is settled (:func:`settle`). Unanswered slices expire at the run's deadline
 (:func:`expire`). Filing, answers and openings are :mod:`attestations.challenges.sliced`.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import math
 from typing import Any
 
 from django.conf import settings
@@ -21,6 +19,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from attestations.audit.models import AuditEvent
+from attestations.challenges import sandboxed
 from attestations.challenges.models import (
     SLICE_FINAL,
     SlicedChallenge,
@@ -45,113 +44,81 @@ def claim(pk: int) -> bool:
     )
 
 
-@functools.lru_cache(maxsize=8)
-def _program(digest: str) -> Any:
-    """A committed block program, loaded once per worker (keyed by its SHA-256)."""
-    from zkdv.sliced import load_program
-
+def _blob_bytes(digest: str) -> bytes:
     with mapped(Blob.objects.get(sha256=digest).storage_name) as data:
-        return load_program(bytes(data))
-
-
-@functools.lru_cache(maxsize=4)
-def _run_file(digest: str) -> Any:
-    """A run's file, read and parsed once per worker for all its slices (by its SHA-256)."""
-    from zkdv.sliced import RunFile
-
-    with mapped(Blob.objects.get(sha256=digest).storage_name) as data:
-        return RunFile.from_bytes(bytes(data))
+        return bytes(data)
 
 
 def verify(challenge: SlicedChallenge) -> dict[str, Any]:
     """Verify one claimed slice from its stored run file, answer and opening.
 
-    Returns:
-        ``{ok, reason, message, margins, seconds}``: ``provers.sliced.verify_slice``'s
-        verdict, or a failure the lab caused before it could run (``opening_format``:
-        an opening that is not one; ``program``: a block program that does not load).
-    """
-    import torch
-    from torch.func import functional_call
+    The check runs the block's committed program, so it runs in a sandboxed child
+    process (:func:`attestations.challenges.sandboxed.verify_slice`), never here. An
+    opening read through the lab's grant is fetched here first (the platform's own
+    HTTP reads, which the sandbox, having no network, cannot make).
 
-    from provers.sliced import verify_slice
-    from zkdv.sliced import (
-        SliceAnswer,
-        SliceChallenge,
-        SlicedFormatError,
-        answer_from_bytes,
-        opening_from_bytes,
-    )
+    Returns:
+        ``{ok, reason, message, margins, seconds, moved}``: ``provers.sliced.verify_slice``'s
+        verdict, or a failure the lab caused before it could run (``opening_format``:
+        an opening that is not one; ``program_unsafe``: a block program the platform
+        refuses to load, :mod:`zkdv.untrusted`; ``program``: one that does not load;
+        ``store``: a grant the worker could not read through).
+    """
+    from zkdv.sliced import RunFile
 
     run = challenge.run
-    run_file = _run_file(run.digest)
-    opening = None
-    if challenge.opening is not None:
-        try:
-            with mapped(challenge.opening.storage_name) as data:
-                opening = opening_from_bytes(bytes(data))
-        except SlicedFormatError as error:
-            return _failed("opening_format", f"the opening is malformed: {error}")
-    try:
-        block = _program(run_file.programs[challenge.block])
-        embed_program = _program(run_file.embed) if run_file.embed else None
-    except Exception as error:  # noqa: BLE001 - the lab's bytes: torch.export.load raises anything
-        return _failed("program", f"a committed program does not load: {error}")
-
-    def embed(tables: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
-        assert embed_program is not None
-        weights = {name: t.to(torch.float64) for name, t in tables.items()}
-        embedded: torch.Tensor = functional_call(embed_program, weights, (tokens,))
-        return embedded
-
-    shape = (challenge.projections, run.micro_batches, run.rows)
-    assert challenge.answer is not None
-    common: dict[str, Any] = {
-        "names": run_file.names,
-        "layout": run_file.layout,
-        "block": block,
-        "chunk_bytes": run_file.chunk_bytes,
-        "inputs": run_file.inputs if embed_program is not None else (),
-        "embed": embed if embed_program is not None else None,
-    }
-    arguments = (
-        run_file.steps[challenge.step],
-        SliceChallenge(
-            challenge.step,
-            challenge.block,
-            bytes.fromhex(challenge.directions),
-            challenge.projections,
-        ),
-        SliceAnswer(answer_from_bytes(bytes(challenge.answer), shape)),
-        [tuple(s) for s in challenge.sequences],
-    )
+    run_bytes = _blob_bytes(run.digest)
+    run_file: RunFile = RunFile.from_bytes(run_bytes)
     moved = 0
-    if opening is not None:
-        verdict = verify_slice(*arguments, opening, **common)
+    if challenge.opening is not None:
+        with mapped(challenge.opening.storage_name) as data:
+            opening = bytes(data)
     else:
-        verdict, moved = _verify_from_store(run, challenge, arguments, common)
+        fetched, moved = _fetch_from_store(run, challenge, run_file)
+        if isinstance(fetched, dict):
+            return fetched
+        opening = fetched
+    inputs: dict[str, Any] = {
+        "run_file": run_bytes,
+        "block.pt2": _blob_bytes(run_file.programs[challenge.block]),
+        "opening": opening,
+        "answer": bytes(challenge.answer or b""),
+    }
+    if run_file.embed:
+        inputs["embed.pt2"] = _blob_bytes(run_file.embed)
+    arguments = {
+        "run_file": "run_file",
+        "block": "block.pt2",
+        "embed": "embed.pt2" if run_file.embed else None,
+        "opening": "opening",
+        "answer": "answer",
+        "step": challenge.step,
+        "block_index": challenge.block,
+        "directions": challenge.directions,
+        "projections": challenge.projections,
+        "micro_batches": run.micro_batches,
+        "rows": run.rows,
+        "sequences": [list(s) for s in challenge.sequences],
+    }
+    verdict = sandboxed.verify_slice(arguments, inputs)
     return {
-        "ok": verdict.ok,
-        "reason": verdict.reason,
-        "message": verdict.message,
-        # JSON has no infinity: a measure off every scale is null.
-        "margins": {
-            k: (float(v) if math.isfinite(v) else None) for k, v in verdict.margins.items()
-        },
-        "seconds": verdict.seconds,
+        "ok": bool(verdict["ok"]),
+        "reason": str(verdict["reason"]),
+        "message": str(verdict["message"]),
+        "margins": dict(verdict["margins"]),
+        "seconds": float(verdict["seconds"]),
+        # What the platform itself moved, not what the child says.
         "moved": moved,
     }
 
 
-def _verify_from_store(
-    run: SlicedRun,
-    challenge: SlicedChallenge,
-    arguments: tuple[Any, ...],
-    common: dict[str, Any],
-) -> tuple[Any, int]:
-    """Read the opened ranges through the lab's grant and verify them; and bytes read."""
-    from provers.sliced import SliceVerdict
-    from provers.sliced_store import RangeReader, verify_slice_from_store
+def _fetch_from_store(
+    run: SlicedRun, challenge: SlicedChallenge, run_file: Any
+) -> tuple[bytes | dict[str, Any], int]:
+    """Read the opened ranges through the lab's grant: the opening's bytes (or a
+    ``store`` failure), and the bytes read."""
+    from provers.sliced_store import RangeReader, StoreError, fetch_slice
+    from zkdv.sliced import SliceChallenge, opening_to_bytes
     from zkdv.sliced_store import Grant, GrantError
 
     try:
@@ -162,9 +129,25 @@ def _verify_from_store(
             budget=int(settings.DVBENCH["MAX_BLOB_BYTES"]),
         )
     except (GrantError, ValueError) as error:
-        return SliceVerdict(ok=True).fail("store", str(error)), 0
-    verdict = verify_slice_from_store(reader, *arguments, **common)
-    return verdict, reader.transfer.bytes
+        return _failed("store", str(error)), 0
+    try:
+        fetched = fetch_slice(
+            reader,
+            run_file.steps[challenge.step],
+            SliceChallenge(
+                challenge.step,
+                challenge.block,
+                bytes.fromhex(challenge.directions),
+                challenge.projections,
+            ),
+            [(int(m), int(r)) for m, r in challenge.sequences],
+            names=run_file.names,
+            layout=run_file.layout,
+            inputs=run_file.inputs if run_file.embed else (),
+        )
+    except StoreError as error:
+        return _failed("store", str(error)), reader.transfer.bytes
+    return opening_to_bytes(fetched.opening), reader.transfer.bytes
 
 
 def _failed(reason: str, message: str) -> dict[str, Any]:

@@ -69,7 +69,9 @@ def test_aot_artifact_is_committed_reloaded_and_replays_within_tolerance(
         assert tolerance.close(check["param"]["replayed"], check["param"]["committed"])
 
     # Two loads of the committed bytes are bitwise equal to each other; close to eager.
-    first, second = _artifact.load(material), _artifact.load(material)
+    # (The SDK's own package: trusted. The platform refuses it, tests/provers.)
+    first = _artifact.load(material, trusted=True)
+    second = _artifact.load(material, trusted=True)
     inputs = (*(p.detach() for p in model.parameters()), *batches[0])
     compiled = first(*inputs)
     for a, b in zip(compiled, second(*inputs), strict=True):

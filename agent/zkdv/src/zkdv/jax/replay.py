@@ -34,6 +34,7 @@ from zkdv.config import TOKEN_UNITS
 from zkdv.jax._export import exact_environment_values
 from zkdv.jax.artifact import Artifact
 from zkdv.replay import Leaves, ReplayError, Transition, program_material, root_record
+from zkdv.untrusted import ProgramUnsafeError, check_custom_calls
 
 __all__ = [
     "PROGRAM_KINDS",
@@ -82,6 +83,7 @@ def load_artifact(proof_dir: str | os.PathLike[str]) -> tuple[Artifact, dict[str
         artifact = Artifact.loads(material)
     except (ValueError, KeyError) as error:
         raise ReplayError("program_mismatch", f"program.jaxexport is unreadable: {error}") from None
+    check_programs(artifact)
     schema = root["schema"]
     if not (
         _specs_match(artifact.params, schema["params"])
@@ -100,6 +102,31 @@ def load_artifact(proof_dir: str | os.PathLike[str]) -> tuple[Artifact, dict[str
             "the program artifact computes other values than the root's schema.grad commits",
         )
     return artifact, root
+
+
+def check_programs(artifact: Artifact) -> None:
+    """Refuse an artifact whose programs call a custom-call target outside the allow-list.
+
+    A custom call runs whatever the worker registered under its name (a host callback,
+    an FFI handler): the lab may name only the targets of
+    :data:`zkdv.untrusted.JAX_CUSTOM_CALLS`.
+
+    Raises:
+        zkdv.replay.ReplayError: ``program_unsafe`` naming the program and the target.
+    """
+    programs = {
+        "production": artifact.production,
+        "apply": artifact.apply_program,
+        "attest": artifact.attest,
+        "transition": artifact.transition,
+    }
+    for name, program in programs.items():
+        if program is None:
+            continue
+        try:
+            check_custom_calls(program.mlir_module(), where=f"the {name} program")
+        except ProgramUnsafeError as error:
+            raise ReplayError(error.reason, f"program.jaxexport: {error}") from None
 
 
 def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:

@@ -564,9 +564,19 @@ def export_program(module: Any, example: Sequence[Any]) -> bytes:
 
 
 def load_program(data: bytes) -> Any:
-    """The module of a program archive (:func:`export_program`'s bytes)."""
+    """The module of a program archive (:func:`export_program`'s bytes).
+
+    The bytes are a lab's: Torch loads only the archive
+    :func:`zkdv.untrusted.safe_export_archive` rebuilds from them.
+
+    Raises:
+        zkdv.untrusted.ProgramUnsafeError: a program the platform will not load
+            (a pickle, code in a symbolic expression, a node target outside ATen).
+    """
     import io
 
     import torch
 
-    return torch.export.load(io.BytesIO(bytes(data))).module()
+    from zkdv.untrusted import safe_export_archive
+
+    return torch.export.load(io.BytesIO(safe_export_archive(data))).module()

@@ -7,12 +7,15 @@ package (generated C++, the compiled shared library and the constants), and
 ``torch._inductor.aoti_load_package`` to run it. :func:`roundtrip` compiles once,
 keeps the package's exact bytes (they are what the transcript commits) and reloads
 the program *from those bytes*, so the program that answers sampled checks is the one
-committed. Loading the same bytes on the platform reproduces it bit for bit on the
-same hardware and thread count.
+committed. The platform never loads such a package: it is a shared object the lab
+built, native code (issue 59); :func:`load` refuses it unless the caller made it itself
+(``trusted=True``, the SDK's own sealing).
 
 ``torch.export`` programs (:func:`export_roundtrip`) are the fast alternative used by
 ``ZKDV_TORCH_PROGRAM=torch.export``: serialized in seconds, replayed by Torch's own
-eager kernels.
+eager kernels. Their bytes reach ``torch.export.load`` only through
+:func:`zkdv.untrusted.safe_export_archive`, which refuses pickles, code in symbolic
+expressions and node targets outside ATen, and hands Torch a rebuilt archive.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 
 import torch
 
+from zkdv import untrusted
 from zkdv.torch import _rng
 
 __all__ = ["AOT_INDUCTOR", "TORCH_EXPORT", "export_roundtrip", "load", "reproducible", "roundtrip"]
@@ -109,7 +113,7 @@ def roundtrip(function: Any, arguments: tuple[Any, ...]) -> tuple[LoadedProgram,
             exported, package_path=os.path.join(directory, "program.pt2")
         )
         material = bytearray(Path(path).read_bytes())
-    return load(material, AOT_INDUCTOR), material
+    return load(material, AOT_INDUCTOR, trusted=True), material
 
 
 def export_roundtrip(function: Any, arguments: tuple[Any, ...]) -> tuple[LoadedProgram, bytearray]:
@@ -164,17 +168,30 @@ def reproducible(archive: bytes) -> bytes:
     return out.getvalue()
 
 
-def load(material: bytes | bytearray, kind: str = AOT_INDUCTOR) -> LoadedProgram:
+def load(
+    material: bytes | bytearray, kind: str = AOT_INDUCTOR, *, trusted: bool = False
+) -> LoadedProgram:
     """Load a program artifact from its exact committed bytes.
+
+    Args:
+        material: the artifact's bytes.
+        kind: ``torch.export`` or ``aot-inductor``.
+        trusted: the caller compiled these bytes itself (the SDK's sealing). Otherwise
+            an AOT Inductor package is refused, and a ``torch.export`` archive is
+            loaded only as :func:`zkdv.untrusted.safe_export_archive` rebuilds it.
 
     Raises:
         ValueError: an unknown program kind.
+        zkdv.untrusted.ProgramUnsafeError: an untrusted program the platform will not
+            load (its reason is ``program_unsafe``).
     """
     if kind == TORCH_EXPORT:
-        exported = torch.export.load(io.BytesIO(bytes(material)))
+        exported = torch.export.load(io.BytesIO(untrusted.safe_export_archive(material)))
         return LoadedProgram(kind, exported.module())
     if kind != AOT_INDUCTOR:
         raise ValueError(f"unknown ZKDV Torch program kind {kind!r}")
+    if not trusted:
+        untrusted.refuse_native(kind)
     directory = tempfile.TemporaryDirectory(prefix="zkdv-aoti-load-")
     path = Path(directory.name, "program.pt2")
     path.write_bytes(bytes(material))

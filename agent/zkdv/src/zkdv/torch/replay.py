@@ -44,6 +44,7 @@ from zkdv.torch._rng import RNG_VERSION
 from zkdv.torch.optimizers.bridge import SCALER, SCALER_ENTRIES, OptimizerBridge
 from zkdv.torch.optimizers.canonical import CANONICAL_VERSION
 from zkdv.torch.optimizers.registry import OptimizerRegistry
+from zkdv.untrusted import ProgramUnsafeError
 
 __all__ = ["AOT_INDUCTOR", "PROGRAM_KINDS", "PROVER", "TORCH_EXPORT", "load_transition"]
 
@@ -246,7 +247,9 @@ def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
 
     Raises:
         provers.replay.ReplayError: ``program_mismatch`` when the artifact does not hash
-            to the committed digest or cannot be loaded; ``unsupported_optimizer`` or
+            to the committed digest or cannot be loaded; ``program_unsafe`` when it is
+            an AOT Inductor package (native code) or a ``torch.export`` archive that
+            :func:`zkdv.untrusted.safe_export_archive` refuses; ``unsupported_optimizer`` or
             ``unsupported_program`` when the root record does not describe a
             transition this prover can rebuild.
     """
@@ -258,6 +261,8 @@ def load_transition(proof_dir: str | os.PathLike[str]) -> Transition:
     kind, material = program_material(proof_dir, root, PROGRAM_KINDS)
     try:
         program = _artifact.load(material, kind)
+    except ProgramUnsafeError as error:
+        raise ReplayError(error.reason, f"the {kind} program artifact: {error}") from None
     except Exception as error:  # noqa: BLE001 - any loader failure means a bad artifact
         raise ReplayError(
             "program_mismatch", f"the {kind} program artifact cannot be loaded: {error}"
