@@ -20,13 +20,19 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from django.conf import settings
+
+from tests.attestations.s3 import S3Server, s3_server
+
+__all__ = ["s3_server"]  # a session fixture: one S3 API for every test that asks for one
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,6 +51,13 @@ DEMO_TIMEOUT_SECONDS = 600
 #: The queues a test worker consumes: every queue the settings route tasks to.
 WORKER_QUEUES = ("ingest", "replay")
 WORKER_START_TIMEOUT_SECONDS = 60.0
+#: Fixtures that start a service of their own when the environment names none. A test that
+#: uses one is marked ``self_started``; .ci/run runs those again with the services'
+#: variables unset, the way they run on a newcomer's machine (issue 58).
+SELF_STARTING_FIXTURES = ("s3_server",)
+#: A session fixture's setup is charged to the first test that asks for it: these add
+#: their own limit (seconds) to the per-test timeout of every test that uses them.
+SLOW_FIXTURE_SECONDS = {"embedded_demo": DEMO_TIMEOUT_SECONDS}
 SERVICES_SKIP_REASON = (
     "needs real PostgreSQL and Redis: set DATABASE_URL and REDIS_URL "
     "(.ci/run starts throwaway servers and sets both)"
@@ -284,3 +297,97 @@ def embedded_demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedded
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+# --- Collection: self-started services, time limits ---------------------------------------
+
+
+def _timeout_seconds(marker: pytest.Mark) -> float | None:
+    value = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+    return None if value is None else float(value)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests whose fixtures start services of their own (``self_started``), and
+    give the tests that use a slow session fixture its setup time on top of their limit.
+    """
+    default = None
+    if config.pluginmanager.hasplugin("timeout"):
+        default = float(config.getoption("timeout", None) or config.getini("timeout") or 0)
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        if names.intersection(SELF_STARTING_FIXTURES):
+            item.add_marker(pytest.mark.self_started)
+        extra = sum(seconds for name, seconds in SLOW_FIXTURE_SECONDS.items() if name in names)
+        if not (default and extra):
+            continue
+        declared = item.get_closest_marker("timeout")
+        base = _timeout_seconds(declared) if declared is not None else default
+        if base:  # 0 turns the limit off; it stays off
+            # Prepended: pytest-timeout reads the closest timeout marker, this one.
+            item.add_marker(pytest.mark.timeout(base + extra), append=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A failing test that used the session's own S3 server shows the end of its log."""
+    report = yield
+    if report.failed:
+        server = getattr(item, "funcargs", {}).get("s3_server")
+        if isinstance(server, S3Server) and server.log is not None:
+            report.sections.append(("moto_server log", server.log_tail()))
+    return report
+
+
+# --- The skipped groups, in one line at the end of the run --------------------------------
+
+#: (group, what its tests need, words of their skip reasons, their marker). A skip goes to
+#: the first group whose words its reason holds, else to the first whose marker it has.
+SKIP_GROUPS = (
+    (
+        "services",
+        "real PostgreSQL and Redis",
+        ("DATABASE_URL", "REDIS_URL", "PostgreSQL"),
+        "services",
+    ),
+    ("browser", "Chromium", ("Chromium",), "browser"),
+    ("sigstore-js", "node and npm ci in tests/sigstore_js", ("JavaScript verifier",), ""),
+    ("gpu", "a CUDA device", ("CUDA",), "gpu"),
+)
+
+
+def skip_group(report: pytest.TestReport | pytest.CollectReport) -> str:
+    """The group of a skipped test's report (``SKIP_GROUPS``), or ``other``."""
+    longrepr = report.longrepr
+    reason = str(longrepr[2] if isinstance(longrepr, tuple) else longrepr).lower()
+    for group, _, words, _ in SKIP_GROUPS:
+        if any(word.lower() in reason for word in words):
+            return group
+    for group, _, _, marker in SKIP_GROUPS:
+        if marker and marker in getattr(report, "keywords", {}):
+            return group
+    return "other"
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """One line: how many tests skipped, by group and what the group needs.
+
+    Printed before pytest's own short summary (``-ra`` lists each reason there) and its
+    closing line, which stays the last.
+    """
+    # A module that skips whole (importorskip) is one collection report, as pytest counts it.
+    skipped = [
+        report
+        for report in terminalreporter.stats.get("skipped", [])
+        if isinstance(report, pytest.TestReport | pytest.CollectReport)
+        and not hasattr(report, "wasxfail")
+    ]
+    if not skipped:
+        return
+    counts = Counter(skip_group(report) for report in skipped)
+    needs = {group: need for group, need, _, _ in SKIP_GROUPS} | {"other": "see the reasons"}
+    groups = sorted(counts, key=lambda group: (-counts[group], group))
+    terminalreporter.write_line(
+        "skipped by group: "
+        + ", ".join(f"{counts[group]} {group} ({needs[group]})" for group in groups)
+    )
