@@ -227,8 +227,14 @@ class EmbeddedDemo:
 
     root: Path
     url: str
-    printed: list[str]
+    #: Everything the demo printed (stdout and stderr), as it goes on serving.
+    log: Path
     environment: dict[str, str]
+
+    @property
+    def printed(self) -> list[str]:
+        """The lines the demo has printed so far."""
+        return self.log.read_text(errors="replace").splitlines()
 
     @property
     def data(self) -> Path:
@@ -251,9 +257,10 @@ def embedded_demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedded
     The services are removed from its environment, so it runs the same in CI.
     """
     import re
-    import threading
 
     root = tmp_path_factory.mktemp("demo")
+    # Beside the demo's folder, which looks like a checkout to the guides' tests.
+    log = tmp_path_factory.mktemp("demo-output") / "demo.log"
     environment = {
         key: value
         for key, value in os.environ.items()
@@ -263,34 +270,28 @@ def embedded_demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedded
     # the full run).
     environment.update(PYTHONUNBUFFERED="1", DIGITS_STEPS="20")
     command = [sys.executable, "manage.py", "demo", "--port", "0"]
-    server = subprocess.Popen(
-        command,
-        cwd=REPO_ROOT,
-        env={**environment, "DVBENCH_DATA_DIR": str(root / ".data")},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    printed: list[str] = []
-    complete, url = threading.Event(), []
-
-    def read() -> None:
-        assert server.stdout is not None
-        for line in server.stdout:
-            printed.append(line.rstrip("\n"))
-            found = re.search(r"serving at (http://[^/\s]+)/", line)
-            if found:
-                url.append(found.group(1))
-            if "Demo complete" in line or "Demo incomplete" in line:
-                complete.set()
-        complete.set()
-
-    threading.Thread(target=read, daemon=True).start()
+    # Its output goes to a file, never to a pipe: the demo goes on serving (and printing)
+    # for the whole session, long after the flow this fixture waits for.
+    with log.open("wb") as output:
+        server = subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            env={**environment, "DVBENCH_DATA_DIR": str(root / ".data")},
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
     try:
-        assert complete.wait(DEMO_TIMEOUT_SECONDS), "the demo did not finish its flow in time"
-        text = "\n".join(printed)
+        deadline = time.monotonic() + DEMO_TIMEOUT_SECONDS
+        while True:
+            text = log.read_text(errors="replace")
+            if "Demo complete" in text or "Demo incomplete" in text or server.poll() is not None:
+                break
+            assert time.monotonic() < deadline, f"the demo did not finish its flow in time:\n{text}"
+            time.sleep(0.2)
+        url = re.search(r"serving at (http://[^/\s]+)/", text)
         assert url and "Demo complete" in text, text
-        yield EmbeddedDemo(root, url[0], printed, environment)
+        yield EmbeddedDemo(root, url.group(1), log, environment)
     finally:
         server.terminate()
         try:
