@@ -58,6 +58,11 @@ SELF_STARTING_FIXTURES = ("s3_server",)
 #: A session fixture's setup is charged to the first test that asks for it: these add
 #: their own limit (seconds) to the per-test timeout of every test that uses them.
 SLOW_FIXTURE_SECONDS = {"embedded_demo": DEMO_TIMEOUT_SECONDS}
+#: Under pytest-xdist (``-n 2 --dist loadgroup``) the tests that use these fixtures run on one
+#: worker, in one group: a session's Celery worker consumes the shared Redis queues and
+#: would take the other xdist worker's tasks to its own test database; the demo is started
+#: once per xdist worker that asks for it, a minute and a half each.
+XDIST_GROUPS = {"celery_worker_process": "services", "embedded_demo": "demo"}
 SERVICES_SKIP_REASON = (
     "needs real PostgreSQL and Redis: set DATABASE_URL and REDIS_URL "
     "(.ci/run starts throwaway servers and sets both)"
@@ -308,9 +313,23 @@ def _timeout_seconds(marker: pytest.Mark) -> float | None:
     return None if value is None else float(value)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker counts its rate limits under keys of its own.
+
+    The workers share the cache (Redis, or the files under the data directory), and each
+    worker's test database numbers its users and keys from 1: without a prefix of its own,
+    one worker's requests would count against the other's limits.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        cache = settings.CACHES["default"]
+        cache["KEY_PREFIX"] = f"{cache.get('KEY_PREFIX', '')}-{worker}"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the tests whose fixtures start services of their own (``self_started``), and
-    give the tests that use a slow session fixture its setup time on top of their limit.
+    """Mark the tests whose fixtures start services of their own (``self_started``), put
+    those that must share an xdist worker in one group (``XDIST_GROUPS``), and give the
+    tests that use a slow session fixture its setup time on top of their limit.
     """
     default = None
     if config.pluginmanager.hasplugin("timeout"):
@@ -319,6 +338,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         names = set(getattr(item, "fixturenames", ()))
         if names.intersection(SELF_STARTING_FIXTURES):
             item.add_marker(pytest.mark.self_started)
+        groups = {XDIST_GROUPS[name] for name in names.intersection(XDIST_GROUPS)}
+        if item.get_closest_marker("services"):
+            groups.add("services")
+        if groups:
+            # One group a test: services first (a demo test with services needs both).
+            item.add_marker(pytest.mark.xdist_group("services" if "services" in groups else "demo"))
         extra = sum(seconds for name, seconds in SLOW_FIXTURE_SECONDS.items() if name in names)
         if not (default and extra):
             continue
