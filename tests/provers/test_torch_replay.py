@@ -354,6 +354,7 @@ def test_run_trained_on_other_data_than_committed_fails_replay(runs: dict[str, P
 
 @pytest.mark.slow
 @pytest.mark.aot
+@pytest.mark.timeout(600)  # an AOT Inductor compile: 100 s on two busy cores
 def test_aot_inductor_run_replays_within_tolerance(tmp_path: Path) -> None:
     path = _train(tmp_path / "aot", kind="aot-inductor")
     transcript = Transcript.load(path)
