@@ -208,27 +208,32 @@ def serve(
             ).stdout
         )
         port = free_port()
-        server = subprocess.Popen(
-            [
-                python,
-                "-m",
-                "gunicorn",
-                "-c",
-                str(ROOT / "platform" / "gunicorn.conf.py"),
-                "--bind",
-                f"127.0.0.1:{port}",
-                "--workers",
-                str(workers),
-                "--access-logfile",
-                "/dev/null",
-                "--max-requests",
-                "0",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
+        # gunicorn's error log (Django's warnings land there) goes to a file: a pipe
+        # nobody reads blocks the server once 64 KiB have piled up, mid-run.
+        log = Path(tmp) / "gunicorn.log"
+        with log.open("wb") as output:  # the server holds its own copy
+            server = subprocess.Popen(
+                [
+                    python,
+                    "-m",
+                    "gunicorn",
+                    "-c",
+                    str(ROOT / "platform" / "gunicorn.conf.py"),
+                    "--bind",
+                    f"127.0.0.1:{port}",
+                    "--workers",
+                    str(workers),
+                    "--access-logfile",
+                    "/dev/null",
+                    "--max-requests",
+                    "0",
+                ],
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+            )
         try:
             deadline = time.monotonic() + 60
             while True:
@@ -237,8 +242,8 @@ def serve(
                         break
                 except OSError:
                     if server.poll() is not None or time.monotonic() > deadline:
-                        stderr = server.stderr.read().decode() if server.stderr else ""
-                        raise SystemExit(f"gunicorn did not start: {stderr}") from None
+                        printed = log.read_text(errors="replace")[-4000:]
+                        raise SystemExit(f"gunicorn did not start: {printed}") from None
                     time.sleep(0.2)
             yield Served(port, seeded["key"], seeded["names"], Path(tmp), data_dir, server.pid)
         finally:

@@ -20,13 +20,19 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from django.conf import settings
+
+from tests.attestations.s3 import S3Server, s3_server
+
+__all__ = ["s3_server"]  # a session fixture: one S3 API for every test that asks for one
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,6 +51,18 @@ DEMO_TIMEOUT_SECONDS = 600
 #: The queues a test worker consumes: every queue the settings route tasks to.
 WORKER_QUEUES = ("ingest", "replay")
 WORKER_START_TIMEOUT_SECONDS = 60.0
+#: Fixtures that start a service of their own when the environment names none. A test that
+#: uses one is marked ``self_started``; .ci/run runs those again with the services'
+#: variables unset, the way they run on a newcomer's machine (issue 58).
+SELF_STARTING_FIXTURES = ("s3_server",)
+#: A session fixture's setup is charged to the first test that asks for it: these add
+#: their own limit (seconds) to the per-test timeout of every test that uses them.
+SLOW_FIXTURE_SECONDS = {"embedded_demo": DEMO_TIMEOUT_SECONDS}
+#: Under pytest-xdist (``-n 2 --dist loadgroup``) the tests that use these fixtures run on one
+#: worker, in one group: a session's Celery worker consumes the shared Redis queues and
+#: would take the other xdist worker's tasks to its own test database; the demo is started
+#: once per xdist worker that asks for it, a minute and a half each.
+XDIST_GROUPS = {"celery_worker_process": "services", "embedded_demo": "demo"}
 SERVICES_SKIP_REASON = (
     "needs real PostgreSQL and Redis: set DATABASE_URL and REDIS_URL "
     "(.ci/run starts throwaway servers and sets both)"
@@ -214,8 +232,14 @@ class EmbeddedDemo:
 
     root: Path
     url: str
-    printed: list[str]
+    #: Everything the demo printed (stdout and stderr), as it goes on serving.
+    log: Path
     environment: dict[str, str]
+
+    @property
+    def printed(self) -> list[str]:
+        """The lines the demo has printed so far."""
+        return self.log.read_text(errors="replace").splitlines()
 
     @property
     def data(self) -> Path:
@@ -238,9 +262,10 @@ def embedded_demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedded
     The services are removed from its environment, so it runs the same in CI.
     """
     import re
-    import threading
 
     root = tmp_path_factory.mktemp("demo")
+    # Beside the demo's folder, which looks like a checkout to the guides' tests.
+    log = tmp_path_factory.mktemp("demo-output") / "demo.log"
     environment = {
         key: value
         for key, value in os.environ.items()
@@ -250,37 +275,145 @@ def embedded_demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedded
     # the full run).
     environment.update(PYTHONUNBUFFERED="1", DIGITS_STEPS="20")
     command = [sys.executable, "manage.py", "demo", "--port", "0"]
-    server = subprocess.Popen(
-        command,
-        cwd=REPO_ROOT,
-        env={**environment, "DVBENCH_DATA_DIR": str(root / ".data")},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    printed: list[str] = []
-    complete, url = threading.Event(), []
-
-    def read() -> None:
-        assert server.stdout is not None
-        for line in server.stdout:
-            printed.append(line.rstrip("\n"))
-            found = re.search(r"serving at (http://[^/\s]+)/", line)
-            if found:
-                url.append(found.group(1))
-            if "Demo complete" in line or "Demo incomplete" in line:
-                complete.set()
-        complete.set()
-
-    threading.Thread(target=read, daemon=True).start()
+    # Its output goes to a file, never to a pipe: the demo goes on serving (and printing)
+    # for the whole session, long after the flow this fixture waits for.
+    with log.open("wb") as output:
+        server = subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            env={**environment, "DVBENCH_DATA_DIR": str(root / ".data")},
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
     try:
-        assert complete.wait(DEMO_TIMEOUT_SECONDS), "the demo did not finish its flow in time"
-        text = "\n".join(printed)
+        deadline = time.monotonic() + DEMO_TIMEOUT_SECONDS
+        while True:
+            text = log.read_text(errors="replace")
+            if "Demo complete" in text or "Demo incomplete" in text or server.poll() is not None:
+                break
+            assert time.monotonic() < deadline, f"the demo did not finish its flow in time:\n{text}"
+            time.sleep(0.2)
+        url = re.search(r"serving at (http://[^/\s]+)/", text)
         assert url and "Demo complete" in text, text
-        yield EmbeddedDemo(root, url[0], printed, environment)
+        yield EmbeddedDemo(root, url.group(1), log, environment)
     finally:
         server.terminate()
         try:
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+# --- Collection: self-started services, time limits ---------------------------------------
+
+
+def _timeout_seconds(marker: pytest.Mark) -> float | None:
+    value = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+    return None if value is None else float(value)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker counts its rate limits under keys of its own.
+
+    The workers share the cache (Redis, or the files under the data directory), and each
+    worker's test database numbers its users and keys from 1: without a prefix of its own,
+    one worker's requests would count against the other's limits.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        cache = settings.CACHES["default"]
+        cache["KEY_PREFIX"] = f"{cache.get('KEY_PREFIX', '')}-{worker}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests whose fixtures start services of their own (``self_started``), put
+    those that must share an xdist worker in one group (``XDIST_GROUPS``), and give the
+    tests that use a slow session fixture its setup time on top of their limit.
+    """
+    default = None
+    if config.pluginmanager.hasplugin("timeout"):
+        default = float(config.getoption("timeout", None) or config.getini("timeout") or 0)
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        if names.intersection(SELF_STARTING_FIXTURES):
+            item.add_marker(pytest.mark.self_started)
+        groups = {XDIST_GROUPS[name] for name in names.intersection(XDIST_GROUPS)}
+        if item.get_closest_marker("services"):
+            groups.add("services")
+        if groups:
+            # One group a test: services first (a demo test with services needs both).
+            item.add_marker(pytest.mark.xdist_group("services" if "services" in groups else "demo"))
+        extra = sum(seconds for name, seconds in SLOW_FIXTURE_SECONDS.items() if name in names)
+        if not (default and extra):
+            continue
+        declared = item.get_closest_marker("timeout")
+        base = _timeout_seconds(declared) if declared is not None else default
+        if base:  # 0 turns the limit off; it stays off
+            # Prepended: pytest-timeout reads the closest timeout marker, this one.
+            item.add_marker(pytest.mark.timeout(base + extra), append=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A failing test that used the session's own S3 server shows the end of its log."""
+    report = yield
+    if report.failed:
+        server = getattr(item, "funcargs", {}).get("s3_server")
+        if isinstance(server, S3Server) and server.log is not None:
+            report.sections.append(("moto_server log", server.log_tail()))
+    return report
+
+
+# --- The skipped groups, in one line at the end of the run --------------------------------
+
+#: (group, what its tests need, words of their skip reasons, their marker). A skip goes to
+#: the first group whose words its reason holds, else to the first whose marker it has.
+SKIP_GROUPS = (
+    (
+        "services",
+        "real PostgreSQL and Redis",
+        ("DATABASE_URL", "REDIS_URL", "PostgreSQL"),
+        "services",
+    ),
+    ("browser", "Chromium", ("Chromium",), "browser"),
+    ("sigstore-js", "node and npm ci in tests/sigstore_js", ("JavaScript verifier",), ""),
+    ("gpu", "a CUDA device", ("CUDA",), "gpu"),
+)
+
+
+def skip_group(report: pytest.TestReport | pytest.CollectReport) -> str:
+    """The group of a skipped test's report (``SKIP_GROUPS``), or ``other``."""
+    longrepr = report.longrepr
+    reason = str(longrepr[2] if isinstance(longrepr, tuple) else longrepr).lower()
+    for group, _, words, _ in SKIP_GROUPS:
+        if any(word.lower() in reason for word in words):
+            return group
+    for group, _, _, marker in SKIP_GROUPS:
+        if marker and marker in getattr(report, "keywords", {}):
+            return group
+    return "other"
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """One line: how many tests skipped, by group and what the group needs.
+
+    Printed before pytest's own short summary (``-ra`` lists each reason there) and its
+    closing line, which stays the last.
+    """
+    # A module that skips whole (importorskip) is one collection report, as pytest counts it.
+    skipped = [
+        report
+        for report in terminalreporter.stats.get("skipped", [])
+        if isinstance(report, pytest.TestReport | pytest.CollectReport)
+        and not hasattr(report, "wasxfail")
+    ]
+    if not skipped:
+        return
+    counts = Counter(skip_group(report) for report in skipped)
+    needs = {group: need for group, need, _, _ in SKIP_GROUPS} | {"other": "see the reasons"}
+    groups = sorted(counts, key=lambda group: (-counts[group], group))
+    terminalreporter.write_line(
+        "skipped by group: "
+        + ", ".join(f"{counts[group]} {group} ({needs[group]})" for group in groups)
+    )

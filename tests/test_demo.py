@@ -53,26 +53,33 @@ def test_it_serves_the_platform_and_health_answers_ok(tmp_path: Path) -> None:
         for key, value in os.environ.items()
         if not key.startswith(("DJANGO_", "DVBENCH_", "DATABASE_URL", "REDIS_URL"))
     }
-    environment.update(DVBENCH_DATA_DIR=str(tmp_path), PYTHONUNBUFFERED="1")
-    server = subprocess.Popen(
-        [sys.executable, "manage.py", "demo", "--port", "0", "--no-flow"],
-        cwd=REPO_ROOT,
-        env=environment,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    environment.update(DVBENCH_DATA_DIR=str(tmp_path / "data"), PYTHONUNBUFFERED="1")
+    # Its output goes to a file that the failure shows, never to a pipe: once the test
+    # stopped reading, a pipe would block the server at its 64 KiB'th byte.
+    log = tmp_path / "demo.log"
+    with log.open("wb") as output:
+        server = subprocess.Popen(
+            [sys.executable, "manage.py", "demo", "--port", "0", "--no-flow"],
+            cwd=REPO_ROOT,
+            env=environment,
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
     try:
         url = None
         deadline = time.monotonic() + SERVE_TIMEOUT_SECONDS
-        assert server.stdout is not None
-        for line in server.stdout:
-            found = re.search(r"serving at (http://\S+/)", line)
+        while url is None:
+            found = re.search(r"serving at (http://\S+/)", log.read_text(errors="replace"))
             if found:
                 url = found.group(1)
-                break
-            assert time.monotonic() < deadline, "demo did not print its URL in time"
-        assert url, f"demo exited ({server.wait()}) without printing its URL"
+            elif server.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(
+                    f"demo did not print its URL (exit status {server.poll()}):\n"
+                    + log.read_text(errors="replace")[-3000:]
+                )
+            else:
+                time.sleep(0.1)
 
         with urllib.request.urlopen(f"{url}health", timeout=10) as response:
             assert response.status == 200

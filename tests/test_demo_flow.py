@@ -91,6 +91,7 @@ def _assert_tampering_is_caught(outcome: Outcome, tmp_path: Path) -> None:
 
 @pytest.mark.services
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.timeout(900)  # the demo's whole flow, its full training run included
 def test_the_demo_flow_passes_on_postgresql_redis_and_a_real_worker(
     live_server: object, celery_worker_process: WorkerProcess, tmp_path: Path
 ) -> None:

@@ -200,6 +200,9 @@ def workspace(embedded_demo: EmbeddedDemo) -> Workspace:
     return Workspace(root, embedded_demo.url, accounts, environment)
 
 
+# Every block of four guides, 600 s at most each; the demo's setup comes on top of this
+# (tests/conftest.py, SLOW_FIXTURE_SECONDS).
+@pytest.mark.timeout(1200)
 def test_the_guides_run_as_written_in_order(workspace: Workspace) -> None:
     sybil = Sybil(parsers=_guide_parsers())
     ran: dict[str, int] = {}

@@ -355,6 +355,7 @@ def test_run_trained_on_other_data_than_committed_fails_replay(runs: dict[str, P
 
 @pytest.mark.slow
 @pytest.mark.aot
+@pytest.mark.timeout(600)  # an AOT Inductor compile: 100 s on two busy cores
 def test_an_aot_inductor_run_is_refused_as_native_code(tmp_path: Path) -> None:
     """An AOT Inductor package is a shared object the lab built: the platform never loads
     it (issue 59), whatever it holds; the lab's own checks ran it."""

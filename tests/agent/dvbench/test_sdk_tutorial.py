@@ -36,6 +36,7 @@ def run_example(script: str, platform, tmp_path: Path, experiment: str, **env: s
     )
 
 
+@pytest.mark.timeout(600)  # each example has 300 s
 def test_the_jax_tutorial_files_a_valid_proof(platform, tmp_path):
     pytest.importorskip("flax")
     done = run_example("examples/jax/proof_trainstate.py", platform, tmp_path, "acme/jax-ts")
@@ -58,6 +59,7 @@ def test_the_jax_tutorial_files_a_valid_proof(platform, tmp_path):
     assert not list((tmp_path / "cache" / "runs").rglob("records.cborl"))
 
 
+@pytest.mark.timeout(600)  # each example has 300 s
 def test_the_jax_tutorial_offline_then_sync(platform, tmp_path):
     pytest.importorskip("flax")
     with Client(platform.url, api_key=platform.key("alice")) as client:
@@ -80,6 +82,7 @@ def test_the_jax_tutorial_offline_then_sync(platform, tmp_path):
         assert client.get_proof(result.proof_id)["status"] == "valid"
 
 
+@pytest.mark.timeout(600)  # each example has 300 s
 def test_the_torch_counterpart_files_a_valid_proof(platform, tmp_path):
     pytest.importorskip("torch")
     done = run_example(

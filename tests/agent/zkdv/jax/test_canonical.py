@@ -11,7 +11,6 @@ import hashlib
 import json
 import math
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -173,25 +172,23 @@ def worker(isa: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def isa_results() -> dict[str, dict[str, Any]]:
+def isa_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    # Here, not at the top: this file is also the children's script, run without tests/.
+    from tests.processes import start, wait_all
+
+    folder = tmp_path_factory.mktemp("isa")
     processes = {}
     for isa in ISAS:
         env = dict(os.environ, XLA_FLAGS=f"--xla_cpu_max_isa={isa}", JAX_PLATFORMS="cpu")
-        processes[isa] = subprocess.Popen(
-            [sys.executable, __file__, isa],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+        processes[isa] = start(
+            [sys.executable, __file__, isa], folder=folder, name=isa, merge=True, env=env
         )
+    wait_all(list(processes.values()), timeout=300)
     results = {}
     for isa, process in processes.items():
-        try:
-            output, _ = process.communicate(timeout=300)
-        finally:
-            process.kill()
+        output = process.stdout()
         lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
-        assert process.returncode == 0 and lines, output[-3000:]
+        assert process.returncode == 0 and lines, process.tail()
         results[isa] = json.loads(lines[-1].removeprefix("RESULT "))
     return results
 
@@ -207,6 +204,7 @@ def _host_has_fma() -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # isa_results gives its processes 300 s
 def test_canonical_updates_are_identical_across_instruction_sets(isa_results):
     reference = isa_results[ISAS[0]]["canonical"]
     for isa in ISAS[1:]:
@@ -215,6 +213,7 @@ def test_canonical_updates_are_identical_across_instruction_sets(isa_results):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _host_has_fma(), reason="the host has no fused multiply-add")
+@pytest.mark.timeout(600)  # isa_results gives its processes 300 s
 def test_plain_optax_differs_across_instruction_sets(isa_results):
     # Without FMA (SSE4_2) and with it (AVX2, AVX-512) plain XLA rounds differently: a
     # broken fence would let the canonical hashes differ the same way.
@@ -223,6 +222,7 @@ def test_plain_optax_differs_across_instruction_sets(isa_results):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _host_has_fma(), reason="the host has no fused multiply-add")
+@pytest.mark.timeout(600)  # isa_results gives its processes 300 s
 def test_fence_with_a_runtime_zero_stops_fma_contraction(isa_results):
     assert isa_results["AVX512"]["canonical_fma_matches_numpy"]
     assert not isa_results["AVX512"]["plain_fma_matches_numpy"]  # XLA fused a*b+c
@@ -247,6 +247,7 @@ RTOL = 1e-5
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
+@pytest.mark.timeout(600)  # isa_results gives its processes 300 s
 def test_canonical_is_close_to_plain_optax(isa_results, name):
     assert isa_results["AVX512"]["relative_difference"][name] <= RTOL
 

@@ -18,6 +18,10 @@ STEPS = 24
 DRAWS = 20
 ATTACKS = ["substitution-5", "hidden-steps", "tokens-underreported"]
 
+# The module's fixture trains and forges every attack's runs, charged to the first test:
+# 44 to 62 s in CI, 180 s on two cores busy with other work.
+pytestmark = pytest.mark.timeout(600)
+
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:

@@ -48,6 +48,7 @@ def _verify(proof: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a run and a replay, 300 s each
 def test_readme_quick_start_runs_as_written(tmp_path: Path) -> None:
     result = _run("train_state.py", tmp_path)
     assert result.returncode == 0, result.stderr
@@ -66,6 +67,7 @@ def test_readme_quick_start_runs_as_written(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a run and a replay, 300 s each
 def test_basic_training_example(tmp_path: Path) -> None:
     result = _run("basic_training.py", tmp_path, str(tmp_path / "explicit"))
     assert result.returncode == 0, result.stderr
@@ -103,6 +105,7 @@ def _replay_in_a_fresh_process(proof: Path) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a run and a replay, 300 s each
 def test_nnx_training_example(tmp_path: Path) -> None:
     result = _run("nnx_training.py", tmp_path, str(tmp_path / "nnx"))
     assert result.returncode == 0, result.stderr
@@ -120,6 +123,7 @@ def test_nnx_training_example(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a run and a replay, 300 s each
 def test_scan_training_example(tmp_path: Path) -> None:
     result = _run("scan_training.py", tmp_path, str(tmp_path / "scan"))
     assert result.returncode == 0, result.stderr

@@ -126,6 +126,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("pair", "name", "run"), CELLS, ids=map(cell_id, CELLS))
+@pytest.mark.timeout(1200)  # the first test of an environment trains its runs, 900 s at most
 def test_runs_trained_on_another_instruction_set_and_cores_replay_within_bounds(
     pair: int, name: str, run: int, trained: Callable[[int], Path]
 ) -> None:

@@ -77,6 +77,7 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("commitments", ["auto", "device"])
+@pytest.mark.timeout(600)  # its process has 300 s
 def test_named_shardings_are_preserved_and_one_logical_update_is_committed(
     tmp_path: Path, commitments: str
 ) -> None:

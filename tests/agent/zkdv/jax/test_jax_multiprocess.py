@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from tests.processes import start, wait_all
 from zkdv.verify import verify_transcript
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -92,30 +92,30 @@ def _run_two(tmp_path: Path, mode: str) -> list[dict[str, object]]:
     env.pop("JAX_PLATFORMS", None)
     address = f"127.0.0.1:{_free_port()}"
     path = tmp_path / "proof"
+    # The two ranks wait for each other: neither may block on output the test is not
+    # reading yet, so both write to files (tests/processes.py).
     processes = [
-        subprocess.Popen(
+        start(
             [sys.executable, "-c", SCRIPT, address, str(rank), str(path), mode],
+            folder=tmp_path / f"{mode}-output",
+            name=f"rank{rank}",
+            merge=True,
             cwd=ROOT,
             env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
         )
         for rank in (0, 1)
     ]
+    wait_all(processes, timeout=300)
     results = []
     for process in processes:
-        try:
-            output, _ = process.communicate(timeout=300)
-        finally:
-            process.kill()
-        lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
-        assert process.returncode == 0 and lines, output[-3000:]
+        lines = [line for line in process.stdout().splitlines() if line.startswith("RESULT ")]
+        assert process.returncode == 0 and lines, process.tail()
         results.append(json.loads(lines[-1].removeprefix("RESULT ")))
     return results
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # _run_two gives its processes 300 s
 def test_two_processes_write_one_transcript_that_verifies_and_replays(tmp_path: Path) -> None:
     rank0, rank1 = _run_two(tmp_path, "replicated")
     assert "error" not in rank0 and "error" not in rank1, (rank0, rank1)
@@ -141,6 +141,7 @@ def test_two_processes_write_one_transcript_that_verifies_and_replays(tmp_path: 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # _run_two gives its processes 300 s
 def test_state_split_across_processes_is_rejected_on_every_process(tmp_path: Path) -> None:
     results = _run_two(tmp_path, "split")
     for result in results:

@@ -21,7 +21,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,6 +30,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.processes import start, wait_all
 from tests.sources import AGENT_PYTHONPATH
 from zkdv.calibrate import kernel_families
 from zkdv.torch.optimizers import (
@@ -546,7 +546,8 @@ def fingerprints() -> dict[str, Any]:
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 kernel families")
-def test_it_is_identical_across_cpu_kernels_and_threads() -> None:
+@pytest.mark.timeout(600)  # its processes have 300 s
+def test_it_is_identical_across_cpu_kernels_and_threads(tmp_path: Path) -> None:
     environment = {
         **os.environ,
         # The repository too: this file runs as the script, and imports tests.sources.
@@ -556,21 +557,20 @@ def test_it_is_identical_across_cpu_kernels_and_threads() -> None:
         "OMP_WAIT_POLICY": "PASSIVE",
     }
     processes = {
-        capability: subprocess.Popen(
+        capability: start(
             [sys.executable, __file__, "--fingerprints"],
+            folder=tmp_path,
+            name=capability,
             env={**environment, "ATEN_CPU_CAPABILITY": capability},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
         )
         # Only the families this CPU has: a forced family it lacks dies of SIGILL.
         for capability in kernel_families()
     }
+    wait_all(list(processes.values()), timeout=300)
     results = {}
     for capability, process in processes.items():
-        stdout, stderr = process.communicate(timeout=300)
-        assert process.returncode == 0, stderr
-        results[capability] = json.loads(stdout.strip().splitlines()[-1])
+        assert process.returncode == 0, process.tail()
+        results[capability] = json.loads(process.stdout().strip().splitlines()[-1])
     hashes = {r[threads] for r in results.values() for threads in ("1", "2", "4")}
     assert len(hashes) == 1, results
     ran = {r["capability"] for r in results.values()}

@@ -30,6 +30,9 @@ ATTACKS = [
 #: The platform's replay, or the SDK's own sampled check when its draw (which follows
 #: the records' hashes, timestamps included) lands on a forged step first.
 CAUGHT_BY_A_CHECK = {"platform replay", "sampled check"}
+# The module's fixture trains and forges every attack's runs, charged to the first test:
+# 32 to 44 s in CI, several times that on a busy machine.
+pytestmark = pytest.mark.timeout(600)
 
 
 def _suite() -> ModuleType:

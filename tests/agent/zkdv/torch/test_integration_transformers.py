@@ -242,6 +242,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # accelerate launch has 600 s
 def test_the_trainer_script_proves_under_accelerate_launch_with_two_processes(
     tmp_path: Path,
 ) -> None:

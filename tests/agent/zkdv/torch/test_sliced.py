@@ -484,6 +484,7 @@ def _families() -> list[tuple[str, str]]:
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 kernel families")
+@pytest.mark.timeout(900)  # a lab run and a verification per pair of kernel families, 300 s each
 def test_honest_slices_pass_when_the_platform_runs_other_cpu_kernels(tmp_path: Path) -> None:
     pairs = _families()
     if len(pairs) < 2:

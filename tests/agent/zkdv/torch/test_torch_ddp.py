@@ -139,6 +139,7 @@ def _run(tmp_path: Path, tamper: bool) -> list[dict]:
     return [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
 
 
+@pytest.mark.timeout(600)  # its ranks have 300 s
 def test_ddp_rank_zero_owns_one_transcript_of_the_logical_updates(tmp_path: Path) -> None:
     owner, follower = _run(tmp_path, tamper=False)
     assert (owner["closed"], follower["closed"]) == ("ok", "ok")
@@ -156,6 +157,7 @@ def test_ddp_rank_zero_owns_one_transcript_of_the_logical_updates(tmp_path: Path
     assert {step["batch"]["rows"] for step in steps} == {2 * report.root["env"]["batch"]["rows"]}
 
 
+@pytest.mark.timeout(600)  # its ranks have 300 s
 def test_ddp_batch_mutated_on_a_follower_poisons_every_rank(tmp_path: Path) -> None:
     owner, follower = _run(tmp_path, tamper=True)
     assert owner["closed"].startswith("poisoned"), owner

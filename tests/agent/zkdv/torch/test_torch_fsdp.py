@@ -185,6 +185,7 @@ def _run(tmp_path: Path, mode: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # its ranks have 300 s
 def test_fsdp2_run_commits_the_full_state_and_replays_on_one_process(tmp_path: Path) -> None:
     owner, follower = _run(tmp_path, "clean")
     assert (owner["closed"], follower["closed"]) == ("ok", "ok")
@@ -227,6 +228,7 @@ def test_fsdp2_run_commits_the_full_state_and_replays_on_one_process(tmp_path: P
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # its ranks have 300 s
 def test_fsdp2_shard_changed_outside_the_optimizer_poisons_every_rank(tmp_path: Path) -> None:
     owner, follower = _run(tmp_path, "tamper")
     failure = "sampled check of step 4 failed: parameter"
@@ -241,6 +243,7 @@ def test_fsdp2_shard_changed_outside_the_optimizer_poisons_every_rank(tmp_path: 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # its ranks have 300 s
 def test_fsdp2_sealing_failure_on_rank_0_reaches_every_rank(tmp_path: Path) -> None:
     owner, follower = _run(tmp_path, "unsealable")
     # Rank 0 raises the lowering's own message; the follower, instead of blocking in

@@ -152,9 +152,10 @@ def test_an_optimizer_over_other_parameters_is_rejected(proof) -> None:
         proof.prepare(nn.Linear(3, 2), torch.optim.SGD(nn.Linear(3, 2).parameters(), lr=0.1))
 
 
-def test_the_driver_imports_in_any_order() -> None:
-    import subprocess
+def test_the_driver_imports_in_any_order(tmp_path: Path) -> None:
     import sys
+
+    from tests.processes import start, wait_all
 
     statements = (
         "from zkdv.torch._driver import ZKDV",
@@ -163,13 +164,13 @@ def test_the_driver_imports_in_any_order() -> None:
     )
     # Fresh interpreters, started together: each import order needs its own process.
     runs = [
-        subprocess.Popen(
+        start(
             [sys.executable, "-c", f"{s}; import zkdv.torch._driver as d; assert ZKDV is d.ZKDV"],
-            stderr=subprocess.PIPE,
-            text=True,
+            folder=tmp_path,
+            name=f"order-{number}",
         )
-        for s in statements
+        for number, s in enumerate(statements)
     ]
+    wait_all(runs, timeout=120)
     for statement, run in zip(statements, runs, strict=True):
-        _, stderr = run.communicate(timeout=120)
-        assert run.returncode == 0, f"{statement}: {stderr}"
+        assert run.returncode == 0, f"{statement}: {run.tail()}"
