@@ -25,6 +25,7 @@ from attestations.challenges.models import (
     Challenge,
     ChallengeStatus,
 )
+from attestations.challenges.routing import misrouted
 from attestations.challenges.verdicts import progress, settle
 from attestations.challenges.workspace import proof_directory
 from attestations.core.db import take_claim
@@ -99,7 +100,9 @@ def check_probes(proof: Proof, directory: Path) -> dict[str, Any] | None:
 
 
 def replay_one(challenge: Challenge) -> dict[str, Any]:
-    """Materialise and replay one claimed challenge; returns the verdict's dict.
+    """Materialise and replay one claimed challenge; returns the verdict's dict, or
+    ``{UNREPLAYED: why}`` when this worker is of another platform kind than the run
+    (:func:`~attestations.challenges.routing.misrouted`).
 
     The proof's prover (:func:`provers.open_prover`) is kept between challenges, so a
     worker reads the root record and loads the committed program once per proof.
@@ -115,7 +118,15 @@ def replay_one(challenge: Challenge) -> dict[str, Any]:
         return ReplayVerdict(
             ok=False, step=challenge.step, reason=error.reason, message=error.message
         ).to_dict()
+    # A worker of another platform kind than the run's replays nothing (routing.py).
+    wrong_kind = misrouted(proof, prover.module.environment())
+    if wrong_kind is not None:
+        return {UNREPLAYED: wrong_kind}
     return prover.verify(challenge.step, through=challenge.through).to_dict()
+
+
+#: The key of :func:`replay_one`'s answer for a challenge this worker must not replay.
+UNREPLAYED = "unreplayed"
 
 
 def record_verdict(challenge: Challenge, verdict: Mapping[str, Any]) -> bool:
