@@ -179,17 +179,6 @@ CELERY_BEAT_SCHEDULE = {
         "task": "attestations.tasks.requeue_stale_ingests",
         "schedule": 300.0,
     },
-    # Every replay queue's worker announces itself (attestations/workers/presence.py); a
-    # message no worker took expires with the next one.
-    **{
-        f"replay-presence-{_queue}": {
-            "task": "attestations.tasks.replay_presence",
-            "schedule": 60.0,
-            "args": (_queue,),
-            "options": {"queue": _queue, "expires": 60},
-        }
-        for _queue in ("replay", "replay-gpu", "replay-tpu")
-    },
 }
 
 # --- Storage --------------------------------------------------------------------------

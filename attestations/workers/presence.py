@@ -4,8 +4,10 @@ Every platform kind has its own replay queue (:data:`REPLAY_QUEUES`: ``replay`` 
 CPU's, ``replay-gpu`` and ``replay-tpu`` the accelerators'), so a run is replayed on
 workers of the kind it trained on (``zkdv.environments``). A worker announces itself
 (:func:`announce`) when it starts (Celery's ``worker_ready``, connected in this app's
-``ready()``), whenever it runs the periodic presence task that beat sends to every
-replay queue, and after each replay; it withdraws when it shuts down. :func:`serves`
+``ready()``), every minute after that (on its consumer's timer), and after each replay,
+with the replay environment it ran in; it withdraws when it shuts down. The presence
+task (:data:`PRESENCE_TASK`), sent by hand to a replay queue, has the worker that takes
+it announce itself too: a check that a queue has a live consumer. :func:`serves`
 says whether a kind has a live worker: one seen within ``DVBENCH["REPLAY_WORKER_TTL"]``
 seconds, or, where tasks run in the calling process (the embedded default), the kinds
 ``DVBENCH["REPLAY_IN_PROCESS_KINDS"]`` names.
@@ -38,7 +40,7 @@ __all__ = [
 
 #: The replay queue of each platform kind (``zkdv.environments.PLATFORM_KINDS``).
 REPLAY_QUEUES: Mapping[str, str] = {"cpu": "replay", "gpu": "replay-gpu", "tpu": "replay-tpu"}
-#: The task beat sends to every replay queue; the worker that takes it announces itself.
+#: A task that has the worker taking it from a replay queue announce itself.
 PRESENCE_TASK = "attestations.tasks.replay_presence"
 
 

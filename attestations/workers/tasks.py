@@ -25,6 +25,7 @@ def heartbeat(token: str) -> str:
 
 @shared_task(bind=True, name=PRESENCE_TASK, ignore_result=True)
 def replay_presence(self: Task, queue: str) -> list[str]:  # type: ignore[type-arg]
-    """Announce the worker that took this message from replay ``queue`` (beat sends one
-    to every replay queue; a message no worker took within its interval expires)."""
+    """Announce the worker that took this message from replay ``queue``: sent by hand
+    (``celery -A config call attestations.tasks.replay_presence --args='["replay-tpu"]'
+    --queue replay-tpu``), it checks that the queue has a live consumer."""
     return announce(self.request.hostname or socket.gethostname(), [queue], library_versions())
