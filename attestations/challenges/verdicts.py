@@ -53,11 +53,11 @@ def settle(proof_id: int) -> str | None:
     """Give the proof its verdict once every challenge is final; None while some are not.
 
     ``valid`` iff every challenge passed (or was not replayed for want of a worker of
-    the run's platform kind, which the message then says); otherwise ``rejected`` with
-    the first failing challenge's reason (by step). Reveals the seed; recording the verdict queues the certificate
-    (``verdict_recorded``). Runs
-    inside the caller's transaction and locks the proof row, so two workers finishing
-    the last two challenges settle it once.
+    the run's platform kind, which the message then says: no replay verdict, and the
+    certificate claims nothing by replay for it); otherwise ``rejected`` with the first
+    failing challenge's reason (by step). Reveals the seed; recording the verdict queues
+    the certificate (``verdict_recorded``). Runs inside the caller's transaction and
+    locks the proof row, so two workers finishing the last two challenges settle it once.
     """
     proof = (
         Proof.objects.select_for_update()
