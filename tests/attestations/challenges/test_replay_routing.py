@@ -37,8 +37,10 @@ from tests.attestations.challenges.test_replay import (
     JAX_SPEC,
     ORG,
     STEPS,
+    answer,
     client_for,
     file_and_answer,
+    file_transcript,
     setup_org,
     train_jax,
 )
@@ -205,6 +207,40 @@ def test_a_worker_of_another_kind_replays_nothing(
     assert challenge is not None
     assert (challenge.status, challenge.reason) == (ChallengeStatus.UNREPLAYED, "no_replay_worker")
     assert "this worker replays on 'cpu'" in challenge.message
+    assert proof.status == ProofStatus.VALID and "not replayed" in proof.message
+
+
+def test_with_a_broker_a_challenge_waits_for_a_worker_of_its_kind_then_goes_unreplayed(
+    platform: APIClient, tpu_run: Path, settings: Any, django_capture_on_commit_callbacks: Any
+) -> None:
+    from config.celery_app import app
+
+    from attestations.challenges.verdicts import requeue_lost
+
+    _kinds(settings, in_process=["cpu", "tpu"])  # not consulted: a broker, not in-process
+    with django_capture_on_commit_callbacks(execute=True):
+        filed = file_transcript(platform, tpu_run, EXPERIMENT)
+    proof = Proof.objects.get(pk=filed.json()["proof"])
+    app.conf.task_always_eager = False  # the messages go to the (in-memory) broker
+    with django_capture_on_commit_callbacks(execute=True):
+        assert answer(platform, proof.pk, tpu_run, EXPERIMENT).status_code == 201
+    # No TPU worker yet: queued on replay-tpu all the same, for a worker to come.
+    challenges = proof.challenges.all()
+    assert {c.status for c in challenges} == {ChallengeStatus.READY}
+    assert all(c.task_id for c in challenges)
+    # Past twice the task time limit, a TPU worker alive: sent again, still waiting.
+    later = timezone.now() + timedelta(seconds=2 * settings.CELERY_TASK_TIME_LIMIT + 60)
+    announce("celery@tpu-host", ["replay-tpu"])
+    ReplayWorker.objects.update(last_seen=later)
+    assert requeue_lost(later) == STEPS
+    assert {c.status for c in proof.challenges.all()} == {ChallengeStatus.READY}
+    # Still unclaimed and no TPU worker alive any more: no replay verdict.
+    withdraw("celery@tpu-host")
+    assert requeue_lost(later) == STEPS
+    proof.refresh_from_db()
+    assert {(c.status, c.reason) for c in proof.challenges.all()} == {
+        (ChallengeStatus.UNREPLAYED, "no_replay_worker")
+    }
     assert proof.status == ProofStatus.VALID and "not replayed" in proof.message
 
 
