@@ -213,9 +213,8 @@ def test_a_worker_of_another_kind_replays_nothing(
 def test_with_a_broker_a_challenge_waits_for_a_worker_of_its_kind_then_goes_unreplayed(
     platform: APIClient, tpu_run: Path, settings: Any, django_capture_on_commit_callbacks: Any
 ) -> None:
-    from config.celery_app import app
-
     from attestations.challenges.verdicts import requeue_lost
+    from config.celery_app import app
 
     _kinds(settings, in_process=["cpu", "tpu"])  # not consulted: a broker, not in-process
     with django_capture_on_commit_callbacks(execute=True):
