@@ -141,6 +141,15 @@ def test_a_tpu_run_without_a_tpu_worker_gets_no_replay_verdict(
     assert "verified_by_replay" not in levels
     page = platform.get(f"/api/v1/proofs/{proof.pk}/report.html").content.decode()
     assert "Not replayed" in page and "no_replay_worker" in page
+    # The offline verifier accepts the certificate as it is (the claim's new fields are
+    # signed with the rest).
+    from dvbench.attest import TrustRoot, verify_bundle
+
+    bundle = platform.get(f"/api/v1/proofs/{proof.pk}/bundle/")
+    assert bundle.status_code == 200, bundle.content[:300]
+    root = TrustRoot.from_json(platform.get("/api/v1/trust-root/").content)
+    verified = verify_bundle(bundle.content, root)
+    assert verified.ok, verified.reason
     # The proof page's challenge timeline counts them apart.
     from attestations.web.views import challenge_timeline
 
