@@ -323,6 +323,20 @@ def challenge_key_text() -> str:
     return text
 
 
+def platform_kinds(name: str, default: list[str]) -> list[str]:
+    """A comma-separated list of platform kinds (``zkdv.environments.PLATFORM_KINDS``)."""
+    from zkdv.environments import PLATFORM_KINDS
+
+    kinds = envlist(name, default)
+    unknown = [kind for kind in kinds if kind not in PLATFORM_KINDS]
+    if unknown:
+        raise ImproperlyConfigured(
+            f"{name}: {', '.join(map(repr, unknown))} is not a platform kind; "
+            f"expected some of {', '.join(PLATFORM_KINDS)}"
+        )
+    return kinds
+
+
 class DVBenchSettings(TypedDict):
     """The platform's own knobs, read as ``settings.DVBENCH["NAME"]`` with these types."""
 
@@ -353,6 +367,9 @@ class DVBenchSettings(TypedDict):
     REGULATORY_THRESHOLDS: list[dict[str, Any]]
     MAX_PROOFS_PER_EXPERIMENT: int
     INVITATION_TTL_DAYS: int
+    REPLAY_IN_PROCESS_KINDS: list[str]
+    REPLAY_CROSS_KIND: list[str]
+    REPLAY_WORKER_TTL: int
 
 
 DVBENCH: DVBenchSettings = {
@@ -403,6 +420,17 @@ DVBENCH: DVBenchSettings = {
     # counting the platform's own verifier errors) a new one is refused (docs/provers.md).
     "MAX_PROOFS_PER_EXPERIMENT": envint("DVBENCH_MAX_PROOFS_PER_EXPERIMENT", 10, minimum=1),
     "INVITATION_TTL_DAYS": envint("DVBENCH_INVITATION_TTL_DAYS", 14, minimum=1),
+    # Replay routing (docs/operators.md, "Replay queues"): the platform kinds whose runs
+    # the calling process replays itself when tasks run in-process (this machine's kind);
+    # the kinds whose runs may be replayed on CPU workers, judged within the gradient
+    # bounds, when no worker of their own kind is alive (none by default: a CPU is no
+    # sound replay platform for a TPU or GPU run); and how long a worker counts as alive
+    # after it was last seen (a replay may hold it for a whole task time limit).
+    "REPLAY_IN_PROCESS_KINDS": platform_kinds("DVBENCH_REPLAY_IN_PROCESS_KINDS", ["cpu"]),
+    "REPLAY_CROSS_KIND": platform_kinds("DVBENCH_REPLAY_CROSS_KIND", []),
+    "REPLAY_WORKER_TTL": envint(
+        "DVBENCH_REPLAY_WORKER_TTL", 2 * CELERY_TASK_TIME_LIMIT, minimum=60
+    ),
 }
 if DVBENCH["API_KEY_TTL_DAYS"] > DVBENCH["API_KEY_MAX_DAYS"]:
     raise ImproperlyConfigured(

@@ -27,9 +27,12 @@ if TYPE_CHECKING:
     from provers.replay import ReplayVerdict, Transition
 
 __all__ = [
+    "EXACT",
     "PROVERS",
+    "WITHIN_BOUNDS",
     "Prover",
     "close_provers",
+    "judge",
     "open_prover",
     "program_material",
     "require_exact",
@@ -39,6 +42,25 @@ __all__ = [
 
 #: Prover name (the root record's ``prover``) to the module that replays it.
 PROVERS = {"whitebox-jax": "provers.jax_replay", "whitebox-torch": "provers.torch_replay"}
+
+
+#: A replay's judgement (``ReplayVerdict.judgement``): bit for bit in the run's own
+#: replay environment, within the run's gradient bounds (or tolerance) elsewhere.
+EXACT, WITHIN_BOUNDS = "exact", "within_bounds"
+
+
+def judge(verdict: ReplayVerdict, differences: list[str], *, exact: bool) -> ReplayVerdict:
+    """Record how ``verdict`` is judged, and hold it to exactness where it must be.
+
+    Args:
+        verdict: the replay's verdict, as :func:`provers.replay.replay` returned it.
+        differences: the replay-environment keys in which the worker differs from the run.
+        exact: whether the replay must reproduce every step bit for bit (the prover's
+            choice: the run's own environment, or a caller's ``exact=``).
+    """
+    verdict.differences = list(differences)
+    verdict.judgement = EXACT if exact else WITHIN_BOUNDS
+    return require_exact(verdict) if exact else verdict
 
 
 def require_exact(verdict: ReplayVerdict) -> ReplayVerdict:

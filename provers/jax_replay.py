@@ -32,8 +32,9 @@ from typing import Any
 
 import jax
 
-from provers import require_exact
+from provers import judge
 from provers.replay import ReplayVerdict, Transcript, replay
+from zkdv.environments import differences
 from zkdv.jax import replay as frontend
 from zkdv.jax.replay import PROGRAM_KINDS, PROVER, load_transition
 from zkdv.replay import ReplayError, Transition
@@ -43,12 +44,15 @@ __all__ = [
     "PROGRAM_KINDS",
     "PROVER",
     "environment",
+    "environment_differences",
     "exact_environment",
     "load_transition",
     "verify_challenge",
 ]
 
-#: The root's ``env`` entries that change a JAX program's bits (module docstring).
+#: The root's ``env`` entries that change a JAX program's bits on a CPU (module
+#: docstring); on an accelerator its runtime's too (:func:`zkdv.environments.replay_environment`
+#: is the one definition).
 EXACT_KEYS = (
     "jax_platform",
     "jaxlib",
@@ -61,22 +65,34 @@ EXACT_KEYS = (
     "x64",
     "matmul_precision",
 )
+#: What the certificate states of a worker besides those: its platform kind, chip and
+#: accelerator runtime.
+_STATED = ("platform_kind", "device_kind", "platform_version", "libtpu", "libtpu_init_args")
 
 
 def environment() -> dict[str, Any]:
-    """Where this worker replays (:data:`EXACT_KEYS`, as the SDK records them): what the
-    certificate states beside the run's own environment."""
+    """Where this worker replays (:data:`EXACT_KEYS`, its platform kind, chip and
+    accelerator runtime, as the SDK records them): what the certificate states beside
+    the run's own environment, and what :func:`exact_environment` compares."""
     values = frontend.environment()
-    return {key: values[key] for key in EXACT_KEYS}
+    return {key: values.get(key) for key in (*EXACT_KEYS, *_STATED)}
+
+
+def environment_differences(root: dict[str, Any]) -> list[str]:
+    """The replay-environment keys (:func:`zkdv.environments.replay_environment`) in which
+    this worker differs from the run: empty where a replay here is bit for bit."""
+    # The root of a run this prover replays names it (``load_artifact`` checks).
+    return differences({**root, "prover": PROVER}, {"prover": PROVER, "env": environment()})
 
 
 def exact_environment(root: dict[str, Any]) -> bool:
     """Whether this process runs the committed programs exactly as the run did.
 
-    Compares every entry of :data:`EXACT_KEYS` the root records with this process's (a
-    root that lacks one, written before it was recorded, is never exact), and requires
-    one unsharded process, programs exported for this backend and, for a run without
-    committed gradients, exported for the training platform alone (module docstring).
+    Compares the run's replay environment key with this process's
+    (:func:`environment_differences`: a root that lacks an entry, written before it was
+    recorded, is never exact), and requires one unsharded process, programs exported for
+    this backend and, for a run without committed gradients, exported for the training
+    platform alone (module docstring).
     """
     env = root.get("env") or {}
     # The replay runs the exported program on one device: a run whose state was sharded
@@ -84,8 +100,7 @@ def exact_environment(root: dict[str, Any]) -> bool:
     sharded = bool((root.get("schema") or {}).get("sharding"))
     if sharded or env.get("process_count", 1) != 1:
         return False
-    here = environment()
-    if any(key not in env or env[key] != here[key] for key in EXACT_KEYS):
+    if environment_differences(root):
         return False
     platforms = env.get("export_platforms")
     backend = jax.default_backend()
@@ -127,6 +142,6 @@ def verify_challenge(
         return ReplayVerdict(ok=False, step=step, reason=error.reason, message=error.message)
     verdict = replay(transcript, step=step, through=through, transition=transition)
     verdict.environment = environment()
-    if exact if exact is not None else exact_environment(transcript.root):
-        verdict = require_exact(verdict)
-    return verdict
+    if exact is None:
+        exact = exact_environment(transcript.root)
+    return judge(verdict, environment_differences(transcript.root), exact=exact)

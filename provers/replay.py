@@ -104,6 +104,14 @@ class ReplayVerdict:
     #: Where the replay ran (the framework prover's description of the worker: its
     #: framework version, device kind, kernel family, threads), for the certificate.
     environment: dict[str, Any] | None = None
+    #: How the replay was judged: ``exact`` where it ran in the run's own replay
+    #: environment (every step must reproduce the committed bits), ``within_bounds``
+    #: where the environment differs (the gradient within the run's bounds, the state
+    #: still bit for bit); None before a prover judged it.
+    judgement: str | None = None
+    #: The replay-environment keys in which the worker differs from the run
+    #: (:func:`zkdv.environments.differences`); empty when judged ``exact``.
+    differences: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -117,6 +125,8 @@ class ReplayVerdict:
             "tolerance": self.tolerance,
             "bounds": self.bounds,
             "environment": self.environment,
+            "judgement": self.judgement,
+            "differences": list(self.differences),
         }
 
 

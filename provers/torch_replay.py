@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
-from provers import require_exact
+from provers import judge
 from provers.replay import ReplayVerdict, Transcript, replay
+from zkdv.environments import differences
 from zkdv.replay import ReplayError, Transition
 from zkdv.torch.replay import PROGRAM_KINDS, PROVER, TORCH_EXPORT, load_transition
 
@@ -32,6 +33,7 @@ __all__ = [
     "PROGRAM_KINDS",
     "PROVER",
     "environment",
+    "environment_differences",
     "exact_environment",
     "load_transition",
     "verify_challenge",
@@ -40,24 +42,33 @@ __all__ = [
 _CPU_CAPABILITY = torch.backends.cpu.get_cpu_capability()
 
 
+def environment_differences(root: dict[str, Any]) -> list[str]:
+    """The replay-environment keys (:func:`zkdv.environments.replay_environment`: Torch
+    version, platform kind, device kind, CPU kernel family) in which this worker differs
+    from the run. A root from before ``cpu_capability`` was recorded is assumed to match."""
+    env = dict(root.get("env") or {})
+    env.setdefault("cpu_capability", _CPU_CAPABILITY)
+    return differences(
+        {**root, "prover": PROVER, "env": env}, {"prover": PROVER, "env": environment()}
+    )
+
+
 def exact_environment(root: dict[str, Any]) -> bool:
     """Whether a replay here reproduces the committed roots bit for bit.
 
-    True for a ``torch.export`` program (eager kernels, like training) on the recorded
-    Torch version, a CPU run and the same CPU kernel family (``env.cpu_capability``); an
-    AOT Inductor program never matches eager training, and an FSDP2 run (``env["fsdp"]`` names its mesh) is never claimed bit-exact: its
-    reduce-scatter and sharded optimizer step may round differently from a full-model
-    replay (on the two-process CPU test they agree; nothing guarantees it).
+    True for a ``torch.export`` program (eager kernels, like training) in the run's
+    replay environment (:func:`environment_differences` is empty: the recorded Torch
+    version, a CPU run and the same CPU kernel family); an AOT Inductor program never
+    matches eager training, and an FSDP2 run (``env["fsdp"]`` names its mesh) is never
+    claimed bit-exact: its reduce-scatter and sharded optimizer step may round
+    differently from a full-model replay (on the two-process CPU test they agree;
+    nothing guarantees it).
     """
     env = root.get("env") or {}
     program = root.get("program") or {}
     return (
         program.get("kind") == TORCH_EXPORT
-        and env.get("torch") == torch.__version__
-        and env.get("device_kind") == "cpu"
-        # The same kernels: Torch picks AVX2 or AVX512 code by the CPU, and they round
-        # reductions differently. (Transcripts from before it was recorded: assumed.)
-        and env.get("cpu_capability", _CPU_CAPABILITY) == _CPU_CAPABILITY
+        and not environment_differences(root)
         and not env.get("fsdp")
     )
 
@@ -66,6 +77,7 @@ def environment() -> dict[str, Any]:
     """Where this worker replays: what the certificate states beside the run's own."""
     return {
         "torch": torch.__version__,
+        "platform_kind": "cpu",
         "device_kind": "cpu",
         "cpu_capability": _CPU_CAPABILITY,
         "threads": torch.get_num_threads(),
@@ -124,6 +136,6 @@ def verify_challenge(
     with _threads(env.get("threads"), env.get("float32_matmul_precision")):
         verdict = replay(transcript, step=step, through=through, transition=transition)
         verdict.environment = environment()
-    if exact if exact is not None else exact_environment(transcript.root):
-        verdict = require_exact(verdict)
-    return verdict
+    if exact is None:
+        exact = exact_environment(transcript.root)
+    return judge(verdict, environment_differences(transcript.root), exact=exact)

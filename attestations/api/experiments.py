@@ -45,6 +45,7 @@ from attestations.http.fields import Sha256Field, StrictCharField
 from attestations.http.filters import BigInt, QueryFilters, check_known_parameters
 from attestations.http.pagination import CursorPage
 from attestations.http.permissions import HasCapability, authenticated_user, get_access, require
+from zkdv.environments import PLATFORM_KINDS
 
 
 def _big_integer_schema(max_digits: int) -> dict[str, Any]:
@@ -156,6 +157,13 @@ class ParentTranscriptField(Sha256Field):
         return str(value) if value else None
 
 
+class PlatformKindField(serializers.ChoiceField):
+    """A declared platform kind; none declared reads as null."""
+
+    def to_representation(self, value: Any) -> str | None:  # type: ignore[override]  # null when none
+        return str(value) if value else None
+
+
 class SpecSerializer(serializers.ModelSerializer[ExperimentSpec]):
     """A declared spec. Limits left null are undeclared (and so unbounded)."""
 
@@ -189,7 +197,19 @@ class SpecSerializer(serializers.ModelSerializer[ExperimentSpec]):
         "that model. A certificate you can read must certify it. Certificates add the "
         "lineage's compute up against the thresholds that count fine-tuning.",
     )
+    platform_kind = PlatformKindField(
+        choices=list(PLATFORM_KINDS),
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text="The platform kind the run trains on (cpu, gpu or tpu). A transcript whose "
+        "root record names another is refused (platform_mismatch), and its challenged "
+        "steps are replayed on the platform's workers of this kind.",
+    )
     frozen = serializers.BooleanField(source="is_frozen", read_only=True)
+
+    def validate_platform_kind(self, value: str | None) -> str:
+        return value or ""
 
     def validate_parent_transcript(self, value: str | None) -> str:
         if not value:
@@ -221,6 +241,7 @@ class SpecSerializer(serializers.ModelSerializer[ExperimentSpec]):
             "allowed_regimes",
             "token_unit",
             "parent_transcript",
+            "platform_kind",
             "created",
         ]
         read_only_fields = ["version", "digest", "created"]

@@ -270,18 +270,22 @@ class ReplayFacts:
     Attributes:
         passed: challenged steps whose replay matched the committed state.
         failed: challenged steps whose replay did not (or expired unanswered).
+        unreplayed: challenged steps no worker of the run's platform kind replayed.
     """
 
     passed: tuple[int, ...] = ()
     failed: tuple[int, ...] = ()
+    unreplayed: tuple[int, ...] = ()
 
     @property
     def verified(self) -> bool:
-        """Replays passed and none failed: replay-level evidence may be claimed."""
-        return bool(self.passed) and not self.failed
+        """Replays passed, none failed and none was left without a replay: replay-level
+        evidence may be claimed."""
+        return bool(self.passed) and not self.failed and not self.unreplayed
 
     def fingerprint(self) -> str:
-        return f"p{','.join(map(str, self.passed))}f{','.join(map(str, self.failed))}"
+        text = f"p{','.join(map(str, self.passed))}f{','.join(map(str, self.failed))}"
+        return text + (f"u{','.join(map(str, self.unreplayed))}" if self.unreplayed else "")
 
 
 # --- Claims -----------------------------------------------------------------------------
@@ -648,6 +652,7 @@ def replay_facts(proof: Proof) -> ReplayFacts:
 
     passed: list[int] = []
     failed: list[int] = []
+    unreplayed: list[int] = []
     rows = Challenge.objects.filter(proof=proof).order_by().values_list("step", "through", "status")
     for step, through, status in rows:
         span = range(step, (through if through is not None else step) + 1)
@@ -655,7 +660,11 @@ def replay_facts(proof: Proof) -> ReplayFacts:
             passed.extend(span)
         elif status in (ChallengeStatus.FAILED, ChallengeStatus.EXPIRED):
             failed.extend(span)
-    return ReplayFacts(tuple(sorted(set(passed))), tuple(sorted(set(failed))))
+        elif status == ChallengeStatus.UNREPLAYED:
+            unreplayed.extend(span)
+    return ReplayFacts(
+        tuple(sorted(set(passed))), tuple(sorted(set(failed))), tuple(sorted(set(unreplayed)))
+    )
 
 
 def cache_key(proof: Proof, replay: ReplayFacts) -> str:

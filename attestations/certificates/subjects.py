@@ -37,6 +37,7 @@ from django.conf import settings
 from django.core.files.storage import default_storage
 from django.db import models
 
+from attestations.certificates import platforms
 from attestations.certificates.claims import CLAIM_LINEAGE, _limit_number
 from attestations.certificates.models import Certificate, CertificateResult
 from attestations.challenges.models import Challenge, ChallengeStatus
@@ -419,23 +420,6 @@ def _exact(steps: int, fraction: float | None, drawn: int) -> float:
     return 1.0 - miss
 
 
-#: What the certificate says of the training machine, from the root record's ``env``.
-_TRAINING_ENVIRONMENT = (
-    "torch",
-    "jax",
-    "jaxlib",
-    "jax_platform",
-    "device_kind",
-    "devices",
-    "cpu_capability",
-    "cpu_isa",
-    "cpu_model",
-    "cpu_affinity",
-    "threads",
-    "precision",
-)
-
-
 def _budget(bounds: Mapping[str, float]) -> dict[str, Any]:
     """What a forger can change per step within the gradient bounds (docs/transcript.md)."""
     tensor, total, scale = bounds["tensor"], bounds["total"], bounds["scale"]
@@ -461,20 +445,16 @@ _MATCH_ORDER: Final = {"exact": 0, "bounds": 1, "tolerance": 2}
 
 def _replay_matches(
     challenges: Sequence[tuple[int, int | None, str, Any]],
-) -> tuple[dict[int, tuple[str, float | None]], list[dict[str, Any]]]:
-    """How each replayed step matched (its loosest match and margin), and the workers.
+) -> dict[int, tuple[str, float | None]]:
+    """How each replayed step matched (its loosest match and margin).
 
     Read from the evidence of the passed challenges; a step replayed more than once keeps
     its loosest match, and within bounds its largest divergence-to-bound ratio.
     """
     matched: dict[int, tuple[str, float | None]] = {}
-    workers: list[dict[str, Any]] = []
     for _, _, status, evidence in challenges:
         if status != ChallengeStatus.PASSED or not isinstance(evidence, Mapping):
             continue
-        worker = evidence.get("environment")
-        if isinstance(worker, Mapping) and dict(worker) not in workers:
-            workers.append(dict(worker))
         for item in evidence.get("evidence") or []:
             if not isinstance(item, Mapping) or not isinstance(item.get("step"), int):
                 continue
@@ -487,7 +467,7 @@ def _replay_matches(
                 previous[1] or 0.0,
             ):
                 matched[item["step"]] = (kind, margin)
-    return matched, workers
+    return matched
 
 
 def _replayed_steps(matched: Mapping[int, tuple[str, float | None]]) -> dict[str, Any]:
@@ -522,8 +502,15 @@ def guarantee_claim(
     only within ``tolerance`` (``|replayed - committed| <= abs + rel * |committed|``).
     ``forger_budget`` states what the bounds leave a forger per step; ``replayed_steps``
     says how each replayed step matched (its worst divergence-to-bound ratio, for steps
-    within bounds); ``environments`` names the training machine (from the transcript)
-    and the platform's replay workers.
+    within bounds); ``judgement`` lists the steps replayed in the run's own replay
+    environment, where only the committed bits pass (``exact``), and those replayed
+    elsewhere and judged by the bounds (``within_bounds``); ``not_replayed`` names the
+    steps no worker of the run's platform kind replayed (reason ``no_replay_worker``),
+    and then no detection probability is claimed; ``environments`` names the training
+    machine (from the transcript: its platform kind, chip, versions, flags and replay
+    environment key) and the platform's replay workers, each with its judgement, the
+    keys it differs in from the training machine, and its steps
+    (:mod:`attestations.certificates.platforms`).
     """
     from provers.challenges import random_steps_needed
 
@@ -536,28 +523,30 @@ def guarantee_claim(
     drawn = 0
     if challenges and target is not None and fraction and steps:
         drawn = min(random_steps_needed(steps, target=target, forged_fraction=fraction), steps)
-    matched, workers = _replay_matches(challenges)
+    matched = _replay_matches(challenges)
     kinds = {kind for kind, _ in matched.values()}
     comparison = None if not kinds else max(kinds, key=_MATCH_ORDER.__getitem__)
-    probability = 1.0 - (1.0 - fraction) ** drawn if fraction and drawn else 0.0
-    root_env = ((proof.report or {}).get("root") or {}).get("env") or {}
+    root = (proof.report or {}).get("root") or {}
+    trained = platforms.training(root)
+    missing = platforms.not_replayed(challenges, trained["platform_kind"])
+    # Steps without a replay guarantee nothing by replay: no probability is claimed.
+    probability = 1.0 - (1.0 - fraction) ** drawn if fraction and drawn and not missing else 0.0
     value = {
         "steps": steps,
         "challenged_steps": len({step for step, _, _, _ in challenges}),
         "challenges": drawn,
         "forged_fraction": fraction,
         "detection_probability": probability,
-        "detection_probability_exact": _exact(steps, fraction, drawn),
+        "detection_probability_exact": 0.0 if missing else _exact(steps, fraction, drawn),
         "target": target,
         "tolerance": dict(tolerance),
         "comparison": comparison,
         "gradient_bounds": None if bounds is None else dict(bounds),
         "forger_budget": None if bounds is None else _budget(bounds),
         "replayed_steps": _replayed_steps(matched),
-        "environments": {
-            "training": {key: root_env[key] for key in _TRAINING_ENVIRONMENT if key in root_env},
-            "replay": workers,
-        },
+        "judgement": platforms.judgements(challenges),
+        "not_replayed": missing,
+        "environments": {"training": trained, "replay": platforms.workers(challenges)},
     }
-    evidence_level = Evidence.REPLAYED if challenges else Evidence.COMMITTED
+    evidence_level = Evidence.REPLAYED if challenges and not missing else Evidence.COMMITTED
     return Claim(CLAIM_DETECTION, value, evidence_level)

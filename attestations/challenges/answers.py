@@ -32,6 +32,7 @@ from attestations.challenges.models import (
     Challenge,
     ChallengeStatus,
 )
+from attestations.challenges.routing import queue_or_unreplayed
 from attestations.proofs.model_files import check_weights, model_names
 from attestations.proofs.models import (
     Proof,
@@ -471,9 +472,22 @@ REPLAY_TASK = "attestations.tasks.replay_challenge"
 
 
 def enqueue(challenge_ids: Iterable[int]) -> None:
-    """Queue each challenge's replay on the ``replay`` queue (in process when tasks run
-    eagerly), recording the task id on the challenge."""
-    for challenge_id in challenge_ids:
-        task = current_app.signature(REPLAY_TASK, args=(challenge_id,))
-        result = task.apply_async(queue="replay")
-        Challenge.objects.filter(pk=challenge_id).update(task_id=str(result.id))
+    """Queue each challenge's replay on the replay queue of its run's platform kind (in
+    process when tasks run eagerly), recording the task id on the challenge.
+
+    :func:`~attestations.challenges.routing.queue_or_unreplayed` picks the queue; a
+    challenge no worker can replay is recorded ``unreplayed`` instead.
+    """
+    by_proof: dict[int, list[int]] = {}
+    for challenge_id, proof_id in Challenge.objects.filter(pk__in=list(challenge_ids)).values_list(
+        "pk", "proof_id"
+    ):
+        by_proof.setdefault(proof_id, []).append(challenge_id)
+    for proof_id, ids in sorted(by_proof.items()):
+        queue = queue_or_unreplayed(Proof.objects.get(pk=proof_id), sorted(ids))
+        if queue is None:
+            continue
+        for challenge_id in sorted(ids):
+            task = current_app.signature(REPLAY_TASK, args=(challenge_id,))
+            result = task.apply_async(queue=queue)
+            Challenge.objects.filter(pk=challenge_id).update(task_id=str(result.id))

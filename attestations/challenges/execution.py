@@ -7,6 +7,7 @@ directory, in a sandboxed child process) and records the outcome (:func:`record_
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 from collections import OrderedDict
@@ -18,6 +19,7 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
+import provers
 from attestations.audit.models import AuditEvent
 from attestations.challenges import sandboxed
 from attestations.challenges.index import PROBES
@@ -25,6 +27,7 @@ from attestations.challenges.models import (
     Challenge,
     ChallengeStatus,
 )
+from attestations.challenges.routing import misrouted
 from attestations.challenges.verdicts import progress, settle
 from attestations.challenges.workspace import proof_directory
 from attestations.core.db import take_claim
@@ -98,7 +101,9 @@ def check_probes(proof: Proof, directory: Path) -> dict[str, Any] | None:
 
 
 def replay_one(challenge: Challenge) -> dict[str, Any]:
-    """Materialise and replay one claimed challenge; returns the verdict's dict.
+    """Materialise and replay one claimed challenge; returns the verdict's dict, or
+    ``{UNREPLAYED: why}`` when this worker is of another platform kind than the run
+    (:func:`~attestations.challenges.routing.misrouted`).
 
     The replay runs in a sandboxed child process (:func:`sandboxed.replay`), never in
     this one: it runs the lab's program. The probe file is checked here first, by the
@@ -109,7 +114,25 @@ def replay_one(challenge: Challenge) -> dict[str, Any]:
     failure = check_probes(proof, directory)
     if failure is not None:
         return {**failure, "step": challenge.step}
+    # A worker of another platform kind than the run's replays nothing (routing.py).
+    wrong_kind = misrouted(proof, worker_environment(proof))
+    if wrong_kind is not None:
+        return {UNREPLAYED: wrong_kind}
     return sandboxed.replay(directory, challenge.needed_files, challenge.step, challenge.through)
+
+
+def worker_environment(proof: Proof) -> dict[str, Any]:
+    """Where this worker would replay ``proof`` (its prover's ``environment()``): this
+    process's framework and hardware, read without loading anything of the lab's."""
+    root = (proof.report or {}).get("root")
+    prover = root.get("prover") if isinstance(root, Mapping) else None
+    name = provers.PROVERS.get(str(prover), "provers.jax_replay")
+    environment: dict[str, Any] = importlib.import_module(name).environment()
+    return environment
+
+
+#: The key of :func:`replay_one`'s answer for a challenge this worker must not replay.
+UNREPLAYED = "unreplayed"
 
 
 def record_verdict(challenge: Challenge, verdict: Mapping[str, Any]) -> bool:

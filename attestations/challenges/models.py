@@ -25,11 +25,20 @@ class ChallengeStatus(models.TextChoices):
     FAILED = "failed", "Failed"
     EXPIRED = "expired", "Expired"
     ERROR = "error", "Replay error"
+    #: No worker of the run's platform kind could replay it (``routing.NO_REPLAY_WORKER``):
+    #: no replay verdict, and the certificate says so.
+    UNREPLAYED = "unreplayed", "Not replayed (no worker of its platform kind)"
 
 
 #: Challenge states that no longer change.
 CHALLENGE_FINAL = frozenset(
-    {ChallengeStatus.PASSED, ChallengeStatus.FAILED, ChallengeStatus.EXPIRED, ChallengeStatus.ERROR}
+    {
+        ChallengeStatus.PASSED,
+        ChallengeStatus.FAILED,
+        ChallengeStatus.EXPIRED,
+        ChallengeStatus.ERROR,
+        ChallengeStatus.UNREPLAYED,
+    }
 )
 
 

@@ -10,16 +10,19 @@ schedule.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable
+from typing import Any
 
 from celery import Task, shared_task
 from django.conf import settings
 
-from attestations.challenges import execution, sliced, sliced_verdicts, verdicts
+from attestations.challenges import execution, routing, sliced, sliced_verdicts, verdicts
 from attestations.challenges.answers import REPLAY_TASK
 from attestations.challenges.models import Challenge, SlicedChallenge
 from attestations.challenges.workspace import BlobCorruptError
 from attestations.core.transient import TRANSIENT_ERRORS
+from attestations.workers.presence import announce
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +75,8 @@ def _run_claimed(
     soft_time_limit=settings.CELERY_TASK_SOFT_TIME_LIMIT,
 )
 def replay_challenge(self: Task, challenge_id: int) -> str | None:  # type: ignore[type-arg]
-    """Replay one challenge and record its verdict (queue ``replay``).
+    """Replay one challenge and record its verdict (the replay queue of its run's
+    platform kind: ``replay``, ``replay-gpu``, ``replay-tpu``; ``routing.py``).
 
     Keyed by the challenge: it is claimed with a conditional update (ready -> replaying,
     or a stale ``replaying`` claim whose worker died), so a redelivered message or a
@@ -91,7 +95,12 @@ def replay_challenge(self: Task, challenge_id: int) -> str | None:  # type: igno
         challenge = Challenge.objects.select_related("proof__transcript", "proof__experiment").get(
             pk=challenge_id
         )
-        execution.record_verdict(challenge, execution.replay_one(challenge))
+        verdict = execution.replay_one(challenge)
+        if execution.UNREPLAYED in verdict:
+            routing.record_unreplayed([challenge_id], str(verdict[execution.UNREPLAYED]))
+            return
+        execution.record_verdict(challenge, verdict)
+        _announce(self, verdict.get("environment"))
 
     _run_claimed(
         self,
@@ -102,6 +111,14 @@ def replay_challenge(self: Task, challenge_id: int) -> str | None:  # type: igno
         release_claim=execution.release_claim,
     )
     return str(Challenge.objects.values_list("status", flat=True).get(pk=challenge_id))
+
+
+def _announce(task: Task, environment: Any) -> None:  # type: ignore[type-arg]
+    """A worker that replayed announces itself on the queue it took the task from, with
+    the replay environment it ran in (nothing to announce for an in-process run)."""
+    queue = (task.request.delivery_info or {}).get("routing_key")
+    if queue and isinstance(environment, dict):
+        announce(task.request.hostname or socket.gethostname(), [str(queue)], environment)
 
 
 @shared_task(name="attestations.tasks.expire_challenges", acks_late=True)

@@ -23,6 +23,7 @@ from attestations.challenges.models import (
     ChallengeStatus,
 )
 from attestations.challenges.policy import replay_time_limit
+from attestations.challenges.routing import expire_unserved
 from attestations.challenges.workspace import release_directory
 from attestations.proofs.models import (
     Job,
@@ -51,11 +52,12 @@ def progress(proof_id: int) -> None:
 def settle(proof_id: int) -> str | None:
     """Give the proof its verdict once every challenge is final; None while some are not.
 
-    ``valid`` iff every challenge passed; otherwise ``rejected`` with the first failing
-    challenge's reason (by step). Reveals the seed; recording the verdict queues the certificate
-    (``verdict_recorded``). Runs
-    inside the caller's transaction and locks the proof row, so two workers finishing
-    the last two challenges settle it once.
+    ``valid`` iff every challenge passed (or was not replayed for want of a worker of
+    the run's platform kind, which the message then says: no replay verdict, and the
+    certificate claims nothing by replay for it); otherwise ``rejected`` with the first
+    failing challenge's reason (by step). Reveals the seed; recording the verdict queues
+    the certificate (``verdict_recorded``). Runs inside the caller's transaction and
+    locks the proof row, so two workers finishing the last two challenges settle it once.
     """
     proof = (
         Proof.objects.select_for_update()
@@ -67,11 +69,28 @@ def settle(proof_id: int) -> str | None:
     challenges = list(proof.challenges.order_by("step", "through"))
     if any(c.status not in CHALLENGE_FINAL for c in challenges):
         return None
-    failed = next((c for c in challenges if c.status != ChallengeStatus.PASSED), None)
+    # An unreplayed challenge (no worker of the run's platform kind) has no verdict: it
+    # neither passes nor fails the proof, and the certificate says it was not replayed.
+    failed = next(
+        (
+            c
+            for c in challenges
+            if c.status not in (ChallengeStatus.PASSED, ChallengeStatus.UNREPLAYED)
+        ),
+        None,
+    )
+    unreplayed = [c.step for c in challenges if c.status == ChallengeStatus.UNREPLAYED]
     now = timezone.now()
     proof.challenge_seed_revealed = now
     if failed is None:
-        proof.record_verdict(ProofStatus.VALID, "", "")
+        proof.record_verdict(
+            ProofStatus.VALID,
+            "",
+            f"{len(unreplayed)} of {len(challenges)} challenges were not replayed: "
+            f"{next(c.message for c in challenges if c.status == ChallengeStatus.UNREPLAYED)}"
+            if unreplayed
+            else "",
+        )
     else:
         reason = failed.reason or failed.status
         proof.record_verdict(
@@ -95,7 +114,9 @@ def requeue_lost(now: Any = None) -> int:
 
     A ``ready`` challenge not claimed, or a ``replaying`` claim not finished, within
     twice the task time limit has no live message behind it; a second message is
-    harmless, since only one delivery can claim the challenge.
+    harmless, since only one delivery can claim the challenge. One that waited that long
+    because no worker of its run's platform kind is alive is recorded ``unreplayed``
+    instead (:func:`~attestations.challenges.routing.expire_unserved`).
     """
     now = now or timezone.now()
     cutoff = now - timedelta(seconds=2 * replay_time_limit())
@@ -106,7 +127,8 @@ def requeue_lost(now: Any = None) -> int:
         ).values_list("pk", flat=True)
     )
     if lost:
-        enqueue(lost)
+        # Those whose run's platform kind still has no worker get no replay verdict.
+        enqueue(expire_unserved(lost))
     return len(lost)
 
 

@@ -25,6 +25,7 @@ from attestations.accounts.models import Access, Capability, Organization
 from attestations.audit.models import AuditEvent
 from attestations.core.conf import api_datetime
 from attestations.core.validators import sha256_validator
+from zkdv.environments import PLATFORM_KINDS, platform_kind
 
 EXPERIMENT_NAME = re.compile(r"^[a-z0-9](?:[a-z0-9._-]{0,98}[a-z0-9])?$")
 experiment_name_validator = RegexValidator(
@@ -87,6 +88,7 @@ SPEC_FIELDS = (
     "allowed_regimes",
     "token_unit",
     "parent_transcript",
+    "platform_kind",
     "created",
 )
 
@@ -124,6 +126,7 @@ def spec_document(values: Mapping[str, Any], frozen: bool) -> dict[str, Any]:
         "allowed_regimes": list(values["allowed_regimes"]),
         "token_unit": values["token_unit"],
         "parent_transcript": values["parent_transcript"] or None,
+        "platform_kind": values["platform_kind"] or None,
         "created": api_datetime(values["created"]),
     }
 
@@ -313,7 +316,8 @@ class Experiment(models.Model):
     def check_identity(self, root: Mapping[str, Any] | None) -> tuple[str, str, str] | None:
         """Check that a transcript's root names this experiment and one of its spec versions.
 
-        The root must also name the prover of the spec version's framework.
+        The root must also name the prover of the spec version's framework, and the
+        platform kind the spec version declares, where it declares one.
 
         Returns:
             None when it does, else ``(reason, message, field)``.
@@ -348,6 +352,14 @@ class Experiment(models.Model):
                 f"the transcript was made by prover {prover!r}; spec version {spec.version} "
                 f"declares framework {spec.framework!r}, so expected {expected!r}",
                 "root.prover",
+            )
+        trained = platform_kind(root or {})
+        if spec.platform_kind and trained != spec.platform_kind:
+            return (
+                "platform_mismatch",
+                f"the transcript's root names platform kind {trained!r}; spec version "
+                f"{spec.version} declares the run trains on {spec.platform_kind!r}",
+                "root.env.platform_kind",
             )
         return None
 
@@ -458,6 +470,15 @@ class ExperimentSpec(models.Model):
     parent_transcript = models.CharField(
         max_length=64, blank=True, default="", validators=[sha256_validator]
     )
+    #: The platform kind the lab declares it trains on (``zkdv.environments``: cpu, gpu,
+    #: tpu); blank: not declared. A transcript whose root names another is refused, and
+    #: the run's replays go to workers of this kind (``docs/operators.md``).
+    platform_kind = models.CharField(
+        max_length=8,
+        blank=True,
+        default="",
+        choices=[(kind, kind) for kind in PLATFORM_KINDS],
+    )
     digest = models.CharField(max_length=64, db_index=True)
     created = models.DateTimeField(default=timezone.now)
 
@@ -472,6 +493,7 @@ class ExperimentSpec(models.Model):
         "allowed_regimes",
         "token_unit",
         "parent_transcript",
+        "platform_kind",
     )
 
     class Meta:
@@ -490,6 +512,7 @@ class ExperimentSpec(models.Model):
         fields["allowed_regimes"] = sorted(set(fields["allowed_regimes"] or []))
         fields["token_unit"] = fields["token_unit"] or "examples"
         fields["parent_transcript"] = str(fields["parent_transcript"] or "").lower()
+        fields["platform_kind"] = str(fields["platform_kind"] or "")
         for key in ("max_flops", "max_tokens", "max_gpu_hours"):
             if fields[key] is not None:
                 fields[key] = Decimal(str(fields[key]))

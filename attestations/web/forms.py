@@ -95,6 +95,17 @@ class SpecForm(forms.Form):
         ),
     )
 
+    platform_kind = forms.ChoiceField(
+        label="Trains on",
+        choices=[("", "not declared"), ("cpu", "CPU"), ("gpu", "GPU"), ("tpu", "TPU")],
+        required=False,
+        help_text="The platform kind the run trains on. A transcript from another is "
+        "refused, and its challenged steps are replayed on workers of this kind.",
+    )
+
+    def clean_platform_kind(self) -> str:
+        return str(self.cleaned_data.get("platform_kind") or "")
+
     def __init__(self, *args: Any, access: Access | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.access = access

@@ -283,7 +283,7 @@ def challenge_timeline(proof: Proof, challenges: list[Challenge]) -> dict[str, A
     def x(step: int) -> str:
         return f"{10 + 980 * min(step, last) / last:.1f}"
 
-    counts = {key: 0 for key in ("passed", "failed", "expired", "error", "open")}
+    counts = {key: 0 for key in ("passed", "failed", "expired", "error", "unreplayed", "open")}
     marks = []
     for challenge in challenges:
         counts[challenge.status if challenge.is_final else "open"] += 1

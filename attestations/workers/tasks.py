@@ -1,4 +1,4 @@
-"""The workers' own task: the heartbeat.
+"""The workers' own tasks: the heartbeat, and the replay workers' presence.
 
 Task names keep the ``attestations.tasks.`` prefix they had before the apps were split:
 they are the names in queued messages and in the beat schedule (``config/settings.py``).
@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import socket
 
-from celery import shared_task
+from celery import Task, shared_task
 
 from attestations.workers.models import WorkerHeartbeat
+from attestations.workers.presence import PRESENCE_TASK, announce, library_versions
 
 
 @shared_task(name="attestations.tasks.heartbeat", acks_late=True, reject_on_worker_lost=True)
@@ -20,3 +21,11 @@ def heartbeat(token: str) -> str:
         token=token, defaults={"hostname": socket.gethostname()}
     )
     return row.hostname
+
+
+@shared_task(bind=True, name=PRESENCE_TASK, ignore_result=True)
+def replay_presence(self: Task, queue: str) -> list[str]:  # type: ignore[type-arg]
+    """Announce the worker that took this message from replay ``queue``: sent by hand
+    (``celery -A config call attestations.tasks.replay_presence --args='["replay-tpu"]'
+    --queue replay-tpu``), it checks that the queue has a live consumer."""
+    return announce(self.request.hostname or socket.gethostname(), [queue], library_versions())

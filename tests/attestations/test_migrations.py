@@ -151,6 +151,8 @@ ADDED = {
     # older specs) and a certificate's lineage total (NULL: issued before lineages).
     ("attestations_experimentspec", "parent_transcript"),
     ("attestations_certificate", "lineage_flops"),
+    # experiments 0004: the platform kind a spec declares (none for older specs).
+    ("attestations_experimentspec", "platform_kind"),
 }
 #: Tables added since the release: empty after the migration.
 NEW_TABLES = {
@@ -158,6 +160,7 @@ NEW_TABLES = {
     "attestations_slicedrun",
     "attestations_slicechallenge",
     "attestations_committedstate",
+    "attestations_replayworker",
 }
 
 
@@ -225,6 +228,8 @@ def test_migrating_from_the_released_schema_keeps_every_row() -> None:
             assert cursor.fetchall() == [("",)]
             cursor.execute("SELECT lineage_flops FROM attestations_certificate")
             assert cursor.fetchall() == [(None,)]
+            cursor.execute("SELECT platform_kind FROM attestations_experimentspec")
+            assert cursor.fetchall() == [("",)]
         # And the current models read each row.
         for model in current_apps.get_models():
             if model._meta.db_table in before:

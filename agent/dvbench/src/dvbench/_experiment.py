@@ -88,8 +88,9 @@ def spec_document(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
             ``token_unit`` (what ``max_tokens`` and the token claim count: ``examples``,
             the default, or ``tokens``) enters the document only when it is ``tokens``,
             and ``parent_transcript`` (the transcript digest of the run whose final
-            model this one starts from) only when declared, so the digests of specs
-            declared before either existed do not change.
+            model this one starts from) and ``platform_kind`` (``cpu``, ``gpu`` or
+            ``tpu``: what the run trains on) only when declared, so the digests of specs
+            declared before they existed do not change.
     """
 
     def integer(value: Any) -> int | None:
@@ -114,6 +115,7 @@ def spec_document(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
             **({"token_unit": "tokens"} if spec.get("token_unit") == "tokens" else {}),
         },
         **({"parent_transcript": parent} if parent else {}),
+        **({"platform_kind": str(spec["platform_kind"])} if spec.get("platform_kind") else {}),
     }
 
 

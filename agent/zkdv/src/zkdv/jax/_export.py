@@ -11,6 +11,7 @@ The root record's environment (:func:`_environment`, with the program's
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 from jax import export
 from jax.sharding import NamedSharding
 
+from zkdv.environments import kind_of_backend
 from zkdv.errors import (
     ZKDVError,
 )
@@ -171,13 +173,20 @@ def _environment(
 def exact_environment_values() -> dict[str, Any]:
     """This process's values of everything that changes a JAX program's bits.
 
-    The backend, XLA build and device kinds, the CPU (:func:`_cpu`), the thread count
-    (:func:`_threads`), ``XLA_FLAGS``, 64-bit mode and the default matmul precision.
+    The backend (and its platform kind), XLA build and device kinds, the CPU
+    (:func:`_cpu`), the thread count (:func:`_threads`), ``XLA_FLAGS``, 64-bit mode, the
+    default matmul precision and, for an accelerator, its runtime (:func:`_runtime`).
+    :func:`zkdv.environments.replay_environment` reads the key of a run from them.
     """
     import jaxlib
 
+    backend = jax.default_backend()
     return {
-        "jax_platform": jax.default_backend(),
+        "jax_platform": backend,
+        # The kind a run's replays are routed by (zkdv.environments), and the chip
+        # generation ("TPU v5 lite"; "cpu" on a CPU, whose generation is cpu_isa).
+        "platform_kind": kind_of_backend(backend),
+        "device_kind": jax.devices()[0].device_kind,
         "jaxlib": getattr(jaxlib, "__version__", "unknown"),
         "devices": sorted({device.device_kind for device in jax.devices()}),
         "threads": _threads(),
@@ -185,6 +194,29 @@ def exact_environment_values() -> dict[str, Any]:
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "x64": bool(getattr(jax.config, "jax_enable_x64", False)),
         "matmul_precision": _matmul_precision(),
+        **_runtime(),
+    }
+
+
+def _runtime() -> dict[str, Any]:
+    """What runs under XLA on an accelerator: the backend's ``platform_version`` (on a
+    TPU, libtpu's build), the ``libtpu`` distribution's version (None where it is not
+    installed) and ``LIBTPU_INIT_ARGS``, the runtime's own flags, which can change the
+    code it generates."""
+    version = None
+    with contextlib.suppress(Exception):  # a backend without the attribute, or none yet
+        from jax.extend import backend as _backend
+
+        version = str(_backend.get_backend().platform_version)
+    libtpu = None
+    for name in ("libtpu", "libtpu-nightly"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            libtpu = importlib.metadata.version(name)
+            break
+    return {
+        "platform_version": version,
+        "libtpu": libtpu,
+        "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""),
     }
 
 

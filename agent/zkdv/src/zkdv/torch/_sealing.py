@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from zkdv.config import FLOPS_COUNTED, FLOPS_ESTIMATED
+from zkdv.environments import kind_of_backend
 from zkdv.torch import _rng, _strides
 from zkdv.torch._eager import EagerTransaction, Layout
 from zkdv.torch._lowering import LoweredProgram, gradient_function, lower
@@ -185,7 +186,12 @@ def environment(
         "threads": torch.get_num_threads(),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "device": str(device),
+        # The kind a run's replays are routed by (zkdv.environments), and the chip.
+        "platform_kind": kind_of_backend(device.type),
         "device_kind": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        # On a GPU, the runtime under the kernels (cuBLAS and cuDNN pick by version).
+        "cuda": torch.version.cuda if device.type == "cuda" else None,
+        "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,  # type: ignore[no-untyped-call]
         # The CPU kernels Torch dispatches to (AVX2, AVX512...): a replay on another
         # instruction set may round differently, so exactness is claimed only on this.
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),

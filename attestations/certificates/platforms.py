@@ -1,0 +1,121 @@
+"""What a certificate states of the platforms: where the run trained, where each step
+was replayed, how each replay was judged, and which steps no worker could replay.
+
+Read from the root record (``zkdv.environments``) and the challenges' stored verdicts
+(``provers.ReplayVerdict.to_dict``: the worker's ``environment``, its ``judgement``,
+``exact`` in the run's own replay environment or ``within_bounds`` elsewhere, and the
+keys it ``differences`` in), for the ``detection_guarantee`` claim
+(``attestations.certificates.subjects.guarantee_claim``, ``docs/certificates.md``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from attestations.challenges.models import ChallengeStatus
+from zkdv.environments import platform_kind
+
+__all__ = ["TRAINING_ENVIRONMENT", "judgements", "not_replayed", "training", "workers"]
+
+#: What the certificate says of the training machine, from the root record's ``env``.
+TRAINING_ENVIRONMENT = (
+    "torch",
+    "jax",
+    "jaxlib",
+    "jax_platform",
+    "platform_kind",
+    "device_kind",
+    "devices",
+    "cpu_capability",
+    "cpu_isa",
+    "cpu_model",
+    "cpu_features",
+    "cpu_affinity",
+    "threads",
+    "platform_version",
+    "libtpu",
+    "libtpu_init_args",
+    "cuda",
+    "cudnn",
+    "xla_flags",
+    "x64",
+    "matmul_precision",
+    "precision",
+)
+
+#: One challenge as :func:`guarantee_claim` reads it: step, through, status, evidence.
+Row = tuple[int, int | None, str, Any]
+
+
+def _span(step: int, through: int | None) -> range:
+    return range(step, (through if through is not None else step) + 1)
+
+
+def training(root: Mapping[str, Any]) -> dict[str, Any]:
+    """The training machine: the root's environment entries that the certificate states
+    (:data:`TRAINING_ENVIRONMENT`, which hold its replay environment key,
+    :func:`zkdv.environments.replay_environment`) and its platform kind (read from the
+    backend for a root from before it was recorded)."""
+    env = root.get("env") or {}
+    stated = {key: env[key] for key in TRAINING_ENVIRONMENT if key in env}
+    stated["platform_kind"] = platform_kind(root)
+    return stated
+
+
+def workers(challenges: Sequence[Row]) -> list[dict[str, Any]]:
+    """The workers that replayed passed challenges: each environment as the worker stated
+    it, with its ``judgement``, the keys it ``differs_in`` from the run, and its steps."""
+    found: dict[str, dict[str, Any]] = {}
+    for step, through, status, evidence in challenges:
+        if status != ChallengeStatus.PASSED or not isinstance(evidence, Mapping):
+            continue
+        environment = evidence.get("environment")
+        if not isinstance(environment, Mapping):
+            continue
+        judgement = evidence.get("judgement")
+        differs = [str(key) for key in evidence.get("differences") or []]
+        key = json.dumps([environment, judgement, differs], sort_keys=True, default=str)
+        entry = found.setdefault(
+            key,
+            {**dict(environment), "judgement": judgement, "differs_in": differs, "steps": []},
+        )
+        entry["steps"].extend(_span(step, through))
+    for entry in found.values():
+        entry["steps"] = sorted(set(entry["steps"]))
+    return list(found.values())
+
+
+def judgements(challenges: Sequence[Row]) -> dict[str, list[int]]:
+    """The replayed steps by judgement: ``exact`` (replayed in the run's own replay
+    environment, where nothing but the committed bits passes) and ``within_bounds``
+    (another environment: the gradient within the run's bounds, the state exact). A step
+    replayed under both keeps the looser."""
+    exact: set[int] = set()
+    bounded: set[int] = set()
+    for step, through, status, evidence in challenges:
+        if status != ChallengeStatus.PASSED or not isinstance(evidence, Mapping):
+            continue
+        judged = evidence.get("judgement")
+        if judged in ("exact", "within_bounds"):
+            (exact if judged == "exact" else bounded).update(_span(step, through))
+    return {"exact": sorted(exact - bounded), "within_bounds": sorted(bounded)}
+
+
+def not_replayed(challenges: Sequence[Row], kind: str) -> dict[str, Any] | None:
+    """The challenged steps no worker of the run's platform kind replayed (status
+    ``unreplayed``), with the reason; None when every challenge had a replay."""
+    steps: set[int] = set()
+    for step, through, status, _ in challenges:
+        if status == ChallengeStatus.UNREPLAYED:
+            steps.update(_span(step, through))
+    if not steps:
+        return None
+    return {
+        "reason": "no_replay_worker",
+        "platform_kind": kind,
+        "steps": sorted(steps),
+        "message": f"no replay worker of platform kind {kind!r} was available: these "
+        "steps were not replayed, and no bounds of another platform were applied to them",
+    }
