@@ -60,7 +60,8 @@ def supported(dtype: Any, platform: str | None = None) -> bool:
     return not dtype.name.startswith(_SUB_BYTE)
 
 
-_SUB_BYTE = ("int2", "uint2", "int4", "uint4", "float4", "float6")
+# Full names up to the underscore: "float6" alone would also match "float64".
+_SUB_BYTE = ("int2", "uint2", "int4", "uint4", "float4_", "float6_")
 
 
 class Schedule(NamedTuple):
