@@ -17,7 +17,19 @@ from django.conf import settings
 REPO_ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((REPO_ROOT / "compose.yaml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
-EXPECTED = {"postgres", "redis", "web", "worker", "replay-worker", "beat", "minio"}
+EXPECTED = {
+    "postgres",
+    "redis",
+    "web",
+    "worker",
+    "replay-worker",
+    "replay-worker-gpu",
+    "beat",
+    "minio",
+}
+#: The workers and the queue each consumes: ingest, and one replay queue per platform kind
+#: that compose runs (TPU hosts start their own: docs/operators.md, "Replay queues").
+WORKERS = {"worker": "ingest", "replay-worker": "replay", "replay-worker-gpu": "replay-gpu"}
 
 
 def command_words(service: dict[str, Any]) -> list[str]:
@@ -39,7 +51,9 @@ def option(words: list[str], short: str, long: str) -> str:
 
 
 def routed_queues() -> set[str]:
-    queues = {settings.CELERY_TASK_DEFAULT_QUEUE}
+    from attestations.workers.presence import REPLAY_QUEUES
+
+    queues = {settings.CELERY_TASK_DEFAULT_QUEUE, *REPLAY_QUEUES.values()}
     for route in settings.CELERY_TASK_ROUTES.values():
         queues.add(route["queue"])
     return queues
@@ -90,7 +104,7 @@ def test_web_serves_the_wsgi_application_with_gunicorn() -> None:
     assert (REPO_ROOT / config_file).is_file()
 
 
-@pytest.mark.parametrize(("name", "queue"), [("worker", "ingest"), ("replay-worker", "replay")])
+@pytest.mark.parametrize(("name", "queue"), sorted(WORKERS.items()))
 def test_workers_run_the_celery_app_on_routed_queues(name: str, queue: str) -> None:
     words = command_words(SERVICES[name])
     assert words[:1] == ["celery"] and "worker" in words
@@ -104,16 +118,18 @@ def test_workers_run_the_celery_app_on_routed_queues(name: str, queue: str) -> N
 
 def test_every_routed_queue_has_a_worker() -> None:
     consumed = set()
-    for name in ("worker", "replay-worker"):
+    for name in WORKERS:
         consumed |= set(option(command_words(SERVICES[name]), "-Q", "--queues").split(","))
-    assert routed_queues() <= consumed
+    # replay-tpu's workers run on TPU hosts, outside compose.
+    assert routed_queues() - {"replay-tpu"} <= consumed
 
 
 def test_replays_and_ingest_run_on_separate_workers() -> None:
     """A long replay never holds up ingest: the two queues have their own services."""
-    ingest = option(command_words(SERVICES["worker"]), "-Q", "--queues").split(",")
-    replay = option(command_words(SERVICES["replay-worker"]), "-Q", "--queues").split(",")
-    assert (ingest, replay) == (["ingest"], ["replay"])
+    consumed = {
+        name: option(command_words(SERVICES[name]), "-Q", "--queues").split(",") for name in WORKERS
+    }
+    assert consumed == {name: [queue] for name, queue in WORKERS.items()}
 
 
 def test_beat_sends_the_periodic_tasks_from_one_replica() -> None:
@@ -142,7 +158,7 @@ def test_beat_sends_the_periodic_tasks_from_one_replica() -> None:
     assert tasks <= set(platform_app.tasks), tasks - set(platform_app.tasks)
     # Every task it sends lands on a queue some worker consumes.
     consumed = set()
-    for name in ("worker", "replay-worker"):
+    for name in WORKERS:
         consumed |= set(option(command_words(SERVICES[name]), "-Q", "--queues").split(","))
     for task in tasks:
         route = next(
@@ -152,9 +168,12 @@ def test_beat_sends_the_periodic_tasks_from_one_replica() -> None:
         assert route["queue"] in consumed, task
 
 
-def test_the_replay_worker_reserves_a_gpu() -> None:
-    devices = SERVICES["replay-worker"]["deploy"]["resources"]["reservations"]["devices"]
+def test_the_gpu_replay_worker_reserves_a_gpu_and_the_cpu_one_none() -> None:
+    devices = SERVICES["replay-worker-gpu"]["deploy"]["resources"]["reservations"]["devices"]
     assert any("gpu" in device["capabilities"] for device in devices)
+    # A CPU-trained run is replayed where JAX and Torch see no accelerator: on a GPU host
+    # the worker would be of kind gpu and refuse it (attestations.challenges.routing).
+    assert "deploy" not in SERVICES["replay-worker"]
 
 
 def test_object_storage_is_optional() -> None:
