@@ -34,7 +34,7 @@ import jax
 
 from provers import judge
 from provers.replay import ReplayVerdict, Transcript, replay
-from zkdv.environments import differences
+from zkdv.environments import differences, exact_keys
 from zkdv.jax import replay as frontend
 from zkdv.jax.replay import PROGRAM_KINDS, PROVER, load_transition
 from zkdv.replay import ReplayError, Transition
@@ -53,18 +53,7 @@ __all__ = [
 #: The root's ``env`` entries that change a JAX program's bits on a CPU (module
 #: docstring); on an accelerator its runtime's too (:func:`zkdv.environments.replay_environment`
 #: is the one definition).
-EXACT_KEYS = (
-    "jax_platform",
-    "jaxlib",
-    "devices",
-    "threads",
-    "cpu_isa",
-    "cpu_model",
-    "cpu_features",
-    "xla_flags",
-    "x64",
-    "matmul_precision",
-)
+EXACT_KEYS = exact_keys(PROVER)
 #: What the certificate states of a worker besides those: its platform kind, chip and
 #: accelerator runtime.
 _STATED = ("platform_kind", "device_kind", "platform_version", "libtpu", "libtpu_init_args")

@@ -23,6 +23,7 @@ from typing import Any
 __all__ = [
     "PLATFORM_KINDS",
     "differences",
+    "exact_keys",
     "kind_of_backend",
     "platform_kind",
     "replay_environment",
@@ -63,6 +64,11 @@ _ACCELERATOR_KEYS: Mapping[str, tuple[str, ...]] = {
 }
 
 _BACKEND_KINDS = {"cpu": "cpu", "tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
+
+
+def exact_keys(prover: str) -> tuple[str, ...]:
+    """The root ``env`` entries that change ``prover``'s bits on every platform kind."""
+    return _KEYS[prover]
 
 
 def kind_of_backend(backend: str) -> str:
