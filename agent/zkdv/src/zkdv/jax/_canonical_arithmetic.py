@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any, NamedTuple
 
@@ -188,6 +188,11 @@ _approximate_division = lax.div
 _approximate_sqrt = lax.sqrt
 
 
+#: Results of at most this many elements are computed in a region of their own
+#: (:meth:`_Arithmetic.isolated`) where their computation is long: scalars, mostly.
+ISOLATED = 16
+
+
 def _u32(value: int) -> Any:
     return np.uint32(value)
 
@@ -205,6 +210,29 @@ class _Arithmetic:
         }
         if jax.dtypes.canonicalize_dtype(np.float64) == _F64:  # only under x64
             self.zeros[np.dtype(np.uint64)] = lax.convert_element_type(zero, jnp.uint64)
+
+    def isolated(self, function: Callable[..., Any], *args: Any) -> Any:
+        """``function(*args)``, in a region of the program that XLA compiles on its own.
+
+        For the long scalar computations (an exact sum's rounding, a division, a square
+        root, a schedule): XLA would fuse them into every consumer, so that a scalar that
+        scales each of a model's leaves (a global norm's clipping factor) is computed
+        once per leaf, and compiling its chain of fusions grows as the square of the
+        leaves (38 leaves: minutes). A conditional on the runtime ``zero`` is a region
+        XLA can neither fuse across nor fold away. Bits are unchanged: the region
+        computes what ``function`` does, in the same operations.
+        """
+
+        def region(operands: Any) -> Any:
+            return function(*operands)
+
+        shapes = jax.eval_shape(region, args)
+        return lax.cond(
+            self.zeros[np.dtype(np.uint32)] == _u32(0),
+            region,
+            lambda _: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+            args,
+        )
 
     # Fences and exactly rounded arithmetic ------------------------------------------
 

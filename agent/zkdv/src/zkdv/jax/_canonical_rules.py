@@ -8,6 +8,7 @@ other primitive raises :class:`~zkdv.jax.canonical.NotCanonical` with the reason
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from zkdv.jax._canonical_arithmetic import (
     _F64,
     _FORMATS,
     CANONICAL_VERSION,
+    ISOLATED,
     NotCanonical,
     _Arithmetic,
     _is_float,
@@ -78,6 +80,8 @@ class _Evaluator(_Arithmetic):
                 return [self.fence(y) for y in _bind(eqn, args)]
             return _bind(eqn, args)
         rule = _RULES.get(name)
+        if rule is not None and name not in _SHORT and _small(eqn):
+            return list(self.isolated(lambda *a: rule(self, eqn, list(a)), *args))
         if rule is not None:
             return rule(self, eqn, args)
         reason = _REASONS.get(name, "no canonical rule is defined for it")
@@ -85,6 +89,13 @@ class _Evaluator(_Arithmetic):
             f"{CANONICAL_VERSION} cannot evaluate the JAX primitive '{name}' on floats: "
             f"{reason}. Run this computation outside the canonical region."
         )
+
+
+def _small(eqn: Any) -> bool:
+    """Every input and output of ``eqn`` has at most ``ISOLATED`` elements."""
+    return all(
+        math.prod(getattr(v.aval, "shape", ())) <= ISOLATED for v in (*eqn.invars, *eqn.outvars)
+    )
 
 
 def _fence_constant(value: np.ndarray[Any, Any]) -> Any:
@@ -326,6 +337,15 @@ _RULES: dict[str, _Rule] = {
     "while": _while,
     "scan": _scan,
 }
+
+# Rules of a few operations each: left to XLA's fusion even on scalars. Control flow
+# (cond, while, scan) and calls isolate nothing either: their own equations do.
+_SHORT = frozenset(
+    {"add", "add_any", "sub", "mul", "max", "min", "clamp", "square", "reduce_max",
+     "reduce_min", "reduce_sum", "jit", "pjit", "closed_call", "core_call", "checkpoint",
+     "remat", "remat2", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
+     "cond", "while", "scan"}
+)  # fmt: skip
 
 # Exact operations on floats, evaluated as XLA does (then fenced).
 _EXACT = frozenset(

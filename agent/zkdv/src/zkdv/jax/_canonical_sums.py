@@ -20,6 +20,7 @@ from zkdv.jax._canonical_arithmetic import (
     _INF32,
     _SIGN32,
     CANONICAL_VERSION,
+    ISOLATED,
     NotCanonical,
     _Arithmetic,
     _u32,
@@ -114,7 +115,11 @@ def exact_sum32(ev: _Arithmetic, x: Any, axes: tuple[int, ...], dtype: np.dtype[
         negative_words.append(jnp.where(negative, digit, _u32(0)))
     plus = _digit_sums(jnp.stack(positive_words), n)
     minus = _digit_sums(jnp.stack(negative_words), n)
-    total = _round_integer(plus, minus, top.astype(jnp.int32) - 150 - guard, dtype)
+    unit = top.astype(jnp.int32) - 150 - guard
+    if math.prod(shape) <= ISOLATED:
+        total = ev.isolated(lambda p, q, u: _round_integer(p, q, u, dtype), plus, minus, unit)
+    else:
+        total = _round_integer(plus, minus, unit, dtype)
     result = jnp.where(jnp.isfinite(special) & (special == 0), total, special)
     return ev.round(result, dtype) if np.dtype(dtype) != _F32 else result
 
