@@ -95,6 +95,13 @@ BENCHES: tuple[Bench, ...] = (
         "the plain step",
     ),
     Bench(
+        "canonical_compile",
+        (),
+        "XLA's compile time for the canonical update (clipping + AdamW + warmup-cosine) "
+        "beside plain Optax, over 4, 16 and 38 parameter leaves",
+        "plain Optax's compile time; the ratio should not grow with the leaves",
+    ),
+    Bench(
         "probe_cost",
         (),
         "exact probe rows (Ozaki splitting) against a float32 product of the same rows",
