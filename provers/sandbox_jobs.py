@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["JOBS", "inspect", "replay", "verify_slice"]
+__all__ = ["JOBS", "environment", "inspect", "replay", "verify_slice"]
 
 
 def replay(arguments: dict[str, Any]) -> dict[str, Any]:
@@ -164,9 +164,22 @@ def inspect(arguments: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def environment(arguments: dict[str, Any]) -> dict[str, Any]:
+    """Where this host replays with a prover (its ``environment()``), opened here."""
+    import importlib
+
+    import provers
+
+    name = str(arguments["prover"])
+    if name not in provers.PROVERS.values():
+        return _failed("unknown_prover", f"{name!r} is not one of the platform's provers")
+    return {"ok": True, "environment": importlib.import_module(name).environment()}
+
+
 #: Job name -> the function the child runs.
 JOBS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "replay": replay,
     "slice": verify_slice,
     "inspect": inspect,
+    "environment": environment,
 }

@@ -7,7 +7,6 @@ directory, in a sandboxed child process) and records the outcome (:func:`record_
 
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 from collections import OrderedDict
@@ -123,12 +122,11 @@ def replay_one(challenge: Challenge) -> dict[str, Any]:
 
 def worker_environment(proof: Proof) -> dict[str, Any]:
     """Where this worker would replay ``proof`` (its prover's ``environment()``): this
-    process's framework and hardware, read without loading anything of the lab's."""
+    host's framework and hardware, read in a child without loading anything of the lab's
+    (:func:`sandboxed.replay_environment`)."""
     root = (proof.report or {}).get("root")
     prover = root.get("prover") if isinstance(root, Mapping) else None
-    name = provers.PROVERS.get(str(prover), "provers.jax_replay")
-    environment: dict[str, Any] = importlib.import_module(name).environment()
-    return environment
+    return sandboxed.replay_environment(provers.PROVERS.get(str(prover), "provers.jax_replay"))
 
 
 #: The key of :func:`replay_one`'s answer for a challenge this worker must not replay.

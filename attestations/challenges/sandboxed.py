@@ -11,6 +11,7 @@ web worker, runs the program.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from django.conf import settings
 from attestations.challenges.index import FILES_DIR, PROBES, TRANSCRIPT
 from provers.sandbox import Limits, SandboxError, run
 
-__all__ = ["SandboxError", "hidden_paths", "replay", "verify_slice"]
+__all__ = ["SandboxError", "hidden_paths", "replay", "replay_environment", "verify_slice"]
 
 
 def hidden_paths() -> list[str]:
@@ -80,6 +81,28 @@ def replay(
         if not isinstance(verdict.get(key), str | None):
             raise SandboxError(f"the replay verdict's {key!r} is not a string")
     return verdict
+
+
+@functools.cache
+def replay_environment(prover: str) -> dict[str, Any]:
+    """Where this worker replays with ``prover`` (a module of :mod:`provers`): its
+    ``environment()``, read in a child, once per worker process.
+
+    Read in a child because reading it opens the framework's backend, and an accelerator
+    opened by this process would be held by it: on a TPU host (one program per chip)
+    the replay child could then not open the chip. The answer does not change while the
+    worker lives.
+
+    Raises:
+        provers.sandbox.SandboxError: no answer came back.
+    """
+    answer = run(
+        "environment", {"prover": prover}, inputs={}, hide=hidden_paths(), limits=_limits()
+    )
+    environment = answer.get("environment")
+    if not isinstance(environment, dict):
+        raise SandboxError("the replay environment is not an object")
+    return environment
 
 
 def verify_slice(arguments: dict[str, Any], inputs: dict[str, Path | bytes]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ The worker registry (``attestations/workers/presence.py``) is tested on its own 
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -63,10 +64,26 @@ def tpu_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def as_tpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This process replays as a TPU host would (its environment's kind reads ``tpu``)."""
+    """This process replays as a TPU host would (its environment's kind reads ``tpu``).
+
+    The replay runs here, not in the sandboxed child a worker starts
+    (``test_sandboxed.py`` tests that child): a child reads its own backend's kind, which
+    no patch in this process reaches, and would replay as the CPU it runs on.
+    """
+    import provers
     import zkdv.jax._export as export
+    from attestations.challenges import execution
 
     monkeypatch.setattr(export, "kind_of_backend", lambda backend: "tpu")
+
+    def replay_here(directory: Path, needed: Any, step: int, through: int | None) -> Any:
+        return provers.verify_challenge(directory, step, through=through).to_dict()
+
+    def environment_here(prover: str) -> Any:
+        return importlib.import_module(prover).environment()
+
+    monkeypatch.setattr(execution.sandboxed, "replay", replay_here)
+    monkeypatch.setattr(execution.sandboxed, "replay_environment", environment_here)
 
 
 @pytest.fixture

@@ -65,3 +65,17 @@ def test_a_replay_child_sees_none_of_the_platforms_secrets(platform_keys: list[P
         pytest.skip(f"this kernel refuses namespaces: {seen['sandbox']['namespaces']}")
     for path in platform_keys:
         assert not seen["read"][str(path)], f"the child read {path}"
+
+
+def test_the_workers_replay_environment_is_read_in_a_child_once(settings: Any) -> None:
+    # Reading it opens the backend: in the worker itself, a TPU host's chip would be held
+    # by the worker and no replay child could open it.
+    sandboxed.replay_environment.cache_clear()
+    try:
+        environment = sandboxed.replay_environment("provers.jax_replay")
+        assert environment["platform_kind"] == "cpu"
+        assert sandboxed.replay_environment("provers.jax_replay") is environment  # cached
+    finally:
+        sandboxed.replay_environment.cache_clear()
+    refused = sandbox.run("environment", {"prover": "os"}, inputs={})
+    assert (refused["ok"], refused["reason"]) == (False, "unknown_prover")
