@@ -172,7 +172,12 @@ CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = False
 CELERY_TASK_DEFAULT_QUEUE = "ingest"
 # A proof still pending this long after it was filed has lost its ingest message.
 DVBENCH_INGEST_REQUEUE_SECONDS = envint("DVBENCH_INGEST_REQUEUE_SECONDS", 900, minimum=0)
-CELERY_TASK_ROUTES = {"attestations.tasks.replay_*": {"queue": "replay"}}
+# Replay tasks default to the CPU replay queue; a sender that knows the run's platform kind
+# names its queue (attestations.challenges.routing), and an operator names it for presence.
+CELERY_TASK_ROUTES = {
+    "attestations.challenges.tasks.replay_*": {"queue": "replay"},
+    "attestations.workers.tasks.replay_presence": {"queue": "replay"},
+}
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
@@ -181,11 +186,14 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 # Periodic tasks (celery beat): expire replay challenges left unanswered past their deadline.
 CELERY_BEAT_SCHEDULE = {
-    "expire-challenges": {"task": "attestations.tasks.expire_challenges", "schedule": 300.0},
-    "expire-uploads": {"task": "attestations.tasks.expire_uploads", "schedule": 3600.0},
+    "expire-challenges": {
+        "task": "attestations.challenges.tasks.expire_challenges",
+        "schedule": 300.0,
+    },
+    "expire-uploads": {"task": "attestations.uploads.tasks.expire_uploads", "schedule": 3600.0},
     # Re-send ingest for proofs whose message was lost (attestations.proofs.tasks).
     "requeue-stale-ingests": {
-        "task": "attestations.tasks.requeue_stale_ingests",
+        "task": "attestations.proofs.tasks.requeue_stale_ingests",
         "schedule": 300.0,
     },
 }

@@ -144,8 +144,8 @@ def test_beat_sends_the_periodic_tasks_from_one_replica() -> None:
     assert SERVICES["beat"]["deploy"]["replicas"] == 1  # two beats would send each task twice
     tasks = {entry["task"] for entry in settings.CELERY_BEAT_SCHEDULE.values()}
     assert {
-        "attestations.tasks.expire_uploads",
-        "attestations.tasks.expire_challenges",
+        "attestations.uploads.tasks.expire_uploads",
+        "attestations.challenges.tasks.expire_challenges",
     } <= tasks
     # What the worker's autodiscovery imports: every app's tasks module (run alone, this
     # test would otherwise see only the tasks other tests happened to import).

@@ -437,13 +437,18 @@ def test_the_wheels_install_offline_into_a_fresh_environment(
     assert installed() == {"zkdv"} | names(
         installed_closure(requirements(project("zkdv"), extras=False))
     )
-    # ... which writes a real transcript (numpy, through ZKDVCore) and verifies it offline
-    # with the installed `zkdv` command, loading no framework and no client library.
+    # ... which writes a real transcript (numpy, through ZKDVCore; the test helper is loaded
+    # from its file, so the repository's other modules stay out of the environment) and
+    # verifies it offline with the installed `zkdv` command, loading no framework and no
+    # client library.
     probe = (
-        "import importlib, json, sys\n"
+        "import importlib, importlib.util, json, sys\n"
         "import zkdv\n"
-        "from zkdv.testing import write_synthetic_transcript\n"
-        "write_synthetic_transcript(sys.argv[1], steps=4)\n"
+        "spec = importlib.util.spec_from_file_location('synthetic', sys.argv[2])\n"
+        "synthetic = importlib.util.module_from_spec(spec)\n"
+        "sys.modules['synthetic'] = synthetic\n"
+        "spec.loader.exec_module(synthetic)\n"
+        "synthetic.write_synthetic_transcript(sys.argv[1], steps=4)\n"
         "missing = {}\n"
         "for name in ('zkdv.jax', 'zkdv.torch', 'dvbench'):\n"
         "    try:\n"
@@ -454,7 +459,8 @@ def test_the_wheels_install_offline_into_a_fresh_environment(
         "print(json.dumps({'file': zkdv.__file__, 'missing': missing,\n"
         "                  'loaded': [m for m in heavy if m in sys.modules]}))\n"
     )
-    found = json.loads(run([python, "-c", probe, tmp_path / "proof"], cwd=tmp_path).stdout)
+    helper = REPO_ROOT / "tests" / "synthetic.py"
+    found = json.loads(run([python, "-c", probe, tmp_path / "proof", helper], cwd=tmp_path).stdout)
     assert Path(found["file"]).is_relative_to(tmp_path / "env"), found["file"]
     assert found["missing"] == {"zkdv.jax": "jax", "zkdv.torch": "torch", "dvbench": "dvbench"}
     assert found["loaded"] == []

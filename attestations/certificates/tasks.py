@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 @shared_task(
-    name="attestations.certificate_tasks.issue_certificate",
+    name="attestations.certificates.tasks.issue_certificate",
     acks_late=True,
     reject_on_worker_lost=True,
     # A database that is briefly unavailable or locked is worth a few more tries;

@@ -468,7 +468,7 @@ def mark_ready(proof: Proof) -> list[int]:
 
 #: The Celery task that replays one challenge (``attestations.challenges.tasks``). It is
 #: sent by name: the tasks run this module's stages, so importing them here would loop.
-REPLAY_TASK = "attestations.tasks.replay_challenge"
+REPLAY_TASK = "attestations.challenges.tasks.replay_challenge"
 
 
 def enqueue(challenge_ids: Iterable[int]) -> None:

@@ -70,7 +70,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: The task that verifies one slice (routed to the ``replay`` queue by its prefix).
-VERIFY_TASK = "attestations.tasks.replay_slice"
+VERIFY_TASK = "attestations.challenges.tasks.replay_slice"
 #: What a sliced run's seed is derived with (HMAC-SHA256 under the challenge key).
 SEED_CONTEXT = b"dvbench-sliced-seed-v1\0"
 #: Freivalds directions per slice (``q`` of docs/scale.md).

@@ -2,9 +2,8 @@
 
 Thin wrappers that pass ids, claim, then delegate to :mod:`~attestations.challenges.execution`
 and :mod:`~attestations.challenges.verdicts`.
-Task names keep their ``attestations.tasks.`` prefix: they are the names in queued
-messages, routes (``attestations.tasks.replay_*`` to the ``replay`` queue) and the beat
-schedule.
+Each task is named after this module (``attestations.challenges.tasks.<function>``), the
+name its senders, the routes (``config/settings.py``) and the beat schedule use.
 """
 
 from __future__ import annotations
@@ -121,7 +120,7 @@ def _announce(task: Task, environment: Any) -> None:  # type: ignore[type-arg]
         announce(task.request.hostname or socket.gethostname(), [str(queue)], environment)
 
 
-@shared_task(name="attestations.tasks.expire_challenges", acks_late=True)
+@shared_task(name="attestations.challenges.tasks.expire_challenges", acks_late=True)
 def expire_challenges() -> int:
     """Expire challenges left unanswered past their deadline (run periodically).
 

@@ -1,8 +1,8 @@
 """Celery tasks of proofs: ingest a filed transcript, and send ingest again when lost.
 
 Thin wrappers that pass ids, claim, then delegate to the ingest service
-(:mod:`attestations.proofs.ingest`). Task names keep their ``attestations.tasks.`` prefix:
-they are the names in queued messages and in the beat schedule.
+(:mod:`attestations.proofs.ingest`). Each task is named after this module
+(``attestations.proofs.tasks.<function>``), the name the beat schedule uses.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 @shared_task(
     bind=True,
-    name="attestations.tasks.ingest_proof",
+    name="attestations.proofs.tasks.ingest_proof",
     acks_late=True,
     reject_on_worker_lost=True,
     max_retries=30,
@@ -59,7 +59,7 @@ def ingest_proof(self: Task, proof_id: int) -> str | None:  # type: ignore[type-
     return proof.status
 
 
-@shared_task(name="attestations.tasks.requeue_stale_ingests", acks_late=True)
+@shared_task(name="attestations.proofs.tasks.requeue_stale_ingests", acks_late=True)
 def requeue_stale_ingests(older_than: float | None = None) -> int:
     """Send ingest again for proofs still pending after ``older_than`` seconds (periodic).
 

@@ -1,7 +1,7 @@
 """Celery tasks of uploads.
 
-Task names keep the ``attestations.tasks.`` prefix they had before the apps were split:
-they are the names in queued messages and in the beat schedule (``config/settings.py``).
+Each task is named after this module (``attestations.uploads.tasks.<function>``), the name
+the beat schedule (``config/settings.py``) uses.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from celery import shared_task
 from attestations.uploads import services
 
 
-@shared_task(name="attestations.tasks.expire_uploads", acks_late=True)
+@shared_task(name="attestations.uploads.tasks.expire_uploads", acks_late=True)
 def expire_uploads() -> int:
     """Remove the staged parts of uploads left open past their expiry (run periodically).
 

@@ -41,7 +41,7 @@ __all__ = [
 #: The replay queue of each platform kind (``zkdv.environments.PLATFORM_KINDS``).
 REPLAY_QUEUES: Mapping[str, str] = {"cpu": "replay", "gpu": "replay-gpu", "tpu": "replay-tpu"}
 #: A task that has the worker taking it from a replay queue announce itself.
-PRESENCE_TASK = "attestations.tasks.replay_presence"
+PRESENCE_TASK = "attestations.workers.tasks.replay_presence"
 
 
 def queue_for(kind: str) -> str:

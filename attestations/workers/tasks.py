@@ -1,7 +1,7 @@
 """The workers' own tasks: the heartbeat, and the replay workers' presence.
 
-Task names keep the ``attestations.tasks.`` prefix they had before the apps were split:
-they are the names in queued messages and in the beat schedule (``config/settings.py``).
+Each task is named after this module (``attestations.workers.tasks.<function>``), the name
+its senders, an operator's ``celery call`` and the routes (``config/settings.py``) use.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from attestations.workers.models import WorkerHeartbeat
 from attestations.workers.presence import PRESENCE_TASK, announce, library_versions
 
 
-@shared_task(name="attestations.tasks.heartbeat", acks_late=True, reject_on_worker_lost=True)
+@shared_task(
+    name="attestations.workers.tasks.heartbeat", acks_late=True, reject_on_worker_lost=True
+)
 def heartbeat(token: str) -> str:
     """Record that a worker ran; idempotent on ``token`` so a redelivery is harmless."""
     row, _ = WorkerHeartbeat.objects.get_or_create(
@@ -26,6 +28,6 @@ def heartbeat(token: str) -> str:
 @shared_task(bind=True, name=PRESENCE_TASK, ignore_result=True)
 def replay_presence(self: Task, queue: str) -> list[str]:  # type: ignore[type-arg]
     """Announce the worker that took this message from replay ``queue``: sent by hand
-    (``celery -A config call attestations.tasks.replay_presence --args='["replay-tpu"]'
+    (``celery -A config call attestations.workers.tasks.replay_presence --args='["replay-tpu"]'
     --queue replay-tpu``), it checks that the queue has a live consumer."""
     return announce(self.request.hostname or socket.gethostname(), [queue], library_versions())

@@ -21,7 +21,7 @@ from attestations.certificates.models import Certificate
 from attestations.experiments.models import Experiment
 from attestations.proofs.models import Proof, ProofStatus
 from attestations.uploads.models import Blob
-from zkdv.testing import write_synthetic_transcript
+from tests.synthetic import write_synthetic_transcript
 from zkdv.verify import verify_transcript
 
 _SCRATCH = Path(tempfile.mkdtemp(prefix="dvbench-certificate-tests-"))

@@ -17,7 +17,7 @@ def programless_transcripts(settings: Any) -> None:
     """Accept transcripts that commit no program (``DVBENCH_REQUIRE_PROGRAM=false``).
 
     The platform rejects them by default (``no_program``: nothing could be replayed);
-    tests filing ``zkdv.testing.write_synthetic_transcript`` runs, which record no
+    tests filing ``tests.synthetic.write_synthetic_transcript`` runs, which record no
     program, opt out with this fixture. It reaches the in-process tasks and the live
     server, not a separate worker process, which reads its own environment.
     """

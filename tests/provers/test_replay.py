@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from provers.replay import Transcript, Transition, replay, windows
+from tests.synthetic import LinearSGD, write_synthetic_transcript
 from zkdv.files import batch_path, gradient_path, snapshot_path
-from zkdv.testing import LinearSGD, write_synthetic_transcript
 
 FEATURES = 6
 

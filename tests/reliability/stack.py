@@ -333,7 +333,7 @@ from attestations.uploads.parts import put_part
 from attestations.accounts.models import ApiKey, Membership, Organization
 from attestations.experiments.models import Experiment
 from zkdv.records import RECORDS_FILE
-from zkdv.testing import write_synthetic_transcript
+from tests.synthetic import write_synthetic_transcript
 count = int(sys.argv[1])
 org, _ = Organization.objects.get_or_create(slug="acme", defaults={"name": "Acme"})
 user, _ = User.objects.get_or_create(username="alice")

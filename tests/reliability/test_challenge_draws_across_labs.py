@@ -30,8 +30,8 @@ from provers.challenges import seed_commitment
 from tests.attestations.base import SPEC, World, make_user, upload_blob
 from tests.attestations.certificate_helpers import SGD
 from tests.attestations.challenges.test_filings import STEPS, programmed, steps_of
+from tests.synthetic import write_synthetic_transcript
 from zkdv.config import SamplingPolicy
-from zkdv.testing import write_synthetic_transcript
 
 __all__ = ["programmed"]
 
@@ -68,7 +68,7 @@ def run(
 ) -> bytes:
     """A run of STEPS steps and no self-checks; ``rerun`` changes only timestamps and probes,
     ``forge``/``forge_step`` change the training from that step on
-    (``zkdv.testing.write_synthetic_transcript``)."""
+    (``tests.synthetic.write_synthetic_transcript``)."""
     assert experiment.current_spec is not None
     folder = write_synthetic_transcript(
         tmp_path / label,

@@ -23,10 +23,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.reliability.fuzz import budget
+from tests.synthetic import write_synthetic_transcript
 from zkdv.errors import TranscriptError
 from zkdv.hashing import ZERO_DIGEST
 from zkdv.records import RECORDS_FILE, encode, iter_records, record_hash
-from zkdv.testing import write_synthetic_transcript
 from zkdv.verify import verify_transcript
 
 

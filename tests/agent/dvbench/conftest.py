@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
+from tests.synthetic import write_synthetic_transcript
 from zkdv.files import batch_path, write_batch
-from zkdv.testing import write_synthetic_transcript
 
 ACTORS = {"alice": ("acme", "trainer"), "bob": ("acme", "auditor"), "mallory": ("evil", "trainer")}
 
@@ -83,7 +83,7 @@ def platform(live_server: Any, transactional_db: None, settings: Any, tmp_path: 
         "DATA_DIR": tmp_path,
         "MAX_PART_BYTES": 64 * 1024,
         "MAX_BLOB_BYTES": 16 * 1024 * 1024,
-        # The SDK tests file synthetic runs (zkdv.testing), which commit no program; the
+        # The SDK tests file synthetic runs (tests/synthetic.py), which commit no program; the
         # platform rejects those by default (no_program), so these tests opt out.
         "REQUIRE_PROGRAM": False,
     }

@@ -17,7 +17,7 @@ import dvbench
 from dvbench import Client
 from dvbench._manifest import MANIFEST, Manifest
 from dvbench._proof import proof_class
-from zkdv.testing import write_synthetic_transcript
+from tests.synthetic import write_synthetic_transcript
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -17,7 +17,7 @@ from dvbench import Client
 from dvbench._cli import main as cli
 from dvbench._manifest import MANIFEST, Manifest
 from dvbench._sync import sync_directory
-from zkdv.testing import write_synthetic_transcript
+from tests.synthetic import write_synthetic_transcript
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import zkdv
-from zkdv.testing import write_synthetic_transcript
+from tests.synthetic import write_synthetic_transcript
 
 
 def test_a_sampling_policy_warns_of_nothing() -> None:

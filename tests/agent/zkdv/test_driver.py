@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 import zkdv
+from tests.synthetic import LinearSGD
 from zkdv.driver import Driver, ReplayOutcome, Submission
 from zkdv.files import read_batch, read_state, snapshot_path
 from zkdv.records import iter_records
 from zkdv.sampling import Challenge
-from zkdv.testing import LinearSGD
 from zkdv.verify import verify_transcript
 
 

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
+from tests.synthetic import write_synthetic_transcript
 from zkdv.config import SamplingPolicy
 from zkdv.hashing import ZERO_DIGEST
 from zkdv.merkle import LeafSpec
 from zkdv.probes import ProbeSet
 from zkdv.records import RECORDS_FILE, encode, iter_records, record_hash
-from zkdv.testing import write_synthetic_transcript
 from zkdv.verify import verify_transcript
 from zkdv.verify._root import probe_floats as _probe_floats
 

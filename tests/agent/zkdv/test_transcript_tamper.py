@@ -1,6 +1,6 @@
 """Property-based tamper tests: every edit of a valid transcript is rejected with its reason.
 
-The honest transcript is a function of its arguments (``zkdv.testing`` fixes the clock,
+The honest transcript is a function of its arguments (``tests/synthetic.py`` fixes the clock,
 the probe seed and the environment), so the only randomness here is hypothesis' draws
 and a failure replays from its seed (``pytest --hypothesis-seed=N``,
 ``scripts/test-repeat``). ``DVBENCH_FUZZ_EXAMPLES`` scales the number of examples.
@@ -18,10 +18,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.reliability.fuzz import budget
+from tests.synthetic import write_synthetic_transcript
 from zkdv.config import SamplingPolicy
 from zkdv.hashing import ZERO_DIGEST, Domain, hash_bytes
 from zkdv.records import RECORDS_FILE, encode, iter_records, record_hash
-from zkdv.testing import write_synthetic_transcript
 from zkdv.verify import verify_transcript
 
 # 150 examples a property at the default budget of 60.

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.synthetic import write_synthetic_transcript
 from zkdv.records import RECORDS_FILE
-from zkdv.testing import write_synthetic_transcript
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -176,8 +176,8 @@ def test_the_verifier_key_is_published_in_the_trust_root_and_the_api(world: Worl
 
 
 def _synthetic_final_parameters(steps: int = 4, seed: int = 0) -> list[tuple[str, np.ndarray]]:
-    """The parameters ``zkdv.testing.write_synthetic_transcript`` ends its run with."""
-    from zkdv.testing import LinearSGD, _leaves
+    """The parameters ``tests.synthetic.write_synthetic_transcript`` ends its run with."""
+    from tests.synthetic import LinearSGD, _leaves
 
     model = LinearSGD(6)
     params, state = model.init(seed)

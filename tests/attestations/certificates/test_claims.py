@@ -1,6 +1,6 @@
 """Policy claims: values on a known run equal hand-computed ones; limits are running invariants.
 
-The synthetic run (:func:`zkdv.testing.write_synthetic_transcript`) trains a linear model
+The synthetic run (:func:`tests.synthetic.write_synthetic_transcript`) trains a linear model
 with ``features`` inputs on ``rows``-row batches of ``features + 1`` uint32 words, and
 records ``6 * features * rows`` FLOPs per step, so every total is known in advance.
 """
@@ -30,8 +30,8 @@ from attestations.proofs.models import Proof, ProofArtifact, ProofStatus
 from attestations.uploads.models import ArtifactKind, Blob
 from dvbench.attest import Evidence
 from tests.attestations.base import World
+from tests.synthetic import write_synthetic_transcript
 from zkdv.records import iter_records
-from zkdv.testing import write_synthetic_transcript
 
 STEPS, FEATURES, ROWS = 5, 6, 8
 TOKENS_PER_STEP = ROWS  # the default token unit: examples, the committed batch's rows

@@ -38,10 +38,10 @@ from dvbench.attest import verify_certificate
 from provers.challenges import random_steps_needed
 from tests.attestations.base import SPEC, World, error_of, sha256, upload_blob
 from tests.attestations.certificate_helpers import SGD
+from tests.synthetic import write_synthetic_transcript
 from zkdv.config import SamplingPolicy
 from zkdv.core import ProgramInfo, ZKDVCore
 from zkdv.records import ZERO_DIGEST, encode, iter_records, record_hash
-from zkdv.testing import write_synthetic_transcript
 
 Api = Callable[[str | None], APIClient]
 NAME = "acme/grind"

@@ -22,11 +22,11 @@ from attestations.proofs.models import Job, Proof, ProofArtifact, ProofStatus
 from attestations.proofs.tasks import ingest_proof
 from attestations.uploads.models import Blob, Upload, UploadPart
 from tests.attestations.base import SPEC, World, error_of, sha256, stored_files, upload_blob
-from zkdv.testing import write_synthetic_transcript
+from tests.synthetic import write_synthetic_transcript
 
 Api = Callable[[str | None], APIClient]
 
-# Synthetic transcripts (zkdv.testing) commit no program; the platform rejects those by
+# Synthetic transcripts (tests/synthetic.py) commit no program; the platform rejects those by
 # default (``no_program``), so these tests opt out, except where they say otherwise.
 pytestmark = pytest.mark.usefixtures("programless_transcripts")
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.attestations.base import PASSWORD, World
-from zkdv.testing import write_synthetic_transcript
+from tests.synthetic import write_synthetic_transcript
 
 CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOTS = (

@@ -51,6 +51,7 @@ from zkdv.merkle import LeafSpec, StateCommitment, state_root, tensor_digest
 
 __all__ = [
     "BLAKE3_CHUNK",
+    "EagerOps",
     "HashPlan",
     "NumpyOps",
     "Ops",
@@ -645,11 +646,48 @@ def state_commitment(specs: Sequence[LeafSpec], roots: Sequence[bytes]) -> State
 # --- numpy: the reference implementation of the interface --------------------------------
 
 
-class NumpyOps:
-    """:class:`Ops` over numpy uint32 arrays: the reference the device kernels are tested
-    against, and a readable statement of the algorithm."""
+class EagerOps:
+    """The part of :class:`Ops` that every eager backend (numpy, Torch) writes alike.
+
+    Indexing with Python or host indices, every level hashed at its exact size, and loops
+    run in Python: each iteration issues its own operations (``torch.compile`` traces
+    them into one unrolled graph). JAX, which compiles a loop as a loop, has its own
+    (:class:`zkdv.jax.device_merkle.JaxOps`). A subclass supplies the arithmetic.
+    """
 
     exact_levels = True
+
+    def rows(self, x: Any, index: Sequence[int]) -> Any:
+        return x[list(index)]
+
+    def column(self, x: Any, index: Any) -> Any:
+        return x[:, index]
+
+    def row(self, table: Any, index: Any) -> Any:
+        return table[index]
+
+    def fori(
+        self, count: int, body: Callable[[Any, list[Any]], list[Any]], init: list[Any]
+    ) -> list[Any]:
+        state = init
+        for j in range(count):
+            state = body(j, state)
+        return state
+
+    def rounds(
+        self, count: int, body: Callable[[list[Any]], list[Any]], init: list[Any]
+    ) -> list[Any]:
+        state = init
+        for _ in range(count):
+            state = body(state)
+        return state
+
+    loop = fori
+
+
+class NumpyOps(EagerOps):
+    """:class:`Ops` over numpy uint32 arrays: the reference the device kernels are tested
+    against, and a readable statement of the algorithm."""
 
     def const(self, value: int) -> Any:
         return np.uint32(value)
@@ -678,9 +716,6 @@ class NumpyOps:
     def unstack(self, x: Any) -> list[Any]:
         return list(x)
 
-    def rows(self, x: Any, index: Sequence[int]) -> Any:
-        return x[list(index)]
-
     def roll(self, x: Any, shift: int) -> Any:
         return np.roll(x, -shift, axis=0)
 
@@ -700,32 +735,8 @@ class NumpyOps:
         pad = [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])]
         return np.pad(x, pad)
 
-    def column(self, x: Any, index: Any) -> Any:
-        return x[:, index]
-
-    def row(self, table: Any, index: Any) -> Any:
-        return table[index]
-
     def flag(self, condition: Any, value: int) -> Any:
         return np.uint32(value if condition else 0)
-
-    def fori(
-        self, count: int, body: Callable[[Any, list[Any]], list[Any]], init: list[Any]
-    ) -> list[Any]:
-        state = init
-        for j in range(count):
-            state = body(j, state)
-        return state
-
-    def rounds(
-        self, count: int, body: Callable[[list[Any]], list[Any]], init: list[Any]
-    ) -> list[Any]:
-        state = init
-        for _ in range(count):
-            state = body(state)
-        return state
-
-    loop = fori
 
 
 def numpy_words(array: np.ndarray) -> np.ndarray:

@@ -26,7 +26,7 @@ from dvbench.attest import (
     verify_certificate,
 )
 from dvbench.attest._encoding import canonical_json
-from zkdv.testing import write_synthetic_transcript
+from tests.synthetic import write_synthetic_transcript
 from zkdv.verify import verify_transcript
 
 NOW = datetime(2026, 11, 29, tzinfo=UTC)

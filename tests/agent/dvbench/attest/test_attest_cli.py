@@ -16,7 +16,7 @@ import pytest
 from dvbench.attest import Result, TrustRoot
 from dvbench.attest.cli import verify_report_main
 from tests.sources import AGENT_PYTHONPATH
-from zkdv.testing import write_synthetic_transcript
+from tests.synthetic import write_synthetic_transcript
 from zkdv.verify import verify_transcript
 
 REPO = Path(__file__).resolve().parents[4]

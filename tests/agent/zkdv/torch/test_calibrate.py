@@ -87,7 +87,7 @@ def test_bounds_below_the_honest_divergence_are_reported(tmp_path: Path) -> None
 
 
 def test_a_run_without_committed_gradients_has_nothing_to_calibrate(tmp_path: Path) -> None:
-    from zkdv.testing import write_synthetic_transcript
+    from tests.synthetic import write_synthetic_transcript
 
     path = write_synthetic_transcript(tmp_path / "proof")
     result = _calibrate(path)

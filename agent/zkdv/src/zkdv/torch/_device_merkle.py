@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from zkdv.device_merkle import HashPlan
+from zkdv.device_merkle import EagerOps, HashPlan
 from zkdv.device_merkle import chunk_roots as _chunk_roots
 from zkdv.device_merkle import state_commitment as _commit
 from zkdv.merkle import LeafSpec, StateCommitment
@@ -39,10 +39,8 @@ def _signed(value: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
-class TorchOps:
+class TorchOps(EagerOps):
     """:class:`zkdv.device_merkle.Ops` over ``int32`` tensors holding uint32 bits."""
-
-    exact_levels = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -86,9 +84,6 @@ class TorchOps:
     def unstack(self, x: Any) -> list[Any]:
         return list(x.unbind(0))
 
-    def rows(self, x: Any, index: Sequence[int]) -> Any:
-        return x[list(index)]
-
     def roll(self, x: Any, shift: int) -> Any:
         return torch.cat([x[shift:], x[:shift]])
 
@@ -109,32 +104,8 @@ class TorchOps:
     def pad_to(self, x: Any, width: int) -> Any:
         return torch.nn.functional.pad(x, (0, width - x.shape[-1]))
 
-    def column(self, x: Any, index: Any) -> Any:
-        return x[:, index]
-
-    def row(self, table: Any, index: Any) -> Any:
-        return table[index]
-
     def flag(self, condition: Any, value: int) -> Any:
         return _signed(value) if condition else 0
-
-    def fori(
-        self, count: int, body: Callable[[Any, list[Any]], list[Any]], init: list[Any]
-    ) -> list[Any]:
-        state = init
-        for j in range(count):
-            state = body(j, state)
-        return state
-
-    def rounds(
-        self, count: int, body: Callable[[list[Any]], list[Any]], init: list[Any]
-    ) -> list[Any]:
-        state = init
-        for _ in range(count):
-            state = body(state)
-        return state
-
-    loop = fori
 
 
 def leaf_words(tensor: torch.Tensor) -> torch.Tensor:

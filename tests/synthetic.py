@@ -1,4 +1,4 @@
-"""Framework-free helpers for tests and demos: real transcripts without JAX or torch.
+"""Framework-free test helpers: real transcripts without JAX or torch.
 
 :func:`write_synthetic_transcript` trains a small linear model with SGD and momentum in
 numpy through the real :class:`~zkdv.core.ZKDVCore` (commitments, probes, sampled
@@ -10,6 +10,9 @@ the probe seed derives from ``seed`` and the environment map is fixed, so two ca
 the same arguments write the same bytes, on any machine with the pinned numpy. A test
 built on it draws its randomness from hypothesis alone, and a failure replays from the
 hypothesis seed. (Real runs read the wall clock and draw a fresh probe seed.)
+
+It imports nothing but ``zkdv`` and numpy: the wheel test (``tests/test_packaging.py``)
+loads this file by path into an environment holding only the installed ``zkdv``.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def synthetic_clock(start: float = SYNTHETIC_EPOCH, tick: float = 0.25) -> Calla
 
 def synthetic_probe_seed(seed: int, rerun: int = 0) -> bytes:
     """The 16-byte probe seed of the synthetic run of ``seed`` (its ``rerun``-th repeat)."""
-    label = f"zkdv.testing probe seed {seed}" + (f" rerun {rerun}" if rerun else "")
+    label = f"synthetic transcript probe seed {seed}" + (f" rerun {rerun}" if rerun else "")
     return hashlib.sha256(label.encode()).digest()[:16]
 
 
