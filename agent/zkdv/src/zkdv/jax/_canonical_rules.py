@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -31,6 +31,13 @@ from zkdv.jax._canonical_sums import exact_sum32, exact_sum64
 _Rule = Callable[["_Evaluator", Any, list[Any]], list[Any]]
 
 
+class _Slice(NamedTuple):
+    """Row ``row`` of ``stack``: a result of :meth:`_Evaluator.stacked`."""
+
+    stack: Any
+    row: int
+
+
 class _Evaluator(_Arithmetic):
     """The jaxpr interpreter over fenced arithmetic."""
 
@@ -45,6 +52,18 @@ class _Evaluator(_Arithmetic):
 
     def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
         env: dict[Any, Any] = {}
+        materialized: dict[int, Any] = {}
+
+        def value(item: Any) -> Any:
+            if not isinstance(item, _Slice):
+                return item
+            # A stack leaves the region where the equations stacked on it fuse: XLA
+            # would otherwise fuse the rules' program into each slice's consumer, once
+            # per leaf again.
+            whole = materialized.get(id(item.stack))
+            if whole is None:
+                whole = materialized[id(item.stack)] = self.isolated(lambda x: x, item.stack)
+            return lax.index_in_dim(whole, item.row, 0, keepdims=False)
 
         def read(var: Any) -> Any:
             if isinstance(var, core.Literal):
@@ -54,12 +73,51 @@ class _Evaluator(_Arithmetic):
 
         env.update(zip(jaxpr.constvars, consts, strict=True))
         env.update(zip(jaxpr.invars, args, strict=True))
-        for eqn in jaxpr.eqns:
-            outputs = self.equation(eqn, [read(v) for v in eqn.invars])
-            for var, value in zip(eqn.outvars, outputs, strict=True):
-                if not isinstance(var, core.DropVar):
-                    env[var] = value
-        return [read(v) for v in jaxpr.outvars]
+        for group in _schedule(jaxpr.eqns):
+            if len(group) == 1:
+                args_ = [value(read(v)) for v in group[0].invars]
+                results = [self.equation(group[0], args_)]
+            else:
+                results = self.stacked(group, [[read(v) for v in e.invars] for e in group], value)
+            for eqn, outputs in zip(group, results, strict=True):
+                for var, result in zip(eqn.outvars, outputs, strict=True):
+                    if not isinstance(var, core.DropVar):
+                        env[var] = result
+        return [value(read(v)) for v in jaxpr.outvars]
+
+    def stacked(
+        self, group: Sequence[Any], args: Sequence[list[Any]], value: Callable[[Any], Any]
+    ) -> list[list[Any]]:
+        """One elementwise equation applied to several arrays of one shape, as one
+        operation on their stack (``_schedule``'s groups): elementwise, so each element's
+        bits are those of the equation applied alone, and the long rule is in the
+        program once for the group, not once per leaf. The results are slices of the
+        stack (:class:`_Slice`), which the next stacked equation takes whole."""
+        eqn = group[0]
+        if eqn.primitive.name in _REDUCTIONS:  # the same axes of each row of the stack
+            (rows,) = zip(*args, strict=True)
+            shape = (len(group), *eqn.invars[0].aval.shape)
+            whole = _whole(rows, shape)
+            stack = jnp.stack([value(o) for o in rows]) if whole is None else whole
+            axes = tuple(axis + 1 for axis in eqn.params["axes"])
+            (total,) = self.equation(eqn.replace(params={**eqn.params, "axes": axes}), [stack])
+            return [[_Slice(total, index)] for index in range(len(group))]
+        shape = (len(group), *eqn.outvars[0].aval.shape)
+        inputs = []
+        for position, operands in enumerate(zip(*args, strict=True)):
+            first, whole = operands[0], _whole(operands, shape)
+            if len({id(e.invars[position]) for e in group}) == 1:
+                inputs.append(value(first))  # one value (a literal, a shared scalar)
+            elif whole is not None:
+                inputs.append(whole)  # the stack an earlier group made
+            elif np.ndim(value(first)) == 0:  # a scalar of each: broadcast, value by value
+                scalars = jnp.stack([value(o) for o in operands])
+                scalars = scalars.reshape((len(group),) + (1,) * (len(shape) - 1))
+                inputs.append(jnp.broadcast_to(scalars, shape))
+            else:
+                inputs.append(jnp.stack([value(o) for o in operands]))
+        outputs = self.equation(eqn, inputs)
+        return [[_Slice(out, index) for out in outputs] for index in range(len(group))]
 
     def equation(self, eqn: Any, args: list[Any]) -> list[Any]:
         name = eqn.primitive.name
@@ -89,6 +147,115 @@ class _Evaluator(_Arithmetic):
             f"{CANONICAL_VERSION} cannot evaluate the JAX primitive '{name}' on floats: "
             f"{reason}. Run this computation outside the canonical region."
         )
+
+
+def _whole(operands: Sequence[Any], shape: tuple[int, ...]) -> Any:
+    """The stack whose rows, in order, ``operands`` are (:class:`_Slice`), or None."""
+    first = operands[0]
+    if not isinstance(first, _Slice) or first.stack.shape != shape:
+        return None
+    if all(
+        isinstance(o, _Slice) and o.stack is first.stack and o.row == i
+        for i, o in enumerate(operands)
+    ):
+        return first.stack
+    return None
+
+
+def _schedule(eqns: Sequence[Any]) -> list[list[Any]]:
+    """The equations in an order that keeps each after its inputs, with the elementwise
+    ones that share a rule, its parameters and one shape, and depend on nothing among
+    themselves, gathered into groups (:meth:`_Evaluator.stacked`).
+
+    An optimizer applies the same formula to every leaf, so a model of many leaves of a
+    few shapes (a transformer's blocks) repeats each long rule once per leaf; XLA then
+    compiles each copy (a TPU v5e: 1.5 to 2.7 s a leaf). Grouped, the program holds each rule
+    once per shape. Equations are taken level by level (a level: one more than the
+    deepest of its inputs' equations), so the same step of every leaf's formula lands in
+    one level. A jaxpr with effects keeps its order, as does every jaxpr with
+    ``STACKED`` off.
+    """
+    if not STACKED or any(eqn.effects for eqn in eqns):
+        return [[eqn] for eqn in eqns]
+    depth: dict[Any, int] = {}
+    levels: dict[int, list[Any]] = {}
+    for eqn in eqns:
+        level = 1 + max(
+            (depth.get(v, 0) for v in eqn.invars if not isinstance(v, core.Literal)), default=0
+        )
+        for var in eqn.outvars:
+            depth[var] = level
+        levels.setdefault(level, []).append(eqn)
+    order: list[list[Any]] = []
+    for level in sorted(levels):
+        groups: dict[Any, list[Any]] = {}
+        for eqn in levels[level]:
+            key = _stack_key(eqn)
+            if key is None:
+                order.append([eqn])
+            elif key in groups:
+                groups[key].append(eqn)
+            else:
+                groups[key] = [eqn]
+                order.append(groups[key])
+    return order
+
+
+# Reductions: stacked, each row reduced over the same axes (exact, so in any order).
+_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
+
+#: Whether ``_schedule`` stacks equations (bits are the same either way; off, each leaf
+#: has its own copy of each rule).
+STACKED = True
+
+#: The largest leaf (elements) that is stacked. Stacking trades copies at every step (in
+#: proportion to the bytes) for a shorter compile once (in proportion to the leaves):
+#: a transformer's small leaves (biases, norms) are most of its leaves and few of its
+#: bytes. ``bench/tpu_overhead.py --stack-limit`` weighs the two.
+STACK_LIMIT = 1 << 16
+
+# Elementwise rules: stacked, each is in the program once per shape, not once per leaf.
+_STACKABLE = frozenset(
+    {"div", "sqrt", "rsqrt", "integer_pow", "pow", "exp", "exp2", "expm1", "log", "log1p",
+     "sin", "cos", "tan", "tanh", "logistic", "sinh", "cosh", "add", "add_any", "sub",
+     "mul", "max", "min", "square"}
+)  # fmt: skip
+
+
+def _stack_key(eqn: Any) -> Any:
+    """What equations must share to be stacked, or None if ``eqn`` is not stackable: an
+    elementwise float rule on arrays of one shape, larger than what ``ISOLATED``
+    computes on its own and at most ``STACK_LIMIT``, and scalars (a literal: the same
+    one); or a reduction of such an array."""
+    if eqn.primitive.name in _REDUCTIONS:
+        (var,) = eqn.invars
+        if isinstance(var, core.Literal) or not ISOLATED < math.prod(var.aval.shape) <= STACK_LIMIT:
+            return None
+        return (
+            eqn.primitive.name,
+            repr(sorted(eqn.params.items())),
+            str(var.aval.dtype),
+            var.aval.shape,
+        )
+    if eqn.primitive.name not in _STACKABLE:
+        return None
+    shape = eqn.outvars[0].aval.shape
+    if not ISOLATED < math.prod(shape) <= STACK_LIMIT or any(
+        v.aval.shape != shape for v in eqn.outvars
+    ):
+        return None
+    operands = []
+    for var in eqn.invars:
+        if var.aval.shape not in ((), shape):
+            return None
+        literal = isinstance(var, core.Literal)
+        operands.append(
+            (str(var.aval.dtype), var.aval.shape == (), repr(var.val) if literal else None)
+        )
+    dtypes = [np.dtype(v.aval.dtype) for v in (*eqn.invars, *eqn.outvars)]
+    if not any(_is_float(d) for d in dtypes):
+        return None
+    return eqn.primitive.name, repr(sorted(eqn.params.items())), tuple(operands), shape
 
 
 def _small(eqn: Any) -> bool:
