@@ -1,6 +1,6 @@
 """ZKDV's cost on a TPU: plain ``jax.jit`` against ``proof.jit``, side by side in one run.
 
-    python bench/tpu_overhead.py [--rounds 4] [--steps 8] [--tiny]
+    python bench/tpu_overhead.py [--rounds 4] [--steps 8] [--tiny] [--stack-limit N]
 
 The workload keeps the chip busy: a causal transformer language model of about 135M
 parameters (12 blocks, d = 768, 12 heads, MLP 3072, vocabulary 32768, untied head),
@@ -22,6 +22,15 @@ without a drawn check (the ``p=0`` row); the device commitment's time per step a
 alone too: the chunk-roots and probe programs on the step's state, against a measured
 read of the same bytes (a bitwise reduction over every leaf) and against the
 bandwidth figure.
+
+The first block of each variant (its compile) is timed and printed as it ends, so that a
+run cut short still tells where the time went. XLA's persistent compilation cache (a
+temporary directory unless ``JAX_COMPILATION_CACHE_DIR`` names one) lets the second
+proof reuse the first one's programs. ``--stack-limit N`` sets the largest leaf (in
+elements) whose canonical update is stacked with the other leaves of its shape
+(``zkdv.jax._canonical_rules.STACK_LIMIT``; 0: none, each leaf its own program), to
+weigh the stack's copies at every step against its shorter compile (``docs/jax.md``
+11.2).
 
 ``--tiny`` shrinks the model to a few layers of d = 128 and a sequence of 128, so that
 the script can be checked on a CPU; its numbers mean nothing for a TPU.
@@ -129,12 +138,23 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--stack-limit", type=int, default=None)
     args = parser.parse_args()
+    if args.stack_limit is not None:
+        from zkdv.jax import _canonical_rules
+
+        _canonical_rules.STACK_LIMIT = args.stack_limit
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="xla-cache-"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
     device = jax.devices()[0]
     model, params, batch, length = workload(args.tiny)
     count = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+    from zkdv.jax._canonical_rules import STACK_LIMIT
+
     print(
+        f"canonical update: leaves of up to {STACK_LIMIT} elements stacked by shape; "
         f"device: {device.device_kind} ({device.platform}), JAX {jax.__version__}; "
         f"model: {count / 1e6:.1f}M parameters, bf16 compute, {batch} x {length} tokens"
     )
@@ -177,8 +197,12 @@ def main() -> None:
             v["proof"].join()
         return (time.perf_counter() - start) / steps
 
-    for v in variants.values():  # compile and warm up
+    for label, v in variants.items():  # compile and warm up
+        started = time.perf_counter()
         block(v, 2)
+        print(
+            f"{label}: first two steps (compile) {time.perf_counter() - started:.1f} s", flush=True
+        )
     for _ in range(args.rounds):
         for v in variants.values():
             v["times"].append(block(v, args.steps))

@@ -124,10 +124,10 @@ def test_the_canonical_update_has_the_cpus_bits() -> None:
 @pytest.mark.timeout(1200)
 def test_forgeries_are_caught_on_the_tpu(tmp_path: Path) -> None:
     """The attacks of test_forgery_jax, on runs trained and replayed on the TPU."""
-    # The forgery suite's harness is shared with the Torch attacks and reads the
-    # platform's challenge draw: both need installing on a TPU machine.
+    # The forgery suite's harness is shared with the Torch attacks: on a TPU machine,
+    # `pip install --find-links /opt/wheels torch` (a CPU build; the JAX attacks need no
+    # Django).
     pytest.importorskip("torch")
-    pytest.importorskip("django")
     from test_forgery_jax import ATTACKS, DRAWS
 
     from tests.agent.zkdv.torch.test_forgery_suite import _suite
