@@ -32,6 +32,7 @@ from attestations.certificates.models import Certificate
 from attestations.core.conf import client_ip
 from attestations.core.errors import ConflictError, NotFoundError
 from attestations.experiments.models import (
+    SPEC_FIELDS,
     Experiment,
     ExperimentQuerySet,
     ExperimentSpec,
@@ -45,6 +46,7 @@ from attestations.http.fields import Sha256Field, StrictCharField
 from attestations.http.filters import BigInt, QueryFilters, check_known_parameters
 from attestations.http.pagination import CursorPage
 from attestations.http.permissions import HasCapability, authenticated_user, get_access, require
+from zkdv.config import DEFAULT_TOKEN_UNIT, TOKEN_UNITS
 from zkdv.environments import PLATFORM_KINDS
 
 
@@ -183,8 +185,8 @@ class SpecSerializer(serializers.ModelSerializer[ExperimentSpec]):
         max_length=len(Regime.choices),
     )
     token_unit = serializers.ChoiceField(
-        choices=["examples", "tokens"],
-        default="examples",
+        choices=list(TOKEN_UNITS),
+        default=DEFAULT_TOKEN_UNIT,
         help_text="What max_tokens and the token claim count: the batch's examples (the "
         "default), or the token ids of a sequence model (zkdv's token_unit).",
     )
@@ -227,23 +229,8 @@ class SpecSerializer(serializers.ModelSerializer[ExperimentSpec]):
 
     class Meta:
         model = ExperimentSpec
-        fields = [
-            "version",
-            "digest",
-            "frozen",
-            "framework",
-            "model_description",
-            "optimizer",
-            "dataset_commitment",
-            "max_flops",
-            "max_tokens",
-            "max_gpu_hours",
-            "allowed_regimes",
-            "token_unit",
-            "parent_transcript",
-            "platform_kind",
-            "created",
-        ]
+        # The model's fields, with ``frozen`` after the version's identity.
+        fields = [*SPEC_FIELDS[:2], "frozen", *SPEC_FIELDS[2:]]
         read_only_fields = ["version", "digest", "created"]
 
 

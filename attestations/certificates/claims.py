@@ -47,7 +47,7 @@ from attestations.certificates.run_facts import (
 )
 from attestations.certificates.totals import RunTotals, first_over, run_totals
 from dvbench.attest import Claim, Evidence
-from zkdv.config import FLOPS_COUNTED, FLOPS_ESTIMATED
+from zkdv.config import DEFAULT_TOKEN_UNIT, FLOPS_COUNTED, FLOPS_ESTIMATED, TOKEN_UNITS
 
 if TYPE_CHECKING:
     from attestations.experiments.models import ExperimentSpec
@@ -245,7 +245,7 @@ class Limits:
     optimizer: str = ""
     dataset_commitment: str = ""
     #: What ``max_tokens`` counts (``examples`` or ``tokens``, zkdv's ``token_unit``).
-    token_unit: str = "examples"  # noqa: S105 - a unit, not a secret
+    token_unit: str = DEFAULT_TOKEN_UNIT
 
     @classmethod
     def of(cls, spec: ExperimentSpec) -> Limits:
@@ -259,7 +259,7 @@ class Limits:
             allowed_regimes=tuple(sorted(spec.allowed_regimes or [])),
             optimizer=spec.optimizer,
             dataset_commitment=spec.dataset_commitment,
-            token_unit=getattr(spec, "token_unit", "examples") or "examples",
+            token_unit=getattr(spec, "token_unit", None) or DEFAULT_TOKEN_UNIT,
         )
 
 
@@ -356,7 +356,7 @@ def _tokens_part(
     """
     config = (facts.root or {}).get("config")
     unit = config.get("token_unit") if isinstance(config, dict) else None
-    unit = unit if unit in ("examples", "tokens") else None
+    unit = unit if unit in TOKEN_UNITS else None
     details = {
         "source": "step.tokens",
         "token_unit": unit,

@@ -25,6 +25,7 @@ from attestations.accounts.models import Access, Capability, Organization
 from attestations.audit.models import AuditEvent
 from attestations.core.conf import api_datetime
 from attestations.core.validators import sha256_validator
+from zkdv.config import DEFAULT_TOKEN_UNIT, TOKEN_UNITS
 from zkdv.environments import PLATFORM_KINDS, platform_kind
 
 EXPERIMENT_NAME = re.compile(r"^[a-z0-9](?:[a-z0-9._-]{0,98}[a-z0-9])?$")
@@ -74,10 +75,8 @@ def certificate_results() -> list[str]:
     return [str(value) for value, _ in result.flatchoices]
 
 
-#: The fields of a spec version its API representation shows (with ``frozen``).
-SPEC_FIELDS = (
-    "version",
-    "digest",
+#: What a lab declares in a spec version: the fields its digest covers.
+DECLARED_FIELDS = (
     "framework",
     "model_description",
     "optimizer",
@@ -89,8 +88,10 @@ SPEC_FIELDS = (
     "token_unit",
     "parent_transcript",
     "platform_kind",
-    "created",
 )
+
+#: The fields of a spec version its API representation shows (with ``frozen``).
+SPEC_FIELDS = ("version", "digest", *DECLARED_FIELDS, "created")
 
 #: The columns of :meth:`ExperimentQuerySet.summary_rows` (``created`` and ``id`` order a page).
 SUMMARY_COLUMNS = (
@@ -460,8 +461,8 @@ class ExperimentSpec(models.Model):
     #: batch's examples, or the token ids of a sequence model.
     token_unit = models.CharField(
         max_length=8,
-        choices=[("examples", "examples"), ("tokens", "tokens")],
-        default="examples",
+        choices=[(unit, unit) for unit in TOKEN_UNITS],
+        default=DEFAULT_TOKEN_UNIT,
     )
     #: The transcript digest of the run whose final model this run starts from (a
     #: fine-tune, continued pre-training or RL run of that model); blank: none declared.
@@ -482,19 +483,7 @@ class ExperimentSpec(models.Model):
     digest = models.CharField(max_length=64, db_index=True)
     created = models.DateTimeField(default=timezone.now)
 
-    SPEC_FIELDS: ClassVar[tuple[str, ...]] = (
-        "framework",
-        "model_description",
-        "optimizer",
-        "dataset_commitment",
-        "max_flops",
-        "max_tokens",
-        "max_gpu_hours",
-        "allowed_regimes",
-        "token_unit",
-        "parent_transcript",
-        "platform_kind",
-    )
+    SPEC_FIELDS: ClassVar[tuple[str, ...]] = DECLARED_FIELDS
 
     class Meta:
         db_table = "attestations_experimentspec"
@@ -510,7 +499,7 @@ class ExperimentSpec(models.Model):
     def fields_from(cls, spec: Mapping[str, Any]) -> dict[str, Any]:
         fields = {key: spec.get(key) for key in cls.SPEC_FIELDS}
         fields["allowed_regimes"] = sorted(set(fields["allowed_regimes"] or []))
-        fields["token_unit"] = fields["token_unit"] or "examples"
+        fields["token_unit"] = fields["token_unit"] or DEFAULT_TOKEN_UNIT
         fields["parent_transcript"] = str(fields["parent_transcript"] or "").lower()
         fields["platform_kind"] = str(fields["platform_kind"] or "")
         for key in ("max_flops", "max_tokens", "max_gpu_hours"):

@@ -13,6 +13,13 @@ from attestations.certificates.models import Certificate
 from attestations.core.conf import dvbench_int
 from attestations.core.validators import sha256_validator
 from attestations.experiments.models import Experiment, Framework, Regime, experiment_name_validator
+from zkdv.config import DEFAULT_TOKEN_UNIT, TOKEN_UNITS
+
+#: How the spec form names each unit of ``zkdv.config.TOKEN_UNITS``.
+_TOKEN_UNIT_LABELS = {
+    "examples": "examples (a classifier's images, rows)",
+    "tokens": "token ids (a language model)",
+}
 
 DIGITS = r"[0-9]*"
 
@@ -60,17 +67,14 @@ class SpecForm(forms.Form):
     max_tokens = BigIntegerInput(label="Max tokens", help_text="Blank: undeclared.")
     token_unit = forms.ChoiceField(
         label="Tokens count",
-        choices=[
-            ("examples", "examples (a classifier's images, rows)"),
-            ("tokens", "token ids (a language model)"),
-        ],
-        initial="examples",
+        choices=[(unit, _TOKEN_UNIT_LABELS[unit]) for unit in TOKEN_UNITS],
+        initial=DEFAULT_TOKEN_UNIT,
         required=False,  # an older form, or a client that leaves it out: examples
         help_text="What max tokens and the token claim count.",
     )
 
     def clean_token_unit(self) -> str:
-        return str(self.cleaned_data.get("token_unit") or "examples")
+        return str(self.cleaned_data.get("token_unit") or DEFAULT_TOKEN_UNIT)
 
     max_gpu_hours = forms.DecimalField(
         label="Max GPU-hours",

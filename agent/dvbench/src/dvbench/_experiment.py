@@ -57,6 +57,8 @@ def default_spec(framework: str) -> dict[str, Any]:
     ``UNDECLARED_DATASET``. Declare a real spec in the web UI, with
     ``dvbench experiments create --spec FILE`` or ``client.create_experiment``.
     """
+    from zkdv.config import DEFAULT_TOKEN_UNIT
+
     if framework not in BACKENDS:
         raise ValueError(f"framework {framework!r} must be one of {', '.join(BACKENDS)}")
     return {
@@ -68,7 +70,7 @@ def default_spec(framework: str) -> dict[str, Any]:
         "max_tokens": None,
         "max_gpu_hours": None,
         "allowed_regimes": [],
-        "token_unit": "examples",
+        "token_unit": DEFAULT_TOKEN_UNIT,
     }
 
 
@@ -357,9 +359,9 @@ class Experiment:
                 f"the spec digest of {self.name} is unknown offline: run once online (the "
                 "SDK caches it), or pass spec= to client.experiment()"
             )
-        from zkdv.config import ZKDVConfig
+        from zkdv.config import DEFAULT_TOKEN_UNIT, ZKDVConfig
 
-        unit = (self.spec or {}).get("token_unit") or "examples"
+        unit = (self.spec or {}).get("token_unit") or DEFAULT_TOKEN_UNIT
         if config is None:
             config = ZKDVConfig(token_unit=unit)
         elif config.token_unit != unit:

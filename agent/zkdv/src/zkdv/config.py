@@ -237,6 +237,8 @@ class GradientBounds:
 #: token ids, ``[examples, positions]``). Both frontends count the same way
 #: (:func:`zkdv.batch.count_tokens`).
 TOKEN_UNITS = ("examples", "tokens")
+#: The unit of a run that does not say (and of transcripts from before it was recorded).
+DEFAULT_TOKEN_UNIT = TOKEN_UNITS[0]
 #: ``env.flops.method`` of a Torch root: the SDK counted the sealed program with Torch's
 #: FLOP counter, or estimated (the program could not run on fake tensors). A replay
 #: recounts either (``flops_mismatch``), and a certificate reads which it was.
@@ -281,7 +283,7 @@ class ZKDVConfig:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     gradient_bounds: GradientBounds | None = None
     commitments: str = "auto"
-    token_unit: str = "examples"  # noqa: S105 - a unit, not a secret
+    token_unit: str = DEFAULT_TOKEN_UNIT
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -327,5 +329,5 @@ class ZKDVConfig:
             tolerance=FloatTolerance.from_dict(data["tolerance"]),
             chunk_bytes=int(data["chunk_bytes"]),
             gradient_bounds=None if bounds is None else GradientBounds.from_dict(bounds),
-            token_unit=str(data.get("token_unit", "examples")),
+            token_unit=str(data.get("token_unit", DEFAULT_TOKEN_UNIT)),
         )
