@@ -20,7 +20,7 @@ from dvbench._exceptions import (
     NotFoundError,
     PermissionDeniedError,
 )
-from dvbench.attest._encoding import canonical_json
+from dvbench.attest import canonical_json
 
 if TYPE_CHECKING:
     from dvbench._client import Client

@@ -46,8 +46,7 @@ import numpy as np
 
 from zkdv.hashing import DIGEST_BYTES
 from zkdv.merkle import LeafSpec
-from zkdv.sliced import TorchLab
-from zkdv.sliced._commitment import _batch_leaves, _row_leaves
+from zkdv.sliced import TorchLab, batch_leaves, row_leaves
 
 __all__ = [
     "GRANT_VERSION",
@@ -216,9 +215,9 @@ def step_objects(lab: TorchLab, step: int) -> dict[str, bytes]:
     record = lab.steps[step]
     names = object_names(step)
     trees = (record.pre[0], record.pre[1], record.grad_tree, record.post[0], record.post[1])
-    row_leaves = _row_leaves(record.boundaries)
-    batch_leaves = _batch_leaves(record.batch)
-    sections = [list(t.tensor_digests) for t in trees] + [row_leaves, batch_leaves]
+    boundary_rows = row_leaves(record.boundaries)
+    batch_rows = batch_leaves(record.batch)
+    sections = [list(t.tensor_digests) for t in trees] + [boundary_rows, batch_rows]
     first_row = record.boundaries[0][0]["act"][0]
     layout = StepLayout(
         step=step,

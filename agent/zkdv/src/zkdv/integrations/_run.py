@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 import zkdv
-from zkdv.torch._eager import EagerTransaction
+from zkdv.torch.eager import EagerTransaction
 
 __all__ = ["ProvedRun", "tracker_fields"]
 

@@ -52,7 +52,9 @@ from zkdv.sliced._commitment import (
     SLICED_VERSION,
     BlockLayout,
     StepCommitment,
+    batch_leaves,
     optimizer_paths,
+    row_leaves,
     side_file_digest,
 )
 from zkdv.sliced._lab import TorchLab
@@ -93,6 +95,7 @@ __all__ = [
     "TorchLab",
     "answer_from_bytes",
     "answer_to_bytes",
+    "batch_leaves",
     "challenges_needed",
     "detection_probability",
     "draw_challenge",
@@ -104,6 +107,7 @@ __all__ = [
     "opening_to_bytes",
     "optimizer_paths",
     "projection_directions",
+    "row_leaves",
     "sequence_projections",
     "side_file_digest",
 ]

@@ -3,8 +3,8 @@
 The step commitment (:class:`StepCommitment`: the state, gradient, boundary and batch
 roots), the block layout it is sliced by, the side file's digest that binds a run's
 commitments, and the leaves of the two trees this protocol adds to the transcript's: one
-per boundary row (:func:`_row_leaves`, in :func:`_row_index` order) and one per committed
-batch row (:func:`_batch_leaves`).
+per boundary row (:func:`row_leaves`, in :func:`_row_index` order) and one per committed
+batch row (:func:`batch_leaves`).
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def side_file_digest(layout: BlockLayout, steps: Sequence[StepCommitment]) -> by
     return _hash(b"zkdv-sliced-v0 side file", body)
 
 
-def _batch_leaves(batch: np.ndarray) -> list[bytes]:
+def batch_leaves(batch: np.ndarray) -> list[bytes]:
     """Every batch row's leaf, micro-batch by micro-batch."""
     return [
         _batch_leaf(micro, row, batch[micro, row])
@@ -145,7 +145,7 @@ def _batch_leaves(batch: np.ndarray) -> list[bytes]:
     ]
 
 
-def _row_leaves(boundaries: list[list[dict[str, np.ndarray]]]) -> list[bytes]:
+def row_leaves(boundaries: list[list[dict[str, np.ndarray]]]) -> list[bytes]:
     """Every boundary row's leaf, in :func:`_row_index` order."""
     out = []
     for micro, per_boundary in enumerate(boundaries):

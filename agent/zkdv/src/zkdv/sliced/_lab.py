@@ -22,10 +22,10 @@ from zkdv.sliced._commitment import (
     BlockLayout,
     Leaves,
     StepCommitment,
-    _batch_leaves,
     _row_index,
-    _row_leaves,
+    batch_leaves,
     optimizer_paths,
+    row_leaves,
     side_file_digest,
 )
 from zkdv.sliced._openings import (
@@ -135,11 +135,11 @@ class TorchLab:
         grad_leaves = [(f"params:{n}", gradients[n].numpy().copy()) for n in self._names]
         grad_tree = commit_state(grad_leaves, self.chunk_bytes)
         shape = (len(boundaries), len(self.blocks) + 1, int(batch.shape[1]))
-        boundary_root = merkle_root(_row_leaves(boundaries))
+        boundary_root = merkle_root(row_leaves(boundaries))
         committed_batch = batch.detach().numpy().copy()
         if "batch" in self.tamper:
             self.tamper["batch"](index, committed_batch)
-        batch_root = merkle_root(_batch_leaves(committed_batch))
+        batch_root = merkle_root(batch_leaves(committed_batch))
         post = self._update(index, gradients)
         commitment = StepCommitment(
             index,
@@ -339,7 +339,7 @@ class TorchLab:
         """Open the challenged block's tensors and the drawn sequences' boundary rows."""
         record = self.steps[challenge.step]
         params_index, opt_index = self._block_indices(challenge.block)
-        leaves = _row_leaves(record.boundaries)
+        leaves = row_leaves(record.boundaries)
         _, boundaries, rows = record.commitment.shape
         opened_rows = []
         wanted = [
@@ -365,13 +365,13 @@ class TorchLab:
                 _open_tensor(record.pre[0], record.params, self._names.index(name))
                 for name in self.inputs
             )
-            batch_leaves = _batch_leaves(record.batch)
+            committed_rows = batch_leaves(record.batch)
             batch_rows = tuple(
                 BatchRowOpening(
                     micro,
                     row,
                     record.batch[micro, row],
-                    tuple(inclusion_path(batch_leaves, micro * rows + row)),
+                    tuple(inclusion_path(committed_rows, micro * rows + row)),
                 )
                 for micro, row in sequences
             )

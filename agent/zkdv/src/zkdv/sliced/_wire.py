@@ -522,7 +522,7 @@ def export_program(module: Any, example: Sequence[Any]) -> bytes:
     Exported in float64 on the ``meta`` device: the platform calls it with the opened
     weights (``torch.func.functional_call``), so the archive holds the structure and no
     weight at all. Its size does not grow with the block's, and the same structure always
-    has the same bytes (:func:`zkdv.torch._artifact.reproducible`), whichever run it came
+    has the same bytes (:func:`zkdv.torch.programs.reproducible`), whichever run it came
     from. ``example`` are example inputs (float tensors are exported as float64).
 
     Raises:
@@ -534,7 +534,7 @@ def export_program(module: Any, example: Sequence[Any]) -> bytes:
 
     import torch
 
-    from zkdv.torch._artifact import _strip_provenance, reproducible
+    from zkdv.torch.programs import reproducible, strip_provenance
 
     buffers = [name for name, _ in module.named_buffers()]
     if buffers:
@@ -557,7 +557,7 @@ def export_program(module: Any, example: Sequence[Any]) -> bytes:
                 "exporting on the meta device fixes as meta: slice a parameter or an input "
                 "instead (weight[:n], not embedding(torch.arange(n)))"
             )
-    _strip_provenance(exported)
+    strip_provenance(exported)
     buffer = io.BytesIO()
     torch.export.save(exported, buffer)
     return reproducible(buffer.getvalue())

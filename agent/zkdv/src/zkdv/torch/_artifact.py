@@ -119,7 +119,7 @@ def roundtrip(function: Any, arguments: tuple[Any, ...]) -> tuple[LoadedProgram,
 def export_roundtrip(function: Any, arguments: tuple[Any, ...]) -> tuple[LoadedProgram, bytearray]:
     """Serialize and reload one ``torch.export`` program (no native compilation)."""
     exported = _export(function, arguments)
-    _strip_provenance(exported)
+    strip_provenance(exported)
     buffer = io.BytesIO()
     torch.export.save(exported, buffer)
     material = bytearray(reproducible(buffer.getvalue()))
@@ -133,7 +133,7 @@ def export_roundtrip(function: Any, arguments: tuple[Any, ...]) -> tuple[LoadedP
 _KEPT_METADATA = frozenset({"val", "tensor_meta"})
 
 
-def _strip_provenance(exported: torch.export.ExportedProgram) -> None:
+def strip_provenance(exported: torch.export.ExportedProgram) -> None:
     for node in exported.graph.nodes:
         for key in [key for key in node.meta if key not in _KEPT_METADATA]:
             del node.meta[key]
