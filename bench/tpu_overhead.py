@@ -1,6 +1,6 @@
 """ZKDV's cost on a TPU: plain ``jax.jit`` against ``proof.jit``, side by side in one run.
 
-    python bench/tpu_overhead.py [--rounds 4] [--steps 8] [--tiny] [--stack-limit N]
+    python bench/tpu_overhead.py [--rounds 4] [--steps 8] [--tiny] [--stack-limit N] [--compare-stack-limits A,B]
 
 The workload keeps the chip busy: a causal transformer language model of about 135M
 parameters (12 blocks, d = 768, 12 heads, MLP 3072, vocabulary 32768, untied head),
@@ -30,7 +30,8 @@ proof reuse the first one's programs. ``--stack-limit N`` sets the largest leaf 
 elements) whose canonical update is stacked with the other leaves of its shape
 (``zkdv.jax._canonical_rules.STACK_LIMIT``; 0: none, each leaf its own program), to
 weigh the stack's copies at every step against its shorter compile (``docs/jax.md``
-11.2).
+11.2); ``--compare-stack-limits A,B`` adds a ``p=0`` variant for each limit, in the same
+rounds.
 
 ``--tiny`` shrinks the model to a few layers of d = 128 and a sequence of 128, so that
 the script can be checked on a CPU; its numbers mean nothing for a TPU.
@@ -139,11 +140,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--stack-limit", type=int, default=None)
+    parser.add_argument("--compare-stack-limits", default="")
     args = parser.parse_args()
-    if args.stack_limit is not None:
-        from zkdv.jax import _canonical_rules
+    from zkdv.jax import _canonical_rules
 
+    if args.stack_limit is not None:
         _canonical_rules.STACK_LIMIT = args.stack_limit
+    default_limit = _canonical_rules.STACK_LIMIT
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="xla-cache-"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -151,10 +154,8 @@ def main() -> None:
     device = jax.devices()[0]
     model, params, batch, length = workload(args.tiny)
     count = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
-    from zkdv.jax._canonical_rules import STACK_LIMIT
-
     print(
-        f"canonical update: leaves of up to {STACK_LIMIT} elements stacked by shape; "
+        f"canonical update: leaves of up to {default_limit} elements stacked by shape; "
         f"device: {device.device_kind} ({device.platform}), JAX {jax.__version__}; "
         f"model: {count / 1e6:.1f}M parameters, bf16 compute, {batch} x {length} tokens"
     )
@@ -165,11 +166,14 @@ def main() -> None:
     tx = optax.adamw(3e-4, weight_decay=0.1)
     root = tempfile.mkdtemp(prefix="tpu-overhead-")
     variants: dict[str, dict[str, Any]] = {}
-    for label, probability in (
-        ("jax.jit", None),
-        ("proof.jit p=0", 0.0),
-        ("proof.jit p=0.01", 0.01),
-    ):
+    cases: list[tuple[str, float | None, int]] = [
+        ("jax.jit", None, default_limit),
+        ("proof.jit p=0", 0.0, default_limit),
+        ("proof.jit p=0.01", 0.01, default_limit),
+    ]
+    for limit in filter(None, args.compare_stack_limits.split(",")):
+        cases.append((f"p=0, stack<={int(limit)}", 0.0, int(limit)))
+    for label, probability, limit in cases:
         proof = None
         if probability is None:
             step = jax.jit(train_step, donate_argnums=(0,))
@@ -185,7 +189,14 @@ def main() -> None:
             step = proof.jit(train_step, donate_argnums=(0,))
         state = TrainState.create(proof=proof, apply_fn=model.apply, params=params, tx=tx)
         state = jax.tree.map(jnp.array, state)
-        variants[label] = {"proof": proof, "step": step, "state": state, "times": [], "i": 0}
+        variants[label] = {
+            "proof": proof,
+            "step": step,
+            "state": state,
+            "times": [],
+            "i": 0,
+            "limit": limit,
+        }
 
     def block(v: dict[str, Any], steps: int) -> float:
         start = time.perf_counter()
@@ -198,6 +209,8 @@ def main() -> None:
         return (time.perf_counter() - start) / steps
 
     for label, v in variants.items():  # compile and warm up
+        # The canonical program is built at a proof's first step, with this limit.
+        _canonical_rules.STACK_LIMIT = v["limit"]
         started = time.perf_counter()
         block(v, 2)
         print(
@@ -207,11 +220,11 @@ def main() -> None:
         for v in variants.values():
             v["times"].append(block(v, args.steps))
     plain = statistics.median(variants["jax.jit"]["times"])
-    print(f"\n{'variant':<20} {'ms/step (median)':>18} {'ratio':>8}   rounds")
+    print(f"\n{'variant':<24} {'ms/step (median)':>18} {'ratio':>8}   rounds")
     for label, v in variants.items():
         median = statistics.median(v["times"])
         rounds = " ".join(f"{t * 1e3:.1f}" for t in v["times"])
-        print(f"{label:<20} {median * 1e3:>18.2f} {median / plain:>8.3f}   {rounds}")
+        print(f"{label:<24} {median * 1e3:>18.2f} {median / plain:>8.3f}   {rounds}")
 
     leaves = jax.tree.leaves(
         (variants["jax.jit"]["state"].params, variants["jax.jit"]["state"].opt_state)
