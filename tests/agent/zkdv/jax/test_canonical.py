@@ -291,8 +291,8 @@ def test_stacked_leaves_have_the_bits_of_the_per_leaf_program(monkeypatch, name)
     grads = [jax.tree.map(lambda p: (rng.normal(size=p.shape) * 1e-2).astype(np.float32), params)
              for _ in range(3)]  # fmt: skip
     results = []
-    for stacked in (True, False):
-        monkeypatch.setattr(_canonical_rules, "STACKED", stacked)
+    for limit in (_canonical_rules.STACK_LIMIT, 0):  # the default, then no stacking
+        monkeypatch.setattr(_canonical_rules, "STACK_LIMIT", limit)
         tx = TRANSFORMS[name]()
         program = jax.jit(lambda zero, *a, tx=tx: canonical(step_function(tx), zero)(*a))
         state, current, outputs = tx.init(params), params, []

@@ -110,7 +110,7 @@ class _Evaluator(_Arithmetic):
                 inputs.append(value(first))  # one value (a literal, a shared scalar)
             elif whole is not None:
                 inputs.append(whole)  # the stack an earlier group made
-            elif np.ndim(value(first)) == 0:  # a scalar of each: broadcast, value by value
+            elif eqn.invars[position].aval.shape == ():  # a scalar of each: broadcast them
                 scalars = jnp.stack([value(o) for o in operands])
                 scalars = scalars.reshape((len(group),) + (1,) * (len(shape) - 1))
                 inputs.append(jnp.broadcast_to(scalars, shape))
@@ -172,10 +172,9 @@ def _schedule(eqns: Sequence[Any]) -> list[list[Any]]:
     compiles each copy (a TPU v5e: 1.5 to 2.7 s a leaf). Grouped, the program holds each rule
     once per shape. Equations are taken level by level (a level: one more than the
     deepest of its inputs' equations), so the same step of every leaf's formula lands in
-    one level. A jaxpr with effects keeps its order, as does every jaxpr with
-    ``STACKED`` off.
+    one level. A jaxpr with effects keeps its order.
     """
-    if not STACKED or any(eqn.effects for eqn in eqns):
+    if any(eqn.effects for eqn in eqns):
         return [[eqn] for eqn in eqns]
     depth: dict[Any, int] = {}
     levels: dict[int, list[Any]] = {}
@@ -204,14 +203,11 @@ def _schedule(eqns: Sequence[Any]) -> list[list[Any]]:
 # Reductions: stacked, each row reduced over the same axes (exact, so in any order).
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 
-#: Whether ``_schedule`` stacks equations (bits are the same either way; off, each leaf
-#: has its own copy of each rule).
-STACKED = True
-
-#: The largest leaf (elements) that is stacked. Stacking trades copies at every step (in
-#: proportion to the bytes) for a shorter compile once (in proportion to the leaves):
-#: a transformer's small leaves (biases, norms) are most of its leaves and few of its
-#: bytes. ``bench/tpu_overhead.py --stack-limit`` weighs the two.
+#: The largest leaf (elements) that is stacked; 0: none, each leaf has its own copy of
+#: each rule (the bits are the same either way). Stacking trades copies at every step
+#: (in proportion to the bytes) for a shorter compile once (in proportion to the
+#: leaves): a transformer's small leaves (biases, norms) are most of its leaves and few
+#: of its bytes. ``bench/tpu_overhead.py --compare-stack-limits`` weighs the two.
 STACK_LIMIT = 1 << 16
 
 # Elementwise rules: stacked, each is in the program once per shape, not once per leaf.
