@@ -85,7 +85,7 @@ def run_jax(leaves: list[tuple[str, np.ndarray]], args: argparse.Namespace, host
     import jax.numpy as jnp
 
     from zkdv.device_merkle import roots_to_bytes
-    from zkdv.jax.device_merkle import COMPACT, FUSED, Schedule, chunk_roots
+    from zkdv.jax.device_merkle import BLOCKWISE, COMPACT, FUSED, Schedule, chunk_roots
 
     backend = jax.default_backend()
     nbytes = sum(a.nbytes for _, a in leaves)
@@ -101,6 +101,7 @@ def run_jax(leaves: list[tuple[str, np.ndarray]], args: argparse.Namespace, host
     schedules = [("compact", COMPACT)]
     if backend != "cpu":
         schedules = [
+            ("blockwise (default)", BLOCKWISE),
             ("fused", FUSED),
             ("fused, looped levels", Schedule(unroll=True, exact_levels=False)),
             ("compact", COMPACT),

@@ -23,8 +23,9 @@ alone too: the chunk-roots and probe programs on the step's state, against a mea
 read of the same bytes (a bitwise reduction over every leaf) and against the
 bandwidth figure.
 
-The first block of each variant (its compile) is timed and printed as it ends, so that a
-run cut short still tells where the time went. XLA's persistent compilation cache (a
+The first block of each variant (its compile) is timed and printed as it ends, with
+XLA's compiles in it (how many programs, their seconds, the largest), so that a run cut
+short still tells where the time went. XLA's persistent compilation cache (a
 temporary directory unless ``JAX_COMPILATION_CACHE_DIR`` names one) lets the second
 proof reuse the first one's programs. ``--stack-limit N`` sets the largest leaf (in
 elements) whose canonical update is stacked with the other leaves of its shape
@@ -96,6 +97,23 @@ def workload(tiny: bool) -> tuple[LM, Any, int, int]:
         model, batch, length = LM(vocab=32768, d=768, layers=12, heads=12), 8, 1024
     params = model.init(jax.random.key(0), jnp.zeros((1, length), jnp.int32))["params"]
     return model, params, batch, length
+
+
+class CompileLog:
+    """XLA's backend compiles as they finish (``jax.monitoring``): how many, how long."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        jax.monitoring.register_event_duration_secs_listener(self._record)
+
+    def _record(self, event: str, duration: float, **_: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.seconds.append(duration)
+
+    def since(self, start: int) -> str:
+        new = self.seconds[start:]
+        largest = ", ".join(f"{t:.1f}" for t in sorted(new, reverse=True)[:4])
+        return f"{len(new)} programs, {sum(new):.1f} s in XLA (largest: {largest} s)"
 
 
 def train_step(state: Any, tokens: jax.Array) -> Any:
@@ -208,13 +226,16 @@ def main() -> None:
             v["proof"].join()
         return (time.perf_counter() - start) / steps
 
+    compiles = CompileLog()
     for label, v in variants.items():  # compile and warm up
         # The canonical program is built at a proof's first step, with this limit.
         _canonical_rules.STACK_LIMIT = v["limit"]
-        started = time.perf_counter()
+        started, count = time.perf_counter(), len(compiles.seconds)
         block(v, 2)
         print(
-            f"{label}: first two steps (compile) {time.perf_counter() - started:.1f} s", flush=True
+            f"{label}: first two steps {time.perf_counter() - started:.1f} s; "
+            f"{compiles.since(count)}",
+            flush=True,
         )
     for _ in range(args.rounds):
         for v in variants.values():

@@ -8,6 +8,7 @@ boundary cases into one state rather than one compile per case.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
@@ -19,7 +20,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from zkdv.device_merkle import roots_to_bytes, state_commitment
-from zkdv.jax.device_merkle import COMPACT, FUSED, Schedule, chunk_roots, supported
+from zkdv.jax.device_merkle import (
+    BLOCKWISE,
+    COMPACT,
+    FUSED,
+    Schedule,
+    chunk_roots,
+    default_schedule,
+    supported,
+)
 from zkdv.jax.device_probes import DeviceProbes
 from zkdv.merkle import LeafSpec, commit_state
 from zkdv.probes import ProbeSet
@@ -76,7 +85,13 @@ def _device_roots(
 
 @pytest.mark.parametrize(
     ("chunk_bytes", "schedule"),
-    [(64, COMPACT), (1024, COMPACT), (4096, COMPACT), (4096, Schedule(False, True))],
+    [
+        (64, COMPACT),
+        (1024, COMPACT),
+        (4096, COMPACT),
+        (4096, Schedule(False, True)),
+        (4096, BLOCKWISE),  # the accelerators' default: every dtype, bulk, looped levels
+    ],
 )
 def test_roots_match_the_host_for_every_dtype_and_length(
     chunk_bytes: int, schedule: Schedule
@@ -119,11 +134,35 @@ def test_any_bytes_hash_like_the_host(first: bytes, second: bytes) -> None:
 
 @pytest.mark.slow
 def test_the_fused_schedule_gives_the_same_roots() -> None:
-    # FUSED (unrolled rounds and blocks) is the accelerator default; XLA:CPU compiles it
+    # FUSED (unrolled rounds and blocks) was the accelerator default; XLA:CPU compiles it
     # slowly (~20 s here), so this checks it on the smallest layout that reaches every
     # part of the program: odd chunks, a Merkle level, a carried node.
     leaves = [("a", np.arange(25, dtype=np.float32)), ("b", np.arange(3, dtype=np.int8))]
     assert _device_roots(leaves, 64, FUSED) == list(commit_state(leaves, 64).chunk_roots)
+
+
+def test_the_accelerators_roots_program_lowers_for_tpu() -> None:
+    """The TPU's chunk-roots program (:func:`default_schedule`), exported for TPU on a
+    CPU: an operation the TPU's lowering refuses, or a 64-bit type, fails here in CI
+    rather than at a TPU run's first step."""
+    schedule = default_schedule("tpu")
+    assert schedule == BLOCKWISE
+    shapes = [((3, 1 << 18), jnp.float32), ((300,), jnp.bfloat16), ((), jnp.int32)]
+    specs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]  # type: ignore[no-untyped-call]
+
+    def roots(leaves: list[Any]) -> Any:
+        return chunk_roots(leaves, 1 << 20, schedule=schedule)
+
+    exported = jax.export.export(jax.jit(roots), platforms=("tpu",))(specs)
+    text = exported.mlir_module()
+    assert not re.findall(r"[x<](?:f64|i64|ui64)>", text)
+    assert exported.out_avals[0].shape == (3, 8)
+    # Every rotation is an OR of two shifts: FUSED unrolls the blocks and the levels (2,235
+    # ORs for this layout), BLOCKWISE loops over them (357).
+    fused = jax.export.export(
+        jax.jit(lambda leaves: chunk_roots(leaves, 1 << 20, schedule=FUSED)), platforms=("tpu",)
+    )(specs)
+    assert text.count("stablehlo.or") * 5 < fused.mlir_module().count("stablehlo.or")
 
 
 def test_unsupported_dtypes_are_reported() -> None:

@@ -9,11 +9,13 @@ state_commitment` finishes the state root on the host. The roots are bit-identic
 
 Compression runs block by block over all chunks of the state at once. A
 :class:`Schedule` says how the program is laid out, never what it computes: BLAKE3's
-rounds and blocks unrolled (large fused kernels that keep the state in registers: what
-accelerators want) or as ``lax.fori_loop`` s (a small program: XLA's CPU compiler takes
-minutes over the unrolled form), and the bulk subtrees' levels at their exact sizes or
-as one fixed-shape loop. Every schedule gives the same bits; :func:`default_schedule`
-picks per backend.
+rounds and blocks unrolled (large fused kernels that keep the state in registers) or as
+``lax.fori_loop`` s (a small program), and the bulk subtrees' levels at their exact
+sizes or as one fixed-shape loop. Every schedule gives the same bits;
+:func:`default_schedule` picks per backend. The compilers decide: XLA:CPU takes minutes
+over the unrolled form, and the TPU's took 111 and 131 s over :data:`FUSED` for the two
+layouts of a 135M-parameter model (``docs/reliability.md`` section 10), against 41 s
+for the model's whole training step.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from zkdv.device_merkle import HashPlan
 from zkdv.device_merkle import chunk_roots as _chunk_roots
 
 __all__ = [
+    "BLOCKWISE",
     "COMPACT",
     "FUSED",
     "JaxOps",
@@ -68,31 +71,42 @@ class Schedule(NamedTuple):
     """How the hashing program is laid out (the result is the same for every schedule).
 
     Attributes:
-        unroll: unroll BLAKE3's 7 rounds and each chunk's 16 blocks.
+        unroll: unroll BLAKE3's 7 rounds (and, unless ``unroll_blocks`` says otherwise,
+            each chunk's 16 blocks).
         exact_levels: hash each level of the bulk subtrees at its exact size (one
             program per level) rather than in one fixed-shape loop (about
             ``log2(chunk_bytes / 1024) / 2`` times the parent-node work).
+        unroll_blocks: unroll the 16 blocks of a chunk; None: as ``unroll``.
     """
 
     unroll: bool
     exact_levels: bool
+    unroll_blocks: bool | None = None
 
 
 COMPACT = Schedule(unroll=False, exact_levels=False)
 FUSED = Schedule(unroll=True, exact_levels=True)
+# One block's compression unrolled (one fused kernel over every chunk of the state), the
+# blocks and the levels as loops: one compression in the program where FUSED has about
+# forty, so a fraction of its compile, at the price of the chaining values' round trip
+# to memory between blocks (32 bytes a chunk, against the chunk's 1 KiB read).
+BLOCKWISE = Schedule(unroll=True, exact_levels=False, unroll_blocks=False)
 
 
 def default_schedule(backend: str | None = None) -> Schedule:
-    """:data:`FUSED` on accelerators, :data:`COMPACT` on CPU (compile time)."""
-    return COMPACT if (backend or jax.default_backend()) == "cpu" else FUSED
+    """:data:`BLOCKWISE` on accelerators, :data:`COMPACT` on CPU (compile time)."""
+    return COMPACT if (backend or jax.default_backend()) == "cpu" else BLOCKWISE
 
 
 class JaxOps:
     """:class:`zkdv.device_merkle.Ops` over ``jax.numpy`` uint32 arrays."""
 
-    def __init__(self, *, unroll: bool, exact_levels: bool | None = None) -> None:
+    def __init__(
+        self, *, unroll: bool, exact_levels: bool | None = None, unroll_blocks: bool | None = None
+    ) -> None:
         self.unroll = unroll
         self.exact_levels = unroll if exact_levels is None else exact_levels
+        self.unroll_blocks = unroll if unroll_blocks is None else unroll_blocks
 
     def const(self, value: int) -> Any:
         return jnp.uint32(value)
@@ -161,7 +175,7 @@ class JaxOps:
     def fori(
         self, count: int, body: Callable[[Any, list[Any]], list[Any]], init: list[Any]
     ) -> list[Any]:
-        if self.unroll:
+        if self.unroll_blocks:
             state = init
             for j in range(count):
                 state = body(j, state)
@@ -203,7 +217,11 @@ def leaf_words(leaf: Any) -> Any:
 
 def _roots(plan: HashPlan, schedule: Schedule, leaves: Sequence[Any]) -> Any:
     words = [leaf_words(leaf) for leaf in leaves]
-    ops = JaxOps(unroll=schedule.unroll, exact_levels=schedule.exact_levels)
+    ops = JaxOps(
+        unroll=schedule.unroll,
+        exact_levels=schedule.exact_levels,
+        unroll_blocks=schedule.unroll_blocks,
+    )
     roots = _chunk_roots(ops, plan, words)
     return jnp.stack(roots, axis=1)
 
