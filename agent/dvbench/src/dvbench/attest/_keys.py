@@ -91,6 +91,8 @@ ALGORITHM_ED25519: Final = "ed25519"
 ENV_SIGNING_KEY: Final = "DVBENCH_SIGNING_KEY"
 DEFAULT_KEY_FILENAME: Final = "signing-key.pem"
 TRUST_ROOT_SCHEMA: Final = "https://dvbench.dev/trust-root/v1"
+# The Sigstore TrustedRoot that ``_trusted_root`` writes and ``TrustRoot.from_sigstore`` reads.
+TRUSTED_ROOT_MEDIA_TYPE: Final = "application/vnd.dev.sigstore.trustedroot+json;version=0.1"
 
 
 def key_id(public_key: Ed25519PublicKey) -> str:
@@ -592,8 +594,6 @@ class TrustRoot:
         Raises:
             MalformedInputError: the document is not such a trusted root.
         """
-        from dvbench.attest._trusted_root import TRUSTED_ROOT_MEDIA_TYPE
-
         document = obj(
             data,
             what,

@@ -37,18 +37,16 @@ media type :data:`TRUSTED_ROOT_MEDIA_TYPE`::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any
 
 from cryptography.hazmat.primitives import serialization
 
 from dvbench.attest._encoding import b64encode, format_time
-from dvbench.attest._keys import TrustRoot
+from dvbench.attest._keys import TRUSTED_ROOT_MEDIA_TYPE, TrustRoot
 from dvbench.attest._note import note_key_id
 from dvbench.attest._tsa import TimestampAuthority
 
 __all__ = ["TRUSTED_ROOT_MEDIA_TYPE", "sigstore_trusted_root"]
-
-TRUSTED_ROOT_MEDIA_TYPE: Final = "application/vnd.dev.sigstore.trustedroot+json;version=0.1"
 
 
 def sigstore_trusted_root(

@@ -7,9 +7,9 @@ holds what is the same for every framework:
   pipeline (start, submit, commit, check, close), rank 0's role in multi-process runs;
 * :mod:`zkdv.driver.protocol`: the two contracts between the driver and a frontend,
   :class:`Submission` (what the driver needs from a frontend, per step) and
-  :class:`Runtime` (what a frontend may call on the driver, ``Driver.runtime``);
-* :mod:`zkdv.driver.pipeline`: a submitted step's state machine
-  (:class:`PendingUpdate`, :class:`ReplayOutcome`);
+  :class:`Runtime` (what a frontend may call on the driver, ``Driver.runtime``), and
+  the values that cross between them (:class:`PendingUpdate`, a submitted step's
+  state machine; :class:`ReplayOutcome`);
 * :mod:`zkdv.driver.flowcontrol`: admission and the per-stage threads
   (:class:`~zkdv.driver.flowcontrol.PipelineQueue`, the overlap policies' bounds);
 * :mod:`zkdv.driver.control`: :class:`~zkdv.driver.control.HostControl`, the channel
@@ -21,7 +21,6 @@ The frontends' drivers live in their own packages (``zkdv.jax.ZKDV``, ``zkdv.tor
 from __future__ import annotations
 
 from zkdv.driver.base import Driver
-from zkdv.driver.pipeline import Leaves, PendingUpdate, ReplayOutcome, State
-from zkdv.driver.protocol import Runtime, Submission
+from zkdv.driver.protocol import Leaves, PendingUpdate, ReplayOutcome, Runtime, State, Submission
 
 __all__ = ["Driver", "Leaves", "PendingUpdate", "ReplayOutcome", "Runtime", "State", "Submission"]

@@ -1,7 +1,7 @@
 """The shared Driver: one transcript and its asynchronous pipeline, for any frontend.
 
 A frontend (``zkdv.jax`` or ``zkdv.torch``) subclasses :class:`Driver`, turns one
-training invocation into a :class:`~zkdv.driver.pipeline.Submission` and hands it to
+training invocation into a :class:`~zkdv.driver.protocol.Submission` and hands it to
 :meth:`Runtime.submit <zkdv.driver.protocol.Runtime.submit>` through
 :attr:`Driver.runtime`. The driver owns the transcript (:class:`~zkdv.core.ZKDVCore`)
 and the pipeline (:class:`~zkdv.driver.flowcontrol.PipelineQueue`):
@@ -45,8 +45,7 @@ from zkdv.config import GradientBounds, ZKDVConfig
 from zkdv.core import ProgramInfo, State, ZKDVCore
 from zkdv.driver.control import HostControl
 from zkdv.driver.flowcontrol import Admission, PipelineQueue, unannotated
-from zkdv.driver.pipeline import Leaves, PendingUpdate
-from zkdv.driver.protocol import Runtime, Submission
+from zkdv.driver.protocol import Leaves, PendingUpdate, Runtime, Submission
 from zkdv.errors import (
     ALREADY_STARTED,
     CLOSED,

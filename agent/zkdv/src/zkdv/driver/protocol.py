@@ -10,6 +10,10 @@ plus the objects it hands to the driver's pipeline. The contracts go both ways:
   pipeline's poison state. A frontend reaches it as ``self.runtime``
   (:attr:`~zkdv.driver.Driver.runtime`), never through the driver's private members.
 
+The values that cross between them are here too: :class:`PendingUpdate` (the driver's
+handle on a submitted step, what :meth:`Runtime.submit` returns), :class:`ReplayOutcome`
+(what a sampled replay recomputed) and ``Leaves``.
+
 Everything else a frontend needs (its program, its commitments on the device, its
 snapshots) it keeps itself.
 """
@@ -17,19 +21,40 @@ snapshots) it keeps itself.
 from __future__ import annotations
 
 import abc
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from zkdv.config import GradientBounds
-from zkdv.core import ProgramInfo, State, ZKDVCore
+from zkdv.core import ProgramInfo, State, StepResult, ZKDVCore
 from zkdv.driver.flowcontrol import Admission
-from zkdv.driver.pipeline import Leaves, PendingUpdate, ReplayOutcome
 from zkdv.overlap import Policy
 from zkdv.probes import ProbeSet
 from zkdv.sampling import Challenge
 
-__all__ = ["Runtime", "Submission"]
+__all__ = ["Leaves", "PendingUpdate", "ReplayOutcome", "Runtime", "State", "Submission"]
+
+Leaves = Sequence[tuple[str, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class ReplayOutcome:
+    """What a sampled replay recomputed for one challenge.
+
+    ``committed_delta``, when set, replaces the update value ``capture`` returned: a
+    frontend whose optimizer updates parameters in place (eager Torch) captures the
+    committed post-update value and forms the committed update against the replayed
+    pre-update value, instead of copying every parameter before every step.
+    """
+
+    replayed_delta: float
+    replayed_state: float
+    replay_from: int
+    replayed_steps: int
+    committed_delta: float | None = None
 
 
 class Submission(Protocol):
@@ -100,6 +125,22 @@ class Submission(Protocol):
 
     def retire(self) -> None:
         """Drop every reference the submission still holds."""
+
+
+class PendingUpdate:
+    """The driver's handle on one submitted step: its events and commitment result.
+
+    ``released`` is the mutation barrier (set once the commit stage stops reading live
+    state); ``retired`` frees the step's admission slot.
+    """
+
+    def __init__(self, index: int, submission: Submission) -> None:
+        self.index = index
+        self.submission = submission
+        self.released = threading.Event()
+        self.retired = threading.Event()
+        self.result: StepResult | None = None
+        self.challenge: Challenge | None = None
 
 
 class Runtime(Protocol):

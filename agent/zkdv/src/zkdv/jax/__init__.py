@@ -19,10 +19,10 @@ Usage (see ``docs/jax.md`` and ``examples/jax/``)::
 from __future__ import annotations
 
 from zkdv.jax import artifact, contrib
-from zkdv.jax._context import Transaction
 from zkdv.jax._driver import ZKDV
 from zkdv.jax._optimizer import CommittedOptimizer, optimizer
 from zkdv.jax._scan import scan
+from zkdv.jax._transaction import Transaction
 from zkdv.jax._tree import index
 
 __all__ = [

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from zkdv.driver import Leaves, ReplayOutcome, Submission
-from zkdv.driver.pipeline import State
+from zkdv.driver.protocol import State
 from zkdv.jax._device import DeviceCommitter
 from zkdv.jax._program import _Program
 from zkdv.merkle import StateCommitment

@@ -10,7 +10,7 @@ have to replay has retired, then dropped.
 
 Between snapshots nothing is copied but the few rows each parameter's probe reads: a
 sampled check forms the committed update from the committed post-update value and the
-replayed pre-update value (:attr:`~zkdv.driver.pipeline.ReplayOutcome.committed_delta`).
+replayed pre-update value (:attr:`~zkdv.driver.protocol.ReplayOutcome.committed_delta`).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from zkdv.driver.pipeline import ReplayOutcome
+from zkdv.driver.protocol import ReplayOutcome
 from zkdv.sampling import Challenge
 from zkdv.torch._checkpoint import ReplayCheckpoint
 from zkdv.torch._packing import BatchLayout
