@@ -27,9 +27,10 @@ from dvbench._exceptions import (
     error_class,
     from_response,
 )
+from dvbench._experiment import Experiment, check_name, default_spec
+from dvbench._sync import sync_directory
 
 if TYPE_CHECKING:
-    from dvbench._experiment import Experiment
     from dvbench._result import SyncResult
     from dvbench._verdict import Verdict
 
@@ -390,7 +391,6 @@ class Client:
     # --- experiments --------------------------------------------------------------------
     def experiments(self, *, owner: str | None = None) -> list[Experiment]:
         """The experiments this key can read (optionally of one organisation)."""
-        from dvbench._experiment import Experiment
 
         params = {"owner": owner} if owner else None
         return [Experiment(self, item) for item in self.paginate("experiments/", params)]
@@ -425,7 +425,6 @@ class Client:
                 to an organisation this key cannot see.
             PermissionDeniedError: it does not exist and this key may not register it.
         """
-        from dvbench._experiment import Experiment, check_name, default_spec
 
         check_name(name)
         if spec is None and framework is not None:
@@ -456,7 +455,6 @@ class Client:
             NotFoundError: no organisation by that slug that this key can see.
             PermissionDeniedError: this key's role may not register experiments there.
         """
-        from dvbench._experiment import Experiment, check_name, default_spec
 
         check_name(name)
         body = {"name": name, "spec": dict(spec) if spec is not None else default_spec(framework)}
@@ -484,7 +482,6 @@ class Client:
             NotFoundError: no such experiment visible to this key.
             PermissionDeniedError: this key's role may not change it.
         """
-        from dvbench._experiment import check_name
 
         check_name(name)
         data: dict[str, Any] = self.post(f"experiments/{name}/specs/", dict(spec))
@@ -630,6 +627,4 @@ class Client:
         done is not sent again, and an interrupted part resumes from the platform's
         record of the upload.
         """
-        from dvbench._sync import sync_directory
-
         return sync_directory(self, Path(directory), progress=progress)

@@ -14,17 +14,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dvbench._config import cache_dir
+from dvbench._contracts import Api
 from dvbench._exceptions import (
     ConfigurationError,
     DVBenchError,
     NotFoundError,
     PermissionDeniedError,
 )
+from dvbench._proof import DVBenchProof, create_proof
 from dvbench.attest import canonical_json
 
 if TYPE_CHECKING:
-    from dvbench._client import Client
-    from dvbench._proof import DVBenchProof
     from zkdv.config import ZKDVConfig
 
 __all__ = ["Experiment", "default_spec", "spec_digest"]
@@ -148,7 +148,7 @@ class Experiment:
         registered: False for an experiment the SDK will register at :meth:`proof`.
     """
 
-    def __init__(self, client: Client, data: Mapping[str, Any], *, registered: bool = True) -> None:
+    def __init__(self, client: Api, data: Mapping[str, Any], *, registered: bool = True) -> None:
         self._client = client
         self.data = dict(data)
         self.name: str = str(data["id"])
@@ -161,7 +161,7 @@ class Experiment:
     @classmethod
     def unregistered(
         cls,
-        client: Client,
+        client: Api,
         name: str,
         spec: Mapping[str, Any] | None,
         error: DVBenchError | None = None,
@@ -175,7 +175,7 @@ class Experiment:
         return experiment
 
     @classmethod
-    def offline(cls, client: Client, name: str, spec: Mapping[str, Any] | None) -> Experiment:
+    def offline(cls, client: Api, name: str, spec: Mapping[str, Any] | None) -> Experiment:
         """Describe ``name`` without asking the platform: from the cache, else from ``spec``."""
         if spec is None:
             try:
@@ -195,6 +195,11 @@ class Experiment:
         self.data["spec_digest"] = spec_digest(self.name, spec)
 
     # --- properties ---------------------------------------------------------------------
+    @property
+    def client(self) -> Api:
+        """The client this experiment talks to the platform through."""
+        return self._client
+
     @property
     def owner(self) -> str:
         return self.name.partition("/")[0]
@@ -341,8 +346,6 @@ class Experiment:
             ImportError: the backend's framework is not installed.
             DVBenchError: the experiment declares another framework.
         """
-        from dvbench._proof import create_proof
-
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} must be one of {', '.join(BACKENDS)}")
         if not self.registered:

@@ -22,6 +22,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from dvbench._config import cache_dir
+from dvbench._contracts import Bound
 from dvbench._exceptions import (
     APIError,
     CertificateFailedError,
@@ -35,7 +36,6 @@ from dvbench._result import SyncResult
 from dvbench._sync import Uploader, release, settle
 
 if TYPE_CHECKING:
-    from dvbench._experiment import Experiment
     from dvbench._model import SavedModel
     from zkdv.config import ZKDVConfig
 
@@ -99,12 +99,12 @@ class _Background:
 class _State:
     def __init__(
         self,
-        experiment: Experiment,
+        experiment: Bound,
         manifest: Manifest,
         progress: bool | None,
     ) -> None:
         self.experiment = experiment
-        self.client = experiment._client
+        self.client = experiment.client
         self.manifest = manifest
         self.progress = progress
         self.lock = threading.Lock()
@@ -200,15 +200,13 @@ class DVBenchProof:
         @property
         def steps(self) -> int: ...
 
-    def _dvbench_init(
-        self, experiment: Experiment, manifest: Manifest, progress: bool | None
-    ) -> None:
+    def _dvbench_init(self, experiment: Bound, manifest: Manifest, progress: bool | None) -> None:
         self._dvbench = _State(experiment, manifest, progress)
         assert experiment.spec_digest is not None
         self.bind_experiment(experiment.name, experiment.spec_digest)
 
     @property
-    def experiment(self) -> Experiment:
+    def experiment(self) -> Bound:
         return self._dvbench.experiment
 
     @property
@@ -516,7 +514,7 @@ def backend_class(backend: str) -> type[Any]:
 
 
 def create_proof(
-    experiment: Experiment,
+    experiment: Bound,
     backend: str,
     config: ZKDVConfig | None,
     *,
@@ -526,7 +524,7 @@ def create_proof(
 ) -> DVBenchProof:
     base = backend_class(backend)
     if path is None:
-        directory, ephemeral = _new_run_dir(experiment.name), not experiment._client.offline
+        directory, ephemeral = _new_run_dir(experiment.name), not experiment.client.offline
     else:
         directory, ephemeral = Path(path), False
     if (directory / TRANSCRIPT).exists():
@@ -539,7 +537,7 @@ def create_proof(
         experiment=experiment.name,
         spec_digest=str(experiment.spec_digest),
         backend=backend,
-        base_url=experiment._client.base_url,
+        base_url=experiment.client.base_url,
         ephemeral=ephemeral,
         spec=experiment.pending_spec,
     )

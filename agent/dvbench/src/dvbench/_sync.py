@@ -46,6 +46,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dvbench._contracts import Api
 from dvbench._exceptions import (
     APIError,
     ConflictError,
@@ -67,7 +68,6 @@ from dvbench._result import SyncResult
 from dvbench._transfer import FileUploader
 
 if TYPE_CHECKING:
-    from dvbench._client import Client
     from dvbench._verdict import Verdict
 
 __all__ = ["Uploader", "release", "settle", "sync_directory"]
@@ -337,7 +337,7 @@ def release(directory: Path) -> None:
 
 
 def sync_directory(
-    client: Client,
+    client: Api,
     directory: Path,
     *,
     progress: bool | None = None,
@@ -398,7 +398,7 @@ def sync_directory(
 
 
 def settle(
-    client: Client, uploader: Uploader, result: SyncResult, *, wait: bool, timeout: float
+    client: Api, uploader: Uploader, result: SyncResult, *, wait: bool, timeout: float
 ) -> Verdict | None:
     """Set ``result.verdict``: asked once, or (``wait``) polled until final or ``timeout``.
 

@@ -22,10 +22,11 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
+from dvbench._contracts import Api
 from dvbench._exceptions import (
     APIError,
     BadRequestError,
@@ -36,9 +37,6 @@ from dvbench._exceptions import (
 from dvbench._manifest import Manifest, kind_of, sha256_file, utc_timestamp
 from dvbench._progress import Progress
 from dvbench._result import SyncResult
-
-if TYPE_CHECKING:
-    from dvbench._client import Client
 
 __all__ = ["FileUploader"]
 
@@ -108,7 +106,7 @@ class FileUploader:
 
     def __init__(
         self,
-        client: Client,
+        client: Api,
         manifest: Manifest,
         progress: Progress | None = None,
         *,
