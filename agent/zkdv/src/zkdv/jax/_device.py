@@ -28,6 +28,7 @@ import numpy as np
 
 from zkdv import transfers
 from zkdv.device_merkle import roots_to_bytes, state_commitment
+from zkdv.jax._tree import selection_cast
 from zkdv.jax.device_merkle import Schedule, chunk_roots, supported
 from zkdv.jax.device_probes import DeviceProbes
 from zkdv.merkle import LeafSpec, StateCommitment
@@ -108,8 +109,6 @@ class DeviceCommitter:
 
         Cast as the attested program casts the replayed one (``_steps._select``).
         """
-        from zkdv.jax._steps import selection_cast
-
         cast = selection_cast(leaves)
         offset = 0
         for leaf in leaves:
@@ -122,14 +121,26 @@ class DeviceCommitter:
         return 0.0
 
 
+# Where a device offers host memory (JAX memory kinds), in order of preference.
+HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
+
+
+def host_sharding(sharding: Any) -> Any | None:
+    """``sharding`` moved to host memory (pinned when offered), or None if it has none."""
+    device: Any = next(iter(sharding.device_set))
+    kinds = {memory.kind for memory in device.addressable_memories()}
+    for kind in HOST_MEMORY_KINDS:
+        if kind in kinds:
+            return sharding.with_memory_kind(kind)
+    return None
+
+
 def host_shardings(leaves: Sequence[Any]) -> list[Any] | None:
     """Each leaf's sharding in host memory (pinned when offered), or None if one has none."""
-    from zkdv.jax._driver import _host_sharding
-
     out = []
     for leaf in leaves:
         sharding = getattr(leaf, "sharding", None)
-        target = None if sharding is None else _host_sharding(sharding)
+        target = None if sharding is None else host_sharding(sharding)
         if target is None:
             return None
         out.append(target)

@@ -34,7 +34,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Sharding
 
 from zkdv.batch import validate_window
 from zkdv.config import GradientBounds, ZKDVConfig
@@ -44,7 +43,14 @@ from zkdv.errors import (
     ZKDVVerificationError,
 )
 from zkdv.jax import _messages
-from zkdv.jax._device import DeviceCommitter, SnapshotPool, TransferLog, host_shardings, leaf_specs
+from zkdv.jax._device import (
+    DeviceCommitter,
+    SnapshotPool,
+    TransferLog,
+    host_sharding,
+    host_shardings,
+    leaf_specs,
+)
 from zkdv.jax._export import (
     _SOURCES,
     _apply_state_specs,
@@ -79,8 +85,6 @@ from zkdv.signature import FunctionSignature
 
 __all__ = ["JIT_OPTIONS", "ZKDV", "JitFunction"]
 
-HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
-
 
 def _annotation(name: str) -> contextlib.AbstractContextManager[Any]:
     return jax.profiler.TraceAnnotation(name)
@@ -98,15 +102,6 @@ def _host_copy(leaves: Sequence[Any]) -> list[np.ndarray]:
 
 
 @functools.lru_cache(maxsize=256)
-def _host_sharding(sharding: Sharding) -> Sharding | None:
-    device: Any = next(iter(sharding.device_set))
-    kinds = {memory.kind for memory in device.addressable_memories()}
-    for kind in HOST_MEMORY_KINDS:
-        if kind in kinds:
-            return sharding.with_memory_kind(kind)
-    return None
-
-
 def _to_host(leaf: Any) -> Any:
     """Launch an asynchronous copy of ``leaf`` into host memory (pinned when offered).
 
@@ -115,7 +110,7 @@ def _to_host(leaf: Any) -> Any:
     """
     if not isinstance(leaf, jax.Array):
         return np.array(leaf)
-    target = _host_sharding(leaf.sharding)
+    target = host_sharding(leaf.sharding)
     if target is None:
         return jax.device_put(leaf, leaf.sharding, may_alias=False)
     return jax.device_put(leaf, target, may_alias=False)

@@ -50,7 +50,7 @@ from zkdv.errors import ZKDVError
 from zkdv.jax import _context, _messages, _optimizer
 
 if TYPE_CHECKING:
-    from zkdv.jax._program import JitFunction
+    from zkdv.signature import FunctionSignature
 
 __all__ = ["Graph", "GraphFunction", "has_graph_nodes"]
 
@@ -233,14 +233,20 @@ def _empty(value: Any) -> bool:
 class GraphFunction:
     """A ``proof.jit`` function called with Flax NNX objects (see the module docstring)."""
 
-    def __init__(self, outer: JitFunction) -> None:
-        from zkdv.jax._program import JitFunction
-
-        self._function = outer._function
-        self._names = outer._signature.names
-        self._signature = outer._signature
-        self._donate = outer._donate
-        self.inner = JitFunction(outer._proof, self._pure(), outer._options)
+    def __init__(
+        self,
+        function: Callable[..., Any],
+        signature: FunctionSignature,
+        donate: frozenset[int],
+        jit: Callable[[Callable[..., Any]], Callable[..., Any]],
+    ) -> None:
+        """Wrap ``function`` (a ``proof.jit`` function's, with its signature and donated
+        positions); ``jit`` makes the ``proof.jit`` function of the pure step."""
+        self._function = function
+        self._names = signature.names
+        self._signature = signature
+        self._donate = donate
+        self.inner = jit(self._pure())
         self._graphdefs: dict[int, Any] = {}
         self._keys: dict[int, tuple[Any, Any]] = {}
         self._lock = threading.Lock()

@@ -42,7 +42,7 @@ from zkdv.errors import (
 )
 from zkdv.gradients import leaf_name
 from zkdv.jax import _context, _messages, _optimizer
-from zkdv.jax._export import matmul_flops
+from zkdv.jax._flops import matmul_flops
 from zkdv.jax._tree import BatchLayout, leaf_paths
 from zkdv.overlap import Policy
 from zkdv.signature import FunctionSignature
@@ -269,7 +269,12 @@ class JitFunction:
             # Flax NNX objects: split, run as a pure function, updated in place.
             with self._lock:
                 if self._graphs is None:
-                    self._graphs = _nnx.GraphFunction(self)
+                    self._graphs = _nnx.GraphFunction(
+                        self._function,
+                        self._signature,
+                        self._donate,
+                        lambda pure: JitFunction(self._proof, pure, self._options),
+                    )
             return self._graphs(*args, **kwargs)
         proof = self._proof
         proof.runtime.require_step()

@@ -24,6 +24,7 @@ from zkdv.driver import Leaves, ReplayOutcome, Submission
 from zkdv.driver.protocol import State
 from zkdv.jax._device import DeviceCommitter
 from zkdv.jax._program import _Program
+from zkdv.jax._tree import selection_cast
 from zkdv.merkle import StateCommitment
 from zkdv.overlap import Policy
 from zkdv.probes import ProbeSet
@@ -49,12 +50,6 @@ def _select(views: Sequence[np.ndarray], flat_index: int) -> float:
             return float(cast(view.reshape(-1)[flat_index - offset]))
         offset += view.size
     return 0.0
-
-
-def selection_cast(leaves: Sequence[Any]) -> Any:
-    """The numpy type :func:`zkdv.jax._tree.index` selects into for these leaves."""
-    wide = any(np.dtype(getattr(leaf, "dtype", np.float32)) == np.float64 for leaf in leaves)
-    return np.float64 if wide else np.float32
 
 
 class _Step(Submission):

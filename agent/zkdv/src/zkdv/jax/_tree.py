@@ -15,7 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["SHARED_WORDS", "BatchLayout", "PackedLeaf", "index", "leaf_paths", "selection_dtype"]
+__all__ = [
+    "SHARED_WORDS",
+    "BatchLayout",
+    "PackedLeaf",
+    "index",
+    "leaf_paths",
+    "selection_cast",
+    "selection_dtype",
+]
 
 #: Largest input (in words) replicated into every row of a row-mode batch.
 SHARED_WORDS = 64
@@ -31,6 +39,11 @@ def selection_dtype(leaves: Sequence[Any]) -> Any:
     """The float dtype :func:`index` returns for these leaves (float64 only if one is)."""
     wide = any(jnp.dtype(getattr(leaf, "dtype", jnp.float32)) == jnp.float64 for leaf in leaves)
     return jnp.float64 if wide else jnp.float32
+
+
+def selection_cast(leaves: Sequence[Any]) -> Any:
+    """The numpy type :func:`index` selects into for these leaves (host-side casts)."""
+    return np.dtype(selection_dtype(leaves)).type
 
 
 def index(tree: Any, flat_index: Any) -> jax.Array:
