@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from zkdv.batch import count_tokens
 from zkdv.compilation import ResultSchema, jax_trees
@@ -43,13 +41,21 @@ from zkdv.errors import (
 from zkdv.gradients import leaf_name
 from zkdv.jax import _context, _messages, _optimizer
 from zkdv.jax._flops import matmul_flops
+from zkdv.jax._sharding import (
+    constrain,
+    is_sharding_leaf,
+    layout_of,
+    output_shardings,
+    pin,
+    replicated,
+)
 from zkdv.jax._tree import BatchLayout, leaf_paths
 from zkdv.overlap import Policy
 from zkdv.signature import FunctionSignature
 from zkdv.transaction import bind_input
 
 if TYPE_CHECKING:
-    from zkdv.jax._driver import ZKDV
+    from zkdv.driver import Runtime
 
 __all__ = ["JIT_OPTIONS", "JitFunction"]
 
@@ -78,45 +84,6 @@ def _check_options(options: dict[str, Any], api: str) -> None:
     unknown = sorted(set(options) - JIT_OPTIONS)
     if unknown:
         raise TypeError(f"{api} got unexpected jax.jit options {unknown}")
-
-
-def _replicated_sharding(leaves: Sequence[Any]) -> NamedSharding:
-    """A fully replicated sharding on the mesh of the step's inputs (multi-process)."""
-    for leaf in leaves:
-        sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, NamedSharding):
-            return NamedSharding(sharding.mesh, PartitionSpec())  # type: ignore[no-untyped-call]
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("zkdv",))
-    return NamedSharding(mesh, PartitionSpec())  # type: ignore[no-untyped-call]
-
-
-def _layout(leaf: Any, default: Sharding) -> Sharding:
-    sharding = getattr(leaf, "sharding", None)
-    return sharding if isinstance(sharding, Sharding) else default
-
-
-def _pin(tree: Any, layouts: Sequence[Sharding], default: Sharding) -> Any:
-    """Constrain a traced PyTree's leaves to ``layouts`` (one per leaf, else ``default``)."""
-    flat, structure = jax.tree.flatten(tree)
-    if len(layouts) != len(flat):
-        layouts = [default] * len(flat)
-    return jax.tree.unflatten(
-        structure,
-        [_constrain(x, s) for x, s in zip(flat, layouts, strict=True)],
-    )
-
-
-def _constrain(value: Any, sharding: Sharding) -> Any:
-    # Explicit mesh axes make a layout part of the type: only reshard changes it there.
-    if isinstance(sharding, NamedSharding) and any(
-        kind == jax.sharding.AxisType.Explicit for kind in sharding.mesh.axis_types
-    ):
-        return jax.sharding.reshard(value, sharding)  # type: ignore[no-untyped-call]
-    return jax.lax.with_sharding_constraint(value, sharding)  # type: ignore[no-untyped-call]
-
-
-def _is_sharding_leaf(value: Any) -> bool:
-    return value is None or isinstance(value, Sharding | PartitionSpec)
 
 
 @dataclass
@@ -164,24 +131,6 @@ class _Arguments:
         for position, value in zip(self.dynamic_positions, dynamic, strict=True):
             full[position] = value
         return full
-
-
-def _output_shardings(out_shardings: Any, schema: ResultSchema) -> tuple[Any, ...]:
-    """The user's ``out_shardings`` (over the result) per flat program output."""
-    trees = jax_trees()
-    user_leaves = jax.tree.broadcast(
-        out_shardings,
-        trees.unflatten(schema.tree, [0] * len(schema.sources)),
-        is_leaf=_is_sharding_leaf,
-    )
-    per_output: list[Any] = [None] * schema.outputs
-    for source, sharding in zip(
-        schema.sources,
-        jax.tree.leaves(user_leaves, is_leaf=_is_sharding_leaf),
-        strict=True,
-    ):
-        per_output[source] = sharding
-    return tuple(per_output)
 
 
 class _Program:
@@ -236,10 +185,32 @@ class _Program:
         return self._tokens[unit]
 
 
+class Host(Protocol):
+    """What a ``proof.jit`` function needs from the driver that made it
+    (:class:`zkdv.jax.ZKDV`): the shared runtime, the program already compiled for the
+    run (one per proof), the install of the attested program at the first call, and the
+    dispatch of each step. Stated here so that this module does not import the driver.
+    """
+
+    _program_owner: _Program | None
+
+    @property
+    def runtime(self) -> Runtime: ...
+
+    def _install(
+        self,
+        program: _Program,
+        leaves: list[Any],
+        replay_builder: Callable[[_Traced], Callable[..., Any]],
+    ) -> None: ...
+
+    def _step(self, program: _Program, leaves: list[Any], policy: Policy | None) -> Any: ...
+
+
 class JitFunction:
     """A ``proof.jit``-compiled training step: one transcript transaction per call."""
 
-    def __init__(self, proof: ZKDV, function: Callable[..., Any], options: dict[str, Any]):
+    def __init__(self, proof: Host, function: Callable[..., Any], options: dict[str, Any]):
         _check_options(options, "ZKDV.jit")
         functools.update_wrapper(self, function)
         self._proof = proof
@@ -435,7 +406,7 @@ class JitFunction:
         count = len(leaves)
         donated, kept = arguments.donated, arguments.kept
         donated_set = frozenset(donated)
-        gathered = _replicated_sharding(leaves) if jax.process_count() > 1 else None
+        gathered = replicated(leaves) if jax.process_count() > 1 else None
 
         def production(
             donated_leaves: tuple[Any, ...], kept_leaves: tuple[Any, ...], zero: Any
@@ -475,13 +446,13 @@ class JitFunction:
                 # Rank 0 commits the global batch: all-gather it inside the step. The
                 # committed state keeps its input layouts, which _install checked are
                 # whole on every process, so rank 0 reads it without a collective.
-                packed = _constrain(packed, gathered)
-                param_layouts = [_layout(leaves[i], gathered) for i in traced.param_positions]
-                opt_layouts = [_layout(leaves[i], gathered) for i in traced.opt_positions]
+                packed = constrain(packed, gathered)
+                param_layouts = [layout_of(leaves[i], gathered) for i in traced.param_positions]
+                opt_layouts = [layout_of(leaves[i], gathered) for i in traced.opt_positions]
                 hidden = (
-                    _pin(hidden[0], param_layouts, gathered),
-                    _pin(hidden[1], param_layouts, gathered),
-                    _pin(hidden[2], opt_layouts, gathered),
+                    pin(hidden[0], param_layouts, gathered),
+                    pin(hidden[1], param_layouts, gathered),
+                    pin(hidden[2], opt_layouts, gathered),
                 )
             extra = [packed, *computed] if scan is None else [packed, *scan.stacked]
             schema, flat = ResultSchema.build(
@@ -541,7 +512,7 @@ class JitFunction:
         if out_shardings is not None:
             # The flat output layout is known only after tracing; map the user's
             # result shardings onto it and trace once more with them.
-            per_output = _output_shardings(out_shardings, holder["traced"].schema)
+            per_output = output_shardings(out_shardings, holder["traced"].schema)
             jitted = jax.jit(
                 production, donate_argnums=donate_argnums, out_shardings=per_output, **options
             )
@@ -554,7 +525,7 @@ class JitFunction:
         in_shardings = self._options.get("in_shardings")
         if in_shardings is None:
             return None
-        if _is_sharding_leaf(in_shardings) and in_shardings is not None:
+        if is_sharding_leaf(in_shardings) and in_shardings is not None:
             return [in_shardings] * len(leaves)
         entries = list(in_shardings)
         if len(entries) == len(values):
@@ -570,11 +541,11 @@ class JitFunction:
         out: list[Any] = []
         for entry, position in zip(entries, dynamic_positions, strict=True):
             value = values[position]
-            if _is_sharding_leaf(entry):
+            if is_sharding_leaf(entry):
                 out.extend([entry] * len(jax.tree.leaves(value)))
             else:
-                broadcast = jax.tree.broadcast(entry, value, is_leaf=_is_sharding_leaf)
-                out.extend(jax.tree.leaves(broadcast, is_leaf=_is_sharding_leaf))
+                broadcast = jax.tree.broadcast(entry, value, is_leaf=is_sharding_leaf)
+                out.extend(jax.tree.leaves(broadcast, is_leaf=is_sharding_leaf))
         return out
 
     def _registered(

@@ -14,8 +14,9 @@ a fourth probe row, the gradient's; its delta row is the realized change
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import numpy as np
@@ -31,7 +32,9 @@ from zkdv.probes import ProbeSet
 from zkdv.sampling import Challenge
 
 if TYPE_CHECKING:
-    from zkdv.jax._driver import ZKDV
+    from zkdv.config import ZKDVConfig
+    from zkdv.driver import Runtime
+    from zkdv.jax._device import TransferLog
 
 __all__ = ["_DeviceStep", "_Step"]
 
@@ -52,12 +55,55 @@ def _select(views: Sequence[np.ndarray], flat_index: int) -> float:
     return 0.0
 
 
+class StepHost(Protocol):
+    """What a step needs from the driver that dispatched it (:class:`zkdv.jax.ZKDV`).
+
+    The shared :class:`~zkdv.driver.Runtime`, the run's configuration, and the JAX
+    driver's own bookkeeping: its transfer log and device committer, the previous
+    step's post-update probes, its snapshot store, and the hooks a step calls as the pipeline moves it
+    along (snapshot written, batch kept, continuity checked, check expected, committed,
+    replayed, retired). Stated here so that this module does not import the driver.
+    """
+
+    config: ZKDVConfig
+    _log: TransferLog
+    _device: DeviceCommitter | None
+    _last_post_probe: list[np.ndarray] | None
+    _post_rows: list[np.ndarray] | None
+    # Snapshots of scanned steps (zkdv.jax._scan), by step, written under the lock.
+    _store_lock: threading.Lock
+    _snapshots: dict[int, tuple[list[Any], list[Any]]]
+
+    @property
+    def runtime(self) -> Runtime: ...
+
+    def _snapshot_done(self, index: int) -> None: ...
+
+    def _keep_batch(self, index: int, batch: np.ndarray) -> None: ...
+
+    def _verify_continuity(
+        self, index: int, host_pre: tuple[list[np.ndarray], list[np.ndarray]]
+    ) -> None: ...
+
+    def _check_continuity(self, index: int, params: bytes, opt: bytes) -> None: ...
+
+    def _expect_check(self, step: int) -> None: ...
+
+    def _committed(self, index: int) -> None: ...
+
+    def _retired(self, index: int) -> None: ...
+
+    def _replay(
+        self, challenge: Challenge, committed_post: float | None = None
+    ) -> ReplayOutcome: ...
+
+
 class _Step(Submission):
     """One dispatched proof.jit invocation, as the driver pipeline sees it."""
 
     def __init__(
         self,
-        proof: ZKDV,
+        proof: StepHost,
         program: _Program,
         index: int,
         policy: Policy,
@@ -280,7 +326,7 @@ class _DeviceStep(_Step):
 
     def __init__(
         self,
-        proof: ZKDV,
+        proof: StepHost,
         program: _Program,
         index: int,
         policy: Policy,
