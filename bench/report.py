@@ -38,6 +38,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 STORE = ROOT / "docs" / "performance.json"
 PAGE = ROOT / "docs" / "performance.md"
+#: Dated measurement diaries, rendered as they are written at the end of the page.
+HISTORY = ROOT / "bench" / "history"
 #: Lines of a bench's output kept in the store (its summary is at the end).
 KEPT_LINES = 120
 #: A bench's output lines that state a figure against its floor or target.
@@ -303,6 +305,9 @@ def render(store: dict[str, Any]) -> str:
         "To refresh a bench after a change: `scripts/bench-report --only NAME`; every "
         "bench but the long sweeps: `scripts/bench-report`; the sweeps too: `--all`.",
         "",
+        "The page ends with the history: the dated measurement diaries of the frontends "
+        "(`bench/history/`), rendered as they are written.",
+        "",
         "| bench | measures | floor | last figures | last run |",
         "|---|---|---|---|---|",
     ]
@@ -342,7 +347,20 @@ def render(store: dict[str, Any]) -> str:
             *entry["output"],
             "```",
         ]
+    for path in sorted(HISTORY.glob("*.md")):
+        out += ["", *_demoted(path.read_text().rstrip("\n").split("\n"))]
     return "\n".join(out) + "\n"
+
+
+def _demoted(lines: list[str]) -> list[str]:
+    """A history file's lines with each heading one level down (its title becomes a
+    section of the page); lines inside code blocks are kept as they are."""
+    out, fenced = [], False
+    for line in lines:
+        if line.startswith("```"):
+            fenced = not fenced
+        out.append("#" + line if line.startswith("#") and not fenced else line)
+    return out
 
 
 def _cell(text: str) -> str:

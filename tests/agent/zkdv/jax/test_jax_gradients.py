@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[4]
 STEPS = 8
 CHECK_EVERY = 3
 #: What the cross-ISA replays must stay under: a tenth of the bounds (measured: below
-#: 1%; docs/jax.md, "Measured").
+#: 1%; docs/performance.md, "History: the JAX frontend", section 13).
 MARGIN = 0.1
 
 
