@@ -10,7 +10,7 @@ does) and compares what it recomputes within the run's gradient bounds.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -21,13 +21,59 @@ from zkdv.torch._pipeline import CommittedValues
 from zkdv.torch.optimizers.bridge import SCALER, SCALER_ENTRIES
 
 if TYPE_CHECKING:
-    from zkdv.torch._driver import ZKDV
+    from pathlib import Path
 
-__all__ = ["committed_values", "computed_leaves"]
+    from zkdv.config import GradientBounds, ZKDVConfig
+    from zkdv.driver import Runtime
+    from zkdv.torch._model import PreparedModel
+
+__all__ = ["ComputedHost", "committed_values", "computed_leaves"]
+
+
+class _Names(Protocol):
+    @property
+    def parameter_names(self) -> tuple[str, ...]: ...
+
+    @property
+    def buffer_names(self) -> tuple[str, ...]: ...
+
+
+class _ScalerState(Protocol):
+    def live_state(self) -> dict[str, torch.Tensor]: ...
+
+
+class ComputedHost(Protocol):
+    """What the computed values read of the driver (:class:`zkdv.torch.ZKDV`): the run's
+    directory, configuration and bounds, the committed names, the prepared model and
+    GradScaler, and which parameters train. Stated here so that this module does not
+    import the driver."""
+
+    @property
+    def runtime(self) -> Runtime: ...
+
+    @property
+    def path(self) -> Path: ...
+
+    @property
+    def config(self) -> ZKDVConfig: ...
+
+    @property
+    def _layout(self) -> _Names: ...
+
+    @property
+    def _prepared_scaler(self) -> _ScalerState | None: ...
+
+    @property
+    def _trained(self) -> tuple[bool, ...] | None: ...
+
+    @property
+    def _bounds(self) -> GradientBounds | None: ...
+
+    def _require_prepared_model(self) -> PreparedModel: ...
 
 
 def computed_leaves(
-    proof: ZKDV,
+    proof: ComputedHost,
     gradients: list[torch.Tensor | None],
     post_buffers: list[torch.Tensor],
     *,
@@ -60,7 +106,7 @@ def computed_leaves(
     return leaves
 
 
-def committed_values(proof: ZKDV, step: int) -> CommittedValues | None:
+def committed_values(proof: ComputedHost, step: int) -> CommittedValues | None:
     """Step ``step``'s committed computed values, read back from its gradient file.
 
     What a sampled check applies the canonical update to, as the platform's replay

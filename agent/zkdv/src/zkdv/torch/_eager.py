@@ -18,7 +18,7 @@ state that every rank all-gathered on the training thread at the step's end.
 from __future__ import annotations
 
 from contextvars import ContextVar, Token
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -28,15 +28,51 @@ from zkdv.driver import Leaves, ReplayOutcome, Submission
 from zkdv.probes import ProbeSet
 from zkdv.sampling import Challenge
 from zkdv.torch._arrays import host_array
-from zkdv.torch._computed import computed_leaves
+from zkdv.torch._computed import ComputedHost, computed_leaves
 from zkdv.torch._pipeline import FlatIndex, element
 
 if TYPE_CHECKING:
-    from zkdv.torch._driver import ZKDV
+    from zkdv.torch._arrays import HostViews
+    from zkdv.torch._device import DeviceCommitter
+    from zkdv.torch.optimizers.bridge import OptimizerBridge
+    from zkdv.transfers import TransferLog
 
 __all__ = ["NESTED", "EagerTransaction", "current_transaction", "host_array"]
 
 NESTED = "nested ZKDV Torch transactions are unsupported"
+
+
+class EagerHost(ComputedHost, Protocol):
+    """What a transaction and its step need from the driver (:class:`zkdv.torch.ZKDV`):
+    beside what the computed values read, the transfer log, the device committer and
+    host views, the optimizer's bridge, and the hooks that open, close and abort a
+    transaction, replay a check and retire a step. Stated here so that this module does
+    not import the driver."""
+
+    @property
+    def transfers(self) -> TransferLog: ...
+
+    @property
+    def _layout(self) -> Layout: ...
+
+    @property
+    def _device_committer(self) -> DeviceCommitter | None: ...
+
+    @property
+    def _host_views(self) -> HostViews: ...
+
+    def _bridge(self) -> OptimizerBridge: ...
+
+    def _open_prepared_transaction(self, transaction: EagerTransaction) -> Any: ...
+
+    def _close_prepared_transaction(self, transaction: EagerTransaction) -> None: ...
+
+    def _abort_prepared_transaction(self, transaction: EagerTransaction) -> None: ...
+
+    def _replay(self, challenge: Challenge, committed_post: float) -> ReplayOutcome: ...
+
+    def _retired(self, index: int) -> None: ...
+
 
 _CURRENT: ContextVar[EagerTransaction | None] = ContextVar("zkdv_torch_transaction", default=None)
 
@@ -56,7 +92,10 @@ class EagerTransaction:
     """
 
     def __init__(
-        self, proof: ZKDV, batch: Any, overlap: overlap_policy.Policy = overlap_policy.UNCHECKED
+        self,
+        proof: EagerHost,
+        batch: Any,
+        overlap: overlap_policy.Policy = overlap_policy.UNCHECKED,
     ) -> None:
         if _CURRENT.get() is not None:
             raise RuntimeError(NESTED)
@@ -108,7 +147,7 @@ class TorchStep(Submission):
 
     def __init__(
         self,
-        proof: ZKDV,
+        proof: EagerHost,
         transaction: EagerTransaction,
         *,
         parameters: tuple[torch.Tensor, ...],

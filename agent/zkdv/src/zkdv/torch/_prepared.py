@@ -22,7 +22,7 @@ from zkdv.torch._eager import current_transaction
 from zkdv.torch.optimizers.bridge import OptimizerBridge
 
 if TYPE_CHECKING:
-    from zkdv.torch._driver import ZKDV
+    from zkdv.torch._update import UpdateHost
 
 __all__ = ["PreparedOptimizer"]
 
@@ -36,7 +36,9 @@ class PreparedOptimizer(torch.optim.Optimizer):
         bridge: its functional bridge.
     """
 
-    def __init__(self, proof: ZKDV, optimizer: torch.optim.Optimizer, bridge: OptimizerBridge):
+    def __init__(
+        self, proof: UpdateHost, optimizer: torch.optim.Optimizer, bridge: OptimizerBridge
+    ):
         # Deliberately not Optimizer.__init__: groups, state and hooks stay the wrapped
         # optimizer's, so schedulers, checkpoints and hooks see one source of truth.
         self.proof = proof

@@ -33,7 +33,7 @@ from zkdv.torch.optimizers.bridge import SCALER
 from zkdv.torch.optimizers.bridge import SCALER_ENTRIES as ENTRIES
 
 if TYPE_CHECKING:
-    from zkdv.torch._driver import ZKDV
+    from zkdv.torch._update import UpdateHost
 
 __all__ = ["ENTRIES", "SCALER", "PreparedGradScaler", "apply_update", "unscale"]
 
@@ -97,7 +97,9 @@ class PreparedGradScaler:
         device: where its state lives (the model's device).
     """
 
-    def __init__(self, proof: ZKDV, scaler: torch.amp.GradScaler, device: torch.device) -> None:
+    def __init__(
+        self, proof: UpdateHost, scaler: torch.amp.GradScaler, device: torch.device
+    ) -> None:
         self.proof = proof
         self.scaler = scaler
         if scaler._scale is None:

@@ -7,28 +7,27 @@ barrier for the previous commitment, copies the pre-state a check needs (a repla
 snapshot, or the rows the probes read) and fixes the step's dynamic options; then it
 applies the canonical update of a copy of the gradients (:mod:`zkdv.gradients`), or
 ``torch.optim``'s own step where the update is not canonical. These functions act on the
-driver's state (:class:`zkdv.torch._driver.ZKDV`).
+driver's state through :class:`UpdateHost`, what they need of it.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from zkdv.errors import ZKDVError
 from zkdv.torch._checkpoint import StepInputs
-from zkdv.torch._eager import EagerTransaction, current_transaction
+from zkdv.torch._eager import EagerHost, EagerTransaction, current_transaction
 
 if TYPE_CHECKING:
-    from zkdv.torch._driver import ZKDV
+    from zkdv.torch._checkpoint import ReplayCheckpoint
     from zkdv.torch._model import PreparedModel
-    from zkdv.torch._prepared import PreparedOptimizer
     from zkdv.torch.optimizers.bridge import OptimizerBridge
 
-__all__ = ["skipped_by_scaler", "step"]
+__all__ = ["Prepared", "UpdateHost", "skipped_by_scaler", "step"]
 
 FSDP_NO_STATES = (
     "ZKDV under FSDP2 lost the gathered optimizer state of the step before snapshot "
@@ -44,6 +43,45 @@ FROZEN_CHANGED = (
     "program differentiates exactly the parameters that required gradients when it was "
     "sealed, so create a new proof for the new set of trained parameters"
 )
+
+
+class Prepared(Protocol):
+    """A prepared optimizer as its step sees it (``PreparedOptimizer``)."""
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+
+    @property
+    def bridge(self) -> OptimizerBridge: ...
+
+
+class UpdateHost(EagerHost, Protocol):
+    """What an optimizer step needs from the driver (:class:`zkdv.torch.ZKDV`): beside a
+    transaction's needs, whether this rank follows, the prepared optimizer, the replay
+    checkpoint, FSDP2's gathered states, the probes' row index, and which parameters
+    train and were sealed with gradients. Stated here so that this module does not
+    import the driver."""
+
+    _probe_index: list[torch.Tensor | None] | None
+    _full_states: list[dict[str, Any]] | None
+
+    @property
+    def follower(self) -> bool: ...
+
+    @property
+    def _prepared_optimizer(self) -> Prepared | None: ...
+
+    @property
+    def _checkpoint(self) -> ReplayCheckpoint | None: ...
+
+    @property
+    def _fsdp(self) -> bool: ...
+
+    @property
+    def _commits_gradients(self) -> bool: ...
+
+    @property
+    def _requires_grad(self) -> tuple[bool, ...] | None: ...
 
 
 class _StepDroppedError(Exception):
@@ -65,9 +103,9 @@ def _global_post_hooks() -> dict[Any, Any]:
 
 
 def step(
-    proof: ZKDV,
+    proof: UpdateHost,
     transaction: EagerTransaction,
-    optimizer: PreparedOptimizer,
+    optimizer: Prepared,
     closure: Callable[[], float] | None,
 ) -> Any:
     """``optimizer.step()`` of the prepared optimizer inside ``transaction``.
@@ -100,15 +138,15 @@ def step(
     return result
 
 
-def _canonical(proof: ZKDV, bridge: OptimizerBridge) -> bool:
+def _canonical(proof: UpdateHost, bridge: OptimizerBridge) -> bool:
     """Whether training applies the canonical update (every rank decides alike)."""
     return bridge.canonical and not proof._fsdp
 
 
 def _canonical_step(
-    proof: ZKDV,
+    proof: UpdateHost,
     transaction: EagerTransaction,
-    optimizer: PreparedOptimizer,
+    optimizer: Prepared,
     closure: Callable[[], float] | None,
 ) -> Any:
     """``optimizer.step()`` as the canonical update of the step's gradient.
@@ -149,7 +187,7 @@ def _canonical_step(
     return loss
 
 
-def _step_gradients(proof: ZKDV, index: int) -> list[torch.Tensor | None]:
+def _step_gradients(proof: UpdateHost, index: int) -> list[torch.Tensor | None]:
     """Copies of the gradients this step's update reads (None: not trained).
 
     The committed gradient is what the optimizer read, after accumulation, clipping
@@ -179,7 +217,7 @@ def _step_gradients(proof: ZKDV, index: int) -> list[torch.Tensor | None]:
 
 
 def _commit_options(
-    proof: ZKDV, transaction: EagerTransaction, hyperparameters: list[dict[str, Any]]
+    proof: UpdateHost, transaction: EagerTransaction, hyperparameters: list[dict[str, Any]]
 ) -> None:
     """Fix the step's dynamic options: committed, and replayed with it."""
     transaction.hyperparameters = hyperparameters
@@ -189,7 +227,7 @@ def _commit_options(
     )
 
 
-def skipped_by_scaler(proof: ZKDV, optimizer: Any) -> None:
+def skipped_by_scaler(proof: UpdateHost, optimizer: Any) -> None:
     """After a prepared GradScaler's step: one it skipped (an overflow) still counts.
 
     Its transaction commits the step with the parameters and optimizer state
@@ -213,9 +251,9 @@ def skipped_by_scaler(proof: ZKDV, optimizer: Any) -> None:
 
 
 def _before_update(
-    proof: ZKDV,
+    proof: UpdateHost,
     transaction: EagerTransaction,
-    optimizer: PreparedOptimizer,
+    optimizer: Prepared,
     parameters: tuple[torch.Tensor, ...],
     *,
     options: bool = True,
@@ -250,7 +288,7 @@ def _before_update(
         transaction.dropped = True
 
 
-def _validate_frozen(proof: ZKDV, model: PreparedModel) -> None:
+def _validate_frozen(proof: UpdateHost, model: PreparedModel) -> None:
     """Refuse a change of which parameters require gradients since sealing."""
     sealed = proof._requires_grad
     if sealed is None:
@@ -265,7 +303,7 @@ def _validate_frozen(proof: ZKDV, model: PreparedModel) -> None:
         raise RuntimeError(FROZEN_CHANGED.format(names=names))
 
 
-def _pre_states(proof: ZKDV, index: int) -> list[dict[str, Any]]:
+def _pre_states(proof: UpdateHost, index: int) -> list[dict[str, Any]]:
     """The optimizer state before step ``index`` (rank 0, at the optimizer step).
 
     Under FSDP2 it is the full state gathered at the previous step's end: the
@@ -281,7 +319,7 @@ def _pre_states(proof: ZKDV, index: int) -> list[dict[str, Any]]:
     return states
 
 
-def _probe_rows(proof: ZKDV, parameters: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+def _probe_rows(proof: UpdateHost, parameters: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     """Copies of the pre-update rows the probes read (at most 64 rows per leaf)."""
     core = proof.runtime.core
     # The probe set exists: step 0 is a snapshot step, and the barrier waited for
@@ -305,7 +343,7 @@ def _probe_rows(proof: ZKDV, parameters: tuple[torch.Tensor, ...]) -> list[torch
     return out
 
 
-def _poison_check(proof: ZKDV) -> None:
+def _poison_check(proof: UpdateHost) -> None:
     runtime = proof.runtime
     if not runtime.multi_process:
         runtime.check()
@@ -313,7 +351,7 @@ def _poison_check(proof: ZKDV) -> None:
         raise _StepDroppedError
 
 
-def _wait_released(proof: ZKDV) -> None:
+def _wait_released(proof: UpdateHost) -> None:
     runtime = proof.runtime
     if not runtime.multi_process:
         runtime.barrier()
