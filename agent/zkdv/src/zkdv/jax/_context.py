@@ -2,8 +2,8 @@
 
 While ``proof.jit`` traces a training function it installs a :class:`TraceContext` on
 the tracing thread. :class:`~zkdv.jax.Transaction` (``_transaction``) and the contrib
-``TrainState.apply_gradients`` register their values with it; outside such a trace they are inert markers, so the
-same code runs unchanged under ``jax.jit`` or eagerly. Nothing here opens a transcript
+``TrainState.apply_gradients`` register their values with it; outside such a trace
+they are inert markers, so the same code runs unchanged under ``jax.jit`` or eagerly. Nothing here opens a transcript
 transaction: the ``proof.jit`` wrapper opens exactly one per actual invocation.
 """
 

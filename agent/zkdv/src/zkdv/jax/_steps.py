@@ -60,9 +60,9 @@ class StepHost(Protocol):
 
     The shared :class:`~zkdv.driver.Runtime`, the run's configuration, and the JAX
     driver's own bookkeeping: its transfer log and device committer, the previous
-    step's post-update probes, its snapshot store, and the hooks a step calls as the pipeline moves it
-    along (snapshot written, batch kept, continuity checked, check expected, committed,
-    replayed, retired). Stated here so that this module does not import the driver.
+    step's post-update probes, its snapshot store, and the hooks a step calls as the
+    pipeline moves it along (snapshot written, batch kept, continuity checked, check
+    expected, committed, replayed, retired). Stated here so that this module does not import the driver.
     """
 
     config: ZKDVConfig

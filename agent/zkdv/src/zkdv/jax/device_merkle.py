@@ -89,7 +89,8 @@ FUSED = Schedule(unroll=True, exact_levels=True)
 # One block's compression unrolled (one fused kernel over every chunk of the state), the
 # blocks and the levels as loops: one compression in the program where FUSED has about
 # forty, so a fraction of its compile, at the price of the chaining values' round trip
-# to memory between blocks (32 bytes a chunk, against the chunk's 1 KiB read).
+# to memory between blocks (32 bytes a chunk written and read back beside each block's
+# 64 bytes of message).
 BLOCKWISE = Schedule(unroll=True, exact_levels=False, unroll_blocks=False)
 
 
