@@ -85,7 +85,15 @@ def run_jax(leaves: list[tuple[str, np.ndarray]], args: argparse.Namespace, host
     import jax.numpy as jnp
 
     from zkdv.device_merkle import roots_to_bytes
-    from zkdv.jax.device_merkle import BLOCKWISE, COMPACT, FUSED, Schedule, chunk_roots
+    from zkdv.jax.device_merkle import (
+        BLOCKWISE,
+        COMPACT,
+        FUSED,
+        KERNEL,
+        Schedule,
+        chunk_roots,
+        default_schedule,
+    )
 
     backend = jax.default_backend()
     nbytes = sum(a.nbytes for _, a in leaves)
@@ -101,11 +109,15 @@ def run_jax(leaves: list[tuple[str, np.ndarray]], args: argparse.Namespace, host
     schedules = [("compact", COMPACT)]
     if backend != "cpu":
         schedules = [
-            ("blockwise (default)", BLOCKWISE),
+            ("kernel", KERNEL),
+            ("blockwise", BLOCKWISE),
             ("fused", FUSED),
             ("fused, looped levels", Schedule(unroll=True, exact_levels=False)),
             ("compact", COMPACT),
         ]
+    if backend != "tpu":  # Pallas's TPU kernels run here only through its interpreter
+        schedules = [(n, s) for n, s in schedules if not s.kernel]
+    schedules = [(f"{n} (default)" if s == default_schedule() else n, s) for n, s in schedules]
     for name, schedule in schedules:
         start = time.perf_counter()
         try:

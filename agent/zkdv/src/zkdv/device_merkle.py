@@ -131,6 +131,10 @@ class Ops(Protocol):
     def loop(
         self, count: int, body: Callable[[Any, list[Any]], list[Any]], init: list[Any]
     ) -> list[Any]: ...
+    def bulk_roots(self, matrix: Any, key: Sequence[int], per: int, nbulk: int) -> list[Any] | None:
+        """Steps 1-2 by a backend's own kernels (:func:`_bulk_roots`'s result, the same
+        bits), or None to run the array code here."""
+        ...
 
 
 def compress(
@@ -571,6 +575,9 @@ def _bulk_roots(ops: Ops, plan: HashPlan, bulk_rows: list[Any], leaf_key: list[A
     per = plan.per_message
     nbulk = plan.bulk_messages
     matrix = ops.concat(bulk_rows) if len(bulk_rows) > 1 else bulk_rows[0]
+    kernel = ops.bulk_roots(matrix, key_words(Domain.LEAF), per, nbulk)
+    if kernel is not None:
+        return kernel
     count = nbulk * per
     counter = ops.array((np.arange(count) % per).astype(np.uint32))
 
@@ -683,6 +690,9 @@ class EagerOps:
         return state
 
     loop = fori
+
+    def bulk_roots(self, matrix: Any, key: Sequence[int], per: int, nbulk: int) -> list[Any] | None:
+        return None
 
 
 class NumpyOps(EagerOps):

@@ -19,11 +19,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zkdv.device_merkle import roots_to_bytes, state_commitment
+from zkdv.device_merkle import HashPlan, key_words, roots_to_bytes, state_commitment
+from zkdv.hashing import Domain
 from zkdv.jax.device_merkle import (
     BLOCKWISE,
     COMPACT,
     FUSED,
+    KERNEL,
     Schedule,
     chunk_roots,
     default_schedule,
@@ -91,6 +93,8 @@ def _device_roots(
         (4096, COMPACT),
         (4096, Schedule(False, True)),
         (4096, BLOCKWISE),  # the accelerators' default: every dtype, bulk, looped levels
+        (4096, KERNEL),  # the TPU's: the bulk by the Pallas kernels (interpreted here)
+        (1024, KERNEL),  # one full chunk a message: no subtree level
     ],
 )
 def test_roots_match_the_host_for_every_dtype_and_length(
@@ -113,7 +117,10 @@ def test_roots_match_with_the_default_chunk_size() -> None:
         ("exact", rng.standard_normal(1 << 18).astype(np.float32)),
         ("small", rng.standard_normal(300).astype(ml_dtypes.bfloat16)),
     ]
-    assert _device_roots(leaves, 1 << 20) == list(commit_state(leaves, 1 << 20).chunk_roots)
+    expected = list(commit_state(leaves, 1 << 20).chunk_roots)
+    assert _device_roots(leaves, 1 << 20) == expected
+    # The TPU's schedule: ten levels of parent kernels, two messages in the bulk batch.
+    assert _device_roots(leaves, 1 << 20, KERNEL) == expected
 
 
 @settings(
@@ -141,12 +148,32 @@ def test_the_fused_schedule_gives_the_same_roots() -> None:
     assert _device_roots(leaves, 64, FUSED) == list(commit_state(leaves, 64).chunk_roots)
 
 
+def test_the_bulk_kernels_match_the_reference_at_every_batch_size() -> None:
+    """The Pallas kernels alone (interpreted), against the numpy reference: batches
+    that fill whole kernel invocations and ones that are padded, one chunk a message
+    and many (the chunk counter wraps at each message, the subtree's levels pair
+    neighbours)."""
+    from zkdv.device_merkle import NumpyOps, _bulk_roots
+    from zkdv.jax._blake3_kernel import ROWS, bulk_roots
+
+    rng = np.random.default_rng(7)
+    key = key_words(Domain.LEAF)
+    for per, nbulk in [(1, 3), (4, 5), (64, 2), (2, ROWS * 128)]:
+        matrix = rng.integers(0, 1 << 32, (per * nbulk, 256), dtype=np.uint64).astype(np.uint32)
+        plan = HashPlan.build([per * 1024] * nbulk, per * 1024)
+        with np.errstate(over="ignore"):
+            want = _bulk_roots(NumpyOps(), plan, [matrix], [np.uint32(k) for k in key])
+        got = jax.jit(lambda m, p=per, n=nbulk: bulk_roots(m, key, p, n))(matrix)
+        for word, (mine, reference) in enumerate(zip(got, want, strict=True)):
+            np.testing.assert_array_equal(np.asarray(mine), reference, err_msg=f"{per=} {word=}")
+
+
 def test_the_accelerators_roots_program_lowers_for_tpu() -> None:
     """The TPU's chunk-roots program (:func:`default_schedule`), exported for TPU on a
-    CPU: an operation the TPU's lowering refuses, or a 64-bit type, fails here in CI
-    rather than at a TPU run's first step."""
+    CPU: an operation the TPU's lowering (XLA's, or Mosaic's for the kernels) refuses,
+    or a 64-bit type, fails here in CI rather than at a TPU run's first step."""
     schedule = default_schedule("tpu")
-    assert schedule == BLOCKWISE
+    assert schedule == KERNEL and default_schedule("gpu") == BLOCKWISE
     shapes = [((3, 1 << 18), jnp.float32), ((300,), jnp.bfloat16), ((), jnp.int32)]
     specs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]  # type: ignore[no-untyped-call]
 
@@ -157,8 +184,11 @@ def test_the_accelerators_roots_program_lowers_for_tpu() -> None:
     text = exported.mlir_module()
     assert not re.findall(r"[x<](?:f64|i64|ui64)>", text)
     assert exported.out_avals[0].shape == (3, 8)
+    # The bulk is Mosaic kernels: the chunks' and one per subtree level (1 MiB chunks:
+    # ten), so its compressions are not in the XLA program.
+    assert text.count("tpu_custom_call") == 11
     # Every rotation is an OR of two shifts: FUSED unrolls the blocks and the levels (2,235
-    # ORs for this layout), BLOCKWISE loops over them (357).
+    # ORs for this layout), BLOCKWISE loops over them (357), KERNEL leaves XLA the rest.
     fused = jax.export.export(
         jax.jit(lambda leaves: chunk_roots(leaves, 1 << 20, schedule=FUSED)), platforms=("tpu",)
     )(specs)

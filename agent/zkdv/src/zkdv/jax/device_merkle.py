@@ -10,12 +10,14 @@ state_commitment` finishes the state root on the host. The roots are bit-identic
 Compression runs block by block over all chunks of the state at once. A
 :class:`Schedule` says how the program is laid out, never what it computes: BLAKE3's
 rounds and blocks unrolled (large fused kernels that keep the state in registers) or as
-``lax.fori_loop`` s (a small program), and the bulk subtrees' levels at their exact
-sizes or as one fixed-shape loop. Every schedule gives the same bits;
+``lax.fori_loop`` s (a small program), the bulk subtrees' levels at their exact sizes or
+as one fixed-shape loop, and on a TPU the bulk by the Pallas kernels of
+:mod:`zkdv.jax._blake3_kernel`. Every schedule gives the same bits;
 :func:`default_schedule` picks per backend. The compilers decide: XLA:CPU takes minutes
 over the unrolled form, and the TPU's took 111 and 131 s over :data:`FUSED` for the two
-layouts of a 135M-parameter model (``docs/reliability.md`` section 10), against 41 s
-for the model's whole training step.
+layouts of a 135M-parameter model, against 41 s for the model's whole training step,
+then ran :data:`BLOCKWISE` at 5 GB/s; :data:`KERNEL`'s kernels compile in under a
+second and hash at 250 GB/s (``docs/reliability.md`` section 10).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ __all__ = [
     "BLOCKWISE",
     "COMPACT",
     "FUSED",
+    "KERNEL",
     "JaxOps",
     "Schedule",
     "chunk_roots",
@@ -77,11 +80,15 @@ class Schedule(NamedTuple):
             program per level) rather than in one fixed-shape loop (about
             ``log2(chunk_bytes / 1024) / 2`` times the parent-node work).
         unroll_blocks: unroll the 16 blocks of a chunk; None: as ``unroll``.
+        kernel: the bulk (every full chunk and its message's subtree) by the Pallas
+            kernels of ``zkdv.jax._blake3_kernel`` (Mosaic on a TPU, Pallas's
+            interpreter elsewhere); the other fields then lay out the rest.
     """
 
     unroll: bool
     exact_levels: bool
     unroll_blocks: bool | None = None
+    kernel: bool = False
 
 
 COMPACT = Schedule(unroll=False, exact_levels=False)
@@ -92,22 +99,43 @@ FUSED = Schedule(unroll=True, exact_levels=True)
 # to memory between blocks (32 bytes a chunk written and read back beside each block's
 # 64 bytes of message).
 BLOCKWISE = Schedule(unroll=True, exact_levels=False, unroll_blocks=False)
+# The bulk (all but a few compressions per Merkle chunk) by Pallas kernels, the rest as
+# loops, the smallest program: on a v5e the kernels hashed 217 GB/s where BLOCKWISE's
+# whole pipeline did 12, and compiled in under a second each.
+KERNEL = COMPACT._replace(kernel=True)
 
 
 def default_schedule(backend: str | None = None) -> Schedule:
-    """:data:`BLOCKWISE` on accelerators, :data:`COMPACT` on CPU (compile time)."""
-    return COMPACT if (backend or jax.default_backend()) == "cpu" else BLOCKWISE
+    """:data:`KERNEL` on a TPU, :data:`BLOCKWISE` on other accelerators (Pallas's TPU
+    kernels are the TPU's), :data:`COMPACT` on CPU (compile time)."""
+    backend = backend or jax.default_backend()
+    if backend == "cpu":
+        return COMPACT
+    return KERNEL if backend == "tpu" else BLOCKWISE
 
 
 class JaxOps:
     """:class:`zkdv.device_merkle.Ops` over ``jax.numpy`` uint32 arrays."""
 
     def __init__(
-        self, *, unroll: bool, exact_levels: bool | None = None, unroll_blocks: bool | None = None
+        self,
+        *,
+        unroll: bool,
+        exact_levels: bool | None = None,
+        unroll_blocks: bool | None = None,
+        kernel: bool = False,
     ) -> None:
         self.unroll = unroll
         self.exact_levels = unroll if exact_levels is None else exact_levels
         self.unroll_blocks = unroll if unroll_blocks is None else unroll_blocks
+        self.kernel = kernel
+
+    def bulk_roots(self, matrix: Any, key: Sequence[int], per: int, nbulk: int) -> list[Any] | None:
+        if not self.kernel:
+            return None
+        from zkdv.jax._blake3_kernel import bulk_roots  # Pallas only where it is asked for
+
+        return bulk_roots(matrix, key, per, nbulk)
 
     def const(self, value: int) -> Any:
         return jnp.uint32(value)
@@ -222,6 +250,7 @@ def _roots(plan: HashPlan, schedule: Schedule, leaves: Sequence[Any]) -> Any:
         unroll=schedule.unroll,
         exact_levels=schedule.exact_levels,
         unroll_blocks=schedule.unroll_blocks,
+        kernel=schedule.kernel,
     )
     roots = _chunk_roots(ops, plan, words)
     return jnp.stack(roots, axis=1)
