@@ -18,6 +18,9 @@ numpy reference on a sample:
   (8, 128) tiles, one block's compression fused, the blocks a loop;
 * ``pallas-T`` (``pallas-Tu``: its 16 blocks unrolled): a Pallas kernel over word-major tiles of ``T`` x 128 chunks, all 16
   blocks in one kernel invocation (the chaining value never leaves the core);
+* ``levels-pairs``, ``levels-halves``: the subtree levels alone (on the first eight
+  words of each chunk as its chaining value), pairing neighbours as the library does or
+  taking contiguous halves, as a bit-reversed chunk order would allow;
 * ``transpose``: the ``(chunks, 256) -> (256, chunks)`` transpose the word-major forms
   need, alone;
 * ``read``: one read of the same bytes (an XOR over every word): the floor.
@@ -197,7 +200,47 @@ def measure(
         host_leaves = [(str(i), np.asarray(leaf)) for i, leaf in enumerate(leaves)]
         want = list(zkdv.merkle.commit_state(host_leaves, 1 << 20).chunk_roots)
         return first, run, "every root equals the host's" if roots == want else "ROOTS DIFFER"
+    if name.startswith("levels-"):
+        return _levels(name, natural, args)
     raise SystemExit(f"unknown variant {name}")
+
+
+def _levels(name: str, natural: jax.Array, args: argparse.Namespace) -> tuple[float, float, str]:
+    """The subtree levels alone, on chaining values of ``per = 1024`` chunks a message:
+    ``levels-pairs`` pairs neighbours as the library does (``(8, n, 2)`` arrays), and
+    ``levels-halves`` takes each level's children as the two contiguous halves (what a
+    bit-reversed chunk order would give); both checked to give the same roots."""
+    from zkdv.jax import _blake3_kernel as bk
+
+    key = tuple(int(k) for k in KEY)
+    nbulk = natural.shape[0] // PER
+    cv = lax.bitcast_convert_type(natural[:, :8].T, jnp.int32).reshape(8, nbulk, PER)
+    parent = functools.partial(bk._parent_kernel, key, not args.interpret)
+
+    def reduce(cv: jax.Array, halves: bool) -> jax.Array:
+        while cv.shape[2] > 1:
+            half = cv.shape[2] // 2
+            n = nbulk * half
+            rows = bk._rows_for(n)
+            if halves:
+                children = (cv[:, :, :half].reshape(8, n), cv[:, :, half:].reshape(8, n))
+            else:
+                pairs = cv.reshape(8, n, 2)
+                children = (pairs[:, :, 0], pairs[:, :, 1])
+            left, right = (bk._tiles(c, rows) for c in children)
+            out = bk._call(parent, [left, right], rows, args.interpret)
+            cv = out.reshape(8, -1)[:, :n].reshape(8, nbulk, half)
+        return cv.reshape(8, nbulk)
+
+    halves = name == "levels-halves"
+    fn = jax.jit(functools.partial(reduce, halves=halves))
+    bits = PER.bit_length() - 1
+    reverse = np.array([int(f"{p:0{bits}b}"[::-1], 2) for p in range(PER)])
+    data = cv[:, :, reverse] if halves else cv
+    first, run, out = timed(lambda: fn(data), args.repeat)
+    want = jax.jit(functools.partial(reduce, halves=False))(cv)
+    same = np.array_equal(np.asarray(out), np.asarray(want))
+    return first, run, "roots equal the pairs' roots" if same else "ROOTS DIFFER"
 
 
 def main() -> None:
@@ -206,7 +249,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument(
         "--variants",
-        default="read,transpose,pallas-8,pallas-8u,pallas-16,pallas-32,words,rows,library",
+        default="read,transpose,pallas-8,pallas-8u,pallas-16,pallas-32,words,rows,library,levels-pairs,levels-halves",
     )
     parser.add_argument("--schedule", default="KERNEL", help="the library variant's schedule")
     parser.add_argument(
