@@ -174,6 +174,9 @@ def test_the_accelerators_roots_program_lowers_for_tpu() -> None:
     or a 64-bit type, fails here in CI rather than at a TPU run's first step."""
     schedule = default_schedule("tpu")
     assert schedule == KERNEL and default_schedule("gpu") == BLOCKWISE
+    # A state over several chips: a Mosaic call is not partitioned, XLA's program is.
+    assert default_schedule("tpu", devices=4) == BLOCKWISE
+    assert default_schedule("cpu", devices=8) == COMPACT
     shapes = [((3, 1 << 18), jnp.float32), ((300,), jnp.bfloat16), ((), jnp.int32)]
     specs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]  # type: ignore[no-untyped-call]
 

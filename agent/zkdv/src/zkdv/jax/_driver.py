@@ -645,7 +645,8 @@ class ZKDV(Driver):
         arrays = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in state]
         unsupported = DeviceCommitter.unsupported(paths, arrays)
         processes = jax.process_count()
-        platforms = {d.platform for x in arrays for d in x.devices()}
+        devices = {d for x in arrays for d in x.devices()}
+        platforms = {d.platform for d in devices}
         # zkdv.jax.scan returns its updates' states stacked; they are hashed on the host.
         scan = traced.registration.scan is not None
         if wanted == "device":
@@ -666,9 +667,9 @@ class ZKDV(Driver):
             )
         self._path = wanted
         if wanted == "device":
-            backend = "cpu" if "cpu" in platforms else "accelerator"
+            backend = "cpu" if "cpu" in platforms else "/".join(sorted(platforms))
             self._device = DeviceCommitter(
-                self.config.chunk_bytes, self._log, default_schedule(backend)
+                self.config.chunk_bytes, self._log, default_schedule(backend, len(devices))
             )
         return self._device
 

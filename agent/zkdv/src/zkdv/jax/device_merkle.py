@@ -105,13 +105,19 @@ BLOCKWISE = Schedule(unroll=True, exact_levels=False, unroll_blocks=False)
 KERNEL = COMPACT._replace(kernel=True)
 
 
-def default_schedule(backend: str | None = None) -> Schedule:
-    """:data:`KERNEL` on a TPU, :data:`BLOCKWISE` on other accelerators (Pallas's TPU
-    kernels are the TPU's), :data:`COMPACT` on CPU (compile time)."""
+def default_schedule(backend: str | None = None, devices: int = 1) -> Schedule:
+    """:data:`COMPACT` on CPU (compile time); :data:`KERNEL` for a state on one TPU chip
+    (Pallas's Mosaic kernels are the TPU's, and a Mosaic call is not partitioned across
+    chips); :data:`BLOCKWISE` on any other accelerator or a state over several chips.
+
+    Args:
+        backend: the platform holding the state (``jax.default_backend()`` when None).
+        devices: how many devices hold it.
+    """
     backend = backend or jax.default_backend()
     if backend == "cpu":
         return COMPACT
-    return KERNEL if backend == "tpu" else BLOCKWISE
+    return KERNEL if backend == "tpu" and devices == 1 else BLOCKWISE
 
 
 class JaxOps:
