@@ -215,21 +215,17 @@ def _levels(name: str, natural: jax.Array, args: argparse.Namespace) -> tuple[fl
     key = tuple(int(k) for k in KEY)
     nbulk = natural.shape[0] // PER
     cv = lax.bitcast_convert_type(natural[:, :8].T, jnp.int32).reshape(8, nbulk, PER)
-    parent = functools.partial(bk._parent_kernel, key, not args.interpret)
 
     def reduce(cv: jax.Array, halves: bool) -> jax.Array:
         while cv.shape[2] > 1:
             half = cv.shape[2] // 2
             n = nbulk * half
-            rows = bk._rows_for(n)
             if halves:
-                children = (cv[:, :, :half].reshape(8, n), cv[:, :, half:].reshape(8, n))
+                left, right = cv[:, :, :half].reshape(8, n), cv[:, :, half:].reshape(8, n)
             else:
                 pairs = cv.reshape(8, n, 2)
-                children = (pairs[:, :, 0], pairs[:, :, 1])
-            left, right = (bk._tiles(c, rows) for c in children)
-            out = bk._call(parent, [left, right], rows, args.interpret)
-            cv = out.reshape(8, -1)[:, :n].reshape(8, nbulk, half)
+                left, right = pairs[:, :, 0], pairs[:, :, 1]
+            cv = bk.parents(left, right, key, args.interpret).reshape(8, nbulk, half)
         return cv.reshape(8, nbulk)
 
     halves = name == "levels-halves"

@@ -166,16 +166,20 @@ def _bulk(matrix: Any, key: tuple[int, ...], per: int, nbulk: int, interpret: bo
     kernel = functools.partial(_chunk_kernel, key, per, rows, not interpret)
     cv = _call(kernel, [words], rows, interpret).reshape(8, -1)[:, :count]
     cv = cv.reshape(8, nbulk, per)
-    parent = functools.partial(_parent_kernel, key, not interpret)
     while cv.shape[2] > 1:  # each message's perfect subtree, a level at a time
         half = cv.shape[2] // 2
         pairs = cv.reshape(8, nbulk * half, 2)
-        n = nbulk * half
-        rows = _rows_for(n)
-        left, right = (_tiles(pairs[:, :, side], rows) for side in (0, 1))
-        cv = _call(parent, [left, right], rows, interpret).reshape(8, -1)[:, :n]
-        cv = cv.reshape(8, nbulk, half)
+        cv = parents(pairs[:, :, 0], pairs[:, :, 1], key, interpret).reshape(8, nbulk, half)
     return lax.bitcast_convert_type(cv.reshape(8, nbulk), jnp.uint32)
+
+
+def parents(left: Any, right: Any, key: tuple[int, ...], interpret: bool) -> Any:
+    """One level of parent nodes: ``(8, n)`` int32 children each, ``(8, n)`` parents."""
+    n = left.shape[1]
+    rows = _rows_for(n)
+    kernel = functools.partial(_parent_kernel, key, not interpret)
+    tiles = [_tiles(left, rows), _tiles(right, rows)]
+    return _call(kernel, tiles, rows, interpret).reshape(8, -1)[:, :n]
 
 
 def bulk_roots(matrix: Any, key: Sequence[int], per: int, nbulk: int) -> list[Any]:
