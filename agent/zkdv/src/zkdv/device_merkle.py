@@ -136,6 +136,19 @@ class Ops(Protocol):
         bits), or None to run the array code here."""
         ...
 
+    def odd_chunks(
+        self,
+        matrix: Any,
+        key: Sequence[int],
+        counter: np.ndarray,
+        length: np.ndarray,
+        root: np.ndarray,
+    ) -> list[Any] | None:
+        """Step 3's chaining values by a backend's own kernels: each row of ``matrix``
+        a BLAKE3 chunk of ``length`` bytes (1 to 1024) with its chunk ``counter`` and
+        ``root`` flag; or None to run the array code here."""
+        ...
+
 
 def compress(
     ops: Ops, cv: Sequence[Any], m: Sequence[Any], counter: Any, block_len: Any, flags: Any
@@ -370,22 +383,23 @@ class HashPlan:
         root: list[bool] = []
         tails: list[int] = []
         # Messages made of odd chunks: (leaf, Merkle chunk) -> positions in the odd batch.
+        # The batch holds, in this order, what each full Merkle chunk leaves over (its
+        # one-byte tail, or the whole message below 1 KiB chunks), leaf after leaf, then
+        # every leaf's last partial Merkle chunk: two runs that :func:`_chunk_rows` builds
+        # with one concatenation each, whatever the number of leaves.
         odd_messages: list[list[int]] = []
         odd_owner: list[tuple[int, int]] = []
         for index, leaf in enumerate(leaves):
-            if per:
-                for _ in range(leaf.full):
+            for chunk in range(leaf.full):
+                if per:
                     tails.append(len(counter))
-                    counter.append(per)
-                    length.append(1)
-                    root.append(False)
-            else:
-                for chunk in range(leaf.full):
+                else:
                     odd_owner.append((index, chunk))
                     odd_messages.append([len(counter)])
-                    counter.append(0)
-                    length.append(chunk_bytes + 1)
-                    root.append(True)
+                counter.append(per)
+                length.append(1 if per else chunk_bytes + 1)
+                root.append(not per)
+        for index, leaf in enumerate(leaves):
             if leaf.partial >= 0:
                 message = leaf.partial + 1
                 count = -(-message // BLAKE3_CHUNK)
@@ -449,22 +463,18 @@ class HashPlan:
 # --- the algorithm ----------------------------------------------------------------------
 
 
-def _message(ops: Ops, words: Any, leaf: LeafPlan, chunk_bytes: int) -> tuple[Any, Any]:
-    """A leaf's Merkle chunks as prefixed BLAKE3 messages: ``(chunks, W)`` words + tails.
+def _message(ops: Ops, data: Any, chunks: int, *, chunk_bytes: int) -> tuple[Any, Any]:
+    """Merkle chunks as prefixed BLAKE3 messages: ``(chunks, W)`` words + tails.
 
-    Message word ``k`` of a chunk is bytes ``4k-1 .. 4k+2`` of the chunk (byte ``-1`` is
-    the 0x00 leaf prefix); word ``W`` holds the chunk's last byte alone.
+    ``data`` is ``(chunks, W)`` data words, ``W = chunk_bytes / 4``. Message word ``k``
+    of a chunk is bytes ``4k-1 .. 4k+2`` of the chunk (byte ``-1`` is the 0x00 leaf
+    prefix); word ``W`` holds the chunk's last byte alone.
     """
     width = chunk_bytes // 4
-    data = ops.pad_to(words, leaf.chunks * width).reshape(leaf.chunks, width)
     head = ops.shl(data, 8)
     carried = ops.shr(data[:, : width - 1], 24)
-    body = head | ops.concat([ops.zeros((leaf.chunks, 1)), carried], axis=1)
+    body = head | ops.concat([ops.zeros((chunks, 1)), carried], axis=1)
     return body, ops.shr(data[:, width - 1], 24)
-
-
-def _fit(ops: Ops, row: Any, width: int) -> Any:
-    return row[:width] if row.shape[-1] >= width else ops.pad_to(row, width)
 
 
 def _chunk_batch(
@@ -510,15 +520,16 @@ def chunk_roots(ops: Ops, plan: HashPlan, leaf_words: Sequence[Any]) -> list[Any
         return [ops.zeros((0,)) for _ in range(8)]
     leaf_key = [ops.const(w) for w in key_words(Domain.LEAF)]
     node_key = [ops.const(w) for w in key_words(Domain.NODE)]
-    bulk_rows, odd_rows = _chunk_rows(ops, plan, leaf_words)
+    bulk, matrix = _chunk_rows(ops, plan, leaf_words)
     hashes: list[Any] = []
     nbulk = plan.bulk_messages
     if nbulk:
-        bulk_roots = _bulk_roots(ops, plan, bulk_rows, leaf_key)
+        bulk_roots = _bulk_roots(ops, plan, bulk, leaf_key)
     odd_count = len(plan.odd_counter)
-    odd_cv: list[Any] = []
-    if odd_count:
-        matrix = ops.concat(odd_rows) if len(odd_rows) > 1 else odd_rows[0]
+    odd_cv = ops.odd_chunks(
+        matrix, key_words(Domain.LEAF), plan.odd_counter, plan.odd_length, plan.odd_root
+    )
+    if odd_cv is None:
         block_len, flags, active = plan.odd_tables()
         counter = ops.array(plan.odd_counter)
         tables = (ops.array(block_len), ops.array(flags), ops.array(active))
@@ -548,33 +559,51 @@ def chunk_roots(ops: Ops, plan: HashPlan, leaf_words: Sequence[Any]) -> list[Any
     return _reduce(ops, plan.merkle_tree, x, nodes)
 
 
-def _chunk_rows(ops: Ops, plan: HashPlan, leaf_words: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-    """Every leaf's chunks as rows of chunk words: the bulk rows (each message's full
-    chunks, ``per_message`` to a message) and the odd rows (tail and partial chunks)."""
+def _chunk_rows(ops: Ops, plan: HashPlan, leaf_words: Sequence[Any]) -> tuple[Any, Any]:
+    """Every chunk of the state as rows of 256 message words: the bulk matrix (each full
+    Merkle chunk's full BLAKE3 chunks, ``per_message`` rows a message; None when there
+    are none) and the odd matrix, in :meth:`HashPlan.build`'s order.
+
+    The leaves are concatenated twice (their full Merkle chunks, then their partial
+    ones) and each concatenation is shifted into messages at once, so the program has a
+    few operations per leaf (slices and pads that fuse into the concatenations) rather
+    than a message's construction per leaf: a 135M-parameter model's state has about 600
+    leaves.
+    """
     per = plan.per_message
-    bulk_rows: list[Any] = []
-    odd_rows: list[Any] = []
-    for leaf, words in zip(plan.leaves, leaf_words, strict=True):
-        body, tail = _message(ops, words, leaf, plan.chunk_bytes)
+    width = plan.chunk_bytes // 4
+    pairs = list(zip(plan.leaves, leaf_words, strict=True))
+    bulk = None
+    odd: list[Any] = []
+    fulls = [words[: leaf.full * width] for leaf, words in pairs if leaf.full]
+    if fulls:
+        data = (ops.concat(fulls) if len(fulls) > 1 else fulls[0]).reshape(-1, width)
+        body, tail = _message(ops, data, data.shape[0], chunk_bytes=plan.chunk_bytes)
         if per:
-            if leaf.full:
-                bulk_rows.append(body[: leaf.full].reshape(leaf.full * per, CHUNK_WORDS))
-                odd_rows.append(ops.pad_to(tail[: leaf.full].reshape(leaf.full, 1), CHUNK_WORDS))
-        elif leaf.full:
-            whole = ops.concat([body[: leaf.full], tail[: leaf.full].reshape(leaf.full, 1)], axis=1)
-            odd_rows.append(ops.pad_to(whole, CHUNK_WORDS))
+            bulk = body.reshape(-1, CHUNK_WORDS)
+            odd.append(ops.pad_to(tail.reshape(-1, 1), CHUNK_WORDS))
+        else:
+            whole = ops.concat([body, tail.reshape(-1, 1)], axis=1)
+            odd.append(ops.pad_to(whole, CHUNK_WORDS))
+    partials = []
+    for leaf, words in pairs:
         if leaf.partial >= 0:
             count = -(-(leaf.partial + 1) // BLAKE3_CHUNK)
-            row = _fit(ops, body[leaf.full], count * CHUNK_WORDS)
-            odd_rows.append(row.reshape(count, CHUNK_WORDS))
-    return bulk_rows, odd_rows
+            partials.append(ops.pad_to(words[leaf.full * width :], count * CHUNK_WORDS))
+    if partials:
+        # One message per leaf, each padded to whole BLAKE3 chunks. The last word of
+        # each has a zero top byte (its message ends before it), so shifting the whole
+        # run at once carries a zero, the prefix byte, into the next message.
+        data = ops.concat(partials) if len(partials) > 1 else partials[0]
+        carried = ops.shr(ops.concat([ops.zeros((1,)), data[:-1]]), 24)
+        odd.append((ops.shl(data, 8) | carried).reshape(-1, CHUNK_WORDS))
+    return bulk, ops.concat(odd) if len(odd) > 1 else odd[0]
 
 
-def _bulk_roots(ops: Ops, plan: HashPlan, bulk_rows: list[Any], leaf_key: list[Any]) -> list[Any]:
+def _bulk_roots(ops: Ops, plan: HashPlan, matrix: Any, leaf_key: list[Any]) -> list[Any]:
     """The root of the perfect subtree of each bulk message's ``per_message`` full chunks."""
     per = plan.per_message
     nbulk = plan.bulk_messages
-    matrix = ops.concat(bulk_rows) if len(bulk_rows) > 1 else bulk_rows[0]
     kernel = ops.bulk_roots(matrix, key_words(Domain.LEAF), per, nbulk)
     if kernel is not None:
         return kernel
@@ -692,6 +721,16 @@ class EagerOps:
     loop = fori
 
     def bulk_roots(self, matrix: Any, key: Sequence[int], per: int, nbulk: int) -> list[Any] | None:
+        return None
+
+    def odd_chunks(
+        self,
+        matrix: Any,
+        key: Sequence[int],
+        counter: np.ndarray,
+        length: np.ndarray,
+        root: np.ndarray,
+    ) -> list[Any] | None:
         return None
 
 

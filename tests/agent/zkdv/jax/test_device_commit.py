@@ -162,10 +162,37 @@ def test_the_bulk_kernels_match_the_reference_at_every_batch_size() -> None:
         matrix = rng.integers(0, 1 << 32, (per * nbulk, 256), dtype=np.uint64).astype(np.uint32)
         plan = HashPlan.build([per * 1024] * nbulk, per * 1024)
         with np.errstate(over="ignore"):
-            want = _bulk_roots(NumpyOps(), plan, [matrix], [np.uint32(k) for k in key])
+            want = _bulk_roots(NumpyOps(), plan, matrix, [np.uint32(k) for k in key])
         got = jax.jit(lambda m, p=per, n=nbulk: bulk_roots(m, key, p, n))(matrix)
         for word, (mine, reference) in enumerate(zip(got, want, strict=True)):
             np.testing.assert_array_equal(np.asarray(mine), reference, err_msg=f"{per=} {word=}")
+
+
+def test_the_odd_chunk_kernel_matches_the_reference() -> None:
+    """Chunks of every length, counter and ROOT flag (a layout's odd batch: one-byte
+    tails, short messages, the full and last chunks of partial Merkle chunks), by the
+    Pallas kernel (interpreted) against the numpy reference's block-by-block batch."""
+    from zkdv.device_merkle import NumpyOps, _chunk_batch
+    from zkdv.jax._blake3_kernel import odd_chunks
+
+    rng = np.random.default_rng(8)
+    key = key_words(Domain.LEAF)
+    plan = HashPlan.build([0, 1, 63, 64, 65, 1023, 1024, 4097, 9000, 8192, 2048 + 700], 4096)
+    count = len(plan.odd_counter)
+    assert set(plan.odd_length) >= {1, 64, 65, 1024} and plan.odd_root.any()
+    matrix = rng.integers(0, 1 << 32, (count, 256), dtype=np.uint64).astype(np.uint32)
+    block_len, flags, active = plan.odd_tables()
+
+    def params(j: Any) -> tuple[Any, Any, Any, Any]:
+        return plan.odd_counter, block_len[j], flags[j], active[j]
+
+    ops = NumpyOps()
+    with np.errstate(over="ignore"):
+        want = _chunk_batch(ops, matrix, [np.uint32(k) for k in key], 16, params, count)
+    tables = (plan.odd_counter, plan.odd_length, plan.odd_root)
+    got = jax.jit(lambda m: odd_chunks(m, key, *tables))(matrix)
+    for word, (mine, reference) in enumerate(zip(got, want, strict=True)):
+        np.testing.assert_array_equal(np.asarray(mine), reference, err_msg=f"{word=}")
 
 
 def test_the_accelerators_roots_program_lowers_for_tpu() -> None:
@@ -187,9 +214,9 @@ def test_the_accelerators_roots_program_lowers_for_tpu() -> None:
     text = exported.mlir_module()
     assert not re.findall(r"[x<](?:f64|i64|ui64)>", text)
     assert exported.out_avals[0].shape == (3, 8)
-    # The bulk is Mosaic kernels: the chunks' and one per subtree level (1 MiB chunks:
-    # ten), so its compressions are not in the XLA program.
-    assert text.count("tpu_custom_call") == 11
+    # The bulk is Mosaic kernels: the chunks', one per subtree level (1 MiB chunks: ten)
+    # and the odd chunks', so their compressions are not in the XLA program.
+    assert text.count("tpu_custom_call") == 12
     # Every rotation is an OR of two shifts: FUSED unrolls the blocks and the levels (2,235
     # ORs for this layout), BLOCKWISE loops over them (357), KERNEL leaves XLA the rest.
     fused = jax.export.export(

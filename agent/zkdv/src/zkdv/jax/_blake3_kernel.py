@@ -27,20 +27,23 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
 from zkdv.device_merkle import (
     _PERMUTATION,
+    BLOCK,
     CHUNK_END,
     CHUNK_START,
     CHUNK_WORDS,
     IV,
     KEYED_HASH,
     PARENT,
+    ROOT,
 )
 
-__all__ = ["bulk_roots"]
+__all__ = ["bulk_roots", "odd_chunks"]
 
 #: Sublane rows of chunks per kernel invocation of a large batch: 32 x 128 = 4096 chunks
 #: (4 MiB of message). 8 rows ran at 151 GB/s on the v5e, 16 and 32 at 215-217 GB/s.
@@ -120,7 +123,34 @@ def _chunk_kernel(
         return tuple(compress(cv, m, counter, 64, flags.astype(jnp.int32), unroll=unroll))
 
     init = tuple(jnp.full(shape, _i32(k), jnp.int32) for k in key)
-    cv = lax.fori_loop(0, CHUNK_WORDS // 16, block, init)
+    cv = lax.fori_loop(jnp.int32(0), jnp.int32(CHUNK_WORDS // 16), block, init)
+    for i in range(8):
+        o_ref[i] = cv[i]
+
+
+def _odd_kernel(key: tuple[int, ...], unroll: bool, x_ref: Any, t_ref: Any, o_ref: Any) -> None:
+    """Chaining values of chunks of any length: ``x_ref`` as for :func:`_chunk_kernel`,
+    ``t_ref`` ``(3, rows, 128)``: each chunk's counter, byte length (1 to 1024; 0 for
+    padding) and ROOT flag. Blocks past a chunk's last leave its value as it is."""
+    counter, length, root = t_ref[0], t_ref[1], t_ref[2]
+    # Shifts, not floor division: Mosaic lowers `//` on integers through `sign`, which
+    # asks the TPU generation of the machine that lowers it.
+    blocks = jnp.maximum(
+        1, lax.shift_right_logical(length + (BLOCK - 1), jnp.int32(BLOCK.bit_length() - 1))
+    )
+
+    def block(j: Any, cv: tuple[Any, ...]) -> tuple[Any, ...]:
+        last = j == blocks - 1
+        flags = KEYED_HASH | jnp.where(j == 0, CHUNK_START, 0)
+        flags = flags | jnp.where(last, CHUNK_END, 0) | jnp.where(last & (root != 0), ROOT, 0)
+        flags = flags.astype(jnp.int32)
+        block_len = jnp.clip(length - BLOCK * j, 0, BLOCK).astype(jnp.int32)
+        m = [x_ref[j * 16 + w] for w in range(16)]
+        out = compress(cv, m, counter, block_len, flags, unroll=unroll)
+        return tuple(jnp.where(j < blocks, new, old) for new, old in zip(out, cv, strict=True))
+
+    init = tuple(jnp.full(counter.shape, _i32(k), jnp.int32) for k in key)
+    cv = lax.fori_loop(jnp.int32(0), jnp.int32(CHUNK_WORDS // 16), block, init)
     for i in range(8):
         o_ref[i] = cv[i]
 
@@ -171,6 +201,41 @@ def _bulk(matrix: Any, key: tuple[int, ...], per: int, nbulk: int, interpret: bo
         pairs = cv.reshape(8, nbulk * half, 2)
         cv = parents(pairs[:, :, 0], pairs[:, :, 1], key, interpret).reshape(8, nbulk, half)
     return lax.bitcast_convert_type(cv.reshape(8, nbulk), jnp.uint32)
+
+
+def _odd(matrix: Any, tables: Any, key: tuple[int, ...], interpret: bool) -> Any:
+    count = matrix.shape[0]
+    rows = _rows_for(count)
+    words = _tiles(lax.bitcast_convert_type(matrix, jnp.int32).T, rows)
+    kernel = functools.partial(_odd_kernel, key, not interpret)
+    cv = _call(kernel, [words, _tiles(tables, rows)], rows, interpret).reshape(8, -1)[:, :count]
+    return lax.bitcast_convert_type(cv, jnp.uint32)
+
+
+def odd_chunks(
+    matrix: Any, key: Sequence[int], counter: np.ndarray, length: np.ndarray, root: np.ndarray
+) -> list[Any]:
+    """The chaining value of each row of ``matrix`` (``zkdv.device_merkle`` step 3).
+
+    Args:
+        matrix: ``(n, 256)`` uint32: BLAKE3 chunks, zero past their length.
+        key: the eight words of the BLAKE3 key.
+        counter, length, root: per chunk, its counter in its message, its byte length
+            (1 to 1024) and whether it is its message's only chunk (the ROOT flag).
+
+    Returns:
+        Eight ``(n,)`` uint32 arrays: word ``i`` of each chunk's chaining value (its
+        first eight output words when it is a root).
+    """
+    key = tuple(int(k) for k in key)
+    tables = jnp.asarray(np.stack([counter, length, root]).astype(np.int32))
+    out = lax.platform_dependent(
+        matrix,
+        tables,
+        tpu=functools.partial(_odd, key=key, interpret=False),
+        default=functools.partial(_odd, key=key, interpret=True),
+    )
+    return [out[i] for i in range(8)]
 
 
 def parents(left: Any, right: Any, key: tuple[int, ...], interpret: bool) -> Any:

@@ -143,6 +143,20 @@ class JaxOps:
 
         return bulk_roots(matrix, key, per, nbulk)
 
+    def odd_chunks(
+        self,
+        matrix: Any,
+        key: Sequence[int],
+        counter: np.ndarray,
+        length: np.ndarray,
+        root: np.ndarray,
+    ) -> list[Any] | None:
+        if not self.kernel:
+            return None
+        from zkdv.jax._blake3_kernel import odd_chunks
+
+        return odd_chunks(matrix, key, counter, length, root)
+
     def const(self, value: int) -> Any:
         return jnp.uint32(value)
 
