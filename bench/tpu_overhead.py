@@ -39,6 +39,12 @@ weigh the stack's copies at every step against its shorter compile (``docs/jax.m
 11.2); ``--compare-stack-limits A,B`` adds a ``p=0`` variant for each limit, in the same
 rounds.
 
+After the rounds, each proof prints what it read back from the device over the run, per
+kind (``proof.transfers``: the batch, the roots, the probes, the snapshots, the state on
+the host path), and ``--profile DIR`` writes a ``jax.profiler`` trace of one more block of
+each variant under ``DIR`` (open it in Perfetto or TensorBoard), so that one run says
+where a proof's step spends its time on the device and on the host.
+
 ``--tiny`` shrinks the model to a few layers of d = 128 and a sequence of 128, so that
 the script can be checked on a CPU; its numbers mean nothing for a TPU.
 """
@@ -190,6 +196,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--policies", default="0,0.01")
+    parser.add_argument("--profile", default="")
     parser.add_argument("--stack-limit", type=int, default=None)
     parser.add_argument("--compare-stack-limits", default="")
     args = parser.parse_args()
@@ -282,6 +289,16 @@ def main() -> None:
         rounds = " ".join(f"{t * 1e3:.1f}" for t in v["times"])
         print(f"{label:<24} {median * 1e3:>18.2f} {median / plain:>8.3f}   {rounds}")
 
+    for label, v in variants.items():
+        if v["proof"] is not None:
+            totals = v["proof"].transfers.totals()
+            per_step = ", ".join(f"{k} {b / v['i'] / 2**20:.2f}" for k, b in sorted(totals.items()))
+            print(f"{label}: read from the device, MiB per step over {v['i']} steps: {per_step}")
+    if args.profile:
+        for label, v in variants.items():
+            with jax.profiler.trace(os.path.join(args.profile, label.replace(" ", "-"))):
+                block(v, args.steps)
+        print(f"profiles of one block of {args.steps} steps each: {args.profile}")
     for v in variants.values():
         if v["proof"] is not None:
             v["proof"].close()
