@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ import numpy as np
 import zkdv
 import zkdv.jax
 from tests.agent.zkdv.jax.recipes import example
+from zkdv.jax import forgery
 from zkdv.verify import verify_transcript
 
 lm = example("lm")
@@ -71,38 +72,21 @@ class JaxForger:
 
 @contextmanager
 def _modified_sdk(forger: JaxForger, committed: dict[int, np.ndarray]) -> Iterator[None]:
-    """The forger's changes to ``zkdv.jax``, undone afterwards.
+    """The forger's changes to ``zkdv.jax`` (:mod:`zkdv.jax.forgery`), undone afterwards.
 
     The step program hands the SDK the batch it trained on (packed, as the batch file
     holds it); a substituting forger swaps in the real batch before it is hashed.
     """
-    from zkdv.jax import _driver, _program, _steps
-
-    batch, tokens = _steps._Step.batch, _program._Program.tokens
-    continuity = _driver.ZKDV._check_continuity
-
-    def swapped(self: Any) -> np.ndarray:
-        if self._batch is None and self.index in committed:
-            self._packed = committed[self.index]
-        return batch(self)  # type: ignore[no-any-return]
-
-    def fewer(self: Any, unit: str) -> int:
-        return int(tokens(self, unit) * forger.token_factor)
-
-    if forger.substituted:
-        _steps._Step.batch = swapped  # type: ignore[method-assign]
-    if forger.token_factor != 1.0:
-        _program._Program.tokens = fewer  # type: ignore[method-assign]
-    if forger.hidden_after:
-        # The unmodified SDK refuses a state that does not continue the last committed
-        # one (ZKDVVerificationError); a forger's SDK does not.
-        _driver.ZKDV._check_continuity = lambda self, index, params, opt: None  # type: ignore[method-assign]
-    try:
+    with ExitStack() as changes:
+        if forger.substituted:
+            changes.enter_context(forgery.committed_batches(committed))
+        if forger.token_factor != 1.0:
+            changes.enter_context(forgery.scaled_tokens(forger.token_factor))
+        if forger.hidden_after:
+            # The unmodified SDK refuses a state that does not continue the last
+            # committed one (ZKDVVerificationError); a forger's SDK does not.
+            changes.enter_context(forgery.unchecked_continuity())
         yield
-    finally:
-        _steps._Step.batch = batch  # type: ignore[method-assign]
-        _program._Program.tokens = tokens  # type: ignore[method-assign]
-        _driver.ZKDV._check_continuity = continuity  # type: ignore[method-assign]
 
 
 def _flat(params: Any) -> np.ndarray:

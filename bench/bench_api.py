@@ -127,8 +127,7 @@ SDK_UPLOAD = r"""
 import os, resource, sys, time
 from pathlib import Path
 from dvbench import Client
-from dvbench._manifest import Manifest
-from dvbench._sync import Uploader
+from dvbench.uploads import Manifest, Uploader
 url, key, experiment, directory = sys.argv[1:5]
 relative = "files/snapshot-00000000.params.bin"
 with Client(url, api_key=key) as client:

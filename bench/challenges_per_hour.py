@@ -116,7 +116,7 @@ def store(experiment: Any, user: Any, kind: str, data: bytes, name: str = "") ->
 
 def kind_of(name: str) -> str:
     """The artifact kind the SDK uploads ``name`` as (snapshots, batches, gradients...)."""
-    from dvbench._manifest import kind_of as sdk_kind
+    from dvbench.uploads import kind_of as sdk_kind
 
     kind = sdk_kind(name)
     assert kind is not None, name

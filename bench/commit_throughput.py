@@ -81,7 +81,7 @@ def main() -> None:
 
 
 def _batches() -> None:
-    if batch_module._kernel() is None:
+    if not batch_module.compiled_pass():
         print("commit_batch: no compiled pass (Numba missing or refused); numpy only")
         return
     rng = np.random.default_rng(1)

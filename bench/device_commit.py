@@ -159,7 +159,7 @@ def run_torch(leaves: list[tuple[str, np.ndarray]], args: argparse.Namespace, ho
     except ImportError:
         print("\n[torch not installed: skipped]")
         return
-    from zkdv.torch._device_merkle import chunk_roots, roots_bytes
+    from zkdv.torch.device_merkle import chunk_roots, roots_bytes
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and sum(a.nbytes for _, a in leaves) > 16 << 20:

@@ -90,7 +90,7 @@ from provers.challenges import (  # noqa: E402
 from provers.replay import Transcript, windows  # noqa: E402
 from tests.agent.zkdv.torch import test_torch_recipes as recipes  # noqa: E402
 from zkdv.config import GradientBounds  # noqa: E402
-from zkdv.torch._capture import current_capture  # noqa: E402
+from zkdv.torch.capture import current_capture  # noqa: E402
 from zkdv.verify import verify_transcript  # noqa: E402
 
 lm = recipes.lm
@@ -271,20 +271,9 @@ def _count_tokens(factor: float) -> Callable[[], None]:
     """A modified SDK: the step records commit ``factor`` times the real token count."""
     if factor == 1.0:
         return lambda: None
-    from zkdv.torch import _packing
+    from zkdv.torch import forgery
 
-    namespace = vars(_packing)  # the name _packing's own code looks up at every step
-    real = namespace["count_tokens"]
-
-    def fewer(*args: Any, **kwargs: Any) -> int:
-        return int(real(*args, **kwargs) * factor)
-
-    namespace["count_tokens"] = fewer
-
-    def restore() -> None:
-        namespace["count_tokens"] = real
-
-    return restore
+    return forgery.scaled_tokens(factor)
 
 
 def _count_flops(factor: float) -> Callable[[], None]:
@@ -292,21 +281,9 @@ def _count_flops(factor: float) -> Callable[[], None]:
     FLOPs (Torch's FLOP counter at sealing)."""
     if factor == 1.0:
         return lambda: None
-    from zkdv.torch import _driver
+    from zkdv.torch import forgery
 
-    namespace = vars(_driver)  # the name the driver's own code looks up at sealing
-    real = namespace["count_flops"]
-
-    def fewer(*args: Any, **kwargs: Any) -> float | None:
-        counted = real(*args, **kwargs)
-        return None if counted is None else counted * factor
-
-    namespace["count_flops"] = fewer
-
-    def restore() -> None:
-        namespace["count_flops"] = real
-
-    return restore
+    return forgery.scaled_flops(factor)
 
 
 def committed_flops(path: Path) -> float:

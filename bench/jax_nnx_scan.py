@@ -36,8 +36,8 @@ import optax
 from flax import linen, nnx
 
 import zkdv
-from zkdv.jax import _nnx
 from zkdv.jax.contrib import TrainState
+from zkdv.jax.graphs import split_graph
 
 K = 8
 FEATURES, CLASSES, ROWS = 256, 10, 64
@@ -149,7 +149,7 @@ def bench_nnx(rounds: int, calls: int, width: int) -> None:
                 # What the adaptor does around each call: split both objects, then set
                 # their variables to the step's outputs.
                 for node in (model, optimizer):
-                    graph = _nnx._split(node)
+                    graph = split_graph(node)
                     assert graph.variables is not None
                     for variable, value in zip(
                         graph.variables, jax.tree.leaves(graph.state), strict=True

@@ -21,11 +21,11 @@ and of a two-layer toy, the time per training step of
   the exact definition needs: a row's probe keeps ``2w`` bits below its peak, more than
   one float64 product of ``w``-bit matrix entries over ``d`` terms can sum exactly.
   Two ways, and the floor is the faster: **BLAS**, in single-threaded row blocks as the
-  numpy path runs them (``zkdv.probes._gemm``: waking every BLAS thread for a probe
+  numpy path runs them (``zkdv.probe_pass.gemm``: waking every BLAS thread for a probe
   costs more than it saves while training owns the cores), and **compiled**, the
-  compiled pass's own dot products (``zkdv._probe_pass._dots_4x4``, ``_dots_4x2``) over the
+  compiled pass's own dot products (``zkdv.probe_pass.products_kernel``) over the
   split rows, two rows and four or two columns at a time as the pass takes them;
-* **the split alone**: the same rows split into their two slices (``zkdv._probe_pass._slices``
+* **the split alone**: the same rows split into their two slices (``zkdv.probe_pass.split_kernel``
   per element, one call per width), which the floor leaves out but exactness cannot:
   on rows of a few hundred floats, with one to six probe columns, it costs more than
   half as much as the products. The last line adds it to the floor.
@@ -42,54 +42,24 @@ the commit thread shares the cores with the step, so the wall time it takes is l
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from zkdv._numba import jit
-from zkdv._probe_pass import (
-    JIT_ENV,
-    PASS_HELPERS,
-    _dots_4x2,
-    _dots_4x4,
-    _kernel,
-    _slices,
-    padded_columns,
-)
 from zkdv.merkle import LeafSpec
-from zkdv.probes import ProbeSet, _gemm, exact_rows, slice_width
+from zkdv.probe_pass import (
+    JIT_ENV,
+    compiled_pass,
+    gemm,
+    padded_columns,
+    products_kernel,
+    split_kernel,
+)
+from zkdv.probes import ProbeSet, exact_rows, slice_width
 
 PROBE_RATIO = 0.01  # ZKDVConfig's default
-_products_state: dict[str, object] = {}
-
-
-def _products_pass(
-    slices: np.ndarray, matrix: np.ndarray, out: np.ndarray
-) -> None:  # pragma: no cover - compiled by Numba
-    """The exact pass's dot products alone: ``slices`` holds each pair of rows' four
-    slices (high, low, high, low: :func:`interleaved`), ``matrix`` is ``(padded k, d)``
-    (``zkdv._probe_pass.padded_columns``); ``out[4 * p + s, c]`` is slice ``s`` of pair ``p``
-    times column ``c``."""
-    k = out.shape[1]
-    columns = matrix.shape[0]
-    sums = np.empty(16)
-    for pair in range(slices.shape[0] // 4):
-        source = slices[4 * pair : 4 * pair + 4]
-        j = 0
-        while j < k:
-            if j + 4 <= columns:
-                _dots_4x4(source, 0, 0, False, (1.0, 1.0, 1.0), matrix, j, sums)
-                block = 4
-            else:
-                _dots_4x2(source, 0, 0, False, (1.0, 1.0, 1.0), matrix, j, sums)
-                block = 2
-            for s in range(4):
-                for c in range(min(block, k - j)):
-                    out[4 * pair + s, j + c] = sums[4 * s + c]
-            j += block
 
 
 def interleaved(split: np.ndarray) -> np.ndarray:
@@ -104,54 +74,11 @@ def interleaved(split: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(split[order])
 
 
-def _try_products(kernel: Callable[..., object]) -> None:
-    kernel(np.ones((4, 2)), np.ones((padded_columns(1), 2)), np.empty((4, 1)))
-
-
-def products_kernel() -> Callable[..., object] | None:
-    """The compiled products alone, or None where the exact pass is not compiled."""
-    helpers = {name: PASS_HELPERS[name] for name in ("_slices", "_dots_4x4", "_dots_4x2")}
-    # Not cached: Numba would not see a change to the helpers, defined in zkdv._probe_pass.
-    kernel: Callable[..., object] | None = jit(
-        _products_state, JIT_ENV, _products_pass, _try_products, helpers=helpers, cache=False
-    )
-    return kernel
-
-
-_split_state: dict[str, object] = {}
-
-
-def _split_pass(
-    values: np.ndarray, width: int, slices: np.ndarray
-) -> None:  # pragma: no cover - compiled by Numba
-    """The exact pass's split alone, as tight as it goes: every float32 row of ``values``
-    into two rows of ``slices`` that stay in L1, each element by the pass's own
-    ``_slices``; the peak of a row from its bits, inline (no NaN or infinity here)."""
-    unit = 2.0**width
-    words = values.view(np.uint32)
-    for row in range(values.shape[0]):
-        peak = np.uint32(0)
-        for i in range(values.shape[1]):
-            peak = max(peak, words[row, i] & np.uint32(0x7FFFFFFF))
-        exponent = int(peak >> np.uint32(23))
-        scale = math.ldexp(1.0, width - (exponent - 126 if exponent > 0 else 0))
-        for i in range(values.shape[1]):
-            slices[0, i], slices[1, i] = _slices(values[row, i], scale, unit)
-
-
-def _try_split(kernel: Callable[..., object]) -> None:
-    kernel(np.ones((1, 2), np.float32), 26, np.empty((2, 2)))
-
-
 def split_alone(rows: Sequence[np.ndarray]) -> Callable[[], None] | None:
     """The split as the exact pass computes it, alone, over the float32 ``rows`` of every
     leaf, one call per width (a necessary part of exactness that the floor, the
     products alone, leaves out); None where the exact pass is not compiled."""
-    helpers = {"_slices": PASS_HELPERS["_slices"]}
-    # Not cached: Numba would not see a change to the helpers, defined in zkdv._probe_pass.
-    kernel: Callable[..., object] | None = jit(
-        _split_state, JIT_ENV, _split_pass, _try_split, helpers=helpers, cache=False
-    )
+    kernel = split_kernel()
     if kernel is None:
         return None
     widths: dict[int, list[np.ndarray]] = {}
@@ -171,7 +98,7 @@ def split_alone(rows: Sequence[np.ndarray]) -> Callable[[], None] | None:
 def blas_floor(split: Sequence[np.ndarray], matrices: Sequence[np.ndarray]) -> Callable[[], None]:
     """The BLAS floor of exactness as a call: the float64 products of each leaf's
     ``split`` rows (:func:`zkdv.probes.exact_rows`) and its probe matrix, in
-    single-threaded row blocks as the numpy path runs them (``_gemm``)."""
+    single-threaded row blocks as the numpy path runs them (:func:`zkdv.probe_pass.gemm`)."""
     work = [
         (rows, matrix.astype(np.float64), np.empty((len(rows), matrix.shape[1])))
         for rows, matrix in zip(split, matrices, strict=True)
@@ -179,7 +106,7 @@ def blas_floor(split: Sequence[np.ndarray], matrices: Sequence[np.ndarray]) -> C
 
     def run() -> None:
         for rows, wide, out in work:
-            _gemm(rows, wide, out)
+            gemm(rows, wide, out)
 
     return run
 
@@ -192,7 +119,7 @@ def compiled_floor(
     matrix; None where the exact pass is not compiled."""
     dots = products_kernel()
     if dots is None:
-        if _kernel() is not None:
+        if compiled_pass():
             raise RuntimeError("the exact pass is compiled but its dot products alone are not")
         return None
     work = []
@@ -287,7 +214,7 @@ def measure(
 
         return wrapped
 
-    compiled = _kernel() is not None
+    compiled = compiled_pass()
     runs: dict[str, Callable[[], object]] = {
         "float32 product": plain,
         "exact, one call per array": numpy_path(one_each),
@@ -331,7 +258,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    path = "compiled (Numba)" if _kernel() is not None else "numpy only (Numba not installed)"
+    path = "compiled (Numba)" if compiled_pass() else "numpy only (Numba not installed)"
     print(f"exact probes: {path}; load average {os.getloadavg()[0]:.2f}")
     for name, leaf_shapes in shapes().items():
         measure(name, leaf_shapes, args.repeat, args.steps, args.rounds)

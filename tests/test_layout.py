@@ -168,6 +168,99 @@ def test_the_import_contracts_name_every_private_module(package: str, contract: 
     assert set(listed) == _private_modules(package)
 
 
+#: The packages whose private names the benches may not use (import-linter's contracts
+#: catch a private module; this catches a private name in a public one too).
+OTHER_PACKAGES = frozenset({"zkdv", "dvbench", "provers", "attestations", "config", "demo"})
+#: Where a bench still uses a private name, and the issue that removes it.
+BENCH_PRIVATE_EXEMPT = {("tpu_overhead.py", "zkdv.jax._canonical_rules")}  # issue 57
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_names_used(name: str, source: str) -> list[str]:
+    """``file:line name`` of each private name of ``OTHER_PACKAGES`` that ``source`` uses:
+    ``import zkdv._numba``, ``from zkdv.jax import _nnx``, ``from zkdv.probes import
+    _gemm``, or an underscore attribute read off a name imported from them
+    (``batch_module._kernel``, ``ZKDV._check_continuity``, ``zkdv.jax._driver``)."""
+    tree = ast.parse(source)
+    found: list[str] = []
+    imported: dict[str, str] = {}  # local name -> dotted name it was imported as
+
+    def flag(line: int, dotted: str) -> None:
+        if (name, dotted) not in BENCH_PRIVATE_EXEMPT:
+            found.append(f"{name}:{line} {dotted}")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in OTHER_PACKAGES:
+                    if any(_private(part) for part in alias.name.split(".")):
+                        flag(node.lineno, alias.name)
+                    local = alias.asname or alias.name.split(".")[0]
+                    imported[local] = alias.name if alias.asname else local
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] not in OTHER_PACKAGES:
+                continue
+            if any(_private(part) for part in node.module.split(".")):
+                flag(node.lineno, node.module)
+                continue
+            for alias in node.names:
+                if _private(alias.name):
+                    flag(node.lineno, f"{node.module}.{alias.name}")
+                imported[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            chain: list[str] = [node.attr]
+            value = node.value
+            while isinstance(value, ast.Attribute) and not _private(value.attr):
+                chain.append(value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id in imported:
+                flag(node.lineno, ".".join([imported[value.id], *reversed(chain)]))
+    return sorted(found, key=lambda f: int(f.split(":")[1].split()[0]))
+
+
+def test_no_bench_uses_a_private_name_of_another_package() -> None:
+    """Issue 57: benches use public or internal APIs only (a package's public-named
+    module for what others need, as ``zkdv.torch.replay``), never its private names."""
+    found = [
+        hit
+        for path in sorted((REPO_ROOT / "bench").glob("*.py"))
+        for hit in private_names_used(path.name, path.read_text(encoding="utf-8"))
+    ]
+    assert not found, "private names used by the benches:\n" + "\n".join(found)
+
+
+def test_the_bench_check_would_catch_each_way_of_reaching_a_private_name() -> None:
+    source = """
+import zkdv._numba
+import zkdv.jax
+from zkdv.jax import _nnx
+from zkdv.torch._capture import current_capture
+from zkdv.probes import ProbeSet, _gemm
+from zkdv import batch as batch_module
+from provers import torch_replay
+import numpy as np
+batch_module._kernel()
+ProbeSet._last_post
+zkdv.jax._driver.ZKDV
+np._private
+torch_replay.__name__
+batch_module.JIT_ENV
+"""
+    assert private_names_used("x.py", source) == [
+        "x.py:2 zkdv._numba",
+        "x.py:4 zkdv.jax._nnx",
+        "x.py:5 zkdv.torch._capture",
+        "x.py:6 zkdv.probes._gemm",
+        "x.py:10 zkdv.batch._kernel",
+        "x.py:11 zkdv.probes.ProbeSet._last_post",
+        "x.py:12 zkdv.jax._driver",
+    ]
+
+
 def _import_circles(package: str) -> list[set[str]]:
     """The import circles inside ``package`` (strongly connected modules), counted on
     import-linter's graph, so imports under ``TYPE_CHECKING`` or inside functions count.

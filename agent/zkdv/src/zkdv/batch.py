@@ -30,6 +30,7 @@ __all__ = [
     "TOKEN_UNITS",
     "BatchCommitment",
     "commit_batch",
+    "compiled_pass",
     "count_tokens",
     "sorted_fingerprints",
     "validate_window",
@@ -147,6 +148,15 @@ _DIGITS = -(-64 // _DIGIT_BITS)
 def _kernel() -> Any:
     """The compiled pass, or None without Numba (or with ``ZKDV_BATCH_JIT=0``)."""
     return jit(_kernel_state, JIT_ENV, _sorted_pass, _try_pass)
+
+
+def compiled_pass() -> bool:
+    """Whether :func:`commit_batch` fingerprints and sorts with the compiled pass here.
+
+    An internal API: ``bench/commit_throughput.py`` asks it before timing the compiled
+    pass against numpy (:data:`JIT_ENV`).
+    """
+    return _kernel() is not None
 
 
 def _try_pass(kernel: Any) -> None:

@@ -1,0 +1,77 @@
+"""A modified SDK, as a forging lab would write it: the forgery suite's internal API.
+
+``bench/forgery_suite.py --recipe jax`` (its attacks in ``bench/_forgery_jax.py``) plays a
+lab that trains one thing and commits another. The SDK runs on the lab's machine, so a
+forger can change any of it; what a certificate rests on is what the platform checks
+afterwards, never that this code ran unmodified. The changes the suite makes live here,
+beside the private code they replace, so that moving or renaming that code breaks them
+in this package (and its tests), not silently in a bench.
+
+Each context manager changes :mod:`zkdv.jax` for every proof in the process while it is
+open and restores the original code on exit. Nothing in the SDK imports this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from zkdv.jax import _driver, _program, _steps
+
+__all__ = ["committed_batches", "scaled_tokens", "unchecked_continuity"]
+
+
+@contextmanager
+def committed_batches(committed: Mapping[int, np.ndarray]) -> Iterator[None]:
+    """Hash ``committed[i]`` as step ``i``'s batch, whatever batch the step trained on.
+
+    The step program hands the SDK the batch it trained on, packed as the batch file
+    holds it; for a step in ``committed`` that packed batch is swapped before it is
+    hashed (a substitution forger: the transcript names the real batch).
+    """
+    batch = _steps._Step.batch
+
+    def swapped(self: Any) -> np.ndarray:
+        if self._batch is None and self.index in committed:
+            self._packed = committed[self.index]
+        return batch(self)
+
+    _steps._Step.batch = swapped  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _steps._Step.batch = batch  # type: ignore[method-assign]
+
+
+@contextmanager
+def scaled_tokens(factor: float) -> Iterator[None]:
+    """Commit ``int(tokens * factor)`` as each step's token count (an under-reporter)."""
+    tokens = _program._Program.tokens
+
+    def scaled(self: Any, unit: str) -> int:
+        return int(tokens(self, unit) * factor)
+
+    _program._Program.tokens = scaled  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _program._Program.tokens = tokens  # type: ignore[method-assign]
+
+
+@contextmanager
+def unchecked_continuity() -> Iterator[None]:
+    """Skip the SDK's refusal of a state that does not continue the last committed one.
+
+    The unmodified SDK raises ``ZKDVVerificationError`` when a step starts from a state
+    other than the one the last step committed; a forger that trains steps off the
+    transcript (hidden steps) removes that check.
+    """
+    continuity = _driver.ZKDV._check_continuity
+    _driver.ZKDV._check_continuity = lambda self, index, params, opt: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _driver.ZKDV._check_continuity = continuity  # type: ignore[method-assign]
