@@ -136,17 +136,9 @@ class Ops(Protocol):
         bits), or None to run the array code here."""
         ...
 
-    def odd_chunks(
-        self,
-        matrix: Any,
-        key: Sequence[int],
-        counter: np.ndarray,
-        length: np.ndarray,
-        root: np.ndarray,
-    ) -> list[Any] | None:
-        """Step 3's chaining values by a backend's own kernels: each row of ``matrix``
-        a BLAKE3 chunk of ``length`` bytes (1 to 1024) with its chunk ``counter`` and
-        ``root`` flag; or None to run the array code here."""
+    def odd_chunks(self, matrix: Any, key: Sequence[int], plan: HashPlan) -> list[Any] | None:
+        """Step 3's chaining values by a backend's own kernels (each row of ``matrix`` a
+        BLAKE3 chunk with ``plan``'s odd counter, length and ROOT flag), or None."""
         ...
 
 
@@ -526,9 +518,7 @@ def chunk_roots(ops: Ops, plan: HashPlan, leaf_words: Sequence[Any]) -> list[Any
     if nbulk:
         bulk_roots = _bulk_roots(ops, plan, bulk, leaf_key)
     odd_count = len(plan.odd_counter)
-    odd_cv = ops.odd_chunks(
-        matrix, key_words(Domain.LEAF), plan.odd_counter, plan.odd_length, plan.odd_root
-    )
+    odd_cv = ops.odd_chunks(matrix, key_words(Domain.LEAF), plan)
     if odd_cv is None:
         block_len, flags, active = plan.odd_tables()
         counter = ops.array(plan.odd_counter)
@@ -723,14 +713,7 @@ class EagerOps:
     def bulk_roots(self, matrix: Any, key: Sequence[int], per: int, nbulk: int) -> list[Any] | None:
         return None
 
-    def odd_chunks(
-        self,
-        matrix: Any,
-        key: Sequence[int],
-        counter: np.ndarray,
-        length: np.ndarray,
-        root: np.ndarray,
-    ) -> list[Any] | None:
+    def odd_chunks(self, matrix: Any, key: Sequence[int], plan: HashPlan) -> list[Any] | None:
         return None
 
 

@@ -87,7 +87,7 @@ def compress(
     cv: Sequence[Any],
     m: Sequence[Any],
     counter: Any,
-    block_len: int,
+    block_len: Any,
     flags: Any,
     *,
     unroll: bool = True,

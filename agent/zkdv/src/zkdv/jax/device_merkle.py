@@ -11,7 +11,7 @@ Compression runs block by block over all chunks of the state at once. A
 :class:`Schedule` says how the program is laid out, never what it computes: BLAKE3's
 rounds and blocks unrolled (large fused kernels that keep the state in registers) or as
 ``lax.fori_loop`` s (a small program), the bulk subtrees' levels at their exact sizes or
-as one fixed-shape loop, and on a TPU the bulk by the Pallas kernels of
+as one fixed-shape loop, and on a TPU every BLAKE3 chunk by the Pallas kernels of
 :mod:`zkdv.jax._blake3_kernel`. Every schedule gives the same bits;
 :func:`default_schedule` picks per backend. The compilers decide: XLA:CPU takes minutes
 over the unrolled form, and the TPU's took 111 and 131 s over :data:`FUSED` for the two
@@ -143,19 +143,12 @@ class JaxOps:
 
         return bulk_roots(matrix, key, per, nbulk)
 
-    def odd_chunks(
-        self,
-        matrix: Any,
-        key: Sequence[int],
-        counter: np.ndarray,
-        length: np.ndarray,
-        root: np.ndarray,
-    ) -> list[Any] | None:
+    def odd_chunks(self, matrix: Any, key: Sequence[int], plan: HashPlan) -> list[Any] | None:
         if not self.kernel:
             return None
         from zkdv.jax._blake3_kernel import odd_chunks
 
-        return odd_chunks(matrix, key, counter, length, root)
+        return odd_chunks(matrix, key, plan.odd_counter, plan.odd_length, plan.odd_root)
 
     def const(self, value: int) -> Any:
         return jnp.uint32(value)
