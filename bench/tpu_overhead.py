@@ -52,6 +52,10 @@ the script can be checked on a CPU; its numbers mean nothing for a TPU.
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
+import gzip
+import json
 import os
 import statistics
 import tempfile
@@ -190,6 +194,30 @@ def measure_commitment(state: Any, device: Any) -> None:
         )
 
 
+def summarize_trace(where: str, top: int = 25) -> None:
+    """The events of a ``jax.profiler`` trace with the most time, per process (each
+    device's programs and operations; on the host, inclusive Python frames)."""
+    paths = glob.glob(os.path.join(where, "plugins", "profile", "*", "*.trace.json.gz"))
+    if not paths:
+        print("  (no trace written)")
+        return
+    with gzip.open(max(paths, key=os.path.getmtime)) as f:
+        events = json.load(f)["traceEvents"]
+    names = {
+        e["pid"]: e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    totals: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for e in events:
+        if e.get("ph") == "X":
+            totals[names.get(e["pid"], str(e["pid"]))][e["name"]] += e.get("dur", 0)
+    for process, counter in sorted(totals.items()):
+        print(f"  {process}:")
+        for name, micros in counter.most_common(top):
+            print(f"    {micros / 1e3:10.1f} ms  {name[:110]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
@@ -295,10 +323,13 @@ def main() -> None:
             per_step = ", ".join(f"{k} {b / v['i'] / 2**20:.2f}" for k, b in sorted(totals.items()))
             print(f"{label}: read from the device, MiB per step over {v['i']} steps: {per_step}")
     if args.profile:
+        steps = min(args.steps, 4)
         for label, v in variants.items():
-            with jax.profiler.trace(os.path.join(args.profile, label.replace(" ", "-"))):
-                block(v, args.steps)
-        print(f"profiles of one block of {args.steps} steps each: {args.profile}")
+            where = os.path.join(args.profile, label.replace(" ", "-"))
+            with jax.profiler.trace(where):
+                block(v, steps)
+            print(f"\n{label}: profile of {steps} steps in {where}")
+            summarize_trace(where)
     for v in variants.values():
         if v["proof"] is not None:
             v["proof"].close()
