@@ -49,7 +49,13 @@ PROVERS = {"whitebox-jax": "provers.jax_replay", "whitebox-torch": "provers.torc
 EXACT, WITHIN_BOUNDS = "exact", "within_bounds"
 
 
-def judge(verdict: ReplayVerdict, differences: list[str], *, exact: bool) -> ReplayVerdict:
+def judge(
+    verdict: ReplayVerdict,
+    differences: list[str],
+    *,
+    exact: bool,
+    gradient_files: bool = True,
+) -> ReplayVerdict:
     """Record how ``verdict`` is judged, and hold it to exactness where it must be.
 
     Args:
@@ -57,9 +63,20 @@ def judge(verdict: ReplayVerdict, differences: list[str], *, exact: bool) -> Rep
         differences: the replay-environment keys in which the worker differs from the run.
         exact: whether the replay must reproduce every step bit for bit (the prover's
             choice: the run's own environment, or a caller's ``exact=``).
+        gradient_files: whether the run kept its gradient files
+            (``Transcript.keeps_gradient_files``). A run that did not can be judged only
+            bit for bit: outside its environment a gradient that differs is reported as
+            ``inexact_environment``, a step this worker cannot judge, not as a forgery.
     """
     verdict.differences = list(differences)
     verdict.judgement = EXACT if exact else WITHIN_BOUNDS
+    if not exact and not gradient_files and verdict.reason == "gradient_mismatch":
+        verdict.reason = "inexact_environment"
+        verdict.message = (
+            f"{verdict.message}. The run kept no gradient files, so only a replay in its "
+            "own kernel environment can judge it; this worker differs in: "
+            f"{', '.join(differences) or 'nothing recorded'}"
+        )
     return require_exact(verdict) if exact else verdict
 
 

@@ -350,9 +350,14 @@ def _replay_halves(
     """One step of a run that commits its gradients (module docstring, point 3)."""
     assert transition.compute is not None and transition.apply is not None
     record = transcript.steps[k]
-    committed = transcript.committed_computed(k)
     recomputed = transition.compute(*state, batch, record)
-    comparison, gradient = _compared_gradient(transcript, k, recomputed, committed, verdict)
+    if transcript.keeps_gradient_files:
+        committed = transcript.committed_computed(k)
+        comparison, gradient = _compared_gradient(transcript, k, recomputed, committed, verdict)
+        exact_gradient = comparison.exact
+    else:
+        committed, gradient = _recomputed_as_committed(transcript, k, recomputed, verdict)
+        exact_gradient = True
     pre_params = state[0]
     params, opt_state, buffers, deltas = transition.apply(*state, committed, record)
     chunk = transcript.config.chunk_bytes
@@ -390,9 +395,28 @@ def _replay_halves(
             "post-update state and the run has no probes to compare within tolerance",
         )
     verdict.evidence.append(
-        StepEvidence(k, True, roots_exact and comparison.exact, excess, True, gradient)
+        StepEvidence(k, True, roots_exact and exact_gradient, excess, True, gradient)
     )
     return params, opt_state, buffers
+
+
+def _recomputed_as_committed(
+    transcript: Transcript, k: int, recomputed: Leaves, verdict: ReplayVerdict
+) -> tuple[Leaves, dict[str, Any]]:
+    """A run that kept no gradient files (``config.gradient_files`` ``"never"``): the
+    recomputed values must hash to the step's committed ``grad`` root, bit for bit."""
+    root = commit_state(recomputed, transcript.config.chunk_bytes).root
+    if root != transcript.steps[k]["grad"]:
+        evidence = {"exact": False, "margin": None, "worst": None}
+        verdict.evidence.append(StepEvidence(k, True, False, None, False, evidence))
+        raise ReplayError(
+            "gradient_mismatch",
+            f"step {k}: the recomputed values do not hash to the committed grad root, and "
+            "the run kept no gradient files to compare them within bounds "
+            "(config.gradient_files 'never'): in the training's own kernel environment, "
+            "the committed gradient is not the one this step computes",
+        )
+    return recomputed, {"exact": True, "margin": 0.0, "worst": None}
 
 
 def _compared_gradient(

@@ -138,4 +138,9 @@ def verify_challenge(
         verdict.environment = environment()
     if exact is None:
         exact = exact_environment(transcript.root)
-    return judge(verdict, environment_differences(transcript.root), exact=exact)
+    return judge(
+        verdict,
+        environment_differences(transcript.root),
+        exact=exact,
+        gradient_files=transcript.keeps_gradient_files,
+    )

@@ -77,6 +77,13 @@ class TranscriptIndex:
         return files.program_file(str(program.get("kind")))
 
     @property
+    def keeps_gradient_files(self) -> bool:
+        """Whether the run kept its gradient files (``config.gradient_files``); one that
+        did not is replayed by recomputing them bit for bit, and none is requested."""
+        config = self.root.get("config") or {}
+        return bool(config.get("gradient_files", "always") != "never")
+
+    @property
     def has_probes(self) -> bool:
         return any(step.get("probe") for step in self.steps.values())
 
@@ -104,7 +111,7 @@ class TranscriptIndex:
                 names.append(f"{FILES_DIR}/snapshot-{start:08d}.{tree}.bin")
         end = step if through is None else through
         names += [f"{FILES_DIR}/batch-{k:08d}.u32" for k in range(start, end + 1)]
-        if self.specs("grad"):
+        if self.specs("grad") and self.keeps_gradient_files:
             # A run that commits its gradients: each step's committed computed values.
             names += [f"{FILES_DIR}/grad-{k:08d}.bin" for k in range(start, end + 1)]
         return names

@@ -66,6 +66,7 @@ def _train(
     between: Between | None = None,
     bypass: bool = False,
     commit: Callable[[str, Any], Any] | None = None,
+    gradient_files: str = "auto",
 ) -> Path:
     """Train 8 steps; ``between(proof, state)`` edits the state before step 4.
 
@@ -75,7 +76,10 @@ def _train(
     """
     proof = zkdv.jax.ZKDV(
         path,
-        zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.0)),
+        zkdv.ZKDVConfig(
+            sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.0),
+            gradient_files=gradient_files,
+        ),
         replay_snapshot_interval=3,
     )
     proof.start(rolling_window=2, probe_ratio=0.5)
@@ -155,6 +159,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "lr": _train(base / "lr", between=_double_lr, bypass=True),
         "scaled": _train(base / "scaled", commit=_scaled_gradient),
         "swapped": _train(base / "swapped", commit=_swapped_batch),
+        "no-files": _train(base / "no-files", gradient_files="never"),
+        "scaled-no-files": _train(
+            base / "scaled-no-files", commit=_scaled_gradient, gradient_files="never"
+        ),
     }
 
 
@@ -351,6 +359,47 @@ def test_a_gradient_file_that_is_not_the_committed_one(honest_copy: Path) -> Non
     file.write_bytes(bytes(data))
     verdict = jax_replay.verify_challenge(honest_copy, 3, through=5)
     assert (verdict.ok, verdict.reason) == (False, "gradient_mismatch")
+
+
+def test_a_run_that_keeps_no_gradient_files_is_replayed_bit_for_bit(
+    runs: dict[str, Path],
+) -> None:
+    """``gradient_files="never"`` (a TPU's default): no gradient is read back or
+    written, and the replay recomputes each step's gradient, whose root must be the
+    committed one."""
+    path = runs["no-files"]
+    transcript = Transcript.load(path)
+    assert transcript.root["config"]["gradient_files"] == "never"
+    assert not transcript.keeps_gradient_files
+    assert not list((path / "files").glob("grad-*"))
+    assert Transcript.load(runs["honest"]).root["config"]["gradient_files"] == "always"
+    assert verify_transcript(path).ok
+    # The same steps commit the same gradients whether or not their files are kept.
+    honest = Transcript.load(runs["honest"])
+    assert [transcript.steps[k]["grad"] for k in range(STEPS)] == [
+        honest.steps[k]["grad"] for k in range(STEPS)
+    ]
+    transition = jax_replay.load_transition(path)
+    for first, last in windows(transcript):
+        verdict = jax_replay.verify_challenge(path, first, through=last, transition=transition)
+        assert verdict.ok, verdict.message
+        assert all(e.exact and e.gradient["exact"] for e in verdict.evidence)
+
+
+def test_without_gradient_files_a_forged_gradient_fails_and_other_hardware_cannot_judge(
+    runs: dict[str, Path],
+) -> None:
+    path = runs["scaled-no-files"]
+    assert verify_transcript(path).ok  # its probes agree with its committed gradient
+    verdict = jax_replay.verify_challenge(path, 3, through=5)
+    assert (verdict.ok, verdict.reason) == (False, "gradient_mismatch")
+    assert str(verdict.message).startswith("step 4: the recomputed values do not hash")
+    assert [(e.step, e.ok) for e in verdict.evidence] == [(3, True), (4, False)]
+    # A worker in another kernel environment cannot tell rounding from forgery here.
+    elsewhere = jax_replay.verify_challenge(path, 3, through=5, exact=False)
+    assert (elsewhere.ok, elsewhere.reason) == (False, "inexact_environment")
+    assert "kept no gradient files" in str(elsewhere.message)
+    assert jax_replay.verify_challenge(path, 6, through=7).ok
 
 
 def test_dispatch_imports_only_the_framework_it_needs() -> None:

@@ -143,3 +143,18 @@ def test_the_commitment_path_is_validated_and_not_in_the_transcript() -> None:
     assert zkdv.ZKDVConfig().commitments == "auto"
     with pytest.raises(ValueError, match="commitments='gpu' must be one of 'auto', 'host'"):
         zkdv.ZKDVConfig(commitments="gpu")
+
+
+def test_gradient_files_are_validated_and_resolved_per_platform() -> None:
+    from zkdv.config import resolve_gradient_files
+
+    assert zkdv.ZKDVConfig().gradient_files == "auto"
+    with pytest.raises(ValueError, match="gradient_files='some' must be one of 'auto', 'always'"):
+        zkdv.ZKDVConfig(gradient_files="some")
+    # A TPU's runs are replayed on TPUs, bit for bit: by default they keep no files.
+    assert resolve_gradient_files("auto", "tpu") == "never"
+    assert [resolve_gradient_files("auto", kind) for kind in ("cpu", "gpu")] == ["always"] * 2
+    assert resolve_gradient_files("always", "tpu") == "always"
+    assert resolve_gradient_files("never", "cpu") == "never"
+    # Resolved for the run by the core, not recorded as "auto".
+    assert "gradient_files" not in zkdv.ZKDVConfig(gradient_files="never").to_dict()

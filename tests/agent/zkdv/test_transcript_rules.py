@@ -343,6 +343,8 @@ def _config(records: Records, **fields: Any) -> Records:
         ({"tolerance": {"abs": 1e-6, "rel": -1.0}}, "config.tolerance.rel"),
         ({"name": ""}, "config.name"),
         ({"extra": 1}, "config.extra"),
+        ({"gradient_files": "auto"}, "config.gradient_files"),  # recorded as resolved
+        ({"gradient_files": True}, "config.gradient_files"),
     ],
 )
 def test_the_configuration_has_its_types_and_ranges(

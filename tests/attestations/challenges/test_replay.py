@@ -133,7 +133,7 @@ def train_torch(path: Path, name: str, *, forge: str | None = None) -> Path:
     return path
 
 
-def train_jax(path: Path, name: str) -> Path:
+def train_jax(path: Path, name: str, *, gradient_files: str = "auto") -> Path:
     """8 steps of a small Flax MLP with Optax AdamW through zkdv.jax, bound to ``acme/<name>``."""
     import jax
     import jax.numpy as jnp
@@ -159,7 +159,10 @@ def train_jax(path: Path, name: str) -> Path:
 
     proof = zkdv.jax.ZKDV(
         path,
-        zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.0)),
+        zkdv.ZKDVConfig(
+            sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.0),
+            gradient_files=gradient_files,
+        ),
         replay_snapshot_interval=3,
     )
     proof.bind_experiment(f"{ORG}/{name}", spec_digest(name, JAX_SPEC))
@@ -469,6 +472,28 @@ def test_the_seed_stays_secret_while_challenges_are_pending(
         # bounds, then applies the optimizer to it exactly.
         "files/grad-00000000.bin",
     ]
+
+
+def test_a_run_without_gradient_files_is_asked_for_none_and_replays_exactly(
+    platform: APIClient, tmp_path: Path, django_capture_on_commit_callbacks: Any
+) -> None:
+    """``gradient_files="never"`` (a TPU's default): the challenges need no gradient
+    file, and the replay recomputes each gradient bit for bit."""
+    pytest.importorskip("jax")
+    run = train_jax(tmp_path / "jax", "jax-run", gradient_files="never")
+    assert not list((run / "files").glob("grad-*"))
+    with django_capture_on_commit_callbacks(execute=True):
+        filed = file_transcript(platform, run, f"{ORG}/jax-run")
+    proof_id = filed.json()["proof"]
+    listed = platform.get(f"/api/v1/proofs/{proof_id}/challenges/?status=pending").json()
+    needed = [name for c in listed["results"] for name in c["needed_files"]]
+    assert "files/batch-00000000.u32" in needed
+    assert not [name for name in needed if "grad-" in name]
+    with django_capture_on_commit_callbacks(execute=True):
+        attached = answer(platform, proof_id, run, f"{ORG}/jax-run")
+    assert attached.status_code == 201, attached.content
+    proof = Proof.objects.get(pk=proof_id)
+    assert proof.status == ProofStatus.VALID, challenge_summary(proof)
 
 
 @pytest.mark.parametrize(

@@ -9,11 +9,13 @@ from typing import Any
 
 __all__ = [
     "COMMITMENT_PATHS",
+    "GRADIENT_FILES",
     "PRECISIONS",
     "FloatTolerance",
     "GradientBounds",
     "SamplingPolicy",
     "ZKDVConfig",
+    "resolve_gradient_files",
 ]
 
 # 1 MiB: opening one coordinate discloses one chunk, and smaller chunks cost Python
@@ -23,6 +25,19 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 
 #: Where state commitments, probes and challenged values are computed (ZKDVConfig).
 COMMITMENT_PATHS = ("auto", "host", "device")
+
+#: Whether a run keeps each step's committed computed values as a file (ZKDVConfig).
+GRADIENT_FILES = ("auto", "always", "never")
+
+
+def resolve_gradient_files(setting: str, platform_kind: str) -> str:
+    """``ZKDVConfig.gradient_files`` for a run on ``platform_kind``: ``"always"`` or
+    ``"never"``. ``"auto"`` keeps no files on a TPU, whose runs are replayed on TPUs and
+    bit for bit, and keeps them elsewhere, for replays on other hardware."""
+    if setting == "auto":
+        return "never" if platform_kind == "tpu" else "always"
+    return setting
+
 
 #: ``SamplingPolicy.state_check_probability`` when it is not configured. The seeds' core
 #: reference names this sentinel as the argument's only valid value, and their README
@@ -275,6 +290,17 @@ class ZKDVConfig:
             integer array of rank >= 2, the token ids a sequence model trains on. The
             FLOPs estimate ``6 x parameters x tokens`` (a step without a counted program)
             uses the same count.
+        gradient_files: whether a run that commits its gradients keeps each step's
+            computed values as ``files/grad-<step>.bin`` for the platform.
+            ``"always"``: a replay on any hardware compares the gradient it recomputes
+            with the committed one within the run's bounds, then applies the update to
+            the committed one. ``"never"``: they are neither read back nor written, and
+            a replay must recompute them bit for bit (their root is the step's committed
+            ``grad`` root), which only workers of the training's own kernel environment
+            do; elsewhere the step gets no verdict. ``"auto"`` (default): ``"never"`` on
+            a TPU, whose runs are replayed on TPUs (its gradients differ from a CPU's by
+            about 1 % of their norm), ``"always"`` elsewhere. The choice made is
+            recorded in the root record (``config.gradient_files``).
     """
 
     name: str = "default"
@@ -284,6 +310,7 @@ class ZKDVConfig:
     gradient_bounds: GradientBounds | None = None
     commitments: str = "auto"
     token_unit: str = DEFAULT_TOKEN_UNIT
+    gradient_files: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -309,9 +336,15 @@ class ZKDVConfig:
                 f"ZKDVConfig commitments={self.commitments!r} must be one of "
                 f"{', '.join(map(repr, COMMITMENT_PATHS))}"
             )
+        if self.gradient_files not in GRADIENT_FILES:
+            raise ValueError(
+                f"ZKDVConfig gradient_files={self.gradient_files!r} must be one of "
+                f"{', '.join(map(repr, GRADIENT_FILES))}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         # ``commitments`` is left out on purpose: the transcript does not depend on it.
+        # ``gradient_files`` is recorded as resolved for the run (``ZKDVCore.open``).
         return {
             "name": self.name,
             "sampling": self.sampling_policy.to_dict(),

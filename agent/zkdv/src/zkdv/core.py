@@ -190,6 +190,7 @@ class ZKDVCore:
         shardings: dict[str, Any] | None = None,
         grad: Sequence[LeafSpec] | None = None,
         bounds: GradientBounds | None = None,
+        gradient_files: str = "always",
     ) -> StateRoots:
         """Write the root record, committing to the initial state.
 
@@ -198,6 +199,9 @@ class ZKDVCore:
                 the run commits them, and its root records them as ``schema.grad``.
             bounds: their bounds, recorded as ``config.bounds``: the configuration's
                 when it sets them, else these (the frontend's default for its program).
+            gradient_files: whether each step's computed values are kept as files
+                (``ZKDVConfig.gradient_files`` as resolved for the run), recorded as
+                ``config.gradient_files``.
         """
         if self._writer is not None:
             raise RuntimeError("the transcript root is already written")
@@ -234,6 +238,7 @@ class ZKDVCore:
             if chosen is None:
                 raise RuntimeError("a run that commits computed values needs gradient bounds")
             config["bounds"] = chosen.to_dict()
+            config["gradient_files"] = gradient_files
         root = {
             "t": "root",
             "v": PROTOCOL_VERSION,

@@ -184,6 +184,13 @@ class Transcript:
             raise ReplayError("invalid_transcript", "the root record commits no gradient bounds")
         return bounds
 
+    @property
+    def keeps_gradient_files(self) -> bool:
+        """Whether the run kept each step's computed values as ``files/grad-<step>.bin``
+        (the root's ``config.gradient_files``; ``ZKDVConfig.gradient_files``). Where it
+        did not, a replay must recompute them bit for bit."""
+        return bool(self.root["config"].get("gradient_files", "always") != "never")
+
     def snapshot_before(self, step: int) -> int:
         """The latest snapshot at or before ``step``."""
         candidates = [s for s in self.snapshots if s <= step]

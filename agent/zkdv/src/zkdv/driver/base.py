@@ -41,11 +41,12 @@ import numpy as np
 from zkdv import workers
 from zkdv._probe_pass import _kernel as probes_kernel
 from zkdv.batch import _kernel as batch_kernel
-from zkdv.config import GradientBounds, ZKDVConfig
+from zkdv.config import GradientBounds, ZKDVConfig, resolve_gradient_files
 from zkdv.core import ProgramInfo, State, ZKDVCore
 from zkdv.driver.control import HostControl
 from zkdv.driver.flowcontrol import Admission, PipelineQueue, unannotated
 from zkdv.driver.protocol import Leaves, PendingUpdate, Runtime, Submission
+from zkdv.environments import platform_kind
 from zkdv.errors import (
     ALREADY_STARTED,
     CLOSED,
@@ -433,6 +434,17 @@ class Driver:
             self._shardings = shardings
         return info
 
+    @property
+    def _keeps_gradient_files(self) -> bool:
+        """Whether each step's computed values are written (``ZKDVConfig.gradient_files``
+        for the platform the program was sealed on)."""
+        return self._keep_files and self._gradient_files == "always"
+
+    @property
+    def _gradient_files(self) -> str:
+        kind = platform_kind({"env": self._env})
+        return resolve_gradient_files(self.config.gradient_files, kind)
+
     def _snapshot_due(self, index: int) -> bool:
         return index % self._replay_snapshot_interval == 0
 
@@ -551,6 +563,7 @@ class Driver:
             shardings=self._shardings,
             grad=None if grad is None else grad.specs,
             bounds=self._bounds,
+            gradient_files=self._gradient_files,
         )
 
     def _submit_step_files(
@@ -568,7 +581,7 @@ class Driver:
             functools.partial(write_batch, batch_path(self.path, index), words),
             words.nbytes,
         )
-        if computed is not None and computed[1] is not None:
+        if computed is not None and computed[1] is not None and self._keeps_gradient_files:
             leaves = computed[1]
             core.submit_file(
                 functools.partial(write_state, gradient_path(self.path, index), leaves),
@@ -665,6 +678,10 @@ class _Runtime:
     @property
     def keep_files(self) -> bool:
         return self._driver._keep_files
+
+    @property
+    def keep_gradient_files(self) -> bool:
+        return self._driver._keeps_gradient_files
 
     @property
     def max_in_flight(self) -> int:

@@ -165,6 +165,11 @@ class Runtime(Protocol):
         """Whether snapshot and batch files are written for the platform's replay."""
 
     @property
+    def keep_gradient_files(self) -> bool:
+        """Whether each step's computed values are written too (``keep_files`` and
+        ``ZKDVConfig.gradient_files``): where not, nothing reads them back."""
+
+    @property
     def max_in_flight(self) -> int:
         """The most unresolved transactions the pipeline holds."""
 

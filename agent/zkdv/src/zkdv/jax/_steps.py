@@ -206,7 +206,7 @@ class _Step(Submission):
         self._computed = None
         self._gradients = self._gradient_rows(host)
         leaves = list(zip(traced.computed_names, host, strict=True))
-        return leaves, leaves if self.proof.runtime.keep_files else None
+        return leaves, leaves if self.proof.runtime.keep_gradient_files else None
 
     def post_state(self) -> tuple[State, State, State]:
         assert self._params is not None and self._opt is not None
@@ -389,7 +389,8 @@ class _DeviceStep(_Step):
 
     def computed(self) -> tuple[State, Leaves | None] | None:
         """The computed values' commitment, hashed on the device; their bytes are read
-        only to keep ``files/grad-<step>.bin`` for the platform."""
+        only to keep ``files/grad-<step>.bin`` for the platform (``ZKDVConfig.
+        gradient_files``: not on a TPU by default)."""
         pending = self._device_computed
         if pending is None:
             return None
@@ -398,7 +399,7 @@ class _DeviceStep(_Step):
         assert values is not None
         commitment = self._device().commitment(self.index, specs, roots)
         files = None
-        if self.proof.runtime.keep_files:
+        if self.proof.runtime.keep_gradient_files:
             host = [np.asarray(a) for a in self.proof._log.fetch(self.index, "gradient", values)]
             files = list(zip(self.program.traced.computed_names, host, strict=True))
         self._computed = None

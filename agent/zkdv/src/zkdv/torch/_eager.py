@@ -255,7 +255,7 @@ class TorchStep(Submission):
             return None
         tensors = computed_leaves(self.proof, gradients, self.post_buffers)
         committer = self.proof._device_committer
-        keep = self.proof.runtime.keep_files
+        keep = self.proof.runtime.keep_gradient_files
         if self.device is not None and committer is not None:
             _, _, pending = self.device
             files = None

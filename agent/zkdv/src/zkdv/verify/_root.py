@@ -27,6 +27,7 @@ from zkdv.verify._schema import (
     EVERY,
     EXPERIMENT_ALLOWED,
     EXPERIMENT_REQUIRED,
+    GRADIENT_FILES_RECORDED,
     PROGRAM,
     PROVERS,
     ROOT_REQUIRED,
@@ -176,6 +177,14 @@ def _read_config(config: Mapping[str, Any], index: int) -> _ConfigTerms:
             f"got {unit!r:.40}",
             index,
             "config.token_unit",
+        )
+    kept = config.get("gradient_files", GRADIENT_FILES_RECORDED[0])
+    if kept not in GRADIENT_FILES_RECORDED:
+        raise fail(
+            "schema",
+            f"config.gradient_files must be 'always' or 'never', got {kept!r:.40}",
+            index,
+            "config.gradient_files",
         )
     name = config["name"]
     if not isinstance(name, str) or not name:

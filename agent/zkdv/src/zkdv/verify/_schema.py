@@ -56,7 +56,12 @@ BERNOULLI = frozenset({"kind", "p"})
 #: ``token_unit``: what the steps' ``tokens`` count (zkdv.config.TOKEN_UNITS); a root
 #: without it counts the committed batch's uint32 words (JAX) or its first integer
 #: tensor's elements (Torch), as transcripts did before the unit was recorded.
-CONFIG_ALLOWED = CONFIG_FIELDS | {"bounds", "token_unit"}
+#: ``gradient_files``: whether a run that commits its gradients kept them as files
+#: (``"always"``, or ``"never"``: a replay recomputes them bit for bit); a root without
+#: it kept them.
+CONFIG_ALLOWED = CONFIG_FIELDS | {"bounds", "token_unit", "gradient_files"}
+#: The values ``config.gradient_files`` may record (``ZKDVConfig.gradient_files`` resolved).
+GRADIENT_FILES_RECORDED = ("always", "never")
 TOLERANCE = frozenset({"abs", "rel"})
 BOUNDS = frozenset({"tensor", "total", "scale"})
 SCHEMA_REQUIRED = frozenset({"params", "opt_state", "buffers", "batch"})
