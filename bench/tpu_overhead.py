@@ -107,11 +107,15 @@ class LM(nn.Module):
         return nn.Dense(self.vocab, dtype=jnp.bfloat16)(x).astype(jnp.float32)
 
 
-def workload(tiny: bool) -> tuple[LM, Any, int, int]:
+def model_for(tiny: bool) -> tuple[LM, int, int]:
+    """The model, its batch size and its sequence length."""
     if tiny:
-        model, batch, length = LM(vocab=512, d=128, layers=2, heads=4), 2, 128
-    else:
-        model, batch, length = LM(vocab=32768, d=768, layers=12, heads=12), 8, 1024
+        return LM(vocab=512, d=128, layers=2, heads=4), 2, 128
+    return LM(vocab=32768, d=768, layers=12, heads=12), 8, 1024
+
+
+def workload(tiny: bool) -> tuple[LM, Any, int, int]:
+    model, batch, length = model_for(tiny)
     params = model.init(jax.random.key(0), jnp.zeros((1, length), jnp.int32))["params"]
     return model, params, batch, length
 
