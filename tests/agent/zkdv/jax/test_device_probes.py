@@ -319,7 +319,7 @@ def test_device_probes_of_a_tree_hold_no_64_bit_type(x64: bool) -> None:
         device = DeviceProbes(probes)
         leaves = [jnp.asarray(a) for a in arrays]
         flat = np.asarray(device(leaves))
-        text = device.program().lower(leaves, device.matrices).as_text()
+        text = device.program().lower(leaves, device.matrices, device.selections).as_text()
     for want, got in zip(probes.project_all(arrays), device.split(flat), strict=True):
         _same(got, want)
     assert not WIDE_TYPES.findall(text)
@@ -340,9 +340,25 @@ def test_the_probe_program_lowers_for_tpu() -> None:
 
     leaves = [spec(a) for a in arrays]
     matrices = jax.tree.map(spec, device.matrices)
-    exported = jax.export.export(device.program(), platforms=("tpu",))(leaves, matrices)
+    selections = jax.tree.map(spec, device.selections)
+    exported = jax.export.export(device.program(), platforms=("tpu",))(leaves, matrices, selections)
     assert exported.platforms == ("tpu",)
     text = exported.mlir_module()
     assert not WIDE_TYPES.findall(text)
     assert "stablehlo.dot_general" in text and "xi8>" in text
     assert exported.out_avals[0].shape == (probes.floats,)
+
+
+def test_runs_of_one_layout_share_one_probe_program() -> None:
+    """The probe seed (the matrices, the probed rows) is data, not program: two runs of
+    one layout lower to the same program, so XLA's persistent cache compiles it once for
+    every run and every replay (on a TPU, 10 s a process before)."""
+    arrays = _tree()
+    specs = [LeafSpec.of(str(i), a) for i, a in enumerate(arrays)]
+    leaves = [jnp.asarray(a) for a in arrays]
+    texts = []
+    for seed in (b"seed" * 4, b"other seed 16 by"):
+        device = DeviceProbes(ProbeSet.create(specs, 0.1, seed))
+        texts.append(device.program().lower(leaves, device.matrices, device.selections).as_text())
+    assert any(sel is not None for sel in device.selections)  # rows are sampled here
+    assert texts[0] == texts[1]

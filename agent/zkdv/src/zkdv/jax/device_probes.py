@@ -498,10 +498,10 @@ def project(values: Any, matrix: IntegerMatrix | np.ndarray) -> Any:
     return _project_classes([(float32_bits(values)[None], stacked)])[0][0]
 
 
-def _rows(leaf: Any, rows: int, d: int, selected: np.ndarray | None) -> Any:
+def _rows(leaf: Any, rows: int, d: int, selected: Any | None) -> Any:
     values = jnp.reshape(leaf, (rows, d))
     if selected is not None:
-        values = jnp.take(values, jnp.asarray(selected, dtype=np.int32), axis=0)
+        values = jnp.take(values, selected, axis=0, mode="clip")
     return float32_bits(values)
 
 
@@ -522,13 +522,15 @@ def _classes(layout: Sequence[tuple[int, int, int]], rows: Sequence[int]) -> tup
 
 def _probe_all(
     layout: tuple[tuple[int, int, int], ...],
-    selections: tuple[np.ndarray | None, ...],
     classes: tuple[_Class, ...],
     leaves: Sequence[Any],
     matrices: Sequence[IntegerMatrix],
+    selections: Sequence[Any | None],
 ) -> Any:
     """Every leaf's probes, one batched projection per class (the program's size grows
-    with the number of classes, not of leaves)."""
+    with the number of classes, not of leaves). The probe seed's choices (the matrices'
+    digits, the probed rows) are arguments, not constants, so runs of one layout share
+    one program (and XLA's persistent cache finds it for every run and replay)."""
     blocks = [
         (
             jnp.stack(
@@ -579,23 +581,26 @@ class DeviceProbes:
                     jax.device_put(np.stack([p.exponents for p in parts]), device),
                 )
             )
-        self._program = jax.jit(
-            functools.partial(_probe_all, self.layout, tuple(probes.rows), self.classes)
-        )
+        #: Each leaf's probed rows (None: all), on the device: an argument of the program.
+        self.selections = [
+            None if sel is None else jax.device_put(np.asarray(sel, np.int32), device)
+            for sel in probes.rows
+        ]
+        self._program = jax.jit(functools.partial(_probe_all, self.layout, self.classes))
 
     @property
     def floats(self) -> int:
         return sum(self.sizes)
 
     def program(self) -> Any:
-        """The jitted program :meth:`__call__` runs: ``(leaves, matrices) -> probes``
-        (for lowering it elsewhere, e.g. ``jax.export`` for another platform)."""
+        """The jitted program :meth:`__call__` runs: ``(leaves, matrices, selections) ->
+        probes`` (for lowering it elsewhere, e.g. ``jax.export`` for another platform)."""
         return self._program
 
     def __call__(self, leaves: Sequence[Any]) -> jax.Array:
         """Dispatch the probes of one parameter tree (post-update, delta or pre-update):
         one float32 vector, leaf after leaf, each ``(rows, k)`` in C order."""
-        result: jax.Array = self._program(list(leaves), self.matrices)
+        result: jax.Array = self._program(list(leaves), self.matrices, self.selections)
         return result
 
     def split(self, flat: np.ndarray) -> list[np.ndarray]:
