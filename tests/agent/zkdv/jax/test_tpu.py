@@ -80,6 +80,10 @@ def test_a_recipe_trains_verifies_and_replays_exactly_on_the_tpu(tmp_path: Path,
     if TPU == "tpu":
         assert env["devices"][0].startswith("TPU")
     assert jax_replay.exact_environment(transcript.root)
+    if TPU == "tpu":
+        # A TPU's runs keep no gradient files: the replay recomputes them bit for bit.
+        assert transcript.root["config"]["gradient_files"] == "never"
+        assert not list((device / "files").glob("grad-*"))
     transition = load_transition(device)
     for step in sorted({0, 3, 4, 7, STEPS // 2, STEPS - 1}):
         verdict = jax_replay.verify_challenge(device, step, transition=transition)
