@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EXACT",
+    "INEXACT_ENVIRONMENT",
     "PROVERS",
     "WITHIN_BOUNDS",
     "Prover",
@@ -43,6 +44,11 @@ __all__ = [
 #: Prover name (the root record's ``prover``) to the module that replays it.
 PROVERS = {"whitebox-jax": "provers.jax_replay", "whitebox-torch": "provers.torch_replay"}
 
+
+#: The reason of a verdict this worker could not give: the run kept no gradient files
+#: and this worker's environment is not the run's (:func:`judge`). The platform records
+#: such a challenge as not replayed, never as failed.
+INEXACT_ENVIRONMENT = "inexact_environment"
 
 #: A replay's judgement (``ReplayVerdict.judgement``): bit for bit in the run's own
 #: replay environment, within the run's gradient bounds (or tolerance) elsewhere.
@@ -71,7 +77,7 @@ def judge(
     verdict.differences = list(differences)
     verdict.judgement = EXACT if exact else WITHIN_BOUNDS
     if not exact and not gradient_files and verdict.reason == "gradient_mismatch":
-        verdict.reason = "inexact_environment"
+        verdict.reason = INEXACT_ENVIRONMENT
         verdict.message = (
             f"{verdict.message}. The run kept no gradient files, so only a replay in its "
             "own kernel environment can judge it; this worker differs in: "

@@ -16,6 +16,7 @@ from typing import Any
 from celery import Task, shared_task
 from django.conf import settings
 
+import provers
 from attestations.challenges import execution, routing, sliced, sliced_verdicts, verdicts
 from attestations.challenges.answers import REPLAY_TASK
 from attestations.challenges.models import Challenge, SlicedChallenge
@@ -97,6 +98,11 @@ def replay_challenge(self: Task, challenge_id: int) -> str | None:  # type: igno
         verdict = execution.replay_one(challenge)
         if execution.UNREPLAYED in verdict:
             routing.record_unreplayed([challenge_id], str(verdict[execution.UNREPLAYED]))
+            return
+        if verdict.get("reason") == provers.INEXACT_ENVIRONMENT:
+            # A run without gradient files, on a worker of another environment: this
+            # worker cannot tell its rounding from a forgery (provers.judge).
+            routing.record_unreplayed([challenge_id], str(verdict.get("message") or ""))
             return
         execution.record_verdict(challenge, verdict)
         _announce(self, verdict.get("environment"))

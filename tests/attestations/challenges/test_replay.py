@@ -496,6 +496,46 @@ def test_a_run_without_gradient_files_is_asked_for_none_and_replays_exactly(
     assert proof.status == ProofStatus.VALID, challenge_summary(proof)
 
 
+def test_a_run_without_gradient_files_from_other_kernels_is_not_replayed_not_rejected(
+    platform: APIClient, tmp_path: Path, django_capture_on_commit_callbacks: Any
+) -> None:
+    """Trained on XLA's SSE4.2 kernels (its gradients round otherwise than this worker's
+    AVX2 ones) and keeping no gradient files: no worker here can judge its steps, and
+    that is what the platform records, not a forgery."""
+    pytest.importorskip("jax")
+    script = (
+        "import os, sys, django; from pathlib import Path; "
+        "os.environ.setdefault('DJANGO_SETTINGS_MODULE', 'config.settings'); django.setup(); "
+        "from tests.attestations.challenges.test_replay import train_jax; "
+        "train_jax(Path(sys.argv[1]), 'jax-run', gradient_files='never')"
+    )
+    root = Path(__file__).resolve().parents[3]
+    run = tmp_path / "sse"
+    trained = subprocess.run(
+        [sys.executable, "-c", script, str(run)],
+        cwd=root,
+        env={
+            **os.environ,
+            "XLA_FLAGS": "--xla_cpu_max_isa=SSE4_2",
+            "PYTHONPATH": f"{root}:{AGENT_PYTHONPATH}",
+        },
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    proof, attached = file_and_answer(
+        platform, run, django_capture_on_commit_callbacks, experiment=f"{ORG}/jax-run"
+    )
+    assert attached.status_code == 201, attached.content
+    statuses = {c.status for c in proof.challenges.all()}
+    assert ChallengeStatus.FAILED not in statuses, challenge_summary(proof)
+    unreplayed = proof.challenges.filter(status=ChallengeStatus.UNREPLAYED)
+    assert unreplayed.exists(), challenge_summary(proof)
+    assert all("kept no gradient files" in c.message for c in unreplayed)
+    assert proof.status != ProofStatus.REJECTED, (proof.status, proof.reason, proof.message)
+
+
 @pytest.mark.parametrize(
     ("run", "reason", "step"),
     [
