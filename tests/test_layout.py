@@ -171,8 +171,6 @@ def test_the_import_contracts_name_every_private_module(package: str, contract: 
 #: The packages whose private names the benches may not use (import-linter's contracts
 #: catch a private module; this catches a private name in a public one too).
 OTHER_PACKAGES = frozenset({"zkdv", "dvbench", "provers", "attestations", "config", "demo"})
-#: Where a bench still uses a private name, and the issue that removes it.
-BENCH_PRIVATE_EXEMPT = {("tpu_overhead.py", "zkdv.jax._canonical_rules")}  # issue 57
 
 
 def _private(name: str) -> bool:
@@ -189,8 +187,7 @@ def private_names_used(name: str, source: str) -> list[str]:
     imported: dict[str, str] = {}  # local name -> dotted name it was imported as
 
     def flag(line: int, dotted: str) -> None:
-        if (name, dotted) not in BENCH_PRIVATE_EXEMPT:
-            found.append(f"{name}:{line} {dotted}")
+        found.append(f"{name}:{line} {dotted}")
 
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
