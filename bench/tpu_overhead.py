@@ -34,7 +34,7 @@ short still tells where the time went. XLA's persistent compilation cache (a
 temporary directory unless ``JAX_COMPILATION_CACHE_DIR`` names one) lets the second
 proof reuse the first one's programs. ``--stack-limit N`` sets the largest leaf (in
 elements) whose canonical update is stacked with the other leaves of its shape
-(``zkdv.jax._canonical_rules.STACK_LIMIT``; 0: none, each leaf its own program), to
+(``zkdv.jax.canonical.stack_limit``; 0: none, each leaf its own program), to
 weigh the stack's copies at every step against its shorter compile (``docs/jax.md``
 11.2); ``--compare-stack-limits A,B`` adds a ``p=0`` variant for each limit, in the same
 rounds.
@@ -70,6 +70,7 @@ from flax import linen as nn
 
 import zkdv
 from zkdv.device_merkle import roots_to_bytes
+from zkdv.jax.canonical import stack_limit
 from zkdv.jax.contrib import TrainState
 from zkdv.jax.device_merkle import chunk_roots
 from zkdv.merkle import commit_state
@@ -232,11 +233,12 @@ def main() -> None:
     parser.add_argument("--stack-limit", type=int, default=None)
     parser.add_argument("--compare-stack-limits", default="")
     args = parser.parse_args()
-    from zkdv.jax import _canonical_rules
+    with stack_limit(args.stack_limit) as default_limit:
+        run(args, default_limit)
 
-    if args.stack_limit is not None:
-        _canonical_rules.STACK_LIMIT = args.stack_limit
-    default_limit = _canonical_rules.STACK_LIMIT
+
+def run(args: argparse.Namespace, default_limit: int) -> None:
+    """The bench, its canonical updates stacking leaves of up to ``default_limit``."""
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="xla-cache-"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -301,9 +303,9 @@ def main() -> None:
         if label == "proof.jit p=0":  # the commitment alone first: a run cut short still has it
             measure_commitment(variants["jax.jit"]["state"], device)
         # The canonical program is built at a proof's first step, with this limit.
-        _canonical_rules.STACK_LIMIT = v["limit"]
         started, count = time.perf_counter(), len(compiles.seconds)
-        block(v, 2)
+        with stack_limit(v["limit"]):
+            block(v, 2)
         print(
             f"{label}: first two steps {time.perf_counter() - started:.1f} s; "
             f"{compiles.since(count)}",

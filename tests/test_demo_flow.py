@@ -72,7 +72,7 @@ def _assert_complete(outcome: Outcome, lines: list[str]) -> None:
 
 
 def _verify(bundle: Path, trust_root: Path, transcript: Path) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "dvbench._cli", "verify-report", str(bundle)]
+    command = [sys.executable, "-m", "dvbench", "verify-report", str(bundle)]
     command += ["--trust-root", str(trust_root), "--transcript", str(transcript)]
     return subprocess.run(command, capture_output=True, text=True, check=False)
 

@@ -168,40 +168,49 @@ def test_the_import_contracts_name_every_private_module(package: str, contract: 
     assert set(listed) == _private_modules(package)
 
 
-#: The packages whose private names the benches may not use (import-linter's contracts
-#: catch a private module; this catches a private name in a public one too).
+#: The packages whose private names the benches and other packages' tests may not use
+#: (import-linter's contracts catch a private module; this catches a private name in a
+#: public one too).
 OTHER_PACKAGES = frozenset({"zkdv", "dvbench", "provers", "attestations", "config", "demo"})
-#: Where a bench still uses a private name, and the issue that removes it.
-BENCH_PRIVATE_EXEMPT = {("tpu_overhead.py", "zkdv.jax._canonical_rules")}  # issue 57
+
+
+#: Underscore names that their framework documents as public, not private: Django's
+#: Model ``_meta`` API, and a named tuple's ``_asdict``, ``_fields``, ``_make``, ``_replace``.
+PUBLIC_UNDERSCORE_NAMES = frozenset({"_meta", "_asdict", "_fields", "_make", "_replace"})
 
 
 def _private(name: str) -> bool:
-    return name.startswith("_") and not name.startswith("__")
+    return (
+        name.startswith("_") and not name.startswith("__") and name not in PUBLIC_UNDERSCORE_NAMES
+    )
 
 
-def private_names_used(name: str, source: str) -> list[str]:
-    """``file:line name`` of each private name of ``OTHER_PACKAGES`` that ``source`` uses:
-    ``import zkdv._numba``, ``from zkdv.jax import _nnx``, ``from zkdv.probes import
-    _gemm``, or an underscore attribute read off a name imported from them
-    (``batch_module._kernel``, ``ZKDV._check_continuity``, ``zkdv.jax._driver``)."""
+def private_names_used(name: str, source: str, own: frozenset[str] = frozenset()) -> list[str]:
+    """``file:line name`` of each private name of ``OTHER_PACKAGES`` but ``own`` that
+    ``source`` uses: ``import zkdv._numba``, ``from zkdv.jax import _nnx``, ``from
+    zkdv.probes import _gemm``, an underscore attribute read off a name imported from
+    them (``batch_module._kernel``, ``ZKDV._check_continuity``, ``zkdv.jax._driver``), one
+    named by a string beside such a name (``monkeypatch.setattr(batch_module, "_kernel",
+    f)``, ``getattr(ZKDV, "_seal")``) or a dotted string (``mock.patch("zkdv.jax._x.f")``,
+    ``importlib.import_module("zkdv._numba")``)."""
+    packages = OTHER_PACKAGES - own
     tree = ast.parse(source)
     found: list[str] = []
     imported: dict[str, str] = {}  # local name -> dotted name it was imported as
 
     def flag(line: int, dotted: str) -> None:
-        if (name, dotted) not in BENCH_PRIVATE_EXEMPT:
-            found.append(f"{name}:{line} {dotted}")
+        found.append(f"{name}:{line} {dotted}")
 
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name.split(".")[0] in OTHER_PACKAGES:
+                if alias.name.split(".")[0] in packages:
                     if any(_private(part) for part in alias.name.split(".")):
                         flag(node.lineno, alias.name)
                     local = alias.asname or alias.name.split(".")[0]
                     imported[local] = alias.name if alias.asname else local
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module.split(".")[0] not in OTHER_PACKAGES:
+            if node.module.split(".")[0] not in packages:
                 continue
             if any(_private(part) for part in node.module.split(".")):
                 flag(node.lineno, node.module)
@@ -210,15 +219,39 @@ def private_names_used(name: str, source: str) -> list[str]:
                 if _private(alias.name):
                     flag(node.lineno, f"{node.module}.{alias.name}")
                 imported[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+
+    def public_chain(value: ast.expr) -> list[str] | None:
+        """The dotted name ``value`` reads off an imported name, through public names."""
+        chain: list[str] = []
+        while isinstance(value, ast.Attribute) and not _private(value.attr):
+            chain.append(value.attr)
+            value = value.value
+        if isinstance(value, ast.Name) and value.id in imported:
+            return [imported[value.id], *reversed(chain)]
+        return None
+
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and _private(node.attr):
-            chain: list[str] = [node.attr]
-            value = node.value
-            while isinstance(value, ast.Attribute) and not _private(value.attr):
-                chain.append(value.attr)
-                value = value.value
-            if isinstance(value, ast.Name) and value.id in imported:
-                flag(node.lineno, ".".join([imported[value.id], *reversed(chain)]))
+            if (chain := public_chain(node.value)) is not None:
+                flag(node.lineno, ".".join([*chain, node.attr]))
+        elif isinstance(node, ast.Call) and len(node.args) >= 2:
+            target, attribute = node.args[:2]
+            if (
+                isinstance(attribute, ast.Constant)
+                and isinstance(attribute.value, str)
+                and _private(attribute.value)
+                and (chain := public_chain(target)) is not None
+            ):
+                flag(node.lineno, ".".join([*chain, attribute.value]))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            parts = node.value.split(".")
+            if (
+                len(parts) > 1
+                and parts[0] in packages
+                and all(part.isidentifier() for part in parts)
+                and any(_private(part) for part in parts)
+            ):
+                flag(node.lineno, node.value)
     return sorted(found, key=lambda f: int(f.split(":")[1].split()[0]))
 
 
@@ -231,6 +264,49 @@ def test_no_bench_uses_a_private_name_of_another_package() -> None:
         for hit in private_names_used(path.name, path.read_text(encoding="utf-8"))
     ]
     assert not found, "private names used by the benches:\n" + "\n".join(found)
+
+
+#: The test folders of the packages, each the packages whose private units its tests may
+#: test (zkdv's subpackages are one package; the server's tests test its settings too).
+#: A test anywhere else (tests/, tests/reliability, tests/seeds) tests no package's
+#: private units.
+TEST_FOLDERS = {
+    ("agent", "zkdv"): frozenset({"zkdv"}),
+    ("agent", "dvbench"): frozenset({"dvbench"}),
+    ("provers",): frozenset({"provers"}),
+    ("attestations",): frozenset({"attestations", "config"}),
+}
+
+
+def owning_packages(path: Path) -> frozenset[str]:
+    """The packages whose test folder holds ``path`` (a file under tests/), if any."""
+    parts = path.relative_to(REPO_ROOT / "tests").parts
+    for folder, packages in TEST_FOLDERS.items():
+        if parts[: len(folder)] == folder:
+            return packages
+    return frozenset()
+
+
+def private_names_used_by_tests() -> list[str]:
+    """``file:line name`` of each private name of another package that a test (or a test
+    helper) under tests/ uses."""
+    return [
+        hit
+        for path in sorted((REPO_ROOT / "tests").rglob("*.py"))
+        for hit in private_names_used(
+            path.relative_to(REPO_ROOT).as_posix(),
+            path.read_text(encoding="utf-8"),
+            owning_packages(path),
+        )
+    ]
+
+
+def test_no_test_uses_a_private_name_of_another_package() -> None:
+    """Issue 57: tests use another package's public or internal APIs only, as the
+    benches do; a test of a private unit sits in its own package's test folder
+    (:data:`TEST_FOLDERS`)."""
+    found = private_names_used_by_tests()
+    assert not found, "private names of another package used by tests:\n" + "\n".join(found)
 
 
 def test_the_bench_check_would_catch_each_way_of_reaching_a_private_name() -> None:
@@ -259,6 +335,33 @@ batch_module.JIT_ENV
         "x.py:11 zkdv.probes.ProbeSet._last_post",
         "x.py:12 zkdv.jax._driver",
     ]
+
+
+def test_the_check_catches_a_private_name_in_a_patch_and_spares_the_own_package() -> None:
+    source = """
+import importlib
+from attestations.accounts.models import ApiKey
+from zkdv import environments
+from zkdv.torch import forgery
+monkeypatch.setattr(environments, "_BACKEND_KINDS", {})
+getattr(forgery, "scaled_flops")
+mock.patch("zkdv.jax._export.kind_of_backend")
+importlib.import_module("dvbench._cli")
+"see zkdv.jax._export for why"
+ApiKey._meta.concrete_fields
+"""
+    assert private_names_used("x.py", source) == [
+        "x.py:6 zkdv.environments._BACKEND_KINDS",
+        "x.py:8 zkdv.jax._export.kind_of_backend",
+        "x.py:9 dvbench._cli",
+    ]
+    assert private_names_used("x.py", source, own=frozenset({"zkdv"})) == ["x.py:9 dvbench._cli"]
+    assert owning_packages(REPO_ROOT / "tests/agent/zkdv/jax/test_tpu.py") == {"zkdv"}
+    assert owning_packages(REPO_ROOT / "tests/attestations/api/test_x.py") == {
+        "attestations",
+        "config",
+    }
+    assert owning_packages(REPO_ROOT / "tests/test_demo_flow.py") == frozenset()
 
 
 def _import_circles(package: str) -> list[set[str]]:

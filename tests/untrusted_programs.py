@@ -134,16 +134,16 @@ def jax_custom_call_program(target: str = "lab_payload") -> bytearray:
 
 def aot_inductor_package() -> bytes:
     """A real AOT Inductor package (a compiled shared object), as ``aot-inductor`` runs
-    seal them (``zkdv.torch._artifact.roundtrip``; a cold compile is ~40 s)."""
+    seal them (``zkdv.torch.artifact.roundtrip``; a cold compile is ~40 s)."""
     import torch
 
-    from zkdv.torch import _artifact
+    from zkdv.torch.artifact import roundtrip
 
     class Program(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
             return [torch.tanh(x) * 2]
 
-    _, material = _artifact.roundtrip(Program(), (torch.zeros(4, 6),))
+    _, material = roundtrip(Program(), (torch.zeros(4, 6),))
     return bytes(material)
 
 

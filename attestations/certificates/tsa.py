@@ -37,7 +37,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from dvbench.attest import TimestampAuthority
 
-__all__ = ["TSA_FILENAME", "TSA_POLICY", "Authority", "load_authority"]
+__all__ = ["TSA_FILENAME", "TSA_POLICY", "Authority", "generate_authority", "load_authority"]
 
 TSA_FILENAME: Final = "tsa.pem"
 #: The TSA policy under which tokens are issued (an arbitrary OID in the private
@@ -171,7 +171,12 @@ def _name(common_name: str) -> x509.Name:
     )
 
 
-def _generate(now: datetime) -> Authority:
+def generate_authority(now: datetime) -> Authority:
+    """A new authority, its certificates valid from five minutes before ``now``.
+
+    :func:`load_authority` keeps the one it generates; dvbench's attestation tests
+    (``tests/agent/dvbench/attest``) stamp with one made at a fixed time.
+    """
     start = now - timedelta(minutes=5)
     root_key = ec.generate_private_key(ec.SECP256R1())
     root_name = _name("DVBench timestamp root")
@@ -268,7 +273,7 @@ def load_authority(directory: Path) -> Authority:
     """
     path = directory / TSA_FILENAME
     if not path.exists():
-        authority = _generate(datetime.now(UTC).replace(microsecond=0))
+        authority = generate_authority(datetime.now(UTC).replace(microsecond=0))
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         # Written whole under a private name, then linked into place: another process
         # never reads a half-written file, and the first link wins.

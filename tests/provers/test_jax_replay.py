@@ -34,7 +34,7 @@ import zkdv  # noqa: E402
 from provers import jax_replay  # noqa: E402
 from provers.replay import Transcript, windows  # noqa: E402
 from zkdv.files import batch_path, gradient_path, snapshot_path  # noqa: E402
-from zkdv.jax import _program  # noqa: E402
+from zkdv.jax import forgery  # noqa: E402
 from zkdv.jax.contrib import TrainState  # noqa: E402
 from zkdv.replay import ReplayError  # noqa: E402
 from zkdv.verify import verify_transcript  # noqa: E402
@@ -86,13 +86,13 @@ def _train(
     if bypass:
         proof._verify_continuity = lambda index, host_pre: None  # type: ignore[method-assign]
     if commit is not None:
-        fetch = proof._log.fetch
+        fetch = proof.transfers.fetch
 
         def forged(step: int, kind: str, value: Any) -> Any:
             host = fetch(step, kind, value)
             return commit(kind, host) if step == FORGED_STEP else host
 
-        proof._log.fetch = forged  # type: ignore[method-assign]
+        proof.transfers.fetch = forged  # type: ignore[method-assign]
     model = MLP()
     state = TrainState.create(
         proof=proof,
@@ -194,15 +194,11 @@ def test_every_step_record_counts_what_the_program_trains(runs: dict[str, Path])
     assert {record["tokens"] for record in transcript.steps.values()} == {4}
 
 
-def test_an_underreported_token_count_fails_every_replay(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_an_underreported_token_count_fails_every_replay(tmp_path: Path) -> None:
     # A modified SDK commits half of each step's count: the chain, the probes and the
     # replayed states are all honest, and the offline verifier has no program to count.
-    counted = _program._Program.tokens
-    monkeypatch.setattr(_program._Program, "tokens", lambda self, unit: counted(self, unit) // 2)
-    path = _train(tmp_path / "half")
-    monkeypatch.undo()
+    with forgery.scaled_tokens(0.5):
+        path = _train(tmp_path / "half")
     assert verify_transcript(path).ok
     for step in (0, 7):
         verdict = provers.verify_challenge(path, step)

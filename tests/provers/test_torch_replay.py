@@ -32,10 +32,11 @@ import provers  # noqa: E402
 import zkdv  # noqa: E402
 from provers import torch_replay  # noqa: E402
 from provers.replay import Transcript, windows  # noqa: E402
-from tests.torch_forgeries import hide_learning_rate  # noqa: E402
 from zkdv.files import batch_path, snapshot_path  # noqa: E402
 from zkdv.records import iter_records  # noqa: E402
 from zkdv.replay import ReplayError  # noqa: E402
+from zkdv.torch import forgery  # noqa: E402
+from zkdv.torch.forgery import hide_learning_rate  # noqa: E402
 from zkdv.torch.optimizers.bridge import OPTIONS_CHANGED  # noqa: E402
 from zkdv.verify import verify_transcript  # noqa: E402
 
@@ -194,17 +195,14 @@ def test_the_replay_recounts_every_step_records_flops(runs: dict[str, Path]) -> 
 
 
 @pytest.mark.parametrize("factor", [0.5, 0.98, 1.02])
-def test_a_misstated_flop_count_fails_every_replay(
-    factor: float, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_misstated_flop_count_fails_every_replay(factor: float, tmp_path: Path) -> None:
     # A modified SDK commits a count off by 2 % or more: the chain, the probes and the
     # replayed states are honest, and the offline verifier has no program to count.
-    from zkdv.torch import _driver
-
-    real = _driver.count_flops
-    monkeypatch.setattr(_driver, "count_flops", lambda *a: real(*a) * factor)
-    path = _train(tmp_path / "misstated")
-    monkeypatch.undo()
+    restore = forgery.scaled_flops(factor)
+    try:
+        path = _train(tmp_path / "misstated")
+    finally:
+        restore()
     assert verify_transcript(path).ok
     for step in (0, 7):
         verdict = provers.verify_challenge(path, step)
@@ -213,16 +211,14 @@ def test_a_misstated_flop_count_fails_every_replay(
         assert "off by more than 1%" in str(verdict.message)
 
 
-def test_an_estimated_flop_count_is_recomputed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_an_estimated_flop_count_is_recomputed(tmp_path: Path) -> None:
     # A program the SDK's counter cannot run: it estimates 6 x parameters x tokens, and
     # says so in the root; the replay recomputes the same estimate.
-    from zkdv.torch import _driver
-
-    monkeypatch.setattr(_driver, "count_flops", lambda *a: None)
-    path = _train(tmp_path / "estimated")
-    monkeypatch.undo()
+    restore = forgery.uncounted_flops()
+    try:
+        path = _train(tmp_path / "estimated")
+    finally:
+        restore()
     transcript = Transcript.load(path)
     assert transcript.root["env"]["flops"]["method"] == "6 x parameters x tokens"
     parameters = 6 * 16 + 16 + 16 + 1  # Linear(6, 16), Linear(16, 1)
@@ -231,16 +227,13 @@ def test_an_estimated_flop_count_is_recomputed(
     assert provers.verify_challenge(path, 0).ok
 
 
-def test_a_flop_count_within_one_percent_passes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_flop_count_within_one_percent_passes(tmp_path: Path) -> None:
     # Another Torch release may count an operator a little differently: not a forgery.
-    from zkdv.torch import _driver
-
-    real = _driver.count_flops
-    monkeypatch.setattr(_driver, "count_flops", lambda *a: real(*a) * 1.005)
-    path = _train(tmp_path / "close")
-    monkeypatch.undo()
+    restore = forgery.scaled_flops(1.005)
+    try:
+        path = _train(tmp_path / "close")
+    finally:
+        restore()
     assert provers.verify_challenge(path, 0).ok
 
 

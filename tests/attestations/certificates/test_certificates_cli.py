@@ -13,7 +13,7 @@ import pytest
 
 from attestations.accounts.models import ApiKey
 from attestations.certificates.models import Certificate
-from dvbench._cli import main
+from dvbench.__main__ import main
 from dvbench.attest import TrustRoot, verify_bundle
 from tests.attestations.base import World
 from tests.attestations.certificate_helpers import certify

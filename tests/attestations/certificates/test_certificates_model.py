@@ -24,8 +24,8 @@ from rest_framework.test import APIClient
 
 from attestations.certificates import issuance, keys
 from attestations.proofs.models import ProofStatus
-from dvbench._model import write_safetensors
 from dvbench.attest import TrustRoot, note_verifier_key, verify_bundle
+from dvbench.weights import write_safetensors
 from tests.attestations.base import World, error_of, upload_blob
 from tests.attestations.certificate_helpers import certify, finalize, new_proof
 from tests.conftest import EmbeddedDemo
@@ -247,7 +247,7 @@ def test_model_signing_verifies_the_demo_model_and_not_a_flipped_byte(demo: Path
     verify += ["--signature", "model.sig", "--public_key", "model-signing.pub"]
     done = _run(demo / "model", *verify)
     assert done.returncode == 0 and "Verification succeeded" in done.stdout, done
-    dvbench = [sys.executable, "-m", "dvbench._cli", "verify-report"]
+    dvbench = [sys.executable, "-m", "dvbench", "verify-report"]
     for bundle in ("bundle.json", "certificate.sigstore.json"):
         checked = _run(
             demo, *dvbench, bundle, "--trust-root", "trust-root.json", "--model", "model"

@@ -33,7 +33,7 @@ from attestations.experiments.models import Experiment, ExperimentSpec
 from attestations.proofs.models import Proof, ProofArtifact, ProofStatus
 from tests.attestations.base import put_parts, sha256
 from tests.sources import AGENT_PYTHONPATH
-from tests.torch_forgeries import hide_learning_rate
+from zkdv.torch.forgery import hide_learning_rate
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 STEPS = 8

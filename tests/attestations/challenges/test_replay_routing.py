@@ -1,7 +1,7 @@
 """Replays routed per platform kind: a run is replayed on workers of the kind it trained on.
 
 A JAX run is trained here with its platform kind read as ``tpu`` (the backend's kind is
-the one value changed: ``zkdv.jax._export.kind_of_backend``), so its root record is a
+the one value changed: ``zkdv.environments.kind_of_backend``), so its root record is a
 TPU run's. Filed and answered through the API with tasks in-process (as
 ``test_replay.py`` does), its replays go by ``attestations/challenges/routing.py``:
 
@@ -55,10 +55,10 @@ EXPERIMENT = f"{ORG}/jax-run"
 @pytest.fixture(scope="module")
 def tpu_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The JAX run of ``test_replay``, its root record naming platform kind ``tpu``."""
-    import zkdv.jax._export as export
+    from zkdv import environments
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(export, "kind_of_backend", lambda backend: "tpu")
+        patch.setattr(environments, "kind_of_backend", lambda backend: "tpu")
         return train_jax(tmp_path_factory.mktemp("tpu") / "run", "jax-run")
 
 
@@ -71,10 +71,10 @@ def as_tpu(monkeypatch: pytest.MonkeyPatch) -> None:
     no patch in this process reaches, and would replay as the CPU it runs on.
     """
     import provers
-    import zkdv.jax._export as export
     from attestations.challenges import execution
+    from zkdv import environments
 
-    monkeypatch.setattr(export, "kind_of_backend", lambda backend: "tpu")
+    monkeypatch.setattr(environments, "kind_of_backend", lambda backend: "tpu")
 
     def replay_here(directory: Path, needed: Any, step: int, through: int | None) -> Any:
         return provers.verify_challenge(directory, step, through=through).to_dict()

@@ -20,7 +20,7 @@ from attestations.challenges import sliced as platform_sliced
 from attestations.challenges.models import SlicedChallenge, SlicedRun
 from tests.agent.zkdv.test_sliced_wire_limits import replace, run_file
 from tests.attestations.base import World, error_of, upload_blob
-from zkdv.sliced import _wire
+from zkdv.sliced import MAX_NAMES
 
 RUNS = "/api/v1/experiments/acme/run-1/sliced-runs/"
 
@@ -46,8 +46,8 @@ def test_a_list_longer_than_its_limit_is_refused_from_its_header(world: World, a
         api("alice"), replace(run_file(), "names", b"\x9a" + struct.pack(">I", 1 << 21))
     )
     assert error["field"] == "run_file.names"
-    assert error["detail"] == {"limit": _wire.MAX_NAMES, "got": 1 << 21}
-    assert f"a list of {1 << 21} items is over the {_wire.MAX_NAMES}" in error["message"]
+    assert error["detail"] == {"limit": MAX_NAMES, "got": 1 << 21}
+    assert f"a list of {1 << 21} items is over the {MAX_NAMES}" in error["message"]
 
 
 def test_a_step_over_its_item_budget_is_refused(world: World, api: Any) -> None:

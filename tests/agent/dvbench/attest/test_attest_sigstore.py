@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives import serialization
 
-from attestations.certificates.tsa import Authority, _generate
+from attestations.certificates.tsa import Authority, generate_authority
 from dvbench.attest import (
     DSSE_KIND,
     LEGACY_KIND,
@@ -96,7 +96,7 @@ def trust_root(key: SigningKey) -> TrustRoot:
 @pytest.fixture(scope="module")
 def authority() -> Authority:
     """A timestamp authority as the platform generates it (attestations/certificates/tsa.py)."""
-    return _generate(START)
+    return generate_authority(START)
 
 
 @pytest.fixture(scope="module")

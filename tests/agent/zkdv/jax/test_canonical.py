@@ -304,6 +304,20 @@ def test_stacked_leaves_have_the_bits_of_the_per_leaf_program(monkeypatch, name)
         np.testing.assert_array_equal(together, alone, strict=True)
 
 
+def test_stack_limit_sets_the_limit_inside_its_block_and_restores_it():
+    # The internal API bench/tpu_overhead.py sets the limit through (issue 57).
+    from zkdv.jax import _canonical_rules
+    from zkdv.jax.canonical import stack_limit
+
+    default = _canonical_rules.STACK_LIMIT
+    with stack_limit() as limit:
+        assert limit == _canonical_rules.STACK_LIMIT == default
+    with pytest.raises(RuntimeError), stack_limit(0) as limit:
+        assert limit == _canonical_rules.STACK_LIMIT == 0
+        raise RuntimeError
+    assert default == _canonical_rules.STACK_LIMIT
+
+
 # --- Against plain Optax ---------------------------------------------------------------
 
 # Canonical and XLA's own rounding differ by an ulp here and there (FMA, exp, pow,

@@ -40,10 +40,10 @@ import zkdv
 from provers import torch_replay
 from tests.examples import torch_example
 from tests.matrix import FULL
-from tests.torch_forgeries import hide_learning_rate
 from tests.torch_replays import replay_rejects, replays_every_step_exactly
 from zkdv.records import iter_records
 from zkdv.torch._capture import current_capture
+from zkdv.torch.forgery import hide_learning_rate
 from zkdv.verify import verify_transcript
 
 EVERY_STEP = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy.DEBUGCheckEvery(1))

@@ -23,12 +23,12 @@ from torch import nn
 from torch.nn import functional
 
 import zkdv
-from tests.torch_forgeries import hide_learning_rate
 from zkdv import workers
 from zkdv.files import TREES, read_batch, read_state, snapshot_path
 from zkdv.merkle import LeafSpec
 from zkdv.records import iter_records
 from zkdv.torch._packing import BatchLayout
+from zkdv.torch.forgery import hide_learning_rate
 from zkdv.verify import verify_transcript
 
 EVERY_STEP = zkdv.ZKDVConfig(

@@ -207,7 +207,8 @@ _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 #: each rule (the bits are the same either way). Stacking trades copies at every step
 #: (in proportion to the bytes) for a shorter compile once (in proportion to the
 #: leaves): a transformer's small leaves (biases, norms) are most of its leaves and few
-#: of its bytes. ``bench/tpu_overhead.py --compare-stack-limits`` weighs the two.
+#: of its bytes. ``bench/tpu_overhead.py --compare-stack-limits`` weighs the two, setting
+#: it through :func:`zkdv.jax.canonical.stack_limit`.
 STACK_LIMIT = 1 << 16
 
 # Elementwise rules: stacked, each is in the program once per shape, not once per leaf.

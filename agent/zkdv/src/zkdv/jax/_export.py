@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import export
 from jax.sharding import NamedSharding
 
-from zkdv.environments import kind_of_backend
+from zkdv import environments
 from zkdv.errors import (
     ZKDVError,
 )
@@ -183,9 +183,10 @@ def exact_environment_values() -> dict[str, Any]:
     backend = jax.default_backend()
     return {
         "jax_platform": backend,
-        # The kind a run's replays are routed by (zkdv.environments), and the chip
+        # The kind a run's replays are routed by (zkdv.environments, looked up there so
+        # that the platform's routing tests can read a CPU as a TPU), and the chip
         # generation ("TPU v5 lite"; "cpu" on a CPU, whose generation is cpu_isa).
-        "platform_kind": kind_of_backend(backend),
+        "platform_kind": environments.kind_of_backend(backend),
         "device_kind": jax.devices()[0].device_kind,
         "jaxlib": getattr(jaxlib, "__version__", "unknown"),
         "devices": sorted({device.device_kind for device in jax.devices()}),

@@ -119,17 +119,19 @@ flow (``jit``, ``cond``, ``while``, ``scan``, ``custom_jvp_call``, ``custom_vjp_
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zkdv.jax import _canonical_rules
 from zkdv.jax._canonical_arithmetic import CANONICAL_VERSION, NotCanonical
 from zkdv.jax._canonical_rules import _Evaluator
 
-__all__ = ["CANONICAL_VERSION", "NotCanonical", "canonical", "check"]
+__all__ = ["CANONICAL_VERSION", "NotCanonical", "canonical", "check", "stack_limit"]
 
 
 def canonical(function: Callable[..., Any], zero: Any) -> Callable[..., Any]:
@@ -202,3 +204,30 @@ def check(function: Callable[..., Any], *example_args: Any) -> str | None:
     except NotCanonical as error:
         return str(error)
     return None
+
+
+@contextmanager
+def stack_limit(limit: int | None = None) -> Iterator[int]:
+    """Stack the canonical update's leaves of at most ``limit`` elements while open.
+
+    An internal API, for ``bench/tpu_overhead.py`` (``--stack-limit``,
+    ``--compare-stack-limits``), which weighs the stack's copies at every step against
+    its shorter compile. Leaves of one shape, of more than 16 elements and at most
+    ``limit``, are evaluated as one stacked array (0: none, each leaf on its own); the
+    bits are the same either way. The limit is read when :func:`canonical` traces, so it
+    applies to the programs traced inside the block (a proof's first step builds its
+    update's); it holds for every caller in the process and is restored on exit.
+
+    Args:
+        limit: the largest leaf stacked, in elements; None leaves it as it is.
+
+    Yields:
+        The limit in force inside the block.
+    """
+    previous = _canonical_rules.STACK_LIMIT
+    if limit is not None:
+        _canonical_rules.STACK_LIMIT = limit
+    try:
+        yield _canonical_rules.STACK_LIMIT
+    finally:
+        _canonical_rules.STACK_LIMIT = previous

@@ -68,6 +68,9 @@ from zkdv.sliced._openings import (
 )
 from zkdv.sliced._projections import inner, projection_directions, sequence_projections
 from zkdv.sliced._wire import (
+    MAX_BLOCKS,
+    MAX_NAMES,
+    MAX_STEPS,
     RunFile,
     answer_from_bytes,
     answer_to_bytes,
@@ -80,6 +83,9 @@ from zkdv.sliced._wire import (
 __all__ = [
     "ACTIVATION",
     "GRADIENT",
+    "MAX_BLOCKS",
+    "MAX_NAMES",
+    "MAX_STEPS",
     "SLICED_VERSION",
     "BatchRowOpening",
     "BlockLayout",
