@@ -202,7 +202,7 @@ def measure_commitment(state: Any, device: Any) -> None:
 def summarize_trace(where: str, top: int = 25) -> None:
     """The events of a ``jax.profiler`` trace with the most time, per process (each
     device's programs and operations; on the host, inclusive Python frames)."""
-    paths = glob.glob(os.path.join(where, "plugins", "profile", "*", "*.trace.json.gz"))
+    paths = glob.glob(os.path.join(where, "plugins", "profile", "*", "*trace.json.gz"))
     if not paths:
         print("  (no trace written)")
         return
@@ -337,7 +337,7 @@ def run(args: argparse.Namespace, default_limit: int) -> None:
         steps = min(args.steps, 4)
         for label, v in variants.items():
             where = os.path.join(args.profile, label.replace(" ", "-"))
-            with jax.profiler.trace(where):
+            with jax.profiler.trace(where, create_perfetto_trace=True):
                 block(v, steps)
             print(f"\n{label}: profile of {steps} steps in {where}")
             summarize_trace(where)
