@@ -20,7 +20,7 @@ the committed gradients reproduces the committed state bit for bit in every
 environment, as the platform demands.
 
 Exit status: 0 every environment within the bounds, the state exact everywhere; 1 not;
-2 usage or I/O error (no committed gradients, missing files).
+2 usage or I/O error (no committed gradients, none kept as files, missing files).
 """
 
 from __future__ import annotations
@@ -316,6 +316,14 @@ def calibrate(
     if transcript.grad is None:
         print(
             f"zkdv calibrate: {proof} commits no gradients (schema.grad): nothing to calibrate",
+            file=out,
+        )
+        return 2, []
+    if not transcript.keeps_gradient_files:
+        print(
+            f"zkdv calibrate: {proof} keeps no gradient files (config.gradient_files "
+            "'never', a TPU's default): nothing to compare with; train the calibration "
+            "steps with ZKDVConfig(gradient_files='always')",
             file=out,
         )
         return 2, []

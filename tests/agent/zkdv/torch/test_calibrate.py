@@ -19,7 +19,9 @@ from zkdv.records import iter_records
 STEPS = 3
 
 
-def _run(path: Path, bounds: zkdv.GradientBounds | None = None) -> Path:
+def _run(
+    path: Path, bounds: zkdv.GradientBounds | None = None, gradient_files: str = "auto"
+) -> Path:
     """A BatchNorm classifier's first steps: the bias in front of the BatchNorm has a
     zero true gradient, so its computed gradient is rounding noise on every machine."""
     torch.manual_seed(0)
@@ -28,6 +30,7 @@ def _run(path: Path, bounds: zkdv.GradientBounds | None = None) -> Path:
     config = zkdv.ZKDVConfig(
         sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.0),
         gradient_bounds=bounds,
+        gradient_files=gradient_files,
     )
     proof = zkdv.torch.ZKDV(path, config, replay_snapshot_interval=2)
     proof.start(rolling_window=4, probe_ratio=0.5)
@@ -92,6 +95,14 @@ def test_a_run_without_committed_gradients_has_nothing_to_calibrate(tmp_path: Pa
     path = write_synthetic_transcript(tmp_path / "proof")
     result = _calibrate(path)
     assert result.returncode == 2 and "commits no gradients" in result.stdout + result.stderr
+
+
+def test_a_run_that_keeps_no_gradient_files_says_how_to_calibrate(tmp_path: Path) -> None:
+    path = _run(tmp_path / "proof", gradient_files="never")
+    assert not list((path / "files").glob("grad-*"))
+    result = _calibrate(path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "gradient_files='always'" in result.stdout + result.stderr
 
 
 def test_default_environments_cover_the_cpu_kernel_families_and_threads(tmp_path: Path) -> None:
