@@ -61,7 +61,9 @@ def test_every_exported_name_exists_and_is_defined_in_a_private_module() -> None
 
 def test_the_library_modules_are_private() -> None:
     public = {path.name for path in PACKAGE.glob("*.py") if not path.name.startswith("_")}
-    assert public == {"cli.py"}
+    # The command, and one internal API: the platform's tests' pre-securesystemslib key
+    # ids (``dvbench.attest.legacy``, issue 57), which no user imports.
+    assert public == {"cli.py", "legacy.py"}
 
 
 def test_no_django_import_anywhere_in_the_agent() -> None:
