@@ -32,7 +32,6 @@ import argparse
 import functools
 import os
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +43,7 @@ import optax
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 
 import tpu_overhead
+from hash_layouts import timed  # this script's folder: the same timing
 
 from zkdv import device_merkle as dm
 from zkdv.hashing import Domain
@@ -74,16 +74,6 @@ def random_state(shapes: list[jax.ShapeDtypeStruct]) -> list[jax.Array]:
         else:  # small leaves of other widths (a step counter): plain values
             out.append(jnp.zeros(spec.shape, spec.dtype))
     return out
-
-
-def timed(fn: Callable[[], Any], repeats: int) -> tuple[float, float, Any]:
-    start = time.perf_counter()
-    out = jax.block_until_ready(fn())
-    first = time.perf_counter() - start
-    start = time.perf_counter()
-    for _ in range(repeats):
-        jax.block_until_ready(fn())
-    return first, (time.perf_counter() - start) / repeats, out
 
 
 def stage_programs(plan: dm.HashPlan, interpret: bool) -> dict[str, Callable[..., Any]]:
