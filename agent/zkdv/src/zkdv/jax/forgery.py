@@ -25,6 +25,17 @@ __all__ = ["committed_batches", "scaled_tokens", "unchecked_continuity"]
 
 
 @contextmanager
+def _replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """``owner.name`` is ``value`` while open; the original is restored on exit."""
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+@contextmanager
 def committed_batches(committed: Mapping[int, np.ndarray]) -> Iterator[None]:
     """Hash ``committed[i]`` as step ``i``'s batch, whatever batch the step trained on.
 
@@ -39,11 +50,8 @@ def committed_batches(committed: Mapping[int, np.ndarray]) -> Iterator[None]:
             self._packed = committed[self.index]
         return batch(self)
 
-    _steps._Step.batch = swapped  # type: ignore[method-assign]
-    try:
+    with _replaced(_steps._Step, "batch", swapped):
         yield
-    finally:
-        _steps._Step.batch = batch  # type: ignore[method-assign]
 
 
 @contextmanager
@@ -54,11 +62,8 @@ def scaled_tokens(factor: float) -> Iterator[None]:
     def scaled(self: Any, unit: str) -> int:
         return int(tokens(self, unit) * factor)
 
-    _program._Program.tokens = scaled  # type: ignore[method-assign]
-    try:
+    with _replaced(_program._Program, "tokens", scaled):
         yield
-    finally:
-        _program._Program.tokens = tokens  # type: ignore[method-assign]
 
 
 @contextmanager
@@ -69,9 +74,5 @@ def unchecked_continuity() -> Iterator[None]:
     other than the one the last step committed; a forger that trains steps off the
     transcript (hidden steps) removes that check.
     """
-    continuity = _driver.ZKDV._check_continuity
-    _driver.ZKDV._check_continuity = lambda self, index, params, opt: None  # type: ignore[method-assign]
-    try:
+    with _replaced(_driver.ZKDV, "_check_continuity", lambda self, index, params, opt: None):
         yield
-    finally:
-        _driver.ZKDV._check_continuity = continuity  # type: ignore[method-assign]
