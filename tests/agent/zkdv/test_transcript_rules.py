@@ -223,6 +223,23 @@ def test_check_values_are_numbers(checked: Records) -> None:
     rejected(edited(checked, check, param=param), "schema", check, "param.replayed")
 
 
+def test_a_check_may_judge_the_whole_gradient_of_a_run_that_commits_it(
+    tmp_path: Path, checked: Records
+) -> None:
+    records = _write(tmp_path / "proof", steps=5, snapshot_interval=3, gradients=True)
+    # The last check: an edit of an earlier one would change the draws of later steps.
+    check = at(records, "check", 4)
+    assert verify(edited(records, check, grad=True)).ok
+    # A gradient outside the bounds fails the check, whatever its two coordinates show.
+    rejected(edited(records, check, grad=False), "altered_check", check, "ok")
+    message = rejected(edited(records, check, grad=False, ok=False), "failed_check", check, "grad")
+    assert "outside the run's gradient bounds" in message
+    rejected(edited(records, check, grad=1), "schema", check, "grad")
+    # A run that commits no gradient has none to judge.
+    check = at(checked, "check", 2)
+    rejected(edited(checked, check, grad=True), "schema", check, "grad")
+
+
 # --- probes -----------------------------------------------------------------------------
 
 

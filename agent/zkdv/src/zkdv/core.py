@@ -364,14 +364,22 @@ class ZKDVCore:
         replayed_state: float,
         replay_from: int,
         replayed_steps: int,
+        gradient_within: bool | None = None,
     ) -> bool:
-        """Write a check record; returns whether both coordinates are within tolerance."""
+        """Write a check record; returns whether it passed.
+
+        It passes when both coordinates are within tolerance and, where the check
+        judged the step's whole gradient (``gradient_within`` is not None), that
+        gradient lay within the bounds of the committed one.
+        """
         writer = self._require_open()
         tol = self.config.tolerance
-        ok = tol.close(float(replayed_delta), float(committed_delta)) and tol.close(
-            float(replayed_state), float(committed_state)
+        ok = (
+            tol.close(float(replayed_delta), float(committed_delta))
+            and tol.close(float(replayed_state), float(committed_state))
+            and gradient_within is not False
         )
-        record = {
+        record: dict[str, Any] = {
             "t": "check",
             "i": challenge.step,
             "param": {
@@ -388,6 +396,8 @@ class ZKDVCore:
             "replayed": int(replayed_steps),
             "ok": bool(ok),
         }
+        if gradient_within is not None:
+            record["grad"] = bool(gradient_within)
         with self._lock:
             writer.append(record, sync=True)
             self.checks += 1

@@ -644,10 +644,17 @@ class Driver:
                 replayed_state=outcome.replayed_state,
                 replay_from=outcome.replay_from,
                 replayed_steps=outcome.replayed_steps,
+                gradient_within=outcome.gradient_within,
             )
         finally:
             sub.retire()
             done.set()
+        if not ok and outcome.gradient_within is False:
+            raise ZKDVVerificationError(
+                f"sampled check of step {challenge.step} failed: the gradient recomputed "
+                f"from its committed batch lies outside the run's gradient bounds of the "
+                f"committed one"
+            )
         if not ok:
             tol = self.config.tolerance
             raise ZKDVVerificationError(

@@ -48,6 +48,12 @@ class ReplayOutcome:
     frontend whose optimizer updates parameters in place (eager Torch) captures the
     committed post-update value and forms the committed update against the replayed
     pre-update value, instead of copying every parameter before every step.
+
+    ``gradient_within``, when set, says whether the checked step's recomputed gradient
+    lies within the run's bounds of the committed one: a frontend that reads the
+    committed gradient back (eager Torch) judges the whole gradient, as the platform's
+    replay does, and not only the two sampled coordinates, which a forged gradient can
+    leave within tolerance (a scaled one, through Adam's normalisation).
     """
 
     replayed_delta: float
@@ -55,6 +61,7 @@ class ReplayOutcome:
     replay_from: int
     replayed_steps: int
     committed_delta: float | None = None
+    gradient_within: bool | None = None
 
 
 class Submission(Protocol):

@@ -201,6 +201,7 @@ class Pipeline:
         ]
         buffers = [b.to(device, copy=True) for b in snapshot.buffers]
         start = snapshot.step
+        gradient_within: bool | None = None
         for offset, step in enumerate(inputs):
             index = start + offset
             committed = None if self.committed is None else self.committed(index)
@@ -220,15 +221,19 @@ class Pipeline:
                     index,
                     states[-1] if self.bridge.scaled else None,
                 )
-                if committed is not None and committed.within(gradients, buffers_after, scaler):
-                    # The recomputed gradient lies within the bounds: the step is checked
-                    # on the committed one (a compiled program rounds otherwise than the
-                    # eager training did); beyond them, the recomputed one shows it.
-                    gradients, buffers_after, scaler = (
-                        committed.gradients,
-                        committed.buffers,
-                        committed.scaler,
-                    )
+                if committed is not None:
+                    # The checked step's verdict covers its whole gradient, as the
+                    # platform's replay does (docs/transcript.md, the check record).
+                    gradient_within = committed.within(gradients, buffers_after, scaler)
+                    if gradient_within:
+                        # Within the bounds, the step is checked on the committed gradient
+                        # (a compiled program rounds otherwise than the eager training
+                        # did); beyond them, the check fails whatever its values show.
+                        gradients, buffers_after, scaler = (
+                            committed.gradients,
+                            committed.buffers,
+                            committed.scaler,
+                        )
             after, states_after = self.bridge.step(
                 parameters, states, gradients, step.hyperparameters, scaler=scaler
             )
@@ -243,6 +248,7 @@ class Pipeline:
                     start,
                     challenge.step - start,
                     committed_delta=committed_post - before,
+                    gradient_within=gradient_within,
                 )
             parameters, states, buffers = after, states_after, buffers_after
         raise RuntimeError(f"ZKDV replay window of step {challenge.step} is incomplete")

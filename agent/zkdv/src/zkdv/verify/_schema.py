@@ -76,6 +76,9 @@ STEP_ALLOWED = STEP_REQUIRED | {"hp", "grad"}
 BATCH_FIELDS = frozenset({"root", "rows", "cols", "win"})
 PROBE_FIELDS = frozenset({"off", "len", "digest"})
 CHECK_FIELDS = frozenset({"t", "i", "prev", "param", "state", "from", "replayed", "ok"})
+#: ``grad``: whether the checked step's recomputed gradient lay within the run's bounds of
+#: the committed one, in a run that commits its gradients and where the check judged it.
+CHECK_ALLOWED = CHECK_FIELDS | {"grad"}
 OPENED = frozenset({"index", "committed", "replayed"})
 SNAP_FIELDS = frozenset({"t", "i", "prev", "roots", "files"})
 FILE_FIELDS = frozenset({"digest", "bytes"})

@@ -26,6 +26,7 @@ from zkdv.verify._report import VerificationReport
 from zkdv.verify._root import probe_floats, read_root
 from zkdv.verify._schema import (
     BATCH_FIELDS,
+    CHECK_ALLOWED,
     CHECK_FIELDS,
     CLOSE_FIELDS,
     FILE_FIELDS,
@@ -469,7 +470,14 @@ class Verifier:
         data, index = record.data, record.index
         step = require(data, "i", int, index)
         challenge = self._challenge(step, index)
-        require_keys(data, CHECK_FIELDS, CHECK_FIELDS, index, f"check record of step {step}")
+        require_keys(data, CHECK_FIELDS, CHECK_ALLOWED, index, f"check record of step {step}")
+        if "grad" in data and not self.grad:
+            raise fail(
+                "schema",
+                f"check of step {step} judges a gradient (grad) but the root's schema commits none",
+                index,
+                "grad",
+            )
         param = require(data, "param", dict, index)
         state = require(data, "state", dict, index)
         require_keys(param, OPENED, OPENED, index, "param", "param.")
@@ -554,13 +562,22 @@ class Verifier:
                 (name, committed, replayed, tol.close(float(replayed), float(committed)))
             )
         ok = require(data, "ok", bool, index)
-        recomputed = all(v[3] for v in verdicts)
+        gradient = require(data, "grad", bool, index) if "grad" in data else None
+        recomputed = all(v[3] for v in verdicts) and gradient is not False
         if ok != recomputed:
             raise fail(
                 "altered_check",
                 f"check of step {step} claims ok={ok} but its values give ok={recomputed}",
                 index,
                 "ok",
+            )
+        if not ok and gradient is False:
+            raise fail(
+                "failed_check",
+                f"sampled check of step {step} failed: the gradient recomputed from its "
+                f"committed batch lies outside the run's gradient bounds of the committed one",
+                index,
+                "grad",
             )
         if not ok:
             name, committed, replayed, _ = next(v for v in verdicts if not v[3])
