@@ -57,6 +57,8 @@ import glob
 import gzip
 import json
 import os
+import re
+import shutil
 import statistics
 import tempfile
 import time
@@ -200,25 +202,36 @@ def measure_commitment(state: Any, device: Any) -> None:
 
 
 def summarize_trace(where: str, top: int = 25) -> None:
-    """The events of a ``jax.profiler`` trace with the most time, per process (each
-    device's programs and operations; on the host, inclusive Python frames)."""
+    """The events of a ``jax.profiler`` trace with the most time, per process and line
+    (a device's modules and its operations; on the host, inclusive Python frames). The
+    trace is also copied to ``<where>.trace.json.gz``, one file beside the folder."""
     paths = glob.glob(os.path.join(where, "plugins", "profile", "*", "*trace.json.gz"))
     if not paths:
         print("  (no trace written)")
         return
-    with gzip.open(max(paths, key=os.path.getmtime)) as f:
+    path = max(paths, key=os.path.getmtime)
+    shutil.copy(path, where + ".trace.json.gz")
+    with gzip.open(path) as f:
         events = json.load(f)["traceEvents"]
     names = {
         e["pid"]: e["args"]["name"]
         for e in events
         if e.get("ph") == "M" and e.get("name") == "process_name"
     }
+    threads = {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
     totals: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for e in events:
         if e.get("ph") == "X":
-            totals[names.get(e["pid"], str(e["pid"]))][e["name"]] += e.get("dur", 0)
-    for process, counter in sorted(totals.items()):
-        print(f"  {process}:")
+            line = names.get(e["pid"], str(e["pid"]))
+            if not line.startswith("/host"):
+                line += " / " + threads.get((e["pid"], e.get("tid")), str(e.get("tid")))
+            totals[line][e["name"]] += e.get("dur", 0)
+    for line, counter in sorted(totals.items()):
+        print(f"  {line}:")
         for name, micros in counter.most_common(top):
             print(f"    {micros / 1e3:10.1f} ms  {name[:110]}")
 
@@ -336,7 +349,7 @@ def run(args: argparse.Namespace, default_limit: int) -> None:
     if args.profile:
         steps = min(args.steps, 4)
         for label, v in variants.items():
-            where = os.path.join(args.profile, label.replace(" ", "-"))
+            where = os.path.join(args.profile, re.sub(r"[^A-Za-z0-9._-]+", "-", label))
             with jax.profiler.trace(where, create_perfetto_trace=True):
                 block(v, steps)
             print(f"\n{label}: profile of {steps} steps in {where}")

@@ -72,6 +72,7 @@ class DeviceCommitter:
         self.schedule = schedule
         self.log = log
         self._probes: DeviceProbes | None = None
+        self._zeros: dict[tuple[Any, ...], jax.Array] = {}
 
     @staticmethod
     def unsupported(paths: Sequence[str], leaves: Sequence[Any]) -> list[str]:
@@ -94,6 +95,15 @@ class DeviceCommitter:
         """Dispatch the probes of a parameter tree (one float32 vector, on the device)."""
         assert self._probes is not None, "start_probes() before the first projection"
         return self._probes(leaves)
+
+    def zeros(self, like: Any) -> jax.Array:
+        """Zeros shaped as ``like`` (a parameter without a gradient), made once per shape:
+        a fresh ``jnp.zeros_like`` per parameter and step is an eager dispatch each."""
+        key = (tuple(like.shape), str(like.dtype), like.sharding)
+        zeros = self._zeros.get(key)
+        if zeros is None:
+            zeros = self._zeros[key] = jnp.zeros_like(like)
+        return zeros
 
     def commitment(self, step: int, specs: Sequence[LeafSpec], roots: jax.Array) -> StateCommitment:
         """Read a state's chunk roots (32 bytes per leaf) and finish its root on the host."""

@@ -625,7 +625,10 @@ class ZKDV(Driver):
             values = list(outputs[start : start + len(traced.computed_names)])
             # The gradient probe row: zeros for a parameter without a gradient.
             by_position = dict(zip(spec.grads, values, strict=False))
-            grads = [by_position.get(j, jnp.zeros_like(p)) for j, p in enumerate(params_after)]
+            grads = [
+                by_position[j] if j in by_position else device.zeros(p)
+                for j, p in enumerate(params_after)
+            ]
             computed = (
                 device.roots(values),
                 leaf_specs(traced.computed_names, values),
