@@ -133,18 +133,22 @@ def jax_custom_call_program(target: str = "lab_payload") -> bytearray:
 
 
 def aot_inductor_package() -> bytes:
-    """A real AOT Inductor package (a compiled shared object), as ``aot-inductor`` runs
-    seal them (``zkdv.torch.artifact.roundtrip``; a cold compile is ~40 s)."""
-    import torch
+    """A real AOT Inductor package (a compiled shared object), what a lab that compiled
+    its own program would upload (a cold compile is ~10-40 s)."""
+    import tempfile
 
-    from zkdv.torch.artifact import roundtrip
+    import torch
 
     class Program(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
             return [torch.tanh(x) * 2]
 
-    _, material = roundtrip(Program(), (torch.zeros(4, 6),))
-    return bytes(material)
+    exported = torch.export.export(Program(), (torch.zeros(4, 6),))
+    with tempfile.TemporaryDirectory() as folder:
+        path = torch._inductor.aoti_compile_and_package(
+            exported, package_path=str(Path(folder, "program.pt2"))
+        )
+        return Path(path).read_bytes()
 
 
 def forge_program(run: Path, program: bytes, *, kind: str | None = None) -> None:

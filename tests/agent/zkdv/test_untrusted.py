@@ -12,6 +12,7 @@ import io
 import json
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -107,7 +108,6 @@ def test_a_node_calling_a_python_function_is_refused(block_program: bytes) -> No
 @pytest.mark.parametrize(
     "member",
     [
-        "archive/data/aotinductor/model/model.so",
         "archive/extra/notes.txt",
         "archive/data/constants/custom_obj_0",
         "archive/payload.pkl",
@@ -195,12 +195,27 @@ def test_anything_else_is_refused(text: object) -> None:
         check_expression(text)
 
 
-def test_an_aot_inductor_package_is_never_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
-    loaded: list[str] = []
-    monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda path: loaded.append(path))
-    with pytest.raises(ProgramUnsafeError, match="native code the platform never loads"):
-        _artifact.load(b"PK\x05\x06" + bytes(18), _artifact.AOT_INDUCTOR)
-    assert loaded == []
+@pytest.mark.parametrize(
+    "member",
+    [
+        "program/data/aotinductor/model/c5m2.wrapper.so",
+        "program/data/aotinductor/model/c5m2.wrapper.cpp",
+        "archive/data/weights/lib.so",
+    ],
+)
+def test_an_aot_inductor_package_is_never_loaded(
+    monkeypatch: pytest.MonkeyPatch, member: str
+) -> None:
+    called: list[str] = []
+    for name in ("aoti_load_package", "aoti_compile_and_package"):
+        monkeypatch.setattr(torch._inductor, name, lambda *a, n=name, **k: called.append(n))
+    package = io.BytesIO()
+    with zipfile.ZipFile(package, "w") as archive:
+        archive.writestr(member, b"\x7fELF")
+    for kind in (_artifact.AOT_INDUCTOR, _artifact.TORCH_EXPORT):
+        with pytest.raises(ProgramUnsafeError, match="native code the platform never loads"):
+            _artifact.load(package.getvalue(), kind)
+    assert called == []
 
 
 def test_targets_are_aten_operators_or_shape_arithmetic() -> None:

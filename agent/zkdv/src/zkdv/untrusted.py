@@ -23,7 +23,8 @@ loaders until this module has parsed it with code the platform owns:
   positive=True, integer=True)`` or bare, integers, ``+ - * // %``, comparisons, and
   the calls Torch's printer writes: ``Add``, ``Mul``, ``Mod``, ``FloorDiv``, ``Min``,
   ``Max``, ``Eq``, ...); a tokenizer and a recursive-descent parser, no ``eval``.
-* :func:`refuse_native` refuses an AOT Inductor package outright.
+* A compiled package (AOT Inductor) is refused like any archive that is not a
+  ``torch.export`` program: its shared object is a member outside a program.
 * :func:`check_custom_calls` allow-lists the ``stablehlo.custom_call`` targets a
   deserialized ``jax.export`` program may name (:data:`JAX_CUSTOM_CALLS`).
 
@@ -50,7 +51,6 @@ __all__ = [
     "check_custom_calls",
     "check_expression",
     "check_target",
-    "refuse_native",
     "safe_export_archive",
 ]
 
@@ -376,6 +376,12 @@ def _members(data: bytes) -> dict[str, bytes]:
     members: dict[str, bytes] = {}
     for info in infos:
         name = info.filename
+        if "/aotinductor/" in f"/{name}" or name.endswith((".so", ".dll", ".dylib")):
+            raise ProgramUnsafeError(
+                f"archive member {name!r} is compiled code (an AOT Inductor package), native "
+                "code the platform never loads; commit the torch.export program, which the "
+                "platform compiles itself (what ZKDV_TORCH_PROGRAM=aot-inductor seals)"
+            )
         if not name.startswith(PREFIX):
             raise ProgramUnsafeError(f"archive member {name!r} is outside {PREFIX!r}")
         name = name[len(PREFIX) :]
@@ -520,19 +526,6 @@ def safe_export_archive(data: bytes | bytearray | memoryview) -> bytes:
         for name, body in rebuilt.items():
             target.writestr(zipfile.ZipInfo(PREFIX + name, date_time=(1980, 1, 1, 0, 0, 0)), body)
     return out.getvalue()
-
-
-def refuse_native(kind: str) -> None:
-    """Refuse a program kind that is native code (an AOT Inductor package).
-
-    Raises:
-        ProgramUnsafeError: always.
-    """
-    raise ProgramUnsafeError(
-        f"a {kind} program is a compiled shared object, native code the platform never "
-        "loads; seal the run with ZKDV_TORCH_PROGRAM=torch.export (the default), whose "
-        "program the platform checks and runs with Torch's own kernels"
-    )
 
 
 # --- jax.export programs ---------------------------------------------------------------

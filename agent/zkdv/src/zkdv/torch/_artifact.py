@@ -1,21 +1,24 @@
-"""Hermetic Torch AOT artifact compilation and loading.
+"""Hermetic Torch program artifacts: what a transcript commits, and how it is loaded.
 
-Torch 2.13 has no ``torch.compile(...).aot_compile`` / ``save_compiled_function`` pair
-(the seed's internals); its ahead-of-time path is ``torch.export.export`` followed by
-``torch._inductor.aoti_compile_and_package``, which writes one self-contained ``.pt2``
-package (generated C++, the compiled shared library and the constants), and
-``torch._inductor.aoti_load_package`` to run it. :func:`roundtrip` compiles once,
-keeps the package's exact bytes (they are what the transcript commits) and reloads
-the program *from those bytes*, so the program that answers sampled checks is the one
-committed. The platform never loads such a package: it is a shared object the lab
-built, native code (issue 59); :func:`load` refuses it unless the caller made it itself
-(``trusted=True``, the SDK's own sealing).
+Every Torch program is committed as a ``torch.export`` archive (:func:`serialize`):
+the graph's structure, no weights (the parameters are inputs), no pickles, no
+provenance, and the same bytes for the same program. Its bytes reach
+``torch.export.load`` only through :func:`zkdv.untrusted.safe_export_archive`, which
+refuses pickles, code in symbolic expressions and node targets outside ATen, and hands
+Torch a rebuilt archive. The program's kind says how it runs:
 
-``torch.export`` programs (:func:`export_roundtrip`) are the fast alternative used by
-``ZKDV_TORCH_PROGRAM=torch.export``: serialized in seconds, replayed by Torch's own
-eager kernels. Their bytes reach ``torch.export.load`` only through
-:func:`zkdv.untrusted.safe_export_archive`, which refuses pickles, code in symbolic
-expressions and node targets outside ATen, and hands Torch a rebuilt archive.
+* ``torch.export`` (the default, ``ZKDV_TORCH_PROGRAM=torch.export``): Torch's own eager
+  kernels, bit for bit what eager training computes on the same kernels;
+* ``aot-inductor``: compiled by ``torch._inductor.aoti_compile_and_package`` from the
+  committed archive, by whoever runs it: the SDK at sealing, the platform on its worker.
+  No compiled code crosses from the lab to the platform (issue 59): the platform never
+  loads a shared object it did not build from bytes it checked.
+
+:func:`roundtrip` and :func:`export_roundtrip` seal a program and reload it *from the
+committed bytes*, so the program that answers sampled checks is the one committed.
+Compiles are cached by the archive's digest and the compiler's environment under
+``ZKDV_AOTI_CACHE`` when it is set (the platform's workers set it; a proof's sealing
+compiles once anyway).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import shutil
 import tempfile
 import zipfile
 from pathlib import Path
@@ -33,7 +37,15 @@ import torch
 from zkdv import untrusted
 from zkdv.torch import _rng
 
-__all__ = ["AOT_INDUCTOR", "TORCH_EXPORT", "export_roundtrip", "load", "reproducible", "roundtrip"]
+__all__ = [
+    "AOT_INDUCTOR",
+    "TORCH_EXPORT",
+    "export_roundtrip",
+    "load",
+    "reproducible",
+    "roundtrip",
+    "serialize",
+]
 
 AOT_INDUCTOR = "aot-inductor"
 TORCH_EXPORT = "torch.export"
@@ -47,9 +59,11 @@ class LoadedProgram:
     call then needs the step's ``seed``.
     """
 
-    def __init__(self, kind: str, runner: Any, directory: Any = None) -> None:
+    def __init__(self, kind: str, runner: Any, directory: Any = None, graph: Any = None) -> None:
         self.kind = kind
         self._runner = runner
+        # The exported graph the program was built from (counted by count_flops).
+        self._graph = runner if graph is None else graph
         # AOT Inductor maps the package's shared library; keep its files alive.
         self._directory = directory
         self.random = kind == TORCH_EXPORT and _rng.bind_generator(runner)
@@ -59,16 +73,14 @@ class LoadedProgram:
         """FLOPs of one call, by Torch's FLOP counter on fake inputs of the program's shapes.
 
         What the SDK counted at sealing (``zkdv.torch._lowering.count_flops``), counted
-        again from the committed program, so a replay can check the step records' claim.
-        A ``torch.export`` program only: an AOT Inductor package is native code, with no
-        graph to count (None), as is a program whose inputs are not all tensors.
+        again from the committed program's graph (for an AOT Inductor program, the graph
+        it was compiled from), so a replay can check the step records' claim. None for a
+        program whose inputs are not all tensors.
         """
-        if self.kind != TORCH_EXPORT:
-            return None
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.utils.flop_counter import FlopCounterMode
 
-        values = [n.meta.get("val") for n in self._runner.graph.nodes if n.op == "placeholder"]
+        values = [n.meta.get("val") for n in self._graph.graph.nodes if n.op == "placeholder"]
         if not all(isinstance(v, torch.Tensor) for v in values):
             return None
         try:
@@ -77,7 +89,7 @@ class LoadedProgram:
                     mode.from_tensor(torch.empty(tuple(v.shape), dtype=v.dtype)) for v in values
                 ]
                 with FlopCounterMode(display=False) as counter:
-                    self._runner(*fakes)
+                    self._graph(*fakes)
             return float(counter.get_total_flops())
         except Exception:  # noqa: BLE001 - a program the counter cannot run is not counted
             return None
@@ -105,24 +117,24 @@ def _export(function: Any, arguments: tuple[Any, ...]) -> torch.export.ExportedP
         return torch.export.export(function, tuple(arguments), strict=False)
 
 
+def serialize(exported: torch.export.ExportedProgram) -> bytearray:
+    """The committed bytes of an exported program: provenance stripped, reproducible."""
+    strip_provenance(exported)
+    buffer = io.BytesIO()
+    torch.export.save(exported, buffer)
+    return bytearray(reproducible(buffer.getvalue()))
+
+
 def roundtrip(function: Any, arguments: tuple[Any, ...]) -> tuple[LoadedProgram, bytearray]:
-    """Compile, serialize, and reload one exact AOT Inductor program."""
-    exported = _export(function, arguments)
-    with tempfile.TemporaryDirectory(prefix="zkdv-aoti-") as directory:
-        path = torch._inductor.aoti_compile_and_package(
-            exported, package_path=os.path.join(directory, "program.pt2")
-        )
-        material = bytearray(Path(path).read_bytes())
-    return load(material, AOT_INDUCTOR, trusted=True), material
+    """Export and serialize one program, then compile it with AOT Inductor from those
+    bytes, as the platform will."""
+    material = serialize(_export(function, arguments))
+    return load(material, AOT_INDUCTOR), material
 
 
 def export_roundtrip(function: Any, arguments: tuple[Any, ...]) -> tuple[LoadedProgram, bytearray]:
     """Serialize and reload one ``torch.export`` program (no native compilation)."""
-    exported = _export(function, arguments)
-    strip_provenance(exported)
-    buffer = io.BytesIO()
-    torch.export.save(exported, buffer)
-    material = bytearray(reproducible(buffer.getvalue()))
+    material = serialize(_export(function, arguments))
     return load(material, TORCH_EXPORT), material
 
 
@@ -168,32 +180,76 @@ def reproducible(archive: bytes) -> bytes:
     return out.getvalue()
 
 
-def load(
-    material: bytes | bytearray, kind: str = AOT_INDUCTOR, *, trusted: bool = False
-) -> LoadedProgram:
+def load(material: bytes | bytearray, kind: str = TORCH_EXPORT) -> LoadedProgram:
     """Load a program artifact from its exact committed bytes.
+
+    The bytes are a ``torch.export`` archive, loaded only as
+    :func:`zkdv.untrusted.safe_export_archive` rebuilds it; an ``aot-inductor`` program
+    is then compiled here (:func:`_compiled`). Anything else, a compiled package among
+    them, is refused before Torch sees it.
 
     Args:
         material: the artifact's bytes.
         kind: ``torch.export`` or ``aot-inductor``.
-        trusted: the caller compiled these bytes itself (the SDK's sealing). Otherwise
-            an AOT Inductor package is refused, and a ``torch.export`` archive is
-            loaded only as :func:`zkdv.untrusted.safe_export_archive` rebuilds it.
 
     Raises:
         ValueError: an unknown program kind.
-        zkdv.untrusted.ProgramUnsafeError: an untrusted program the platform will not
-            load (its reason is ``program_unsafe``).
+        zkdv.untrusted.ProgramUnsafeError: a program the platform will not load (its
+            reason is ``program_unsafe``).
     """
-    if kind == TORCH_EXPORT:
-        exported = torch.export.load(io.BytesIO(untrusted.safe_export_archive(material)))
-        return LoadedProgram(kind, exported.module())
-    if kind != AOT_INDUCTOR:
+    if kind not in (TORCH_EXPORT, AOT_INDUCTOR):
         raise ValueError(f"unknown ZKDV Torch program kind {kind!r}")
-    if not trusted:
-        untrusted.refuse_native(kind)
-    directory = tempfile.TemporaryDirectory(prefix="zkdv-aoti-load-")
+    exported = torch.export.load(io.BytesIO(untrusted.safe_export_archive(material)))
+    if kind == TORCH_EXPORT:
+        return LoadedProgram(kind, exported.module())
+    return _compiled(material, exported)
+
+
+def _compiled(material: bytes | bytearray, exported: torch.export.ExportedProgram) -> LoadedProgram:
+    """The AOT Inductor compile of a checked archive, from ``ZKDV_AOTI_CACHE`` if there."""
+    key = hashlib.sha256(bytes(material))
+    key.update(_compiler_environment().encode())
+    cache = os.environ.get("ZKDV_AOTI_CACHE", "")
+    directory = tempfile.TemporaryDirectory(prefix="zkdv-aoti-")
     path = Path(directory.name, "program.pt2")
-    path.write_bytes(bytes(material))
+    cached = Path(cache, f"{key.hexdigest()}.pt2") if cache else None
+    if cached is not None and cached.is_file():
+        shutil.copyfile(cached, path)
+    else:
+        # The archive's sample inputs were dropped unread (a pickle): zeros of the
+        # placeholders' shapes and dtypes are all a compile needs of them.
+        exported.example_inputs = (_example_inputs(exported), {})
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
+        if cached is not None:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            partial = cached.with_suffix(f".{os.getpid()}.tmp")
+            shutil.copyfile(path, partial)
+            os.replace(partial, cached)
     runner = torch._inductor.aoti_load_package(str(path))
-    return LoadedProgram(kind, runner, directory)
+    return LoadedProgram(AOT_INDUCTOR, runner, directory, graph=exported.module())
+
+
+def _example_inputs(exported: torch.export.ExportedProgram) -> tuple[torch.Tensor, ...]:
+    """Zeros shaped as the program's user inputs (from the graph's recorded values)."""
+    names = set(exported.graph_signature.user_inputs)
+    values = [
+        node.meta["val"]
+        for node in exported.graph.nodes
+        if node.op == "placeholder" and node.name in names
+    ]
+    return tuple(
+        torch.zeros([int(d) for d in v.shape], dtype=v.dtype, device=v.device) for v in values
+    )
+
+
+def _compiler_environment() -> str:
+    """What an AOT Inductor compile's code depends on: Torch's version, the machine and
+    the vector instructions Inductor picks, and the CPU kernel family setting."""
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        isa = str(pick_vec_isa())
+    except Exception:  # noqa: BLE001 - an older or newer Inductor: the version decides
+        isa = "unknown"
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "")
+    return f"torch {torch.__version__}; {os.uname().machine}; isa {isa}; aten {capability}"
