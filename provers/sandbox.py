@@ -28,13 +28,16 @@ are then what keep the keys out of reach. Then it runs one job of
 :mod:`provers.sandbox_jobs` and writes its verdict.
 
 Starting a child costs an interpreter and the framework's import (2-4 s); a replay of a
-real model costs far more, and a program is loaded once per child.
+real model costs far more, and a program is loaded once per child. A program the replay
+compiles (``aot-inductor``) may come from a :class:`CompileCache`: the parent copies the
+entries of that program's digest into the child's scratch and keeps what it compiled.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import json
 import os
 import re
@@ -52,6 +55,7 @@ from typing import Any
 
 __all__ = [
     "MAX_VERDICT",
+    "CompileCache",
     "Limits",
     "SandboxError",
     "child",
@@ -85,6 +89,59 @@ _MS_PRIVATE = 1 << 18
 
 class SandboxError(RuntimeError):
     """The sandboxed replay broke (not the lab's fault): no verdict came back."""
+
+
+@dataclass(frozen=True)
+class CompileCache:
+    """Programs compiled by earlier children, which a child may reuse (``ZKDV_AOTI_CACHE``).
+
+    The child sees copies of the entries named ``<prefix>*.pt2`` in a folder of its
+    scratch, never the cache itself; after it exits, the parent keeps the entries it
+    wrote or replaced there. The prefix is the program's SHA-256, so an entry only ever
+    serves replays of the same program bytes (an entry a compromised child left is run
+    by later children of that program, in the same sandbox, and nowhere else).
+
+    Attributes:
+        folder: the platform's cache folder (outside anything a child can see).
+        prefix: ``<sha256 of the program file>-``.
+        max_bytes: the largest entry kept.
+    """
+
+    folder: Path
+    prefix: str
+    max_bytes: int = 1024**3
+
+    def lend(self, scratch: Path) -> tuple[Path, dict[str, bytes]]:
+        """Copy this program's entries into the child's scratch; what was lent."""
+        target = scratch / "compiled"
+        target.mkdir(mode=0o700)
+        lent: dict[str, bytes] = {}
+        if self.folder.is_dir():
+            for entry in self.folder.glob(f"{self.prefix}*.pt2"):
+                if entry.is_file() and not entry.is_symlink():
+                    shutil.copyfile(entry, target / entry.name)
+                    lent[entry.name] = _sha256(entry)
+        return target, lent
+
+    def keep(self, target: Path, lent: Mapping[str, bytes]) -> list[str]:
+        """Keep the entries the child compiled (new or replaced); their names."""
+        kept = []
+        for entry in sorted(target.glob(f"{self.prefix}*.pt2")):
+            if entry.is_symlink() or not entry.is_file():
+                continue
+            if entry.stat().st_size > self.max_bytes or lent.get(entry.name) == _sha256(entry):
+                continue
+            self.folder.mkdir(parents=True, exist_ok=True)
+            partial = self.folder / f".{entry.name}.{os.getpid()}.partial"
+            shutil.copyfile(entry, partial)
+            os.replace(partial, self.folder / entry.name)
+            kept.append(entry.name)
+        return kept
+
+
+def _sha256(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").digest()
 
 
 @dataclass(frozen=True)
@@ -229,6 +286,7 @@ def run(
     hide: list[str] | tuple[str, ...] = (),
     network: bool = False,
     limits: Limits | None = None,
+    cache: CompileCache | None = None,
 ) -> dict[str, Any]:
     """Run one job of :mod:`provers.sandbox_jobs` in a sandboxed child; its verdict.
 
@@ -241,6 +299,7 @@ def run(
         network: let the child keep the network. No replay needs it (a slice read
             through a lab's grant is fetched by the parent); for an operator's checks.
         limits: resource limits; by default :meth:`Limits.from_environment`.
+        cache: compiled programs the child may reuse, and keeps what it compiles.
 
     Returns:
         The job's verdict (a JSON object) with ``sandbox``: notes on the isolation the
@@ -257,6 +316,10 @@ def run(
         _place(inputs, folder)
         environment = child_environment()
         environment.update(HOME=str(scratch), TMPDIR=str(scratch))
+        lent: tuple[Path, dict[str, bytes]] | None = None
+        if cache is not None:
+            lent = cache.lend(scratch)
+            environment["ZKDV_AOTI_CACHE"] = str(lent[0])
         request = {
             "job": job,
             "arguments": dict(arguments),
@@ -289,7 +352,10 @@ def run(
                 )
             os.close(writer)
             writer = -1
-            return _collect(process, reader, request, limits, log)
+            verdict = _collect(process, reader, request, limits, log)
+            if cache is not None and lent is not None:
+                cache.keep(*lent)
+            return verdict
         finally:
             if writer >= 0:
                 os.close(writer)

@@ -12,6 +12,7 @@ web worker, runs the program.
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,17 @@ from typing import Any
 from django.conf import settings
 
 from attestations.challenges.index import FILES_DIR, PROBES, TRANSCRIPT
-from provers.sandbox import Limits, SandboxError, run
+from provers.sandbox import CompileCache, Limits, SandboxError, run
+from zkdv.files import program_file
 
-__all__ = ["SandboxError", "hidden_paths", "replay", "replay_environment", "verify_slice"]
+__all__ = [
+    "SandboxError",
+    "compile_cache",
+    "hidden_paths",
+    "replay",
+    "replay_environment",
+    "verify_slice",
+]
 
 
 def hidden_paths() -> list[str]:
@@ -37,6 +46,16 @@ def hidden_paths() -> list[str]:
         if value:
             paths.append(Path(value))
     return list(dict.fromkeys(str(p.resolve()) for p in paths if p.exists()))
+
+
+def compile_cache(program: Path | None) -> CompileCache | None:
+    """The compiled programs a replay of ``program`` may reuse (an ``aot-inductor`` run's
+    archive, compiled by the replay itself): ``<DATA_DIR>/compiled``, by its SHA-256."""
+    if program is None:
+        return None
+    with open(program, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    return CompileCache(Path(settings.DVBENCH["DATA_DIR"]) / "compiled", f"{digest}-")
 
 
 def _limits() -> Limits:
@@ -67,12 +86,14 @@ def replay(
     Raises:
         provers.sandbox.SandboxError: no verdict came back (the task records an error).
     """
+    inputs = _proof_files(directory, needed)
     verdict = run(
         "replay",
         {"step": step, "through": through},
-        inputs=_proof_files(directory, needed),
+        inputs=inputs,
         hide=hidden_paths(),
         limits=_limits(),
+        cache=compile_cache(inputs.get(program_file("aot-inductor"))),
     )
     evidence = verdict.get("evidence")
     if not isinstance(evidence, list) or not all(isinstance(e, dict) for e in evidence):

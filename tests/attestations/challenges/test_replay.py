@@ -60,7 +60,9 @@ def spec_digest(name: str, spec: dict[str, Any]) -> str:
 # --- Real training runs ---------------------------------------------------------------------
 
 
-def train_torch(path: Path, name: str, *, forge: str | None = None) -> Path:
+def train_torch(
+    path: Path, name: str, *, forge: str | None = None, kind: str = "torch.export"
+) -> Path:
     """8 steps of a small MLP with AdamW through zkdv.torch, bound to ``acme/<name>``.
 
     The learning rate halves every three steps (``StepLR``, created after ``prepare()``):
@@ -69,7 +71,7 @@ def train_torch(path: Path, name: str, *, forge: str | None = None) -> Path:
     ``forge``: ``invisible`` changes a weight between steps 3 and 4 along directions the
     probes cannot see; ``lr`` steps with twice the learning rate from step 4 on while the
     groups, and so the step records, say once (optimizer hooks); ``data`` trains step 4
-    on other inputs than the transaction committed.
+    on other inputs than the transaction committed. ``kind``: the program's kind.
     """
     import numpy as np
     import torch
@@ -85,7 +87,7 @@ def train_torch(path: Path, name: str, *, forge: str | None = None) -> Path:
         zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.0)),
         replay_snapshot_interval=3,
     )
-    proof.program_kind = "torch.export"
+    proof.program_kind = kind
     proof.bind_experiment(f"{ORG}/{name}", spec_digest(name, TORCH_SPEC))
     proof.start(rolling_window=4, probe_ratio=0.5)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
@@ -380,6 +382,43 @@ def test_an_honest_torch_run_passes_every_challenge(
     chart = learning_rate_svg(claims.series)
     assert "<polyline" in chart and "Learning rate" in chart
     assert _learning_rates(proof) == chart
+
+
+@pytest.mark.slow
+@pytest.mark.aot
+@pytest.mark.timeout(900)  # AOT Inductor compiles: the SDK's, then the sandbox's
+def test_an_aot_inductor_run_is_compiled_by_the_platform_and_passes(
+    platform: APIClient, tmp_path: Path, django_capture_on_commit_callbacks: Any
+) -> None:
+    """The run commits its torch.export archive; the replay compiles it in its sandbox,
+    and later challenges of the same program reuse that compile (issue 59)."""
+    import hashlib
+
+    run = train_torch(tmp_path / "aot", "torch-run", kind="aot-inductor")
+    proof, attached = file_and_answer(platform, run, django_capture_on_commit_callbacks)
+    assert attached.status_code == 201, attached.content
+    assert proof.status == ProofStatus.VALID, challenge_summary(proof)
+    # Eager training, compiled replay: within bounds, never claimed bit for bit.
+    evidence: Any = proof.challenges.get(step=5).evidence
+    assert not any(e["exact"] for e in evidence["evidence"])
+    # One compile, kept by the program's digest, outside anything a child can see.
+    digest = hashlib.sha256((run / "program.pt2").read_bytes()).hexdigest()
+    compiled = sorted((Path(settings_data_dir()) / "compiled").iterdir())
+    assert [p.name.startswith(f"{digest}-") and p.suffix == ".pt2" for p in compiled] == [True]
+    # A damaged entry is compiled again and replaced; the replay still passes.
+    compiled[0].write_bytes(b"damaged")
+    from attestations.challenges import sandboxed
+
+    files = [p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file()]
+    verdict = sandboxed.replay(run, files, 5, None)
+    assert verdict["ok"], verdict
+    assert compiled[0].read_bytes()[:2] == b"PK"
+
+
+def settings_data_dir() -> Path:
+    from django.conf import settings
+
+    return Path(settings.DVBENCH["DATA_DIR"])
 
 
 def _trained_elsewhere(path: Path) -> Path:

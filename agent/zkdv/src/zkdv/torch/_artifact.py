@@ -206,25 +206,34 @@ def load(material: bytes | bytearray, kind: str = TORCH_EXPORT) -> LoadedProgram
 
 
 def _compiled(material: bytes | bytearray, exported: torch.export.ExportedProgram) -> LoadedProgram:
-    """The AOT Inductor compile of a checked archive, from ``ZKDV_AOTI_CACHE`` if there."""
-    key = hashlib.sha256(bytes(material))
-    key.update(_compiler_environment().encode())
+    """The AOT Inductor compile of a checked archive, from ``ZKDV_AOTI_CACHE`` if there.
+
+    A cache entry is named ``<sha256 of the archive>-<compiler environment>.pt2`` (what
+    :class:`provers.sandbox.CompileCache` hands a replay child by the archive's digest);
+    one that does not load is compiled again and replaced.
+    """
+    environment = hashlib.sha256(_compiler_environment().encode()).hexdigest()[:16]
+    name = f"{hashlib.sha256(bytes(material)).hexdigest()}-{environment}.pt2"
     cache = os.environ.get("ZKDV_AOTI_CACHE", "")
     directory = tempfile.TemporaryDirectory(prefix="zkdv-aoti-")
     path = Path(directory.name, "program.pt2")
-    cached = Path(cache, f"{key.hexdigest()}.pt2") if cache else None
+    cached = Path(cache, name) if cache else None
     if cached is not None and cached.is_file():
         shutil.copyfile(cached, path)
-    else:
-        # The archive's sample inputs were dropped unread (a pickle): zeros of the
-        # placeholders' shapes and dtypes are all a compile needs of them.
-        exported.example_inputs = (_example_inputs(exported), {})
-        torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
-        if cached is not None:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            partial = cached.with_suffix(f".{os.getpid()}.tmp")
-            shutil.copyfile(path, partial)
-            os.replace(partial, cached)
+        try:
+            runner = torch._inductor.aoti_load_package(str(path))
+            return LoadedProgram(AOT_INDUCTOR, runner, directory, graph=exported.module())
+        except Exception:  # noqa: BLE001 - a damaged entry: compiled again below
+            path.unlink()
+    # The archive's sample inputs were dropped unread (a pickle): zeros of the
+    # placeholders' shapes and dtypes are all a compile needs of them.
+    exported.example_inputs = (_example_inputs(exported), {})
+    torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_suffix(f".{os.getpid()}.tmp")
+        shutil.copyfile(path, partial)
+        os.replace(partial, cached)
     runner = torch._inductor.aoti_load_package(str(path))
     return LoadedProgram(AOT_INDUCTOR, runner, directory, graph=exported.module())
 
