@@ -76,9 +76,10 @@ class Schedule(NamedTuple):
     Attributes:
         unroll: unroll BLAKE3's 7 rounds (and, unless ``unroll_blocks`` says otherwise,
             each chunk's 16 blocks).
-        exact_levels: hash each level of the bulk subtrees at its exact size (one
-            program per level) rather than in one fixed-shape loop (about
-            ``log2(chunk_bytes / 1024) / 2`` times the parent-node work).
+        exact_levels: hash each level of the trees at its exact size (one program per
+            level) rather than in one fixed-shape loop, which hashes the widest level's
+            pairs at every level (the bulk subtrees: about ``log2(chunk_bytes / 1024) /
+            2`` times the parent-node work; the partial Merkle chunks' trees more).
         unroll_blocks: unroll the 16 blocks of a chunk; None: as ``unroll``.
         kernel: the bulk (every full chunk and its message's subtree) by the Pallas
             kernels of ``zkdv.jax._blake3_kernel`` (Mosaic on a TPU, Pallas's
@@ -99,10 +100,12 @@ FUSED = Schedule(unroll=True, exact_levels=True)
 # to memory between blocks (32 bytes a chunk written and read back beside each block's
 # 64 bytes of message).
 BLOCKWISE = Schedule(unroll=True, exact_levels=False, unroll_blocks=False)
-# The bulk (all but a few compressions per Merkle chunk) by Pallas kernels, the rest as
-# loops, the smallest program: on a v5e the kernels hashed 217 GB/s where BLOCKWISE's
-# whole pipeline did 12, and compiled in under a second each.
-KERNEL = COMPACT._replace(kernel=True)
+# The bulk (all but a few compressions per Merkle chunk) by Pallas kernels, the rest
+# with rounds and blocks as loops: on a v5e the kernels hashed 217 GB/s where
+# BLOCKWISE's whole pipeline did 12, and compiled in under a second each. The trees'
+# levels at their exact sizes: as one loop at the widest level's size, the partial
+# Merkle chunks' trees took 25 of the 63 ms the optimizer state's commitment took.
+KERNEL = Schedule(unroll=False, exact_levels=True, kernel=True)
 
 
 def default_schedule(backend: str | None = None, devices: int = 1) -> Schedule:
