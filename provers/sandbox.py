@@ -333,23 +333,7 @@ def run(
         request["fd"] = writer
         log = root / "child.log"
         try:
-            with open(log, "wb") as output:
-                process = subprocess.Popen(
-                    [
-                        sys.executable,
-                        *("-E", "-s", "-P", "-c", _BOOT),
-                        json.dumps(_search_path()),
-                        str(Path(__file__).resolve()),
-                    ],
-                    stdin=subprocess.PIPE,
-                    stdout=output,
-                    stderr=output,
-                    env=environment,
-                    cwd=folder,
-                    close_fds=True,
-                    pass_fds=(writer,),
-                    start_new_session=True,
-                )
+            process = _start(folder, environment, writer, log)
             os.close(writer)
             writer = -1
             verdict = _collect(process, reader, request, limits, log)
@@ -360,6 +344,29 @@ def run(
             if writer >= 0:
                 os.close(writer)
             os.close(reader)
+
+
+def _start(
+    folder: Path, environment: dict[str, str], writer: int, log: Path
+) -> subprocess.Popen[bytes]:
+    """The child: a fresh interpreter in ``folder``, writing its verdict to ``writer``."""
+    with open(log, "wb") as output:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                *("-E", "-s", "-P", "-c", _BOOT),
+                json.dumps(_search_path()),
+                str(Path(__file__).resolve()),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=output,
+            stderr=output,
+            env=environment,
+            cwd=folder,
+            close_fds=True,
+            pass_fds=(writer,),
+            start_new_session=True,
+        )
 
 
 def _collect(

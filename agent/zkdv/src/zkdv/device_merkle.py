@@ -644,10 +644,7 @@ def _reduce(
 ) -> list[Any]:
     if tree.levels == 0:
         return _take(ops, x, tree.finals)
-    if ops.exact_levels:
-        # Each level at its exact size: a partial Merkle chunk's BLAKE3 tree halves at
-        # every level, and the loop below hashes the widest level's pairs at each (on
-        # the bench's TPU state, 25 of a 63 ms commitment of the optimizer state).
+    if ops.exact_levels:  # the loop below hashes the widest level's pairs at each level
         for step in tree.steps:
             roots = ops.array(step.roots.astype(np.uint32))
             pairs = hash_pairs(_take(ops, x, step.left), _take(ops, x, step.right), roots)
