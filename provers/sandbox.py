@@ -111,6 +111,11 @@ class CompileCache:
     prefix: str
     max_bytes: int = 1024**3
 
+    @classmethod
+    def for_program(cls, folder: Path, program: Path) -> CompileCache:
+        """The entries of ``folder`` that serve the program in the file ``program``."""
+        return cls(folder, f"{_sha256(program).hex()}-")
+
     def lend(self, scratch: Path) -> tuple[Path, dict[str, bytes]]:
         """Copy this program's entries into the child's scratch; what was lent."""
         target = scratch / "compiled"

@@ -12,7 +12,6 @@ web worker, runs the program.
 from __future__ import annotations
 
 import functools
-import hashlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -53,9 +52,7 @@ def compile_cache(program: Path | None) -> CompileCache | None:
     archive, compiled by the replay itself): ``<DATA_DIR>/compiled``, by its SHA-256."""
     if program is None:
         return None
-    with open(program, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    return CompileCache(Path(settings.DVBENCH["DATA_DIR"]) / "compiled", f"{digest}-")
+    return CompileCache.for_program(Path(settings.DVBENCH["DATA_DIR"]) / "compiled", program)
 
 
 def _limits() -> Limits:

@@ -388,7 +388,7 @@ def test_an_honest_torch_run_passes_every_challenge(
 @pytest.mark.aot
 @pytest.mark.timeout(900)  # AOT Inductor compiles: the SDK's, then the sandbox's
 def test_an_aot_inductor_run_is_compiled_by_the_platform_and_passes(
-    platform: APIClient, tmp_path: Path, django_capture_on_commit_callbacks: Any
+    platform: APIClient, settings: Any, tmp_path: Path, django_capture_on_commit_callbacks: Any
 ) -> None:
     """The run commits its torch.export archive; the replay compiles it in its sandbox,
     and later challenges of the same program reuse that compile (issue 59)."""
@@ -403,7 +403,7 @@ def test_an_aot_inductor_run_is_compiled_by_the_platform_and_passes(
     assert not any(e["exact"] for e in evidence["evidence"])
     # One compile, kept by the program's digest, outside anything a child can see.
     digest = hashlib.sha256((run / "program.pt2").read_bytes()).hexdigest()
-    compiled = sorted((Path(settings_data_dir()) / "compiled").iterdir())
+    compiled = sorted((Path(settings.DVBENCH["DATA_DIR"]) / "compiled").iterdir())
     assert [p.name.startswith(f"{digest}-") and p.suffix == ".pt2" for p in compiled] == [True]
     # A damaged entry is compiled again and replaced; the replay still passes.
     compiled[0].write_bytes(b"damaged")
@@ -413,12 +413,6 @@ def test_an_aot_inductor_run_is_compiled_by_the_platform_and_passes(
     verdict = sandboxed.replay(run, files, 5, None)
     assert verdict["ok"], verdict
     assert compiled[0].read_bytes()[:2] == b"PK"
-
-
-def settings_data_dir() -> Path:
-    from django.conf import settings
-
-    return Path(settings.DVBENCH["DATA_DIR"])
 
 
 def _trained_elsewhere(path: Path) -> Path:
