@@ -19,6 +19,12 @@ bounds and bounds with a tenfold margin. It also checks that the optimizer appli
 the committed gradients reproduces the committed state bit for bit in every
 environment, as the platform demands.
 
+A run trained on an accelerator is replayed only on workers of its own platform kind,
+where the platform requires the committed bits (``docs/operators.md``). On a TPU host,
+the command also recomputes the run's steps on this machine's CPU (``JAX_PLATFORMS=cpu``,
+each XLA instruction set): those rows are **for information**, the margin that CPU bounds
+would need, never part of the exit status or of the suggested bounds.
+
 Exit status: 0 every environment within the bounds, the state exact everywhere; 1 not;
 2 usage or I/O error (no committed gradients, none kept as files, missing files).
 """
@@ -36,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from zkdv.config import GradientBounds
+from zkdv.environments import kind_of_backend, platform_kind
 from zkdv.gradients import WHOLE, Comparison, compare
 from zkdv.merkle import commit_state
 from zkdv.replay import ReplayError, Transcript, Transition, roots
@@ -47,6 +55,7 @@ __all__ = [
     "default_environments",
     "kernels",
     "measure",
+    "report",
 ]
 
 #: The frontend module whose ``load_transition`` rebuilds a run's step, per prover.
@@ -86,6 +95,13 @@ class Measurement:
     total: float = 0.0
     scale: float = 0.0
     error: str | None = None
+    #: The platform kind the environment's process computed on (its rows say it).
+    platform_kind: str | None = None
+
+    def informational(self, trained: str) -> bool:
+        """Whether this environment is another platform kind than the run's ``trained``:
+        the platform never replays the run there, so its margins are for information."""
+        return self.platform_kind is not None and self.platform_kind != trained
 
 
 def _cpu_flags() -> set[str]:
@@ -154,11 +170,16 @@ def default_environments(root: dict[str, Any]) -> list[Environment]:
             isas.append("AVX2")
         if "avx512f" in flags:
             isas.append("AVX512")
-        trained = str(env.get("cpu_isa") or "").upper()
+        on_cpu = platform_kind(root) == "cpu"
+        trained = str(env.get("cpu_isa") or "").upper() if on_cpu else ""
         for isa in isas:
             if isa != trained:
                 flag = f"--xla_cpu_max_isa={isa}"
-                out.append(Environment(flag, {"XLA_FLAGS": flag}))
+                if on_cpu:
+                    out.append(Environment(flag, {"XLA_FLAGS": flag}))
+                else:  # an accelerator's run on this machine's CPU: for information
+                    variables = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flag}
+                    out.append(Environment(f"cpu {flag}", variables))
     return out
 
 
@@ -206,12 +227,16 @@ def _stats(comparison: Comparison) -> dict[str, float]:
     return {"tensor": tensor, "total": whole, "scale": scale}
 
 
-def measure(proof_dir: str | os.PathLike[str], steps: int) -> Iterator[dict[str, Any]]:
+def measure(
+    proof_dir: str | os.PathLike[str], steps: int, threads: int | None = None
+) -> Iterator[dict[str, Any]]:
     """Recompute the first ``steps`` committed steps here: one JSON-able row each.
 
-    Each row holds the step, whether the recomputed values are bitwise the committed
-    ones, whether the optimizer on the committed values gave the committed state bit
-    for bit, the comparison's margin and worst test, and the measured maxima.
+    Each row holds the step, the platform kind it was computed on, whether the
+    recomputed values are bitwise the committed ones, whether the optimizer on the
+    committed values gave the committed state bit for bit, the comparison's margin and
+    worst test, and the measured maxima. ``threads`` sets Torch's thread count (a JAX
+    run's CPU threads are XLA's, fixed per process).
 
     Raises:
         ReplayError: the run commits no gradients, or a file is missing or does not
@@ -225,7 +250,13 @@ def measure(proof_dir: str | os.PathLike[str], steps: int) -> Iterator[dict[str,
             "before committed gradients or by a frontend path without them",
         )
     bounds = transcript.bounds
+    prover = str(transcript.root.get("prover"))
+    if threads is not None and prover == "whitebox-torch":
+        import torch
+
+        torch.set_num_threads(threads)
     transition = _transition(transcript)
+    here = _local_kind(prover)
     chunk = transcript.config.chunk_bytes
     assert transition.compute is not None and transition.apply is not None
     for start, window in _windows(transcript, steps):
@@ -243,6 +274,7 @@ def measure(proof_dir: str | os.PathLike[str], steps: int) -> Iterator[dict[str,
             worst = comparison.worst
             yield {
                 "step": k,
+                "platform_kind": here,
                 "exact": comparison.exact,
                 "state_exact": replayed == roots(record["post"]),
                 "margin": comparison.margin,
@@ -252,14 +284,20 @@ def measure(proof_dir: str | os.PathLike[str], steps: int) -> Iterator[dict[str,
             state = (params, opt_state, buffers)
 
 
+def _local_kind(prover: str) -> str:
+    """The platform kind this process computes on: JAX's default backend (Torch's
+    replay module computes on the CPU)."""
+    if prover != "whitebox-jax":
+        return "cpu"
+    import jax
+
+    return kind_of_backend(jax.default_backend())
+
+
 def _worker(proof: Path, steps: int, out: TextIO) -> int:
     threads = os.environ.get(THREADS)
-    if threads:
-        import torch
-
-        torch.set_num_threads(int(threads))
     try:
-        for row in measure(proof, steps):
+        for row in measure(proof, steps, int(threads) if threads else None):
             out.write(json.dumps(row) + "\n")
             out.flush()
     except ReplayError as error:
@@ -287,6 +325,7 @@ def _run(proof: Path, steps: int, environment: Environment) -> Measurement:
             measurement.error = f"{row['error']}: {row['message']}"
             return measurement
         measurement.steps += 1
+        measurement.platform_kind = row.get("platform_kind")
         measurement.exact += bool(row["exact"])
         measurement.state_exact &= bool(row["state_exact"])
         if row["margin"] >= measurement.margin:
@@ -339,6 +378,19 @@ def calibrate(
     )
     trained = Environment("as trained (here)", {}, env.get("threads"))
     measurements = [_run(proof, steps, e) for e in (trained, *environments)]
+    return report(measurements, bounds, platform_kind(transcript.root), out), measurements
+
+
+def report(
+    measurements: Sequence[Measurement], bounds: GradientBounds, trained: str, out: TextIO
+) -> int:
+    """Print the table, the maxima and the suggested bounds; returns the exit status.
+
+    ``trained`` is the run's platform kind. A measurement on another kind is for
+    information only (:meth:`Measurement.informational`): its gradient margin neither
+    fails the command nor enters the suggested bounds. The state must be exact in every
+    environment all the same, for the canonical update promises it on any hardware.
+    """
     width = max(len(m.environment.name) for m in measurements) + 2
     print(
         f"\n{'environment':<{width}}{'steps':>6}{'exact':>7}{'state':>7}  "
@@ -353,37 +405,66 @@ def calibrate(
             continue
         worst = m.worst
         where = "-" if worst is None else f"{worst['path']} ({worst['test']})"
+        if m.informational(trained):
+            where += f"  (on {m.platform_kind}: for information)"
         state = "exact" if m.state_exact else "DIFFERS"
         print(
             f"{m.environment.name:<{width}}{m.steps:>6}{m.exact:>7}{state:>7}  "
             f"{m.margin:>13.3g}  {where}",
             file=out,
         )
-        if m.margin > 1 or not m.state_exact:
+        if not m.state_exact or (m.margin > 1 and not m.informational(trained)):
             status = max(status, 1)
-    measured = {
-        key: max((getattr(m, key) for m in measurements if m.error is None), default=0.0)
-        for key in ("tensor", "total", "scale")
-    }
-    print("\nmeasured maxima and their margin to the run's bounds:", file=out)
-    for key, value in measured.items():
-        bound = getattr(bounds, key)
-        margin = f"{bound / value:.3g}x" if value > 0 else "bitwise equal"
-        print(f"  {key:<7} {value:.3g}   bound {bound:g}   margin {margin}", file=out)
-    suggested = {key: _suggest(value) for key, value in measured.items()}
-    print(
-        f"bounds with a {MARGIN:g}x margin over these maxima: "
-        + ", ".join(f"{key}={value:g}" for key, value in suggested.items())
-        + "  (zkdv.GradientBounds; a maximum of 0 means no environment here differed)",
-        file=out,
-    )
+    valid = [m for m in measurements if m.error is None]
+    own = [m for m in valid if not m.informational(trained)]
+    other = [m for m in valid if m.informational(trained)]
+    if own:
+        measured = _maxima(own)
+        print("\nmeasured maxima and their margin to the run's bounds:", file=out)
+        _print_maxima(measured, bounds, out)
+        suggested = {key: _suggest(value) for key, value in measured.items()}
+        print(
+            f"bounds with a {MARGIN:g}x margin over these maxima: "
+            + ", ".join(f"{key}={value:g}" for key, value in suggested.items())
+            + "  (zkdv.GradientBounds; a maximum of 0 means no environment here differed)",
+            file=out,
+        )
+    else:
+        print(
+            f"\nno environment here computed on a {trained}, the run's platform kind: run "
+            f"this command on a {trained} host to measure what the platform's replay judges",
+            file=out,
+        )
+    if other:
+        kinds = ", ".join(sorted({str(m.platform_kind) for m in other}))
+        print(
+            f"\nfor information, {trained} against {kinds} (the platform replays a {trained} "
+            f"run on {trained} workers only and requires its bits there, so it never applies "
+            "these margins; the state must still be exact):",
+            file=out,
+        )
+        _print_maxima(_maxima(other), bounds, out)
     if status == 1:
         print(
             "\nSome environment exceeds the run's bounds or does not reproduce the state: the "
             "platform's replay on such hardware would reject this honest run.",
             file=out,
         )
-    return status, measurements
+    return status
+
+
+def _maxima(measurements: Sequence[Measurement]) -> dict[str, float]:
+    return {
+        key: max((getattr(m, key) for m in measurements), default=0.0)
+        for key in ("tensor", "total", "scale")
+    }
+
+
+def _print_maxima(measured: dict[str, float], bounds: GradientBounds, out: TextIO) -> None:
+    for key, value in measured.items():
+        bound = getattr(bounds, key)
+        margin = f"{bound / value:.3g}x" if value > 0 else "bitwise equal"
+        print(f"  {key:<7} {value:.3g}   bound {bound:g}   margin {margin}", file=out)
 
 
 def main(proof: Path, *, worker: bool, steps: int, environments: Sequence[str]) -> int:
