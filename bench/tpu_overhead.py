@@ -39,6 +39,12 @@ weigh the stack's copies at every step against its shorter compile (``docs/jax.m
 11.2); ``--compare-stack-limits A,B`` adds a ``p=0`` variant for each limit, in the same
 rounds.
 
+A proof copies its state to the host at every ``SNAPSHOT_INTERVAL``-th step (the
+replay's snapshots; 1.5 GiB here). The rounds that hold no such step are the steady
+steps the goal speaks of; each proof prints their median beside the rounds' median and
+what a round with a snapshot cost more, per snapshot (a lab's interval is its own: the
+snapshot's cost per step is that figure over the interval).
+
 After the rounds, each proof prints what it read back from the device over the run, per
 kind (``proof.transfers``: the batch, the roots, the probes, the snapshots, the state on
 the host path), and ``--profile DIR`` writes a ``jax.profiler`` trace of one more block of
@@ -108,6 +114,10 @@ class LM(nn.Module):
             x = Block(self.d, self.heads)(x)
         x = nn.LayerNorm(dtype=jnp.bfloat16)(x)
         return nn.Dense(self.vocab, dtype=jnp.bfloat16)(x).astype(jnp.float32)
+
+
+#: The proofs' ``replay_snapshot_interval``: every such step copies the state to the host.
+SNAPSHOT_INTERVAL = 12
 
 
 def model_for(tiny: bool) -> tuple[LM, int, int]:
@@ -236,6 +246,32 @@ def summarize_trace(where: str, top: int = 25) -> None:
             print(f"    {micros / 1e3:10.1f} ms  {name[:110]}")
 
 
+def snapshots_in(first: int, end: int) -> int:
+    """How many of the steps ``first`` to ``end - 1`` copy a snapshot to the host."""
+    return sum(1 for step in range(first, end) if step % SNAPSHOT_INTERVAL == 0)
+
+
+def print_steady(label: str, v: dict[str, Any], plain: float, steps: int) -> None:
+    """The proof's rounds without a snapshot against plain ``jax.jit``, and what a
+    snapshot added to the rounds that held one."""
+    steady = [t for t, n in zip(v["times"], v["snapshots"], strict=True) if n == 0]
+    held = [(t, n) for t, n in zip(v["times"], v["snapshots"], strict=True) if n]
+    if not steady:
+        print(f"{label}: every round held a snapshot; no steady round to report")
+        return
+    median = statistics.median(steady)
+    print(
+        f"{label}: rounds without a snapshot {median * 1e3:.1f} ms/step = "
+        f"{median / plain:.3f}x plain jax.jit ({len(steady)} of {len(v['times'])} rounds)"
+    )
+    if held:
+        extra = statistics.median((t - median) * steps / n for t, n in held)
+        print(
+            f"{label}: a snapshot adds {extra * 1e3:.0f} ms, "
+            f"{extra / SNAPSHOT_INTERVAL * 1e3:.1f} ms a step at interval {SNAPSHOT_INTERVAL}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
@@ -286,7 +322,7 @@ def run(args: argparse.Namespace, default_limit: int) -> None:
                 zkdv.ZKDVConfig(
                     sampling_policy=zkdv.SamplingPolicy(update_check_probability=probability)
                 ),
-                replay_snapshot_interval=12,
+                replay_snapshot_interval=SNAPSHOT_INTERVAL,
             )
             proof.start(rolling_window=4)
             step = proof.jit(train_step, donate_argnums=(0,))
@@ -297,6 +333,7 @@ def run(args: argparse.Namespace, default_limit: int) -> None:
             "step": step,
             "state": state,
             "times": [],
+            "snapshots": [],
             "i": 0,
             "limit": limit,
         }
@@ -326,6 +363,8 @@ def run(args: argparse.Namespace, default_limit: int) -> None:
         )
     for r in range(args.rounds):
         for v in variants.values():
+            first = v["i"]
+            v["snapshots"].append(snapshots_in(first, first + args.steps))
             v["times"].append(block(v, args.steps))
         row = ", ".join(f"{label} {v['times'][-1] * 1e3:.1f}" for label, v in variants.items())
         print(f"round {r + 1} (ms/step): {row}", flush=True)
@@ -340,6 +379,7 @@ def run(args: argparse.Namespace, default_limit: int) -> None:
             goal = " (goal at p=0: 1.05x)" if label == "proof.jit p=0" else ""
             ratio = statistics.median(v["times"]) / plain
             print(f"{label}: {ratio:.3f}x plain jax.jit{goal}")
+            print_steady(label, v, plain, args.steps)
 
     for label, v in variants.items():
         if v["proof"] is not None:
