@@ -59,7 +59,6 @@ from zkdv.jax._export import (
     _committed_material,
     _computed_specs,
     _derived_transition,
-    _describe_sharding,
     _environment,
     _export_programs,
     _flat_attest,
@@ -67,6 +66,8 @@ from zkdv.jax._export import (
     _unreplicated,
     export_committed,
     precision,
+    state_shardings,
+    step_calls,
 )
 from zkdv.jax._optimizer import apply_function, deltas, optimizer_env
 from zkdv.jax._program import (
@@ -371,17 +372,11 @@ class ZKDV(Driver):
             opt_state=list(zip(traced.opt_paths, opt_specs, strict=True)),
             layout=traced.layout,
         )
-        shardings = {
-            "params": [_describe_sharding(x) for x in params],
-            "opt_state": [_describe_sharding(x) for x in opt],
-        }
         self.runtime.set_program(
             "jax.export",
             material,
             env=_environment(platforms=exported_attest.platforms),
-            shardings=shardings
-            if any(s is not None for tree in shardings.values() for s in tree)
-            else None,
+            shardings=state_shardings(params, opt),
         )
         # Replays use the committed bytes themselves, so a check also tests the artifact.
         self._artifact = Artifact.loads(material)
@@ -442,22 +437,21 @@ class ZKDV(Driver):
             program, (exported, applied), apply_computed, optimizer, (param_specs, opt_specs)
         )
         artifact = Artifact.loads(material)
-        # The step runs the committed programs: compiled once, here, and shared with
-        # the artifact's own calls (the SDK's checks), except an apply program that
-        # donates the parameters (a check compiles its own at its first call).
-        compute = artifact.compiled("production", *program.specs)
-        specs = (apply_params, apply_opt, apply_computed, zero_spec)
-        if program.host_deltas and donate:
-            applied_call = artifact.donating_apply(*specs)
-        else:
-            applied_call = artifact.compiled("apply", *specs)
-        program.jitted, program.apply = compute, applied_call
+        program.jitted, program.apply = step_calls(
+            artifact,
+            program,
+            apply,
+            (apply_params, apply_opt, apply_computed, zero_spec),
+            (params, opt),
+            donating=program.host_deltas and donate,
+        )
         kind = precision(trace.jaxpr, params, jax.default_backend())
         self.runtime.set_program(
             "jax.export",
             material,
             env=_environment(platforms=exported.platforms, precision=kind, update=optimizer),
             bounds=GradientBounds.default(kind["kind"]),
+            shardings=state_shardings(params, opt),
         )
         self._artifact = artifact
         self._program_owner = program

@@ -28,7 +28,7 @@ from zkdv.errors import (
 from zkdv.jax import _context, _messages
 from zkdv.jax._flops import FLOP_METHOD
 from zkdv.jax._tree import index
-from zkdv.jax.artifact import dumps_committed
+from zkdv.jax.artifact import CANONICAL_OPTIONS, Artifact, dumps_committed
 
 if TYPE_CHECKING:
     from zkdv.jax._program import _Program, _Traced
@@ -40,6 +40,8 @@ __all__ = [
     "export_candidates",
     "export_committed",
     "precision",
+    "state_shardings",
+    "step_calls",
 ]
 
 # The artifact's ``source``: what declared the transaction whose program is generated.
@@ -513,3 +515,67 @@ def _check_attest_outputs(exported: export.Exported) -> None:
         aval.shape != () or not jnp.issubdtype(aval.dtype, jnp.floating) for aval in avals
     ):
         raise ZKDVError(_messages.ATTEST_OUTPUTS.format(got=", ".join(str(aval) for aval in avals)))
+
+
+def _sharded(leaves: Sequence[Any]) -> bool:
+    """Whether any leaf is laid out over more than one device."""
+    return any(
+        len(getattr(getattr(leaf, "sharding", None), "device_set", ())) > 1 for leaf in leaves
+    )
+
+
+def step_calls(
+    artifact: Artifact,
+    program: _Program,
+    apply: Callable[..., Any],
+    specs: tuple[Any, Any, Any, Any],
+    state: tuple[Sequence[Any], Sequence[Any]],
+    *,
+    donating: bool,
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """What a run that commits its gradients calls each step: its gradient program and
+    its canonical update.
+
+    On one device, the committed programs themselves, compiled once here and shared
+    with the artifact's own calls (the SDK's checks); an apply program that donates the
+    parameters is compiled apart (a check compiles its own at its first call). A state
+    (``state``: the parameters and the optimizer state, as the step received them)
+    laid out over several devices of this process runs the traced step under the
+    user's shardings (XLA partitions it) and the same canonical update partitioned
+    alike, keeping each leaf's layout: the committed single-device programs cannot take
+    sharded arguments, and serve the checks and the platform's replays. The canonical
+    update's arithmetic is elementwise, and its sums are exact integer sums, so its
+    bits do not depend on the partitioning; the gradient's reductions do, which is why
+    such a step is judged within the gradient bounds (``provers.jax_replay``).
+    """
+    params, opt_state = state
+    if _sharded([*params, *opt_state]):
+        outputs = (
+            tuple(leaf.sharding for leaf in params),
+            tuple(leaf.sharding for leaf in opt_state),
+        )
+        donate = (0,) if donating else ()
+        canonical = jax.jit(
+            apply,
+            donate_argnums=donate,
+            out_shardings=outputs,
+            compiler_options=CANONICAL_OPTIONS,
+        )
+        return program.jitted, canonical
+    assert program.specs is not None
+    compute = artifact.compiled("production", *program.specs)
+    if donating:
+        return compute, artifact.donating_apply(*specs)
+    return compute, artifact.compiled("apply", *specs)
+
+
+def state_shardings(params: Sequence[Any], opt_state: Sequence[Any]) -> dict[str, Any] | None:
+    """The root record's ``schema.sharding``: each committed leaf's layout
+    (:func:`_describe_sharding`), or None when no leaf is sharded."""
+    shardings = {
+        "params": [_describe_sharding(x) for x in params],
+        "opt_state": [_describe_sharding(x) for x in opt_state],
+    }
+    if any(s is not None for tree in shardings.values() for s in tree):
+        return shardings
+    return None

@@ -103,7 +103,7 @@ class CommittedOptimizer(optax.GradientTransformationExtraArgs):  # type: ignore
 def optimizer(tx: optax.GradientTransformation) -> CommittedOptimizer:
     """Wrap ``tx`` so that a ``proof.jit`` step commits the gradient it receives.
 
-    Inside a ``proof.jit`` step (single process, unsharded state), ``update`` records
+    Inside a ``proof.jit`` step (single process, one device or sharded), ``update`` records
     the gradient, optimizer state and parameters it receives and evaluates ``tx.update``
     by the ``zkdv-jax-canonical-v2`` rules, the same bits on any hardware; where
     ``tx.update`` has no canonical form it is evaluated as usual and the gradient is

@@ -14,12 +14,13 @@ through the driver.
 
 The program takes a third input, ``zero``: a uint32 0 at run time that the canonical
 optimizer update (:mod:`zkdv.jax.canonical`) needs as a program input. A run commits
-its gradients (:mod:`zkdv.jax._optimizer`) when it runs in one process on unsharded
-state, its update is an Optax transformation applied through ``TrainState``, an NNX
-``Optimizer`` or ``Transaction.apply``, and it is neither a ``zkdv.jax.scan`` nor a
-state with ``attest_apply_fn``; the driver then trains with the *exported* production
-program, deserialized from the committed artifact, which is also what the platform's
-replay runs.
+its gradients (:mod:`zkdv.jax._optimizer`) when it runs in one process (its state on
+one device or sharded over several), its update is an Optax transformation applied
+through ``TrainState``, an NNX ``Optimizer`` or ``Transaction.apply``, and it is neither
+a ``zkdv.jax.scan`` nor a state with ``attest_apply_fn``; the driver then trains with
+the *exported* production program, deserialized from the committed artifact, which is
+also what the platform's replay runs (a sharded state: the traced programs partitioned
+by XLA, :func:`zkdv.jax._export.step_calls`).
 """
 
 from __future__ import annotations
@@ -682,18 +683,15 @@ class JitFunction:
 def _commitable(values: list[Any], leaves: list[Any]) -> bool:
     """Whether a step on these arguments can commit its gradients (see the module docstring).
 
-    Its programs are exported for one device: sharded state (several devices or
-    processes) keeps the older path, as does a state whose replay substitutes
-    ``attest_apply_fn`` for a ``apply_fn`` that cannot be exported.
+    Several processes keep the older path (process 0 would have to gather every
+    leaf), as does a state whose replay substitutes ``attest_apply_fn`` for a
+    ``apply_fn`` that cannot be exported. A state sharded over this process's devices
+    commits its gradients (:func:`zkdv.jax._export.step_calls`).
     """
     from zkdv.jax.contrib import TrainState
 
     if jax.process_count() > 1:
         return False
-    for leaf in leaves:
-        sharding = getattr(leaf, "sharding", None)
-        if sharding is not None and len(sharding.device_set) > 1:
-            return False
     for value in values:
         states = jax.tree.leaves(value, is_leaf=lambda node: isinstance(node, TrainState))
         if any(isinstance(s, TrainState) and s.attest_apply_fn is not None for s in states):

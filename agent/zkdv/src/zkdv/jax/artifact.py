@@ -41,7 +41,7 @@ host, of the probed rows, subtracted as :meth:`Artifact.apply` subtracts them.
 Version 1: the attested function
 --------------------------------
 A run that commits no gradients (a ``zkdv.jax.scan`` loop, an explicit
-``Transaction.update``, sharded or multi-process state, ``attest_apply_fn``), and every
+``Transaction.update``, multi-process state, ``attest_apply_fn``), and every
 transcript written before version 2, carries::
 
     {

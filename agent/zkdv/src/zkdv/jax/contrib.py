@@ -7,7 +7,7 @@ performs the same Optax transition and registers it with the trace; the attested
 is generated from the staged training function (``docs/jax.md``).
 
 A state created with a proof has its ``tx`` wrapped by :func:`zkdv.jax.optimizer`: in a
-``proof.jit`` step that commits its gradients (one process, unsharded state), the
+``proof.jit`` step that commits its gradients (one process, one device or sharded), the
 gradient ``apply_gradients`` receives is committed, the Optax update and
 ``apply_updates`` are evaluated canonically, and the fields passed as ``**kwargs`` (for
 example ``batch_stats``) are the step's carried values.
