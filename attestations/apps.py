@@ -1,3 +1,9 @@
+"""The root app ``attestations``: it holds no models and no migrations.
+
+It is an app only so that Django finds ``manage.py demo``
+(``attestations/management/commands/demo.py``); the domain apps are its subpackages.
+"""
+
 from __future__ import annotations
 
 from django.apps import AppConfig

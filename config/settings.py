@@ -68,7 +68,8 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",
     # The platform: one app per domain noun under attestations/ (README, "Layout"), in
-    # the order of their foreign keys.
+    # the order of their foreign keys. The root app holds no models and no migrations:
+    # only the `demo` command.
     "attestations",
     "attestations.audit",
     "attestations.accounts",

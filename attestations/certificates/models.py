@@ -17,7 +17,7 @@ What lives where:
 
 Log entries, checkpoints, trust root versions and certificates are append-only: the
 model layer refuses updates and deletes (:class:`~attestations.core.db.AppendOnlyError`),
-and on PostgreSQL a trigger (migration ``0004_certificates``) refuses them in SQL too.
+and on PostgreSQL a trigger (migration ``0003_append_only``) refuses them in SQL too.
 ``manage.py verify_log`` finds rows altered behind both guards.
 """
 

@@ -3,7 +3,7 @@
 * :class:`AppendOnlyModel` and :class:`AppendOnlyQuerySet`: rows that are inserted once
   and never changed or deleted through the ORM (the audit trail, the transparency log,
   trust roots, certificates). On PostgreSQL a trigger refuses the same in SQL
-  (migrations ``0004_certificates`` and ``0005_audit_append_only``).
+  (migrations ``certificates.0003_append_only`` and ``audit.0002_append_only``).
 * :func:`take_claim`: how a worker takes a row to work on (a proof to verify, a
   challenge to replay): one conditional UPDATE, so of two deliveries of the same task
   one wins, and a claim older than the task time limit (its worker died) can be taken

@@ -1,270 +1,93 @@
-"""Migrating a database of today's schema, with a row in every table, loses nothing.
+"""Each app has one migration history, and it makes the schema the models describe.
 
-The server's apps keep the tables they had when all models lived in one app
-(``attestations_*``). This test builds the schema the last release shipped
-(:data:`RELEASED`) with the migrations it shipped, writes one row to every table of the
-platform (each foreign key pointing at another written row), migrates to the newest
-migrations, and reads every row back unchanged, through SQL and through the current
-models.
+Nothing was released before these histories, so they start at each app's
+``0001_initial``: no squashed migration, no ``replaces``, and the root app
+``attestations`` has no migrations. The tests here guarantee that
 
-The apps' migrations are squashed since (``replaces``): a new database is made by the
-squashed ones, while a database made before has recorded the migrations they replace.
-The released schema is therefore built by the original migrations (a loader that does
-not substitute the squashed ones), and the newest is reached the way a deployed database
-reaches it: by the ordinary loader, which goes on from the originals recorded.
+- every change of a model has its migration (``makemigrations --check``);
+- an empty database migrates forward to the newest, back to zero and forward again, to
+  the same schema, on SQLite and on PostgreSQL;
+- on PostgreSQL the hand-written migrations are in effect: the append-only triggers of
+  the audit trail (``audit.0002_append_only``) and of the transparency log, its
+  checkpoints, the certificates and the trust roots (``certificates.0003_append_only``).
+  What the triggers refuse and allow is tested with the tables' rows, in
+  ``tests/attestations/audit/test_audit.py`` and
+  ``tests/attestations/certificates/test_certificates.py``.
 """
 
 from __future__ import annotations
 
-import datetime
-import decimal
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from django.apps import apps as current_apps
-from django.db import connection, models
+from django.apps import apps
+from django.core.management import call_command
+from django.db import DatabaseError, connection, transaction
 from django.db.migrations.executor import MigrationExecutor
 from django.db.migrations.loader import MigrationLoader
-from django.utils import timezone
 
-#: The newest migration of each of the platform's apps before the apps were split, and
-#: each split app's last migration before this round's changes of the schema, so that
-#: those are undone too (accounts 0002: invitations by username; experiments 0002: a
-#: spec's token unit; certificates 0003 and 0004: a certificate's tokens, a log entry's
-#: envelope and signed time; uploads 0003: part reservations, 0004: direct uploads).
-RELEASED = [
-    ("attestations", "0006_organization_kinds_invitations_filings"),
-    ("accounts", "0001_initial"),
-    ("experiments", "0001_initial"),
-    ("certificates", "0002_initial"),
-    ("uploads", "0002_gradient_kind"),
-]
+from attestations.certificates.models import TrustRootVersion
 
-#: The apps whose models own the platform's tables.
-PLATFORM = "attestations"
+#: The apps whose models own the platform's tables (the domain apps with models).
+PLATFORM = (
+    "accounts",
+    "audit",
+    "experiments",
+    "uploads",
+    "proofs",
+    "challenges",
+    "certificates",
+    "workers",
+)
 
-
-def _value(field: models.Field[Any, Any], number: int) -> Any:
-    """A value the column accepts: its first choice, or one of its type."""
-    if field.choices:
-        return next(iter(field.flatchoices))[0]
-    if isinstance(field, models.UUIDField):
-        return uuid.UUID(int=number + 1)
-    if isinstance(field, models.BooleanField):
-        return True
-    if isinstance(field, models.DecimalField):
-        return decimal.Decimal("1.5")
-    if isinstance(field, models.FloatField):
-        return 0.25
-    if isinstance(field, models.IntegerField):
-        return 7
-    if isinstance(field, models.DateTimeField):
-        return timezone.now().replace(microsecond=0)
-    if isinstance(field, models.DateField):
-        return datetime.date(2026, 1, 2)
-    if isinstance(field, models.JSONField):
-        return {"kept": [1, "two"]}
-    if isinstance(field, models.BinaryField):
-        return b"\x00kept"
-    if isinstance(field, models.GenericIPAddressField):
-        return "192.0.2.7"
-    if isinstance(field, models.EmailField):
-        return f"row{number}@example.org"
-    if isinstance(field, models.CharField | models.TextField):
-        text = f"r{number}" + "0" * 64
-        limit = field.max_length or 200
-        return text[:limit]
-    raise AssertionError(f"no sample value for {field!r}")
-
-
-def _ordered(model_list: list[type[models.Model]]) -> Iterator[type[models.Model]]:
-    """Models in an order where every required foreign key points at a model before it."""
-    done: set[type[models.Model]] = set()
-    pending = list(model_list)
-    while pending:
-        for model in pending:
-            needs = {
-                field.related_model
-                for field in model._meta.concrete_fields
-                if field.is_relation and not field.null and field.related_model is not model
-            }
-            if needs <= done | {m for m in needs if m not in model_list}:
-                done.add(model)
-                pending.remove(model)
-                yield model
-                break
-        else:
-            raise AssertionError(f"foreign keys form a cycle: {pending}")
-
-
-def _fill(state_apps: Any) -> set[str]:
-    """One row in every table of the platform (and a user); returns the tables written."""
-    user_model = state_apps.get_model("auth", "User")
-    user = user_model.objects.create(username="migrated", password="!")
-    rows: dict[type[models.Model], models.Model] = {user_model: user}
-    platform = [m for m in state_apps.get_app_config(PLATFORM).get_models() if m._meta.managed]
-    late: list[tuple[type[models.Model], str, type[models.Model]]] = []
-    for number, model in enumerate(_ordered(platform)):
-        values: dict[str, Any] = {}
-        for field in model._meta.concrete_fields:
-            if isinstance(field, models.AutoField):
-                continue
-            if field.is_relation:
-                target = rows.get(field.related_model)
-                if target is None:
-                    late.append((model, field.name, field.related_model))
-                    continue
-                values[field.name] = target
-            else:
-                values[field.name] = _value(field, number)
-        rows[model] = model.objects.create(**values)
-    for model, name, target in late:
-        # A nullable key to a model written later (Upload.duplicate_of -> Proof).
-        model.objects.filter(pk=rows[model].pk).update(**{name: rows[target]})
-    return {model._meta.db_table for model in rows}
-
-
-def _tables() -> list[str]:
-    prefix = f"{PLATFORM}_"
-    return sorted(t for t in connection.introspection.table_names() if t.startswith(prefix))
-
-
-#: Columns added since the release, each filled by its migration: ``(table, column)``.
-ADDED = {
-    ("attestations_invitation", "username"),
-    ("attestations_experimentspec", "token_unit"),
-    ("attestations_certificate", "tokens"),
-    # certificates 0004: a log entry keeps its envelope and its signed time (Rekor dsse).
-    ("attestations_logentry", "envelope_json"),
-    ("attestations_logentry", "inclusion_promise"),
-    ("attestations_logentry", "rfc3161_timestamp"),
-    # uploads 0004: S3's multipart upload id of a direct upload (empty for older ones).
-    ("attestations_upload", "s3_upload_id"),
-    # uploads 0005: a part's digest states and its offset in the data file (NULL for
-    # older parts: completion hashes them, and each is a file of its own).
-    ("attestations_uploadpart", "chain_base"),
-    ("attestations_uploadpart", "chain"),
-    ("attestations_uploadpart", "data_offset"),
-    # experiments 0003 and certificates 0005: a spec's declared parent run (none for
-    # older specs) and a certificate's lineage total (NULL: issued before lineages).
-    ("attestations_experimentspec", "parent_transcript"),
-    ("attestations_certificate", "lineage_flops"),
-    # experiments 0004: the platform kind a spec declares (none for older specs).
-    ("attestations_experimentspec", "platform_kind"),
-}
-#: Tables added since the release: empty after the migration.
-NEW_TABLES = {
-    "attestations_partreservation",
-    "attestations_slicedrun",
-    "attestations_slicechallenge",
-    "attestations_committedstate",
-    "attestations_replayworker",
+#: Each append-only table and the PL/pgSQL function its trigger runs.
+APPEND_ONLY = {
+    "attestations_auditevent": "dvbench_audit_append_only",
+    "attestations_logentry": "dvbench_append_only",
+    "attestations_logcheckpoint": "dvbench_append_only",
+    "attestations_certificate": "dvbench_append_only",
+    "attestations_trustrootversion": "dvbench_append_only",
 }
 
 
-def _snapshot(tables: list[str]) -> dict[str, list[tuple[Any, ...]]]:
-    """Every row of every table, as the database returns it, in a stable order.
-
-    Columns added since the release (:data:`ADDED`) are left out, so that the rows compare.
-    """
-    snapshot: dict[str, list[tuple[Any, ...]]] = {}
-    with connection.cursor() as cursor:
-        for table in tables:
-            columns = sorted(
-                c.name
-                for c in connection.introspection.get_table_description(cursor, table)
-                if (table, c.name) not in ADDED
-            )
-            quoted = ", ".join(connection.ops.quote_name(c) for c in columns)
-            cursor.execute(f"SELECT {quoted} FROM {connection.ops.quote_name(table)}")
-            snapshot[table] = sorted((tuple(map(str, row)) for row in cursor.fetchall()), key=str)
-    return snapshot
+def _platform_tables() -> set[str]:
+    """The tables the platform's models name (``Meta.db_table``)."""
+    return {
+        model._meta.db_table
+        for label in PLATFORM
+        for model in apps.get_app_config(label).get_models()
+    }
 
 
-def _released_executor() -> MigrationExecutor:
-    """An executor that sees the migrations as released: squashed ones do not replace them."""
+def _migrate(targets: list[tuple[str, str | None]] | None = None) -> None:
+    """Migrate to ``targets``, or to the newest of every app when None."""
     executor = MigrationExecutor(connection)
-    executor.loader = MigrationLoader(connection, replace_migrations=False)
-    return executor
-
-
-def _migrate_to_newest() -> None:
-    """Whatever the test left, the newest schema again, for the tests after it."""
-    executor = MigrationExecutor(connection)
-    executor.migrate(executor.loader.graph.leaf_nodes())
-
-
-@pytest.mark.django_db(transaction=True)
-def test_migrating_from_the_released_schema_keeps_every_row() -> None:
-    # Nothing of the platform's schema: the squashed migrations made this database.
-    MigrationExecutor(connection).migrate([(PLATFORM, None)])
-    try:
-        released = _released_executor()
-        released.migrate(RELEASED)
-        released.loader.build_graph()
-        written = _fill(released.loader.project_state(RELEASED).apps)
-        tables = _tables()
-        assert set(tables) == written - {"auth_user"}  # a row in every table
-        before = _snapshot(tables)
-        assert all(len(rows) == 1 for rows in before.values()), before
-
-        executor = MigrationExecutor(connection)
-        executor.migrate(executor.loader.graph.leaf_nodes())
-
-        assert set(_tables()) == set(tables) | NEW_TABLES
-        assert _snapshot(tables) == before
-        # An invitation's username is its user's (accounts 0002).
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT username FROM attestations_invitation")
-            assert cursor.fetchall() == [("migrated",)]
-            # A spec declared before the unit existed counts examples (experiments 0002).
-            cursor.execute("SELECT token_unit FROM attestations_experimentspec")
-            assert cursor.fetchall() == [("examples",)]
-            cursor.execute("SELECT chain_base, chain, data_offset FROM attestations_uploadpart")
-            assert cursor.fetchall() == [(None, None, None)]
-            cursor.execute("SELECT parent_transcript FROM attestations_experimentspec")
-            assert cursor.fetchall() == [("",)]
-            cursor.execute("SELECT lineage_flops FROM attestations_certificate")
-            assert cursor.fetchall() == [(None,)]
-            cursor.execute("SELECT platform_kind FROM attestations_experimentspec")
-            assert cursor.fetchall() == [("",)]
-        # And the current models read each row.
-        for model in current_apps.get_models():
-            if model._meta.db_table in before:
-                assert model._base_manager.count() == 1, model
-                assert model._base_manager.get() is not None
-    finally:
-        _migrate_to_newest()
-
-
-def _original_leaves(loader: MigrationLoader) -> list[tuple[str, str]]:
-    """Each app's newest migration, counting only the originals a squash replaces."""
-    squashed = {key for key, migration in loader.disk_migrations.items() if migration.replaces}
-    newest: dict[str, str] = {}
-    for app, name in loader.disk_migrations:
-        if (app, name) not in squashed and name > newest.get(app, ""):
-            newest[app] = name
-    return sorted(newest.items())
+    executor.migrate(targets or executor.loader.graph.leaf_nodes())
 
 
 def _schema() -> dict[str, list[tuple[Any, ...]]]:
-    """The public schema as PostgreSQL states it: columns, constraints, indexes, triggers
-    and the functions the triggers run."""
-    queries = {
-        "columns": "SELECT table_name, ordinal_position, column_name, data_type, is_nullable,"
-        " column_default, character_maximum_length FROM information_schema.columns"
-        " WHERE table_schema = 'public' ORDER BY 1, 2",
-        "constraints": "SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid)"
-        " FROM pg_constraint WHERE connamespace = 'public'::regnamespace ORDER BY 1, 2",
-        "indexes": "SELECT tablename, indexname, indexdef FROM pg_indexes"
-        " WHERE schemaname = 'public' ORDER BY 1, 2",
-        "triggers": "SELECT tgrelid::regclass::text, tgname, pg_get_triggerdef(oid)"
-        " FROM pg_trigger WHERE NOT tgisinternal ORDER BY 1, 2",
-        "functions": "SELECT proname, pg_get_functiondef(oid) FROM pg_proc"
-        " WHERE pronamespace = 'public'::regnamespace ORDER BY 1",
-    }
+    """The schema as the database states it: on PostgreSQL its columns, constraints,
+    indexes, triggers and the functions the triggers run; on SQLite its ``sqlite_master``."""
+    if connection.vendor == "postgresql":
+        queries = {
+            "columns": "SELECT table_name, column_name, data_type, is_nullable,"
+            " column_default, character_maximum_length FROM information_schema.columns"
+            " WHERE table_schema = 'public' ORDER BY 1, 2",
+            "constraints": "SELECT conrelid::regclass::text, conname,"
+            " pg_get_constraintdef(oid) FROM pg_constraint"
+            " WHERE connamespace = 'public'::regnamespace ORDER BY 1, 2",
+            "indexes": "SELECT tablename, indexname, indexdef FROM pg_indexes"
+            " WHERE schemaname = 'public' ORDER BY 1, 2",
+            "triggers": "SELECT tgrelid::regclass::text, tgname, pg_get_triggerdef(oid)"
+            " FROM pg_trigger WHERE NOT tgisinternal ORDER BY 1, 2",
+            "functions": "SELECT proname, pg_get_functiondef(oid) FROM pg_proc"
+            " WHERE pronamespace = 'public'::regnamespace ORDER BY 1",
+        }
+    else:
+        queries = {
+            "objects": "SELECT type, name, tbl_name, sql FROM sqlite_master"
+            " WHERE name NOT LIKE 'sqlite_%' ORDER BY 1, 2",
+        }
     with connection.cursor() as cursor:
         schema = {}
         for what, sql in queries.items():
@@ -273,20 +96,76 @@ def _schema() -> dict[str, list[tuple[Any, ...]]]:
     return schema
 
 
+def _triggers() -> dict[str, str]:
+    """Each table's ``*_append_only`` trigger, as PostgreSQL states it."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT tgrelid::regclass::text, pg_get_triggerdef(oid) FROM pg_trigger"
+            " WHERE NOT tgisinternal AND tgname LIKE %s AND tgenabled = 'O'",
+            ["%_append_only"],
+        )
+        return dict(cursor.fetchall())
+
+
+def test_every_app_has_one_history_and_the_root_app_none() -> None:
+    loader = MigrationLoader(None, ignore_no_migrations=True)
+    histories = {app for app, _ in loader.disk_migrations if app in PLATFORM}
+    assert histories == set(PLATFORM)
+    assert "attestations" not in loader.migrated_apps
+    assert not [key for key, migration in loader.disk_migrations.items() if migration.replaces]
+    for app in PLATFORM:
+        roots = loader.graph.root_nodes(app)
+        assert [name for _, name in roots] == ["0001_initial"], app
+
+
+@pytest.mark.django_db
+def test_every_model_change_has_a_migration() -> None:
+    # makemigrations exits (SystemExit 1) when a model differs from its migrations; it
+    # also checks the test database's applied migrations against the histories.
+    call_command("makemigrations", check=True, dry_run=True, verbosity=0)
+
+
 @pytest.mark.django_db(transaction=True)
-def test_the_squashed_migrations_make_the_schema_the_originals_make() -> None:
-    if connection.vendor != "postgresql":
-        pytest.skip("compared on PostgreSQL, the only database with the append-only triggers")
+def test_an_empty_database_migrates_forward_back_to_zero_and_forward_again() -> None:
+    tables = _platform_tables()
     try:
-        MigrationExecutor(connection).migrate([(PLATFORM, None)])
-        _migrate_to_newest()  # nothing of the platform applied: the squashed migrations
-        squashed = _schema()
-        assert squashed["triggers"] and squashed["functions"]
+        _migrate([(app, None) for app in PLATFORM])
+        assert not tables & set(connection.introspection.table_names())
+        if connection.vendor == "postgresql":
+            assert _triggers() == {}  # and the reverse dropped the trigger functions:
+            assert not _schema()["functions"]
 
-        MigrationExecutor(connection).migrate([(PLATFORM, None)])
-        originals = _released_executor()
-        originals.migrate(_original_leaves(originals.loader))
+        _migrate()
+        assert tables <= set(connection.introspection.table_names())
+        forward = _schema()
 
-        assert _schema() == squashed
+        _migrate([(app, None) for app in PLATFORM])
+        assert not tables & set(connection.introspection.table_names())
+        _migrate()
+        assert _schema() == forward
     finally:
-        _migrate_to_newest()
+        _migrate()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_append_only_triggers_are_in_effect_on_postgresql() -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("the append-only triggers exist on PostgreSQL only")
+    assert _triggers() == {
+        table: f"CREATE TRIGGER {table}_append_only BEFORE DELETE OR UPDATE ON public.{table}"
+        f" FOR EACH ROW EXECUTE FUNCTION {function}()"
+        for table, function in APPEND_ONLY.items()
+    }
+    # The trust roots' SQL guard, which the certificate tests do not exercise with a row.
+    version = TrustRootVersion.objects.create(version=1, document="{}", digest="00" * 32)
+    for statement in (
+        "UPDATE attestations_trustrootversion SET document = '[]' WHERE id = %s",
+        "DELETE FROM attestations_trustrootversion WHERE id = %s",
+    ):
+        with (
+            pytest.raises(DatabaseError, match="append-only"),
+            transaction.atomic(),
+            connection.cursor() as cursor,
+        ):
+            cursor.execute(statement, [version.pk])
+    assert TrustRootVersion.objects.get(pk=version.pk).document == "{}"

@@ -2,11 +2,12 @@
 
 ``AuditEvent`` refuses updates and deletes in Python (``AppendOnlyError``), but a raw
 UPDATE or DELETE from a shell or another client would still rewrite history. This
-trigger refuses both, like the log tables' trigger of 0004, with one exception: the
-foreign keys may be cleared. Deleting a user or an organisation sets ``actor`` and
-``organization`` to NULL (``on_delete=SET_NULL``); the event keeps ``actor_name`` and
-its detail, so who did what stays readable. Every other column must stay as it was.
-(TRUNCATE stays possible: it is how test databases are flushed.) SQLite has no guard.
+trigger refuses both, like the log tables' trigger (``certificates.0003_append_only``),
+with one exception: the foreign keys may be cleared. Deleting a user or an organisation
+sets ``actor`` and ``organization`` to NULL (``on_delete=SET_NULL``); the event keeps
+``actor_name`` and its detail, so who did what stays readable. Every other column must
+stay as it was. (TRUNCATE stays possible: it is how test databases are flushed.) SQLite
+has no guard.
 """
 
 from django.db import migrations
@@ -51,7 +52,7 @@ def _drop_trigger(apps, schema_editor):
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("attestations", "0004_certificates"),
+        ("audit", "0001_initial"),
     ]
 
     operations = [
