@@ -68,9 +68,8 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",
     # The platform: one app per domain noun under attestations/ (README, "Layout"), in
-    # the order of their foreign keys. The root app holds no models and no migrations:
-    # only the `demo` command.
-    "attestations",
+    # the order of their foreign keys. The `demo` command is the reports app's, the top
+    # floor's.
     "attestations.audit",
     "attestations.accounts",
     "attestations.experiments",

@@ -93,7 +93,7 @@ def test_it_serves_the_platform_and_health_answers_ok(tmp_path: Path) -> None:
 @pytest.mark.django_db
 def test_it_registers_the_demo_accounts_with_working_keys_and_keeps_them(tmp_path: Path) -> None:
     from attestations.accounts.models import Access, ApiKey
-    from attestations.management.commands.demo import (
+    from attestations.reports.management.commands.demo import (
         ensure_admin,
         ensure_demo_accounts,
         ensure_demo_organization,
@@ -149,7 +149,7 @@ def test_a_second_demo_on_the_same_data_directory_is_refused(
         earlier.kill()
         earlier.wait()
     # Once that process is gone, its record no longer blocks anything.
-    from attestations.management.commands.demo import refuse_second_demo
+    from attestations.reports.management.commands.demo import refuse_second_demo
 
     refuse_second_demo(tmp_path)
 
@@ -157,7 +157,7 @@ def test_a_second_demo_on_the_same_data_directory_is_refused(
 def test_a_taken_port_is_replaced_by_a_free_one() -> None:
     import socket
 
-    from attestations.management.commands.demo import free_port
+    from attestations.reports.management.commands.demo import free_port
 
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 
 def _accounts(data_dir: Path) -> dict[str, Account]:
-    from attestations.management.commands.demo import (
+    from attestations.reports.management.commands.demo import (
         ensure_admin,
         ensure_demo_accounts,
         ensure_demo_organization,
