@@ -683,8 +683,9 @@ class JitFunction:
 def _commitable(values: list[Any], leaves: list[Any]) -> bool:
     """Whether a step on these arguments can commit its gradients (see the module docstring).
 
-    Several processes keep the older path (process 0 would have to gather every
-    leaf), as does a state whose replay substitutes ``attest_apply_fn`` for a
+    Several processes keep the older path (their production trace gathers the batch
+    onto the global mesh, which a one-device export cannot hold), as does a state
+    whose replay substitutes ``attest_apply_fn`` for a
     ``apply_fn`` that cannot be exported. A state sharded over this process's devices
     commits its gradients (:func:`zkdv.jax._export.step_calls`).
     """
