@@ -644,7 +644,7 @@ def _reduce(
 ) -> list[Any]:
     if tree.levels == 0:
         return _take(ops, x, tree.finals)
-    if ops.exact_levels:  # the loop below hashes the widest level's pairs at each level
+    if ops.exact_levels:  # each level at its size; the loop below hashes the widest's
         for step in tree.steps:
             roots = ops.array(step.roots.astype(np.uint32))
             pairs = hash_pairs(_take(ops, x, step.left), _take(ops, x, step.right), roots)

@@ -517,13 +517,6 @@ def _check_attest_outputs(exported: export.Exported) -> None:
         raise ZKDVError(_messages.ATTEST_OUTPUTS.format(got=", ".join(str(aval) for aval in avals)))
 
 
-def _sharded(leaves: Sequence[Any]) -> bool:
-    """Whether any leaf is laid out over more than one device."""
-    return any(
-        len(getattr(getattr(leaf, "sharding", None), "device_set", ())) > 1 for leaf in leaves
-    )
-
-
 def step_calls(
     artifact: Artifact,
     program: _Program,
@@ -538,9 +531,10 @@ def step_calls(
 
     On one device, the committed programs themselves, compiled once here and shared
     with the artifact's own calls (the SDK's checks); an apply program that donates the
-    parameters is compiled apart (a check compiles its own at its first call). A state
-    (``state``: the parameters and the optimizer state, as the step received them)
-    laid out over several devices of this process runs the traced step under the
+    parameters is compiled apart (a check compiles its own at its first call). A step
+    whose arguments lie on several devices of this process (``program.spans_devices``;
+    ``state``, the parameters and the optimizer state it received, gives the update's
+    output layouts) runs the traced step under the
     user's shardings (XLA partitions it) and the same canonical update partitioned
     alike, keeping each leaf's layout: the committed single-device programs cannot take
     sharded arguments, and serve the checks and the platform's replays. The canonical
@@ -549,7 +543,7 @@ def step_calls(
     such a step is judged within the gradient bounds (``provers.jax_replay``).
     """
     params, opt_state = state
-    if _sharded([*params, *opt_state]):
+    if program.spans_devices:
         outputs = (
             tuple(leaf.sharding for leaf in params),
             tuple(leaf.sharding for leaf in opt_state),

@@ -49,6 +49,7 @@ from zkdv.jax._sharding import (
     output_shardings,
     pin,
     replicated,
+    spans_devices,
 )
 from zkdv.jax._tree import BatchLayout, leaf_paths
 from zkdv.overlap import Policy
@@ -163,13 +164,16 @@ class _Program:
         #: In a run that commits gradients: the production function's trace (``jitted``
         #: traced it without donation) and input specs, which the driver exports; then
         #: ``jitted`` is the exported program's compiled call and ``apply`` the committed
-        #: apply program's. With ``host_deltas`` (commitments on the host, one process,
+        #: apply program's, or, where the arguments lie on several devices
+        #: (``spans_devices``), both partitioned by XLA (``_export.step_calls``). With
+        #: ``host_deltas`` (commitments on the host, one process,
         #: no ``zkdv.jax.scan``) the commit stage forms the delta probes from the probed
         #: rows, and ``apply`` writes the post-update parameters into the pre-update
         #: ones' buffers when the step donates them; otherwise ``deltas`` is the realized
         #: changes' program, run after it, which donates them instead.
         self.trace: Any = None
         self.specs: tuple[Any, Any, Any] | None = None
+        self.spans_devices = False
         self.apply: Any = None
         self.deltas: Any = None
         self.host_deltas = False
@@ -357,6 +361,7 @@ class JitFunction:
         if traced.commits:
             program.trace = trace
             program.specs = _input_specs(arguments)
+            program.spans_devices = spans_devices(leaves)
         replay = self._replay_builder(values, arguments.dynamic_positions, in_tree)
         proof._install(program, leaves, replay)
         return program

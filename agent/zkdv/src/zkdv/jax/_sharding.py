@@ -20,6 +20,7 @@ __all__ = [
     "output_shardings",
     "pin",
     "replicated",
+    "spans_devices",
 ]
 
 
@@ -31,6 +32,13 @@ def replicated(leaves: Sequence[Any]) -> NamedSharding:
             return NamedSharding(sharding.mesh, PartitionSpec())  # type: ignore[no-untyped-call]
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("zkdv",))
     return NamedSharding(mesh, PartitionSpec())  # type: ignore[no-untyped-call]
+
+
+def spans_devices(leaves: Sequence[Any]) -> bool:
+    """Whether any leaf is laid out over more than one device."""
+    return any(
+        len(getattr(getattr(leaf, "sharding", None), "device_set", ())) > 1 for leaf in leaves
+    )
 
 
 def layout_of(leaf: Any, default: Sharding) -> Sharding:
