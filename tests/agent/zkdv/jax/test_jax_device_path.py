@@ -237,3 +237,43 @@ def test_a_state_modified_between_steps_poisons_the_device_path(tmp_path: Path) 
     with pytest.raises(zkdv.ZKDVPoisonedError, match="parameters passed to step 2"):
         proof.close()
     np.testing.assert_equal(proof.transfers.step(2).get("state"), None)
+
+
+def _forged_run(path: Path, commitments: str, forged: dict[int, jax.Array]) -> None:
+    """Four steps; each step in ``forged`` trains on that batch and commits the real one,
+    through the forgery suite's modified SDK (``zkdv.jax.forgery``)."""
+    from zkdv.jax import forgery
+
+    real = batches(4)
+    committed = {i: np.asarray(real[i]).view(np.uint32) for i in forged}
+    proof = _proof(path, commitments, policy=zkdv.SamplingPolicy(update_check_probability=0.0))
+    state = TrainState.create(proof=proof, apply_fn=_apply, params=_params(8), tx=optax.adam(0.1))
+    step = proof.jit(train_step, donate_argnums=(0,))
+    with forgery.committed_batches(committed):
+        for index, batch in enumerate(real):
+            state = step(state, forged.get(index, batch))
+        proof.close()
+
+
+@pytest.mark.parametrize("commitments", ["host", "device"])
+def test_the_forgery_suites_substitution_forges_on_both_paths(
+    tmp_path: Path, commitments: str
+) -> None:
+    # The device path once fetched its batch through its own method, which the forgery
+    # suite's modified SDK did not replace: on a TPU (the device path by default) its
+    # "substitution" forger trained and committed the same batch, an honest run, and the
+    # suite reported the attack as never caught.
+    from provers import jax_replay
+
+    _forged_run(tmp_path / "honest", commitments, {})
+    _forged_run(tmp_path / "forged", commitments, {2: batches(4, seed=7)[2]})
+
+    def batch_roots(path: Path) -> list[Any]:
+        records = [r.data for r in iter_records(path / "records.cborl")]
+        return [r["batch"] for r in records if r["t"] == "step"]
+
+    assert batch_roots(tmp_path / "forged") == batch_roots(tmp_path / "honest")
+    assert jax_replay.verify_challenge(tmp_path / "forged", 1).ok
+    verdict = jax_replay.verify_challenge(tmp_path / "forged", 2)
+    assert not verdict.ok
+    assert verdict.reason == "replay_mismatch", verdict.message
