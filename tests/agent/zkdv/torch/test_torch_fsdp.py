@@ -1,11 +1,14 @@
-"""FSDP2 (``fully_shard``) with the gloo backend across two CPU processes.
+"""FSDP2 (``fully_shard``) with the gloo backend across two and four CPU processes.
 
 Rank 0 owns the tape through HostControl, as under DDP. The committed state is the full
-model and optimizer state, all-gathered from the shards on every rank at each step's end;
-the committed batch holds both ranks' rows, so a sampled check on rank 0 (and the
-platform prover, in one process) replays the full model on the global batch, which
-reproduces FSDP2's rank-averaged, reduce-scattered gradient. A shard changed outside the
-optimizer on rank 1 is caught by rank 0's sampled check, and every rank's close() raises.
+model and optimizer state, all-gathered from the shards on every rank at each step's end,
+and every step commits the full gradient (FSDP2's reduce-scattered, rank-averaged one,
+gathered); each rank applies the canonical update to its own shards. The committed batch
+holds every rank's rows, so a sampled check on rank 0 (and the platform prover, in one
+process, here on another CPU kernel family than training's) recomputes the gradient
+within the run's bounds and the committed state bit for bit. A shard changed outside the
+optimizer on rank 1 is caught by rank 0's sampled check, and every rank's close()
+raises; a committed gradient 1 % larger is caught by the platform's replay.
 """
 
 from __future__ import annotations
@@ -92,9 +95,11 @@ def worker(rank, world, port, directory, mode, threads):
         config = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy.DEBUGCheckEvery(2))
         proof = zkdv.torch.ZKDV(Path(directory) / "proof", config, replay_snapshot_interval=3)
         proof.start(rolling_window=4, probe_ratio=0.5)
-        model, optimizer = proof.prepare(
-            model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
-        )
+        if mode == "native":  # no canonical update: torch.optim's own, on the shards
+            native = torch.optim.Adadelta(model.parameters(), lr=0.5)
+        else:
+            native = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+        model, optimizer = proof.prepare(model, native)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
         stray = nn.Parameter(torch.ones(()))
 
@@ -300,6 +305,23 @@ def test_fsdp2_committed_gradient_one_percent_larger_is_caught(tmp_path: Path) -
     assert verdict.evidence[-1].gradient is not None
     assert verdict.evidence[-1].gradient["margin"] > 1
     assert verify_challenge(proof, 2).ok
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # its ranks have 300 s
+def test_fsdp2_optimizer_without_canonical_update_commits_gradients_too(tmp_path: Path) -> None:
+    """Adadelta keeps torch.optim's sharded step; every rank still gathers the gradient."""
+    owner, follower = _run(tmp_path, "native")
+    assert (owner["closed"], follower["closed"]) == ("ok", "ok")
+    proof = tmp_path / "proof"
+    report = verify_transcript(proof)
+    assert report.ok, report.summary()
+    assert report.root["env"]["optimizer"]["canonical"] is None
+    assert "grad" in report.root["schema"]
+    assert not load_transition(proof).canonical
+    window = verify_challenge(proof, 0, through=5)
+    assert window.ok, window
+    assert all(evidence.gradient is not None for evidence in window.evidence)
 
 
 @pytest.mark.slow
