@@ -1,11 +1,14 @@
-"""FSDP2 (``fully_shard``) with the gloo backend across two CPU processes.
+"""FSDP2 (``fully_shard``) with the gloo backend across two and four CPU processes.
 
 Rank 0 owns the tape through HostControl, as under DDP. The committed state is the full
-model and optimizer state, all-gathered from the shards on every rank at each step's end;
-the committed batch holds both ranks' rows, so a sampled check on rank 0 (and the
-platform prover, in one process) replays the full model on the global batch, which
-reproduces FSDP2's rank-averaged, reduce-scattered gradient. A shard changed outside the
-optimizer on rank 1 is caught by rank 0's sampled check, and every rank's close() raises.
+model and optimizer state, all-gathered from the shards on every rank at each step's end,
+and every step commits the full gradient (FSDP2's reduce-scattered, rank-averaged one,
+gathered); each rank applies the canonical update to its own shards. The committed batch
+holds every rank's rows, so a sampled check on rank 0 (and the platform prover, in one
+process, here on another CPU kernel family than training's) recomputes the gradient
+within the run's bounds and the committed state bit for bit. A shard changed outside the
+optimizer on rank 1 is caught by rank 0's sampled check, and every rank's close()
+raises; a committed gradient 1 % larger is caught by the platform's replay.
 """
 
 from __future__ import annotations
@@ -20,16 +23,24 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from provers.torch_replay import exact_environment, verify_challenge
 from tests.sources import AGENT_PYTHONPATH
+from zkdv.calibrate import kernels
 from zkdv.config import DEFAULT_CHUNK_BYTES
+from zkdv.gradients import leaf_name
 from zkdv.merkle import commit_state
 from zkdv.records import iter_records
 from zkdv.torch._model import plain_structure, refresh_structure
+from zkdv.torch.optimizers.canonical import CANONICAL_VERSION
+from zkdv.torch.replay import load_transition
 from zkdv.verify import verify_transcript
 
 REPO_ROOT = Path(__file__).resolve().parents[4]
+HERE = torch.backends.cpu.get_cpu_capability().lower()
+#: A CPU kernel family other than this process's, which the replays below run on.
+OTHER = "default" if HERE != "default" else HERE
 
 WORKER = r"""
 import json, os, sys
@@ -47,18 +58,20 @@ import zkdv
 
 
 def model_on(mesh, *, root=True):
-    model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3))
-    for layer in (model[0], model[2]):
+    # An MLP block as users write one. Under four ranks the last layer's 3 rows shard
+    # unevenly (1, 1, 1, 0): one rank holds empty shards of it.
+    model = nn.Sequential(nn.Linear(10, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3))
+    for layer in (model[0], model[2], model[3]):
         fully_shard(layer, mesh=mesh)
     if root:
         fully_shard(model, mesh=mesh)
     return model
 
 
-def worker(rank, world, port, directory, mode):
+def worker(rank, world, port, directory, mode, threads):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     outcome = {"rank": rank}
     try:
@@ -82,9 +95,12 @@ def worker(rank, world, port, directory, mode):
         config = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy.DEBUGCheckEvery(2))
         proof = zkdv.torch.ZKDV(Path(directory) / "proof", config, replay_snapshot_interval=3)
         proof.start(rolling_window=4, probe_ratio=0.5)
-        model, optimizer = proof.prepare(
-            model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
-        )
+        if mode == "native":  # no canonical update: torch.optim's own, on the shards
+            native = torch.optim.Adadelta(model.parameters(), lr=0.5)
+        else:
+            native = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+        model, optimizer = proof.prepare(model, native)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
         stray = nn.Parameter(torch.ones(()))
 
         @proof.attest
@@ -116,8 +132,14 @@ def worker(rank, world, port, directory, mode):
                 with proof.transaction(batch=(inputs, targets)):
                     loss = functional.cross_entropy(model(inputs), targets)
                     proof.backward(loss)
+                    if mode == "gradient" and step == 3:
+                        # Every rank's reduced gradient 1 % larger than the batch gives:
+                        # the committed gradient is what the optimizer read.
+                        for parameter in model.parameters():
+                            parameter.grad.to_local().mul_(1.01)
                     optimizer.step()
                     optimizer.zero_grad()
+                schedule.step()
         except (zkdv.ZKDVPoisonedError, RuntimeError) as error:
             outcome["raised"] = f"{type(error).__name__}: {error}"
         try:
@@ -152,7 +174,8 @@ def worker(rank, world, port, directory, mode):
 
 if __name__ == "__main__":
     directory, port, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    mp.spawn(worker, args=(2, port, directory, mode), nprocs=2, join=True)
+    world, threads = int(sys.argv[4]), int(sys.argv[5])
+    mp.spawn(worker, args=(world, port, directory, mode, threads), nprocs=world, join=True)
 """
 
 
@@ -162,10 +185,14 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _run(tmp_path: Path, mode: str) -> list[dict[str, Any]]:
+def _run(
+    tmp_path: Path, mode: str, *, world: int = 2, kernel: str = HERE, threads: int = 1
+) -> list[dict[str, Any]]:
+    """Train on ``world`` gloo processes, on CPU kernel family ``kernel`` with
+    ``threads`` threads each; every rank's outcome."""
     script = tmp_path / "fsdp_run.py"
     script.write_text(WORKER)
-    env = dict(os.environ)
+    env = {**os.environ, **kernels(kernel)}
     env["PYTHONPATH"] = os.pathsep.join(
         [
             AGENT_PYTHONPATH,
@@ -173,28 +200,35 @@ def _run(tmp_path: Path, mode: str) -> list[dict[str, Any]]:
         ]
     )
     env["ZKDV_TORCH_PROGRAM"] = "torch.export"
+    arguments = [str(tmp_path), str(_free_port()), mode, str(world), str(threads)]
     result = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), str(_free_port()), mode],
+        [sys.executable, str(script), *arguments],
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    return [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
+    return [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(world)]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # its ranks have 300 s
-def test_fsdp2_run_commits_the_full_state_and_replays_on_one_process(tmp_path: Path) -> None:
-    owner, follower = _run(tmp_path, "clean")
-    assert (owner["closed"], follower["closed"]) == ("ok", "ok")
-    assert (owner["follower"], follower["follower"]) == (False, True)
-    assert owner["digest"] == follower["digest"] is not None
-    # A partly sharded model is rejected at prepare() with the fix.
-    assert "call fully_shard() on the root module too" in owner["partial"]
-    assert "sharded: 3.weight, 3.bias are not DTensors" in owner["partial"]
-    assert "without a MixedPrecisionPolicy (param_dtype=torch.bfloat16" in owner["precision"]
+@pytest.mark.parametrize(("world", "threads"), [(2, 1), (4, 2)])
+def test_fsdp2_run_commits_its_gradients_and_replays_on_one_process_on_other_kernels(
+    tmp_path: Path, world: int, threads: int
+) -> None:
+    """Trained on ``world`` ranks on another kernel family; replayed here in one process."""
+    ranks = _run(tmp_path, "clean", world=world, kernel=OTHER, threads=threads)
+    owner = ranks[0]
+    assert [rank["closed"] for rank in ranks] == ["ok"] * world
+    assert [rank["follower"] for rank in ranks] == [False] + [True] * (world - 1)
+    assert {rank["digest"] for rank in ranks} == {owner["digest"]} != {None}
+    if world == 2:
+        # A partly sharded model is rejected at prepare() with the fix.
+        assert "call fully_shard() on the root module too" in owner["partial"]
+        assert "sharded: 4.weight, 4.bias are not DTensors" in owner["partial"]
+        assert "without a MixedPrecisionPolicy (param_dtype=torch.bfloat16" in owner["precision"]
 
     proof = tmp_path / "proof"
     report = verify_transcript(proof)
@@ -202,36 +236,49 @@ def test_fsdp2_run_commits_the_full_state_and_replays_on_one_process(tmp_path: P
     assert (report.steps, report.checks) == (6, 3)
     assert report.digest == owner["digest"]
     env = report.root["env"]
-    assert env["world_size"] == 2
-    assert env["fsdp"] == {"world_size": 2, "mesh": [[2]], "placements": [["S(0)"]]}
-    # The committed layout is the full model's, not one rank's shard.
+    assert (env["world_size"], env["cpu_capability"].lower(), env["threads"]) == (
+        world,
+        OTHER,
+        threads,
+    )
+    assert env["fsdp"] == {"world_size": world, "mesh": [[world]], "placements": [["S(0)"]]}
+    # The canonical update, and every step's full gradient committed.
+    assert env["optimizer"]["canonical"] == CANONICAL_VERSION
     shapes = {spec["path"]: spec["shape"] for spec in report.root["schema"]["params"]}
     assert shapes == owner["shapes"]
+    grad = {spec["path"]: spec["shape"] for spec in report.root["schema"]["grad"]}
+    assert {path: grad[leaf_name("params", path)] for path in shapes} == shapes
     steps = [r.data for r in iter_records(proof) if r.data["t"] == "step"]
-    assert {step["batch"]["rows"] for step in steps} == {2 * env["batch"]["rows"]}
+    assert {step["batch"]["rows"] for step in steps} == {world * env["batch"]["rows"]}
+    # The schedule's learning rate, committed per step.
+    assert [step["hp"][0]["lr"] for step in steps] == [0.01 * (1 / (1 + k)) for k in range(6)]
 
     # The last committed parameter root is the root of the gathered full parameters.
     leaves = [
         (name, np.asarray(values, dtype=np.float32).reshape(owner["shapes"][name]))
         for name, values in owner["full"].items()
     ]
-    assert owner["full"] == follower["full"]
+    assert all(rank["full"] == owner["full"] for rank in ranks)
     assert commit_state(leaves, DEFAULT_CHUNK_BYTES).root == steps[-1]["post"]["p"]
 
-    # The platform prover, in one process: never claimed bit-exact, passes within tolerance.
+    # The platform prover, in one process on this process's kernels: every step's
+    # gradient within bounds (reduced across ranks, it is not one process's bit for
+    # bit), and the canonical update of it gives the committed state bit for bit (a
+    # replay of a canonical run fails on any other state: provers.replay).
     assert not exact_environment(report.root)
-    single = verify_challenge(proof, 4)
-    assert single.ok, single
-    window = verify_challenge(proof, 3, through=5)
+    assert load_transition(proof).canonical
+    window = verify_challenge(proof, 0, through=5)
     assert window.ok, window
-    assert [evidence.step for evidence in window.evidence] == [3, 4, 5]
+    assert [evidence.step for evidence in window.evidence] == list(range(6))
+    for evidence in window.evidence:
+        assert evidence.gradient is not None and evidence.gradient["margin"] < 1, evidence
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # its ranks have 300 s
 def test_fsdp2_shard_changed_outside_the_optimizer_poisons_every_rank(tmp_path: Path) -> None:
     owner, follower = _run(tmp_path, "tamper")
-    failure = "sampled check of step 4 failed: parameter"
+    failure = "sampled check of step 4 failed"
     assert owner["closed"].startswith("poisoned") and failure in owner["closed"], owner
     assert follower["closed"].startswith("poisoned: rank 0's ZKDV transcript is poisoned")
     assert failure in follower["closed"], follower
@@ -240,6 +287,41 @@ def test_fsdp2_shard_changed_outside_the_optimizer_poisons_every_rank(tmp_path: 
     assert "pre-update parameters of step 4 do not continue" in report.summary()
     verdict = verify_challenge(tmp_path / "proof", 4)
     assert not verdict.ok
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # its ranks have 300 s
+def test_fsdp2_committed_gradient_one_percent_larger_is_caught(tmp_path: Path) -> None:
+    """A forged step the lab's own checks do not sample: the platform's replay catches it."""
+    owner, follower = _run(tmp_path, "gradient")
+    # The SDK checks steps 0, 2 and 4 (DEBUGCheckEvery(2)); the check of step 4 starts at
+    # the snapshot of step 3 and applies step 3's committed gradient, as the platform does.
+    assert (owner["closed"], follower["closed"]) == ("ok", "ok")
+    proof = tmp_path / "proof"
+    assert verify_transcript(proof).ok
+    verdict = verify_challenge(proof, 3)
+    assert (verdict.ok, verdict.reason) == (False, "replay_mismatch"), verdict
+    assert "differ from the committed ones beyond the run's gradient bounds" in str(verdict.message)
+    assert verdict.evidence[-1].gradient is not None
+    assert verdict.evidence[-1].gradient["margin"] > 1
+    assert verify_challenge(proof, 2).ok
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # its ranks have 300 s
+def test_fsdp2_optimizer_without_canonical_update_commits_gradients_too(tmp_path: Path) -> None:
+    """Adadelta keeps torch.optim's sharded step; every rank still gathers the gradient."""
+    owner, follower = _run(tmp_path, "native")
+    assert (owner["closed"], follower["closed"]) == ("ok", "ok")
+    proof = tmp_path / "proof"
+    report = verify_transcript(proof)
+    assert report.ok, report.summary()
+    assert report.root["env"]["optimizer"]["canonical"] is None
+    assert "grad" in report.root["schema"]
+    assert not load_transition(proof).canonical
+    window = verify_challenge(proof, 0, through=5)
+    assert window.ok, window
+    assert all(evidence.gradient is not None for evidence in window.evidence)
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from zkdv.files import gradient_path, read_state
 from zkdv.gradients import compare, leaf_name
@@ -121,7 +122,7 @@ def committed_values(proof: ComputedHost, step: int) -> CommittedValues | None:
     values = dict(leaves)
     model = proof._require_prepared_model()
     gradients: list[torch.Tensor | None] = [
-        tensor_like(values[leaf_name("params", name)], parameter)
+        tensor_like(values[leaf_name("params", name)], _whole(parameter))
         if leaf_name("params", name) in values
         else None
         for name, parameter in zip(model.parameter_names, model.state_parameters, strict=True)
@@ -162,3 +163,11 @@ def committed_values(proof: ComputedHost, step: int) -> CommittedValues | None:
         return compare(replayed, leaves, bounds).ok
 
     return CommittedValues(gradients, buffers, scaler, within)
+
+
+def _whole(parameter: torch.Tensor) -> torch.Tensor:
+    """A tensor like ``parameter`` as a whole: under FSDP2 a plain tensor of the full
+    shape (the committed gradient is the full one), not a DTensor shard."""
+    if isinstance(parameter, DTensor):
+        return torch.empty(parameter.shape, dtype=parameter.dtype, device=parameter.device)
+    return parameter

@@ -68,6 +68,8 @@ NO_STEP = "a ZKDV transaction must call optimizer.step() on the prepared optimiz
 SEALED = "zkdv.sealed"
 #: HostControl key of the committed run seed (the first transaction only).
 RUN_SEED = "zkdv.rng"
+#: HostControl key of which parameters train (FSDP2: every rank gathers their gradients).
+TRAINED = "zkdv.trained"
 DEVICE_PATH_SINGLE_PROCESS = (
     "ZKDVConfig(commitments='device') needs a single-process run without FSDP2: "
     "commitments of a multi-process run are computed by rank 0 from the whole state"
@@ -427,15 +429,6 @@ class ZKDV(Driver):
         transaction.generators = generators.__enter__()
 
     @property
-    def _commits_gradients(self) -> bool:
-        """Whether steps commit their computed values (:mod:`zkdv.gradients`).
-
-        Not under FSDP2, whose gradients are shards: such a run is replayed within the
-        probes' tolerance, as before.
-        """
-        return not self._fsdp
-
-    @property
     def _fsdp(self) -> bool:
         return self._prepared_model is not None and self._prepared_model.fsdp
 
@@ -476,6 +469,7 @@ class ZKDV(Driver):
         if announce:
             runtime.exchange(SEALED, None)
             runtime.exchange(RUN_SEED, self._run_seed)
+            runtime.exchange(TRAINED, self._trained)
 
     def _await_sealing(self) -> None:
         """Follower, first transaction: wait for rank 0's sealing outcome."""
@@ -486,6 +480,7 @@ class ZKDV(Driver):
             raise ZKDVPoisonedError(str(outcome))
         seed = runtime.exchange(RUN_SEED)
         self._run_seed = None if seed is None else int(seed)
+        self._trained = tuple(bool(train) for train in runtime.exchange(TRAINED))
 
     def _gather(self, words: np.ndarray) -> np.ndarray:
         """Every rank's committed rows, concatenated in rank order (DDP)."""
@@ -606,9 +601,6 @@ class ZKDV(Driver):
             [parameter.numel() for parameter in parameters],
             [leaf.numel() for leaf in state_leaves],
         )
-        if model.fsdp and optimizer.bridge.canonical:
-            # Its state is sharded DTensors; training keeps torch.optim's own update.
-            optimizer.bridge.use_native("FSDP2 shards the optimizer state")
         device = parameters[0].device
         self._resolve_path(model, device, parameters)
         if device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
@@ -700,9 +692,7 @@ class ZKDV(Driver):
             device=device,
             world_size=runtime.world_size,
             run_seed=self._run_seed,
-            committed=functools.partial(committed_values, self)
-            if self._commits_gradients
-            else None,
+            committed=functools.partial(committed_values, self),
         )
 
     def _commit_program(

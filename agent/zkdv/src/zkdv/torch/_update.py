@@ -17,10 +17,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from zkdv.errors import ZKDVError
 from zkdv.torch._checkpoint import StepInputs
 from zkdv.torch._eager import EagerHost, EagerTransaction, current_transaction
+from zkdv.torch._model import full
 
 if TYPE_CHECKING:
     from zkdv.torch._checkpoint import ReplayCheckpoint
@@ -78,9 +80,6 @@ class UpdateHost(EagerHost, Protocol):
     def _fsdp(self) -> bool: ...
 
     @property
-    def _commits_gradients(self) -> bool: ...
-
-    @property
     def _requires_grad(self) -> tuple[bool, ...] | None: ...
 
 
@@ -124,23 +123,21 @@ def step(
     # FSDP2: every rank gathers the live pre-update parameters (the probes' and the
     # snapshot's pre-state), so a shard changed between steps is seen as in one process.
     parameters = model.full_parameters()
-    canonical = _canonical(proof, optimizer.bridge)
+    canonical = optimizer.bridge.canonical
     if not proof.follower:
         # The options are read after the step's pre-hooks on the canonical path.
         _before_update(proof, transaction, optimizer, parameters, options=not canonical)
     if canonical:
         result = _canonical_step(proof, transaction, optimizer, closure)
     else:
-        if not proof.follower and not transaction.dropped and proof._commits_gradients:
-            transaction.gradients = _step_gradients(proof, transaction.index)
+        # FSDP2: every rank takes part in gathering the gradients.
+        if proof._fsdp or not proof.follower:
+            gradients = _step_gradients(proof, transaction.index)
+            if not proof.follower and not transaction.dropped:
+                transaction.gradients = gradients
         result = optimizer.optimizer.step(closure)
     transaction.stepped = True
     return result
-
-
-def _canonical(proof: UpdateHost, bridge: OptimizerBridge) -> bool:
-    """Whether training applies the canonical update (every rank decides alike)."""
-    return bridge.canonical and not proof._fsdp
 
 
 def _canonical_step(
@@ -169,19 +166,25 @@ def _canonical_step(
             arguments, keywords = changed
     bridge = optimizer.bridge
     hyperparameters = bridge.hyperparameters()
-    if proof.follower:
+    model = proof._require_prepared_model()
+    if proof.follower and not proof._fsdp:
         gradients = [
             parameter.grad if held else None
-            for parameter, held in zip(
-                proof._require_prepared_model().state_parameters, bridge.held, strict=True
-            )
+            for parameter, held in zip(model.state_parameters, bridge.held, strict=True)
         ]
     else:
+        # FSDP2: every rank gathers the full gradients (collectives in canonical order).
         gradients = _step_gradients(proof, transaction.index)
-        if not transaction.dropped:
+        if not proof.follower and not transaction.dropped:
             _commit_options(proof, transaction, hyperparameters)
             transaction.gradients = gradients
-    bridge.update_live(gradients, hyperparameters)
+    if proof._fsdp:
+        # Each rank's shards, from its own shard of the gradient: the canonical update is
+        # elementwise, so the bits are those of the full update of the gathered gradient.
+        trained = [gradient is not None for gradient in gradients]
+        bridge.update_shards(trained, hyperparameters)
+    else:
+        bridge.update_live(gradients, hyperparameters)
     for hook in (*native._optimizer_step_post_hooks.values(), *_global_post_hooks().values()):
         hook(native, arguments, keywords)
     return loss
@@ -193,6 +196,8 @@ def _step_gradients(proof: UpdateHost, index: int) -> list[torch.Tensor | None]:
     The committed gradient is what the optimizer read, after accumulation, clipping
     and unscaling: copied now, since ``zero_grad(set_to_none=False)`` or the next
     backward pass may write into the same tensors while the commitment is pending.
+    Under FSDP2 the copy is the full gradient, all-gathered from the reduce-scattered
+    shards (a collective on every rank, in canonical parameter order).
 
     Raises:
         RuntimeError: a parameter the sealed program computes a gradient for has
@@ -212,7 +217,9 @@ def _step_gradients(proof: UpdateHost, index: int) -> list[torch.Tensor | None]:
             gradient = parameter.grad
             if gradient is None:
                 raise RuntimeError(NO_GRADIENT.format(name=name, step=index))
-            out.append(gradient.detach().clone())
+            out.append(
+                full(gradient) if isinstance(gradient, DTensor) else gradient.detach().clone()
+            )
     return out
 
 
@@ -244,7 +251,7 @@ def skipped_by_scaler(proof: UpdateHost, optimizer: Any) -> None:
     _validate_frozen(proof, model)
     if not proof.follower:
         _before_update(proof, transaction, prepared, model.full_parameters())
-        if not transaction.dropped and proof._commits_gradients:
+        if not transaction.dropped:
             # The overflowed gradient: a replay skips the update because of it.
             transaction.gradients = _step_gradients(proof, transaction.index)
     transaction.stepped = True

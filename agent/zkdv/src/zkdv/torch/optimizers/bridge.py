@@ -440,6 +440,42 @@ class OptimizerBridge:
         ]
         self._apply(list(self._order), states, gradients, hyperparameters)
 
+    def update_shards(
+        self, trained: Sequence[bool], hyperparameters: Sequence[dict[str, Any]] | None
+    ) -> None:
+        """FSDP2: apply one step's canonical update to this rank's shards, in place.
+
+        Each trained parameter is updated from its live gradient's shard, with the
+        shards of its optimizer state. Every canonical update is elementwise, so each
+        coordinate's bits are those of :meth:`step` on the full parameter, state and
+        gathered gradient: what the platform's replay computes in one process.
+
+        Args:
+            trained: per model parameter (canonical order), whether its gradient is
+                committed and updates it (all ranks alike).
+            hyperparameters: the step's dynamic options, as committed.
+        """
+        assert self.canonical, self.canonical_reason
+        assert not self.scaled, "a GradScaler is refused under FSDP2"
+        live = [
+            self.optimizer.state[parameter] if held else {}
+            for parameter, held in zip(self._order, self._held, strict=True)
+        ]
+        with torch.no_grad():  # the local tensors themselves, not autograd views
+            parameters = [_local(parameter) for parameter in self._order]
+            gradients: list[torch.Tensor | None] = [
+                _local(parameter.grad) if train and parameter.grad is not None else None
+                for parameter, train in zip(self._order, trained, strict=True)
+            ]
+            shards = [{name: _local(value) for name, value in state.items()} for state in live]
+            before = [dict(state) for state in shards]
+            self._apply(parameters, shards, gradients, hyperparameters)
+        for parameter, state, shard, old in zip(self._order, live, shards, before, strict=True):
+            for name, value in shard.items():
+                if value is not old.get(name):
+                    # An entry the update created (SGD's first momentum buffer).
+                    state[name] = _sharded_like(value, parameter)
+
     def _apply(
         self,
         parameters: Sequence[torch.Tensor],
@@ -465,6 +501,22 @@ class OptimizerBridge:
                     canonical_update.update(self.contract.name, *arguments)
                 else:
                     self.contract.update(*arguments)  # type: ignore[arg-type]
+
+
+def _sharded_like(value: Any, parameter: torch.Tensor) -> Any:
+    """``value``, a new shard of a state entry, as a DTensor laid out like ``parameter``."""
+    if not isinstance(parameter, DTensor) or not isinstance(value, torch.Tensor):
+        return value
+    if value.shape != parameter.to_local().shape:
+        return value  # a scalar entry (``step``) is not sharded
+    return DTensor.from_local(
+        value,
+        parameter.device_mesh,
+        parameter.placements,
+        run_check=False,
+        shape=parameter.shape,
+        stride=parameter.stride(),
+    )
 
 
 def _all_finite(gradients: Sequence[torch.Tensor | None]) -> bool:
