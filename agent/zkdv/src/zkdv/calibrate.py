@@ -172,6 +172,8 @@ def default_environments(root: dict[str, Any]) -> list[Environment]:
             isas.append("AVX512")
         on_cpu = platform_kind(root) == "cpu"
         trained = str(env.get("cpu_isa") or "").upper() if on_cpu else ""
+        if cpu_unavailable(root):
+            return out
         for isa in isas:
             if isa != trained:
                 flag = f"--xla_cpu_max_isa={isa}"
@@ -181,6 +183,36 @@ def default_environments(root: dict[str, Any]) -> list[Environment]:
                     variables = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flag}
                     out.append(Environment(f"cpu {flag}", variables))
     return out
+
+
+def cpu_unavailable(root: dict[str, Any]) -> str | None:
+    """Why this machine's CPU cannot recompute an accelerator's JAX run, or None.
+
+    The CPU rows of a TPU run run its exported programs on the CPU backend, so they need
+    programs exported for ``cpu`` too (the default; ``ZKDV_JAX_EXPORT_PLATFORMS`` can
+    leave it out).
+    """
+    if root.get("prover") == "whitebox-torch" or platform_kind(root) == "cpu":
+        return None
+    platforms = (root.get("env") or {}).get("export_platforms")
+    if isinstance(platforms, list) and "cpu" not in platforms:
+        return (
+            f"no CPU rows: the run's programs were exported for {', '.join(platforms)} "
+            "only (ZKDV_JAX_EXPORT_PLATFORMS), so a CPU cannot run them; train with cpu "
+            "among the export platforms to see the CPU's margins for information"
+        )
+    return None
+
+
+def _failure(stderr: str) -> str:
+    """The line of a failed worker's stderr that says what failed: the last one, less
+    JAX's note that it shortened the traceback (it follows the error, under a rule)."""
+    lines = [
+        line.strip()
+        for line in stderr.splitlines()
+        if line.strip().strip("-") and "JAX has removed its internal frames" not in line
+    ]
+    return lines[-1] if lines else "(no output)"
 
 
 def _transition(transcript: Transcript) -> Transition:
@@ -333,8 +365,7 @@ def _run(proof: Path, steps: int, environment: Environment) -> Measurement:
         for key in ("tensor", "total", "scale"):
             setattr(measurement, key, max(getattr(measurement, key), row[key]))
     if result.returncode != 0 and measurement.error is None:
-        tail = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
-        measurement.error = f"the worker failed: {tail}"
+        measurement.error = f"the worker failed: {_failure(result.stderr)}"
     return measurement
 
 
@@ -485,6 +516,9 @@ def main(proof: Path, *, worker: bool, steps: int, environments: Sequence[str]) 
     except ValueError as error:
         print(f"zkdv calibrate: {error}", file=sys.stderr)
         return 2
+    skipped = None if environments else cpu_unavailable(transcript_root)
+    if skipped:
+        print(f"zkdv calibrate: {skipped}")
     status, _ = calibrate(proof, chosen, steps, sys.stdout)
     return status
 

@@ -14,7 +14,15 @@ import optax
 from jax_helpers import apply_fn, batches, init_params, train_step
 
 import zkdv
-from zkdv.calibrate import THREADS, Environment, Measurement, default_environments, report
+from zkdv.calibrate import (
+    THREADS,
+    Environment,
+    Measurement,
+    _failure,
+    cpu_unavailable,
+    default_environments,
+    report,
+)
 from zkdv.config import GradientBounds
 from zkdv.jax.contrib import TrainState
 
@@ -118,3 +126,31 @@ def test_a_jax_run_calibrates_where_torch_is_not_installed(
     assert [row["step"] for row in rows] == [0, 1, 2, 3]
     assert all(row["platform_kind"] == "cpu" and row["exact"] for row in rows)
     assert all(row["state_exact"] for row in rows)
+
+
+def test_a_tpu_run_exported_for_the_tpu_alone_gets_no_cpu_rows_and_says_why() -> None:
+    # On the TPU (9th session) such a run's CPU rows each failed with JAX's note about
+    # its shortened traceback as the only message: now they are not attempted.
+    root = _root("tpu")
+    root["env"]["export_platforms"] = ["tpu"]  # type: ignore[index]
+    assert default_environments(root) == []
+    reason = cpu_unavailable(root)
+    assert reason is not None and "exported for tpu only" in reason
+    root["env"]["export_platforms"] = ["tpu", "cpu"]  # type: ignore[index]
+    assert cpu_unavailable(root) is None
+    assert default_environments(root)
+
+
+def test_a_failed_workers_message_is_the_error_not_jaxs_traceback_note() -> None:
+    failed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import jax, jax.numpy as jnp; jax.jit(lambda x: x @ x)(jnp.ones((2, 3)))",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert "JAX has removed its internal frames" in failed.stderr  # what the TPU run showed
+    assert _failure(failed.stderr).startswith("TypeError: dot_general requires contracting")
