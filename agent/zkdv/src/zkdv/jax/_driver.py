@@ -23,7 +23,6 @@ free).
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import threading
 import warnings
@@ -102,7 +101,6 @@ def _host_copy(leaves: Sequence[Any]) -> list[np.ndarray]:
     ]
 
 
-@functools.lru_cache(maxsize=256)
 def _to_host(leaf: Any) -> Any:
     """Launch an asynchronous copy of ``leaf`` into host memory (pinned when offered).
 
