@@ -3,7 +3,10 @@
 Each process is a subprocess with two CPU devices, so the global mesh has four devices
 across two processes. The parameters and optimizer state are replicated (data
 parallelism), the batch is split across processes, and the one transcript rank 0
-writes must verify and replay like a single-process one.
+writes must verify and replay like a single-process one: the run commits its gradient
+and the canonical update, and one device here reproduces the state bit for bit (the
+gradient within the bounds). A weight nudged by 2**-20 in what rank 0 commits is
+rejected.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
+import provers.jax_replay as jax_replay
 from tests.processes import start, wait_all
+from zkdv.replay import Transcript
 from zkdv.verify import verify_transcript
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -40,7 +45,25 @@ SCRIPT = textwrap.dedent(
     kind = AxisType.Auto if mode == "split" else AxisType.Explicit
     mesh = jax.make_mesh((4,), ("data",), axis_types=(kind,))
     replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-    config = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy.DEBUGCheckEvery(2))
+    # A forger turns off the SDK's own checks and, on rank 0, commits step 3's update
+    # with one weight nudged by 2**-20: the state the processes train on is unchanged.
+    policy = zkdv.SamplingPolicy(update_check_probability=0.0) if mode == "forged" else (
+        zkdv.SamplingPolicy.DEBUGCheckEvery(2))
+    config = zkdv.ZKDVConfig(sampling_policy=policy)
+    if mode == "forged" and rank == 0:
+        from zkdv.jax import _steps
+        honest = _steps._Step.post_state
+
+        def nudged(self):
+            params, opt, extra = honest(self)
+            if self.index == 3:
+                path, w = params[0]
+                w = w.copy()
+                w.flat[0] += np.float32(2**-20)
+                params = [(path, w), *params[1:]]
+            return params, opt, extra
+
+        _steps._Step.post_state = nudged
     proof = zkdv.jax.ZKDV(path, config, replay_snapshot_interval=3)
     proof.start(rolling_window=2)
 
@@ -127,6 +150,16 @@ def test_two_processes_write_one_transcript_that_verifies_and_replays(tmp_path: 
     assert report.digest == rank0["digest"]
     assert report.steps == 5
     assert report.root["env"]["process_count"] == 2
+    # The run commits its gradient and the canonical update, as one process does.
+    transcript = Transcript.load(tmp_path / "proof")
+    assert transcript.grad is not None, "a run over several processes commits its gradient"
+    assert transcript.root["env"]["update"]["canonical"], transcript.root["env"]["update"]
+    for step in range(5):
+        # Replayed here on one device: the state bit for bit (ok demands it), the
+        # gradient within the bounds (its reductions ran over four devices).
+        verdict = jax_replay.verify_challenge(tmp_path / "proof", step)
+        assert verdict.ok, (step, verdict.reason, verdict.message)
+        assert verdict.judgement in ("exact", "within_bounds"), verdict.judgement
     # The committed batch is the global one: 4 rows from each process.
     from zkdv.files import batch_path, read_batch
 
@@ -147,3 +180,18 @@ def test_state_split_across_processes_is_rejected_on_every_process(tmp_path: Pat
     for result in results:
         message = str(result.get("error", ""))
         assert "split across processes" in message and "w1" in message, result
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # _run_two gives its processes 300 s
+def test_a_nudged_update_committed_by_rank_0_is_rejected_by_the_replay(tmp_path: Path) -> None:
+    rank0, rank1 = _run_two(tmp_path, "forged")
+    assert "error" not in rank0 and "error" not in rank1, (rank0, rank1)
+    # The processes trained alike; only what rank 0 committed after step 3 was changed.
+    assert rank0["w2"] == rank1["w2"]
+    for step in range(3):
+        verdict = jax_replay.verify_challenge(tmp_path / "proof", step)
+        assert verdict.ok, (step, verdict.reason, verdict.message)
+    # 2**-20 is far inside the gradient bounds; the committed state must be exact.
+    verdict = jax_replay.verify_challenge(tmp_path / "proof", 3)
+    assert not verdict.ok and verdict.reason == "replay_mismatch", verdict

@@ -14,7 +14,7 @@ are documented in ``docs/jax.md``.
 Under ``jax.distributed`` (several processes, one SPMD program) process 0 owns the
 transcript; the others (followers) run the same program and learn over
 :class:`~zkdv.driver.control.HostControl`, before each step, whether rank 0 may go on, so every
-process stops at the same step. The packed batch is all-gathered inside the step, so
+process stops at the same step. The packed batch (and the gradient) is all-gathered inside the step, so
 rank 0 commits the global batch without a separate collective, and the committed state
 must be replicated across processes (data parallelism; sharding within a process is
 free).
@@ -23,7 +23,6 @@ free).
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import threading
 import warnings
@@ -64,7 +63,9 @@ from zkdv.jax._export import (
     _flat_attest,
     _spec,
     _unreplicated,
+    donates_params,
     export_committed,
+    follower_calls,
     precision,
     state_shardings,
     step_calls,
@@ -102,7 +103,6 @@ def _host_copy(leaves: Sequence[Any]) -> list[np.ndarray]:
     ]
 
 
-@functools.lru_cache(maxsize=256)
 def _to_host(leaf: Any) -> Any:
     """Launch an asynchronous copy of ``leaf`` into host memory (pinned when offered).
 
@@ -300,7 +300,12 @@ class ZKDV(Driver):
                     )
                 )
         if self.follower:
-            # Rank 0 exports and commits the program; a follower only runs it.
+            # Rank 0 exports and commits the program; a follower only runs it (in a run
+            # that commits its gradients, the same partitioned programs as rank 0).
+            if traced.commits:
+                program.jitted, program.apply, program.deltas = follower_calls(
+                    program, (params, opt)
+                )
             self._program_owner = program
             return
         try:
@@ -404,7 +409,8 @@ class ZKDV(Driver):
         assert spec is not None and program.specs is not None
         apply_params, apply_opt, zero_spec = _apply_state_specs(program)
         # Traced without donation: the apply program reads the parameters after it.
-        production, trace = program.jitted, program.trace
+        # Under several processes, traced without their mesh (_Program.exported_from).
+        production, trace = program.exported_from or program.jitted, program.trace
         apply, outcome = apply_function(spec)
         try:
             apply_computed = _computed_specs(program, spec.weak[2])
@@ -419,9 +425,7 @@ class ZKDV(Driver):
         except Exception as error:
             raise ZKDVError(_messages.EXPORT_FAILURE.format(error=error)) from error
         optimizer = optimizer_env(outcome[0] if outcome else None)
-        donate = bool(program.donated) and all(
-            position in program.donated for position in traced.param_positions
-        )
+        donate = donates_params(program)
         # Committed on the host, the delta probes are formed from the probed rows
         # (_Step.probes); on the device, or where another process or a scan holds the
         # state, from the realized deltas, computed after the apply program into the

@@ -27,6 +27,7 @@ from zkdv.errors import (
 )
 from zkdv.jax import _context, _messages
 from zkdv.jax._flops import FLOP_METHOD
+from zkdv.jax._optimizer import apply_function, deltas
 from zkdv.jax._tree import index
 from zkdv.jax.artifact import CANONICAL_OPTIONS, Artifact, dumps_committed
 
@@ -36,9 +37,12 @@ if TYPE_CHECKING:
 __all__ = [
     "ISAS",
     "REPLAY_PLATFORMS",
+    "donates_params",
     "exact_environment_values",
     "export_candidates",
     "export_committed",
+    "follower_calls",
+    "partitioned_calls",
     "precision",
     "state_shardings",
     "step_calls",
@@ -542,25 +546,63 @@ def step_calls(
     bits do not depend on the partitioning; the gradient's reductions do, which is why
     such a step is judged within the gradient bounds (``provers.jax_replay``).
     """
-    params, opt_state = state
     if program.spans_devices:
-        outputs = (
-            tuple(leaf.sharding for leaf in params),
-            tuple(leaf.sharding for leaf in opt_state),
-        )
-        donate = (0,) if donating else ()
-        canonical = jax.jit(
-            apply,
-            donate_argnums=donate,
-            out_shardings=outputs,
-            compiler_options=CANONICAL_OPTIONS,
-        )
-        return program.jitted, canonical
+        return partitioned_calls(program, apply, state, donating=donating)
     assert program.specs is not None
     compute = artifact.compiled("production", *program.specs)
     if donating:
         return compute, artifact.donating_apply(*specs)
     return compute, artifact.compiled("apply", *specs)
+
+
+def partitioned_calls(
+    program: _Program,
+    apply: Callable[..., Any],
+    state: tuple[Sequence[Any], Sequence[Any]],
+    *,
+    donating: bool,
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """:func:`step_calls` of a step whose arguments lie on several devices: the traced
+    step and the canonical update, both partitioned by XLA over the user's layouts.
+
+    Under several processes every process calls these (the same collectives); only
+    rank 0 exports and commits the single-device programs.
+    """
+    params, opt_state = state
+    outputs = (
+        tuple(leaf.sharding for leaf in params),
+        tuple(leaf.sharding for leaf in opt_state),
+    )
+    canonical = jax.jit(
+        apply,
+        donate_argnums=(0,) if donating else (),
+        out_shardings=outputs,
+        compiler_options=CANONICAL_OPTIONS,
+    )
+    return program.jitted, canonical
+
+
+def donates_params(program: _Program) -> bool:
+    """Whether the realized deltas may reuse the pre-update parameters' buffers: the
+    step donates every parameter, in one process (several have no mutation barrier, so
+    rank 0's commit stage may still read the buffers as the previous post-update state).
+    """
+    return (
+        jax.process_count() == 1
+        and bool(program.donated)
+        and all(position in program.donated for position in program.traced.param_positions)
+    )
+
+
+def follower_calls(
+    program: _Program, state: tuple[Sequence[Any], Sequence[Any]]
+) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """A follower's step, canonical update and realized deltas in a run that commits its
+    gradients: rank 0's, so every process issues the same collectives."""
+    assert program.traced.update is not None
+    apply, _ = apply_function(program.traced.update)
+    changes = jax.jit(deltas, donate_argnums=(1,) if donates_params(program) else ())
+    return (*partitioned_calls(program, apply, state, donating=False), changes)
 
 
 def state_shardings(params: Sequence[Any], opt_state: Sequence[Any]) -> dict[str, Any] | None:

@@ -14,13 +14,12 @@ through the driver.
 
 The program takes a third input, ``zero``: a uint32 0 at run time that the canonical
 optimizer update (:mod:`zkdv.jax.canonical`) needs as a program input. A run commits
-its gradients (:mod:`zkdv.jax._optimizer`) when it runs in one process (its state on
-one device or sharded over several), its update is an Optax transformation applied
+its gradients (:mod:`zkdv.jax._optimizer`) when its update is an Optax transformation applied
 through ``TrainState``, an NNX ``Optimizer`` or ``Transaction.apply``, and it is neither
 a ``zkdv.jax.scan`` nor a state with ``attest_apply_fn``; the driver then trains with
 the *exported* production program, deserialized from the committed artifact, which is
-also what the platform's replay runs (a sharded state: the traced programs partitioned
-by XLA, :func:`zkdv.jax._export.step_calls`).
+also what the platform's replay runs (a state sharded over devices, of one process or
+several: the traced programs partitioned by XLA, :func:`zkdv.jax._export.step_calls`).
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Sharding
 
 from zkdv.batch import count_tokens
 from zkdv.compilation import ResultSchema, jax_trees
@@ -174,6 +174,9 @@ class _Program:
         self.trace: Any = None
         self.specs: tuple[Any, Any, Any] | None = None
         self.spans_devices = False
+        #: Under several processes, the production step traced without their mesh:
+        #: what the driver exports (None: ``jitted`` itself).
+        self.exported_from: Any = None
         self.apply: Any = None
         self.deltas: Any = None
         self.host_deltas = False
@@ -362,6 +365,12 @@ class JitFunction:
             program.trace = trace
             program.specs = _input_specs(arguments)
             program.spans_devices = spans_devices(leaves)
+            if jax.process_count() > 1:
+                # The committed programs run on one device: export the step traced on
+                # the global shapes without the processes' mesh (nothing gathered).
+                options = {n: self._options[n] for n in _PASSTHROUGH if n in self._options}
+                unsharded = self._production(arguments, {}, commits=True, gather=False)
+                program.exported_from = jax.jit(unsharded, **options)
         replay = self._replay_builder(values, arguments.dynamic_positions, in_tree)
         proof._install(program, leaves, replay)
         return program
@@ -397,13 +406,20 @@ class JitFunction:
         )
 
     def _production(
-        self, arguments: _Arguments, holder: dict[str, _Traced], *, commits: bool
+        self,
+        arguments: _Arguments,
+        holder: dict[str, _Traced],
+        *,
+        commits: bool,
+        gather: bool = True,
     ) -> Callable[[tuple[Any, ...], tuple[Any, ...], Any], Any]:
         """Step 2: the function JAX traces: the user's step plus the hidden values.
 
         Tracing it fills ``holder["traced"]`` with what the trace learned. With
         ``commits`` the trace records the step's optimizer update, so that the run can
-        commit its gradient (:mod:`zkdv.jax._optimizer`).
+        commit its gradient (:mod:`zkdv.jax._optimizer`). Under several processes the
+        step gathers what rank 0 commits onto the global mesh; without ``gather`` it
+        does not (the program exported for one device, :meth:`_build`).
         """
         proof = self._proof
         signature = self._signature
@@ -412,7 +428,7 @@ class JitFunction:
         count = len(leaves)
         donated, kept = arguments.donated, arguments.kept
         donated_set = frozenset(donated)
-        gathered = replicated(leaves) if jax.process_count() > 1 else None
+        gathered = replicated(leaves) if gather and jax.process_count() > 1 else None
 
         def production(
             donated_leaves: tuple[Any, ...], kept_leaves: tuple[Any, ...], zero: Any
@@ -449,16 +465,8 @@ class JitFunction:
                 )
                 packed = traced.layout.pack(batch_leaves)
             if gathered is not None:
-                # Rank 0 commits the global batch: all-gather it inside the step. The
-                # committed state keeps its input layouts, which _install checked are
-                # whole on every process, so rank 0 reads it without a collective.
-                packed = constrain(packed, gathered)
-                param_layouts = [layout_of(leaves[i], gathered) for i in traced.param_positions]
-                opt_layouts = [layout_of(leaves[i], gathered) for i in traced.opt_positions]
-                hidden = (
-                    pin(hidden[0], param_layouts, gathered),
-                    pin(hidden[1], param_layouts, gathered),
-                    pin(hidden[2], opt_layouts, gathered),
+                packed, computed, hidden = _gather(
+                    traced, leaves, gathered, (packed, computed, hidden)
                 )
             extra = [packed, *computed] if scan is None else [packed, *scan.stacked]
             schema, flat = ResultSchema.build(
@@ -688,21 +696,44 @@ class JitFunction:
 def _commitable(values: list[Any], leaves: list[Any]) -> bool:
     """Whether a step on these arguments can commit its gradients (see the module docstring).
 
-    Several processes keep the older path (their production trace gathers the batch
-    onto the global mesh, which a one-device export cannot hold), as does a state
-    whose replay substitutes ``attest_apply_fn`` for a
-    ``apply_fn`` that cannot be exported. A state sharded over this process's devices
-    commits its gradients (:func:`zkdv.jax._export.step_calls`).
+    A state whose replay substitutes ``attest_apply_fn`` for an ``apply_fn`` that
+    cannot be exported keeps the older path. A state sharded over devices, this
+    process's or several processes', commits its gradients
+    (:func:`zkdv.jax._export.step_calls`).
     """
     from zkdv.jax.contrib import TrainState
 
-    if jax.process_count() > 1:
-        return False
     for value in values:
         states = jax.tree.leaves(value, is_leaf=lambda node: isinstance(node, TrainState))
         if any(isinstance(s, TrainState) and s.attest_apply_fn is not None for s in states):
             return False
     return True
+
+
+def _gather(
+    traced: _Traced, leaves: list[Any], gathered: Sharding, values: tuple[Any, list[Any], Any]
+) -> tuple[Any, list[Any], Any]:
+    """What rank 0 commits, laid out so that it reads it whole (several processes).
+
+    ``values`` is the packed batch, the computed values and the hidden values. The
+    batch and the gradient are all-gathered inside the step. The committed state keeps
+    its input layouts, which ``_install`` checked are whole on every process, so rank 0
+    reads it without a collective: in a run that commits its gradients it is the apply
+    program's (not an output here; pinning it would part the result from the values it
+    aliases), otherwise pinned to those layouts.
+    """
+    packed, computed, hidden = values
+    packed = constrain(packed, gathered)
+    if traced.commits:
+        return packed, [constrain(value, gathered) for value in computed], hidden
+    param_layouts = [layout_of(leaves[i], gathered) for i in traced.param_positions]
+    opt_layouts = [layout_of(leaves[i], gathered) for i in traced.opt_positions]
+    hidden = (
+        pin(hidden[0], param_layouts, gathered),
+        pin(hidden[1], param_layouts, gathered),
+        pin(hidden[2], opt_layouts, gathered),
+    )
+    return packed, computed, hidden
 
 
 def _batch_inputs(leaf_values: list[Any], batch: Any, state: set[int]) -> tuple[int, ...]:
