@@ -87,6 +87,7 @@ from provers.challenges import (  # noqa: E402
     draw_challenges,
     random_steps_needed,
 )
+from provers.drift import REASON as DRIFT_REASON  # noqa: E402
 from provers.replay import Transcript, windows  # noqa: E402
 from tests.agent.zkdv.torch import test_torch_recipes as recipes  # noqa: E402
 from zkdv.config import GradientBounds  # noqa: E402
@@ -458,10 +459,13 @@ class Verdicts:
     verifier_step: int | None  # the step record it names (or the one before it)
     sampled: list[int]
     digest: str
-    #: per window start: (first step failing the bounds, first step not bit for bit)
-    windows: dict[int, tuple[int | None, int | None, int]]
+    #: per window start: (first step failing the replay, first step not bit for bit,
+    #: last step, the failing replay's reason)
+    windows: dict[int, tuple[int | None, int | None, int, str | None]]
     worst_margin: float
     replay_seconds: float
+    #: per window with inexact steps: the drift test's entry (provers.drift)
+    drift: list[dict[str, Any]] = field(default_factory=list)
 
 
 def verifier_verdicts(path: Path) -> Verdicts:
@@ -507,7 +511,11 @@ def platform(path: Path, prover: Any = torch_replay) -> Verdicts:
             margin = (evidence.gradient or {}).get("margin")
             if evidence.ok and margin is not None:
                 verdicts.worst_margin = max(verdicts.worst_margin, float(margin))
-        verdicts.windows[first] = (failed, inexact[0] if inexact else None, last)
+        if verdict.drift is not None:
+            verdicts.drift.append(verdict.drift)
+        verdicts.windows[first] = (
+            failed, inexact[0] if inexact else None, last, verdict.reason,
+        )  # fmt: skip
     verdicts.replay_seconds = time.perf_counter() - started
     return verdicts
 
@@ -538,17 +546,19 @@ def challenge(run: Run, verdicts: Verdicts, draw_seed: bytes) -> Outcome:
         self_checked=verdicts.sampled,
         seed=draw_seed,
     )
-    caught: list[int] = []
+    caught: list[tuple[int, str]] = []
     exact: list[int] = []
     for step in plan.steps:
         start = step - step % SNAPSHOT_INTERVAL
-        failed, inexact, _ = verdicts.windows[start]
+        failed, inexact, _, reason = verdicts.windows[start]
         if failed is not None and failed <= step:
-            caught.append(failed)
+            caught.append((failed, reason or ""))
         if inexact is not None and inexact <= step:
             exact.append(inexact)
     if caught:
-        return Outcome(True, "platform replay", min(caught), True)
+        first, reason = min(caught)
+        by = "platform replay: drift test" if reason == DRIFT_REASON else "platform replay"
+        return Outcome(True, by, first, True)
     return Outcome(False, "", None, bool(exact))
 
 
@@ -697,6 +707,13 @@ def run_attack(
         result.note("used / stated budget", log["used"] / max(log["budget"], 1e-30))
         if verdicts is not None:
             result.note("worst replay margin", verdicts.worst_margin)
+            if verdicts.drift:
+                cosines = [w["cosine"] for w in verdicts.drift if w.get("cosine") is not None]
+                result.note("drift: mean cosine of the pushes in a window", min(cosines))
+                result.note(
+                    "drift: inexact steps when the window failed",
+                    max(w["inexact_steps"] for w in verdicts.drift),
+                )
     if attack == "pol-interpolation":
         result.note(
             "distance to target / target's from init",

@@ -132,6 +132,53 @@ def test_a_forgery_trained_on_other_kernels_is_still_caught(forgery: str, forged
     assert_caught(forged / f"forgery:{forgery}", forgery)
 
 
+#: The forgery suite's runs trained on other kernels: one snapshot window of 12 steps
+#: (the SDK's default interval), honest and with the tolerance-gap forger's pushes.
+_DRIFT_RUNS = """
+import sys
+from pathlib import Path
+import torch
+from bench import forgery_suite as suite
+torch.set_num_threads(int(sys.argv[2]))
+suite.train(Path(sys.argv[1]) / "honest", steps=12, seed=0)
+forger, _ = suite.tolerance_gap(0)
+suite.train(Path(sys.argv[1]) / "forged", steps=12, seed=0, forger=forger)
+"""
+
+
+@pytest.mark.slow
+def test_a_tolerance_gap_forgery_trained_on_other_kernels_fails_the_drift_test(
+    tmp_path: Path,
+) -> None:
+    """Every step of the forger's window is within the bounds of a replay on other
+    kernels; what fails is that its differences point one way (``provers.drift``)."""
+    capability, threads = PAIRS[0]
+    env = {**os.environ, **kernels(capability), "PYTHONPATH": f"{ROOT}:{AGENT_PYTHONPATH}"}
+    result = subprocess.run(
+        [sys.executable, "-c", _DRIFT_RUNS, str(tmp_path), str(threads)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    honest = torch_replay.verify_challenge(tmp_path / "honest", 0, through=11)
+    assert honest.ok, honest.message
+    assert honest.judgement == "within_bounds" and honest.drift is not None
+    assert honest.drift["inexact_steps"] > 0 and honest.drift["p"] > honest.drift["window_p"]
+    forged = torch_replay.verify_challenge(tmp_path / "forged", 0, through=11)
+    assert not forged.ok and forged.reason == "gradient_drift", forged.message
+    assert forged.judgement == "within_bounds"
+    failed = forged.evidence[-1]
+    assert failed.step in (10, 11) and not failed.ok
+    # Every step up to the failing one was within the bounds.
+    assert all(e.ok and e.gradient["margin"] < 1 for e in forged.evidence[:-1])  # type: ignore[index]
+    assert f"step {failed.step}: window from step 0" in str(forged.message)
+    assert "exact sign-flip p = " in str(forged.message)
+    assert forged.drift is not None and forged.drift["p"] <= forged.drift["window_p"]
+
+
 @pytest.mark.slow
 def test_the_prepared_gpu_measurement_runs(tmp_path: Path) -> None:
     """scripts/gpu-cross-hardware, the measurement a lent GPU runs, as a CPU smoke run."""

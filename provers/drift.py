@@ -1,0 +1,239 @@
+"""The drift test: committed-minus-recomputed differences that point one way, step after step.
+
+A replay on other hardware judges each step's recomputed gradient within the run's
+``GradientBounds``, and honest rounding uses a small share of them (``docs/reliability.md``:
+1 % or less). A forger who adds a push ``p_t`` inside the bounds at every step gets them
+all, and the pushes add up in the parameters only if they point the same way step after
+step. Honest rounding does not: it changes with every step's data. So over the steps of
+one replayed window (snapshot to challenged step), with ``d_t = c_t - r_t`` the committed
+minus the recomputed computed values (every floating leaf, one vector per step) and
+``G_st = <d_s, d_t>`` their Gram matrix:
+
+    S = sum_{s<t} G_st          (how the differences align)
+    V = sum_{s<t} G_st^2
+    z = S / sqrt(V)
+
+**The null model: each step's difference is as likely as its negative, independently of
+the other steps.** Nothing is assumed about a step's coordinates: rounding on other
+kernels is strongly correlated *within* a step (one rounding in an activation moves a
+whole outer product of the backward pass; measured: a statistic that assumes independent
+coordinates reaches z = 9.9 on an honest BatchNorm run), but a step's data are new, so
+its sign is not tied to the previous step's. Conditional on ``|G|``, flipping the signs
+``e_t`` of whole steps gives ``S(e) = sum_{s<t} e_s e_t G_st``: mean 0 and variance ``V``
+exactly (the ``e_s e_t`` of distinct pairs are uncorrelated), and the exact p-value of
+the observed ``S`` is the share of the ``2^(m-1)`` sign patterns of ``m`` inexact steps
+with ``S(e) >= S`` (:func:`sign_flip_p`). A push ``p`` that keeps its direction makes
+every ``G_st`` positive: the observed signs are the maximising pattern, ``p = 2^-(m-1)``
+(and ``z = sqrt(m (m - 1) / 2)``, its largest value), whatever the push's size.
+
+**The window test.** The replay fails a window (reason ``gradient_drift``) at the first
+step where its exact p-value is at most :data:`WINDOW_P` (1e-3): only reachable with 11
+or more inexact steps, so a window of 12 steps (the SDK's default snapshot interval) fails
+only where its differences align in (nearly) every pair. Under the null a window fails with
+probability at most 1e-3 per look (at most ``2^-(m-1)`` for ``m`` of 11 or 12 steps).
+
+**Across a run** (:func:`combine`): ``S`` and ``V`` of disjoint windows add, and under the
+null the windows are independent, so ``z_run = sum S / sqrt(sum V)`` is a sum of many
+independent mean-zero terms with that variance: about N(0, 1) once a few windows have
+inexact steps (the normal tail beyond 10 is 7.6e-24; Chebyshev's inequality, which
+assumes no normality, still bounds it by 1 / 100). A forger that pushes a little in every window, or in
+windows too short for the window test, adds ``sqrt(pairs)`` per window to ``z_run``: the
+platform rejects a run whose ``z_run`` exceeds :data:`RUN_THRESHOLD`.
+
+Steps replayed bit for bit add nothing (``d = 0``); a window with fewer than two inexact
+steps has no statistic and is judged by exactness alone. The module is framework-free
+(numpy only) and pure: the replay feeds it one step at a time (:meth:`Drift.add`) and
+stores :meth:`Drift.to_dict` with the verdict. It keeps the window's differences (float32,
+one gradient per inexact step) to form ``G``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["REASON", "RUN_THRESHOLD", "WINDOW_P", "Drift", "combine", "sign_flip_p"]
+
+#: The replay's failure reason when a window's (or a run's) differences drift one way.
+REASON = "gradient_drift"
+
+#: The exact sign-flip p-value at or below which a window fails.
+WINDOW_P = 1e-3
+
+#: The run's combined z above which the platform rejects it.
+RUN_THRESHOLD = 10.0
+
+#: Above this many inexact steps the p-value is a Monte Carlo estimate over
+#: :data:`_SAMPLES` random sign patterns (seeded: the same verdict on every replay).
+_EXACT_STEPS = 16
+_SAMPLES = 1 << 16
+
+Leaves = Sequence[tuple[str, np.ndarray]]
+
+
+def _floating(array: np.ndarray) -> bool:
+    return array.dtype.kind == "f" or array.dtype.name in (
+        "bfloat16",
+        "float8_e4m3fn",
+        "float8_e5m2",
+    )
+
+
+def sign_flip_p(gram: np.ndarray) -> float:
+    """The share of sign patterns ``e`` (``e_0 = 1``: ``e`` and ``-e`` give the same S) with
+    ``sum_{s<t} e_s e_t G_st`` at least the observed ``sum_{s<t} G_st``: exact up to
+    :data:`_EXACT_STEPS` steps, else a seeded Monte Carlo estimate."""
+    m = gram.shape[0]
+    if m < 2:
+        return 1.0
+    upper = np.triu(gram, 1)
+    observed = float(upper.sum())
+    if m <= _EXACT_STEPS:
+        signs = np.array(list(itertools.product((1.0, -1.0), repeat=m - 1)))
+        signs = np.hstack([np.ones((len(signs), 1)), signs])
+    else:
+        generator = np.random.default_rng(0)
+        signs = generator.choice((1.0, -1.0), size=(_SAMPLES, m))
+        signs[0] = 1.0  # the observed pattern itself
+    values = np.einsum("ks,st,kt->k", signs, upper, signs)
+    # A relative slack so the observed pattern counts itself despite rounding.
+    return float(np.mean(values >= observed - 1e-12 * np.abs(upper).sum()))
+
+
+@dataclass
+class Drift:
+    """The drift statistic over the steps of one replayed window, accumulated step by step."""
+
+    window_p: float = WINDOW_P
+    #: The window's first replayed step, and its last (set by the replay at the end).
+    first: int | None = None
+    last: int | None = None
+    #: Steps added whose differences were not all zero.
+    inexact: list[int] = field(default_factory=list)
+    #: The exact p-value after each inexact step, in order.
+    history: list[float] = field(default_factory=list)
+    _differences: list[np.ndarray] = field(default_factory=list, repr=False)
+    _gram: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)), repr=False)
+
+    @property
+    def alignment(self) -> float:
+        """``S = sum_{s<t} G_st``."""
+        return float(np.triu(self._gram, 1).sum())
+
+    @property
+    def variance(self) -> float:
+        """``V = sum_{s<t} G_st^2``."""
+        return float(np.square(np.triu(self._gram, 1)).sum())
+
+    @property
+    def z(self) -> float | None:
+        """``S / sqrt(V)``; None while no two inexact steps were added."""
+        variance = self.variance
+        return self.alignment / math.sqrt(variance) if variance > 0 else None
+
+    @property
+    def p(self) -> float:
+        """The exact sign-flip p-value of the steps added so far."""
+        return self.history[-1] if self.history else 1.0
+
+    @property
+    def exceeded(self) -> bool:
+        return self.p <= self.window_p
+
+    @property
+    def cosine(self) -> float | None:
+        """The mean cosine between the inexact steps' differences (1: one direction)."""
+        m = len(self._differences)
+        if m < 2:
+            return None
+        norms = np.sqrt(np.diag(self._gram))
+        cosines = self._gram / np.outer(norms, norms)
+        return float(cosines[np.triu_indices(m, 1)].mean())
+
+    def add(self, step: int, recomputed: Leaves, committed: Leaves) -> float:
+        """Add one replayed step's differences; returns the window's p-value so far.
+        Non-finite coordinates are left out (the bounds already demand that both sides
+        agree on them)."""
+        if self.first is None:
+            self.first = step
+        parts = []
+        for (_, r), (_, c) in zip(recomputed, committed, strict=True):
+            r, c = np.asarray(r), np.asarray(c)
+            if _floating(r) and r.shape == c.shape:
+                parts.append(c.astype(np.float64).reshape(-1) - r.astype(np.float64).reshape(-1))
+        d = np.concatenate(parts) if parts else np.zeros(0)
+        d[~np.isfinite(d)] = 0.0
+        if not d.any():
+            return self.p
+        row = np.array([float(previous @ d) for previous in self._differences] + [float(d @ d)])
+        m = len(self._differences)
+        gram = np.zeros((m + 1, m + 1))
+        gram[:m, :m] = self._gram
+        gram[m, :] = row
+        gram[:, m] = row
+        self._gram = gram
+        self._differences.append(d.astype(np.float32))
+        self.inexact.append(step)
+        self.history.append(sign_flip_p(gram))
+        return self.p
+
+    def describe(self) -> str:
+        """One sentence for a failure message: the window, its steps, z and the threshold."""
+        steps = self.inexact
+        z, cosine = self.z, self.cosine
+        return (
+            f"window from step {self.first}: the committed-minus-recomputed differences of "
+            f"{len(steps)} inexact steps ({steps[0]} to {steps[-1]}) point the same way step "
+            f"after step (mean cosine {cosine if cosine is not None else 0.0:.3g}; alignment "
+            f"z = {z if z is not None else 0.0:.4g}, exact sign-flip p = {self.p:.3g} <= "
+            f"{self.window_p:g}): rounding on other hardware does not add up, a push inside "
+            "the bounds does"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """What the verdict stores: S and V travel so a run's windows can be combined."""
+        return {
+            "first": self.first,
+            "last": self.last,
+            "inexact_steps": len(self.inexact),
+            "alignment": self.alignment,
+            "variance": self.variance,
+            "z": self.z,
+            "p": self.p,
+            "min_p": min(self.history, default=1.0),
+            "window_p": self.window_p,
+            "cosine": self.cosine,
+        }
+
+
+def combine(windows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """The run's drift over its challenged windows: ``sum S / sqrt(sum V)``.
+
+    ``windows`` are verdicts' ``drift`` entries; a window replayed by several challenges
+    (each from its snapshot to its own step) is counted once, by the challenge that
+    replayed furthest (its S and V contain the shorter ones').
+    """
+    furthest: dict[int, Mapping[str, Any]] = {}
+    for window in windows:
+        first, last = window.get("first"), window.get("last")
+        if not isinstance(first, int) or not isinstance(last, int):
+            continue
+        kept = furthest.get(first)
+        if kept is None or int(kept["last"]) < last:
+            furthest[first] = window
+    alignment = sum(float(w.get("alignment") or 0.0) for w in furthest.values())
+    variance = sum(float(w.get("variance") or 0.0) for w in furthest.values())
+    z = alignment / math.sqrt(variance) if variance > 0 else None
+    return {
+        "windows": sorted(furthest),
+        "alignment": alignment,
+        "variance": variance,
+        "z": z,
+        "threshold": RUN_THRESHOLD,
+        "exceeded": z is not None and z > RUN_THRESHOLD,
+    }
