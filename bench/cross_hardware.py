@@ -119,7 +119,7 @@ def _replay(path: Path) -> tuple[bool, str, int, int, float, float | None]:
                 worst = max(worst, float(evidence.gradient["margin"]))
     run = combine(drifts)
     if run["exceeded"]:
-        return False, f"the run's drift z {run['z']:.3g} > {run['threshold']:g}", steps, exact, worst, run["z"]  # fmt: skip
+        return False, f"the run's drift p {run['p']:.3g} <= {run['run_p']:g}", steps, exact, worst, run["z"]  # fmt: skip
     return True, "", steps, exact, worst, run["z"]
 
 

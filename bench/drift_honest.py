@@ -87,7 +87,7 @@ def main() -> int:
     )
     print(
         f"{'trained on':<28}{'run':<8}{'windows':>8}{'inexact':>8}{'min p':>9}"
-        f"{'max z':>8}{'max cos':>9}{'run z':>8}  verdict",
+        f"{'max z':>8}{'max cos':>9}{'run z':>8}{'run p':>9}  verdict",
         flush=True,
     )
     alarms = 0
@@ -115,7 +115,7 @@ def main() -> int:
                         failures.append(f"{verdict.reason}: {verdict.message}")
                 run = combine(drifts)
                 if run["exceeded"]:
-                    failures.append(f"run z {run['z']:.3g} > {run['threshold']:g}")
+                    failures.append(f"run p {run['p']:.3g} <= {run['run_p']:g}")
                 alarms += bool(failures)
                 min_p = min((w["min_p"] for w in drifts), default=1.0)
                 zs = [w["z"] for w in drifts if w.get("z") is not None]
@@ -124,7 +124,7 @@ def main() -> int:
                 print(
                     f"{f'kernels={family} threads={threads}':<28}{path.name:<8}"
                     f"{len(windows(transcript)):>8}{inexact:>8}{min_p:>9.3g}"
-                    f"{max(zs, default=0.0):>8.3g}{max(cosines, default=0.0):>9.3g}{run_z:>8}  "
+                    f"{max(zs, default=0.0):>8.3g}{max(cosines, default=0.0):>9.3g}{run_z:>8}{run['p']:>9.3g}  "
                     f"{'FALSE ALARM ' + '; '.join(failures) if failures else 'passed'}",
                     flush=True,
                 )

@@ -27,24 +27,30 @@ every ``G_st`` positive: the observed signs are the maximising pattern, ``p = 2^
 (and ``z = sqrt(m (m - 1) / 2)``, its largest value), whatever the push's size.
 
 **The window test.** The replay fails a window (reason ``gradient_drift``) at the first
-step where its exact p-value is at most :data:`WINDOW_P` (1e-3): only reachable with 11
-or more inexact steps, so a window of 12 steps (the SDK's default snapshot interval) fails
-only where its differences align in (nearly) every pair. Under the null a window fails with
-probability at most 1e-3 per look (at most ``2^-(m-1)`` for ``m`` of 11 or 12 steps).
+step where its exact p-value is at most :data:`WINDOW_P` (1e-6). Under the null that has
+probability at most 1e-6 per look. A window's signs carry ``m - 1`` bits, so it is
+reachable only from 21 inexact steps on: a window of the SDK's default 12 steps (whose
+smallest p-value is ``2^-11``) never fails alone, and its evidence goes to the run test.
+(A test at ``p <= 1e-3`` would catch one aligned window, and would also reject about one
+honest window in 500.)
 
-**Across a run** (:func:`combine`): ``S`` and ``V`` of disjoint windows add, and under the
-null the windows are independent, so ``z_run = sum S / sqrt(sum V)`` is a sum of many
-independent mean-zero terms with that variance: about N(0, 1) once a few windows have
-inexact steps (the normal tail beyond 10 is 7.6e-24; Chebyshev's inequality, which
-assumes no normality, still bounds it by 1 / 100). A forger that pushes a little in every window, or in
-windows too short for the window test, adds ``sqrt(pairs)`` per window to ``z_run``: the
-platform rejects a run whose ``z_run`` exceeds :data:`RUN_THRESHOLD`.
+**The run test** (:func:`combine`, applied where the run's verdict is formed). The
+windows' signs are independent under the null, so ``S_run = sum_w S_w`` has the
+distribution of a sum of independent window distributions, each known exactly from its
+Gram matrix. :func:`run_p` bounds its tail by Chernoff's inequality with each window's
+exact moment generating function, ``P(S_run >= s) <= min_l exp(-l s) prod_w
+E exp(l S_w(e))``, a valid bound whatever the windows' sizes, with no normal
+approximation; the run is rejected when it is at most :data:`RUN_P` (1e-6). Two windows
+of 12 steps whose every pair aligns reach ``2.4e-7``. ``z_run = sum S / sqrt(sum V)`` is
+reported beside it.
 
 Steps replayed bit for bit add nothing (``d = 0``); a window with fewer than two inexact
 steps has no statistic and is judged by exactness alone. The module is framework-free
 (numpy only) and pure: the replay feeds it one step at a time (:meth:`Drift.add`) and
-stores :meth:`Drift.to_dict` with the verdict. It keeps the window's differences (float32,
-one gradient per inexact step) to form ``G``.
+stores :meth:`Drift.to_dict` with the verdict (``S``, ``V``, ``z``, ``p`` and the Gram
+matrix, which a run's combination reads; a challenge of an earlier step of the window is
+its top-left block). It keeps the window's differences (float32, one gradient per inexact
+step) to form ``G``.
 """
 
 from __future__ import annotations
@@ -57,21 +63,22 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["REASON", "RUN_THRESHOLD", "WINDOW_P", "Drift", "combine", "sign_flip_p"]
+__all__ = ["REASON", "RUN_P", "WINDOW_P", "Drift", "combine", "run_p", "sign_flip_p"]
 
 #: The replay's failure reason when a window's (or a run's) differences drift one way.
 REASON = "gradient_drift"
 
-#: The exact sign-flip p-value at or below which a window fails.
-WINDOW_P = 1e-3
+#: The exact sign-flip p-value at or below which a window fails: reachable from 21
+#: inexact steps on (``2^-20``), so a window of the default 12 steps never fails alone.
+WINDOW_P = 1e-6
 
-#: The run's combined z above which the platform rejects it.
-RUN_THRESHOLD = 10.0
+#: The bound on the run's sign-flip p-value (:func:`run_p`) at or below which the
+#: platform rejects it.
+RUN_P = 1e-6
 
-#: Above this many inexact steps the p-value is a Monte Carlo estimate over
-#: :data:`_SAMPLES` random sign patterns (seeded: the same verdict on every replay).
+#: Up to this many inexact steps a window's null distribution is enumerated exactly
+#: (32,768 patterns); a longer window is cut into blocks of this many steps.
 _EXACT_STEPS = 16
-_SAMPLES = 1 << 16
 
 Leaves = Sequence[tuple[str, np.ndarray]]
 
@@ -87,22 +94,23 @@ def _floating(array: np.ndarray) -> bool:
 def sign_flip_p(gram: np.ndarray) -> float:
     """The share of sign patterns ``e`` (``e_0 = 1``: ``e`` and ``-e`` give the same S) with
     ``sum_{s<t} e_s e_t G_st`` at least the observed ``sum_{s<t} G_st``: exact up to
-    :data:`_EXACT_STEPS` steps, else a seeded Monte Carlo estimate."""
+    :data:`_EXACT_STEPS` steps. A longer window is cut into blocks of that many
+    consecutive steps, and its p-value is :func:`run_p` of the blocks (the pairs within a
+    block only: a valid test, a little less powerful)."""
     m = gram.shape[0]
     if m < 2:
         return 1.0
+    if m > _EXACT_STEPS:
+        return run_p(_blocks(gram))
     upper = np.triu(gram, 1)
-    observed = float(upper.sum())
-    if m <= _EXACT_STEPS:
-        signs = np.array(list(itertools.product((1.0, -1.0), repeat=m - 1)))
-        signs = np.hstack([np.ones((len(signs), 1)), signs])
-    else:
-        generator = np.random.default_rng(0)
-        signs = generator.choice((1.0, -1.0), size=(_SAMPLES, m))
-        signs[0] = 1.0  # the observed pattern itself
-    values = np.einsum("ks,st,kt->k", signs, upper, signs)
+    values = window_values(gram)
     # A relative slack so the observed pattern counts itself despite rounding.
-    return float(np.mean(values >= observed - 1e-12 * np.abs(upper).sum()))
+    return float(np.mean(values >= upper.sum() - 1e-12 * np.abs(upper).sum()))
+
+
+def _blocks(gram: np.ndarray) -> list[np.ndarray]:
+    m = gram.shape[0]
+    return [gram[i : i + _EXACT_STEPS, i : i + _EXACT_STEPS] for i in range(0, m, _EXACT_STEPS)]
 
 
 @dataclass
@@ -179,7 +187,9 @@ class Drift:
         self._gram = gram
         self._differences.append(d.astype(np.float32))
         self.inexact.append(step)
-        self.history.append(sign_flip_p(gram))
+        # Only a window that could fail is computed (2^-(m-1) is its smallest p-value).
+        reachable = 2.0 ** -(len(self.inexact) - 1) <= self.window_p
+        self.history.append(sign_flip_p(gram) if reachable else 1.0)
         return self.p
 
     def describe(self) -> str:
@@ -208,15 +218,61 @@ class Drift:
             "min_p": min(self.history, default=1.0),
             "window_p": self.window_p,
             "cosine": self.cosine,
+            "steps": list(self.inexact),
+            "gram": self._gram.tolist(),
         }
 
 
-def combine(windows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """The run's drift over its challenged windows: ``sum S / sqrt(sum V)``.
+def _patterns(m: int) -> np.ndarray:
+    signs = np.array(list(itertools.product((1.0, -1.0), repeat=m - 1))).reshape(-1, m - 1)
+    return np.hstack([np.ones((len(signs), 1)), signs])
 
-    ``windows`` are verdicts' ``drift`` entries; a window replayed by several challenges
-    (each from its snapshot to its own step) is counted once, by the challenge that
-    replayed furthest (its S and V contain the shorter ones').
+
+def window_values(gram: np.ndarray) -> np.ndarray:
+    """``S(e)`` of a window of at most :data:`_EXACT_STEPS` steps for every whole-step sign
+    pattern: its exact null distribution."""
+    m = gram.shape[0]
+    if m < 2:
+        return np.zeros(1)
+    signs = _patterns(m)
+    return np.einsum("ks,st,kt->k", signs, np.triu(gram, 1), signs)
+
+
+def run_p(grams: Sequence[np.ndarray]) -> float:
+    """A bound on the run's sign-flip p-value: ``P(sum_w S_w(e) >= sum_w S_w)`` with the
+    windows' signs independent, by Chernoff's bound with each window's exact moment
+    generating function: ``min_l exp(-l S) prod_w mean_e exp(l S_w(e))``.
+
+    Valid under the null whatever the windows' sizes (no normal approximation); a window
+    whose every pair aligns contributes about ``2^-(m-1)``, so a few such windows bring it
+    far below :data:`RUN_P`, where a single window of 12 steps cannot go.
+    """
+    blocks = [b for g in grams for b in _blocks(np.asarray(g, dtype=np.float64)) if len(b) >= 2]
+    values = [window_values(b) for b in blocks]
+    observed = sum(float(np.triu(b, 1).sum()) for b in blocks)
+    variance = sum(float(np.square(v).mean()) for v in values)
+    if not values or variance <= 0 or observed <= 0:
+        return 1.0
+    scale = 1.0 / math.sqrt(variance)
+    best = 0.0  # the log of the bound; l = 0 gives 1
+    for multiplier in np.geomspace(1e-2, 1e3, 80):
+        rate = multiplier * scale
+        logs = -rate * observed
+        for v in values:
+            top = float(np.max(rate * v))
+            logs += top + math.log(float(np.mean(np.exp(rate * v - top))))
+        best = min(best, logs)
+    return math.exp(best)
+
+
+def combine(windows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """The run's drift over its challenged windows: ``z = sum S / sqrt(sum V)`` and the
+    bound :func:`run_p` on its sign-flip p-value, which decides (``exceeded``: at most
+    :data:`RUN_P`).
+
+    ``windows`` are verdicts' ``drift`` entries (their Gram matrices); a window replayed
+    by several challenges (each from its snapshot to its own step) is counted once, by
+    the challenge that replayed furthest (its Gram matrix holds the shorter ones').
     """
     furthest: dict[int, Mapping[str, Any]] = {}
     for window in windows:
@@ -226,14 +282,17 @@ def combine(windows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         kept = furthest.get(first)
         if kept is None or int(kept["last"]) < last:
             furthest[first] = window
-    alignment = sum(float(w.get("alignment") or 0.0) for w in furthest.values())
-    variance = sum(float(w.get("variance") or 0.0) for w in furthest.values())
+    grams = [np.asarray(w.get("gram") or np.zeros((0, 0)), np.float64) for w in furthest.values()]
+    alignment = sum(float(np.triu(g, 1).sum()) for g in grams if g.size)
+    variance = sum(float(np.square(np.triu(g, 1)).sum()) for g in grams if g.size)
     z = alignment / math.sqrt(variance) if variance > 0 else None
+    p = run_p([g for g in grams if g.size])
     return {
         "windows": sorted(furthest),
         "alignment": alignment,
         "variance": variance,
         "z": z,
-        "threshold": RUN_THRESHOLD,
-        "exceeded": z is not None and z > RUN_THRESHOLD,
+        "p": p,
+        "run_p": RUN_P,
+        "exceeded": p <= RUN_P,
     }

@@ -58,7 +58,7 @@ from dvbench.attest import (
     Subject,
     model_signature_subject,
 )
-from provers.drift import RUN_THRESHOLD, WINDOW_P
+from provers.drift import RUN_P, WINDOW_P
 
 log = logging.getLogger(__name__)
 
@@ -439,9 +439,10 @@ def _budget(bounds: Mapping[str, float]) -> dict[str, Any]:
         "integrates the committed gradients, so pushes that keep one direction add up. A "
         "replay on other hardware therefore also fails a window whose committed-minus-"
         "recomputed differences align step after step (exact sign-flip p-value at most "
-        f"{WINDOW_P:g}), and the run whose challenged windows together do (combined z above "
-        f"{RUN_THRESHOLD:g}): a push that keeps its direction is caught within "
-        "11 inexact steps of one window, whatever its size (docs/soundness.md, (a))",
+        f"{WINDOW_P:g}), and the run whose challenged windows together do (its sign-flip "
+        f"p-value at most {RUN_P:g}): a push that keeps its direction is caught once two "
+        "windows of 12 steps are replayed, whatever its size; what a forger that knows "
+        "the test keeps is stated in docs/soundness.md, (a)",
     }
 
 

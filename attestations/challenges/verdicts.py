@@ -91,7 +91,8 @@ def settle(proof_id: int) -> str | None:
             DRIFT_REASON,
             f"the committed-minus-recomputed differences of the challenged windows "
             f"(from steps {', '.join(map(str, drift['windows']))}) point the same way across "
-            f"the run: combined alignment z = {drift['z']:.4g} > {drift['threshold']:g} "
+            f"the run: combined alignment z = {drift['z']:.4g}, sign-flip p <= "
+            f"{drift['p']:.3g} <= {drift['run_p']:g} "
             "(each window passed alone; rounding on other hardware does not add up across "
             "windows, a push inside the bounds does)",
             field="challenges",

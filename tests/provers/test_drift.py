@@ -14,7 +14,7 @@ import itertools
 import numpy as np
 import pytest
 
-from provers.drift import REASON, RUN_THRESHOLD, WINDOW_P, Drift, combine, sign_flip_p
+from provers.drift import REASON, RUN_P, WINDOW_P, Drift, combine, run_p, sign_flip_p
 
 SHAPE = (32, 16)
 
@@ -60,29 +60,42 @@ def test_the_p_value_is_exact_over_whole_step_sign_flips() -> None:
 def test_independent_rounding_correlated_within_each_step_passes() -> None:
     rng = np.random.default_rng(1)
     p_values = []
+    windows = []
     for _ in range(200):
         drift = _window(rng, 12)
-        assert not drift.exceeded, drift.describe()
-        p_values.append(drift.p)
+        assert not drift.exceeded
+        p_values.append(sign_flip_p(np.asarray(drift.to_dict()["gram"])))
+        windows.append(drift.to_dict())
     # Under the null the p-value is (discretely) uniform: about a tenth at or below 0.1.
     assert 0.03 < np.mean(np.array(p_values) <= 0.1) < 0.2
-    assert min(p_values) > WINDOW_P
+    # Runs of 8 windows: the Chernoff bound is conservative, never near RUN_P.
+    runs = [combine(windows[i : i + 8]) for i in range(0, 200, 8)]
+    assert min(run["p"] for run in runs) > 1e-3
+    assert not any(run["exceeded"] for run in runs)
 
 
-def test_a_steered_push_at_a_small_share_of_the_bounds_fails() -> None:
-    rng = np.random.default_rng(2)
+def _push(rng: np.random.Generator, share: float) -> np.ndarray:
+    # The norm test's bound of the reduced-precision row is 2.5e-2 |r|: a push at
+    # ``share`` of it, in one direction.
     direction = rng.normal(size=SHAPE)
-    # The norm test's bound of the reduced-precision row is 2.5e-2 |r|: push at 5 % of it,
-    # 4.5 times the rounding's own size; a fresh share of it changes each step.
     bound = 2.5e-2 * float(np.linalg.norm(_gradient(rng)))
-    push = (0.05 * bound * direction / np.linalg.norm(direction)).astype(np.float32)
-    drift = _window(rng, 12, push=push)
-    assert drift.exceeded
-    assert drift.p <= 2.0**-10
+    return (share * bound * direction / np.linalg.norm(direction)).astype(np.float32)
+
+
+def test_a_steered_push_at_a_small_share_of_the_bounds_fails_a_long_window() -> None:
+    # 5 % of the bound is 4.5 times the rounding's own size here. A window's whole-step
+    # signs carry m - 1 bits: 12 aligned steps reach p = 2^-11, not WINDOW_P; 24 do.
+    rng = np.random.default_rng(2)
+    push = _push(rng, 0.05)
+    short = _window(rng, 12, push=push)
+    assert not short.exceeded and short.p == 1.0  # not computed: it cannot fail
+    assert sign_flip_p(np.asarray(short.to_dict()["gram"])) == pytest.approx(2.0**-11)
+    drift = _window(rng, 24, push=push)
+    assert drift.exceeded and drift.p <= WINDOW_P
     assert drift.cosine is not None and drift.cosine > 0.5
     message = drift.describe()
-    assert "window from step 0" in message and "11 inexact steps" not in message
-    assert "12 inexact steps (0 to 11)" in message and f"<= {WINDOW_P:g}" in message
+    assert "window from step 0" in message and "24 inexact steps (0 to 23)" in message
+    assert f"<= {WINDOW_P:g}" in message and "exact sign-flip p = " in message
     assert REASON == "gradient_drift"
 
 
@@ -96,19 +109,32 @@ def test_bit_exact_steps_have_no_statistic() -> None:
 
 def test_a_run_combines_its_windows_once_each() -> None:
     rng = np.random.default_rng(3)
-    honest = [_window(rng, 12).to_dict() for _ in range(8)]
-    run = combine(honest)
-    assert run["z"] is not None and not run["exceeded"]
-    # A push in every window, each too short for the window test (4 steps: p >= 1/8),
-    # adds up across the run's 30 windows (z up to sqrt(30 * 6) = 13.4).
-    direction = rng.normal(size=SHAPE).astype(np.float32)
-    push = 1e-2 * direction / np.linalg.norm(direction)
-    short = []
-    for first in range(0, 360, 12):
-        drift = _window(rng, 4, push=push)
-        drift.first, drift.last = first, first + 3
-        assert not drift.exceeded
-        short.append(drift.to_dict())
-    forged = combine([*short, {**short[0], "last": 1, "alignment": 1e9}])
-    assert forged["windows"] == list(range(0, 360, 12))  # the shorter replay is not counted
-    assert forged["exceeded"] and forged["z"] > RUN_THRESHOLD
+    push = _push(rng, 0.05)
+    # Two windows of 12 aligned steps: p about 2^-22, below RUN_P.
+    windows = []
+    for first in (0, 12):
+        drift = _window(rng, 12, push=push)
+        drift.first, drift.last = first, first + 11
+        windows.append(drift.to_dict())
+    run = combine(windows)
+    assert run["exceeded"] and run["p"] <= RUN_P and run["windows"] == [0, 12]
+    assert run["z"] == pytest.approx(np.sqrt(2 * 66), rel=0.05)
+    # A shorter replay of the same window (a challenge of an earlier step) counts once.
+    shorter = {**windows[0], "last": 5, "gram": [row[:6] for row in windows[0]["gram"][:6]]}
+    assert combine([*windows, shorter])["p"] == pytest.approx(run["p"])
+    # One window alone cannot fail the run.
+    assert not combine(windows[:1])["exceeded"]
+
+
+def test_the_run_bound_is_a_chernoff_bound_of_the_exact_distribution() -> None:
+    rng = np.random.default_rng(4)
+    vectors = [rng.normal(size=(4, 5)) for _ in range(3)]
+    grams = [v @ v.T for v in vectors]
+    observed = sum(np.triu(g, 1).sum() for g in grams)
+    patterns = [np.array((1.0, *rest)) for rest in itertools.product((1.0, -1.0), repeat=3)]
+    totals = [0.0]
+    for g in grams:
+        values = [np.triu(np.outer(e, e) * g, 1).sum() for e in patterns]
+        totals = [t + v for t in totals for v in values]
+    exact = np.mean(np.array(totals) >= observed - 1e-9)
+    assert exact <= run_p(grams) <= 1.0
