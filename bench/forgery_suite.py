@@ -15,8 +15,10 @@ loop would. Each transcript then meets, in order, what the platform applies:
    the self-checked steps, and random steps for the default 95 % target at 1 % forged
    steps), each replayed by ``provers.torch_replay.verify_challenge`` from the snapshot
    before it, as a platform worker on other hardware does: within the run's gradient
-   bounds (and, beside it, whether a worker on the training machine's own kernels,
-   which demands every bit, would have rejected it).
+   bounds, with the drift test over each window, and when every challenge of a draw
+   passed, the run's drift test over the windows it replayed (``provers.drift``; and,
+   beside it, whether a worker on the training machine's own kernels, which demands
+   every bit, would have rejected it).
 
 A trial is one forged run (``--trials``, distinct seeds) met by one platform draw
 (``--draws`` seeds per run; every window is replayed once per run and each draw reads

@@ -63,7 +63,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["REASON", "RUN_P", "WINDOW_P", "Drift", "combine", "run_p", "sign_flip_p"]
+__all__ = [
+    "REASON",
+    "RUN_P",
+    "WINDOW_P",
+    "Drift",
+    "combine",
+    "run_p",
+    "sign_flip_p",
+    "window_values",
+]
 
 #: The replay's failure reason when a window's (or a run's) differences drift one way.
 REASON = "gradient_drift"
@@ -214,7 +223,8 @@ class Drift:
             "alignment": self.alignment,
             "variance": self.variance,
             "z": self.z,
-            "p": self.p,
+            # The window's own exact p-value, also where it could not fail the window.
+            "p": sign_flip_p(self._gram) if len(self.inexact) >= 2 else 1.0,
             "min_p": min(self.history, default=1.0),
             "window_p": self.window_p,
             "cosine": self.cosine,
@@ -235,7 +245,8 @@ def window_values(gram: np.ndarray) -> np.ndarray:
     if m < 2:
         return np.zeros(1)
     signs = _patterns(m)
-    return np.einsum("ks,st,kt->k", signs, np.triu(gram, 1), signs)
+    values: np.ndarray = np.einsum("ks,st,kt->k", signs, np.triu(gram, 1), signs)
+    return values
 
 
 def run_p(grams: Sequence[np.ndarray]) -> float:
