@@ -462,7 +462,8 @@ def _check_drift(
 ) -> None:
     """Add step ``k``'s differences to the window's drift test (:mod:`provers.drift`);
     fail the step where the window's differences stop looking like rounding."""
-    gradient["drift_z"] = drift.add(k, recomputed, committed)
+    drift.add(k, recomputed, committed)
+    gradient["drift_z"] = drift.z
     if drift.exceeded:
         verdict.evidence.append(StepEvidence(k, True, False, None, False, gradient))
         raise ReplayError(DRIFT_REASON, f"step {k}: {drift.describe()}")
