@@ -17,6 +17,7 @@ recomputed gradient as a share of its bound.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -90,9 +91,12 @@ def _train(directory: Path, recipe: str, seeds: int, environment: tuple[str, str
     return "" if result.returncode == 0 else result.stderr[-2000:]
 
 
-def _replay(path: Path) -> tuple[bool, str, int, int, float]:
-    """Every window by the platform's prover: (ok, message, steps, exact steps, worst margin)."""
+def _replay(path: Path) -> tuple[bool, str, int, int, float, float | None]:
+    """Every window by the platform's prover: (ok, message, steps, exact steps, worst
+    margin, the run's combined drift z over its windows, ``provers.drift.combine``: None
+    where no window had two inexact steps)."""
     import provers
+    from provers.drift import combine
     from provers.replay import Transcript, windows
 
     transcript = Transcript.load(path)
@@ -101,16 +105,22 @@ def _replay(path: Path) -> tuple[bool, str, int, int, float]:
     transition = module.load_transition(path)
     steps = exact = 0
     worst = 0.0
+    drifts = []
     for first, last in windows(transcript):
         verdict = module.verify_challenge(path, first, through=last, transition=transition)
+        if verdict.drift is not None:
+            drifts.append(verdict.drift)
         if not verdict.ok:
-            return False, str(verdict.message), steps, exact, worst
+            return False, str(verdict.message), steps, exact, worst, combine(drifts)["z"]
         for evidence in verdict.evidence:
             steps += 1
             exact += bool(evidence.exact)
             if evidence.gradient is not None:
                 worst = max(worst, float(evidence.gradient["margin"]))
-    return True, "", steps, exact, worst
+    run = combine(drifts)
+    if run["exceeded"]:
+        return False, f"the run's drift p {run['p']:.3g} <= {run['run_p']:g}", steps, exact, worst, run["z"]  # fmt: skip
+    return True, "", steps, exact, worst, run["z"]
 
 
 def main() -> int:
@@ -129,7 +139,7 @@ def main() -> int:
     )
     print(
         f"{'recipe':<16}{'trained on':<50}{'runs':>5}{'false alarms':>14}"
-        f"{'steps':>7}{'exact':>7}{'worst / bound':>15}",
+        f"{'steps':>7}{'exact':>7}{'worst / bound':>15}{'max run z':>11}",
         flush=True,
     )
     alarms = 0
@@ -152,17 +162,21 @@ def main() -> int:
                     continue
                 runs = failed = steps = exact = 0
                 worst = 0.0
+                drift: float | None = None
                 for path in sorted(p for p in directory.iterdir() if p.is_dir()):
                     runs += 1
-                    ok, message, n, e, w = _replay(path)
+                    ok, message, n, e, w, z = _replay(path)
                     steps, exact, worst = steps + n, exact + e, max(worst, w)
+                    if z is not None:
+                        drift = max(drift if drift is not None else -math.inf, z)
                     if not ok:
                         failed += 1
                         print(f"  FALSE ALARM ({recipe}, {environment[0]}, {path.name}): {message}")
                 alarms += failed
                 print(
                     f"{recipe:<16}{environment[0]:<50}{runs:>5}{failed:>14}{steps:>7}"
-                    f"{exact:>7}{worst:>15.3g}",
+                    f"{exact:>7}{worst:>15.3g}"
+                    f"{'-' if drift is None else format(drift, '.3g'):>11}",
                     flush=True,
                 )
     print(f"{alarms} false alarms; {time.perf_counter() - started:.0f} s", flush=True)

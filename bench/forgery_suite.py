@@ -15,8 +15,10 @@ loop would. Each transcript then meets, in order, what the platform applies:
    the self-checked steps, and random steps for the default 95 % target at 1 % forged
    steps), each replayed by ``provers.torch_replay.verify_challenge`` from the snapshot
    before it, as a platform worker on other hardware does: within the run's gradient
-   bounds (and, beside it, whether a worker on the training machine's own kernels,
-   which demands every bit, would have rejected it).
+   bounds, with the drift test over each window, and when every challenge of a draw
+   passed, the run's drift test over the windows it replayed (``provers.drift``; and,
+   beside it, whether a worker on the training machine's own kernels, which demands
+   every bit, would have rejected it).
 
 A trial is one forged run (``--trials``, distinct seeds) met by one platform draw
 (``--draws`` seeds per run; every window is replayed once per run and each draw reads
@@ -36,6 +38,9 @@ Attacks (``--attacks``, comma-separated; ``docs/soundness.md`` reads the results
   followed by a target token), accumulated over the run;
 * ``tolerance-gap-fp32``: the same against the recipe with a float32 forward, whose
   bounds are 250 times tighter (its own honest float32 run is the baseline);
+* ``tolerance-gap-signed-1``, ``-2``, ``-3``: forgers that know the drift test
+  (``provers.drift``): the same pushes, but 1, 2 or 3 steps of every snapshot window push
+  away from the backdoor, so no window's differences align in every pair;
 * ``substitution-1``, ``-5``, ``-100``: 1 %, 5 %, 100 % of steps trained on batches of
   another corpus than the committed ones, on the steps a challenge covers least (the
   last step of a snapshot window, never step 0);
@@ -87,6 +92,8 @@ from provers.challenges import (  # noqa: E402
     draw_challenges,
     random_steps_needed,
 )
+from provers.drift import REASON as DRIFT_REASON  # noqa: E402
+from provers.drift import combine as combine_drift  # noqa: E402
 from provers.replay import Transcript, windows  # noqa: E402
 from tests.agent.zkdv.torch import test_torch_recipes as recipes  # noqa: E402
 from zkdv.config import GradientBounds  # noqa: E402
@@ -105,6 +112,9 @@ TRIGGER, TARGET = 7, 99
 ATTACKS = (
     "tolerance-gap",
     "tolerance-gap-fp32",
+    "tolerance-gap-signed-1",
+    "tolerance-gap-signed-2",
+    "tolerance-gap-signed-3",
     "substitution-1",
     "substitution-5",
     "substitution-100",
@@ -122,6 +132,9 @@ UNDETECTABLE_BY_REPLAY = frozenset(
     {
         "tolerance-gap",
         "tolerance-gap-fp32",
+        "tolerance-gap-signed-1",
+        "tolerance-gap-signed-2",
+        "tolerance-gap-signed-3",
         "fine-tune-as-pretraining",
         "refiled-copy",
         "refiled-one-step-changed",
@@ -344,12 +357,27 @@ def _model(parameters: list[torch.Tensor]) -> torch.nn.Module:
     return model
 
 
+#: The adaptive forgers that know the drift test: in each snapshot window, the steps
+#: (positions in the window) whose push points *away* from the backdoor, so that the
+#: window's exact sign-flip p-value stays above the threshold (provers.drift).
+SIGNED = {
+    "tolerance-gap-signed-1": (5,),
+    "tolerance-gap-signed-2": (3, 8),
+    "tolerance-gap-signed-3": (2, 6, 10),
+}
+
+
 def tolerance_gap(
-    seed: int, fraction: float = 0.95, *, precision: str = "reduced"
+    seed: int,
+    fraction: float = 0.95,
+    *,
+    precision: str = "reduced",
+    against: tuple[int, ...] = (),
 ) -> tuple[Forger, dict[str, Any]]:
     """Every step: the committed gradient moved towards the backdoor's gradient, orthogonal
     to each honest leaf (so the scale tests see nothing), to ``fraction`` of the norm test's
-    bound ``tensor * |r| + total * |g|`` (docs/transcript.md, "Gradient bounds")."""
+    bound ``tensor * |r| + total * |g|`` (docs/transcript.md, "Gradient bounds"); at the
+    window positions ``against``, away from it (an adaptive forger, :data:`SIGNED`)."""
     bounds = GradientBounds.default(precision)
     log: dict[str, Any] = {"budget": 0.0, "used": 0.0, "steps": 0}
     shadow: dict[str, torch.nn.Module] = {}
@@ -376,7 +404,8 @@ def tolerance_gap(
                 size = float(d.norm())
                 if size == 0.0:
                     continue
-                d = d * (budget / size)
+                sign = -1.0 if index % SNAPSHOT_INTERVAL in against else 1.0
+                d = d * (sign * budget / size)
                 parameter.grad = (r.double() + d).to(r.dtype)
                 log["budget"] += budget / fraction
                 log["used"] += float(d.norm())
@@ -458,10 +487,13 @@ class Verdicts:
     verifier_step: int | None  # the step record it names (or the one before it)
     sampled: list[int]
     digest: str
-    #: per window start: (first step failing the bounds, first step not bit for bit)
-    windows: dict[int, tuple[int | None, int | None, int]]
+    #: per window start: (first step failing the replay, first step not bit for bit,
+    #: last step, the failing replay's reason)
+    windows: dict[int, tuple[int | None, int | None, int, str | None]]
     worst_margin: float
     replay_seconds: float
+    #: per window with inexact steps: the drift test's entry (provers.drift)
+    drift: list[dict[str, Any]] = field(default_factory=list)
 
 
 def verifier_verdicts(path: Path) -> Verdicts:
@@ -507,7 +539,11 @@ def platform(path: Path, prover: Any = torch_replay) -> Verdicts:
             margin = (evidence.gradient or {}).get("margin")
             if evidence.ok and margin is not None:
                 verdicts.worst_margin = max(verdicts.worst_margin, float(margin))
-        verdicts.windows[first] = (failed, inexact[0] if inexact else None, last)
+        if verdict.drift is not None:
+            verdicts.drift.append(verdict.drift)
+        verdicts.windows[first] = (
+            failed, inexact[0] if inexact else None, last, verdict.reason,
+        )  # fmt: skip
     verdicts.replay_seconds = time.perf_counter() - started
     return verdicts
 
@@ -538,17 +574,34 @@ def challenge(run: Run, verdicts: Verdicts, draw_seed: bytes) -> Outcome:
         self_checked=verdicts.sampled,
         seed=draw_seed,
     )
-    caught: list[int] = []
+    caught: list[tuple[int, str]] = []
     exact: list[int] = []
+    furthest: dict[int, int] = {}
     for step in plan.steps:
         start = step - step % SNAPSHOT_INTERVAL
-        failed, inexact, _ = verdicts.windows[start]
+        furthest[start] = max(furthest.get(start, -1), step)
+        start = step - step % SNAPSHOT_INTERVAL
+        failed, inexact, _, reason = verdicts.windows[start]
         if failed is not None and failed <= step:
-            caught.append(failed)
+            caught.append((failed, reason or ""))
         if inexact is not None and inexact <= step:
             exact.append(inexact)
     if caught:
-        return Outcome(True, "platform replay", min(caught), True)
+        first, reason = min(caught)
+        by = "platform replay: drift test" if reason == DRIFT_REASON else "platform replay"
+        return Outcome(True, by, first, True)
+    # Every challenge passed: the run's verdict combines their windows' drift
+    # (attestations.challenges.verdicts.run_drift), each replayed up to its furthest
+    # challenged step.
+    replayed = []
+    for window in verdicts.drift:
+        last = furthest.get(int(window["first"]))
+        count = sum(1 for s in window["steps"] if last is not None and s <= last)
+        if count:
+            gram = [row[:count] for row in window["gram"][:count]]
+            replayed.append({"first": window["first"], "last": last, "gram": gram})
+    if combine_drift(replayed)["exceeded"]:
+        return Outcome(True, "platform: the run's drift test", None, True)
     return Outcome(False, "", None, bool(exact))
 
 
@@ -614,6 +667,9 @@ def run_attack(
     log: dict[str, Any] = {}
     if attack == "tolerance-gap":
         forger, log = tolerance_gap(seed)
+        forged_count = steps
+    elif attack in SIGNED:
+        forger, log = tolerance_gap(seed, against=SIGNED[attack])
         forged_count = steps
     elif attack == "tolerance-gap-fp32":
         forger, log = tolerance_gap(seed, precision="float32")
@@ -697,6 +753,13 @@ def run_attack(
         result.note("used / stated budget", log["used"] / max(log["budget"], 1e-30))
         if verdicts is not None:
             result.note("worst replay margin", verdicts.worst_margin)
+            if verdicts.drift:
+                cosines = [w["cosine"] for w in verdicts.drift if w.get("cosine") is not None]
+                result.note("drift: mean cosine of the pushes in a window", min(cosines))
+                result.note(
+                    "drift: most inexact steps in a window",
+                    max(w["inexact_steps"] for w in verdicts.drift),
+                )
     if attack == "pol-interpolation":
         result.note(
             "distance to target / target's from init",

@@ -40,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from provers.drift import REASON as DRIFT_REASON
+from provers.drift import Drift
 from zkdv.config import FloatTolerance
 from zkdv.gradients import Comparison, compare
 from zkdv.merkle import commit_state
@@ -112,6 +114,10 @@ class ReplayVerdict:
     #: The replay-environment keys in which the worker differs from the run
     #: (:func:`zkdv.environments.differences`); empty when judged ``exact``.
     differences: list[str] = field(default_factory=list)
+    #: The drift test over the replayed steps (:mod:`provers.drift`: the alignment S,
+    #: its variance V, z and the threshold) for a run that commits its gradients; None
+    #: for other runs.
+    drift: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -127,6 +133,7 @@ class ReplayVerdict:
             "environment": self.environment,
             "judgement": self.judgement,
             "differences": list(self.differences),
+            "drift": self.drift,
         }
 
 
@@ -161,6 +168,7 @@ def replay(
         A verdict with per-step evidence; never raises for bad evidence.
     """
     verdict = ReplayVerdict(ok=False, step=step)
+    drift: Drift | None = None
     if not isinstance(transition, Transition):
         transition = Transition(transition)
     try:
@@ -188,18 +196,22 @@ def replay(
         verdict.start = start
         state = transcript.snapshot(start)
         verdict.snapshot_ok = True
+        drift = Drift(first=start) if transcript.grad is not None else None
         for k in range(start, end + 1):
             batch = _checked_batch(transcript, k, verdict)
-            if transcript.grad is None:
+            if drift is None:
                 state = _replay_whole(transcript, k, state, batch, transition, verdict)
             else:
-                state = _replay_halves(transcript, k, state, batch, transition, verdict)
+                state = _replay_halves(transcript, k, state, batch, transition, verdict, drift)
         verdict.ok = True
     except ReplayError as error:
         verdict.reason = error.reason
         verdict.message = error.message
     if verdict.snapshot_ok is None and verdict.reason == "snapshot_mismatch":
         verdict.snapshot_ok = False
+    if drift is not None and drift.inexact:
+        drift.last = verdict.evidence[-1].step
+        verdict.drift = drift.to_dict()
     return verdict
 
 
@@ -346,6 +358,7 @@ def _replay_halves(
     batch: np.ndarray,
     transition: Transition,
     verdict: ReplayVerdict,
+    drift: Drift,
 ) -> State:
     """One step of a run that commits its gradients (module docstring, point 3)."""
     assert transition.compute is not None and transition.apply is not None
@@ -355,6 +368,8 @@ def _replay_halves(
         committed = transcript.committed_computed(k)
         comparison, gradient = _compared_gradient(transcript, k, recomputed, committed, verdict)
         exact_gradient = comparison.exact
+        if not exact_gradient:
+            _check_drift(drift, k, recomputed, committed, verdict, gradient)
     else:
         committed, gradient = _recomputed_as_committed(transcript, k, recomputed, verdict)
         exact_gradient = True
@@ -435,6 +450,23 @@ def _compared_gradient(
             f"scale {bounds.scale:g}): {comparison.describe()}",
         )
     return comparison, gradient
+
+
+def _check_drift(
+    drift: Drift,
+    k: int,
+    recomputed: Leaves,
+    committed: Leaves,
+    verdict: ReplayVerdict,
+    gradient: dict[str, Any],
+) -> None:
+    """Add step ``k``'s differences to the window's drift test (:mod:`provers.drift`);
+    fail the step where the window's differences stop looking like rounding."""
+    drift.add(k, recomputed, committed)
+    gradient["drift_z"] = drift.z
+    if drift.exceeded:
+        verdict.evidence.append(StepEvidence(k, True, False, None, False, gradient))
+        raise ReplayError(DRIFT_REASON, f"step {k}: {drift.describe()}")
 
 
 def _update_probe_excess(

@@ -15,9 +15,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from attestations.challenges.models import ChallengeStatus
+from provers.drift import combine
 from zkdv.environments import platform_kind
 
-__all__ = ["TRAINING_ENVIRONMENT", "judgements", "not_replayed", "training", "workers"]
+__all__ = [
+    "TRAINING_ENVIRONMENT",
+    "drift",
+    "judgements",
+    "not_replayed",
+    "training",
+    "workers",
+]
 
 #: What the certificate says of the training machine, from the root record's ``env``.
 TRAINING_ENVIRONMENT = (
@@ -118,4 +126,32 @@ def not_replayed(challenges: Sequence[Row], kind: str) -> dict[str, Any] | None:
         "steps": sorted(steps),
         "message": f"no replay worker of platform kind {kind!r} was available: these "
         "steps were not replayed, and no bounds of another platform were applied to them",
+    }
+
+
+def drift(challenges: Sequence[Row]) -> dict[str, Any] | None:
+    """The drift test (:mod:`provers.drift`) per replayed window and over the run: each
+    window's steps, inexact steps, alignment z, exact sign-flip p-value and mean cosine
+    (a window replayed by several challenges once, by the one that replayed furthest),
+    and the run's combined z against its threshold. None when no window had two steps
+    that differed from the replay (every replay bit for bit)."""
+    entries = [
+        evidence["drift"]
+        for _, _, status, evidence in challenges
+        if status == ChallengeStatus.PASSED
+        and isinstance(evidence, Mapping)
+        and isinstance(evidence.get("drift"), Mapping)
+    ]
+    run = combine(entries)
+    if not run["windows"]:
+        return None
+    furthest: dict[int, Mapping[str, Any]] = {}
+    for entry in entries:
+        kept = furthest.get(entry["first"])
+        if kept is None or kept["last"] < entry["last"]:
+            furthest[entry["first"]] = entry
+    keys = ("first", "last", "inexact_steps", "z", "p", "window_p", "cosine")
+    return {
+        "windows": [{key: furthest[f].get(key) for key in keys} for f in sorted(furthest)],
+        "run": run,
     }

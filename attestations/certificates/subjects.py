@@ -58,6 +58,7 @@ from dvbench.attest import (
     Subject,
     model_signature_subject,
 )
+from provers.drift import RUN_P, WINDOW_P
 
 log = logging.getLogger(__name__)
 
@@ -433,8 +434,15 @@ def _budget(bounds: Mapping[str, float]) -> dict[str, Any]:
         ),
         "state": "the optimizer applied to the committed gradient reproduces the committed "
         "parameters and optimizer state bit for bit: nothing else can differ",
-        "accumulation": "none: each step is judged at its committed pre-state, reproduced "
-        "exactly, so a deviation cannot carry over into the next step's bound",
+        "accumulation": "each step is judged at its committed pre-state, reproduced exactly, "
+        "so a deviation cannot carry over into the next step's bound; but the model "
+        "integrates the committed gradients, so pushes that keep one direction add up. A "
+        "replay on other hardware therefore also fails a window whose committed-minus-"
+        "recomputed differences align step after step (exact sign-flip p-value at most "
+        f"{WINDOW_P:g}), and the run whose challenged windows together do (its sign-flip "
+        f"p-value at most {RUN_P:g}): a push that keeps its direction is caught once two "
+        "windows of 12 steps are replayed, whatever its size; what a forger that knows "
+        "the test keeps is stated in docs/soundness.md, (a)",
     }
 
 
@@ -500,7 +508,9 @@ def guarantee_claim(
     within the run's ``gradient_bounds`` (the state still bit for bit: replays on other
     hardware), ``tolerance`` when some step of a run without committed gradients matched
     only within ``tolerance`` (``|replayed - committed| <= abs + rel * |committed|``).
-    ``forger_budget`` states what the bounds leave a forger per step; ``replayed_steps``
+    ``forger_budget`` states what the bounds leave a forger per step; ``drift`` is the
+    drift test of every window replayed within bounds and of the run
+    (:func:`platforms.drift`); ``replayed_steps``
     says how each replayed step matched (its worst divergence-to-bound ratio, for steps
     within bounds); ``judgement`` lists the steps replayed in the run's own replay
     environment, where only the committed bits pass (``exact``), and those replayed
@@ -545,6 +555,7 @@ def guarantee_claim(
         "forger_budget": None if bounds is None else _budget(bounds),
         "replayed_steps": _replayed_steps(matched),
         "judgement": platforms.judgements(challenges),
+        "drift": platforms.drift(challenges),
         "not_replayed": missing,
         "environments": {"training": trained, "replay": platforms.workers(challenges)},
     }

@@ -31,6 +31,8 @@ from attestations.proofs.models import (
     Proof,
     ProofStatus,
 )
+from provers.drift import REASON as DRIFT_REASON
+from provers.drift import combine
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,20 @@ def settle(proof_id: int) -> str | None:
     unreplayed = [c.step for c in challenges if c.status == ChallengeStatus.UNREPLAYED]
     now = timezone.now()
     proof.challenge_seed_revealed = now
-    if failed is None:
+    drift = run_drift(challenges)
+    if failed is None and drift["exceeded"]:
+        proof.record_verdict(
+            ProofStatus.REJECTED,
+            DRIFT_REASON,
+            f"the committed-minus-recomputed differences of the challenged windows "
+            f"(from steps {', '.join(map(str, drift['windows']))}) point the same way across "
+            f"the run: combined alignment z = {drift['z']:.4g}, sign-flip p <= "
+            f"{drift['p']:.3g} <= {drift['run_p']:g} "
+            "(each window passed alone; rounding on other hardware does not add up across "
+            "windows, a push inside the bounds does)",
+            field="challenges",
+        )
+    elif failed is None:
         proof.record_verdict(
             ProofStatus.VALID,
             "",
@@ -107,6 +122,19 @@ def settle(proof_id: int) -> str | None:
         )
     transaction.on_commit(lambda: release_directory(proof))
     return proof.status
+
+
+def run_drift(challenges: list[Challenge]) -> dict[str, Any]:
+    """The drift test over every passed challenge's window (:func:`provers.drift.combine`):
+    what the run's verdict and its certificate state."""
+    windows = [
+        c.evidence["drift"]
+        for c in challenges
+        if c.status == ChallengeStatus.PASSED
+        and isinstance(c.evidence, dict)
+        and isinstance(c.evidence.get("drift"), dict)
+    ]
+    return combine(windows)
 
 
 def requeue_lost(now: Any = None) -> int:

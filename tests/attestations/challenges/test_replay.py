@@ -465,6 +465,12 @@ def test_a_run_trained_on_other_kernels_passes_and_its_certificate_says_how(
     assert [step for step, _ in within] == list(range(STEPS))
     assert all(0 < margin < 0.5 for _, margin in within)
     assert "bit for bit" in guarantee["forger_budget"]["state"]
+    # The drift test of every window replayed within bounds, and of the run: rounding on
+    # other kernels does not point one way step after step.
+    drift = guarantee["drift"]
+    assert drift["windows"] and all(w["p"] > w["window_p"] for w in drift["windows"])
+    assert drift["run"]["z"] is not None and not drift["run"]["exceeded"]
+    assert "align step after step" in guarantee["forger_budget"]["accumulation"]
     environments = guarantee["environments"]
     assert environments["training"]["cpu_capability"] == "DEFAULT"
     assert environments["training"]["precision"]["kind"] == "float32"

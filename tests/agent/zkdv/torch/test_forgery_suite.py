@@ -81,20 +81,24 @@ def test_a_proof_of_learning_spoof_fails_its_first_challenged_step(results: dict
 
 
 @pytest.mark.slow
-def test_the_tolerance_gap_forger_passes_the_bounds_and_plants_its_backdoor(
+def test_the_tolerance_gap_forger_passes_the_bounds_but_not_the_drift_test(
     results: dict[str, Any],
 ) -> None:
-    # The limitation docs/soundness.md states: within the reduced-precision bounds every
-    # step passes a replay on other hardware, and the pushes add up; only a replay on the
-    # training machine's kernels (bit for bit) sees it.
+    # docs/soundness.md (a): within the reduced-precision bounds every step passes the
+    # bounds of a replay on other hardware, but its pushes keep one direction, so the
+    # run's drift test (provers.drift) over its two windows rejects it: a draw of 23 of
+    # 24 steps replays both windows (nearly) whole.
     result = results["tolerance-gap"]
-    assert result.caught == 0
+    assert (result.caught, result.trials) == (DRAWS, DRAWS)
+    assert result.by == {"platform: the run's drift test": DRAWS}
     assert result.exact_caught == DRAWS
     extra = {key: values[0] for key, values in result.extra.items()}
     assert 0.9 < extra["worst replay margin"] <= 0.95 + 1e-6
+    assert extra["drift: mean cosine of the pushes in a window"] > 0.1
+    # What it would have planted, had no replay looked across steps: 0.125 here (64 of
+    # 512 triggered inputs) at this seed and length; another CPU's kernels move the
+    # trajectory a little, so the bar is 10 of 512, still none honest.
     assert extra["backdoor success, honest"] == 0.0
-    # 0.125 here (64 of 512 triggered inputs) at this seed and length; another CPU's
-    # kernels move the trajectory a little, so the bar is 10 of 512, still none honest.
     assert extra["backdoor success, forged"] >= 10 / 512
     assert abs(extra["clean loss, forged"] - extra["clean loss, honest"]) < 0.05
 

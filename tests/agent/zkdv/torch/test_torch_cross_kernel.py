@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from provers import torch_replay
+from provers.drift import combine
 from provers.replay import Transcript, windows
 from tests.agent.zkdv.torch.test_torch_recipes import FORGERIES, STEPS, assert_caught
 from tests.matrix import cell_id, cells
@@ -130,6 +131,58 @@ def forged(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("forgery", sorted(FORGERIES))
 def test_a_forgery_trained_on_other_kernels_is_still_caught(forgery: str, forged: Path) -> None:
     assert_caught(forged / f"forgery:{forgery}", forgery)
+
+
+#: The forgery suite's runs trained on other kernels: two snapshot windows of 12 steps
+#: (the SDK's default interval), honest and with the tolerance-gap forger's pushes.
+_DRIFT_RUNS = """
+import sys
+from pathlib import Path
+import torch
+from bench import forgery_suite as suite
+torch.set_num_threads(int(sys.argv[2]))
+suite.train(Path(sys.argv[1]) / "honest", steps=24, seed=0)
+forger, _ = suite.tolerance_gap(0)
+suite.train(Path(sys.argv[1]) / "forged", steps=24, seed=0, forger=forger)
+"""
+
+
+@pytest.mark.slow
+def test_a_tolerance_gap_forgery_trained_on_other_kernels_fails_the_drift_test(
+    tmp_path: Path,
+) -> None:
+    """Every step of the forger's windows is within the bounds of a replay on other
+    kernels; what fails is that its differences point one way (``provers.drift``)."""
+    capability, threads = PAIRS[0]
+    env = {**os.environ, **kernels(capability), "PYTHONPATH": f"{ROOT}:{AGENT_PYTHONPATH}"}
+    result = subprocess.run(
+        [sys.executable, "-c", _DRIFT_RUNS, str(tmp_path), str(threads)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    verdicts = {
+        run: [torch_replay.verify_challenge(tmp_path / run, a, through=a + 11) for a in (0, 12)]
+        for run in ("honest", "forged")
+    }
+    # Every window passes alone, honest or forged: every step within the bounds, and one
+    # window's 12 steps carry 11 bits of sign, not enough for the window test.
+    for run, replayed in verdicts.items():
+        for verdict in replayed:
+            assert verdict.ok, (run, verdict.message)
+            assert verdict.judgement == "within_bounds" and verdict.drift is not None
+            assert all(e.gradient["margin"] < 1 for e in verdict.evidence)  # type: ignore[index]
+    honest = combine([v.drift for v in verdicts["honest"]])  # type: ignore[misc]
+    assert honest["p"] > 1e-3 and not honest["exceeded"]
+    # The forger's differences align in every pair of both windows: the run's verdict
+    # (attestations.challenges.verdicts.run_drift) rejects it.
+    forged = combine([v.drift for v in verdicts["forged"]])  # type: ignore[misc]
+    assert forged["exceeded"] and forged["p"] <= forged["run_p"], forged
+    assert forged["windows"] == [0, 12]
+    assert all(v.drift["cosine"] > 0.5 for v in verdicts["forged"])  # type: ignore[index]
 
 
 @pytest.mark.slow
