@@ -187,6 +187,14 @@ BENCHES: tuple[Bench, ...] = (
         long=True,
     ),
     Bench(
+        "drift_honest",
+        ("--seeds", "1"),
+        "honest 96-step runs trained under other kernel environments, every window "
+        "replayed with the drift test",
+        "zero false alarms",
+        long=True,
+    ),
+    Bench(
         "forgery_suite",
         (),
         "forgeries from the literature against the LM recipe at the default policy",
