@@ -50,13 +50,15 @@ steps has no statistic and is judged by exactness alone. The module is framework
 stores :meth:`Drift.to_dict` with the verdict (``S``, ``V``, ``z``, ``p`` and the Gram
 matrix, which a run's combination reads; a challenge of an earlier step of the window is
 its top-left block). It keeps the window's differences (float32, one gradient per inexact
-step) to form ``G``.
+step) to form ``G``: in memory up to :data:`IN_MEMORY_BYTES` a step, above it in a
+temporary file.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,6 +122,24 @@ def sign_flip_p(gram: np.ndarray) -> float:
 def _blocks(gram: np.ndarray) -> list[np.ndarray]:
     m = gram.shape[0]
     return [gram[i : i + _EXACT_STEPS, i : i + _EXACT_STEPS] for i in range(0, m, _EXACT_STEPS)]
+
+
+#: A window keeps each inexact step's differences (float32, one gradient each) in memory
+#: up to this size per step; above it in an unlinked temporary file, which the operating
+#: system pages in for the next steps' dot products, so a replay of a large model holds
+#: one gradient's differences in memory, not a window's.
+IN_MEMORY_BYTES = 1 << 26
+
+
+def _kept(d: np.ndarray) -> np.ndarray:
+    """``d`` in float32, as the window keeps it: in memory, or backed by a temporary file."""
+    if d.size * 4 <= IN_MEMORY_BYTES:
+        return d.astype(np.float32)
+    # Unlinked at once (POSIX); the map keeps its own descriptor after the file closes.
+    with tempfile.TemporaryFile(prefix="zkdv-drift-") as backing:
+        kept = np.memmap(backing, dtype=np.float32, mode="w+", shape=d.shape)
+    kept[:] = d
+    return kept
 
 
 @dataclass
@@ -194,7 +214,7 @@ class Drift:
         gram[m, :] = row
         gram[:, m] = row
         self._gram = gram
-        self._differences.append(d.astype(np.float32))
+        self._differences.append(_kept(d))
         self.inexact.append(step)
         # Only a window that could fail is computed (2^-(m-1) is its smallest p-value).
         reachable = 2.0 ** -(len(self.inexact) - 1) <= self.window_p

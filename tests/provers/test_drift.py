@@ -138,3 +138,19 @@ def test_the_run_bound_is_a_chernoff_bound_of_the_exact_distribution() -> None:
         totals = [t + v for t in totals for v in values]
     exact = np.mean(np.array(totals) >= observed - 1e-9)
     assert exact <= run_p(grams) <= 1.0
+
+
+def test_a_large_gradients_differences_are_kept_in_a_file_with_the_same_verdict(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A 135M-parameter model's window would otherwise hold 12 gradients in memory.
+    from provers import drift
+
+    push = np.full(SHAPE, 1e-3, np.float32)
+    in_memory = _window(np.random.default_rng(5), 12, push=push)
+    monkeypatch.setattr(drift, "IN_MEMORY_BYTES", 0)
+    in_files = _window(np.random.default_rng(5), 12, push=push)
+    assert all(isinstance(d, np.memmap) for d in in_files._differences)
+    assert not any(isinstance(d, np.memmap) for d in in_memory._differences)
+    np.testing.assert_array_equal(in_files._gram, in_memory._gram)
+    assert in_files.history == in_memory.history
