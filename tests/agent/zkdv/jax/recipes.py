@@ -1,6 +1,6 @@
 """Honest JAX training recipes, trained in-process or in a subprocess under another ISA.
 
-Three recipes, each a function ``(proof, steps, seed) -> None`` training under a started
+Four recipes, each a function ``(proof, steps, seed)`` training under a started
 ``zkdv.jax.ZKDV`` (the seed draws the initial parameters and the order of the data):
 
 * ``digits``: the Flax digits example (``examples/jax/digits.py``), Adam;
@@ -9,16 +9,24 @@ Three recipes, each a function ``(proof, steps, seed) -> None`` training under a
   whose ``batch_stats`` the step passes to ``apply_gradients`` (carried state), AdamW;
 * ``lm``: the causal transformer LM recipe (``examples/jax/lm.py``, one block): warmup
   + cosine schedule, ``clip_by_global_norm``, two micro-batches accumulated inside the
-  step, AdamW.
+  step, AdamW;
+* ``sharded-DxM`` (issue 56): an MLP with clipping and AdamW on a warmup-cosine schedule
+  over eight devices (``--xla_force_host_platform_device_count=8``), its batch split
+  over a ``data`` axis of D devices and its hidden layer over a ``model`` axis of M;
+  XLA partitions the step (GSPMD).
 
-``python recipes.py DIR NAME[,NAME...] STEPS CHECK_EVERY [SEED,...]`` trains every named
-recipe with every seed (default 0) into ``DIR/NAME-SEED``, one process for all of them
-(the tests run it under ``XLA_FLAGS=--xla_cpu_max_isa=SSE4_2`` and on one core, as a
+``python recipes.py DIR NAME[,NAME...] STEPS CHECK_EVERY [SEED,...] [forge]`` trains every
+named recipe with every seed (default 0) into ``DIR/NAME-SEED``, one process for all of
+them (the tests run it under ``XLA_FLAGS=--xla_cpu_max_isa=SSE4_2`` and on one core, as a
 lab's machine that is not the platform's worker), and prints one JSON line per run.
+``forge`` also trains each recipe from seed 0 into ``DIR/NAME-forged`` as a forger
+would: no SDK checks, and step ``FORGED_STEP``'s committed gradient 1 % larger than the
+one the optimizer applied (the replay must reject it).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import sys
@@ -32,6 +40,8 @@ import numpy as np
 import optax
 from flax import linen as nn
 from flax import struct
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import zkdv
 from zkdv.jax.contrib import TrainState
@@ -39,6 +49,8 @@ from zkdv.verify import verify_transcript
 
 EXAMPLES = Path(__file__).resolve().parents[4] / "examples" / "jax"
 INTERVAL = 4
+#: The step whose committed gradient a forged run scales (``forge``).
+FORGED_STEP = 5
 
 
 def example(name: str) -> Any:
@@ -124,11 +136,76 @@ def lm(proof: zkdv.jax.ZKDV, steps: int, seed: int = 0) -> None:
     example("lm").train(proof, steps, blocks=1, seed=seed)
 
 
-RECIPES: dict[str, Callable[[zkdv.jax.ZKDV, int, int], None]] = {
+def sharded(proof: zkdv.jax.ZKDV, steps: int, seed: int = 0, *, mesh: tuple[int, int]) -> bool:
+    """Train on a ``data`` x ``model`` mesh of ``mesh`` devices; whether every parameter
+    kept its layout through the steps."""
+    assert jax.device_count() == 8, jax.devices()
+    # Auto axes: XLA partitions the step (GSPMD), as in test_jax_multidevice.
+    devices = jax.make_mesh(mesh, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+    def shard(*spec: str | None) -> NamedSharding:
+        return NamedSharding(devices, P(*spec))
+
+    def apply_fn(variables: Any, x: jax.Array) -> jax.Array:
+        p = variables["params"]
+        return jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
+
+    key1, key2 = jax.random.split(jax.random.key(seed))
+    params = {
+        "w1": jax.device_put(jax.random.normal(key1, (12, 32)) * 0.3, shard(None, "model")),
+        "b1": jax.device_put(jnp.zeros((32,)), shard("model")),
+        "w2": jax.device_put(jax.random.normal(key2, (32, 4)) * 0.3, shard("model", None)),
+    }
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-2, 2, 12)
+    tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(schedule, weight_decay=0.1))
+    state = TrainState.create(proof=proof, apply_fn=apply_fn, params=params, tx=tx)
+
+    def placed(x: Any) -> Any:
+        sharding = getattr(x, "sharding", None)
+        return sharding if isinstance(sharding, NamedSharding) else shard()
+
+    state = jax.device_put(state, jax.tree.map(placed, state))
+    layouts = jax.tree.map(lambda x: x.sharding, state.params)
+
+    @proof.jit(donate_argnums=(0,))
+    def step(state: Any, batch: jax.Array) -> Any:
+        def loss(p: Any) -> jax.Array:
+            y = state.apply_fn({"params": p}, batch[:, :12])
+            return jnp.mean((y - batch[:, 12:]) ** 2)
+
+        return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+    rng = np.random.default_rng(1 + seed)
+    for _ in range(steps):
+        rows = jnp.asarray(rng.standard_normal((16, 16)), jnp.float32)
+        state = step(state, jax.device_put(rows, shard("data")))
+    kept = jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim), state.params, layouts)
+    return all(jax.tree.leaves(kept))
+
+
+RECIPES: dict[str, Callable[[zkdv.jax.ZKDV, int, int], object]] = {
     "digits": digits,
     "batchstats": batchstats,
     "lm": lm,
+    **{
+        f"sharded-{data}x{model}": functools.partial(sharded, mesh=(data, model))
+        for data, model in ((8, 1), (4, 2), (2, 4))
+    },
 }
+
+
+def forge(proof: zkdv.jax.ZKDV, step: int = FORGED_STEP) -> None:
+    """Commit 1.01 times the gradient step ``step``'s optimizer applied, as read back from
+    the device (tests/provers/test_jax_replay.py forges the same way)."""
+    fetch = proof.transfers.fetch
+
+    def forged(index: int, kind: str, value: Any) -> Any:
+        host = fetch(index, kind, value)
+        if index != step or kind != "gradient":
+            return host
+        return [np.asarray(leaf) * np.float32(1.01) for leaf in host]
+
+    proof.transfers.fetch = forged  # type: ignore[method-assign]
 
 
 def train(
@@ -161,6 +238,9 @@ def main() -> None:
     directory, names, steps, every = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     seeds = [int(seed) for seed in (sys.argv[5] if len(sys.argv) > 5 else "0").split(",")]
     for name in names.split(","):
+        if sys.argv[6:] == ["forge"]:
+            policy = zkdv.SamplingPolicy(update_check_probability=0.0)
+            train(name, Path(directory) / f"{name}-forged", steps, policy, before=forge)
         for seed in seeds:
             path = train(
                 name,

@@ -3,10 +3,13 @@
 Eight CPU devices in a subprocess (``--xla_force_host_platform_device_count=8``), on
 XLA's AVX2 kernels: an MLP with clipping and AdamW on a warmup-cosine schedule, its
 batch split over the ``data`` axis and its hidden layer over the ``model`` axis, trained
-on three meshes (8x1, 4x2, 2x4). XLA partitions the step and the canonical update alike.
+on three meshes (8x1, 4x2, 2x4): ``recipes.sharded``, the recipe the cross-hardware
+sweep trains under other instruction sets. XLA partitions the step and the canonical update alike.
 Each run is then replayed here, on one device and this CPU's own kernels: the gradient
 within the bounds (its reductions ran in another order), the state bit for bit (the
-canonical update does not depend on the partitioning), every step.
+canonical update does not depend on the partitioning), every step. A forger's run whose
+step 3 commits a gradient 1 % larger than the one its optimizer applied is rejected at
+step 3.
 """
 
 from __future__ import annotations
@@ -25,61 +28,37 @@ from tests.sources import AGENT_PYTHONPATH
 from zkdv.replay import Transcript
 from zkdv.verify import verify_transcript
 
+HERE = str(Path(__file__).resolve().parent)  # recipes.py's folder
 MESHES = ((8, 1), (4, 2), (2, 4))
 STEPS = 5
 
 SCRIPT = textwrap.dedent(
     """
     import json, sys
-    import jax, jax.numpy as jnp, numpy as np, optax
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-    import zkdv
-    from zkdv.jax.contrib import TrainState
+    sys.path.insert(0, sys.argv[4])
+    import recipes, zkdv
 
-    assert jax.device_count() == 8, jax.devices()
     out = {}
     for data, model in json.loads(sys.argv[2]):
-        # Auto axes: XLA partitions the step (GSPMD), as in test_jax_multidevice.
-        mesh = jax.make_mesh((data, model), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-        shard = lambda *spec: NamedSharding(mesh, P(*spec))
         proof = zkdv.jax.ZKDV(
             f"{sys.argv[1]}/{data}x{model}",
             zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy.DEBUGCheckEvery(2)),
             replay_snapshot_interval=2,
         )
         proof.start(rolling_window=2)
-
-        def apply_fn(variables, x):
-            p = variables["params"]
-            return jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
-
-        key1, key2 = jax.random.split(jax.random.key(0))
-        params = {
-            "w1": jax.device_put(jax.random.normal(key1, (12, 32)) * 0.3, shard(None, "model")),
-            "b1": jax.device_put(jnp.zeros((32,)), shard("model")),
-            "w2": jax.device_put(jax.random.normal(key2, (32, 4)) * 0.3, shard("model", None)),
-        }
-        schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-2, 2, 12)
-        tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(schedule, weight_decay=0.1))
-        state = TrainState.create(proof=proof, apply_fn=apply_fn, params=params, tx=tx)
-        placed = lambda x: x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding) else shard()
-        state = jax.device_put(state, jax.tree.map(placed, state))
-        layouts = jax.tree.map(lambda x: x.sharding, state.params)
-
-        @proof.jit(donate_argnums=(0,))
-        def step(state, batch):
-            def loss(p):
-                y = state.apply_fn({"params": p}, batch[:, :12])
-                return jnp.mean((y - batch[:, 12:]) ** 2)
-            return state.apply_gradients(grads=jax.grad(loss)(state.params))
-
-        rng = np.random.default_rng(1)
-        for _ in range(int(sys.argv[3])):
-            rows = jnp.asarray(rng.standard_normal((16, 16)), jnp.float32)
-            state = step(state, jax.device_put(rows, shard("data")))
+        out[f"{data}x{model}"] = recipes.sharded(proof, int(sys.argv[3]), mesh=(data, model))
         proof.close()
-        kept = jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim), state.params, layouts)
-        out[f"{data}x{model}"] = all(jax.tree.leaves(kept))
+    # A forger's 2x4 run: no SDK checks, and step 3 commits a gradient 1 % larger than
+    # the one its optimizer applied.
+    forger = zkdv.jax.ZKDV(
+        f"{sys.argv[1]}/forged",
+        zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.0)),
+        replay_snapshot_interval=2,
+    )
+    forger.start(rolling_window=2)
+    recipes.forge(forger, step=3)
+    recipes.sharded(forger, int(sys.argv[3]), mesh=(2, 4))
+    forger.close()
     print(json.dumps(out))
     """
 )
@@ -97,7 +76,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "ZKDV_JAX_EXPORT_PLATFORMS": "",
     }
     result = subprocess.run(
-        [sys.executable, str(script), str(where), json.dumps(MESHES), str(STEPS)],
+        [sys.executable, str(script), str(where), json.dumps(MESHES), str(STEPS), HERE],
         env=env,
         capture_output=True,
         text=True,
@@ -137,3 +116,18 @@ def test_the_meshes_commit_one_initial_state_and_one_layout(runs: Path) -> None:
         repr(sorted(Transcript.load(runs / f"{d}x{m}").root["initial"].items())) for d, m in MESHES
     }
     assert len(roots) == 1, "the transcript commits the global arrays, whatever the mesh"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # the training subprocess has 420 s
+def test_a_committed_gradient_one_percent_larger_is_caught_on_one_device(runs: Path) -> None:
+    path = runs / "forged"
+    assert verify_transcript(path).ok  # its roots, gradient file and probes agree
+    # As a worker on other hardware judges it: the bounds, not bit for bit.
+    verdict = jax_replay.verify_challenge(path, 2, through=3, exact=False)
+    assert (verdict.ok, verdict.reason) == (False, "replay_mismatch"), verdict
+    assert str(verdict.message).startswith("step 3: the recomputed values differ"), verdict
+    assert [(e.step, e.ok) for e in verdict.evidence] == [(2, True), (3, False)]
+    assert verdict.evidence[-1].gradient is not None
+    assert verdict.evidence[-1].gradient["margin"] > 1
+    assert jax_replay.verify_challenge(path, 0, through=1, exact=False).ok
