@@ -10,8 +10,17 @@ environment, the runs, the false alarms (a replay that rejects an honest run: th
 be none), how many replayed steps were bit for bit, and the worst divergence of a
 recomputed gradient as a share of its bound.
 
-    python bench/cross_hardware.py                       # every recipe, 3 seeds
+The sharded recipes (issue 56) train on several devices or processes and are replayed
+here on one: ``jax-sharded-DxM`` on a ``data`` x ``model`` mesh of eight CPU devices in
+one process, ``fsdp2`` on two gloo processes (FSDP2, AdamW, no clipping: the SDK refuses
+clipping under FSDP2). Under every environment each also trains one forged run, a
+committed gradient 1 % larger than the one the optimizer applied at one step, and the
+column "forged caught" counts the forgeries the replay rejected at that step (there must
+be one per row).
+
+    python bench/cross_hardware.py                       # every unsharded recipe, 3 seeds
     python bench/cross_hardware.py --recipes bn lm --seeds 1
+    python bench/cross_hardware.py --recipes jax-sharded-4x2 fsdp2 --seeds 1 --environments 1
 """
 
 from __future__ import annotations
@@ -34,7 +43,11 @@ sys.path[:0] = [
 
 TORCH_RECIPES = ("bn", "cnn", "hf", "lm", "hf-trainer", "lightning")
 JAX_RECIPES = ("jax-digits", "jax-batchstats", "jax-lm")
+SHARDED_RECIPES = ("jax-sharded-8x1", "jax-sharded-4x2", "jax-sharded-2x4", "fsdp2")
 JAX_STEPS = 12
+#: The step each recipe's forged run commits a 1 % larger gradient for (recipes.py's
+#: FORGED_STEP; fsdp_runs.py's ``gradient`` mode).
+FORGED_STEP = {"fsdp2": 3, **{recipe: 5 for recipe in SHARDED_RECIPES[:3]}}
 #: Torch environments: (name, kernel family, threads, program kind).
 TORCH_ENVIRONMENTS = (
     ("kernels=default threads=1", "default", 1, "torch.export"),
@@ -60,6 +73,8 @@ def _train(directory: Path, recipe: str, seeds: int, environment: tuple[str, str
     from zkdv.calibrate import kernels
 
     _, family, threads, kind = environment
+    if recipe == "fsdp2":
+        return _train_fsdp2(directory, seeds, family, threads)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path[:2])}
     prefix: list[str] = []
     if recipe.startswith("jax-"):
@@ -69,6 +84,13 @@ def _train(directory: Path, recipe: str, seeds: int, environment: tuple[str, str
         script = str(ROOT / "tests" / "agent" / "zkdv" / "jax" / "recipes.py")
         seeds_ = ",".join(str(seed) for seed in range(seeds))
         command = [script, str(directory), recipe[4:], str(JAX_STEPS), "3", seeds_]
+        if recipe in FORGED_STEP:
+            command.append("forge")
+        if recipe.startswith("jax-sharded-"):
+            # Eight devices in one process; programs lowered for this CPU only, as
+            # tests/agent/zkdv/jax/test_jax_sharded.py does.
+            env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+            env["ZKDV_JAX_EXPORT_PLATFORMS"] = ""
     else:
         env.update(kernels(family) if family else {})
         env["ZKDV_TORCH_PROGRAM"] = kind
@@ -89,6 +111,24 @@ def _train(directory: Path, recipe: str, seeds: int, environment: tuple[str, str
         check=False,
     )
     return "" if result.returncode == 0 else result.stderr[-2000:]
+
+
+def _train_fsdp2(directory: Path, seeds: int, family: str, threads: int) -> str:
+    """Two gloo processes per run (tests/agent/zkdv/torch/fsdp_runs.py), ``threads``
+    threads each: ``seeds`` honest runs into ``directory/fsdp2-<seed>``, and one forged
+    (``gradient`` mode) into ``directory/fsdp2-forged``."""
+    from tests.agent.zkdv.torch import fsdp_runs
+
+    directory.mkdir()
+    runs = [(f"fsdp2-{seed}", "clean", seed) for seed in range(seeds)]
+    for name, mode, seed in [*runs, ("fsdp2-forged", "gradient", 0)]:
+        work = directory.parent / f"{directory.name}-{name}"
+        work.mkdir(parents=True)
+        result = fsdp_runs.train(work, mode, world=2, kernel=family, threads=threads, seed=seed)
+        if result.returncode != 0:
+            return result.stderr[-2000:]
+        (work / "proof").rename(directory / name)
+    return ""
 
 
 def _replay(path: Path) -> tuple[bool, str, int, int, float, float | None]:
@@ -123,11 +163,49 @@ def _replay(path: Path) -> tuple[bool, str, int, int, float, float | None]:
     return True, "", steps, exact, worst, run["z"]
 
 
+def _row(recipe: str, environment: str, directory: Path) -> tuple[int, int]:
+    """Replay every run trained into ``directory`` and print the row: (false alarms,
+    forgeries the replay missed or rejected at another step than the forged one)."""
+    runs = failed = steps = exact = forged = caught = 0
+    worst = 0.0
+    drift: float | None = None
+    for path in sorted(p for p in directory.iterdir() if p.is_dir()):
+        ok, message, n, e, w, z = _replay(path)
+        if path.name.endswith("-forged"):
+            forged += 1
+            if not ok and message.startswith(f"step {FORGED_STEP[recipe]}:"):
+                caught += 1
+            else:
+                print(f"  FORGERY MISSED ({recipe}, {environment}): {message or 'accepted'}")
+            continue
+        runs += 1
+        steps, exact, worst = steps + n, exact + e, max(worst, w)
+        if z is not None:
+            drift = max(drift if drift is not None else -math.inf, z)
+        if not ok:
+            failed += 1
+            print(f"  FALSE ALARM ({recipe}, {environment}, {path.name}): {message}")
+    print(
+        f"{recipe:<16}{environment:<50}{runs:>5}{failed:>14}{steps:>7}"
+        f"{exact:>7}{worst:>15.3g}"
+        f"{'-' if drift is None else format(drift, '.3g'):>11}"
+        f"{f'{caught}/{forged}' if forged else '-':>15}",
+        flush=True,
+    )
+    return failed, forged - caught
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recipes", nargs="+", default=[*TORCH_RECIPES, *JAX_RECIPES])
+    parser.add_argument(
+        "--recipes",
+        nargs="+",
+        default=[*TORCH_RECIPES, *JAX_RECIPES],
+        choices=[*TORCH_RECIPES, *JAX_RECIPES, *SHARDED_RECIPES],
+    )
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--no-aot", action="store_true", help="skip the AOT Inductor runs")
+    parser.add_argument("--environments", type=int, help="only each recipe's first N environments")
     args = parser.parse_args()
     import torch
 
@@ -139,7 +217,8 @@ def main() -> int:
     )
     print(
         f"{'recipe':<16}{'trained on':<50}{'runs':>5}{'false alarms':>14}"
-        f"{'steps':>7}{'exact':>7}{'worst / bound':>15}{'max run z':>11}",
+        f"{'steps':>7}{'exact':>7}{'worst / bound':>15}{'max run z':>11}"
+        f"{'forged caught':>15}",
         flush=True,
     )
     alarms = 0
@@ -153,33 +232,19 @@ def main() -> int:
                 # (hf, lm, hf-trainer, lightning) have none.
                 aot = not args.no_aot and recipe in ("bn", "cnn")
                 environments = [e for e in TORCH_ENVIRONMENTS if aot or e[3] != "aot-inductor"]
-            for environment in environments:
+            for environment in environments[: args.environments]:
                 directory = Path(scratch) / f"{recipe}-{len(os.listdir(scratch))}"
                 error = _train(directory, recipe, args.seeds, environment)
                 if error:
                     print(f"  training failed ({recipe}, {environment[0]}): {error}")
                     alarms += 1
                     continue
-                runs = failed = steps = exact = 0
-                worst = 0.0
-                drift: float | None = None
-                for path in sorted(p for p in directory.iterdir() if p.is_dir()):
-                    runs += 1
-                    ok, message, n, e, w, z = _replay(path)
-                    steps, exact, worst = steps + n, exact + e, max(worst, w)
-                    if z is not None:
-                        drift = max(drift if drift is not None else -math.inf, z)
-                    if not ok:
-                        failed += 1
-                        print(f"  FALSE ALARM ({recipe}, {environment[0]}, {path.name}): {message}")
-                alarms += failed
-                print(
-                    f"{recipe:<16}{environment[0]:<50}{runs:>5}{failed:>14}{steps:>7}"
-                    f"{exact:>7}{worst:>15.3g}"
-                    f"{'-' if drift is None else format(drift, '.3g'):>11}",
-                    flush=True,
-                )
-    print(f"{alarms} false alarms; {time.perf_counter() - started:.0f} s", flush=True)
+                failed, missed = _row(recipe, environment[0], directory)
+                alarms += failed + missed
+    print(
+        f"{alarms} false alarms or missed forgeries; {time.perf_counter() - started:.0f} s",
+        flush=True,
+    )
     return 1 if alarms else 0
 
 
