@@ -12,11 +12,12 @@ recomputed gradient as a share of its bound.
 
 The sharded recipes (issue 56) train on several devices or processes and are replayed
 here on one: ``jax-sharded-DxM`` on a ``data`` x ``model`` mesh of eight CPU devices in
-one process, ``fsdp2`` on two gloo processes (FSDP2, AdamW, no clipping: the SDK refuses
-clipping under FSDP2). Under every environment each also trains one forged run, a
-committed gradient 1 % larger than the one the optimizer applied at one step, and the
-column "forged caught" counts the forgeries the replay rejected at that step (there must
-be one per row).
+one process, ``jax-2proc`` on two JAX processes of two devices each, ``fsdp2`` on two
+gloo processes (FSDP2, AdamW, no clipping: the SDK refuses clipping under FSDP2). Under
+every environment each also trains one forged run (a committed gradient 1 % larger than
+the one the optimizer applied at one step; in ``jax-2proc`` a committed update with one
+weight nudged by 2**-20), and the column "forged caught" counts the forgeries the replay
+rejected at the forged step (there must be one per row).
 
     python bench/cross_hardware.py                       # every unsharded recipe, 3 seeds
     python bench/cross_hardware.py --recipes bn lm --seeds 1
@@ -43,11 +44,12 @@ sys.path[:0] = [
 
 TORCH_RECIPES = ("bn", "cnn", "hf", "lm", "hf-trainer", "lightning")
 JAX_RECIPES = ("jax-digits", "jax-batchstats", "jax-lm")
-SHARDED_RECIPES = ("jax-sharded-8x1", "jax-sharded-4x2", "jax-sharded-2x4", "fsdp2")
+SHARDED_RECIPES = ("jax-sharded-8x1", "jax-sharded-4x2", "jax-sharded-2x4", "jax-2proc", "fsdp2")
 JAX_STEPS = 12
-#: The step each recipe's forged run commits a 1 % larger gradient for (recipes.py's
-#: FORGED_STEP; fsdp_runs.py's ``gradient`` mode).
-FORGED_STEP = {"fsdp2": 3, **{recipe: 5 for recipe in SHARDED_RECIPES[:3]}}
+#: The step each recipe's forged run forges: a committed gradient 1 % larger (recipes.py's
+#: FORGED_STEP; fsdp_runs.py's ``gradient`` mode), or, in jax-2proc, a committed update
+#: with one weight nudged by 2**-20 (multiprocess_runs.py's ``forged`` mode).
+FORGED_STEP = {"fsdp2": 3, "jax-2proc": 3, **{recipe: 5 for recipe in SHARDED_RECIPES[:3]}}
 #: Torch environments: (name, kernel family, threads, program kind).
 TORCH_ENVIRONMENTS = (
     ("kernels=default threads=1", "default", 1, "torch.export"),
@@ -73,8 +75,8 @@ def _train(directory: Path, recipe: str, seeds: int, environment: tuple[str, str
     from zkdv.calibrate import kernels
 
     _, family, threads, kind = environment
-    if recipe == "fsdp2":
-        return _train_fsdp2(directory, seeds, family, threads)
+    if recipe in ("fsdp2", "jax-2proc"):
+        return _train_processes(directory, recipe, seeds, family, threads)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path[:2])}
     prefix: list[str] = []
     if recipe.startswith("jax-"):
@@ -113,20 +115,40 @@ def _train(directory: Path, recipe: str, seeds: int, environment: tuple[str, str
     return "" if result.returncode == 0 else result.stderr[-2000:]
 
 
-def _train_fsdp2(directory: Path, seeds: int, family: str, threads: int) -> str:
-    """Two gloo processes per run (tests/agent/zkdv/torch/fsdp_runs.py), ``threads``
-    threads each: ``seeds`` honest runs into ``directory/fsdp2-<seed>``, and one forged
-    (``gradient`` mode) into ``directory/fsdp2-forged``."""
+def _train_processes(directory: Path, recipe: str, seeds: int, family: str, threads: int) -> str:
+    """Two processes per run: ``seeds`` honest runs into ``directory/<recipe>-<seed>`` and
+    one forged into ``directory/<recipe>-forged``. ``fsdp2``: two gloo ranks of
+    ``threads`` threads each on kernel family ``family``
+    (tests/agent/zkdv/torch/fsdp_runs.py); ``jax-2proc``: two JAX processes of two
+    devices (tests/agent/zkdv/jax/multiprocess_runs.py) on instruction set ``family``,
+    both on the first ``threads`` cores."""
+    from tests.agent.zkdv.jax import multiprocess_runs
     from tests.agent.zkdv.torch import fsdp_runs
 
     directory.mkdir()
-    runs = [(f"fsdp2-{seed}", "clean", seed) for seed in range(seeds)]
-    for name, mode, seed in [*runs, ("fsdp2-forged", "gradient", 0)]:
+    honest, forged = ("clean", "gradient") if recipe == "fsdp2" else ("replicated", "forged")
+    runs = [(f"{recipe}-{seed}", honest, seed) for seed in range(seeds)]
+    for name, mode, seed in [*runs, (f"{recipe}-forged", forged, 0)]:
         work = directory.parent / f"{directory.name}-{name}"
         work.mkdir(parents=True)
-        result = fsdp_runs.train(work, mode, world=2, kernel=family, threads=threads, seed=seed)
-        if result.returncode != 0:
-            return result.stderr[-2000:]
+        if recipe == "fsdp2":
+            result = fsdp_runs.train(work, mode, world=2, kernel=family, threads=threads, seed=seed)
+            if result.returncode != 0:
+                return result.stderr[-2000:]
+        else:
+            cores = ",".join(map(str, sorted(os.sched_getaffinity(0))[:threads]))
+            try:
+                ranks = multiprocess_runs.train(
+                    work,
+                    mode,
+                    seed=seed,
+                    env={"XLA_FLAGS": f"--xla_cpu_max_isa={family}"},
+                    prefix=["taskset", "--cpu-list", cores],
+                )
+            except RuntimeError as error:
+                return str(error)[-2000:]
+            if any("error" in rank for rank in ranks):
+                return repr(ranks)[-2000:]
         (work / "proof").rename(directory / name)
     return ""
 
