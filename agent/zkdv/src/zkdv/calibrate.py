@@ -151,7 +151,7 @@ def default_environments(root: dict[str, Any]) -> list[Environment]:
     Torch: every CPU kernel family the CPU supports (``default``, ``avx2``, ``avx512``:
     ATen's, oneDNN's and MKL's kernels together, :func:`kernels`) at the run's thread
     count, and one and twice that many threads. JAX: every XLA instruction set the CPU
-    supports.
+    supports (none for an accelerator's run that a CPU cannot run: :func:`cpu_unavailable`).
     """
     env = root.get("env") or {}
     flags = _cpu_flags()
@@ -164,7 +164,7 @@ def default_environments(root: dict[str, Any]) -> list[Environment]:
                 out.append(Environment(f"kernels={capability}", kernels(capability), threads))
         for count in sorted({1, 2 * threads} - {threads}):
             out.append(Environment(f"threads={count}", {}, count))
-    else:
+    elif not cpu_unavailable(root):
         isas = ["SSE4_2", "AVX"]
         if "avx2" in flags:
             isas.append("AVX2")
@@ -172,8 +172,6 @@ def default_environments(root: dict[str, Any]) -> list[Environment]:
             isas.append("AVX512")
         on_cpu = platform_kind(root) == "cpu"
         trained = str(env.get("cpu_isa") or "").upper() if on_cpu else ""
-        if cpu_unavailable(root):
-            return out
         for isa in isas:
             if isa != trained:
                 flag = f"--xla_cpu_max_isa={isa}"

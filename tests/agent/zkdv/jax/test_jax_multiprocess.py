@@ -21,14 +21,10 @@ from zkdv.replay import Transcript
 from zkdv.verify import verify_transcript
 
 
-def _run_two(tmp_path: Path, mode: str) -> list[dict[str, object]]:
-    return multiprocess_runs.train(tmp_path, mode)
-
-
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # _run_two gives its processes 300 s
+@pytest.mark.timeout(600)  # multiprocess_runs.train gives its processes 300 s
 def test_two_processes_write_one_transcript_that_verifies_and_replays(tmp_path: Path) -> None:
-    rank0, rank1 = _run_two(tmp_path, "replicated")
+    rank0, rank1 = multiprocess_runs.train(tmp_path, "replicated")
     assert "error" not in rank0 and "error" not in rank1, (rank0, rank1)
     # Both processes end with the same state and learn the same transcript digest.
     assert rank0["w2"] == rank1["w2"]
@@ -62,18 +58,18 @@ def test_two_processes_write_one_transcript_that_verifies_and_replays(tmp_path: 
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # _run_two gives its processes 300 s
+@pytest.mark.timeout(600)  # multiprocess_runs.train gives its processes 300 s
 def test_state_split_across_processes_is_rejected_on_every_process(tmp_path: Path) -> None:
-    results = _run_two(tmp_path, "split")
+    results = multiprocess_runs.train(tmp_path, "split")
     for result in results:
         message = str(result.get("error", ""))
         assert "split across processes" in message and "w1" in message, result
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # _run_two gives its processes 300 s
+@pytest.mark.timeout(600)  # multiprocess_runs.train gives its processes 300 s
 def test_a_nudged_update_committed_by_rank_0_is_rejected_by_the_replay(tmp_path: Path) -> None:
-    rank0, rank1 = _run_two(tmp_path, "forged")
+    rank0, rank1 = multiprocess_runs.train(tmp_path, "forged")
     assert "error" not in rank0 and "error" not in rank1, (rank0, rank1)
     # The processes trained alike; only what rank 0 committed after step 3 was changed.
     assert rank0["w2"] == rank1["w2"]

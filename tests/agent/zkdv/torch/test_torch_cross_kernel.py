@@ -46,27 +46,15 @@ RUNS = 2
 CELLS = cells(len(PAIRS), RECIPES, RUNS)
 
 
-def _train(directory: Path, runs: list[str], capability: str, threads: int) -> None:
-    """Train ``runs`` ("recipe:seed" or "forgery:name") in one process on other kernels."""
+def _run_elsewhere(arguments: list[str], capability: str) -> None:
+    """``python ARGUMENTS`` in a process of its own on other kernels; it must succeed."""
     env = {
         **os.environ,
         **kernels(capability),
-        "PYTHONPATH": os.pathsep.join(
-            [
-                str(ROOT),
-                AGENT_PYTHONPATH,
-            ]
-        ),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), AGENT_PYTHONPATH]),
     }
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.agent.zkdv.torch.train_elsewhere",
-            str(directory),
-            str(threads),
-            *runs,
-        ],
+        [sys.executable, *arguments],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -74,6 +62,12 @@ def _train(directory: Path, runs: list[str], capability: str, threads: int) -> N
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def _train(directory: Path, runs: list[str], capability: str, threads: int) -> None:
+    """Train ``runs`` ("recipe:seed" or "forgery:name") in one process on other kernels."""
+    module = "tests.agent.zkdv.torch.train_elsewhere"
+    _run_elsewhere(["-m", module, str(directory), str(threads), *runs], capability)
 
 
 @pytest.fixture(scope="module")
@@ -154,16 +148,7 @@ def test_a_tolerance_gap_forgery_trained_on_other_kernels_fails_the_drift_test(
     """Every step of the forger's windows is within the bounds of a replay on other
     kernels; what fails is that its differences point one way (``provers.drift``)."""
     capability, threads = PAIRS[0]
-    env = {**os.environ, **kernels(capability), "PYTHONPATH": f"{ROOT}:{AGENT_PYTHONPATH}"}
-    result = subprocess.run(
-        [sys.executable, "-c", _DRIFT_RUNS, str(tmp_path), str(threads)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    _run_elsewhere(["-c", _DRIFT_RUNS, str(tmp_path), str(threads)], capability)
     verdicts = {
         run: [torch_replay.verify_challenge(tmp_path / run, a, through=a + 11) for a in (0, 12)]
         for run in ("honest", "forged")
