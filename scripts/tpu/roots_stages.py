@@ -1,26 +1,23 @@
 """Where the device chunk roots of a real model's state spend their time, stage by stage.
 
     python scripts/tpu/roots_stages.py [--tiny] [--repeat 10] [--stages all] [--interpret]
-        [--chunk-kib 1024]
+        [--chunk-kib 1024] [--rows 16,32]
 
-``bench/tpu_overhead.py`` measured the chunk roots of its 135M-parameter model's state
-(592 leaves, 1,550 MiB: parameters and AdamW's two moments) at 104 ms on a v5e, where
-the Pallas kernels hash 1 GiB in 4.3 ms (``hash_layouts.py``). This times the pipeline
-of :func:`zkdv.jax.device_merkle.chunk_roots` (``KERNEL``) on that state's layout (random
-words of the same shapes and dtypes), each stage a program of its own over the previous
-stage's output, so the rows add up to about the whole:
+This times the pipeline of :func:`zkdv.jax.device_merkle.chunk_roots` (``KERNEL``) on
+the state of ``bench/tpu_overhead.py``'s 135M-parameter model (592 leaves, 1,550 MiB:
+parameters and AdamW's two moments; random words of the same shapes and dtypes), each
+stage a program of its own over the leaves:
 
 * ``read``: one read of the state (an XOR over every word), the floor;
-* ``rows``: the leaves' words concatenated into the bulk and odd matrices of message
-  words (``zkdv.device_merkle._chunk_rows``: every full Merkle chunk's BLAKE3 chunks,
-  then the odd chunks);
-* ``tiles``: the bulk matrix transposed to word-major ``(256, R, 128)`` int32 and padded
-  to whole kernel invocations (what the chunk kernel reads);
-* ``kernel``: the chunk kernel alone on those tiles;
-* ``levels``: the bulk subtrees' parent levels on its chaining values;
-* ``odd``: the odd chunks' transpose and kernel;
+* ``tiles``: every leaf's full Merkle chunks transposed into the bulk kernel's word-major
+  layout and concatenated (``_blake3_kernel._leaf_tiles``), the copy the kernel reads;
+* ``bulk``: ``_blake3_kernel.bulk_roots``: those tiles, the kernel (compression and the
+  subtrees' first levels) and the levels above it;
+* ``odd``: the odd chunks (each message's one-byte tail, the partial Merkle chunks):
+  their rows (``zkdv.device_merkle._chunk_rows``) and kernel;
 * ``roots``: the whole ``chunk_roots``, and its roots checked against the host's.
 
+``--rows`` times the bulk kernel at each number of sublane rows (``BULK_ROWS``).
 ``--tiny`` uses the bench's ``--tiny`` model, so that the script can be checked on a CPU
 (``--interpret`` there: the kernels through Pallas's interpreter; ``--chunk-kib 16``, so
 that its small leaves have full Merkle chunks); its numbers mean nothing for a TPU.
@@ -48,10 +45,11 @@ from hash_layouts import timed  # this script's folder: the same timing
 from zkdv import device_merkle as dm
 from zkdv.hashing import Domain
 from zkdv.jax import _blake3_kernel as kernels
+from zkdv.jax import device_merkle
 from zkdv.jax.device_merkle import KERNEL, JaxOps, chunk_roots, leaf_words
 from zkdv.merkle import commit_state
 
-STAGES = ("read", "rows", "tiles", "kernel", "levels", "odd", "roots")
+STAGES = ("read", "tiles", "bulk", "odd", "roots")
 
 
 def state_shapes(tiny: bool) -> list[jax.ShapeDtypeStruct]:
@@ -77,12 +75,11 @@ def random_state(shapes: list[jax.ShapeDtypeStruct]) -> list[jax.Array]:
 
 
 def stage_programs(plan: dm.HashPlan, interpret: bool) -> dict[str, Callable[..., Any]]:
-    """Each stage as a jitted function of the previous stage's output."""
+    """Each stage as a jitted function of the leaves."""
     ops = JaxOps(unroll=False, kernel=True)
     key = dm.key_words(Domain.LEAF)
-    per, nbulk = plan.per_message, plan.bulk_messages
-    count = nbulk * per
-    rows = kernels._rows_for(count)
+    per = plan.per_message
+    full = [i for i, leaf in enumerate(plan.leaves) if leaf.full]
 
     def read(leaves: list[jax.Array]) -> jax.Array:
         total = jnp.uint32(0)
@@ -92,26 +89,23 @@ def stage_programs(plan: dm.HashPlan, interpret: bool) -> dict[str, Callable[...
             )
         return total
 
-    def to_rows(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
-        return dm._chunk_rows(ops, plan, [leaf_words(leaf) for leaf in leaves])
+    def tiles(leaves: list[jax.Array]) -> jax.Array:
+        rows = kernels.BULK_ROWS
+        unit = max(rows * 128, per)
+        out = []
+        for i in full:
+            n = plan.leaves[i].full * per
+            padded = -(-n // unit) * unit
+            words = leaf_words(leaves[i])
+            out.append(kernels._leaf_tiles(words, n, padded, per, rows)[0])
+        return jnp.concatenate(out, axis=1)
 
-    def tiles(bulk: jax.Array) -> jax.Array:
-        return kernels._tiles(jax.lax.bitcast_convert_type(bulk, jnp.int32).T, rows)
+    def bulk(leaves: list[jax.Array]) -> list[jax.Array]:
+        words = [leaf_words(leaves[i]) for i in full]
+        return kernels.bulk_roots(words, [plan.leaves[i].full for i in full], key, per)
 
-    def kernel(words: jax.Array) -> jax.Array:
-        chunk = functools.partial(kernels._chunk_kernel, key, per, rows, not interpret)
-        return kernels._call(chunk, [words], rows, interpret).reshape(8, -1)[:, :count]
-
-    def levels(cv: jax.Array) -> jax.Array:
-        cv = cv.reshape(8, nbulk, per)
-        while cv.shape[2] > 1:
-            half = cv.shape[2] // 2
-            pairs = cv.reshape(8, nbulk * half, 2)
-            cv = kernels.parents(pairs[:, :, 0], pairs[:, :, 1], key, interpret)
-            cv = cv.reshape(8, nbulk, half)
-        return cv
-
-    def odd(matrix: jax.Array) -> jax.Array:
+    def odd(leaves: list[jax.Array]) -> jax.Array:
+        _, matrix = dm._chunk_rows(ops, plan, [leaf_words(leaf) for leaf in leaves], bulk=False)
         tables = jnp.asarray(
             np.stack([plan.odd_counter, plan.odd_length, plan.odd_root]).astype(np.int32)
         )
@@ -119,14 +113,7 @@ def stage_programs(plan: dm.HashPlan, interpret: bool) -> dict[str, Callable[...
 
     return {
         name: jax.jit(fn)
-        for name, fn in (
-            ("read", read),
-            ("rows", to_rows),
-            ("tiles", tiles),
-            ("kernel", kernel),
-            ("levels", levels),
-            ("odd", odd),
-        )
+        for name, fn in (("read", read), ("tiles", tiles), ("bulk", bulk), ("odd", odd))
     }
 
 
@@ -137,6 +124,7 @@ def main() -> None:
     parser.add_argument("--stages", default="all")
     parser.add_argument("--interpret", action="store_true")
     parser.add_argument("--chunk-kib", type=int, default=1024)
+    parser.add_argument("--rows", default="16", help="kernels.BULK_ROWS to time, comma-separated")
     args = parser.parse_args()
     stages = STAGES if args.stages == "all" else tuple(args.stages.split(","))
     shapes = state_shapes(args.tiny)
@@ -149,32 +137,36 @@ def main() -> None:
         f"{plan.bulk_messages} bulk Merkle chunks, {len(plan.odd_counter)} odd BLAKE3 chunks",
         flush=True,
     )
-    programs = stage_programs(plan, args.interpret)
-    values: dict[str, Any] = {}
-    inputs = {
-        "read": lambda: programs["read"](leaves),
-        "rows": lambda: programs["rows"](leaves),
-        "tiles": lambda: programs["tiles"](values["rows"][0]),
-        "kernel": lambda: programs["kernel"](values["tiles"]),
-        "levels": lambda: programs["levels"](values["kernel"]),
-        "odd": lambda: programs["odd"](values["rows"][1]),
-        "roots": lambda: chunk_roots(leaves, chunk_bytes, schedule=KERNEL),
-    }
-    needs = {"tiles": "rows", "kernel": "tiles", "levels": "kernel", "odd": "rows"}
+    for rows in args.rows.split(","):
+        kernels.BULK_ROWS = int(rows)
+        device_merkle._program.cache_clear()
+        print(f"-- {rows} rows", flush=True)
+        run_stages(stage_programs(plan, args.interpret), leaves, stages, chunk_bytes, args)
+
+
+def run_stages(
+    programs: dict[str, Callable[..., Any]],
+    leaves: list[jax.Array],
+    stages: tuple[str, ...],
+    chunk_bytes: int,
+    args: argparse.Namespace,
+) -> None:
+    nbytes = sum(leaf.nbytes for leaf in leaves)
     total = 0.0
-    for name in STAGES:
-        wanted = name in stages or any(needs.get(s) == name for s in stages)
-        if not wanted or (name in needs and needs[name] not in values):
-            continue
-        first, run, values[name] = timed(inputs[name], args.repeat)
-        if name not in ("read", "roots"):
+    for name in stages:
+        if name == "roots":
+            fn = lambda: chunk_roots(leaves, chunk_bytes, schedule=KERNEL)  # noqa: E731
+        else:
+            fn = functools.partial(programs[name], leaves)
+        first, run, value = timed(fn, args.repeat)
+        if name in ("bulk", "odd"):
             total += run
         note = ""
         if name == "roots":
             host = [(str(i), np.asarray(leaf)) for i, leaf in enumerate(leaves)]
             want = list(commit_state(host, chunk_bytes).chunk_roots)
-            same = dm.roots_to_bytes(np.asarray(values[name])) == want
-            note = f"; stages above: {total * 1e3:.2f} ms; " + (
+            same = dm.roots_to_bytes(np.asarray(value)) == want
+            note = f"; bulk + odd: {total * 1e3:.2f} ms; " + (
                 "every root equals the host's" if same else "ROOTS DIFFER"
             )
         print(

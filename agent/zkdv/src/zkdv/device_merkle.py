@@ -131,9 +131,9 @@ class Ops(Protocol):
     def loop(
         self, count: int, body: Callable[[Any, list[Any]], list[Any]], init: list[Any]
     ) -> list[Any]: ...
-    def bulk_roots(self, matrix: Any, key: Sequence[int], per: int, nbulk: int) -> list[Any] | None:
-        """Steps 1-2 by a backend's own kernels (:func:`_bulk_roots`'s result, the same
-        bits), or None to run the array code here."""
+    def bulk_roots(self, plan: HashPlan, words: Sequence[Any], key: Sequence[int]) -> Any:
+        """Steps 1-2 by a backend's kernels from the leaves' words as they lie, or None
+        for the array code: :func:`_bulk_roots`'s result and each message's last data word."""
         ...
 
     def odd_chunks(self, matrix: Any, key: Sequence[int], plan: HashPlan) -> list[Any] | None:
@@ -515,10 +515,12 @@ def chunk_roots(ops: Ops, plan: HashPlan, leaf_words: Sequence[Any]) -> list[Any
         return [ops.zeros((0,)) for _ in range(8)]
     leaf_key = [ops.const(w) for w in key_words(Domain.LEAF)]
     node_key = [ops.const(w) for w in key_words(Domain.NODE)]
-    bulk, matrix = _chunk_rows(ops, plan, leaf_words)
     hashes: list[Any] = []
     nbulk = plan.bulk_messages
-    if nbulk:
+    kernel = ops.bulk_roots(plan, leaf_words, key_words(Domain.LEAF)) if nbulk else None
+    bulk_roots, last = kernel if kernel is not None else (None, None)
+    bulk, matrix = _chunk_rows(ops, plan, leaf_words, last=last)
+    if nbulk and bulk_roots is None:
         bulk_roots = _bulk_roots(ops, plan, bulk, leaf_key)
     odd_count = len(plan.odd_counter)
     odd_cv = ops.odd_chunks(matrix, key_words(Domain.LEAF), plan)
@@ -531,7 +533,7 @@ def chunk_roots(ops: Ops, plan: HashPlan, leaf_words: Sequence[Any]) -> list[Any
             return counter, ops.row(tables[0], j), ops.row(tables[1], j), ops.row(tables[2], j)
 
         odd_cv = _chunk_batch(ops, matrix, leaf_key, plan.odd_blocks, odd_params, odd_count)
-    if nbulk:
+    if bulk_roots is not None:
         tails = _take(ops, odd_cv, plan.tail_index)
         hashes = _parent(ops, leaf_key, bulk_roots, tails, ops.const(PARENT | KEYED_HASH | ROOT))
     odd_tree = plan.odd_tree
@@ -552,28 +554,30 @@ def chunk_roots(ops: Ops, plan: HashPlan, leaf_words: Sequence[Any]) -> list[Any
     return _reduce(ops, plan.merkle_tree, x, nodes)
 
 
-def _chunk_rows(ops: Ops, plan: HashPlan, leaf_words: Sequence[Any]) -> tuple[Any, Any]:
+def _chunk_rows(
+    ops: Ops, plan: HashPlan, leaf_words: Sequence[Any], *, last: Any = None
+) -> tuple[Any, Any]:
     """Every chunk of the state as rows of 256 message words: the bulk matrix (each full
     Merkle chunk's full BLAKE3 chunks, ``per_message`` rows a message; None when there
-    are none) and the odd matrix, in :meth:`HashPlan.build`'s order.
+    are none, or when ``last``, the bulk messages' last data words, says that
+    :meth:`Ops.bulk_roots` hashed them) and the odd matrix, in :meth:`HashPlan.build`'s order.
 
-    The leaves are concatenated twice (their full Merkle chunks, then their partial
-    ones) and each concatenation is shifted into messages at once, so the program has a
-    few operations per leaf (slices and pads that fuse into the concatenations) rather
-    than a message's construction per leaf: a 135M-parameter model's state has about 600
-    leaves.
+    The leaves' full and partial Merkle chunks are concatenated and each run shifted into
+    messages at once: a few operations per leaf (of about 600 in a 135M model's state).
     """
     per = plan.per_message
     width = plan.chunk_bytes // 4
     pairs = list(zip(plan.leaves, leaf_words, strict=True))
-    bulk = None
+    matrix = None
     odd: list[Any] = []
     fulls = [words[: leaf.full * width] for leaf, words in pairs if leaf.full]
-    if fulls:
+    if last is not None:  # only each message's one-byte tail chunk: its last byte
+        odd.append(ops.pad_to(ops.shr(last, 24).reshape(-1, 1), CHUNK_WORDS))
+    elif fulls:
         data = (ops.concat(fulls) if len(fulls) > 1 else fulls[0]).reshape(-1, width)
         body, tail = _message(ops, data, data.shape[0], chunk_bytes=plan.chunk_bytes)
         if per:
-            bulk = body.reshape(-1, CHUNK_WORDS)
+            matrix = body.reshape(-1, CHUNK_WORDS)
             odd.append(ops.pad_to(tail.reshape(-1, 1), CHUNK_WORDS))
         else:
             whole = ops.concat([body, tail.reshape(-1, 1)], axis=1)
@@ -590,16 +594,13 @@ def _chunk_rows(ops: Ops, plan: HashPlan, leaf_words: Sequence[Any]) -> tuple[An
         data = ops.concat(partials) if len(partials) > 1 else partials[0]
         carried = ops.shr(ops.concat([ops.zeros((1,)), data[:-1]]), 24)
         odd.append((ops.shl(data, 8) | carried).reshape(-1, CHUNK_WORDS))
-    return bulk, ops.concat(odd) if len(odd) > 1 else odd[0]
+    return matrix, ops.concat(odd) if len(odd) > 1 else odd[0]
 
 
 def _bulk_roots(ops: Ops, plan: HashPlan, matrix: Any, leaf_key: list[Any]) -> list[Any]:
     """The root of the perfect subtree of each bulk message's ``per_message`` full chunks."""
     per = plan.per_message
     nbulk = plan.bulk_messages
-    kernel = ops.bulk_roots(matrix, key_words(Domain.LEAF), per, nbulk)
-    if kernel is not None:
-        return kernel
     count = nbulk * per
     counter = ops.array((np.arange(count) % per).astype(np.uint32))
 
@@ -719,7 +720,7 @@ class EagerOps:
 
     loop = fori
 
-    def bulk_roots(self, matrix: Any, key: Sequence[int], per: int, nbulk: int) -> list[Any] | None:
+    def bulk_roots(self, plan: HashPlan, words: Sequence[Any], key: Sequence[int]) -> Any:
         return None
 
     def odd_chunks(self, matrix: Any, key: Sequence[int], plan: HashPlan) -> list[Any] | None:

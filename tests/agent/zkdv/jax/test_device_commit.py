@@ -148,24 +148,33 @@ def test_the_fused_schedule_gives_the_same_roots() -> None:
     assert _device_roots(leaves, 64, FUSED) == list(commit_state(leaves, 64).chunk_roots)
 
 
-def test_the_bulk_kernels_match_the_reference_at_every_batch_size() -> None:
-    """The Pallas kernels alone (interpreted), against the numpy reference: batches
-    that fill whole kernel invocations and ones that are padded, one chunk a message
-    and many (the chunk counter wraps at each message, the subtree's levels pair
-    neighbours)."""
-    from zkdv.device_merkle import NumpyOps, _bulk_roots
-    from zkdv.jax._blake3_kernel import ROWS, bulk_roots
+def test_the_bulk_kernel_matches_the_reference_at_every_batch_size() -> None:
+    """The Pallas kernels alone (interpreted), against the numpy reference, over several
+    leaves at once: leaves that fill whole kernel invocations and ones that are padded,
+    one chunk a message and many (the counter wraps at each message; the subtree's
+    levels in the kernel and above it), messages longer than an invocation, and each
+    message's last data word (its tail chunk)."""
+    from zkdv.device_merkle import NumpyOps, _bulk_roots, _chunk_rows
+    from zkdv.jax._blake3_kernel import BULK_ROWS, bulk_roots
 
     rng = np.random.default_rng(7)
     key = key_words(Domain.LEAF)
-    for per, nbulk in [(1, 3), (4, 5), (64, 2), (2, ROWS * 128)]:
-        matrix = rng.integers(0, 1 << 32, (per * nbulk, 256), dtype=np.uint64).astype(np.uint32)
-        plan = HashPlan.build([per * 1024] * nbulk, per * 1024)
+    size = BULK_ROWS * 128
+    for per, counts in [(1, [3]), (4, [5, 1]), (64, [2, 3]), (2, [size, 1]), (2 * size, [1])]:
+        width = per * 256
+        words = [
+            rng.integers(0, 1 << 32, n * width + extra, dtype=np.uint64).astype(np.uint32)
+            for n, extra in zip(counts, [5, 0, 9], strict=False)
+        ]
+        plan = HashPlan.build([w.size * 4 for w in words], per * 1024)
+        matrix, _ = _chunk_rows(NumpyOps(), plan, words)
         with np.errstate(over="ignore"):
             want = _bulk_roots(NumpyOps(), plan, matrix, [np.uint32(k) for k in key])
-        got = jax.jit(lambda m, p=per, n=nbulk: bulk_roots(m, key, p, n))(matrix)
+        got, last = jax.jit(lambda w, c=counts, p=per: bulk_roots(w, c, key, p))(words)
         for word, (mine, reference) in enumerate(zip(got, want, strict=True)):
             np.testing.assert_array_equal(np.asarray(mine), reference, err_msg=f"{per=} {word=}")
+        ends = [w[width - 1 : n * width : width] for w, n in zip(words, counts, strict=True)]
+        np.testing.assert_array_equal(np.asarray(last), np.concatenate(ends), err_msg=f"{per=}")
 
 
 def test_the_odd_chunk_kernel_matches_the_reference() -> None:
@@ -214,9 +223,10 @@ def test_the_accelerators_roots_program_lowers_for_tpu() -> None:
     text = exported.mlir_module()
     assert not re.findall(r"[x<](?:f64|i64|ui64)>", text)
     assert exported.out_avals[0].shape == (3, 8)
-    # The bulk is Mosaic kernels: the chunks', one per subtree level (1 MiB chunks: ten)
-    # and the odd chunks', so their compressions are not in the XLA program.
-    assert text.count("tpu_custom_call") == 12
+    # The bulk is Mosaic kernels: the chunks' (with the first four levels of their
+    # subtrees), one per level above those (1 MiB chunks: six more) and the odd chunks',
+    # so their compressions are not in the XLA program.
+    assert text.count("tpu_custom_call") == 8
     # Every rotation is an OR of two shifts: FUSED unrolls the blocks and the levels (2,235
     # ORs for this layout), BLOCKWISE loops over them (357), KERNEL leaves XLA the rest.
     fused = jax.export.export(

@@ -5,12 +5,16 @@ every full 1 KiB BLAKE3 chunk, then the perfect subtrees over each Merkle chunk'
 chunks. Written as ``jax.numpy`` array code (:class:`zkdv.jax.device_merkle.JaxOps`),
 XLA's TPU compiler took 80 s over it for a 135M-parameter model and ran it at 5 GB/s,
 155x one read of the state from HBM (``docs/reliability.md`` section 10). Here the same
-arithmetic runs word-major: the chunks are transposed once so that each of a block's
-sixteen message words is a whole ``(rows, 128)`` tile of chunks, BLAKE3's sixteen state
-words are sixteen separate tiles (no stacked rows to shuffle), and one kernel
-invocation compresses all 16 blocks of ``rows * 128`` chunks with the chaining value in
-vector registers. Measured on a v5e over 512 MiB (``scripts/tpu/hash_layouts.py``): 217
-GB/s, compiled in 0.5 s, bit-identical to the reference.
+arithmetic runs word-major: each leaf's data is transposed once so that each of a
+block's sixteen message words is a whole ``(rows, 128)`` tile of chunks, BLAKE3's
+sixteen state words are sixteen separate tiles (no stacked rows to shuffle), and one
+kernel invocation compresses all 16 blocks of ``rows * 128`` chunks with the chaining
+value in vector registers, builds the message words from the data words (the leaf
+prefix's one-byte shift) as it reads them, and hashes the first levels of the chunks'
+subtrees, whose neighbours it holds in neighbouring rows of the same lane. Measured on
+a v5e: the kernel alone hashes at 255 GB/s, where it is compute-bound
+(``scripts/tpu/hash_layouts.py``); the whole state's roots, with the transposes, the
+odd chunks and the trees, at 39 GB/s (``scripts/tpu/roots_stages.py``).
 
 The kernels compute in int32 (the same bits as uint32: addition wraps, shifts are
 logical), which every Pallas backend supports. :func:`bulk_roots` lowers them for the
@@ -30,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from zkdv.device_merkle import (
     _PERMUTATION,
@@ -49,6 +54,11 @@ __all__ = ["bulk_roots", "odd_chunks"]
 #: (4 MiB of message). 8 rows ran at 151 GB/s on the v5e, 16 and 32 at 215-217 GB/s.
 ROWS = 32
 LANES = 128
+#: Sublane rows of chunks per invocation of the bulk kernel: 16 x 128 = 2048 chunks, 2
+#: MiB of a leaf (each leaf is padded to whole invocations). On a v5e the bench state's
+#: roots took 42.1 ms so; pairing the rows' halves, 48.0 ms at 16 rows and 53.6 at 32
+#: (``docs/reliability.md`` section 10).
+BULK_ROWS = 16
 
 
 def _i32(value: int) -> int:
@@ -107,25 +117,60 @@ def compress(
     return [state[i] ^ state[i + 8] for i in range(8)]
 
 
-def _chunk_kernel(
-    key: tuple[int, ...], per: int, rows: int, unroll: bool, x_ref: Any, o_ref: Any
+def _message_kernel(
+    key: tuple[int, ...],
+    per: int,
+    rows: int,
+    levels: int,
+    unroll: bool,
+    x_ref: Any,
+    p_ref: Any,
+    o_ref: Any,
+    s_ref: Any,
 ) -> None:
-    """Chaining values of ``rows * 128`` full chunks: ``x_ref`` is ``(256, rows, 128)``
-    (word, chunk), chunk ``i`` of the batch being chunk ``i % per`` of its message."""
+    """The subtrees of ``2**levels`` chunks over ``rows * 128`` full chunks of leaf data.
+
+    ``x_ref`` is ``(256, rows, 128)`` data words (word, chunk); the chunk at ``(r, l)`` is
+    chunk ``l * rows + r`` of the block, so that neighbouring chunks share a lane: a
+    subtree's level pairs every other row (strided loads from VMEM) rather than shuffling
+    lanes. (Pairing the two halves of the rows, with the rows bit-reversed by the
+    transpose, was slower on a v5e: the transpose's longer shape costs more than the
+    strided loads, ``docs/reliability.md`` section 10.) ``p_ref`` ``(1, rows, 128)``
+    holds the data word before each chunk (zero where a message starts): message word
+    ``k`` is ``(d[k-1] >> 24) | (d[k] << 8)``, the leaf prefix byte shifting the data by
+    one byte, computed here rather than by a pass over the state in HBM.
+    """
     shape = (rows, LANES)
-    first = pl.program_id(0) * (rows * LANES)
-    index = first + lax.broadcasted_iota(jnp.int32, shape, 0) * LANES
-    counter = (index + lax.broadcasted_iota(jnp.int32, shape, 1)) & (per - 1)
+    row = lax.broadcasted_iota(jnp.int32, shape, 0)
+    offset = lax.broadcasted_iota(jnp.int32, shape, 1) * rows + row
+    counter = (pl.program_id(0) * (rows * LANES) + offset) & (per - 1)
 
-    def block(j: Any, cv: tuple[Any, ...]) -> tuple[Any, ...]:
+    def block(j: Any, state: tuple[Any, ...]) -> tuple[Any, ...]:
         flags = KEYED_HASH | jnp.where(j == 0, CHUNK_START, 0) | jnp.where(j == 15, CHUNK_END, 0)
-        m = [x_ref[j * 16 + w] for w in range(16)]
-        return tuple(compress(cv, m, counter, 64, flags.astype(jnp.int32), unroll=unroll))
+        prev, m = state[8], []
+        for w in range(16):
+            data = x_ref[j * 16 + w]
+            m.append(
+                lax.shift_left(data, jnp.int32(8)) | lax.shift_right_logical(prev, jnp.int32(24))
+            )
+            prev = data
+        out = compress(state[:8], m, counter, 64, flags.astype(jnp.int32), unroll=unroll)
+        return (*out, prev)
 
-    init = tuple(jnp.full(shape, _i32(k), jnp.int32) for k in key)
-    cv = lax.fori_loop(jnp.int32(0), jnp.int32(CHUNK_WORDS // 16), block, init)
+    init = (*(jnp.full(shape, _i32(k), jnp.int32) for k in key), p_ref[0])
+    cv = list(lax.fori_loop(jnp.int32(0), jnp.int32(CHUNK_WORDS // 16), block, init)[:8])
+    n = rows
+    for _ in range(levels):
+        for i in range(8):
+            s_ref[i, pl.ds(0, n)] = cv[i]
+        n //= 2
+        pair = (s_ref[:, pl.ds(0, n, stride=2)], s_ref[:, pl.ds(1, n, stride=2)])
+        left, right = [pair[0][i] for i in range(8)], [pair[1][i] for i in range(8)]
+        zero = jnp.zeros((n, LANES), jnp.int32)
+        parent = [zero + _i32(k) for k in key]
+        cv = compress(parent, left + right, 0, 64, KEYED_HASH | PARENT, unroll=unroll)
     for i in range(8):
-        o_ref[i] = cv[i]
+        o_ref[0, i] = cv[i]
 
 
 def _odd_kernel(key: tuple[int, ...], unroll: bool, x_ref: Any, t_ref: Any, o_ref: Any) -> None:
@@ -189,20 +234,6 @@ def _rows_for(n: int) -> int:
     return ROWS if n >= ROWS * LANES else 8
 
 
-def _bulk(matrix: Any, key: tuple[int, ...], per: int, nbulk: int, interpret: bool) -> Any:
-    count = matrix.shape[0]
-    rows = _rows_for(count)
-    words = _tiles(lax.bitcast_convert_type(matrix, jnp.int32).T, rows)
-    kernel = functools.partial(_chunk_kernel, key, per, rows, not interpret)
-    cv = _call(kernel, [words], rows, interpret).reshape(8, -1)[:, :count]
-    cv = cv.reshape(8, nbulk, per)
-    while cv.shape[2] > 1:  # each message's perfect subtree, a level at a time
-        half = cv.shape[2] // 2
-        pairs = cv.reshape(8, nbulk * half, 2)
-        cv = parents(pairs[:, :, 0], pairs[:, :, 1], key, interpret).reshape(8, nbulk, half)
-    return lax.bitcast_convert_type(cv.reshape(8, nbulk), jnp.uint32)
-
-
 def _odd(matrix: Any, tables: Any, key: tuple[int, ...], interpret: bool) -> Any:
     count = matrix.shape[0]
     rows = _rows_for(count)
@@ -247,24 +278,113 @@ def parents(left: Any, right: Any, key: tuple[int, ...], interpret: bool) -> Any
     return _call(kernel, tiles, rows, interpret).reshape(8, -1)[:, :n]
 
 
-def bulk_roots(matrix: Any, key: Sequence[int], per: int, nbulk: int) -> list[Any]:
-    """The root of each bulk message's perfect subtree (``zkdv.device_merkle`` steps 1-2).
+def _to_tiles(v: Any, rows: int) -> Any:
+    """``(..., blocks * rows * 128)`` in chunk order -> ``(..., blocks * rows, 128)`` in
+    :func:`_message_kernel`'s layout (with the transpose before it, one copy in XLA)."""
+    lead = v.shape[:-1]
+    v = v.reshape(*lead, -1, LANES, rows).swapaxes(-1, -2)
+    return v.reshape(*lead, -1, LANES)
+
+
+def _from_tiles(t: Any) -> Any:
+    """The inverse of :func:`_to_tiles`, over ``(..., blocks, rows, 128)``."""
+    return t.swapaxes(-1, -2).reshape(*t.shape[:-3], -1)
+
+
+def _leaf_tiles(words: Any, n: int, padded: int, per: int, rows: int) -> tuple[Any, Any, Any]:
+    """A leaf's first ``n`` chunks in the kernel's layout, zero-padded to ``padded``; the
+    data word before each chunk (zero where a message starts), likewise; each chunk's
+    last data word, in chunk order."""
+    data = lax.bitcast_convert_type(words[: n * CHUNK_WORDS], jnp.int32).reshape(n, CHUNK_WORDS)
+    tiles = _to_tiles(jnp.pad(data, ((0, padded - n), (0, 0))).T, rows)
+    last = _from_tiles(tiles[CHUNK_WORDS - 1].reshape(-1, rows, LANES))
+    prev = jnp.concatenate([jnp.zeros((1,), jnp.int32), last[:-1]])
+    prev = jnp.where(jnp.arange(padded) % per == 0, 0, prev)
+    return tiles, _to_tiles(prev, rows), last
+
+
+def _bulk(
+    *leaf_words: Any,
+    counts: tuple[int, ...],
+    key: tuple[int, ...],
+    per: int,
+    interpret: bool,
+) -> tuple[Any, Any]:
+    """``(8, sum(counts))`` int32: the perfect subtree of each full Merkle chunk (``per``
+    BLAKE3 chunks) of each leaf, in one kernel call over every leaf's tiles; and each
+    one's last data word (``(sum(counts),)``: its tail chunk's byte).
+
+    Each leaf is padded to whole kernel invocations (and whole messages), so that a chunk's
+    counter is its index in the batch modulo ``per``.
+    """
+    rows = BULK_ROWS
+    size = rows * LANES
+    unit = max(size, per)
+    tiles, prevs, spans, lasts = [], [], [], []
+    for words, count in zip(leaf_words, counts, strict=True):
+        n = count * per
+        padded = -(-n // unit) * unit
+        leaf_tiles, prev, last = _leaf_tiles(words, n, padded, per, rows)
+        lasts.append(last[per - 1 : n : per])
+        tiles.append(leaf_tiles)
+        prevs.append(prev)
+        spans.append((n, padded))
+    levels = min(per.bit_length(), rows.bit_length()) - 1
+    out_rows = rows >> levels
+    blocks = sum(padded for _, padded in spans) // size
+    kernel = functools.partial(_message_kernel, key, per, rows, levels, not interpret)
+    out = pl.pallas_call(
+        kernel,
+        grid=(blocks,),
+        in_specs=[
+            pl.BlockSpec((CHUNK_WORDS, rows, LANES), lambda i: (0, i, 0)),
+            pl.BlockSpec((1, rows, LANES), lambda i: (0, i, 0)),
+        ],
+        out_specs=pl.BlockSpec((1, 8, out_rows, LANES), lambda i: (i, 0, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((blocks, 8, out_rows, LANES), jnp.int32),  # type: ignore[no-untyped-call]
+        scratch_shapes=[pltpu.VMEM((8, rows, LANES), jnp.int32)],
+        interpret=interpret,
+    )(jnp.concatenate(tiles, axis=1), jnp.concatenate(prevs)[None])
+    cv = _from_tiles(out.swapaxes(0, 1))
+    pieces, start = [], 0
+    for n, padded in spans:
+        pieces.append(cv[:, start >> levels : (start + n) >> levels])
+        start += padded
+    cv = jnp.concatenate(pieces, axis=1)
+    width = per >> levels
+    while width > 1:  # the levels above a lane's rows, a level at a time
+        pairs = cv.reshape(8, -1, 2)
+        cv = parents(pairs[:, :, 0], pairs[:, :, 1], key, interpret)
+        width //= 2
+    return cv, jnp.concatenate(lasts)
+
+
+def bulk_roots(
+    leaf_words: Sequence[Any], counts: Sequence[int], key: Sequence[int], per: int
+) -> tuple[list[Any], Any]:
+    """The root of each bulk message's perfect subtree (``zkdv.device_merkle`` steps 1-2)
+    from the leaves' data words: one copy of them into the kernel's word-major layout (the
+    transposes and their concatenation, which XLA fuses), and the leaf prefix's byte
+    shift, the compression and the subtrees' first levels in the kernel.
 
     Args:
-        matrix: ``(nbulk * per, 256)`` uint32: every full BLAKE3 chunk of every bulk
-            message, ``per`` consecutive rows a message.
+        leaf_words: each leaf with full Merkle chunks, as 1-D uint32 words.
+        counts: each one's full Merkle chunks (its first ``count * per * 256`` words).
         key: the eight words of the BLAKE3 key.
-        per: full chunks in a message, a power of two.
-        nbulk: messages.
+        per: full BLAKE3 chunks in a Merkle chunk, a power of two.
 
     Returns:
-        Eight ``(nbulk,)`` uint32 arrays: word ``i`` of each subtree's chaining value
-        (not a root node: the message's tail chunk is its root's right child).
+        Eight ``(sum(counts),)`` uint32 arrays, leaf after leaf: word ``i`` of each
+        subtree's chaining value (not a root node: the message's tail chunk is its
+        root's right child); and each message's last data word, whose top byte is
+        its tail chunk.
     """
     key = tuple(int(k) for k in key)
-    out = lax.platform_dependent(
-        matrix,
-        tpu=functools.partial(_bulk, key=key, per=per, nbulk=nbulk, interpret=False),
-        default=functools.partial(_bulk, key=key, per=per, nbulk=nbulk, interpret=True),
+    bulk = functools.partial(_bulk, counts=tuple(counts), key=key, per=per)
+    cv, last = lax.platform_dependent(
+        *leaf_words,
+        tpu=functools.partial(bulk, interpret=False),
+        default=functools.partial(bulk, interpret=True),
     )
-    return [out[i] for i in range(8)]
+    cv = lax.bitcast_convert_type(cv, jnp.uint32)
+    return [cv[i] for i in range(8)], lax.bitcast_convert_type(last, jnp.uint32)

@@ -139,12 +139,13 @@ class JaxOps:
         self.unroll_blocks = unroll if unroll_blocks is None else unroll_blocks
         self.kernel = kernel
 
-    def bulk_roots(self, matrix: Any, key: Sequence[int], per: int, nbulk: int) -> list[Any] | None:
-        if not self.kernel:
+    def bulk_roots(self, plan: HashPlan, words: Sequence[Any], key: Sequence[int]) -> Any:
+        if not self.kernel or not plan.per_message:
             return None
         from zkdv.jax._blake3_kernel import bulk_roots  # Pallas only where it is asked for
 
-        return bulk_roots(matrix, key, per, nbulk)
+        full = [(w, leaf.full) for leaf, w in zip(plan.leaves, words, strict=True) if leaf.full]
+        return bulk_roots([w for w, _ in full], [n for _, n in full], key, plan.per_message)
 
     def odd_chunks(self, matrix: Any, key: Sequence[int], plan: HashPlan) -> list[Any] | None:
         if not self.kernel:
