@@ -342,6 +342,37 @@ def _replay_whole(
     return params, opt_state, buffers
 
 
+_ROOT_NAMES = {"p": "parameters", "o": "optimizer state", "b": "buffers"}
+
+
+def _differing(
+    transcript: Transcript, k: int, replayed_roots: tuple[bytes, ...], params: Leaves
+) -> str:
+    """Which fields of step ``k``'s record the replayed post-update state differs in.
+
+    The committed roots (``post.p``, ``post.o``, ``post.b``) that differ, and for the
+    parameters the first whose committed post-update probes are not the replayed ones'.
+    """
+    committed = roots(transcript.steps[k]["post"])
+    fields = [
+        f"post.{key} ({_ROOT_NAMES[key]})"
+        for key, mine, theirs in zip(ROOT_KEYS, replayed_roots, committed, strict=True)
+        if mine != theirs
+    ]
+    probes = transcript.committed_probes(k)
+    if probes is not None and replayed_roots[0] != committed[0]:
+        offset = 0
+        projected = transcript.probes.project_all([a for _, a in params])
+        for (name, _), row in zip(params, projected, strict=True):
+            mine = np.asarray(row, np.float32).reshape(-1)
+            theirs = probes[1, offset : offset + mine.size].astype(np.float32)
+            offset += mine.size
+            if (mine.view(np.uint32) != theirs.view(np.uint32)).any():
+                fields.append(f"first at parameter {name}")
+                break
+    return "differs in " + ", ".join(fields) if fields else "no committed root differs"
+
+
 def _gradient_evidence(comparison: Comparison) -> dict[str, Any]:
     worst = comparison.worst
     return {
@@ -385,8 +416,9 @@ def _replay_halves(
         raise ReplayError(
             "replay_mismatch",
             f"step {k}: the optimizer applied to the committed gradient does not give the "
-            "committed post-update state (the update is canonical: the same bits on any "
-            "hardware); the state was changed otherwise than by this step's update",
+            f"committed post-update state ({_differing(transcript, k, replayed_roots, params)}; "
+            "the update is canonical: the same bits on any hardware); the state was changed "
+            "otherwise than by this step's update",
         )
     excess = _update_probe_excess(
         transcript,
