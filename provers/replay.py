@@ -58,6 +58,8 @@ __all__ = [
 ]
 
 ROOT_KEYS = ("p", "o", "b")
+#: How a replayed step's post-update state was judged (``StepEvidence.state``).
+_STATE_EXACT, _STATE_TOLERANCE = "exact", "tolerance"
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,10 @@ class StepEvidence:
     a run that commits gradients, its recomputed gradient). ``gradient``: for such a
     run, how the recomputed values compared with the committed ones (the worst leaf's
     divergence and bound, and ``margin``: divergence over bound, 0 when bitwise equal,
-    above 1 beyond the bound).
+    above 1 beyond the bound). ``state``: how the post-update state was judged:
+    ``exact`` (its roots reproduced), ``tolerance`` (only its probes, within the run's
+    tolerance: a step that commits no gradient, or whose update is not canonical,
+    replayed where the bits differ); None where the step failed before.
     """
 
     step: int
@@ -77,6 +82,7 @@ class StepEvidence:
     probe_excess: float | None  # worst |diff| - bound over the probes; <= 0 is within tolerance
     ok: bool
     gradient: dict[str, Any] | None = None
+    state: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -86,6 +92,7 @@ class StepEvidence:
             "probe_excess": self.probe_excess,
             "ok": self.ok,
             "gradient": self.gradient,
+            "state": self.state,
         }
 
 
@@ -338,7 +345,8 @@ def _replay_whole(
             "replay_mismatch",
             f"step {k}: the replayed state does not reproduce the committed roots and the run has no probes to compare within tolerance",
         )
-    verdict.evidence.append(StepEvidence(k, True, exact, excess, ok))
+    judged = _STATE_EXACT if exact else _STATE_TOLERANCE
+    verdict.evidence.append(StepEvidence(k, True, exact, excess, ok, None, judged))
     return params, opt_state, buffers
 
 
@@ -441,8 +449,9 @@ def _replay_halves(
             else f"step {k}: the optimizer applied to the committed gradient gives another "
             "post-update state and the run has no probes to compare within tolerance",
         )
+    judged = _STATE_EXACT if roots_exact else _STATE_TOLERANCE
     verdict.evidence.append(
-        StepEvidence(k, True, roots_exact and exact_gradient, excess, True, gradient)
+        StepEvidence(k, True, roots_exact and exact_gradient, excess, True, gradient, judged)
     )
     return params, opt_state, buffers
 
