@@ -136,14 +136,19 @@ def test_a_declared_update_commits_its_gradient_and_replays_under_other_kernels(
     assert transcript.root["env"]["update"]["canonical"] is True, transcript.root["env"]
     assert transcript.root["env"]["cpu_isa"] == "SSE4_2"
     assert not jax_replay.exact_environment(transcript.root)
-    replayed = []
+    evidence = []
     for first, last in windows(transcript):
         verdict = jax_replay.verify_challenge(path, first, through=last)
         # ok demands the state bit for bit; the gradient is judged within the bounds.
         assert verdict.ok, (first, verdict.reason, verdict.message)
         assert verdict.judgement == "within_bounds", verdict.judgement
-        replayed += [e.step for e in verdict.evidence]
-    assert replayed == list(range(STEPS))
+        evidence += verdict.evidence
+    assert [e.step for e in evidence] == list(range(STEPS))
+    assert {e.state for e in evidence} == {"exact"}
+    # No fused multiply-add there: the gradients differ, and the bounds, not equality,
+    # pass them, while the state is the committed one bit for bit.
+    assert not all(e.exact for e in evidence), "every step exact: no other kernels?"
+    assert all(e.gradient is not None and e.gradient["margin"] < 1 for e in evidence)
 
 
 @pytest.mark.slow
@@ -233,3 +238,31 @@ def test_grads_and_tx_go_together() -> None:
         transaction.update(deltas=params, params=params, opt_state=(), tx=optax.sgd(0.1))
     # Outside proof.jit the complete declaration is a marker, as update() always was.
     transaction.update(deltas=params, params=params, opt_state=(), grads=params, tx=optax.sgd(0.1))
+
+
+def test_a_declared_update_with_a_manual_attested_program_says_which_to_remove(
+    make_proof,
+) -> None:
+    """Moving from ``update`` + ``proof.attest`` to ``update(grads=, tx=)``: the attested
+    program is generated, and the message names the transaction, not a TrainState."""
+    proof = make_proof()
+    tx = optax.sgd(0.1)
+
+    @proof.attest
+    def attested(params: Any, opt_state: Any, batch: Any, p: Any, s: Any) -> Any:
+        updates, new_state = tx.update(jax.grad(_loss)(params, batch), opt_state, params)
+        return zkdv.jax.index(updates, p), zkdv.jax.index(new_state, s)
+
+    @proof.jit
+    def step(params: Any, opt_state: Any, batch: jax.Array) -> Any:
+        transaction = zkdv.jax.Transaction(batch=batch, params=params, opt_state=opt_state)
+        grads = jax.grad(_loss)(params, batch)
+        updates, new_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        transaction.update(
+            deltas=updates, params=new_params, opt_state=new_state, grads=grads, tx=tx
+        )
+        return new_params, new_state
+
+    with pytest.raises(zkdv.ZKDVError, match=r"the step's zkdv.jax.Transaction commits its"):
+        step(init_params(), tx.init(init_params()), batches(1)[0])
