@@ -5,7 +5,8 @@ The step computes its update with its own code (Optax's, evaluated plainly, and 
 commits the gradient, and its state is the declared transformation's canonical update
 (issue 56, item 3). The run is trained in a subprocess on XLA's SSE4.2 kernels (no fused
 multiply-add: another kernel family than this process's) and on one core, and replayed
-here: every step's gradient within the bounds, its state bit for bit. A forger whose
+here: every step's gradient within the bounds, its state bit for bit; so is a run
+sharded over eight CPU devices (a 4x2 mesh), replayed on one. A forger whose
 committed post-update state is its own update rather than the declared one is rejected
 at that step's record, naming the parameter; mistakes in the declaration fail the first
 call with a message naming the field.
@@ -169,6 +170,94 @@ def test_a_post_state_other_than_the_declared_update_is_rejected_at_its_step(
     # update's).
     assert "differs in post.p (parameters), first at parameter params['w']" in message, message
     assert jax_replay.verify_challenge(path, 0, through=2).ok
+
+
+SHARDED = textwrap.dedent(
+    """
+    import sys
+    import jax, jax.numpy as jnp, numpy as np, optax, zkdv
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    proof = zkdv.jax.ZKDV(
+        sys.argv[1],
+        zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy.DEBUGCheckEvery(2)),
+        replay_snapshot_interval=2,
+    )
+    proof.start(rolling_window=2, probe_ratio=0.5)
+    tx = optax.adamw(0.01)
+
+    def loss(p, batch):
+        return jnp.mean((jnp.tanh(batch[:, :6] @ p["w"]) @ p["v"] - batch[:, 6]) ** 2)
+
+    @proof.jit
+    def step(params, opt_state, batch):
+        transaction = zkdv.jax.Transaction(batch=batch, params=params, opt_state=opt_state)
+        grads = jax.grad(loss)(params, batch)
+        updates, new_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        transaction.update(
+            deltas=updates, params=new_params, opt_state=new_state, grads=grads, tx=tx
+        )
+        return new_params, new_state
+
+    def on(*spec):
+        return NamedSharding(mesh, P(*spec))
+
+    params = {
+        "w": jax.device_put(jax.random.normal(jax.random.key(0), (6, 8)) * 0.3, on(None, "model")),
+        "v": jax.device_put(jax.random.normal(jax.random.key(1), (8,)) * 0.3, on("model")),
+    }
+    opt_state = tx.init(params)
+    # The optimizer state on the mesh too (its step count replicated), as the params.
+    opt_state = jax.device_put(opt_state, jax.tree.map(
+        lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else on(), opt_state))
+    rng = np.random.default_rng(1)
+    for _ in range(int(sys.argv[2])):
+        batch = jnp.asarray(rng.standard_normal((8, 7)), jnp.float32)
+        params, opt_state = step(params, opt_state, jax.device_put(batch, on("data")))
+    proof.close()
+    assert params["w"].sharding == on(None, "model"), params["w"].sharding
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_declared_update_sharded_over_devices_replays_on_one_device(tmp_path: Path) -> None:
+    """Eight CPU devices, a 4x2 (data, model) mesh: the step commits the global gradient,
+    the SDK's checks pass, and one device here replays every step, the state bit for
+    bit."""
+    script = tmp_path / "sharded.py"
+    script.write_text(SHARDED)
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "PYTHONPATH": AGENT_PYTHONPATH,
+        "ZKDV_JAX_EXPORT_PLATFORMS": "",
+    }
+    path = tmp_path / "proof"
+    result = subprocess.run(
+        [sys.executable, str(script), str(path), "4"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=420,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    report = verify_transcript(path)
+    assert report.ok, report.summary()
+    transcript = Transcript.load(path)
+    assert transcript.grad is not None
+    assert transcript.root["schema"]["sharding"]["params"][0]["mesh"] == {"data": 4, "model": 2}
+    evidence = []
+    for first, last in windows(transcript):
+        verdict = jax_replay.verify_challenge(path, first, through=last)
+        assert verdict.ok, (first, verdict.reason, verdict.message)
+        assert verdict.judgement == "within_bounds", verdict.judgement
+        evidence += verdict.evidence
+    assert [(e.step, e.state) for e in evidence] == [(step, "exact") for step in range(4)]
 
 
 def _loss(params: Any, batch: jax.Array) -> jax.Array:
