@@ -76,7 +76,8 @@ def training(root: Mapping[str, Any]) -> dict[str, Any]:
 
 def workers(challenges: Sequence[Row]) -> list[dict[str, Any]]:
     """The workers that replayed passed challenges: each environment as the worker stated
-    it, with its ``judgement``, the keys it ``differs_in`` from the run, and its steps."""
+    it, with its ``judgement``, the keys it ``differs_in`` from the run, its steps, and
+    those of them whose state it passed only ``within_tolerance`` (:func:`tolerance_steps`)."""
     found: dict[str, dict[str, Any]] = {}
     for step, through, status, evidence in challenges:
         if status != ChallengeStatus.PASSED or not isinstance(evidence, Mapping):
@@ -89,11 +90,19 @@ def workers(challenges: Sequence[Row]) -> list[dict[str, Any]]:
         key = json.dumps([environment, judgement, differs], sort_keys=True, default=str)
         entry = found.setdefault(
             key,
-            {**dict(environment), "judgement": judgement, "differs_in": differs, "steps": []},
+            {
+                **dict(environment),
+                "judgement": judgement,
+                "differs_in": differs,
+                "steps": [],
+                "within_tolerance": [],
+            },
         )
         entry["steps"].extend(_span(step, through))
+        entry["within_tolerance"].extend(tolerance_steps(evidence))
     for entry in found.values():
         entry["steps"] = sorted(set(entry["steps"]))
+        entry["within_tolerance"] = sorted(set(entry["within_tolerance"]))
     return list(found.values())
 
 

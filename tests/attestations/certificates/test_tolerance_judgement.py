@@ -20,10 +20,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from django.template.loader import render_to_string
 
 import provers
 from attestations.certificates.subjects import guarantee_claim
 from attestations.challenges.models import Challenge, ChallengeOrigin, ChallengeStatus
+from attestations.reports.render import report_context
 from provers.replay import Transcript, windows
 from tests.attestations.base import World
 from tests.sources import AGENT_PYTHONPATH
@@ -150,6 +152,8 @@ def test_steps_judged_by_the_probes_tolerance_are_named_as_such(world: World, ru
     assert not set(tolerated) & (set(judgement["exact"]) | set(judgement["within_bounds"]))
     assert value["replayed_steps"]["within_tolerance"] == tolerated  # type: ignore[index]
     assert value["comparison"] == "tolerance"
+    (worker,) = value["environments"]["replay"]  # type: ignore[index]
+    assert worker["judgement"] == "within_bounds" and worker["within_tolerance"] == tolerated
     update = value["update"]
     assert update == {
         "commits_gradient": False,
@@ -157,6 +161,17 @@ def test_steps_judged_by_the_probes_tolerance_are_named_as_such(world: World, ru
         "reason": "the run commits no gradient: each step's whole transition is replayed "
         "and judged by the probes' tolerance on other hardware",
     }
+    # The auditors' report says so in words, with the steps.
+    context = report_context(world.proof)
+    context["certificate"] = {**(context.get("certificate") or {}), "guarantee": value}
+    text = " ".join(render_to_string("attestations/report_body.html", context).split())
+    named = ", ".join(str(step) for step in tolerated)
+    assert (
+        f"{len(tolerated)} only within the probes' tolerance, not the exact guarantee</strong>"
+        in text
+    ), text
+    assert f"the state not reproduced bit for bit): steps {named}" in text
+    assert "Update judged" in text and "the run commits no gradient" in text
 
 
 @pytest.mark.timeout(600)
