@@ -113,6 +113,7 @@ def require_exact(verdict: ReplayVerdict) -> ReplayVerdict:
                 evidence.probe_excess,
                 False,
                 evidence.gradient,
+                evidence.state,
             )
             del verdict.evidence[index + 1 :]
             break

@@ -58,6 +58,8 @@ __all__ = [
 ]
 
 ROOT_KEYS = ("p", "o", "b")
+#: How a replayed step's post-update state was judged (``StepEvidence.state``).
+_STATE_EXACT, _STATE_TOLERANCE = "exact", "tolerance"
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,10 @@ class StepEvidence:
     a run that commits gradients, its recomputed gradient). ``gradient``: for such a
     run, how the recomputed values compared with the committed ones (the worst leaf's
     divergence and bound, and ``margin``: divergence over bound, 0 when bitwise equal,
-    above 1 beyond the bound).
+    above 1 beyond the bound). ``state``: how the post-update state was judged:
+    ``exact`` (its roots reproduced), ``tolerance`` (only its probes, within the run's
+    tolerance: a step that commits no gradient, or whose update is not canonical,
+    replayed where the bits differ); None where the step failed before.
     """
 
     step: int
@@ -77,6 +82,7 @@ class StepEvidence:
     probe_excess: float | None  # worst |diff| - bound over the probes; <= 0 is within tolerance
     ok: bool
     gradient: dict[str, Any] | None = None
+    state: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -86,6 +92,7 @@ class StepEvidence:
             "probe_excess": self.probe_excess,
             "ok": self.ok,
             "gradient": self.gradient,
+            "state": self.state,
         }
 
 
@@ -338,8 +345,40 @@ def _replay_whole(
             "replay_mismatch",
             f"step {k}: the replayed state does not reproduce the committed roots and the run has no probes to compare within tolerance",
         )
-    verdict.evidence.append(StepEvidence(k, True, exact, excess, ok))
+    judged = _STATE_EXACT if exact else _STATE_TOLERANCE
+    verdict.evidence.append(StepEvidence(k, True, exact, excess, ok, None, judged))
     return params, opt_state, buffers
+
+
+_ROOT_NAMES = {"p": "parameters", "o": "optimizer state", "b": "buffers"}
+
+
+def _differing(
+    transcript: Transcript, k: int, replayed_roots: tuple[bytes, ...], params: Leaves
+) -> str:
+    """Which fields of step ``k``'s record the replayed post-update state differs in.
+
+    The committed roots (``post.p``, ``post.o``, ``post.b``) that differ, and for the
+    parameters the first whose committed post-update probes are not the replayed ones'.
+    """
+    committed = roots(transcript.steps[k]["post"])
+    fields = [
+        f"post.{key} ({_ROOT_NAMES[key]})"
+        for key, mine, theirs in zip(ROOT_KEYS, replayed_roots, committed, strict=True)
+        if mine != theirs
+    ]
+    probes = transcript.committed_probes(k)
+    if probes is not None and replayed_roots[0] != committed[0]:
+        offset = 0
+        projected = transcript.probes.project_all([a for _, a in params])
+        for (name, _), row in zip(params, projected, strict=True):
+            mine = np.asarray(row, np.float32).reshape(-1)
+            theirs = probes[1, offset : offset + mine.size].astype(np.float32)
+            offset += mine.size
+            if (mine.view(np.uint32) != theirs.view(np.uint32)).any():
+                fields.append(f"first at parameter {name}")
+                break
+    return "differs in " + ", ".join(fields) if fields else "no committed root differs"
 
 
 def _gradient_evidence(comparison: Comparison) -> dict[str, Any]:
@@ -385,8 +424,9 @@ def _replay_halves(
         raise ReplayError(
             "replay_mismatch",
             f"step {k}: the optimizer applied to the committed gradient does not give the "
-            "committed post-update state (the update is canonical: the same bits on any "
-            "hardware); the state was changed otherwise than by this step's update",
+            f"committed post-update state ({_differing(transcript, k, replayed_roots, params)}; "
+            "the update is canonical: the same bits on any hardware); the state was changed "
+            "otherwise than by this step's update",
         )
     excess = _update_probe_excess(
         transcript,
@@ -409,8 +449,9 @@ def _replay_halves(
             else f"step {k}: the optimizer applied to the committed gradient gives another "
             "post-update state and the run has no probes to compare within tolerance",
         )
+    judged = _STATE_EXACT if roots_exact else _STATE_TOLERANCE
     verdict.evidence.append(
-        StepEvidence(k, True, roots_exact and exact_gradient, excess, True, gradient)
+        StepEvidence(k, True, roots_exact and exact_gradient, excess, True, gradient, judged)
     )
     return params, opt_state, buffers
 

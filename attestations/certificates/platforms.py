@@ -23,7 +23,9 @@ __all__ = [
     "drift",
     "judgements",
     "not_replayed",
+    "tolerance_steps",
     "training",
+    "update_path",
     "workers",
 ]
 
@@ -74,7 +76,8 @@ def training(root: Mapping[str, Any]) -> dict[str, Any]:
 
 def workers(challenges: Sequence[Row]) -> list[dict[str, Any]]:
     """The workers that replayed passed challenges: each environment as the worker stated
-    it, with its ``judgement``, the keys it ``differs_in`` from the run, and its steps."""
+    it, with its ``judgement``, the keys it ``differs_in`` from the run, its steps, and
+    those of them whose state it passed only ``within_tolerance`` (:func:`tolerance_steps`)."""
     found: dict[str, dict[str, Any]] = {}
     for step, through, status, evidence in challenges:
         if status != ChallengeStatus.PASSED or not isinstance(evidence, Mapping):
@@ -87,28 +90,86 @@ def workers(challenges: Sequence[Row]) -> list[dict[str, Any]]:
         key = json.dumps([environment, judgement, differs], sort_keys=True, default=str)
         entry = found.setdefault(
             key,
-            {**dict(environment), "judgement": judgement, "differs_in": differs, "steps": []},
+            {
+                **dict(environment),
+                "judgement": judgement,
+                "differs_in": differs,
+                "steps": [],
+                "within_tolerance": [],
+            },
         )
         entry["steps"].extend(_span(step, through))
+        entry["within_tolerance"].extend(tolerance_steps(evidence))
     for entry in found.values():
         entry["steps"] = sorted(set(entry["steps"]))
+        entry["within_tolerance"] = sorted(set(entry["within_tolerance"]))
     return list(found.values())
 
 
 def judgements(challenges: Sequence[Row]) -> dict[str, list[int]]:
     """The replayed steps by judgement: ``exact`` (replayed in the run's own replay
-    environment, where nothing but the committed bits passes) and ``within_bounds``
-    (another environment: the gradient within the run's bounds, the state exact). A step
-    replayed under both keeps the looser."""
+    environment, where nothing but the committed bits passes), ``within_bounds``
+    (another environment: the gradient within the run's bounds, the state exact) and
+    ``within_tolerance`` (another environment, and the post-update state judged only by
+    the probes' tolerance: a step that commits no gradient, or whose update is not
+    canonical; never the exact guarantee). A step replayed under several keeps the
+    loosest."""
     exact: set[int] = set()
     bounded: set[int] = set()
+    tolerated: set[int] = set()
     for step, through, status, evidence in challenges:
         if status != ChallengeStatus.PASSED or not isinstance(evidence, Mapping):
             continue
         judged = evidence.get("judgement")
         if judged in ("exact", "within_bounds"):
             (exact if judged == "exact" else bounded).update(_span(step, through))
-    return {"exact": sorted(exact - bounded), "within_bounds": sorted(bounded)}
+        tolerated.update(tolerance_steps(evidence))
+    return {
+        "exact": sorted(exact - bounded - tolerated),
+        "within_bounds": sorted(bounded - tolerated),
+        "within_tolerance": sorted(tolerated),
+    }
+
+
+def tolerance_steps(evidence: Mapping[str, Any]) -> list[int]:
+    """The steps of one verdict whose post-update state passed only within the probes'
+    tolerance (``StepEvidence.state``; for a verdict stored before it was recorded: a
+    step not reproduced bit for bit that commits no gradient)."""
+    steps = []
+    for item in evidence.get("evidence") or []:
+        if not isinstance(item, Mapping) or not isinstance(item.get("step"), int):
+            continue
+        state = item.get("state")
+        if state == "tolerance" or (
+            state is None and not item.get("exact") and not item.get("gradient")
+        ):
+            steps.append(item["step"])
+    return steps
+
+
+def update_path(root: Mapping[str, Any]) -> dict[str, Any]:
+    """How the replay judges every step's post-update state, from the root record.
+
+    ``state`` is ``exact`` where the run commits its gradients and its update is
+    canonical (the same bits on any hardware), else ``within_tolerance``, with the
+    ``reason``: the run commits no gradient (its transition is replayed whole), or the
+    root's ``env.update.reason`` (an update without canonical form).
+    """
+    commits = bool((root.get("schema") or {}).get("grad"))
+    update = (root.get("env") or {}).get("update")
+    reason = None
+    if not commits:
+        reason = (
+            "the run commits no gradient: each step's whole transition is replayed and "
+            "judged by the probes' tolerance on other hardware"
+        )
+    elif isinstance(update, Mapping) and update.get("canonical") is False:
+        reason = f"the update has no canonical form: {update.get('reason')}"
+    return {
+        "commits_gradient": commits,
+        "state": "exact" if reason is None else "within_tolerance",
+        "reason": reason,
+    }
 
 
 def not_replayed(challenges: Sequence[Row], kind: str) -> dict[str, Any] | None:

@@ -467,7 +467,9 @@ def _replay_matches(
             if not isinstance(item, Mapping) or not isinstance(item.get("step"), int):
                 continue
             gradient = item.get("gradient")
-            kind = "exact" if item.get("exact") else "bounds" if gradient else "tolerance"
+            state = item.get("state")
+            tolerance = state == "tolerance" or (state is None and not gradient)
+            kind = "exact" if item.get("exact") else "tolerance" if tolerance else "bounds"
             margin = gradient.get("margin") if isinstance(gradient, Mapping) else None
             previous = matched.get(item["step"])
             if previous is None or (_MATCH_ORDER[kind], margin or 0.0) > (
@@ -506,15 +508,20 @@ def guarantee_claim(
     replays matched: ``exact`` when every replayed step reproduced the committed step
     bit for bit, ``bounds`` when some recomputed gradient matched the committed one only
     within the run's ``gradient_bounds`` (the state still bit for bit: replays on other
-    hardware), ``tolerance`` when some step of a run without committed gradients matched
-    only within ``tolerance`` (``|replayed - committed| <= abs + rel * |committed|``).
+    hardware), ``tolerance`` when some step's post-update state (a step without committed
+    gradient, or with an update that is not canonical) matched only within
+    ``tolerance`` (``|replayed - committed| <= abs + rel * |committed|``).
     ``forger_budget`` states what the bounds leave a forger per step; ``drift`` is the
     drift test of every window replayed within bounds and of the run
     (:func:`platforms.drift`); ``replayed_steps``
     says how each replayed step matched (its worst divergence-to-bound ratio, for steps
     within bounds); ``judgement`` lists the steps replayed in the run's own replay
     environment, where only the committed bits pass (``exact``), and those replayed
-    elsewhere and judged by the bounds (``within_bounds``); ``not_replayed`` names the
+    elsewhere and judged by the bounds (``within_bounds``), and those whose post-update
+    state passed only within the probes' tolerance (``within_tolerance``: never the
+    exact guarantee); ``update`` says how the run's update is judged for every step
+    (``state``: ``exact`` or ``within_tolerance``, with the ``reason``:
+    :func:`platforms.update_path`); ``not_replayed`` names the
     steps no worker of the run's platform kind replayed (reason ``no_replay_worker``),
     and then no detection probability is claimed; ``environments`` names the training
     machine (from the transcript: its platform kind, chip, versions, flags and replay
@@ -555,6 +562,7 @@ def guarantee_claim(
         "forger_budget": None if bounds is None else _budget(bounds),
         "replayed_steps": _replayed_steps(matched),
         "judgement": platforms.judgements(challenges),
+        "update": platforms.update_path(root),
         "drift": platforms.drift(challenges),
         "not_replayed": missing,
         "environments": {"training": trained, "replay": platforms.workers(challenges)},

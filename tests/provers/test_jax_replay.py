@@ -239,6 +239,7 @@ def test_package_dispatches_on_the_prover(runs: dict[str, Path]) -> None:
         "probe_excess": verdict.evidence[-1].probe_excess,
         "ok": True,
         "gradient": verdict.evidence[-1].gradient,
+        "state": "exact",
     }
 
 

@@ -148,7 +148,7 @@ def test_a_tpu_run_without_a_tpu_worker_gets_no_replay_verdict(
     assert guarantee["not_replayed"]["platform_kind"] == "tpu"
     assert guarantee["detection_probability"] == guarantee["detection_probability_exact"] == 0.0
     assert guarantee["comparison"] is None
-    assert guarantee["judgement"] == {"exact": [], "within_bounds": []}
+    assert guarantee["judgement"] == {"exact": [], "within_bounds": [], "within_tolerance": []}
     assert guarantee["environments"]["training"]["platform_kind"] == "tpu"
     assert guarantee["environments"]["replay"] == []
     # Nothing on the certificate is backed by a replay that did not happen.
@@ -190,7 +190,11 @@ def test_a_tpu_run_with_a_tpu_worker_is_replayed_and_judged_exact(
     assert proof.message == ""
     guarantee = _guarantee(proof)
     assert guarantee["not_replayed"] is None
-    assert guarantee["judgement"] == {"exact": list(range(STEPS)), "within_bounds": []}
+    assert guarantee["judgement"] == {
+        "exact": list(range(STEPS)),
+        "within_bounds": [],
+        "within_tolerance": [],
+    }
     assert guarantee["detection_probability"] > 0 and guarantee["challenges"] == STEPS
     environments = guarantee["environments"]
     assert environments["training"]["platform_kind"] == "tpu"
@@ -214,7 +218,11 @@ def test_cross_kind_replay_when_the_operator_allows_it_is_judged_within_bounds(
     assert proof.status == ProofStatus.VALID
     guarantee = _guarantee(proof)
     # The CPU's replay may well land on the same bits; it is judged by the bounds anyway.
-    assert guarantee["judgement"] == {"exact": [], "within_bounds": list(range(STEPS))}
+    assert guarantee["judgement"] == {
+        "exact": [],
+        "within_bounds": list(range(STEPS)),
+        "within_tolerance": [],
+    }
     [worker] = guarantee["environments"]["replay"]
     assert worker["platform_kind"] == "cpu" and worker["judgement"] == "within_bounds"
     assert "platform_kind" in worker["differs_in"]

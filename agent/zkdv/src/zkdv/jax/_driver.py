@@ -332,7 +332,8 @@ class ZKDV(Driver):
         registration = traced.registration
         if traced.commits:
             if self._attested is not None:
-                raise ZKDVError(_messages.ATTEST_REGISTERED)
+                source = registration.source
+                raise ZKDVError(_messages.ATTEST_COMMITTED.get(source, _messages.ATTEST_REGISTERED))
             self._export_committed(program, params, opt, param_specs, opt_specs)
             return
         if registration.source != "transaction":

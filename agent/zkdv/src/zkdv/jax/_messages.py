@@ -18,6 +18,16 @@ ATTEST_REGISTERED = (
     "automatically. Remove the manual proof.attest function when using the TrainState "
     "integration."
 )
+#: ATTEST_REGISTERED for a step whose transaction commits its gradient, by source.
+ATTEST_COMMITTED = {
+    "transaction": (
+        "Attested program already registered: this proof has a manual proof.attest "
+        "function, but the step's zkdv.jax.Transaction commits its gradient "
+        "(transaction.apply(tx, grads) or transaction.update(..., grads=, tx=)), and its "
+        "replayed program is generated automatically. Remove the manual proof.attest "
+        "function."
+    ),
+}
 ATTEST_TWICE = (
     "Attested program already registered: proof.attest was already called for this proof; "
     "register exactly one attested function before the first step."

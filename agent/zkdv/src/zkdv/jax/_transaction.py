@@ -12,7 +12,7 @@ from typing import Any
 import optax
 
 from zkdv.errors import ZKDVError
-from zkdv.jax import _messages, _optimizer
+from zkdv.jax import _declared, _messages, _optimizer
 from zkdv.jax._context import UPDATE_TWICE, Registration, current
 from zkdv.overlap import Policy
 
@@ -98,8 +98,27 @@ class Transaction:
         self.update(deltas=updates, params=new_params, opt_state=new_state)
         return new_params, new_state
 
-    def update(self, *, deltas: Any, params: Any, opt_state: Any) -> None:
+    def update(
+        self,
+        *,
+        deltas: Any,
+        params: Any,
+        opt_state: Any,
+        grads: Any = None,
+        tx: Any = None,
+    ) -> None:
         """Declare the additive parameter update and the post-update state.
+
+        With ``grads`` and ``tx`` the update is declared to be the Optax transformation
+        ``tx`` applied to ``grads``: inside a ``proof.jit`` step the step commits
+        ``grads`` and its post-update state is ``tx``'s update evaluated canonically, as
+        :meth:`apply`'s is (:func:`zkdv.jax.optimizer`); the ``params`` and
+        ``opt_state`` the function returns are that state, and its own update is left to
+        XLA to remove. The platform replays the update from the committed gradient bit
+        for bit on any hardware, and needs no ``proof.attest`` function. Every input of
+        the step other than the transaction's ``params`` and ``opt_state`` must be part
+        of the batch. Without them the transition is judged by the probes' tolerance
+        (``docs/jax.md``, "What each path gets").
 
         Args:
             deltas: the additive update, with the structure of ``params``
@@ -107,12 +126,25 @@ class Transaction:
             params: the post-update parameters.
             opt_state: the post-update optimizer state, with the structure of the
                 pre-update one.
+            grads: the gradient the update applies, with the structure of the
+                pre-update parameters; only with ``tx``.
+            tx: the ``optax.GradientTransformation`` the update is (wrapped or not);
+                only with ``grads``.
+
+        Raises:
+            ZKDVError: one of ``grads`` and ``tx`` without the other, or, inside a
+                ``proof.jit`` step, a ``tx`` whose state or update does not have the
+                structure of the declared ``opt_state`` or ``params``.
         """
+        if (grads is None) != (tx is None):
+            raise ZKDVError(_declared.GRADS_AND_TX)
         registration = self._registration
         if registration is None:
             return
         if registration.completed:
             raise ZKDVError(UPDATE_TWICE)
+        if tx is not None:
+            _declared.declare(registration, tx, grads, self, (deltas, params, opt_state))
         registration.deltas = deltas
         registration.params_after = params
         registration.opt_after = opt_state

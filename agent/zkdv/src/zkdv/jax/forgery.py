@@ -13,7 +13,7 @@ open and restores the original code on exit. Nothing in the SDK imports this mod
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -21,7 +21,7 @@ import numpy as np
 
 from zkdv.jax import _driver, _program, _steps
 
-__all__ = ["committed_batches", "scaled_tokens", "unchecked_continuity"]
+__all__ = ["committed_batches", "own_update", "scaled_tokens", "unchecked_continuity"]
 
 
 @contextmanager
@@ -75,4 +75,32 @@ def unchecked_continuity() -> Iterator[None]:
     transcript (hidden steps) removes that check.
     """
     with _replaced(_driver.ZKDV, "_check_continuity", lambda self, index, params, opt: None):
+        yield
+
+
+@contextmanager
+def own_update(step: int, change: Callable[[np.ndarray], np.ndarray]) -> Iterator[None]:
+    """Commit ``change(params)`` as step ``step``'s post-update parameters.
+
+    A lab whose update is its own code declares an Optax transformation
+    (``Transaction.update(..., grads=, tx=)``), and the SDK trains on that
+    transformation's update; a forger's SDK commits its own update's parameters
+    instead. The committed deltas are changed alike, so the step's probes and roots agree
+    with what it committed; only a replay of the declared update tells them apart.
+    """
+    post_state = _steps._Step.post_state
+
+    def forged(self: Any) -> Any:
+        params, opt, buffers = post_state(self)
+        if self.index != step:
+            return params, opt, buffers
+        after, opt_views, deltas = self._views
+        changed = [np.asarray(change(a), a.dtype) for a in after]
+        if deltas is not None:
+            deltas = [d + (c - a) for d, c, a in zip(deltas, changed, after, strict=True)]
+        self._views = (changed, opt_views, deltas)
+        names = self.program.traced.param_paths
+        return list(zip(names, changed, strict=True)), opt, buffers
+
+    with _replaced(_steps._Step, "post_state", forged):
         yield
