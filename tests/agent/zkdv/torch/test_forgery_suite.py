@@ -250,3 +250,25 @@ def test_a_forger_that_spreads_its_pushes_over_windows_gives_the_drift_test_no_p
     assert extra["drift: most inexact steps in a window"] == 6
     assert extra["drift: mean cosine of the pushes in a window"] > 0.5
     assert every.caught == 0
+
+
+def test_the_certificate_states_the_best_undetected_effect_the_page_measured() -> None:
+    # The certificate's forger budget copies the numbers of docs/soundness.md's "best
+    # undetected effect" block, which --update-docs regenerates: they must not drift apart.
+    import re
+
+    from attestations.certificates.subjects import MEASURED_UNDETECTED
+
+    page = (REPO_ROOT / "docs" / "soundness.md").read_text()
+    block = _suite().DOC_BEST.search(page)
+    assert block is not None
+    lines = [line for line in block.group(0).splitlines() if line.startswith("* caught")]
+    assert len(lines) == 2
+    for line in lines:
+        found = re.search(r"`([a-z0-9-]+)`, backdoor success \*\*([0-9.]+)\*\*", line)
+        assert found is not None, line
+        caught = re.search(r"caught in ([0-9.]+) \[", line)
+        assert caught is not None, line
+        attack, success = found.groups()
+        assert f"{attack}, backdoor success {success}" in MEASURED_UNDETECTED
+        assert f"caught in {caught.group(1)}" in MEASURED_UNDETECTED
