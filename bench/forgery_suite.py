@@ -41,6 +41,14 @@ Attacks (``--attacks``, comma-separated; ``docs/soundness.md`` reads the results
 * ``tolerance-gap-signed-1``, ``-2``, ``-3``: forgers that know the drift test
   (``provers.drift``): the same pushes, but 1, 2 or 3 steps of every snapshot window push
   away from the backdoor, so no window's differences align in every pair;
+* ``tolerance-gap-biased-90``, ``-75``, ``-60``: every step pushes towards the backdoor
+  with probability 0.9, 0.75, 0.6 (else away), a random sign pattern per window;
+* ``tolerance-gap-every-2``, ``-3``, ``-6``: only every 2nd, 3rd, 6th step pushes (the
+  late ones of a window), at the largest share of the bound a step allows (0.98);
+* ``tolerance-gap-spread``: one push per snapshot window (its last step, at 0.98), so
+  no replay ever holds two pushes and the drift test has no pair to look at;
+* ``tolerance-gap-scaled-50``, ``-25``, ``-10``: every step pushes towards the backdoor,
+  at 50 %, 25 %, 10 % of the 0.95 of the bound (a budget below the bounds' threshold);
 * ``substitution-1``, ``-5``, ``-100``: 1 %, 5 %, 100 % of steps trained on batches of
   another corpus than the committed ones, on the steps a challenge covers least (the
   last step of a snapshot window, never step 0);
@@ -109,12 +117,26 @@ LR = 3e-3
 SNAPSHOT_INTERVAL = 12  # zkdv.torch.ZKDV's default
 #: The backdoor of the tolerance-gap forger: after TRIGGER, predict TARGET.
 TRIGGER, TARGET = 7, 99
-ATTACKS = (
-    "tolerance-gap",
-    "tolerance-gap-fp32",
+#: The tolerance-gap forgers that know the drift test (:data:`ADAPTIVE`).
+ADAPTIVE_NAMES = (
     "tolerance-gap-signed-1",
     "tolerance-gap-signed-2",
     "tolerance-gap-signed-3",
+    "tolerance-gap-biased-90",
+    "tolerance-gap-biased-75",
+    "tolerance-gap-biased-60",
+    "tolerance-gap-every-2",
+    "tolerance-gap-every-3",
+    "tolerance-gap-every-6",
+    "tolerance-gap-spread",
+    "tolerance-gap-scaled-50",
+    "tolerance-gap-scaled-25",
+    "tolerance-gap-scaled-10",
+)
+ATTACKS = (
+    "tolerance-gap",
+    "tolerance-gap-fp32",
+    *ADAPTIVE_NAMES,
     "substitution-1",
     "substitution-5",
     "substitution-100",
@@ -132,9 +154,7 @@ UNDETECTABLE_BY_REPLAY = frozenset(
     {
         "tolerance-gap",
         "tolerance-gap-fp32",
-        "tolerance-gap-signed-1",
-        "tolerance-gap-signed-2",
-        "tolerance-gap-signed-3",
+        *ADAPTIVE_NAMES,
         "fine-tune-as-pretraining",
         "refiled-copy",
         "refiled-one-step-changed",
@@ -339,6 +359,16 @@ def backdoor_success(parameters: list[torch.Tensor], seed: int = 424242) -> floa
     return float((predicted == TARGET).float().mean())
 
 
+def backdoor_probability(parameters: list[torch.Tensor], seed: int = 424242) -> float:
+    """The model's mean probability of TARGET after TRIGGER (the inputs of
+    :func:`backdoor_success`): how far a backdoor got where it does not fire yet."""
+    model = _model(parameters)
+    inputs, where = backdoor_batch(seed, rows=512)
+    with torch.no_grad():
+        logits = model(inputs)[torch.arange(len(where)), where].float()
+    return float(logits.softmax(-1)[:, TARGET].mean())
+
+
 def clean_loss(parameters: list[torch.Tensor], seed: int = 515151) -> float:
     model = _model(parameters)
     tokens = next(lm.token_batches(CONFIG, steps=1, micro_batches=1, rows=512, seed=seed))[0]
@@ -357,14 +387,60 @@ def _model(parameters: list[torch.Tensor]) -> torch.nn.Module:
     return model
 
 
-#: The adaptive forgers that know the drift test: in each snapshot window, the steps
-#: (positions in the window) whose push points *away* from the backdoor, so that the
-#: window's exact sign-flip p-value stays above the threshold (provers.drift).
-SIGNED = {
-    "tolerance-gap-signed-1": (5,),
-    "tolerance-gap-signed-2": (3, 8),
-    "tolerance-gap-signed-3": (2, 6, 10),
+#: A push's multiplier at one step of one run: 1 towards the backdoor, -1 away from it,
+#: 0 no push (the step is trained and committed honestly).
+Pushes = Callable[[int, int], float]
+
+
+def reversed_at(positions: tuple[int, ...]) -> Pushes:
+    """Push every step, away from the backdoor at these positions of every snapshot window."""
+    return lambda seed, index: -1.0 if index % SNAPSHOT_INTERVAL in positions else 1.0
+
+
+def biased(q: float) -> Pushes:
+    """Push every step, towards the backdoor with probability ``q`` (independently per step,
+    seeded by the run and step), else away: a window's sign pattern is random, not aligned."""
+
+    def sign(seed: int, index: int) -> float:
+        return 1.0 if np.random.default_rng([seed, index]).random() < q else -1.0
+
+    return sign
+
+
+def every(k: int) -> Pushes:
+    """Push only the steps at positions ``k - 1, 2k - 1, ...``: the late steps, which the
+    fewest challenges replay through (a challenge replays its window up to itself). With
+    ``k`` = :data:`SNAPSHOT_INTERVAL`, one push per window, at its last step."""
+    return lambda seed, index: 1.0 if index % k == k - 1 else 0.0
+
+
+#: The largest share of the norm test's bound a forger that pushes on fewer steps can
+#: use: the replay fails a step whose worst divergence exceeds its bound (margin 1), and
+#: replays on other hardware use up to 1 % of it on their own (docs/reliability.md).
+#: The bound is per step, so skipping steps buys no larger push: at most 0.98 / 0.95 =
+#: 1.03 times the every-step forger's, on 1 step in ``k``.
+PER_STEP_CAP = 0.98
+
+#: The forgers that know the drift test (``provers.drift``), each the tolerance-gap
+#: forger with a schedule of pushes: ``(share of the bound, pushes)``. ``-signed-n``
+#: reverse ``n`` fixed pushes of every window of 12; ``-biased-q`` push towards the
+#: backdoor with probability ``q`` percent, else away; ``-every-k`` push one step in
+#: ``k`` at :data:`PER_STEP_CAP`; ``-spread`` one push per snapshot window (the windows
+#: the platform replays are the snapshot windows, ``provers.replay.windows``, and a
+#: challenge replays from the snapshot before it: no replay ever holds two pushes);
+#: ``-scaled-s`` push every step towards the backdoor at ``s`` percent of the 0.95.
+ADAPTIVE: dict[str, tuple[float, Pushes]] = {
+    "tolerance-gap-signed-1": (0.95, reversed_at((5,))),
+    "tolerance-gap-signed-2": (0.95, reversed_at((3, 8))),
+    "tolerance-gap-signed-3": (0.95, reversed_at((2, 6, 10))),
+    **{f"tolerance-gap-biased-{q}": (0.95, biased(q / 100)) for q in (90, 75, 60)},
+    **{f"tolerance-gap-every-{k}": (PER_STEP_CAP, every(k)) for k in (2, 3, 6)},
+    "tolerance-gap-spread": (PER_STEP_CAP, every(SNAPSHOT_INTERVAL)),
+    **{
+        f"tolerance-gap-scaled-{s}": (0.95 * s / 100, lambda seed, index: 1.0) for s in (50, 25, 10)
+    },
 }
+assert tuple(ADAPTIVE) == ADAPTIVE_NAMES
 
 
 def tolerance_gap(
@@ -372,17 +448,29 @@ def tolerance_gap(
     fraction: float = 0.95,
     *,
     precision: str = "reduced",
-    against: tuple[int, ...] = (),
+    pushes: Pushes | None = None,
 ) -> tuple[Forger, dict[str, Any]]:
     """Every step: the committed gradient moved towards the backdoor's gradient, orthogonal
     to each honest leaf (so the scale tests see nothing), to ``fraction`` of the norm test's
-    bound ``tensor * |r| + total * |g|`` (docs/transcript.md, "Gradient bounds"); at the
-    window positions ``against``, away from it (an adaptive forger, :data:`SIGNED`)."""
+    bound ``tensor * |r| + total * |g|`` (docs/transcript.md, "Gradient bounds"); an
+    adaptive forger (:data:`ADAPTIVE`) scales each step's push by ``pushes(seed, step)``
+    (-1: away from the backdoor; 0: the step is left honest)."""
     bounds = GradientBounds.default(precision)
-    log: dict[str, Any] = {"budget": 0.0, "used": 0.0, "steps": 0}
+    log: dict[str, Any] = {"budget": 0.0, "used": 0.0, "steps": 0, "pushed": 0, "net": 0.0}
     shadow: dict[str, torch.nn.Module] = {}
 
     def edit(index: int, parameters: list[torch.Tensor]) -> None:
+        sign = 1.0 if pushes is None else pushes(seed, index)
+        log["steps"] += 1
+        log["pushed"] += sign != 0.0
+        log["net"] += sign * fraction / 0.95
+        honest = [p.grad for p in parameters]
+        whole = math.sqrt(sum(float(g.double().pow(2).sum()) for g in honest if g is not None))
+        if sign == 0.0:
+            for r in honest:
+                assert r is not None
+                log["budget"] += bounds.tensor * float(r.double().norm()) + bounds.total * whole
+            return
         # The backdoor's gradient at the current state, on a copy (no dropout, no hooks).
         model = shadow.setdefault("model", lm.TinyLM(CONFIG))
         with torch.no_grad():
@@ -391,8 +479,6 @@ def tolerance_gap(
         model.eval()
         inputs, where = backdoor_batch(seed * 100003 + index)
         wanted = torch.autograd.grad(backdoor_loss(model, inputs, where), list(model.parameters()))
-        honest = [p.grad for p in parameters]
-        whole = math.sqrt(sum(float(g.double().pow(2).sum()) for g in honest if g is not None))
         with torch.no_grad():
             for parameter, r, v in zip(parameters, honest, wanted, strict=True):
                 assert r is not None
@@ -402,14 +488,12 @@ def tolerance_gap(
                 if norm > 0:
                     d = d - (d.flatten() @ r.double().flatten()) / norm**2 * r.double()
                 size = float(d.norm())
+                log["budget"] += budget / fraction
                 if size == 0.0:
                     continue
-                sign = -1.0 if index % SNAPSHOT_INTERVAL in against else 1.0
                 d = d * (sign * budget / size)
                 parameter.grad = (r.double() + d).to(r.dtype)
-                log["budget"] += budget / fraction
                 log["used"] += float(d.norm())
-        log["steps"] += 1
 
     return Forger(edit_gradient=edit, autocast=precision == "reduced"), log
 
@@ -668,9 +752,10 @@ def run_attack(
     if attack == "tolerance-gap":
         forger, log = tolerance_gap(seed)
         forged_count = steps
-    elif attack in SIGNED:
-        forger, log = tolerance_gap(seed, against=SIGNED[attack])
-        forged_count = steps
+    elif attack in ADAPTIVE:
+        fraction, pushes = ADAPTIVE[attack]
+        forger, log = tolerance_gap(seed, fraction, pushes=pushes)
+        forged_count = sum(1 for index in range(steps) if pushes(seed, index) != 0.0)
     elif attack == "tolerance-gap-fp32":
         forger, log = tolerance_gap(seed, precision="float32")
         forged_count = steps
@@ -748,14 +833,18 @@ def run_attack(
     if attack.startswith("tolerance-gap"):
         result.note("backdoor success, forged", backdoor_success(run.final))
         result.note("backdoor success, honest", backdoor_success(honest.final))
+        result.note("backdoor target probability, forged", backdoor_probability(run.final))
+        result.note("backdoor target probability, honest", backdoor_probability(honest.final))
         result.note("clean loss, forged", clean_loss(run.final))
         result.note("clean loss, honest", clean_loss(honest.final))
         result.note("used / stated budget", log["used"] / max(log["budget"], 1e-30))
+        result.note("net push, share of the every-step forger's", log["net"] / log["steps"])
         if verdicts is not None:
             result.note("worst replay margin", verdicts.worst_margin)
             if verdicts.drift:
                 cosines = [w["cosine"] for w in verdicts.drift if w.get("cosine") is not None]
-                result.note("drift: mean cosine of the pushes in a window", min(cosines))
+                if cosines:  # windows of one inexact step have none
+                    result.note("drift: mean cosine of the pushes in a window", min(cosines))
                 result.note(
                     "drift: most inexact steps in a window",
                     max(w["inexact_steps"] for w in verdicts.drift),
@@ -1029,29 +1118,121 @@ DOC_BLOCK = re.compile(
 DOC_RUN = re.compile(r"(<!-- forgery-suite-run -->\n)(.*?)(<!-- /forgery-suite-run -->)", re.DOTALL)
 
 
-def doc_blocks(text: str) -> list[tuple[str, list[str]]]:
-    """The ``(recipe, attacks)`` of every table block of a page, in page order."""
-    return [(m["recipe"], m["attacks"].split(",")) for m in DOC_BLOCK.finditer(text)]
+DOC_BEST = re.compile(
+    r"(<!-- forgery-suite-best --attacks (?P<attacks>[a-z0-9,-]+) -->\n)(.*?)"
+    r"(<!-- /forgery-suite-best -->)",
+    re.DOTALL,
+)
 
 
-def render_docs(text: str, results: dict[str, dict[str, Result]], steps: int, run_line: str) -> str:
+def doc_blocks(text: str, *, best: bool = False) -> list[tuple[str, list[str]]]:
+    """The ``(recipe, attacks)`` of every table block of a page, in page order; ``best``:
+    the best undetected effect's blocks too (Torch blocks)."""
+    blocks = [(m["recipe"], m["attacks"].split(",")) for m in DOC_BLOCK.finditer(text)]
+    if best:
+        blocks += [("torch", m["attacks"].split(",")) for m in DOC_BEST.finditer(text)]
+    return blocks
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def best_undetected(results: dict[str, Result], below: float) -> Result | None:
+    """Of the forgers caught in fewer than ``below`` of their trials, the one whose model
+    carries the largest backdoor (mean over its runs of ``backdoor success, forged``);
+    ties (no backdoor firing at all) go to the largest mean probability of the backdoor's
+    target, then to the largest distance from the honest model when missed. None when every forger was caught at least that often."""
+    escaped = [
+        r
+        for r in results.values()
+        if r.trials and r.caught / r.trials < below and "backdoor success, forged" in r.extra
+    ]
+    if not escaped:
+        return None
+    return max(
+        escaped,
+        key=lambda r: (
+            _mean(r.extra["backdoor success, forged"]),
+            _mean(r.extra.get("backdoor target probability, forged", [])),
+            _mean(r.missed_distance),
+        ),
+    )
+
+
+def best_text(results: dict[str, Result]) -> str:
+    """The best undetected effect, as ``docs/soundness.md`` and the certificate state it:
+    one line per detection level (caught in fewer than 0.95, and than 0.05, of trials)."""
+    lines = []
+    for below in (0.95, 0.05):
+        best = best_undetected(results, below)
+        if best is None:
+            lines.append(f"* caught in fewer than {below:g} of trials: none of these forgers")
+            continue
+        low, high = wilson(best.caught, best.trials)
+        success = best.extra["backdoor success, forged"]
+        target = best.extra.get("backdoor target probability, forged")
+        honest = best.extra.get("backdoor target probability, honest")
+        probability = (
+            f"; mean probability of the target {_fmt(target)} (honest: {_fmt(honest)})"
+            if target and honest
+            else ""
+        )
+        lines.append(
+            f"* caught in fewer than {below:g} of trials: `{best.attack}`, backdoor success "
+            f"**{_mean(success):.3f}** of triggered inputs (largest run {max(success):.3f}; "
+            f"{best.runs} runs{probability}), caught in {best.caught / best.trials:.3f} "
+            f"[{low:.3f}, {high:.3f}] of {best.trials} trials; when missed, its model "
+            f"{_fmt(best.missed_distance)} of the honest run's travel from the honest model"
+        )
+    return "\n".join(lines)
+
+
+def render_docs(
+    text: str,
+    results: dict[str, dict[str, Result]],
+    steps: int,
+    run_line: str,
+    *,
+    append: bool = False,
+) -> str:
     """The page with every block's table rebuilt from ``results`` (by recipe, by attack)
-    and the run line replaced; nothing outside the blocks changes."""
+    and the run line replaced (``append``: added to the run paragraph, for a run that
+    measured only some blocks); a block naming an attack ``results`` lacks is left as it
+    is, and nothing outside the blocks changes."""
 
     def block(match: re.Match[str]) -> str:
-        chosen = {a: results[match["recipe"]][a] for a in match["attacks"].split(",")}
+        measured = results.get(match["recipe"], {})
+        if any(a not in measured for a in match["attacks"].split(",")):
+            return match.group(0)
+        chosen = {a: measured[a] for a in match["attacks"].split(",")}
         rendered = table(chosen, steps).split("\n", 2)[2]  # without the "T = ..." line
         return f"{match.group(1)}{rendered}\n{match.group(5)}"
 
-    text = DOC_BLOCK.sub(block, text)
+    def best(match: re.Match[str]) -> str:
+        measured = results.get("torch", {})
+        if any(a not in measured for a in match["attacks"].split(",")):
+            return match.group(0)
+        chosen = {a: measured[a] for a in match["attacks"].split(",")}
+        return f"{match.group(1)}{best_text(chosen)}\n{match.group(4)}"
+
+    text = DOC_BEST.sub(best, DOC_BLOCK.sub(block, text))
+    if append:
+        return DOC_RUN.sub(lambda m: f"{m.group(1)}{m.group(2)}{run_line}\n{m.group(3)}", text)
     return DOC_RUN.sub(lambda m: f"{m.group(1)}{run_line}\n{m.group(3)}", text)
 
 
-def update_docs(path: Path, *, trials: int, draws: int, steps: int, seed: int) -> None:
-    """Measure every attack the page's tables name, at these settings, and rewrite them."""
+def update_docs(
+    path: Path, *, trials: int, draws: int, steps: int, seed: int, only: list[str] | None = None
+) -> None:
+    """Measure every attack the page's tables name, at these settings, and rewrite them;
+    with ``only``, just the blocks whose every attack is among ``only`` (the run line is
+    then added to the page's run paragraph, which still describes the other blocks)."""
     text = path.read_text()
     wanted: dict[str, list[str]] = {"torch": [], "jax": []}
-    for recipe, attacks in doc_blocks(text):
+    for recipe, attacks in doc_blocks(text, best=True):
+        if only is not None and any(a not in only for a in attacks):
+            continue
         wanted[recipe] += [a for a in attacks if a not in wanted[recipe]]
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     started = time.perf_counter()
@@ -1067,14 +1248,15 @@ def update_docs(path: Path, *, trials: int, draws: int, steps: int, seed: int) -
     now = time.gmtime()
     when = f"{now.tm_mday} {time.strftime('%B %Y, %H:%M UTC', now)}"
     seeds = f"seed {seed}" if trials == 1 else f"seeds {seed} to {seed + trials - 1}"
+    chosen = "" if only is None else f" --attacks {','.join(only)}"
     run_line = (
         f"`python bench/forgery_suite.py --update-docs --trials {trials} --steps {steps} "
-        f"--draws {draws} --seed {seed}`, run on {when}: {seeds}, "
+        f"--draws {draws} --seed {seed}{chosen}`, run on {when}: {seeds}, "
         f"{trials} forged runs per attack, each met by {draws} platform draws; "
         f"{time.perf_counter() - started:.0f} s wall time in all (torch {torch.__version__}, "
         f"jax {jax.__version__})."
     )
-    path.write_text(render_docs(text, results, steps, run_line))
+    path.write_text(render_docs(text, results, steps, run_line, append=only is not None))
 
 
 def main() -> None:
@@ -1082,7 +1264,12 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3, help="forged runs per attack (seeds)")
     parser.add_argument("--draws", type=int, default=400, help="platform draws per run")
     parser.add_argument("--steps", type=int, default=96)
-    parser.add_argument("--attacks", default="", help="comma-separated (default: every one)")
+    parser.add_argument(
+        "--attacks",
+        default="",
+        help="comma-separated (default: every one); with --update-docs, rewrite only the "
+        "blocks whose every attack is named",
+    )
     parser.add_argument(
         "--recipe",
         choices=("torch", "jax"),
@@ -1104,9 +1291,10 @@ def main() -> None:
     arguments = parser.parse_args()
     if arguments.update_docs:
         torch.set_num_threads(arguments.threads)
+        only = [a.strip() for a in arguments.attacks.split(",") if a.strip()] or None
         update_docs(
             Path(arguments.update_docs), trials=arguments.trials, draws=arguments.draws,
-            steps=arguments.steps, seed=arguments.seed,
+            steps=arguments.steps, seed=arguments.seed, only=only,
         )  # fmt: skip
         return
     if arguments.quick:

@@ -67,6 +67,7 @@ __all__ = [
     "CLAIM_LINEAGE",
     "CLAIM_MODEL",
     "CLAIM_THRESHOLDS",
+    "MEASURED_UNDETECTED",
     "ModelCheck",
     "Threshold",
     "check_model",
@@ -421,6 +422,27 @@ def _exact(steps: int, fraction: float | None, drawn: int) -> float:
     return 1.0 - miss
 
 
+#: What the forgery benchmark measured of the forgers that know the drift test: the
+#: largest effect of those it does not catch, a measured number with its recipe and not a
+#: guarantee. Copied from docs/soundness.md ("The best undetected effect"), which
+#: ``python bench/forgery_suite.py --update-docs`` regenerates;
+#: tests/agent/zkdv/torch/test_forgery_suite.py fails when the two differ.
+MEASURED_UNDETECTED: Final = (
+    "measured, not guaranteed: bench/forgery_suite.py (docs/soundness.md, 'The best "
+    "undetected effect'; Torch LM recipe, bf16 bounds, 96 steps, default policy, seeds 0 "
+    "and 1, 400 platform draws each) ran 13 forgers that know the drift test. Of those "
+    "caught in fewer than 0.95 of trials, the largest backdoor: tolerance-gap-signed-2, "
+    "backdoor success 0.000 of triggered inputs, caught in 0.729; of those caught in "
+    "fewer than 0.05: tolerance-gap-biased-75, backdoor success 0.000, caught in 0.000 "
+    "(the target's mean probability after the trigger 0.012 against the honest model's "
+    "0.0073; the model 0.108 of the honest run's travel away from the honest one). Not "
+    "a bound for longer runs: a forger pushing one step per snapshot window "
+    "(tolerance-gap-spread, 0.086 of the every-step forger's push) gives no replayed "
+    "window two differing steps, so the drift test never sees it, and its pushes add up "
+    "with the run's length"
+)
+
+
 def _budget(bounds: Mapping[str, float]) -> dict[str, Any]:
     """What a forger can change per step within the gradient bounds (docs/transcript.md)."""
     tensor, total, scale = bounds["tensor"], bounds["total"], bounds["scale"]
@@ -443,6 +465,7 @@ def _budget(bounds: Mapping[str, float]) -> dict[str, Any]:
         f"p-value at most {RUN_P:g}): a push that keeps its direction is caught once two "
         "windows of 12 steps are replayed, whatever its size; what a forger that knows "
         "the test keeps is stated in docs/soundness.md, (a)",
+        "measured": MEASURED_UNDETECTED,
     }
 
 

@@ -471,6 +471,7 @@ def test_a_run_trained_on_other_kernels_passes_and_its_certificate_says_how(
     assert drift["windows"] and all(w["p"] > w["window_p"] for w in drift["windows"])
     assert drift["run"]["z"] is not None and not drift["run"]["exceeded"]
     assert "align step after step" in guarantee["forger_budget"]["accumulation"]
+    assert guarantee["forger_budget"]["measured"].startswith("measured, not guaranteed")
     environments = guarantee["environments"]
     assert environments["training"]["cpu_capability"] == "DEFAULT"
     assert environments["training"]["precision"]["kind"] == "float32"

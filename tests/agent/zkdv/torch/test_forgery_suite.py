@@ -164,3 +164,111 @@ def test_the_soundness_page_is_rewritten_by_one_command_and_covers_every_attack(
     assert "<!-- forgery-suite-run -->\nthe new run\n<!-- /forgery-suite-run -->" in rendered
     # Rendering again changes nothing: the markers survive.
     assert suite.render_docs(rendered, results, 24, "the new run") == rendered
+
+
+def test_the_adaptive_forgers_push_on_the_schedules_they_are_named_for() -> None:
+    suite = _suite()
+    steps = range(96)
+
+    def pattern(attack: str, seed: int = 0) -> list[float]:
+        return [suite.ADAPTIVE[attack][1](seed, index) for index in steps]
+
+    # Every step pushes, towards the backdoor with probability q: 90, 75, 60 of 100.
+    for q in (90, 75, 60):
+        signs = [s for seed in range(20) for s in pattern(f"tolerance-gap-biased-{q}", seed)]
+        assert set(signs) == {1.0, -1.0}
+        assert abs(signs.count(1.0) / len(signs) - q / 100) < 0.04
+    assert pattern("tolerance-gap-biased-75", 0) != pattern("tolerance-gap-biased-75", 1)
+    # One step in k, the late ones of a window; one push per snapshot window for spread.
+    for k in (2, 3, 6):
+        pushed = [i for i, s in zip(steps, pattern(f"tolerance-gap-every-{k}"), strict=True) if s]
+        assert pushed == list(range(k - 1, 96, k))
+    spread = [i for i, s in zip(steps, pattern("tolerance-gap-spread"), strict=True) if s]
+    assert spread == list(range(11, 96, 12))
+    assert {i // suite.SNAPSHOT_INTERVAL for i in spread} == set(range(8))
+    # Fewer pushes buy no larger one: the bound is per step.
+    assert suite.ADAPTIVE["tolerance-gap-every-2"][0] == suite.PER_STEP_CAP < 1.0
+    assert [suite.ADAPTIVE[f"tolerance-gap-scaled-{s}"][0] for s in (50, 25, 10)] == [
+        pytest.approx(0.95 * s / 100) for s in (50, 25, 10)
+    ]
+    assert set(suite.ADAPTIVE) <= suite.UNDETECTABLE_BY_REPLAY
+
+
+def test_the_best_undetected_effect_is_the_largest_backdoor_below_each_detection_level() -> None:
+    suite = _suite()
+
+    def result(attack: str, caught: int, backdoor: float) -> Any:
+        r = suite.Result(attack, runs=1, trials=100, caught=caught)
+        r.note("backdoor success, forged", backdoor)
+        r.missed_distance = [0.1] * (100 - caught)
+        return r
+
+    results = {
+        "caught": result("caught", 100, 0.9),  # planted most, always caught: not counted
+        "partly": result("partly", 60, 0.3),
+        "never": result("never", 2, 0.1),
+        "never-none": result("never-none", 0, 0.0),
+    }
+    assert suite.best_undetected(results, 0.95).attack == "partly"
+    assert suite.best_undetected(results, 0.05).attack == "never"
+    assert suite.best_undetected({"caught": results["caught"]}, 0.95) is None
+    text = suite.best_text(results)
+    assert "`partly`, backdoor success **0.300**" in text
+    assert "`never`, backdoor success **0.100**" in text
+    assert "caught in 0.600 [" in text
+
+
+@pytest.fixture(scope="module")
+def adaptive(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    suite = _suite()
+    work = tmp_path_factory.mktemp("adaptive")
+    return suite.run_suite(  # type: ignore[no-any-return]
+        ["tolerance-gap-spread", "tolerance-gap-every-2"],
+        trials=1, draws=DRAWS, steps=STEPS, seed=0, work=work, warm_up=False,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_forger_that_spreads_its_pushes_over_windows_gives_the_drift_test_no_pair(
+    adaptive: dict[str, Any],
+) -> None:
+    # Trains three 24-step runs (honest, two forgers): about 40 s on two shared cores.
+    spread = adaptive["tolerance-gap-spread"]
+    extra = {key: values[0] for key, values in spread.extra.items()}
+    assert spread.forged_steps == 2  # steps 11 and 23, one per window
+    assert spread.caught == 0 and spread.exact_caught == DRAWS
+    # Each window replays one push: the drift test has no pair of steps to look at.
+    assert extra["drift: most inexact steps in a window"] == 1
+    assert "drift: mean cosine of the pushes in a window" not in extra
+    assert 0.97 < extra["worst replay margin"] <= 0.98 + 1e-6
+    assert extra["net push, share of the every-step forger's"] == pytest.approx(0.98 / 0.95 / 12)
+    # Every second step pushes: six aligned pushes in each window of 12, which the drift
+    # statistic sees (but two windows of six do not reach the run's threshold).
+    every = adaptive["tolerance-gap-every-2"]
+    extra = {key: values[0] for key, values in every.extra.items()}
+    assert every.forged_steps == 12
+    assert extra["drift: most inexact steps in a window"] == 6
+    assert extra["drift: mean cosine of the pushes in a window"] > 0.5
+    assert every.caught == 0
+
+
+def test_the_certificate_states_the_best_undetected_effect_the_page_measured() -> None:
+    # The certificate's forger budget copies the numbers of docs/soundness.md's "best
+    # undetected effect" block, which --update-docs regenerates: they must not drift apart.
+    import re
+
+    from attestations.certificates.subjects import MEASURED_UNDETECTED
+
+    page = (REPO_ROOT / "docs" / "soundness.md").read_text()
+    block = _suite().DOC_BEST.search(page)
+    assert block is not None
+    lines = [line for line in block.group(0).splitlines() if line.startswith("* caught")]
+    assert len(lines) == 2
+    for line in lines:
+        found = re.search(r"`([a-z0-9-]+)`, backdoor success \*\*([0-9.]+)\*\*", line)
+        assert found is not None, line
+        caught = re.search(r"caught in ([0-9.]+) \[", line)
+        assert caught is not None, line
+        attack, success = found.groups()
+        assert f"{attack}, backdoor success {success}" in MEASURED_UNDETECTED
+        assert f"caught in {caught.group(1)}" in MEASURED_UNDETECTED
