@@ -146,7 +146,11 @@ CELERY_TASK_EAGER_PROPAGATES = True
 # The longest job is a replay; the broker must not redeliver a message to a second
 # worker while the first still holds it, so the visibility timeout exceeds the hard limit.
 CELERY_TASK_TIME_LIMIT = envint("DVBENCH_TASK_TIME_LIMIT", 3600, minimum=10)
-CELERY_TASK_SOFT_TIME_LIMIT = max(5, CELERY_TASK_TIME_LIMIT - 60)
+# The soft limit leaves a task a quarter of its limit, at most 60 s, to record why it
+# stopped. (It was the limit less 60 s, at least 5: every limit up to 65 s then gave
+# 5 s, and the replay's sandbox 5 s less than that, too little for a Torch child to
+# start on a loaded machine.)
+CELERY_TASK_SOFT_TIME_LIMIT = CELERY_TASK_TIME_LIMIT - min(60, CELERY_TASK_TIME_LIMIT // 4)
 # A message a killed worker held comes back after the visibility timeout; every worker
 # sweeps for such messages every few seconds (kombu's default is ~100 s between scans).
 CELERY_BROKER_TRANSPORT_OPTIONS = {
