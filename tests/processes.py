@@ -12,7 +12,9 @@ the test fails, is killed.
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.sources import AGENT_PYTHONPATH
 
 #: How much of a process's output a failure shows.
 TAIL_CHARACTERS = 3000
@@ -95,3 +99,36 @@ def wait_all(started: Sequence[Started], timeout: float) -> None:
             if each.process.poll() is None:
                 each.process.kill()
                 each.process.wait()
+
+
+def run_jax(
+    args: Sequence[str | Path],
+    *,
+    folder: Path,
+    name: str,
+    xla_flags: str,
+    pythonpath: Sequence[str | Path] = (),
+    cpus: Sequence[int] | None = None,
+    timeout: float = 420,
+) -> str:
+    """Run a JAX program (``python args...``) to its end in a fresh process; its stdout.
+
+    The process gets ``XLA_FLAGS`` (the kernel family, the host's device count), the
+    agent's sources and ``pythonpath`` to import, its programs exported for this machine
+    alone (``ZKDV_JAX_EXPORT_PLATFORMS`` empty), and only ``cpus`` when given (XLA's
+    thread pool is sized by them). Its output goes to ``folder/name.out`` and ``.err``;
+    a non-zero exit fails the test with their end.
+    """
+    env = {
+        **os.environ,
+        "XLA_FLAGS": xla_flags,
+        "PYTHONPATH": os.pathsep.join([AGENT_PYTHONPATH, *map(str, pythonpath)]),
+        "ZKDV_JAX_EXPORT_PLATFORMS": "",
+    }
+    command = [sys.executable, *map(str, args)]
+    if cpus is not None:
+        command = ["taskset", "--cpu-list", ",".join(map(str, cpus)), *command]
+    started = start(command, folder=folder, name=name, env=env)
+    wait_all([started], timeout)
+    assert started.returncode == 0, started.tail()
+    return started.stdout()

@@ -13,9 +13,6 @@ tolerance and why; the second run's steps are all ``within_bounds`` (state exact
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -28,7 +25,7 @@ from attestations.challenges.models import Challenge, ChallengeOrigin, Challenge
 from attestations.reports.render import report_context
 from provers.replay import Transcript, windows
 from tests.attestations.base import World
-from tests.sources import AGENT_PYTHONPATH
+from tests.processes import run_jax
 from zkdv.verify import verify_transcript
 
 pytest.importorskip("jax")
@@ -96,21 +93,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     where = tmp_path_factory.mktemp("judged")
     script = where / "train.py"
     script.write_text(SCRIPT)
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_cpu_max_isa=SSE4_2",
-        "PYTHONPATH": AGENT_PYTHONPATH,
-        "ZKDV_JAX_EXPORT_PLATFORMS": "",
-    }
-    result = subprocess.run(
-        [sys.executable, str(script), str(where), str(STEPS)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=420,
-        check=False,
+    run_jax(
+        [script, where, STEPS], folder=where, name="train", xla_flags="--xla_cpu_max_isa=SSE4_2"
     )
-    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     return where
 
 

@@ -15,8 +15,6 @@ call with a message naming the field.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -31,7 +29,7 @@ from jax_helpers import apply_fn, batches, init_params
 import zkdv
 from provers import jax_replay
 from provers.replay import Transcript, windows
-from tests.sources import AGENT_PYTHONPATH
+from tests.processes import run_jax
 from zkdv.verify import verify_transcript
 
 HERE = str(Path(__file__).resolve().parent)  # jax_helpers.py's folder
@@ -95,32 +93,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     where = tmp_path_factory.mktemp("declared")
     script = where / "train.py"
     script.write_text(SCRIPT)
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_cpu_max_isa=SSE4_2",
-        "PYTHONPATH": os.pathsep.join([AGENT_PYTHONPATH, str(Path(HERE).parents[3])]),
-        "ZKDV_JAX_EXPORT_PLATFORMS": "",
-    }
-    cpu = str(sorted(os.sched_getaffinity(0))[0])
-    result = subprocess.run(
-        [
-            "taskset",
-            "--cpu-list",
-            cpu,
-            sys.executable,
-            str(script),
-            str(where),
-            HERE,
-            str(FORGED_STEP),
-            str(STEPS),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=420,
-        check=False,
+    run_jax(
+        [script, where, HERE, FORGED_STEP, STEPS],
+        folder=where,
+        name="train",
+        xla_flags="--xla_cpu_max_isa=SSE4_2",
+        pythonpath=[Path(HERE).parents[3]],
+        cpus=sorted(os.sched_getaffinity(0))[:1],
     )
-    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     return where
 
 
@@ -230,22 +210,13 @@ def test_a_declared_update_sharded_over_devices_replays_on_one_device(tmp_path: 
     bit."""
     script = tmp_path / "sharded.py"
     script.write_text(SHARDED)
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "PYTHONPATH": AGENT_PYTHONPATH,
-        "ZKDV_JAX_EXPORT_PLATFORMS": "",
-    }
     path = tmp_path / "proof"
-    result = subprocess.run(
-        [sys.executable, str(script), str(path), "4"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=420,
-        check=False,
+    run_jax(
+        [script, path, 4],
+        folder=tmp_path,
+        name="sharded",
+        xla_flags="--xla_force_host_platform_device_count=8",
     )
-    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     report = verify_transcript(path)
     assert report.ok, report.summary()
     transcript = Transcript.load(path)

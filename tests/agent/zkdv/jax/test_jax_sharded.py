@@ -15,16 +15,13 @@ step 3.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
 import provers.jax_replay as jax_replay
-from tests.sources import AGENT_PYTHONPATH
+from tests.processes import run_jax
 from zkdv.replay import Transcript
 from zkdv.verify import verify_transcript
 
@@ -69,22 +66,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     where = tmp_path_factory.mktemp("sharded")
     script = where / "train.py"
     script.write_text(SCRIPT)
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_cpu_max_isa=AVX2",
-        "PYTHONPATH": AGENT_PYTHONPATH,
-        "ZKDV_JAX_EXPORT_PLATFORMS": "",
-    }
-    result = subprocess.run(
-        [sys.executable, str(script), str(where), json.dumps(MESHES), str(STEPS), HERE],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=420,
-        check=False,
+    output = run_jax(
+        [script, where, json.dumps(MESHES), STEPS, HERE],
+        folder=where,
+        name="train",
+        xla_flags="--xla_force_host_platform_device_count=8 --xla_cpu_max_isa=AVX2",
     )
-    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    kept = json.loads(result.stdout.strip().splitlines()[-1])
+    kept = json.loads(output.strip().splitlines()[-1])
     assert kept == {f"{d}x{m}": True for d, m in MESHES}, "a leaf lost its layout"
     return where
 
