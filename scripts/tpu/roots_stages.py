@@ -105,7 +105,11 @@ def stage_programs(plan: dm.HashPlan, interpret: bool) -> dict[str, Callable[...
         return kernels.bulk_roots(words, [plan.leaves[i].full for i in full], key, per)
 
     def odd(leaves: list[jax.Array]) -> jax.Array:
-        _, matrix = dm._chunk_rows(ops, plan, [leaf_words(leaf) for leaf in leaves], bulk=False)
+        words = [leaf_words(leaf) for leaf in leaves]
+        width = plan.chunk_bytes // 4
+        # each bulk message's last data word, as the bulk kernel hands it on
+        last = [words[i][: plan.leaves[i].full * width].reshape(-1, width)[:, -1] for i in full]
+        _, matrix = dm._chunk_rows(ops, plan, words, last=jnp.concatenate(last) if last else None)
         tables = jnp.asarray(
             np.stack([plan.odd_counter, plan.odd_length, plan.odd_root]).astype(np.int32)
         )
