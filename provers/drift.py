@@ -202,7 +202,11 @@ class Drift:
         for (_, r), (_, c) in zip(recomputed, committed, strict=True):
             r, c = np.asarray(r), np.asarray(c)
             if _floating(r) and r.shape == c.shape:
-                parts.append(c.astype(np.float64).reshape(-1) - r.astype(np.float64).reshape(-1))
+                # inf - inf (a mask's -inf on both sides) is NaN, left out just below
+                with np.errstate(invalid="ignore"):
+                    parts.append(
+                        c.astype(np.float64).reshape(-1) - r.astype(np.float64).reshape(-1)
+                    )
         d = np.concatenate(parts) if parts else np.zeros(0)
         d[~np.isfinite(d)] = 0.0
         if not d.any():

@@ -107,6 +107,20 @@ def test_bit_exact_steps_have_no_statistic() -> None:
     assert drift.inexact == [] and drift.z is None and drift.p == 1.0 and not drift.exceeded
 
 
+@pytest.mark.filterwarnings("error")
+def test_non_finite_coordinates_are_left_out_quietly() -> None:
+    # An attention mask's -inf on both sides, a NaN on both: no difference, no warning.
+    rng = np.random.default_rng(3)
+    drift = Drift(first=0)
+    for step in range(3):
+        recomputed = _gradient(rng)
+        recomputed[0, :2] = (-np.inf, np.nan)
+        committed = recomputed + _rounding(rng, 1e-4)
+        drift.add(step, [("params:w", recomputed)], [("params:w", committed)])
+    assert drift.inexact == [0, 1, 2]
+    assert np.isfinite(drift.z) and 0.0 < drift.p <= 1.0
+
+
 def test_a_run_combines_its_windows_once_each() -> None:
     rng = np.random.default_rng(3)
     push = _push(rng, 0.05)
