@@ -341,8 +341,9 @@ class ZKDV(Driver):
         if registration.source != "transaction":
             if self._attested is not None:
                 raise ZKDVError(_messages.ATTEST_REGISTERED)
-            # zkdv.jax.scan brings its one-update transition; otherwise the staged
-            # function is replayed up to its update boundary.
+            # A zkdv.jax.scan of a run without gradients (attest_apply_fn) brings its
+            # one-update transition; otherwise the staged function is replayed up to its
+            # update boundary.
             generated = scan.transition if scan is not None else replay_builder(traced)
             transition: Callable[..., Any] | None = generated
             attest = _attest_from_transition(generated)

@@ -145,7 +145,7 @@ def scan(
         packed=packed,
         stacked=[*params_stacked, *opt_stacked, *computed_stacked],
         counts=(len(update.param_positions), len(update.opt_positions)),
-        transition=_transition(replay, replay_update, layout),
+        transition=None if update.spec else _transition(replay, replay_update, layout),
         spec=update.spec,
         gradient_program=None if update.spec is None else _one_update(trace, update, layout),
         jaxpr=trace.closed,
@@ -512,7 +512,7 @@ class ScanUpdates:
             a run that commits its gradients) computed values.
         counts: number of parameter and continuity leaves.
         transition: one update as ``(params, opt_state, batch) -> (deltas, params_after,
-            opt_state_after)`` over flat leaves.
+            opt_state_after)`` over flat leaves, in a run that commits no gradients.
         spec: the update whose computed values each step commits (None: the run commits
             no gradients, version-1 artifact).
         gradient_program: with ``spec``, one update's gradient program
@@ -528,7 +528,7 @@ class ScanUpdates:
     packed: Any
     stacked: list[Any]
     counts: tuple[int, int]
-    transition: Callable[..., Any]
+    transition: Callable[..., Any] | None
     spec: _optimizer.UpdateSpec | None = None
     gradient_program: Callable[..., Any] | None = None
     jaxpr: Any = None
