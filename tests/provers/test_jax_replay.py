@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -415,14 +416,26 @@ def test_dispatch_imports_only_the_framework_it_needs() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def _scan_run(path: Path) -> Path:
-    """Four calls of ``zkdv.jax.scan`` with two updates each: steps 0-7, snapshots 0, 3, 6."""
+def _scan_run(path: Path, *, forge: bool = False) -> Path:
+    """Four calls of ``zkdv.jax.scan`` with two updates each: steps 0-7, snapshots 0, 3, 6.
+
+    ``forge``: a forger's run, whose step 4 (the second update of a call) commits 1.01
+    times the gradient the loop applied, and step 7 its own post-update parameters.
+    """
     proof = zkdv.jax.ZKDV(
         path,
         zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.0)),
         replay_snapshot_interval=3,
     )
     proof.start(rolling_window=2, probe_ratio=0.5)
+    if forge:
+        fetch = proof.transfers.fetch
+
+        def forged(step: int, kind: str, value: Any) -> Any:
+            host = fetch(step, kind, value)
+            return _scaled_gradient(kind, host) if step == FORGED_STEP else host
+
+        proof.transfers.fetch = forged  # type: ignore[method-assign]
     model = MLP()
     state = TrainState.create(
         proof=proof,
@@ -436,9 +449,10 @@ def _scan_run(path: Path) -> Path:
         return zkdv.jax.scan(lambda state, batch: (_step(state, batch), None), state, batches)[0]
 
     rng = np.random.default_rng(1)
-    for _ in range(STEPS // 2):
-        state = steps(state, jnp.asarray(rng.standard_normal((2, 4, 7)), jnp.float32))
-    proof.close()
+    with forgery.own_update(7, lambda a: a + np.float32(1e-3)) if forge else nullcontext():
+        for _ in range(STEPS // 2):
+            state = steps(state, jnp.asarray(rng.standard_normal((2, 4, 7)), jnp.float32))
+        proof.close()
     return path
 
 
@@ -448,11 +462,21 @@ def test_updates_inside_a_scan_replay_as_steps(tmp_path: Path) -> None:
     assert sorted(transcript.steps) == list(range(STEPS))
     # Windows start where the interval says, inside calls of two updates too.
     assert windows(transcript) == [(0, 2), (3, 5), (6, 7)]
+    # Each update commits its gradient, and the loop applies the canonical update.
+    assert [g["path"] for g in transcript.root["schema"]["grad"]] == [
+        f"params:params['Dense_{layer}']['{name}']"
+        for layer in (0, 1)
+        for name in ("bias", "kernel")
+    ]
+    assert transcript.root["env"]["update"]["canonical"] is True
     transition = jax_replay.load_transition(path)
     for first, last in windows(transcript):
         verdict = jax_replay.verify_challenge(path, first, through=last, transition=transition)
         assert verdict.ok, verdict.message
-        assert all(e.exact and e.batch_ok for e in verdict.evidence)
+        assert all(e.exact and e.batch_ok and e.state == "exact" for e in verdict.evidence)
+        assert all(
+            e.gradient == {"exact": True, "margin": 0.0, "worst": None} for e in verdict.evidence
+        )
     # Step 4 is the second update of a call: its own batch file is what it is held to.
     file = batch_path(path, 4)
     data = bytearray(file.read_bytes())
@@ -461,3 +485,18 @@ def test_updates_inside_a_scan_replay_as_steps(tmp_path: Path) -> None:
     verdict = jax_replay.verify_challenge(path, 3, through=5, transition=transition)
     assert (verdict.ok, verdict.reason) == (False, "batch_mismatch")
     assert "does not hash to step 4's committed batch root" in str(verdict.message)
+
+
+def test_a_gradient_or_an_update_forged_inside_a_scan_fails_replay(tmp_path: Path) -> None:
+    path = _scan_run(tmp_path / "forged", forge=True)
+    assert verify_transcript(path).ok  # its roots, files and probes agree
+    transition = jax_replay.load_transition(path)
+    assert jax_replay.verify_challenge(path, 0, through=2, transition=transition).ok
+    for exact in (None, False):  # here, and as a worker on other hardware judges it
+        scaled = jax_replay.verify_challenge(path, 3, through=5, transition=transition, exact=exact)
+        assert (scaled.ok, scaled.reason) == (False, "replay_mismatch")
+        assert str(scaled.message).startswith("step 4: the recomputed values differ")
+        assert [(e.step, e.ok) for e in scaled.evidence] == [(3, True), (4, False)]
+        pushed = jax_replay.verify_challenge(path, 6, through=7, transition=transition, exact=exact)
+        assert (pushed.ok, pushed.reason) == (False, "replay_mismatch")
+        assert [(e.step, e.ok) for e in pushed.evidence] == [(6, True), (7, False)]

@@ -1,6 +1,6 @@
 """Honest JAX training recipes, trained in-process or in a subprocess under another ISA.
 
-Four recipes, each a function ``(proof, steps, seed)`` training under a started
+Five recipes, each a function ``(proof, steps, seed)`` training under a started
 ``zkdv.jax.ZKDV`` (the seed draws the initial parameters and the order of the data):
 
 * ``digits``: the Flax digits example (``examples/jax/digits.py``), Adam;
@@ -10,6 +10,8 @@ Four recipes, each a function ``(proof, steps, seed)`` training under a started
 * ``lm``: the causal transformer LM recipe (``examples/jax/lm.py``, one block): warmup
   + cosine schedule, ``clip_by_global_norm``, two micro-batches accumulated inside the
   step, AdamW;
+* ``scan`` (issue 56): the digits classifier trained two updates per compiled call by
+  ``zkdv.jax.scan``, a PRNG key carried through the loop for input noise, AdamW;
 * ``sharded-DxM`` (issue 56): an MLP with clipping and AdamW on a warmup-cosine schedule
   over eight devices (``--xla_force_host_platform_device_count=8``), its batch split
   over a ``data`` axis of D devices and its hidden layer over a ``model`` axis of M;
@@ -136,6 +138,47 @@ def lm(proof: zkdv.jax.ZKDV, steps: int, seed: int = 0) -> None:
     example("lm").train(proof, steps, blocks=1, seed=seed)
 
 
+class DigitClassifier(nn.Module):
+    @nn.compact
+    def __call__(self, pixels: jax.Array) -> jax.Array:
+        return nn.Dense(10)(jax.nn.relu(nn.Dense(32)(pixels)))
+
+
+def scan(proof: zkdv.jax.ZKDV, steps: int, seed: int = 0) -> None:
+    """Two updates per ``proof.jit`` call, in a ``zkdv.jax.scan`` (``steps`` even)."""
+    rows = _shuffled(example("digits").digit_rows()[0], seed)
+    model = DigitClassifier()
+    state = TrainState.create(
+        proof=proof,
+        apply_fn=model.apply,
+        params=model.init(jax.random.key(seed), jnp.zeros((1, 64)))["params"],
+        tx=optax.adamw(3e-3, weight_decay=1e-4),
+    )
+
+    def update(carry: Any, batch: jax.Array) -> Any:
+        state, key = carry
+        key, noise = jax.random.split(key)
+        pixels = batch[:, :64].astype(jnp.float32) / 16.0
+        pixels = pixels + 0.01 * jax.random.normal(noise, pixels.shape)
+        labels = batch[:, 64].astype(jnp.int32)
+
+        def loss(params: Any) -> jax.Array:
+            logits = state.apply_fn({"params": params}, pixels)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+        return (state.apply_gradients(grads=jax.grad(loss)(state.params)), key), None
+
+    @proof.jit(donate_argnums=(0,))
+    def calls(state: Any, key: jax.Array, batches: jax.Array) -> Any:
+        (state, key), _ = zkdv.jax.scan(update, (state, key), batches)
+        return state, key
+
+    key = jax.random.key(seed + 1)
+    for index in range(steps // 2):
+        batches = rows[(index % 15) * 100 :][:100].reshape(2, 50, 65)
+        state, key = calls(state, key, jnp.asarray(batches))
+
+
 def sharded(proof: zkdv.jax.ZKDV, steps: int, seed: int = 0, *, mesh: tuple[int, int]) -> bool:
     """Train on a ``data`` x ``model`` mesh of ``mesh`` devices; whether every parameter
     kept its layout through the steps."""
@@ -189,6 +232,9 @@ RECIPES: dict[str, Callable[[zkdv.jax.ZKDV, int, int], object]] = {
     "batchstats": batchstats,
     "lm": lm,
 }
+#: Updates inside a ``zkdv.jax.scan``: trained by ``test_jax_scan.py`` under another
+#: kernel environment (not the ``tpu`` suite's recipes).
+SCANNED: dict[str, Callable[[zkdv.jax.ZKDV, int, int], object]] = {"scan": scan}
 #: The sharded recipe on each mesh: they need eight devices
 #: (``--xla_force_host_platform_device_count=8``), so only the cross-hardware sweep
 #: (``bench/cross_hardware.py``) and ``test_jax_sharded.py`` train them.
@@ -233,7 +279,7 @@ def train(
     proof.start(rolling_window=2, probe_ratio=0.25)
     if before is not None:
         before(proof)
-    {**RECIPES, **SHARDED}[name](proof, steps, seed)
+    {**RECIPES, **SCANNED, **SHARDED}[name](proof, steps, seed)
     proof.close()
     return path
 

@@ -136,8 +136,8 @@ def test_scan_training_example(tmp_path: Path) -> None:
     artifact = Artifact.loads((tmp_path / "scan" / "program.jaxexport").read_bytes())
     assert artifact.source == "zkdv.jax.contrib.TrainState in zkdv.jax.scan"
     assert (artifact.layout.rows, artifact.layout.cols) == (32, 65)
-    # zkdv.jax.scan keeps the version-1 artifact: its updates commit no gradient.
-    assert not artifact.commits
-    assert set(artifact.transition.platforms) == {"cpu", "cuda"}  # type: ignore[union-attr]
+    # Each update commits its gradient: one update's programs, for the replay platforms.
+    assert artifact.commits and artifact.canonical and artifact.production is not None
+    assert set(artifact.production.platforms) == {"cpu", "cuda"}
     # Snapshots every 6 updates fall inside calls of 4: windows [0, 5], [6, 11], ...
     assert _replay_in_a_fresh_process(tmp_path / "scan").splitlines()[:2] == ["0 5", "6 11"]

@@ -59,7 +59,7 @@ def _train(tmp_path: Path, name: str, commitments: str) -> Path:
     assert proof._core is not None
     proof._core.probe_seed = bytes(range(16))
     proof._core.clock = lambda: 1.0
-    recipes.RECIPES[name](proof, STEPS, 0)
+    {**recipes.RECIPES, **recipes.SCANNED}[name](proof, STEPS, 0)
     proof.close()
     return path
 
@@ -88,6 +88,25 @@ def test_a_recipe_trains_verifies_and_replays_exactly_on_the_tpu(tmp_path: Path,
     for step in sorted({0, 3, 4, 7, STEPS // 2, STEPS - 1}):
         verdict = jax_replay.verify_challenge(device, step, transition=transition)
         assert verdict.ok, (step, verdict.reason, verdict.message)
+
+
+@pytest.mark.timeout(900)
+def test_updates_inside_a_scan_replay_exactly_on_the_tpu(tmp_path: Path) -> None:
+    """The loop's gradients and updates against the replay's one-update programs, compiled
+    apart (docs/jax.md 3.2): on the TPU's own environment every bit must agree."""
+    import provers.jax_replay as jax_replay
+    from zkdv.jax.replay import load_transition
+
+    # "auto": a scan's updates are committed on the host path (the device path refuses them).
+    run = _train(tmp_path, "scan", "auto")
+    transcript = verify_transcript(run)
+    assert transcript.root["program"]["kind"] == "jax.export"
+    assert jax_replay.exact_environment(transcript.root)
+    transition = load_transition(run)
+    for step in range(STEPS):
+        verdict = jax_replay.verify_challenge(run, step, transition=transition)
+        assert verdict.ok, (step, verdict.reason, verdict.message)
+        assert all(e.exact for e in verdict.evidence), step
 
 
 def _digest(arrays: list[Any]) -> str:

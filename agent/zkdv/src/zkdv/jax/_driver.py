@@ -37,10 +37,7 @@ import numpy as np
 from zkdv.batch import validate_window
 from zkdv.config import GradientBounds, ZKDVConfig
 from zkdv.driver import Driver, ReplayOutcome
-from zkdv.errors import (
-    ZKDVError,
-    ZKDVVerificationError,
-)
+from zkdv.errors import ZKDVError, ZKDVVerificationError
 from zkdv.jax import _messages
 from zkdv.jax._device import (
     DeviceCommitter,
@@ -330,18 +327,23 @@ class ZKDV(Driver):
         batch_spec = _spec((validate.rows, validate.cols), jnp.uint32)
         index_spec = _spec((), jnp.uint64)
         registration = traced.registration
-        if traced.commits:
+        scan = registration.scan
+        if traced.commits or (scan is not None and scan.spec is not None):
             if self._attested is not None:
                 source = registration.source
                 raise ZKDVError(_messages.ATTEST_COMMITTED.get(source, _messages.ATTEST_REGISTERED))
+            if scan is not None:  # zkdv.jax.scan: the programs of one of its updates
+                self._artifact = scan.commit_programs(self.runtime, traced, params, opt)
+                self._program_owner = program
+                return
             self._export_committed(program, params, opt, param_specs, opt_specs)
             return
         if registration.source != "transaction":
             if self._attested is not None:
                 raise ZKDVError(_messages.ATTEST_REGISTERED)
-            # zkdv.jax.scan brings its one-update transition; otherwise the staged
-            # function is replayed up to its update boundary.
-            scan = registration.scan
+            # A zkdv.jax.scan of a run without gradients (attest_apply_fn) brings its
+            # one-update transition; otherwise the staged function is replayed up to its
+            # update boundary.
             generated = scan.transition if scan is not None else replay_builder(traced)
             transition: Callable[..., Any] | None = generated
             attest = _attest_from_transition(generated)
@@ -428,13 +430,12 @@ class ZKDV(Driver):
         optimizer = optimizer_env(outcome[0] if outcome else None)
         donate = donates_params(program)
         # Committed on the host, the delta probes are formed from the probed rows
-        # (_Step.probes); on the device, or where another process or a scan holds the
-        # state, from the realized deltas, computed after the apply program into the
-        # donated pre-update parameters' buffers when the step donates them.
+        # (_Step.probes); on the device, or where another process holds the state, from
+        # the realized deltas, computed after the apply program into the donated
+        # pre-update parameters' buffers when the step donates them. (A zkdv.jax.scan
+        # does not come here: ScanUpdates.commit_programs.)
         program.host_deltas = (
-            self._resolve(program, [*params, *opt]) is None
-            and not self.runtime.multi_process
-            and traced.registration.scan is None
+            self._resolve(program, [*params, *opt]) is None and not self.runtime.multi_process
         )
         if not program.host_deltas:
             program.deltas = jax.jit(deltas, donate_argnums=(1,) if donate else ())

@@ -22,12 +22,14 @@ from jax import export
 from jax.sharding import NamedSharding
 
 from zkdv import environments
+from zkdv.config import GradientBounds
 from zkdv.errors import (
     ZKDVError,
 )
+from zkdv.gradients import leaf_name
 from zkdv.jax import _context, _messages
 from zkdv.jax._flops import FLOP_METHOD
-from zkdv.jax._optimizer import apply_function, deltas
+from zkdv.jax._optimizer import UpdateSpec, apply_function, deltas, optimizer_env
 from zkdv.jax._tree import index
 from zkdv.jax.artifact import CANONICAL_OPTIONS, Artifact, dumps_committed
 
@@ -42,6 +44,7 @@ __all__ = [
     "export_candidates",
     "export_committed",
     "follower_calls",
+    "one_update_material",
     "partitioned_calls",
     "precision",
     "state_shardings",
@@ -397,6 +400,78 @@ def _committed_material(
         opt_state=list(zip(traced.opt_paths, opt_specs, strict=True)),
         layout=traced.layout,
     )
+
+
+def one_update_material(
+    traced: _Traced,
+    spec: UpdateSpec,
+    program: Callable[..., Any],
+    computed: Sequence[Any],
+    jaxpr: Any,
+    state: tuple[Sequence[Any], Sequence[Any]],
+) -> tuple[bytes, tuple[str, ...], dict[str, Any], GradientBounds]:
+    """The version-2 artifact of a ``zkdv.jax.scan`` whose updates commit gradients.
+
+    Its programs are one update's (``zkdv.jax._scan``): ``program``, the gradient
+    program over ``((), (params..., opt_state..., unpacked batch...), zero)``, nothing
+    donated, and the canonical update of ``spec``. ``computed`` holds the computed
+    values' avals, ``jaxpr`` the traced body, ``state`` the parameters and optimizer
+    state.
+
+    Returns:
+        The artifact's bytes, the computed values' names, the root's ``env`` and the
+        run's default gradient bounds.
+    """
+    params, opt = state
+    param_specs = tuple(_spec(jnp.shape(x), jnp.result_type(x)) for x in params)
+    opt_specs = tuple(_spec(jnp.shape(x), jnp.result_type(x)) for x in opt)
+    zero_spec = _spec((), jnp.uint32)
+    layout = traced.layout
+    packed = _spec((layout.rows, layout.cols), jnp.uint32)
+    kept = (*param_specs, *opt_specs, *jax.eval_shape(layout.unpack, packed))
+    computed_specs = tuple(
+        jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=weak)  # type: ignore[no-untyped-call]
+        for a, weak in zip(computed, spec.weak[2], strict=True)
+    )
+    apply, outcome = apply_function(spec)
+    try:
+        exported, applied = export_committed(
+            jax.jit(program),
+            ((), kept, zero_spec),
+            apply,
+            (param_specs, opt_specs, computed_specs, zero_spec),
+        )
+    except ZKDVError:
+        raise
+    except Exception as error:
+        raise ZKDVError(_messages.EXPORT_FAILURE.format(error=error)) from error
+    names = tuple(leaf_name("params", traced.param_paths[p]) for p in spec.grads) + tuple(
+        leaf_name("opt_state", traced.opt_paths[p]) for p in spec.carried
+    )
+    nstate = len(params) + len(opt)
+    optimizer = optimizer_env(outcome[0] if outcome else None)
+    material = dumps_committed(
+        source=_SOURCES["train_state"] + " in zkdv.jax.scan",
+        production=exported,
+        apply=applied,
+        inputs={
+            "count": len(kept),
+            "donated": [],
+            "kept": list(range(len(kept))),
+            "params": list(range(len(params))),
+            "opt_state": list(range(len(params), nstate)),
+            "batch": list(range(nstate, len(kept))),
+        },
+        outputs={"batch": 0, "computed": 1, "count": 1 + len(names)},
+        computed=list(zip(names, computed_specs, strict=True)),
+        optimizer=optimizer,
+        params=list(zip(traced.param_paths, param_specs, strict=True)),
+        opt_state=list(zip(traced.opt_paths, opt_specs, strict=True)),
+        layout=layout,
+    )
+    kind = precision(jaxpr, params, jax.default_backend())
+    env = _environment(platforms=exported.platforms, precision=kind, update=optimizer)
+    return material, names, env, GradientBounds.default(kind["kind"])
 
 
 def _export_programs(

@@ -76,7 +76,7 @@ class _Update:
     ) -> tuple[Any, Any]:
         context = _context.current()
         capture = None if context is None else context.capture
-        if capture is None or context is None or context.mode != "production":
+        if capture is None or context is None or context.mode not in ("production", "scan"):
             return _plain(self.inner, updates, state, params, extra)
         if context.nested():
             raise ZKDVError(_messages.NESTED_UPDATE)
@@ -406,7 +406,7 @@ def deltas(after: tuple[Any, ...], before: tuple[Any, ...]) -> tuple[Any, ...]:
     """The realized changes ``float32(after) - float32(before)`` (the delta probes').
 
     Its own program, after the apply program, where the step commits on the device (or
-    another process or a scan holds the state; on the host the commit stage subtracts
+    another process holds the state; on the host the commit stage subtracts
     the probed rows): in the apply program XLA:CPU computed them at twice the cost of
     the whole canonical update (a 11.5M-parameter MLP: 92 ms against 44 ms for the
     update and 5 ms for this program after it).

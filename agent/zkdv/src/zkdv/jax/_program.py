@@ -15,11 +15,14 @@ through the driver.
 The program takes a third input, ``zero``: a uint32 0 at run time that the canonical
 optimizer update (:mod:`zkdv.jax.canonical`) needs as a program input. A run commits
 its gradients (:mod:`zkdv.jax._optimizer`) when its update is an Optax transformation applied
-through ``TrainState``, an NNX ``Optimizer`` or ``Transaction.apply``, and it is neither
-a ``zkdv.jax.scan`` nor a state with ``attest_apply_fn``; the driver then trains with
-the *exported* production program, deserialized from the committed artifact, which is
-also what the platform's replay runs (a state sharded over devices, of one process or
-several: the traced programs partitioned by XLA, :func:`zkdv.jax._export.step_calls`).
+through ``TrainState``, an NNX ``Optimizer`` or ``Transaction.apply``, and its state
+has no ``attest_apply_fn``; the driver then trains with the *exported* production
+program, deserialized from the committed artifact, which is also what the platform's
+replay runs (a state sharded over devices, of one process or several: the traced
+programs partitioned by XLA, :func:`zkdv.jax._export.step_calls`). A ``zkdv.jax.scan``
+with updates inside commits each update's gradient too, but trains with this program
+(the loop, whose body applies the canonical update) and commits one update's programs
+(:mod:`zkdv.jax._scan`); ``_Traced.update`` is then None.
 """
 
 from __future__ import annotations
@@ -166,8 +169,7 @@ class _Program:
         #: ``jitted`` is the exported program's compiled call and ``apply`` the committed
         #: apply program's, or, where the arguments lie on several devices
         #: (``spans_devices``), both partitioned by XLA (``_export.step_calls``). With
-        #: ``host_deltas`` (commitments on the host, one process,
-        #: no ``zkdv.jax.scan``) the commit stage forms the delta probes from the probed
+        #: ``host_deltas`` (commitments on the host, one process) the commit stage forms the delta probes from the probed
         #: rows, and ``apply`` writes the post-update parameters into the pre-update
         #: ones' buffers when the step donates them; otherwise ``deltas`` is the realized
         #: changes' program, run after it, which donates them instead.

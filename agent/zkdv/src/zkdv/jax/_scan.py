@@ -27,11 +27,18 @@ step by step as for any run. How:
    loop, an accumulator) and the traced constants, packed with
    :class:`~zkdv.jax._tree.BatchLayout` inside the scan, one row block per update.
 3. The production program is ``lax.scan`` over that jaxpr; besides the user's outputs it
-   returns, stacked over the K updates, the deltas, the post-update parameters and
-   continuity state, and the packed batches. The driver submits K steps per call.
-4. The transition (``(params, opt_state, batch) -> (deltas, params_after,
-   opt_state_after)``) evaluates the same jaxpr for one update: the carry is rebuilt
-   from the state and the batch's carry leaves, the traced constants from the batch.
+   returns, stacked over the K updates, the post-update parameters and continuity
+   state, the packed batches and, in a run that commits its gradients
+   (:mod:`zkdv.jax._optimizer`), each update's computed values (its gradient and
+   carried values); otherwise the deltas. The driver submits K steps per call.
+4. In a run that commits its gradients the body's update is the canonical apply
+   program of its computed values (the traced body's Optax update is dead code), and
+   the artifact (version 2) holds one update's gradient program and that apply
+   program, which the checks and the replay run step by step as for a plain step.
+   Otherwise (a state with ``attest_apply_fn``) it holds the transition (``(params,
+   opt_state, batch) -> (deltas, params_after, opt_state_after)``). Both evaluate the
+   same jaxpr for one update: the carry is rebuilt from the state and the batch's carry
+   leaves, the traced constants from the batch.
 
 Outside a ``proof.jit`` trace (``jax.jit``, eager) ``zkdv.jax.scan`` is ``jax.lax.scan``;
 a scan whose body declares no update (gradient accumulation over microbatches, the
@@ -40,6 +47,7 @@ update after it) is one too.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,11 +62,14 @@ from jax.extend import core as jax_core
 from zkdv.compilation import jax_trees
 from zkdv.driver.flowcontrol import Admission
 from zkdv.errors import ZKDVError
-from zkdv.jax import _context, _messages
-from zkdv.jax._program import _Program
-from zkdv.jax._steps import _Step
+from zkdv.jax import _context, _messages, _optimizer
+from zkdv.jax._export import one_update_material, state_shardings
+from zkdv.jax._program import _Program, _Traced
+from zkdv.jax._steps import _Step, gradient_rows
+from zkdv.jax.artifact import Artifact
 
 if TYPE_CHECKING:
+    from zkdv.driver import Runtime
     from zkdv.jax._driver import ZKDV
 from zkdv.jax._tree import BatchLayout, leaf_paths
 from zkdv.overlap import Policy
@@ -100,7 +111,9 @@ def scan(
     if context is None or context.mode != "production" or context.nested():
         return lax.scan(f, init, xs, **options)
     x_example = None if xs is None else jax.tree.map(_slice_spec, xs)
-    trace = _trace_body(context.proof, f, init, x_example)
+    # A run that commits its gradients (the step's capture): each update's too.
+    capture = context.capture
+    trace = _trace_body(context.proof, f, init, x_example, commits=capture is not None)
     if trace.update is None:
         # No update inside (gradient accumulation over microbatches): a plain scan of
         # the traced body.
@@ -119,9 +132,10 @@ def scan(
     assert replay_update is not None
     init_leaves = jax.tree.leaves(init)
     layout, hoisted = _batch_layout(xs, init_leaves, update, replay)
-    body = _committing_body(trace, update, layout, hoisted)
+    zero = None if capture is None else capture.zero
+    body = _committing_body(trace, update, layout, hoisted, zero)
     final, (ys, hidden, packed) = lax.scan(body, init, xs, **options)
-    deltas, params_stacked, opt_stacked = hidden
+    deltas, params_stacked, opt_stacked, computed_stacked = hidden
     count = int(packed.shape[0])
     updates = ScanUpdates(
         count=count,
@@ -129,9 +143,12 @@ def scan(
         per_loop=count if unroll is True else max(1, min(int(unroll), count)),
         layout=layout,
         packed=packed,
-        stacked=[*params_stacked, *opt_stacked],
+        stacked=[*params_stacked, *opt_stacked, *computed_stacked],
         counts=(len(update.param_positions), len(update.opt_positions)),
-        transition=_transition(replay, replay_update, layout),
+        transition=None if update.spec else _transition(replay, replay_update, layout),
+        spec=update.spec,
+        gradient_program=None if update.spec is None else _one_update(trace, update, layout),
+        jaxpr=trace.closed,
     )
     context.open(_registration(update, init_leaves, final, deltas, updates))
     return final, ys
@@ -158,13 +175,36 @@ def _batch_layout(
 
 
 def _committing_body(
-    trace: _Trace, update: _Update, layout: BatchLayout, hoisted: list[Any]
+    trace: _Trace,
+    update: _Update,
+    layout: BatchLayout,
+    hoisted: list[Any],
+    zero: Any,
 ) -> Callable[[Any, Any], tuple[Any, Any]]:
-    """The production scan's body: the traced body, and each update's packed batch."""
+    """The production scan's body: the traced body, and each update's packed batch.
+
+    In a run that commits its gradients (``update.spec``; ``zero``, the step's runtime
+    zero) the body's state update is the canonical one of the update's computed values,
+    which it returns stacked in place of the deltas; the traced body's own Optax update
+    is dead code that XLA removes.
+    """
+    apply = None
+    if update.spec is not None:
+        function, _ = _optimizer.apply_function(update.spec)
+        apply = functools.partial(_canonical_update, function, zero)
 
     def body(carry: Any, x: Any) -> tuple[Any, Any]:
-        outputs = trace.call(carry, x)
+        carry_out, y, hidden = trace.call(carry, x)
         carry_leaves = jax.tree.leaves(carry)
+        deltas: list[Any] = []
+        computed: list[Any] = []
+        if apply is None:
+            deltas, params_after, opt_after = hidden
+        else:
+            computed = list(hidden)
+            carry_out, params_after, opt_after = apply(
+                trace, update, carry_leaves, carry_out, computed
+            )
         packed = layout.pack(
             [
                 *([] if x is None else jax.tree.leaves(x)),
@@ -172,9 +212,35 @@ def _committing_body(
                 *hoisted,
             ]
         )
-        return outputs[0], (outputs[1], outputs[2], packed)
+        return carry_out, (y, (deltas, params_after, opt_after, computed), packed)
 
     return body
+
+
+def _canonical_update(
+    function: Callable[..., tuple[Any, Any]],
+    zero: Any,
+    trace: _Trace,
+    update: _Update,
+    carry_leaves: list[Any],
+    carry_out: Any,
+    computed: list[Any],
+) -> tuple[Any, tuple[Any, ...], tuple[Any, ...]]:
+    """One update's state as the committed apply program computes it from its computed
+    values (``zero``: the step's runtime zero), and the carry with it in the state's
+    place."""
+    params = tuple(carry_leaves[i] for i in update.param_positions)
+    opt = tuple(carry_leaves[i] for i in update.opt_positions)
+    params_after, opt_after = function(params, opt, tuple(computed), zero)
+    out = jax.tree.leaves(carry_out)
+    for positions, values in (
+        (update.param_positions, params_after),
+        (update.opt_positions, opt_after),
+    ):
+        for position, value in zip(positions, values, strict=True):
+            out[position] = value
+    carry = jax.tree.unflatten(trace.carry_tree, out)
+    return carry, params_after, opt_after
 
 
 def _registration(
@@ -182,6 +248,11 @@ def _registration(
 ) -> _context.Registration:
     """The step's registration of the scan's updates: the state before and after them."""
     final_leaves = jax.tree.leaves(final)
+    if updates.spec is not None:
+        # No deltas stacked: the commit stage forms each update's delta probes from its
+        # probed rows (_Step._row_probes), as for a plain step committed on the host.
+        # The final parameters stand in for the deltas the registration's schema holds.
+        deltas = [final_leaves[i] for i in update.param_positions]
     return _context.Registration(
         "train_state",
         jax.tree.unflatten(update.param_tree, [init_leaves[i] for i in update.param_positions]),
@@ -217,6 +288,9 @@ class _Update:
     param_tree: Any
     opt_tree: Any
     carry_paths: list[str]
+    #: In a run that commits its gradients: the update the body declared; the traced
+    #: body's hidden outputs are then its computed values.
+    spec: _optimizer.UpdateSpec | None = None
 
 
 @dataclass
@@ -247,6 +321,8 @@ class _Trace:
         hidden = flat[ncarry + ny :]
         if self.update is None:
             return carry_out, y, ()
+        if self.update.spec is not None:
+            return carry_out, y, list(hidden)
         nparams = len(self.update.param_positions)
         return (
             carry_out,
@@ -255,13 +331,19 @@ class _Trace:
         )
 
 
-def _trace_body(proof: Any, f: Callable[..., Any], init: Any, x_example: Any) -> _Trace:
+def _trace_body(
+    proof: Any, f: Callable[..., Any], init: Any, x_example: Any, *, commits: bool = False
+) -> _Trace:
+    """The body traced once; with ``commits`` its optimizer update is recorded, and its
+    hidden outputs are the update's computed values (:func:`_optimizer.describe`)."""
     found: dict[str, Any] = {}
 
     def iteration(carry: Any, x: Any) -> Any:
         carry_leaves, carry_tree_ = jax.tree.flatten(carry)
         carry_tree: Any = carry_tree_
-        inner = _context.TraceContext(proof, "scan", carry_leaves)
+        # The capture only records here: the canonical update runs in the loop's body.
+        capture = _optimizer.Capture(None) if commits else None
+        inner = _context.TraceContext(proof, "scan", carry_leaves, capture=capture)
         with _context.active(inner):
             result = f(carry, x)
         if not isinstance(result, tuple | list) or len(result) != 2:
@@ -300,6 +382,18 @@ def _trace_body(proof: Any, f: Callable[..., Any], init: Any, x_example: Any) ->
             opt_tree=jax.tree.structure(registration.opt_before),
             carry_paths=leaf_paths(carry, "carry"),
         )
+        if registration.recorded is not None:
+            spec, computed = _optimizer.describe(
+                registration.recorded,
+                jax.tree.leaves(registration.params_before),
+                jax.tree.leaves(registration.params_after),
+                jax.tree.leaves(registration.opt_before),
+                jax.tree.leaves(registration.opt_after),
+                counters=registration.counters,
+                overwrite=registration.overwrite,
+            )
+            found["update"].spec = spec
+            return carry_out, y, computed
         hidden = (
             jax.tree.leaves(registration.deltas),
             jax.tree.leaves(registration.params_after),
@@ -342,35 +436,66 @@ def _replay_trace(
     return replay
 
 
+def _one_iteration(
+    trace: _Trace,
+    update: _Update,
+    params: Sequence[Any],
+    opt_state: Sequence[Any],
+    values: Sequence[Any],
+) -> Any:
+    """The traced body on one update's state and unpacked batch ``values``: the carry is
+    rebuilt from the state and the batch's carry leaves, the traced constants from the
+    batch. Returns the body's hidden outputs."""
+    nother = len(update.other_positions)
+    nx = len(values) - nother - len(trace.hoisted)
+    x_leaves, rest = list(values[:nx]), list(values[nx:])
+    carry: list[Any] = [None] * trace.carry_tree.num_leaves
+    for positions, leaves in (
+        (update.param_positions, params),
+        (update.opt_positions, opt_state),
+        (update.other_positions, rest[:nother]),
+    ):
+        for position, leaf in zip(positions, leaves, strict=True):
+            carry[position] = leaf
+    filled = list(trace.closed.consts)
+    for index, value in zip(trace.hoisted, rest[nother:], strict=True):
+        filled[index] = value
+    _, _, hidden = trace.call(jax.tree.unflatten(trace.carry_tree, carry), x_leaves, filled)
+    return hidden
+
+
 def _transition(replay: _Trace, update: _Update, layout: BatchLayout) -> Callable[..., Any]:
     """One update of the scan as a state transition over flat leaves (the artifact's)."""
-    nother = len(update.other_positions)
-    consts = list(replay.closed.consts)
-    ncarry = replay.carry_tree.num_leaves
 
     def transition(
         params: tuple[Any, ...], opt_state: tuple[Any, ...], batch: Any
     ) -> tuple[Any, Any, Any]:
-        values = layout.unpack(batch)
-        nx = len(values) - nother - len(replay.hoisted)
-        x_leaves, rest = values[:nx], values[nx:]
-        carry: list[Any] = [None] * ncarry
-        for positions, leaves in (
-            (update.param_positions, params),
-            (update.opt_positions, opt_state),
-            (update.other_positions, rest[:nother]),
-        ):
-            for position, leaf in zip(positions, leaves, strict=True):
-                carry[position] = leaf
-        filled = list(consts)
-        for index, value in zip(replay.hoisted, rest[nother:], strict=True):
-            filled[index] = value
-        carry_tree = jax.tree.unflatten(replay.carry_tree, carry)
-        _, _, hidden = replay.call(carry_tree, x_leaves, filled)
+        hidden = _one_iteration(replay, update, params, opt_state, layout.unpack(batch))
         deltas, params_after, opt_after = hidden
         return tuple(deltas), tuple(params_after), tuple(opt_after)
 
     return transition
+
+
+def _one_update(trace: _Trace, update: _Update, layout: BatchLayout) -> Callable[..., Any]:
+    """One update's gradient program, as the version-2 artifact's ``production``.
+
+    ``((), (params..., opt_state..., batch inputs...), zero) -> (packed batch, computed
+    values...)``: the body on one update's state and unpacked batch, up to its computed
+    values (the update after them is dead code), in the artifact's input layout (nothing
+    donated; ``ScanUpdates.commit_programs``).
+    """
+    nparams, nopt = len(update.param_positions), len(update.opt_positions)
+
+    def production(donated: tuple[Any, ...], kept: tuple[Any, ...], zero: Any) -> Any:
+        del donated, zero  # the canonical update is the apply program's
+        values = kept[nparams + nopt :]
+        computed = _one_iteration(
+            trace, update, kept[:nparams], kept[nparams : nparams + nopt], values
+        )
+        return (layout.pack(list(values)), *computed)
+
+    return production
 
 
 @dataclass
@@ -383,10 +508,17 @@ class ScanUpdates:
         per_loop: updates in one iteration of the compiled loop (``unroll``).
         layout: the packed per-update batch.
         packed: the stacked packed batches, ``(K, rows, cols)`` uint32.
-        stacked: stacked post-update parameter leaves, then continuity leaves.
+        stacked: stacked post-update parameter leaves, then continuity leaves, then (in
+            a run that commits its gradients) computed values.
         counts: number of parameter and continuity leaves.
         transition: one update as ``(params, opt_state, batch) -> (deltas, params_after,
-            opt_state_after)`` over flat leaves.
+            opt_state_after)`` over flat leaves, in a run that commits no gradients.
+        spec: the update whose computed values each step commits (None: the run commits
+            no gradients, version-1 artifact).
+        gradient_program: with ``spec``, one update's gradient program
+            (the artifact's ``production``).
+        jaxpr: the traced body, closed (its precision is the root's ``env.precision``).
+        names: the computed values' names, once :meth:`commit_programs` ran.
     """
 
     count: int
@@ -396,7 +528,11 @@ class ScanUpdates:
     packed: Any
     stacked: list[Any]
     counts: tuple[int, int]
-    transition: Callable[..., Any]
+    transition: Callable[..., Any] | None
+    spec: _optimizer.UpdateSpec | None = None
+    gradient_program: Callable[..., Any] | None = None
+    jaxpr: Any = None
+    names: tuple[str, ...] = ()
 
     @property
     def extra(self) -> list[Any]:
@@ -405,6 +541,28 @@ class ScanUpdates:
 
     def row(self, j: int) -> int:
         return self.count - 1 - j if self.reverse else j
+
+    def commit_programs(
+        self, runtime: Runtime, traced: _Traced, params: list[Any], opt: list[Any]
+    ) -> Artifact:
+        """Export, commit and load the programs of a scan whose updates commit gradients.
+
+        A version-2 artifact over *one* update (``docs/jax.md``, section 3.2): its
+        ``production`` is :func:`_one_update` on the unpacked batch, its ``apply`` the
+        canonical update the loop's body runs; the checks and the platform's replay
+        run them step by step. The training itself runs the scan.
+        """
+        assert self.spec is not None and self.gradient_program is not None
+        # The traced body's last outputs are the computed values (_trace_body).
+        outputs = self.jaxpr.out_avals
+        computed = outputs[len(outputs) - len(self.spec.weak[2]) :]
+        material, self.names, env, bounds = one_update_material(
+            traced, self.spec, self.gradient_program, computed, self.jaxpr, (params, opt)
+        )
+        runtime.set_program(
+            "jax.export", material, env=env, bounds=bounds, shardings=state_shardings(params, opt)
+        )
+        return Artifact.loads(material)
 
     def submit(
         self,
@@ -423,11 +581,19 @@ class ScanUpdates:
         with the last of its steps; the others register nothing.
         """
         schema = program.traced.schema
-        nparams, _ = self.counts
-        deltas = list(outputs[: program.traced.delta_leaves])
+        nparams, nopt = self.counts
+        # A run that commits its gradients stacks no deltas (scan()).
+        deltas = [] if self.spec is not None else list(outputs[: program.traced.delta_leaves])
         extra = list(outputs[schema.hidden_leaves : schema.hidden_leaves + schema.extra_leaves])
         packed, stacked = extra[0], extra[1:]
-        stack = _Stack(deltas, stacked[:nparams], stacked[nparams:], packed, self.count)
+        stack = _Stack(
+            deltas,
+            stacked[:nparams],
+            stacked[nparams : nparams + nopt],
+            packed,
+            self.count,
+            stacked[nparams + nopt :],
+        )
         # The call's count covers its K updates (the scan body counted ``length`` times).
         flops = None if program.flops is None else program.flops / self.count
         for j in range(self.count):
@@ -446,6 +612,7 @@ class ScanUpdates:
                 self.row(j),
                 flops,
                 self.row(j - 1) if due else None,
+                self,
             )
             last = j == self.count - 1
             proof.runtime.submit(admission if last else cast(Admission, _Unregistered()), step)
@@ -467,30 +634,40 @@ class _Stack:
     """
 
     def __init__(
-        self, deltas: list[Any], params: list[Any], opt: list[Any], packed: Any, count: int
+        self,
+        deltas: list[Any],
+        params: list[Any],
+        opt: list[Any],
+        packed: Any,
+        count: int,
+        computed: list[Any],
     ) -> None:
         self._lock = threading.Lock()
-        self._device: tuple[list[Any], list[Any], list[Any], Any] | None = (
+        self._device: tuple[list[Any], list[Any], list[Any], Any, list[Any]] | None = (
             deltas,
             params,
             opt,
             packed,
+            computed,
         )
         self._host: tuple[list[np.ndarray], ...] | None = None
         self._open = count
 
     def views(self) -> tuple[list[np.ndarray], ...]:
+        """Deltas, parameters, continuity state, ``[packed batches]``, computed values."""
         with self._lock:
             if self._host is None:
                 assert self._device is not None
                 # One explicit read of the call's outputs; each step's record of the
-                # transfer log counts its own rows (_Step.post_state, _Step.batch).
-                deltas, params, opt, packed = jax.device_get(self._device)
+                # transfer log counts its own rows (_Step.post_state, _Step.batch,
+                # _ScanStep.computed).
+                deltas, params, opt, packed, computed = jax.device_get(self._device)
                 self._host = (
                     [np.asarray(leaf) for leaf in deltas],
                     [np.asarray(leaf) for leaf in params],
                     [np.asarray(leaf) for leaf in opt],
                     [np.asarray(packed)],
+                    [np.asarray(leaf) for leaf in computed],
                 )
                 self._device = None
             return self._host
@@ -518,10 +695,12 @@ class _ScanStep(_Step):
         stack: _Stack,
         row: int,
         flops: float | None,
-        snapshot_row: int | None = None,
+        snapshot_row: int | None,
+        updates: ScanUpdates,
     ) -> None:
         super().__init__(proof, program, index, policy, outputs, host_pre, snapshot)
         self.flops = flops
+        self._updates = updates
         self._stack = stack
         self._row = row
         self._snapshot_row = snapshot_row
@@ -538,7 +717,7 @@ class _ScanStep(_Step):
         row = self._snapshot_row
         if row is not None:
             self._snapshot_row = None
-            _, params, opt, _ = self._stack.views()
+            _, params, opt, *_ = self._stack.views()
             copied = (
                 [np.array(leaf[row]) for leaf in params],
                 [np.array(leaf[row]) for leaf in opt],
@@ -562,10 +741,22 @@ class _ScanStep(_Step):
         batch: np.ndarray = super().batch()
         return batch
 
+    def computed(self) -> Any:
+        """The update's computed values, its row of the call's stacked ones."""
+        spec = self._updates.spec
+        if spec is None:
+            return None
+        rows = [leaf[self._row] for leaf in self._stack.views()[4]]
+        host = [np.asarray(a) for a in self.proof._log.fetch(self.index, "gradient", rows)]
+        self._gradients = gradient_rows(spec, len(self.program.traced.param_positions), host)
+        leaves = list(zip(self._updates.names, host, strict=True))
+        return leaves, leaves if self.proof.runtime.keep_gradient_files else None
+
     def post_state(self) -> Any:
-        deltas, params, opt, _ = self._stack.views()
+        deltas, params, opt, *_ = self._stack.views()
         row = self._row
-        self._deltas = [leaf[row] for leaf in deltas]
+        # None: the delta probes are of the probed rows (_Step._row_probes).
+        self._deltas = None if self._updates.spec is not None else [leaf[row] for leaf in deltas]
         self._params = [leaf[row] for leaf in params]
         self._opt = [leaf[row] for leaf in opt]
         return super().post_state()

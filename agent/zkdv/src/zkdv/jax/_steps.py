@@ -24,6 +24,7 @@ import numpy as np
 from zkdv.driver import Leaves, ReplayOutcome, Submission
 from zkdv.driver.protocol import State
 from zkdv.jax._device import DeviceCommitter
+from zkdv.jax._optimizer import UpdateSpec
 from zkdv.jax._program import _Program
 from zkdv.jax._tree import selection_cast
 from zkdv.merkle import StateCommitment
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from zkdv.driver import Runtime
     from zkdv.jax._device import TransferLog
 
-__all__ = ["_DeviceStep", "_Step"]
+__all__ = ["_DeviceStep", "_Step", "gradient_rows"]
 
 
 def _select(views: Sequence[np.ndarray], flat_index: int) -> float:
@@ -53,6 +54,17 @@ def _select(views: Sequence[np.ndarray], flat_index: int) -> float:
             return float(cast(view.reshape(-1)[flat_index - offset]))
         offset += view.size
     return 0.0
+
+
+def gradient_rows(
+    spec: UpdateSpec, count: int, host: Sequence[np.ndarray]
+) -> list[np.ndarray | None]:
+    """Each of ``count`` parameters' committed gradient (None: it has none), from the
+    computed values (the gradients come first, in ``spec.grads`` order)."""
+    rows: list[np.ndarray | None] = [None] * count
+    for position, array in zip(spec.grads, host, strict=False):
+        rows[position] = array
+    return rows
 
 
 class StepHost(Protocol):
@@ -185,15 +197,6 @@ class _Step(Submission):
                 self.proof._verify_continuity(self.index, self._host_pre)
         return self._batch
 
-    def _gradient_rows(self, host: Sequence[np.ndarray]) -> list[np.ndarray | None]:
-        """Each parameter's committed gradient (None: it has none), from the computed values."""
-        spec = self.program.traced.update
-        assert spec is not None
-        rows: list[np.ndarray | None] = [None] * len(self.program.traced.param_positions)
-        for position, array in zip(spec.grads, host, strict=False):
-            rows[position] = array
-        return rows
-
     def computed(self) -> tuple[State, Leaves | None] | None:
         """The step's computed values: each trained parameter's gradient, then the
         state the step wrote besides the optimizer (``zkdv.jax._optimizer``)."""
@@ -204,7 +207,9 @@ class _Step(Submission):
             np.asarray(a) for a in self.proof._log.fetch(self.index, "gradient", self._computed)
         ]
         self._computed = None
-        self._gradients = self._gradient_rows(host)
+        spec = traced.update
+        assert spec is not None
+        self._gradients = gradient_rows(spec, len(traced.param_positions), host)
         leaves = list(zip(traced.computed_names, host, strict=True))
         return leaves, leaves if self.proof.runtime.keep_gradient_files else None
 

@@ -12,7 +12,8 @@ replayed with, one program: the *production* step itself. The artifact is::
 
     {
       "format": "zkdv.jax.export", "version": 2,
-      "source": "zkdv.jax.contrib.TrainState" | "flax.nnx.Optimizer" | "zkdv.jax.Transaction",
+      "source": "zkdv.jax.contrib.TrainState" | "flax.nnx.Optimizer" | "zkdv.jax.Transaction"
+                | "zkdv.jax.contrib.TrainState in zkdv.jax.scan",   # one update of the scan
       "production": <bytes>,   # (donated leaves, kept leaves, zero) -> flat outputs
       "apply": <bytes>,        # (params, opt_state, computed, zero) -> (params, opt_state)
       "inputs": {"count", "donated": [...], "kept": [...],        # input leaf positions
@@ -40,8 +41,8 @@ host, of the probed rows, subtracted as :meth:`Artifact.apply` subtracts them.
 
 Version 1: the attested function
 --------------------------------
-A run that commits no gradients (a ``zkdv.jax.scan`` loop, an explicit
-``Transaction.update``, multi-process state, ``attest_apply_fn``), and every
+A run that commits no gradients (an explicit ``Transaction.update`` with
+``proof.attest``, ``attest_apply_fn``), and every
 transcript written before version 2, carries::
 
     {

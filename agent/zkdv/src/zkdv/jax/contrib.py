@@ -142,7 +142,8 @@ class TrainState(train_state.TrainState):
             grads_with_opt, params_with_opt = grads["params"], self.params["params"]
         else:
             grads_with_opt, params_with_opt = grads, self.params
-        capture = context.capture if context.mode == "production" else None
+        # A production step's update, or one of a zkdv.jax.scan body's (section 3.2).
+        capture = context.capture if context.mode in ("production", "scan") else None
         if capture is not None:
             # The run commits its gradient: the wrapped update records it and is canonical.
             tx = _optimizer.optimizer(self.tx)
