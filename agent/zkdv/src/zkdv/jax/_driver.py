@@ -415,18 +415,10 @@ class ZKDV(Driver):
         # Under several processes, traced without their mesh (_Program.exported_from).
         production, trace = program.exported_from or program.jitted, program.trace
         apply, outcome = apply_function(spec)
-        try:
-            apply_computed = _computed_specs(program, spec.weak[2])
-            exported, applied = export_committed(
-                production,
-                program.specs,
-                apply,
-                (apply_params, apply_opt, apply_computed, zero_spec),
-            )
-        except ZKDVError:
-            raise
-        except Exception as error:
-            raise ZKDVError(_messages.EXPORT_FAILURE.format(error=error)) from error
+        apply_computed = _computed_specs(program, spec.weak[2])
+        exported, applied = export_committed(
+            production, program.specs, apply, (apply_params, apply_opt, apply_computed, zero_spec)
+        )
         optimizer = optimizer_env(outcome[0] if outcome else None)
         donate = donates_params(program)
         # Committed on the host, the delta probes are formed from the probed rows

@@ -322,6 +322,9 @@ def export_committed(
 
     Both for the same platforms (module docstring); the production program with the
     step's ``jax.jit`` options and donation, ``apply`` plainly.
+
+    Raises:
+        ZKDVError: neither exports (``EXPORT_FAILURE``, with the last platform's error).
     """
     failure: Exception | None = None
     for platforms in export_candidates():
@@ -334,7 +337,7 @@ def export_committed(
         except Exception as error:  # noqa: BLE001 - retried for the local platform only
             failure = error
     assert failure is not None
-    raise failure
+    raise ZKDVError(_messages.EXPORT_FAILURE.format(error=failure)) from failure
 
 
 def _apply_state_specs(program: _Program) -> tuple[tuple[Any, ...], tuple[Any, ...], Any]:
@@ -434,17 +437,12 @@ def one_update_material(
         for a, weak in zip(computed, spec.weak[2], strict=True)
     )
     apply, outcome = apply_function(spec)
-    try:
-        exported, applied = export_committed(
-            jax.jit(program),
-            ((), kept, zero_spec),
-            apply,
-            (param_specs, opt_specs, computed_specs, zero_spec),
-        )
-    except ZKDVError:
-        raise
-    except Exception as error:
-        raise ZKDVError(_messages.EXPORT_FAILURE.format(error=error)) from error
+    exported, applied = export_committed(
+        jax.jit(program),
+        ((), kept, zero_spec),
+        apply,
+        (param_specs, opt_specs, computed_specs, zero_spec),
+    )
     names = tuple(leaf_name("params", traced.param_paths[p]) for p in spec.grads) + tuple(
         leaf_name("opt_state", traced.opt_paths[p]) for p in spec.carried
     )
