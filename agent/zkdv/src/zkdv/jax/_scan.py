@@ -65,7 +65,7 @@ from zkdv.errors import ZKDVError
 from zkdv.jax import _context, _messages, _optimizer
 from zkdv.jax._export import one_update_material, state_shardings
 from zkdv.jax._program import _Program, _Traced
-from zkdv.jax._steps import _Step, gradient_rows
+from zkdv.jax._steps import _Step
 from zkdv.jax.artifact import Artifact
 
 if TYPE_CHECKING:
@@ -747,10 +747,7 @@ class _ScanStep(_Step):
         if spec is None:
             return None
         rows = [leaf[self._row] for leaf in self._stack.views()[4]]
-        host = [np.asarray(a) for a in self.proof._log.fetch(self.index, "gradient", rows)]
-        self._gradients = gradient_rows(spec, len(self.program.traced.param_positions), host)
-        leaves = list(zip(self._updates.names, host, strict=True))
-        return leaves, leaves if self.proof.runtime.keep_gradient_files else None
+        return self._read_computed(spec, self._updates.names, rows)
 
     def post_state(self) -> Any:
         deltas, params, opt, *_ = self._stack.views()

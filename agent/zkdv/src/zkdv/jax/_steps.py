@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from zkdv.driver import Runtime
     from zkdv.jax._device import TransferLog
 
-__all__ = ["_DeviceStep", "_Step", "gradient_rows"]
+__all__ = ["_DeviceStep", "_Step"]
 
 
 def _select(views: Sequence[np.ndarray], flat_index: int) -> float:
@@ -54,17 +54,6 @@ def _select(views: Sequence[np.ndarray], flat_index: int) -> float:
             return float(cast(view.reshape(-1)[flat_index - offset]))
         offset += view.size
     return 0.0
-
-
-def gradient_rows(
-    spec: UpdateSpec, count: int, host: Sequence[np.ndarray]
-) -> list[np.ndarray | None]:
-    """Each of ``count`` parameters' committed gradient (None: it has none), from the
-    computed values (the gradients come first, in ``spec.grads`` order)."""
-    rows: list[np.ndarray | None] = [None] * count
-    for position, array in zip(spec.grads, host, strict=False):
-        rows[position] = array
-    return rows
 
 
 class StepHost(Protocol):
@@ -203,14 +192,24 @@ class _Step(Submission):
         if self._computed is None:
             return None
         traced = self.program.traced
-        host = [
-            np.asarray(a) for a in self.proof._log.fetch(self.index, "gradient", self._computed)
-        ]
+        assert traced.update is not None
+        read = self._read_computed(traced.update, traced.computed_names, self._computed)
         self._computed = None
-        spec = traced.update
-        assert spec is not None
-        self._gradients = gradient_rows(spec, len(traced.param_positions), host)
-        leaves = list(zip(traced.computed_names, host, strict=True))
+        return read
+
+    def _read_computed(
+        self, spec: UpdateSpec, names: Sequence[str], arrays: Sequence[Any]
+    ) -> tuple[State, Leaves | None]:
+        """The computed values ``arrays`` read to the host (the transfer log's
+        ``gradient``) as named leaves, and those to write as files; each trained
+        parameter's gradient (they come first, in ``spec.grads`` order) is kept for the
+        gradient probes."""
+        host = [np.asarray(a) for a in self.proof._log.fetch(self.index, "gradient", arrays)]
+        gradients: list[np.ndarray | None] = [None] * len(self.program.traced.param_positions)
+        for position, array in zip(spec.grads, host, strict=False):
+            gradients[position] = array
+        self._gradients = gradients
+        leaves = list(zip(names, host, strict=True))
         return leaves, leaves if self.proof.runtime.keep_gradient_files else None
 
     def post_state(self) -> tuple[State, State, State]:
