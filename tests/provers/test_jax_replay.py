@@ -87,13 +87,7 @@ def _train(
     if bypass:
         proof._verify_continuity = lambda index, host_pre: None  # type: ignore[method-assign]
     if commit is not None:
-        fetch = proof.transfers.fetch
-
-        def forged(step: int, kind: str, value: Any) -> Any:
-            host = fetch(step, kind, value)
-            return commit(kind, host) if step == FORGED_STEP else host
-
-        proof.transfers.fetch = forged  # type: ignore[method-assign]
+        _commit_at_forged_step(proof, commit)
     model = MLP()
     state = TrainState.create(
         proof=proof,
@@ -130,6 +124,18 @@ def _invisible(proof: zkdv.jax.ZKDV, state: Any) -> Any:
     kernel = params[layer]["kernel"]
     params[layer]["kernel"] = kernel + jnp.asarray(change, kernel.dtype)
     return state.replace(params=params)
+
+
+def _commit_at_forged_step(proof: zkdv.jax.ZKDV, commit: Callable[[str, Any], Any]) -> None:
+    """A forger's SDK: ``commit(kind, host values)`` changes what FORGED_STEP commits (its
+    ``batch`` or its ``gradient``, as read back from the device) after the step ran."""
+    fetch = proof.transfers.fetch
+
+    def forged(step: int, kind: str, value: Any) -> Any:
+        host = fetch(step, kind, value)
+        return commit(kind, host) if step == FORGED_STEP else host
+
+    proof.transfers.fetch = forged  # type: ignore[method-assign]
 
 
 def _scaled_gradient(kind: str, host: Any) -> Any:
@@ -429,13 +435,7 @@ def _scan_run(path: Path, *, forge: bool = False) -> Path:
     )
     proof.start(rolling_window=2, probe_ratio=0.5)
     if forge:
-        fetch = proof.transfers.fetch
-
-        def forged(step: int, kind: str, value: Any) -> Any:
-            host = fetch(step, kind, value)
-            return _scaled_gradient(kind, host) if step == FORGED_STEP else host
-
-        proof.transfers.fetch = forged  # type: ignore[method-assign]
+        _commit_at_forged_step(proof, _scaled_gradient)
     model = MLP()
     state = TrainState.create(
         proof=proof,

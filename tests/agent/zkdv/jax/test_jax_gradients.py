@@ -14,8 +14,6 @@ trained here replay bit for bit. The forgeries of a committed gradient live in
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,7 +30,7 @@ import zkdv
 from provers import jax_replay
 from provers.replay import Transcript, windows
 from tests.matrix import cell_id, cells
-from tests.sources import AGENT_PYTHONPATH
+from tests.processes import run_jax
 from zkdv.config import GradientBounds
 from zkdv.jax.contrib import TrainState
 from zkdv.verify import verify_transcript
@@ -83,41 +81,18 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
         if pair not in done:
             isa, cores = ENVIRONMENTS[pair]
             directory = tmp_path_factory.mktemp(f"jax-{isa}-{cores}")
-            env = {
-                **os.environ,
-                "XLA_FLAGS": f"--xla_cpu_max_isa={isa}",
-                "ZKDV_JAX_EXPORT_PLATFORMS": "",
-                "PYTHONPATH": os.pathsep.join(
-                    [
-                        AGENT_PYTHONPATH,
-                        str(ROOT),
-                        str(Path(__file__).parent),
-                    ]
-                ),
-            }
             cpus = sorted(os.sched_getaffinity(0))[:cores]
             names = sorted({name for p, name, _ in CELLS if p == pair})
             seeds = ",".join(sorted({str(RUNS * pair + run) for p, _, run in CELLS if p == pair}))
-            done_ = subprocess.run(
-                [
-                    "taskset",
-                    "--cpu-list",
-                    ",".join(map(str, cpus)),
-                    sys.executable,
-                    str(Path(recipes.__file__)),
-                    str(directory),
-                    ",".join(names),
-                    str(STEPS),
-                    str(CHECK_EVERY),
-                    seeds,
-                ],
-                env=env,
-                capture_output=True,
-                text=True,
+            run_jax(
+                [recipes.__file__, directory, ",".join(names), str(STEPS), str(CHECK_EVERY), seeds],
+                folder=directory,
+                name="train",
+                xla_flags=f"--xla_cpu_max_isa={isa}",
+                pythonpath=[ROOT, Path(__file__).parent],
+                cpus=cpus,
                 timeout=900,
-                check=False,
             )
-            assert done_.returncode == 0, done_.stdout + done_.stderr[-4000:]
             done[pair] = directory
         return done[pair]
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +26,7 @@ import provers
 import zkdv
 from provers import jax_replay
 from provers.replay import Transcript, windows
-from tests.sources import AGENT_PYTHONPATH
+from tests.processes import run_jax
 from zkdv.files import batch_path, read_batch
 from zkdv.jax.contrib import TrainState
 from zkdv.verify import verify_transcript
@@ -477,25 +475,15 @@ def test_a_scan_trained_under_another_kernel_environment_replays_with_the_state_
     is not the platform's worker, replayed here: every update's gradient within a tenth
     of the bounds, every post-update state bit for bit."""
     steps = 8
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_cpu_max_isa=SSE4_2",
-        "ZKDV_JAX_EXPORT_PLATFORMS": "",
-        "PYTHONPATH": os.pathsep.join(
-            [AGENT_PYTHONPATH, str(Path(__file__).resolve().parents[4]), str(Path(__file__).parent)]
-        ),
-    }
-    cpu = str(min(os.sched_getaffinity(0)))
-    command = [sys.executable, recipes.__file__, str(tmp_path), "scan", str(steps), "3"]
-    done = subprocess.run(
-        ["taskset", "--cpu-list", cpu, *command],
-        env=env,
-        capture_output=True,
-        text=True,
+    run_jax(
+        [recipes.__file__, tmp_path, "scan", str(steps), "3"],
+        folder=tmp_path,
+        name="scan",
+        xla_flags="--xla_cpu_max_isa=SSE4_2",
+        pythonpath=[Path(__file__).resolve().parents[4], Path(__file__).parent],
+        cpus=[min(os.sched_getaffinity(0))],
         timeout=800,
-        check=False,
     )
-    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     path = tmp_path / "scan-0"
     report = verify_transcript(path)  # the SDK's own sampled checks passed there
     assert report.ok and report.checks == 3, report.summary()
