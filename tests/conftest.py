@@ -314,6 +314,29 @@ def embedded_demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedded
 # --- Collection: self-started services, time limits ---------------------------------------
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Fail a test whose ``xdist_group`` mark did not take under ``--dist loadgroup``.
+
+    pytest-xdist keeps a group on one worker by adding ``@<group>`` to each marked test's
+    id, after :func:`pytest_collection_modifyitems` marked it. Where it cannot (pytest 9.2
+    with xdist 3.8: ``pyproject.toml``'s dev pins), or reads the marks before they are
+    made, the ids stay as they were and the groups are silently spread over the workers:
+    two Celery workers then consume the same Redis queues and take each other's tasks, and
+    tests fail far from the cause.
+    """
+    if (
+        getattr(item.config.option, "loadgroup", False)
+        and item.get_closest_marker("xdist_group")
+        and "@" not in item.nodeid
+    ):
+        pytest.fail(
+            f"pytest-xdist did not keep {item.nodeid} in its xdist_group: pytest "
+            f"{pytest.__version__} with this pytest-xdist cannot (pyproject.toml's dev pins say "
+            "which versions can); run it without -n, or with the pinned versions",
+            pytrace=False,
+        )
+
+
 def _timeout_seconds(marker: pytest.Mark) -> float | None:
     value = marker.args[0] if marker.args else marker.kwargs.get("timeout")
     return None if value is None else float(value)
@@ -332,6 +355,7 @@ def pytest_configure(config: pytest.Config) -> None:
         cache["KEY_PREFIX"] = f"{cache.get('KEY_PREFIX', '')}-{worker}"
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups it marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark the tests whose fixtures start services of their own (``self_started``), put
     those that must share an xdist worker in one group (``XDIST_GROUPS``), and give the
