@@ -35,6 +35,7 @@ PATHS = [
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Each test that takes it runs on the compiled pass (Numba) and on the numpy path."""
     monkeypatch.setenv(probes_module.JIT_ENV, "1" if request.param == "compiled" else "0")
+    monkeypatch.setattr(probes_module, "SMALL_PROJECTION_VALUES", 0)  # the pass at any size
     yield request.param
     if request.param == "compiled":
         assert probes_module._kernel() is not None  # it did not fall back to numpy
@@ -183,6 +184,7 @@ def test_rows_projected_together_have_the_bits_of_one_call_each(d: int, seed: in
     for setting in ("1", "0"):
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv(probes_module.JIT_ENV, setting)
+            patch.setattr(probes_module, "SMALL_PROJECTION_VALUES", 0)
             _rows_projected_together(d, seed)
 
 

@@ -31,6 +31,10 @@ from zkdv._numba import jit
 
 #: Set to ``0`` to project with numpy even where Numba is installed.
 JIT_ENV = "ZKDV_PROBES_JIT"
+#: A projection of at most this many values takes the numpy path and never builds the
+#: compiled pass (Numba's import and its cached kernels cost a process about 1.5 s). A
+#: replay child of the platform projects a challenged step's rows of a small model once.
+SMALL_PROJECTION_VALUES = 1 << 12
 _kernel_state: dict[str, Any] = {}
 
 #: What the dot products may reorder: their sums are exact in any order and their products

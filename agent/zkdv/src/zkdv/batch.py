@@ -140,6 +140,11 @@ def window_fingerprints(rows: np.ndarray, rolling_window: int) -> np.ndarray:
 
 #: Set to ``0`` to fingerprint and sort with numpy even where Numba is installed.
 JIT_ENV = "ZKDV_BATCH_JIT"
+#: Batches of at most this many fingerprints are sorted by numpy, without building the
+#: compiled pass: loading Numba and its cached kernel costs a process about 1.2 s, and each
+#: replay child of the platform commits one challenged batch. At that size numpy took
+#: 1.8 ms and the pass 2.2 ms (``bench/commit_throughput.py`` compares the two).
+SMALL_BATCH_FINGERPRINTS = 1 << 16
 _kernel_state: dict[str, Any] = {}
 _DIGIT_BITS = 11  # six passes cover 64 bits; 2,048 counters per digit stay in L1
 _DIGITS = -(-64 // _DIGIT_BITS)
@@ -245,9 +250,17 @@ def sorted_fingerprints(rows: np.ndarray, rolling_window: int) -> np.ndarray:
     """
     array = as_batch(rows)
     validate_window(rolling_window, array.shape[1])
-    kernel = _kernel()
+    count = array.shape[0] * (array.shape[1] - rolling_window + 1)
+    # A small batch never builds the pass (SMALL_BATCH_FINGERPRINTS).
+    kernel = _kernel() if count > SMALL_BATCH_FINGERPRINTS else None
     if kernel is None:
         return np.sort(window_fingerprints(array, rolling_window), axis=None)
+    return compiled_sort(kernel, array, rolling_window)
+
+
+def compiled_sort(kernel: Any, array: np.ndarray, rolling_window: int) -> np.ndarray:
+    """:func:`sorted_fingerprints` by the compiled pass ``kernel`` (:func:`_kernel`), at
+    any size. An internal API, for the test and the bench that compare it with numpy."""
     count = array.shape[0] * (array.shape[1] - rolling_window + 1)
     out, scratch = np.empty(count, np.uint64), np.empty(count, np.uint64)
     passes = kernel(array, rolling_window, _BASE, _MIX, out, scratch)

@@ -53,6 +53,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from zkdv import _probe_pass
 from zkdv._probe_pass import _kernel, padded_columns
 from zkdv.hashing import Domain, hash_bytes
 from zkdv.merkle import LeafSpec
@@ -245,6 +246,14 @@ class _Group:
     kinds: tuple[tuple[tuple[int, int, int], ...], ...]
 
 
+def _compiled_pass(layout: Sequence[_Group]) -> Any:
+    """The compiled pass for projecting ``layout``, or None for the numpy path: without
+    Numba, or for at most :data:`~zkdv._probe_pass.SMALL_PROJECTION_VALUES` values."""
+    if sum(group.rows * group.d for group in layout) <= _probe_pass.SMALL_PROJECTION_VALUES:
+        return None
+    return _kernel()
+
+
 #: Layouts a ProbeSet keeps (a run has one or two; a caller of many shapes, more).
 _LAYOUTS_KEPT = 64
 
@@ -347,7 +356,7 @@ class ProbeSet:
         """
         layout = self._layout(tuple((leaf, tuple(len(a) for a in arrays)) for leaf, arrays in jobs))
         results: list[list[np.ndarray]] = [[] for _ in jobs]
-        kernel = _kernel()
+        kernel = _compiled_pass(layout)
         for group in layout:
             values = _scratch("values", (group.rows, group.d), np.float32)
             for index, position, start, stop in group.arrays:
@@ -387,7 +396,7 @@ class ProbeSet:
         count = len(after)
         pre: list[np.ndarray] = [None] * count  # type: ignore[list-item]
         post, delta, grad = list(pre), list(pre), list(pre)
-        kernel = _kernel()
+        kernel = _compiled_pass(layout)
         for group in layout:
             values = self._next_block(group)
             kind = group.kind_rows

@@ -680,6 +680,7 @@ def test_the_in_place_adam_is_the_definition_bit_for_bit(
     installed, else the operators, chunked) against the one-parameter definition, across
     chunk boundaries, with a NaN in the gradient and subnormal moments."""
     monkeypatch.setenv(_adam_inplace.JIT_ENV, "1" if jit else "0")
+    monkeypatch.setattr(_adam_inplace, "SMALL_GROUP_ELEMENTS", 0)  # these small groups too
     assert (_adam_inplace._kernel() is not None) == jit  # Numba is installed here
     monkeypatch.setitem(_adam_inplace.CHUNK_ELEMENTS, "cpu", 1000)  # several chunks, one partial
     rng = np.random.default_rng(7)
@@ -722,6 +723,7 @@ def test_a_group_of_small_and_large_parameters_is_updated_as_the_definition(
     chunk, at two step counts (so two sets of host scalars) and with a NaN gradient in a
     small one, against the one-parameter definition, bit for bit."""
     monkeypatch.setenv(_adam_inplace.JIT_ENV, "1" if jit else "0")
+    monkeypatch.setattr(_adam_inplace, "SMALL_GROUP_ELEMENTS", 0)  # these small groups too
     monkeypatch.setitem(_adam_inplace.CHUNK_ELEMENTS, "cpu", 1000)
     rng = np.random.default_rng(11)
     group = _adam_options(decoupled=decoupled, amsgrad=amsgrad, maximize=maximize)
@@ -773,3 +775,39 @@ def test_a_group_of_small_and_large_parameters_is_updated_as_the_definition(
 def test_cpu_division_is_the_float64_route() -> None:
     # What lets the in-place path divide in float32 on a CPU (checked at run time too).
     assert _adam_inplace._ieee_division(torch.device("cpu"))
+
+
+SMALL_MODEL_STEP = """
+import sys
+import numpy as np
+import torch
+from zkdv.batch import commit_batch
+from zkdv.merkle import LeafSpec
+from zkdv.probes import ProbeSet
+from zkdv.torch.optimizers import _adam_inplace
+
+commit_batch(np.arange(28, dtype=np.uint32).reshape(4, 7), 3)
+probes = ProbeSet.create([LeafSpec("w", "float32", (16, 6))], 0.5, bytes(16))
+probes.project_rows(0, np.ones((16, 6), np.float32))
+group = {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01,
+         "amsgrad": False, "maximize": False}
+state = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(96), "exp_avg_sq": torch.zeros(96)}
+assert _adam_inplace.adam_in_place(torch.ones(96), torch.ones(96), state, group, decoupled=True)
+print("numba" in sys.modules)
+"""
+
+
+def test_a_small_models_step_never_loads_numba(tmp_path: Path) -> None:
+    """A replay child of the platform commits one batch, projects one step's probes and
+    updates one state of a small model: none of the compiled passes (Numba's import and
+    cached kernels, about 1.2-1.5 s each) is built for sizes under their thresholds, and
+    numpy and the operators give the same bits (the tests above and test_batch.py)."""
+    child = start(
+        [sys.executable, "-c", SMALL_MODEL_STEP],
+        folder=tmp_path,
+        name="small",
+        env={**os.environ, "PYTHONPATH": AGENT_PYTHONPATH},
+    )
+    wait_all([child], timeout=120)
+    assert child.process.returncode == 0, child.tail()
+    assert child.stdout().strip() == "False", child.tail()

@@ -157,8 +157,10 @@ def adam_in_place_all(
     """
     rest: list[tuple[torch.Tensor, torch.Tensor, State]] = []
     compiled: list[tuple[_Scalars, tuple[torch.Tensor, ...]]] = []
-    # Compiled on first use (about a second), and only for a CPU parameter.
-    kernel = _kernel() if any(entry[0].device.type == "cpu" for entry in entries) else None
+    # Compiled on first use (about a second), and only for CPU parameters of more than
+    # SMALL_GROUP_ELEMENTS in all.
+    on_cpu = sum(entry[0].numel() for entry in entries if entry[0].device.type == "cpu")
+    kernel = _kernel() if on_cpu > SMALL_GROUP_ELEMENTS else None
     small: dict[tuple[torch.device, _Scalars], list[tuple[torch.Tensor, ...]]] = {}
     amsgrad = bool(group.get("amsgrad", False))
     for parameter, gradient, state in entries:
@@ -331,6 +333,12 @@ def _adam_lists(
 
 #: Set to ``0`` to take the operator path even where Numba is installed.
 JIT_ENV = "ZKDV_ADAM_JIT"
+#: A group of at most this many CPU elements takes the operator path and never builds the
+#: compiled pass. Building it (Numba's import and its cached kernel) costs a process about
+#: 1.4 s: a replay child of the platform, which updates the state of a challenged step or
+#: three, spent most of its arithmetic there on a small model. Both paths give the same
+#: bits (``tests/agent/zkdv/torch/test_canonical_optimizers.py``).
+SMALL_GROUP_ELEMENTS = 1 << 16
 _kernel_state: dict[str, Any] = {}
 
 
