@@ -405,14 +405,8 @@ def test_an_aot_inductor_run_is_compiled_by_the_platform_and_passes(
     digest = hashlib.sha256((run / "program.pt2").read_bytes()).hexdigest()
     compiled = sorted((Path(settings.DVBENCH["DATA_DIR"]) / "compiled").iterdir())
     assert [p.name.startswith(f"{digest}-") and p.suffix == ".pt2" for p in compiled] == [True]
-    # A damaged entry is compiled again and replaced; the replay still passes.
-    compiled[0].write_bytes(b"damaged")
-    from attestations.challenges import sandboxed
-
-    files = [p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file()]
-    verdict = sandboxed.replay(run, files, 5, None)
-    assert verdict["ok"], verdict
-    assert compiled[0].read_bytes()[:2] == b"PK"
+    # A damaged entry is compiled again and replaced: tests/agent/zkdv/torch/test_torch_aot.py
+    # (a third cold compile here, in a sandbox without Inductor's cache, cost minutes).
 
 
 def _trained_elsewhere(path: Path) -> Path:

@@ -7,6 +7,7 @@ compiled kernels through the cache.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -71,11 +72,19 @@ def test_aot_artifact_is_committed_reloaded_and_replays_within_tolerance(
         assert tolerance.close(check["param"]["replayed"], check["param"]["committed"])
 
     # The committed bytes are the torch.export program, no compiled code: two compiles
-    # of them (the SDK's and the platform's, each from the bytes, no cache) give the
-    # same bits on the same machine, and are close to eager.
+    # of them (the SDK's and the platform's, each from the bytes) give the same bits on
+    # the same machine, and are close to eager. The first fills the platform's compile
+    # cache (ZKDV_AOTI_CACHE); an entry damaged there does not load, so the second
+    # compiles again and replaces it.
     untrusted.safe_export_archive(material)
+    cache = tmp_path / "compiled"
+    monkeypatch.setenv("ZKDV_AOTI_CACHE", str(cache))
     first = _artifact.load(material, _artifact.AOT_INDUCTOR)
+    (entry,) = cache.iterdir()
+    assert entry.name.startswith(f"{hashlib.sha256(material).hexdigest()}-")
+    entry.write_bytes(b"damaged")
     second = _artifact.load(material, _artifact.AOT_INDUCTOR)
+    assert entry.read_bytes()[:2] == b"PK"  # a zip archive again: compiled and replaced
     inputs = (*(p.detach() for p in model.parameters()), *batches[0])
     compiled = first(*inputs)
     for a, b in zip(compiled, second(*inputs), strict=True):
