@@ -81,15 +81,14 @@ def main() -> None:
 
 
 def _batches() -> None:
-    kernel = batch_module._kernel()
-    if kernel is None:
+    if not batch_module.compiled_pass():
         print("commit_batch: no compiled pass (Numba missing or refused); numpy only")
         return
     rng = np.random.default_rng(1)
     for name, shape in (("MLP batch", (64, 1536)), ("LM batch", (16, 513))):
         words = rng.integers(0, 2**32, shape, dtype=np.uint32)
         paths = {
-            "compiled": functools.partial(batch_module.compiled_sort, kernel, words, 4),
+            "compiled": functools.partial(batch_module.compiled_sort, words, 4),
             "numpy": lambda words=words: np.sort(
                 batch_module.window_fingerprints(words, 4), axis=None
             ),

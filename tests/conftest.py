@@ -355,12 +355,26 @@ def pytest_configure(config: pytest.Config) -> None:
         cache["KEY_PREFIX"] = f"{cache.get('KEY_PREFIX', '')}-{worker}"
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--long",
+        action="store_true",
+        help="also run the tests marked long (deselected by default; see the marker)",
+    )
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups it marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the tests whose fixtures start services of their own (``self_started``), put
-    those that must share an xdist worker in one group (``XDIST_GROUPS``), and give the
-    tests that use a slow session fixture its setup time on top of their limit.
+    """Leave out the tests marked ``long`` unless ``--long`` is given; mark the tests
+    whose fixtures start services of their own (``self_started``), put those that must
+    share an xdist worker in one group (``XDIST_GROUPS``), and give the tests that use a
+    slow session fixture its setup time on top of their limit.
     """
+    if not config.getoption("long"):
+        deselected = [item for item in items if item.get_closest_marker("long")]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = [item for item in items if not item.get_closest_marker("long")]
     default = None
     if config.pluginmanager.hasplugin("timeout"):
         default = float(config.getoption("timeout", None) or config.getini("timeout") or 0)

@@ -91,6 +91,10 @@ def _assert_tampering_is_caught(outcome: Outcome, tmp_path: Path) -> None:
 
 @pytest.mark.services
 @pytest.mark.django_db(transaction=True)
+# Three minutes; by default the same flow runs on the embedded defaults (below), and the
+# worker's replays and certificates over PostgreSQL and Redis in test_replay.py and
+# test_certificates_e2e.py.
+@pytest.mark.long
 @pytest.mark.timeout(900)  # the demo's whole flow, its full training run included
 def test_the_demo_flow_passes_on_postgresql_redis_and_a_real_worker(
     live_server: object, celery_worker_process: WorkerProcess, tmp_path: Path

@@ -255,12 +255,23 @@ def sorted_fingerprints(rows: np.ndarray, rolling_window: int) -> np.ndarray:
     kernel = _kernel() if count > SMALL_BATCH_FINGERPRINTS else None
     if kernel is None:
         return np.sort(window_fingerprints(array, rolling_window), axis=None)
-    return compiled_sort(kernel, array, rolling_window)
+    return _sorted_by(kernel, array, rolling_window)
 
 
-def compiled_sort(kernel: Any, array: np.ndarray, rolling_window: int) -> np.ndarray:
-    """:func:`sorted_fingerprints` by the compiled pass ``kernel`` (:func:`_kernel`), at
-    any size. An internal API, for the test and the bench that compare it with numpy."""
+def compiled_sort(array: np.ndarray, rolling_window: int) -> np.ndarray:
+    """:func:`sorted_fingerprints` by the compiled pass at any size, for the test and the
+    bench that compare it with numpy (an internal API; see :func:`compiled_pass`).
+
+    Raises:
+        RuntimeError: there is no compiled pass here.
+    """
+    kernel = _kernel()
+    if kernel is None:
+        raise RuntimeError("no compiled pass: Numba is missing, refused, or ZKDV_BATCH_JIT=0")
+    return _sorted_by(kernel, as_batch(array), rolling_window)
+
+
+def _sorted_by(kernel: Any, array: np.ndarray, rolling_window: int) -> np.ndarray:
     count = array.shape[0] * (array.shape[1] - rolling_window + 1)
     out, scratch = np.empty(count, np.uint64), np.empty(count, np.uint64)
     passes = kernel(array, rolling_window, _BASE, _MIX, out, scratch)

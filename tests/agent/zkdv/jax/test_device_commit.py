@@ -89,12 +89,12 @@ def _device_roots(
     ("chunk_bytes", "schedule"),
     [
         (64, COMPACT),
-        (1024, COMPACT),
-        (4096, COMPACT),
-        (4096, Schedule(False, True)),
+        pytest.param(1024, COMPACT, marks=pytest.mark.long),
+        pytest.param(4096, COMPACT, marks=pytest.mark.long),
+        pytest.param(4096, Schedule(False, True), marks=pytest.mark.long),
         (4096, BLOCKWISE),  # the accelerators' default: every dtype, bulk, looped levels
         (4096, KERNEL),  # the TPU's: the bulk by the Pallas kernels (interpreted here)
-        (1024, KERNEL),  # one full chunk a message: no subtree level
+        pytest.param(1024, KERNEL, marks=pytest.mark.long),  # one full chunk a message
     ],
 )
 def test_roots_match_the_host_for_every_dtype_and_length(
@@ -140,6 +140,7 @@ def test_any_bytes_hash_like_the_host(first: bytes, second: bytes) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # FUSED is no backend's default; BLOCKWISE and KERNEL run by default
 def test_the_fused_schedule_gives_the_same_roots() -> None:
     # FUSED (unrolled rounds and blocks) was the accelerator default; XLA:CPU compiles it
     # slowly (~20 s here), so this checks it on the smallest layout that reaches every
@@ -148,6 +149,7 @@ def test_the_fused_schedule_gives_the_same_roots() -> None:
     assert _device_roots(leaves, 64, FUSED) == list(commit_state(leaves, 64).chunk_roots)
 
 
+@pytest.mark.long  # its edge cases, interpreted; the KERNEL roots above run the kernel by default
 def test_the_bulk_kernel_matches_the_reference_at_every_batch_size() -> None:
     """The Pallas kernels alone (interpreted), against the numpy reference, over several
     leaves at once: leaves that fill whole kernel invocations and ones that are padded,

@@ -33,6 +33,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the Torch recipe's forgeries run by default (test_forgery_suite.py)
 def test_substituted_batches_are_caught_by_the_platform_replay(results: dict[str, Any]) -> None:
     # 2 of 24 steps, both at the end of a snapshot window: only a challenge of that very
     # step replays it, and at 24 steps the platform challenges 23 of them.
@@ -43,6 +44,7 @@ def test_substituted_batches_are_caught_by_the_platform_replay(results: dict[str
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the Torch recipe's forgeries run by default (test_forgery_suite.py)
 def test_steps_trained_off_the_transcript_break_continuity(results: dict[str, Any]) -> None:
     # The forger's SDK skips its own continuity refusal; the verifier's probes see it.
     result = results["hidden-steps"]
@@ -50,6 +52,7 @@ def test_steps_trained_off_the_transcript_break_continuity(results: dict[str, An
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the Torch recipe's forgeries run by default (test_forgery_suite.py)
 def test_an_underreported_token_count_is_caught_at_the_first_replay(
     results: dict[str, Any],
 ) -> None:

@@ -47,6 +47,7 @@ def _first_call_error(seed: int) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # twenty fresh Torch processes, about a minute
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="Torch is built without MKL")
 def test_the_first_parallel_vml_call_of_a_fresh_process_is_accurate() -> None:
     """20 fresh processes, each one whose first VML call runs on two threads: all within
