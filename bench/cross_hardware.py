@@ -8,7 +8,8 @@ with the SDK's sampled check at every step, and is replayed window by window her
 this process's environment, by the platform's prover. It prints, per recipe and
 environment, the runs, the false alarms (a replay that rejects an honest run: there must
 be none), how many replayed steps were bit for bit, and the worst divergence of a
-recomputed gradient as a share of its bound.
+recomputed gradient as a share of its bound. ``jax-scan`` is the digits model trained two
+updates per call in a ``zkdv.jax.scan``, each update a step replayed on its own.
 
 The sharded recipes (issue 56) train on several devices or processes and are replayed
 here on one: ``jax-sharded-DxM`` on a ``data`` x ``model`` mesh of eight CPU devices in
@@ -43,7 +44,7 @@ sys.path[:0] = [
 ]
 
 TORCH_RECIPES = ("bn", "cnn", "hf", "lm", "hf-trainer", "lightning")
-JAX_RECIPES = ("jax-digits", "jax-batchstats", "jax-lm")
+JAX_RECIPES = ("jax-digits", "jax-batchstats", "jax-lm", "jax-scan")
 SHARDED_RECIPES = ("jax-sharded-8x1", "jax-sharded-4x2", "jax-sharded-2x4", "jax-2proc", "fsdp2")
 JAX_STEPS = 12
 #: The step each recipe's forged run forges: a committed gradient 1 % larger (recipes.py's

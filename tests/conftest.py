@@ -385,9 +385,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         groups = {XDIST_GROUPS[name] for name in names.intersection(XDIST_GROUPS)}
         if item.get_closest_marker("services"):
             groups.add("services")
-        if groups:
-            # One group a test: services first (a demo test with services needs both).
-            item.add_marker(pytest.mark.xdist_group("services" if "services" in groups else "demo"))
+        # One group a test: services first (a demo test with services needs both), else
+        # its file's, so that a file's module fixtures (a trained run, a forgery suite)
+        # are built on one xdist worker, not on each that runs one of its tests.
+        group = (
+            "services" if "services" in groups else "demo" if groups else item.nodeid.split("::")[0]
+        )
+        item.add_marker(pytest.mark.xdist_group(group))
         extra = sum(seconds for name, seconds in SLOW_FIXTURE_SECONDS.items() if name in names)
         if not (default and extra):
             continue
