@@ -136,15 +136,12 @@ def scan(
     body = _committing_body(trace, update, layout, hoisted, zero)
     final, (ys, hidden, packed) = lax.scan(body, init, xs, **options)
     deltas, params_stacked, opt_stacked, computed_stacked = hidden
-    # A gradient-committing loop stacks each update's input state (_committing_body):
-    # the last update's post-state is the loop's result, returned once more as outputs
-    # of the call's own (the returned state is the caller's, donated to the next call).
+    # A gradient-committing loop stacks each update's input state (_committing_body): the
+    # last update's post-state is the loop's result, returned again as outputs of the
+    # call's own (the returned state is the caller's, donated to the next call).
+    positions = () if update.spec is None else (*update.param_positions, *update.opt_positions)
     final_leaves = jax.tree.leaves(final)
-    last = (
-        []
-        if update.spec is None
-        else [final_leaves[i] for i in (*update.param_positions, *update.opt_positions)]
-    )
+    last = [final_leaves[i] for i in positions]
     count = int(packed.shape[0])
     updates = ScanUpdates(
         count=count,
@@ -559,8 +556,7 @@ class ScanUpdates:
         return self.count - 1 - j if self.reverse else j
 
     @property
-    def stacks_inputs(self) -> bool:
-        """Whether the stacked state is each update's input (a gradient-committing run)."""
+    def stacks_inputs(self) -> bool:  # each update's input state: a gradient-committing run
         return self.spec is not None
 
     def post_row(self, j: int) -> int | None:
