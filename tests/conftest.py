@@ -371,10 +371,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     slow session fixture its setup time on top of their limit.
     """
     if not config.getoption("long"):
-        deselected = [item for item in items if item.get_closest_marker("long")]
+        kept: list[pytest.Item] = []
+        deselected: list[pytest.Item] = []
+        for item in items:
+            (deselected if item.get_closest_marker("long") else kept).append(item)
         if deselected:
             config.hook.pytest_deselected(items=deselected)
-            items[:] = [item for item in items if not item.get_closest_marker("long")]
+            items[:] = kept
     default = None
     if config.pluginmanager.hasplugin("timeout"):
         default = float(config.getoption("timeout", None) or config.getini("timeout") or 0)
