@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
@@ -93,7 +94,72 @@ def live_server_without_nagle() -> None:
             connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             return connection, address
 
+        def set_app(self, application: Any) -> None:
+            super().set_app(LIVE_REQUESTS.counting(application))
+
     LiveServerThread.server_class = NoDelayServer
+
+
+class LiveRequests:
+    """The live server's requests still being answered, so a test's end can wait for them.
+
+    The live server is the session's, and in the tests' mode tasks run inside the request
+    that sends them: an upload's request replays its challenges. A client that gives up
+    (an example past its deadline) leaves that request running into the next test, where
+    it writes to a flushed database or, once pytest-django blocks the database, logs
+    errors from its thread while pytest formats the failure (CPython 3.11's ``ast`` state
+    is shared between threads, and the two together crashed the xdist worker: ci5,
+    2026-12-07). A test that used the live server ends only once its requests have.
+    """
+
+    def __init__(self) -> None:
+        self._settled = threading.Condition()
+        self._active: dict[int, str] = {}
+
+    def counting(self, application: Any) -> Any:
+        def counted(environ: dict[str, Any], start_response: Any) -> Any:
+            key = id(environ)
+            with self._settled:
+                self._active[key] = f"{environ['REQUEST_METHOD']} {environ['PATH_INFO']}"
+            try:
+                return application(environ, start_response)
+            finally:
+                with self._settled:
+                    del self._active[key]
+                    self._settled.notify_all()
+
+        return counted
+
+    def wait(self, seconds: float) -> list[str]:
+        """Wait up to ``seconds`` for every request to end; those still running."""
+        with self._settled:
+            self._settled.wait_for(lambda: not self._active, timeout=seconds)
+            return sorted(self._active.values())
+
+
+LIVE_REQUESTS = LiveRequests()
+#: How long a test's end waits for the live server's requests (a replay inside an upload).
+LIVE_REQUESTS_SECONDS = 240
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    """Before the fixtures' teardown (the database's flush), the live server goes idle.
+
+    A request still running after the wait fails the test's teardown, saying which, once
+    the fixtures are torn down (failing first would leave them standing).
+    """
+    running = []
+    if "live_server" in getattr(item, "fixturenames", ()):
+        seconds = LIVE_REQUESTS_SECONDS
+        running = LIVE_REQUESTS.wait(seconds)
+    yield
+    if running:
+        pytest.fail(
+            f"the live server was still answering {', '.join(running)} {seconds} s after "
+            "the test ended (a client that gave up?)",
+            pytrace=False,
+        )
 
 
 def services_configured() -> bool:

@@ -14,6 +14,7 @@ from dvbench import Client
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[3]
+EXAMPLE_SECONDS = 300
 
 
 def run_example(script: str, platform, tmp_path: Path, experiment: str, **env: str):
@@ -26,14 +27,20 @@ def run_example(script: str, platform, tmp_path: Path, experiment: str, **env: s
         "JAX_PLATFORMS": "cpu",
         **env,
     }
-    return subprocess.run(
-        [sys.executable, str(REPO / script), experiment],
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
+    try:
+        return subprocess.run(
+            [sys.executable, str(REPO / script), experiment],
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=EXAMPLE_SECONDS,
+            cwd=tmp_path,
+        )
+    except subprocess.TimeoutExpired as expired:
+        # What it printed says where it was (training, uploading, retrying a request).
+        said = expired.stderr or b""
+        said = said.decode(errors="replace") if isinstance(said, bytes) else said
+        pytest.fail(f"{script} ran past {EXAMPLE_SECONDS} s; its stderr ended:\n{said[-4000:]}")
 
 
 def settled(client: Client, proof_id: int) -> dict:
