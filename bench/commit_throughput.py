@@ -10,8 +10,9 @@ so that thermal or neighbour noise hits all three alike.
 
 Then a step's batch commitment (``commit_batch``: row hashes and the sorted multiset of
 rolling-window fingerprints) for bench/jax_overhead.py's MLP batch (64 rows of 1,536
-words) and the LM recipe's (16 rows of 513 tokens), with the compiled pass (``zkdv[jit]``)
-and with numpy (``ZKDV_BATCH_JIT=0``), interleaved, median of 50 calls each.
+words), the LM recipe's (16 rows of 513 tokens) and two long-context batches, with the
+share of it that the sorted fingerprints take, median of 50 calls each (10 for the
+largest).
 """
 
 from __future__ import annotations
@@ -81,29 +82,23 @@ def main() -> None:
 
 
 def _batches() -> None:
-    if not batch_module.compiled_pass():
-        print("commit_batch: no compiled pass (Numba missing or refused); numpy only")
-        return
     rng = np.random.default_rng(1)
-    for name, shape in (("MLP batch", (64, 1536)), ("LM batch", (16, 513))):
+    shapes = (("MLP batch", (64, 1536)), ("LM batch", (16, 513)), ("8k context", (32, 8192)))
+    for name, shape in (*shapes, ("8k context, 256 rows", (256, 8192))):
         words = rng.integers(0, 2**32, shape, dtype=np.uint32)
-        paths = {
-            "compiled": functools.partial(batch_module.compiled_sort, words, 4),
-            "numpy": lambda words=words: np.sort(
-                batch_module.window_fingerprints(words, 4), axis=None
-            ),
+        calls = {
+            "commit_batch": functools.partial(batch_module.commit_batch, words, 4),
+            "sorted": functools.partial(batch_module.sorted_fingerprints, words, 4),
         }
-        times: dict[str, list[float]] = {path: [] for path in paths}
-        for _ in range(50):
-            for path, call in paths.items():
-                times[path].append(_best(call, 1))
-        ms = {path: statistics.median(values) * 1e3 for path, values in times.items()}
-        fingerprints = shape[0] * (shape[1] - 3)
-        used = "numpy" if fingerprints <= batch_module.SMALL_BATCH_FINGERPRINTS else "compiled"
+        times: dict[str, list[float]] = {call: [] for call in calls}
+        for _ in range(10 if shape[0] > 64 else 50):
+            for call, fn in calls.items():
+                times[call].append(_best(fn, 1))
+        ms = {call: statistics.median(values) * 1e3 for call, values in times.items()}
         print(
-            f"sorted fingerprints, {name} {shape[0]} x {shape[1]} words, window 4: compiled "
-            f"{ms['compiled']:.2f} ms, numpy {ms['numpy']:.2f} ms, "
-            f"compiled/numpy {ms['compiled'] / ms['numpy']:.2f} (commit_batch uses {used})"
+            f"{name} ({shape[0]} x {shape[1]} words, window 4): commit_batch "
+            f"{ms['commit_batch']:.2f} ms, of which the sorted fingerprints "
+            f"{ms['sorted']:.2f} ms ({ms['sorted'] / ms['commit_batch']:.0%})"
         )
 
 

@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from zkdv._numba import jit
 from zkdv.config import TOKEN_UNITS
 from zkdv.hashing import Domain, hash_bytes
 from zkdv.merkle import merkle_root
@@ -30,7 +29,6 @@ __all__ = [
     "TOKEN_UNITS",
     "BatchCommitment",
     "commit_batch",
-    "compiled_pass",
     "count_tokens",
     "sorted_fingerprints",
     "validate_window",
@@ -136,97 +134,6 @@ def window_fingerprints(rows: np.ndarray, rolling_window: int) -> np.ndarray:
     return acc
 
 
-# --- The compiled pass (Numba) -------------------------------------------------------------
-
-#: Set to ``0`` to fingerprint and sort with numpy even where Numba is installed.
-JIT_ENV = "ZKDV_BATCH_JIT"
-#: Batches of at most this many fingerprints are sorted by numpy, without building the
-#: compiled pass: loading Numba and its cached kernel costs a process about 1.2 s, and each
-#: replay child of the platform commits one challenged batch. At that size numpy took
-#: 1.8 ms and the pass 2.2 ms (``bench/commit_throughput.py`` compares the two).
-SMALL_BATCH_FINGERPRINTS = 1 << 16
-_kernel_state: dict[str, Any] = {}
-_DIGIT_BITS = 11  # six passes cover 64 bits; 2,048 counters per digit stay in L1
-_DIGITS = -(-64 // _DIGIT_BITS)
-
-
-def _kernel() -> Any:
-    """The compiled pass, or None without Numba (or with ``ZKDV_BATCH_JIT=0``)."""
-    return jit(_kernel_state, JIT_ENV, _sorted_pass, _try_pass)
-
-
-def compiled_pass() -> bool:
-    """Whether :func:`commit_batch` fingerprints and sorts with the compiled pass here.
-
-    An internal API: ``bench/commit_throughput.py`` asks it before timing the compiled
-    pass against numpy (:data:`JIT_ENV`).
-    """
-    return _kernel() is not None
-
-
-def _try_pass(kernel: Any) -> None:
-    rows = np.arange(12, dtype=np.uint32).reshape(2, 6) * np.uint32(2654435761)
-    out, scratch = np.empty(8, np.uint64), np.empty(8, np.uint64)
-    passes = kernel(rows, 3, _BASE, _MIX, out, scratch)
-    got = out if passes % 2 == 0 else scratch
-    if not np.array_equal(got, np.sort(window_fingerprints(rows, 3), axis=None)):
-        raise ArithmeticError("the compiled fingerprints differ from numpy's")
-
-
-def _sorted_pass(
-    rows: np.ndarray,
-    window: int,
-    base: np.uint64,
-    mix: np.uint64,
-    out: np.ndarray,
-    scratch: np.ndarray,
-) -> int:  # pragma: no cover - compiled by Numba (its output is tested against numpy's)
-    """:func:`window_fingerprints` into ``out``, then sorted; returns the number of
-    scatter passes (even: the result is in ``out``, odd: in ``scratch``)."""
-    count = rows.shape[1] - window + 1
-    one = np.uint64(1)
-    k = 0
-    for r in range(rows.shape[0]):
-        for j in range(count):
-            # The same Horner's rule and finaliser as window_fingerprints, word by word.
-            acc = np.uint64(rows[r, j]) + one
-            for w in range(1, window):
-                acc = acc * base + (np.uint64(rows[r, j + w]) + one)
-            acc ^= acc >> np.uint64(31)
-            acc *= mix
-            acc ^= acc >> np.uint64(29)
-            out[k] = acc
-            k += 1
-    n = out.size
-    radix = 1 << _DIGIT_BITS
-    mask = np.uint64(radix - 1)
-    counts = np.zeros((_DIGITS, radix), np.int64)
-    for i in range(n):
-        x = out[i]
-        for d in range(_DIGITS):
-            counts[d, (x >> np.uint64(_DIGIT_BITS * d)) & mask] += 1
-    source, target = out, scratch
-    passes = 0
-    for d in range(_DIGITS):
-        digit = counts[d]
-        if digit.max() == n:  # every key has the same digit here: nothing moves
-            continue
-        total = 0
-        for b in range(radix):
-            c = digit[b]
-            digit[b] = total
-            total += c
-        shift = np.uint64(_DIGIT_BITS * d)
-        for i in range(n):
-            x = source[i]
-            b = (x >> shift) & mask
-            target[digit[b]] = x
-            digit[b] += 1
-        source, target = target, source
-        passes += 1
-    return passes
-
-
 @dataclass(frozen=True)
 class BatchCommitment:
     root: bytes
@@ -242,40 +149,15 @@ def sorted_fingerprints(rows: np.ndarray, rolling_window: int) -> np.ndarray:
     """Every fingerprint of :func:`window_fingerprints`, flattened and sorted: the
     multiset the step record commits.
 
-    In one compiled pass where Numba is installed (``zkdv[jit]``): the fingerprints, then
-    an LSD radix sort of their 64-bit words in place of numpy's comparison sort, which
-    took most of a wide batch's commitment (``bench/commit_throughput.py`` times both).
-    Sorting integers has one answer, so both paths give the same array
-    (``tests/agent/zkdv/test_batch.py``).
+    numpy's sort, which dispatches to the CPU's vector sort. A compiled pass (the
+    fingerprints and an LSD radix sort in one Numba loop) once replaced it; on an idle
+    machine numpy's was 1.6 to 2.9 times faster at every size from 8,160 to 2,096,384
+    fingerprints, and equal to 1.7 times faster with its AVX-512 sort turned off
+    (``docs/performance.md``), so the pass and its Numba start were retired.
     """
     array = as_batch(rows)
     validate_window(rolling_window, array.shape[1])
-    count = array.shape[0] * (array.shape[1] - rolling_window + 1)
-    # A small batch never builds the pass (SMALL_BATCH_FINGERPRINTS).
-    kernel = _kernel() if count > SMALL_BATCH_FINGERPRINTS else None
-    if kernel is None:
-        return np.sort(window_fingerprints(array, rolling_window), axis=None)
-    return _sorted_by(kernel, array, rolling_window)
-
-
-def compiled_sort(array: np.ndarray, rolling_window: int) -> np.ndarray:
-    """:func:`sorted_fingerprints` by the compiled pass at any size, for the test and the
-    bench that compare it with numpy (an internal API; see :func:`compiled_pass`).
-
-    Raises:
-        RuntimeError: there is no compiled pass here.
-    """
-    kernel = _kernel()
-    if kernel is None:
-        raise RuntimeError("no compiled pass: Numba is missing, refused, or ZKDV_BATCH_JIT=0")
-    return _sorted_by(kernel, as_batch(array), rolling_window)
-
-
-def _sorted_by(kernel: Any, array: np.ndarray, rolling_window: int) -> np.ndarray:
-    count = array.shape[0] * (array.shape[1] - rolling_window + 1)
-    out, scratch = np.empty(count, np.uint64), np.empty(count, np.uint64)
-    passes = kernel(array, rolling_window, _BASE, _MIX, out, scratch)
-    return out if passes % 2 == 0 else scratch
+    return np.sort(window_fingerprints(array, rolling_window), axis=None)
 
 
 def commit_batch(batch: Any, rolling_window: int) -> BatchCommitment:

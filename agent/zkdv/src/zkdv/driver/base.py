@@ -40,7 +40,6 @@ import numpy as np
 
 from zkdv import workers
 from zkdv._probe_pass import _kernel as probes_kernel
-from zkdv.batch import _kernel as batch_kernel
 from zkdv.config import GradientBounds, ZKDVConfig, resolve_gradient_files
 from zkdv.core import ProgramInfo, State, ZKDVCore
 from zkdv.driver.control import HostControl
@@ -208,10 +207,9 @@ class Driver:
             # the training thread's mutation barrier) without waiting for the disk.
             background_writes=True,
         )
-        # The compiled probe and batch passes (zkdv[jit]) are built or loaded now,
-        # before training, rather than by the commit stage beside the first steps.
+        # The compiled probe pass (zkdv[jit]) is built or loaded now, before training,
+        # rather than by the commit stage beside the first steps.
         probes_kernel()
-        batch_kernel()
         self._started = True
 
     def bind_experiment(self, name: str, spec_digest: str) -> None:
