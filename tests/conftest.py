@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,27 +114,51 @@ class LiveRequests:
 
     def __init__(self) -> None:
         self._settled = threading.Condition()
-        self._active: dict[int, str] = {}
+        self._active: dict[object, str] = {}
 
     def counting(self, application: Any) -> Any:
+        """``application``, its requests counted until the server closes their response
+        (Django's ``request_finished``, which reads the database, runs in that close)."""
+
         def counted(environ: dict[str, Any], start_response: Any) -> Any:
-            key = id(environ)
+            key = object()
             with self._settled:
                 self._active[key] = f"{environ['REQUEST_METHOD']} {environ['PATH_INFO']}"
             try:
-                return application(environ, start_response)
-            finally:
-                with self._settled:
-                    del self._active[key]
-                    self._settled.notify_all()
+                return _Closing(application(environ, start_response), lambda: self._end(key))
+            except BaseException:
+                self._end(key)
+                raise
 
         return counted
+
+    def _end(self, key: object) -> None:
+        with self._settled:
+            self._active.pop(key, None)
+            self._settled.notify_all()
 
     def wait(self, seconds: float) -> list[str]:
         """Wait up to ``seconds`` for every request to end; those still running."""
         with self._settled:
             self._settled.wait_for(lambda: not self._active, timeout=seconds)
             return sorted(self._active.values())
+
+
+class _Closing:
+    """A WSGI response whose ``close`` (the server's, after the body) also calls ``ended``."""
+
+    def __init__(self, response: Any, ended: Callable[[], None]) -> None:
+        self._response, self._ended = response, ended
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._response)
+
+    def close(self) -> None:
+        try:
+            if hasattr(self._response, "close"):
+                self._response.close()
+        finally:
+            self._ended()
 
 
 LIVE_REQUESTS = LiveRequests()
