@@ -83,8 +83,13 @@ def main() -> None:
 
 def _batches() -> None:
     rng = np.random.default_rng(1)
-    shapes = (("MLP batch", (64, 1536)), ("LM batch", (16, 513)), ("8k context", (32, 8192)))
-    for name, shape in (*shapes, ("8k context, 256 rows", (256, 8192))):
+    shapes = (
+        ("MLP batch", (64, 1536)),
+        ("LM batch", (16, 513)),
+        ("8k context", (32, 8192)),
+        ("8k context, 256 rows", (256, 8192)),
+    )
+    for name, shape in shapes:
         words = rng.integers(0, 2**32, shape, dtype=np.uint32)
         calls = {
             "commit_batch": functools.partial(batch_module.commit_batch, words, 4),

@@ -77,8 +77,9 @@ SERVICES_SKIP_REASON = (
 
 
 @pytest.fixture(scope="session", autouse=True)
-def live_server_without_nagle() -> None:
-    """Django's live test server answers without Nagle's algorithm (``TCP_NODELAY``).
+def live_server_class() -> None:
+    """Django's live test server answers without Nagle's algorithm (``TCP_NODELAY``), and
+    counts the requests it is answering (:class:`LiveRequests`).
 
     It keeps HTTP/1.1 connections alive and writes a response's headers and body in
     separate sends; with Nagle the body then waits for the client's delayed ACK, about
@@ -88,7 +89,7 @@ def live_server_without_nagle() -> None:
     from django.core.servers.basehttp import ThreadedWSGIServer
     from django.test.testcases import LiveServerThread
 
-    class NoDelayServer(ThreadedWSGIServer):
+    class LiveServer(ThreadedWSGIServer):
         def get_request(self) -> tuple[socket.socket, object]:
             connection, address = super().get_request()
             connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -97,17 +98,18 @@ def live_server_without_nagle() -> None:
         def set_app(self, application: Any) -> None:
             super().set_app(LIVE_REQUESTS.counting(application))
 
-    LiveServerThread.server_class = NoDelayServer
+    LiveServerThread.server_class = LiveServer
 
 
 class LiveRequests:
     """The live server's requests still being answered, so a test's end can wait for them.
 
     The live server is the session's, and in the tests' mode tasks run inside the request
-    that sends them: an upload's request replays its challenges. A client that gives up
-    (an example past its deadline) leaves that request running into the next test, where
-    it writes to a flushed database or, once pytest-django blocks the database, logs
-    errors from its thread while pytest formats the failure (CPython 3.11's ``ast`` state
+    that sends them: an upload's request replays its challenges. A client that gives up on
+    it (the SDK's 60 s read timeout, after which it retries and the retry is answered at
+    once) leaves that request running into the next test, where it writes to a flushed
+    database or, once pytest-django blocks the database, logs errors from its thread
+    while pytest formats the failure (CPython 3.11's ``ast`` state
     is shared between threads, and the two together crashed the xdist worker: ci5,
     2026-12-07). A test that used the live server ends only once its requests have.
     """
